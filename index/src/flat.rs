@@ -1,0 +1,146 @@
+//! The flat index: tokens in arrival order, no meta data. It answers exactly, or with an
+//! exact top-k over true scores — the oracle the approximate methods are measured against.
+
+use crate::error::{Error, Result};
+use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
+use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
+use attnstore_kernels::cpu::scoring::{score_rows, top_r};
+use attnstore_kernels::{Element, Partial};
+
+/// Exact access method over the KV heads of one layer.
+#[derive(Debug, Clone)]
+pub struct FlatIndex<E> {
+    kv_heads: usize,
+    head_dim: usize,
+    keys: Vec<Vec<E>>,
+    values: Vec<Vec<E>>,
+    tokens: usize,
+}
+
+impl<E: Element> FlatIndex<E> {
+    /// An empty flat index.
+    pub fn new(kv_heads: usize, head_dim: usize) -> Result<Self> {
+        if kv_heads == 0 || head_dim == 0 {
+            return Err(Error::InvalidParameter {
+                what: "shape",
+                message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
+            });
+        }
+        Ok(Self { kv_heads, head_dim, keys: vec![Vec::new(); kv_heads], values: vec![Vec::new(); kv_heads], tokens: 0 })
+    }
+
+    fn top_k_selection(&self, first_head: usize, scores: &[f32], k: usize, heads: usize) -> Selection {
+        let mut spans: Vec<RowSpan> =
+            top_r(scores, k).into_iter().map(|t| RowSpan { unit: 0, start: t, end: t + 1 }).collect();
+        let retrieve_tokens = spans.len();
+        coalesce(&mut spans);
+        Selection {
+            first_head,
+            heads,
+            retrieve: spans,
+            retrieve_clusters: 0,
+            retrieve_tokens,
+            scored: self.tokens,
+            dropped_tokens: self.tokens - retrieve_tokens,
+            ..Selection::default()
+        }
+    }
+}
+
+impl<E: Element> AccessMethod for FlatIndex<E> {
+    fn name(&self) -> &'static str {
+        "flat"
+    }
+
+    fn stats(&self) -> IndexStats {
+        IndexStats {
+            tokens: self.tokens,
+            kv_bytes: 2 * self.tokens * self.kv_heads * self.head_dim * E::DTYPE.size_bytes(),
+            ..IndexStats::default()
+        }
+    }
+
+    fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        let row = self.kv_heads * self.head_dim;
+        if keys.len() % row != 0 || values.len() != keys.len() {
+            return Err(Error::ShapeMismatch {
+                what: "keys and values (kv_heads × tokens × head_dim each)",
+                expected: keys.len() / row * row,
+                got: if keys.len() % row != 0 { keys.len() } else { values.len() },
+            });
+        }
+        let n = keys.len() / row;
+        let d = self.head_dim;
+        for h in 0..self.kv_heads {
+            for (dst, src) in [(&mut self.keys[h], keys), (&mut self.values[h], values)] {
+                let at = dst.len();
+                dst.resize(at + n * d, E::default());
+                E::narrow(&src[h * n * d..(h + 1) * n * d], &mut dst[at..]);
+            }
+        }
+        self.tokens += n;
+        Ok(())
+    }
+
+    fn plan_exact(&self) -> HeadPlan {
+        HeadPlan { exact: true, steady_tokens: 0, pending_tokens: 0, selections: Vec::new() }
+    }
+
+    /// Exact top-k: the `retrieve_tokens` tokens with the highest true scores (per query
+    /// head, or by the group's best score per token). Estimation budgets are ignored.
+    fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan {
+        let d = self.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let scores: Vec<Vec<f32>> = q
+            .chunks_exact(d)
+            .map(|qj| {
+                let mut s = Vec::new();
+                score_rows(qj, &self.keys[kv_head], scale, &mut s);
+                s
+            })
+            .collect();
+        let k = budget.retrieve_tokens.min(self.tokens);
+        let selections = match budget.mode {
+            SelectionMode::PerQueryHead => {
+                scores.iter().enumerate().map(|(j, s)| self.top_k_selection(j, s, k, 1)).collect()
+            }
+            SelectionMode::PerKvHead => {
+                let best: Vec<f32> =
+                    (0..self.tokens).map(|t| scores.iter().map(|s| s[t]).fold(f32::NEG_INFINITY, f32::max)).collect();
+                vec![self.top_k_selection(0, &best, k, scores.len())]
+            }
+        };
+        HeadPlan { exact: false, steady_tokens: 0, pending_tokens: 0, selections }
+    }
+
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+        let d = self.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let (keys, values) = (&self.keys[kv_head], &self.values[kv_head]);
+        let mut parts = vec![Partial::empty(d); q.len() / d];
+        if plan.exact {
+            attend_rows(q, scale, keys, values, &mut parts, scratch);
+            return parts;
+        }
+        for sel in &plan.selections {
+            let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
+            let out = &mut parts[sel.first_head..sel.first_head + sel.heads];
+            for span in &sel.retrieve {
+                let rows = span.start as usize * d..span.end as usize * d;
+                attend_rows(qs, scale, &keys[rows.clone()], &values[rows], out, scratch);
+            }
+        }
+        parts
+    }
+
+    fn exact_positions(&self, _kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {
+        if plan.exact {
+            return (0..self.tokens as u32).collect();
+        }
+        plan.selections
+            .iter()
+            .filter(|s| (s.first_head..s.first_head + s.heads).contains(&j))
+            .flat_map(|s| s.retrieve.iter().flat_map(|sp| sp.start..sp.end))
+            .collect()
+    }
+}

@@ -1,0 +1,22 @@
+//! attnstore-index: access methods over one layer's KV.
+//!
+//! An access method stores the KV of every KV head of one layer, chooses for a query which
+//! tokens are attended exactly, which are estimated and which are dropped (a [`HeadPlan`]),
+//! and computes the partials of such a plan. [`WaveIndex`] is RetroInfer's segmented cluster
+//! index; [`FlatIndex`] keeps tokens in arrival order and answers exactly or by an exact
+//! top-k (the oracle the approximate methods are measured against).
+
+#![deny(unsafe_code)]
+
+mod directory;
+mod error;
+mod flat;
+mod method;
+mod segment;
+mod wave;
+
+pub use directory::Directory;
+pub use error::{Error, Result};
+pub use flat::FlatIndex;
+pub use method::{AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
+pub use wave::{WaveIndex, WaveParams};

@@ -1,0 +1,154 @@
+//! The access-method contract and the plan data it produces (decide, then execute).
+
+use crate::error::Result;
+use attnstore_kernels::cpu::attention::Scratch;
+use attnstore_kernels::Partial;
+
+/// How clusters are chosen for the query heads of one GQA group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SelectionMode {
+    /// Every query head picks its own clusters (more accurate; reads up to `group×` more KV).
+    #[default]
+    PerQueryHead,
+    /// One choice per KV head from the group's best score per cluster (one read serves all).
+    PerKvHead,
+}
+
+impl SelectionMode {
+    /// Short name for EXPLAIN and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            SelectionMode::PerQueryHead => "per-query-head",
+            SelectionMode::PerKvHead => "per-kv-head",
+        }
+    }
+}
+
+/// Token budgets of one plan, already resolved from fractions and floors by the planner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZoneBudget {
+    /// Tokens to attend exactly in the retrieval zone (beyond the steady zone).
+    pub retrieve_tokens: usize,
+    /// Tokens to estimate from cluster meta data; `usize::MAX` estimates every cluster
+    /// that is not retrieved.
+    pub estimate_tokens: usize,
+    /// How clusters are chosen across a GQA group.
+    pub mode: SelectionMode,
+}
+
+/// A run of rows `start..end` in storage unit `unit` (a segment of a wave index, the token
+/// array of a flat index) of one KV head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct RowSpan {
+    /// Storage unit (segment number).
+    pub unit: u32,
+    /// First row.
+    pub start: u32,
+    /// One past the last row.
+    pub end: u32,
+}
+
+impl RowSpan {
+    /// Rows in the span.
+    pub fn len(&self) -> usize {
+        (self.end - self.start) as usize
+    }
+    /// True for an empty span.
+    pub fn is_empty(&self) -> bool {
+        self.end == self.start
+    }
+}
+
+/// Sorts spans and joins those that touch, so execution streams long runs.
+pub(crate) fn coalesce(spans: &mut Vec<RowSpan>) {
+    spans.sort_unstable();
+    let mut out: Vec<RowSpan> = Vec::with_capacity(spans.len());
+    for s in spans.drain(..) {
+        match out.last_mut() {
+            Some(last) if last.unit == s.unit && last.end == s.start => last.end = s.end,
+            _ => out.push(s),
+        }
+    }
+    *spans = out;
+}
+
+/// What one set of query heads (one head, or a whole GQA group) attends beyond the steady zone.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Selection {
+    /// First query head (within the group) this selection serves.
+    pub first_head: usize,
+    /// Number of query heads it serves.
+    pub heads: usize,
+    /// Rows attended exactly (retrieval zone), coalesced.
+    pub retrieve: Vec<RowSpan>,
+    /// Clusters chosen for retrieval.
+    pub retrieve_clusters: usize,
+    /// Tokens attended exactly in the retrieval zone.
+    pub retrieve_tokens: usize,
+    /// Directory ids of the clusters estimated.
+    pub estimate: Vec<u32>,
+    /// Scaled scores of the estimated clusters, `heads × estimate.len()`.
+    pub estimate_scores: Vec<f32>,
+    /// Tokens represented by the estimated clusters.
+    pub estimate_tokens: usize,
+    /// Clusters (or tokens, for a flat index) scored to make the choice.
+    pub scored: usize,
+    /// Clusters neither retrieved nor estimated.
+    pub dropped_clusters: usize,
+    /// Tokens neither attended nor estimated.
+    pub dropped_tokens: usize,
+}
+
+/// The plan of one KV head for one query group: the steady zone plus selections.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct HeadPlan {
+    /// Every token is attended exactly (no selections).
+    pub exact: bool,
+    /// Tokens in the steady zone (sink, pending and local window), attended exactly.
+    pub steady_tokens: usize,
+    /// Of the steady tokens, those waiting to be indexed (outside the local window).
+    pub pending_tokens: usize,
+    /// Retrieval and estimation choices; their head ranges cover the group exactly once.
+    pub selections: Vec<Selection>,
+}
+
+/// Sizes of an access method's data.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct IndexStats {
+    /// Tokens per KV head.
+    pub tokens: usize,
+    /// Bytes of stored keys and values (all heads).
+    pub kv_bytes: usize,
+    /// Bytes of index meta data: centroids, value means, sizes, offsets, positions.
+    pub index_bytes: usize,
+    /// Indexed segments per head.
+    pub segments: usize,
+    /// Clusters per head (summed over segments).
+    pub clusters: usize,
+    /// Tokens waiting to be indexed (outside the local window, not yet in a segment).
+    pub pending_tokens: usize,
+}
+
+/// An access method over the KV of all KV heads of one layer.
+///
+/// Contract: `plan_head` never reads KV rows beyond meta data and never mutates; a plan made
+/// with budgets that cover every token (or `exact = true`) makes `execute_head` return
+/// exactly the partials of full attention; `append` validates its input completely before
+/// it changes anything.
+pub trait AccessMethod: Send + Sync {
+    /// Name for EXPLAIN and JSON (`"wave"`, `"flat"`).
+    fn name(&self) -> &'static str;
+    /// Sizes of the stored data.
+    fn stats(&self) -> IndexStats;
+    /// Appends `n` tokens: `keys`/`values` are `kv_heads × n × head_dim`.
+    fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()>;
+    /// Chooses what query group `q` (`group × head_dim`) of KV head `kv_head` attends.
+    fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan;
+    /// A plan that attends every token exactly.
+    fn plan_exact(&self) -> HeadPlan;
+    /// The partials of the group's query heads under `plan` (one per query head).
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial>;
+    /// Token positions attended exactly by query head `j` of the group under `plan`
+    /// (for recall measurements).
+    fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32>;
+}

@@ -1,0 +1,135 @@
+//! Building one segment of one head: spherical k-means on the centred keys, then the
+//! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
+
+use crate::error::Result;
+use attnstore_kernels::cpu::kmeans::{center_and_normalize, spherical_kmeans, KMeansParams};
+use attnstore_kernels::Element;
+
+/// The KV rows of one head's segment, in cluster order.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct HeadSegment<E> {
+    pub keys: Vec<E>,
+    pub values: Vec<E>,
+    /// Original token position of every row.
+    pub positions: Vec<u32>,
+}
+
+/// One non-empty cluster of a built segment: rows `start..end`, mean key and mean value.
+#[derive(Debug, Clone)]
+pub(crate) struct ClusterMeta {
+    pub start: u32,
+    pub end: u32,
+    pub centroid: Vec<f32>,
+    pub value_mean: Vec<f32>,
+}
+
+/// Clustering knobs of one segment build.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct BuildParams {
+    pub tokens_per_cluster: usize,
+    pub max_iters: usize,
+    pub seed: u64,
+}
+
+/// Clusters `n` rows (`keys`/`values`: `n × d`, positions `first_position..`) and returns the
+/// cluster-contiguous segment with its non-empty clusters in order.
+pub(crate) fn build_head_segment<E: Element>(
+    keys: &[E],
+    values: &[E],
+    first_position: u32,
+    d: usize,
+    params: BuildParams,
+) -> Result<(HeadSegment<E>, Vec<ClusterMeta>)> {
+    let n = keys.len() / d;
+    let mut wide_keys = vec![0.0f32; keys.len()];
+    E::widen(keys, &mut wide_keys);
+    let mut unit = wide_keys.clone();
+    center_and_normalize(&mut unit, d);
+    let clusters = n.div_ceil(params.tokens_per_cluster).max(1);
+    let km = spherical_kmeans(&unit, d, KMeansParams { clusters, max_iters: params.max_iters, seed: params.seed })?;
+    // Counting sort of rows by cluster.
+    let mut counts = vec![0u32; km.clusters + 1];
+    for &a in &km.assignment {
+        counts[a as usize + 1] += 1;
+    }
+    for c in 0..km.clusters {
+        counts[c + 1] += counts[c];
+    }
+    let offsets = counts.clone();
+    let mut order = vec![0u32; n];
+    for (row, &a) in km.assignment.iter().enumerate() {
+        order[counts[a as usize] as usize] = row as u32;
+        counts[a as usize] += 1;
+    }
+    let mut seg = HeadSegment {
+        keys: Vec::with_capacity(keys.len()),
+        values: Vec::with_capacity(values.len()),
+        positions: Vec::with_capacity(n),
+    };
+    let mut wide_value = vec![0.0f32; d];
+    let mut metas = Vec::new();
+    for c in 0..km.clusters {
+        let (start, end) = (offsets[c], offsets[c + 1]);
+        if start == end {
+            continue;
+        }
+        let out_start = seg.positions.len() as u32;
+        let mut centroid = vec![0.0f32; d];
+        let mut value_mean = vec![0.0f32; d];
+        for &row in &order[start as usize..end as usize] {
+            let r = row as usize;
+            seg.keys.extend_from_slice(&keys[r * d..(r + 1) * d]);
+            seg.values.extend_from_slice(&values[r * d..(r + 1) * d]);
+            seg.positions.push(first_position + row);
+            for (c, k) in centroid.iter_mut().zip(&wide_keys[r * d..(r + 1) * d]) {
+                *c += k;
+            }
+            E::widen(&values[r * d..(r + 1) * d], &mut wide_value);
+            for (m, v) in value_mean.iter_mut().zip(&wide_value) {
+                *m += v;
+            }
+        }
+        let inv = 1.0 / (end - start) as f32;
+        centroid.iter_mut().for_each(|x| *x *= inv);
+        value_mean.iter_mut().for_each(|x| *x *= inv);
+        metas.push(ClusterMeta { start: out_start, end: out_start + (end - start), centroid, value_mean });
+    }
+    Ok((seg, metas))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnstore_kernels::random::SplitMix64;
+
+    #[test]
+    fn segment_is_a_permutation_with_contiguous_clusters_and_true_means() {
+        let (d, n) = (8, 200);
+        let mut g = SplitMix64::new(5);
+        let keys: Vec<f32> = (0..n * d).map(|_| g.normal()).collect();
+        let values: Vec<f32> = (0..n * d).map(|_| g.normal()).collect();
+        let params = BuildParams { tokens_per_cluster: 16, max_iters: 10, seed: 1 };
+        let (seg, metas) = build_head_segment(&keys, &values, 1000, d, params).unwrap();
+        let mut pos = seg.positions.clone();
+        pos.sort_unstable();
+        assert_eq!(pos, (1000..1000 + n as u32).collect::<Vec<_>>());
+        assert_eq!(metas.first().unwrap().start, 0);
+        assert_eq!(metas.last().unwrap().end as usize, n);
+        for w in metas.windows(2) {
+            assert_eq!(w[0].end, w[1].start);
+        }
+        for m in &metas {
+            for j in 0..d {
+                let mean: f32 = (m.start..m.end)
+                    .map(|r| {
+                        let orig = (seg.positions[r as usize] - 1000) as usize;
+                        assert_eq!(seg.keys[r as usize * d + j], keys[orig * d + j]);
+                        keys[orig * d + j]
+                    })
+                    .sum::<f32>()
+                    / (m.end - m.start) as f32;
+                assert!((mean - m.centroid[j]).abs() < 1e-5);
+            }
+        }
+    }
+}

@@ -1,0 +1,425 @@
+//! The wave index (RetroInfer): per KV head, a steady zone (sink + local window), segments
+//! of tokens clustered by spherical k-means and stored cluster-contiguous, and a directory
+//! of cluster meta data. Decode tokens that leave the local window wait as *pending* tokens
+//! (attended exactly) until a decode segment's worth has collected, then are clustered.
+
+use crate::directory::Directory;
+use crate::error::{Error, Result};
+use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode, ZoneBudget};
+use crate::segment::{build_head_segment, BuildParams, HeadSegment};
+use attnstore_kernels::cpu::attention::{attend_ranges, attend_rows, Scratch};
+use attnstore_kernels::cpu::estimate::{estimate_partial, EstimateItem};
+use attnstore_kernels::cpu::scoring::{score_rows, top_r};
+use attnstore_kernels::{Element, Partial};
+use rayon::prelude::*;
+
+/// Structure of a wave index. The defaults are RetroInfer's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WaveParams {
+    /// First tokens of the context kept apart and always attended (attention sinks).
+    pub sink_tokens: usize,
+    /// Most recent tokens kept apart and always attended.
+    pub local_tokens: usize,
+    /// Tokens per segment at prefill.
+    pub segment_tokens: usize,
+    /// Pending decode tokens that trigger clustering of a new segment.
+    pub decode_segment_tokens: usize,
+    /// Average tokens per cluster (clusters per segment = tokens / this).
+    pub tokens_per_cluster: usize,
+    /// Upper bound on k-means iterations per segment.
+    pub max_iters: usize,
+    /// Seed of the k-means initialization.
+    pub seed: u64,
+}
+
+impl Default for WaveParams {
+    fn default() -> Self {
+        Self {
+            sink_tokens: 4,
+            local_tokens: 64,
+            segment_tokens: 8192,
+            decode_segment_tokens: 1024,
+            tokens_per_cluster: 16,
+            max_iters: 10,
+            seed: 0x5eed,
+        }
+    }
+}
+
+impl WaveParams {
+    /// Checks that every size is usable.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what, message: &str| Err(Error::InvalidParameter { what, message: message.to_string() });
+        if self.segment_tokens == 0 {
+            return bad("segment_tokens", "must be positive (RetroInfer uses 8192)");
+        }
+        if self.decode_segment_tokens == 0 || self.decode_segment_tokens > self.segment_tokens {
+            return bad("decode_segment_tokens", "must be in 1..=segment_tokens (RetroInfer uses 1024)");
+        }
+        if self.tokens_per_cluster == 0 || self.tokens_per_cluster > self.decode_segment_tokens {
+            return bad("tokens_per_cluster", "must be in 1..=decode_segment_tokens (RetroInfer uses 16)");
+        }
+        if self.max_iters == 0 {
+            return bad("max_iters", "must be positive (RetroInfer uses 10)");
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct HeadStore<E> {
+    sink_keys: Vec<E>,
+    sink_values: Vec<E>,
+    segments: Vec<HeadSegment<E>>,
+    dir: Directory<E>,
+    /// Pending then local tokens, positions `tail_start..tokens`.
+    tail_keys: Vec<E>,
+    tail_values: Vec<E>,
+}
+
+/// RetroInfer's segmented cluster index over the KV heads of one layer.
+#[derive(Debug, Clone)]
+pub struct WaveIndex<E> {
+    params: WaveParams,
+    kv_heads: usize,
+    head_dim: usize,
+    heads: Vec<HeadStore<E>>,
+    tokens: usize,
+    sink_len: usize,
+    tail_start: usize,
+}
+
+impl<E: Element> WaveIndex<E> {
+    /// An empty index for `kv_heads` heads of dimension `head_dim`.
+    pub fn new(params: WaveParams, kv_heads: usize, head_dim: usize) -> Result<Self> {
+        params.validate()?;
+        if kv_heads == 0 || head_dim == 0 {
+            return Err(Error::InvalidParameter {
+                what: "shape",
+                message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
+            });
+        }
+        Ok(Self {
+            params,
+            kv_heads,
+            head_dim,
+            heads: vec![HeadStore::default(); kv_heads],
+            tokens: 0,
+            sink_len: 0,
+            tail_start: 0,
+        })
+    }
+
+    /// The structure parameters.
+    pub fn params(&self) -> &WaveParams {
+        &self.params
+    }
+
+    /// Appends a prefill batch: like [`AccessMethod::append`] but cut into prefill-sized
+    /// segments (default 8192 tokens).
+    pub fn prefill(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.ingest(keys, values, self.params.segment_tokens)
+    }
+
+    /// The directory (cluster meta data) of KV head `h`.
+    pub fn directory(&self, h: usize) -> &Directory<E> {
+        &self.heads[h].dir
+    }
+
+    fn check_batch(&self, keys: &[f32], values: &[f32]) -> Result<usize> {
+        let row = self.kv_heads * self.head_dim;
+        if keys.len() % row != 0 {
+            return Err(Error::ShapeMismatch {
+                what: "keys (kv_heads × tokens × head_dim)",
+                expected: keys.len() / row * row,
+                got: keys.len(),
+            });
+        }
+        if values.len() != keys.len() {
+            return Err(Error::ShapeMismatch {
+                what: "values (same shape as keys)",
+                expected: keys.len(),
+                got: values.len(),
+            });
+        }
+        let n = keys.len() / row;
+        if self.tokens + n > u32::MAX as usize {
+            return Err(Error::InvalidParameter {
+                what: "tokens",
+                message: format!("a head holds at most {} tokens", u32::MAX),
+            });
+        }
+        Ok(n)
+    }
+
+    fn ingest(&mut self, keys: &[f32], values: &[f32], max_segment: usize) -> Result<()> {
+        let n = self.check_batch(keys, values)?;
+        let d = self.head_dim;
+        let to_sink = (self.params.sink_tokens - self.sink_len.min(self.params.sink_tokens)).min(n);
+        for (h, store) in self.heads.iter_mut().enumerate() {
+            let (k, v) = (&keys[h * n * d..(h + 1) * n * d], &values[h * n * d..(h + 1) * n * d]);
+            push_narrow(&mut store.sink_keys, &k[..to_sink * d]);
+            push_narrow(&mut store.sink_values, &v[..to_sink * d]);
+            push_narrow(&mut store.tail_keys, &k[to_sink * d..]);
+            push_narrow(&mut store.tail_values, &v[to_sink * d..]);
+        }
+        self.sink_len += to_sink;
+        if self.tail_start < self.sink_len {
+            self.tail_start = self.sink_len;
+        }
+        self.tokens += n;
+        self.cut_segments(max_segment)
+    }
+
+    /// Clusters pending tokens into segments of at most `max_segment` tokens, as long as at
+    /// least a decode segment's worth is pending.
+    fn cut_segments(&mut self, max_segment: usize) -> Result<()> {
+        let tail = self.tokens - self.tail_start;
+        let mut pending = tail.saturating_sub(self.params.local_tokens);
+        let mut cuts = Vec::new();
+        let mut start = 0;
+        while pending >= self.params.decode_segment_tokens {
+            let len = pending.min(max_segment);
+            cuts.push((start, len));
+            start += len;
+            pending -= len;
+        }
+        if cuts.is_empty() {
+            return Ok(());
+        }
+        let d = self.head_dim;
+        let first_unit = self.heads[0].segments.len();
+        let jobs: Vec<(usize, usize)> = (0..self.kv_heads).flat_map(|h| (0..cuts.len()).map(move |c| (h, c))).collect();
+        let built = jobs
+            .par_iter()
+            .map(|&(h, c)| {
+                let (s, len) = cuts[c];
+                let store = &self.heads[h];
+                let params = BuildParams {
+                    tokens_per_cluster: self.params.tokens_per_cluster,
+                    max_iters: self.params.max_iters,
+                    seed: self.params.seed ^ ((first_unit + c) as u64).wrapping_mul(0x9E37_79B9) ^ (h as u64) << 40,
+                };
+                build_head_segment(
+                    &store.tail_keys[s * d..(s + len) * d],
+                    &store.tail_values[s * d..(s + len) * d],
+                    (self.tail_start + s) as u32,
+                    d,
+                    params,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for (&(h, c), (seg, metas)) in jobs.iter().zip(built) {
+            let store = &mut self.heads[h];
+            store.dir.push_segment((first_unit + c) as u32, &metas);
+            store.segments.push(seg);
+        }
+        for store in &mut self.heads {
+            store.tail_keys.drain(..start * d);
+            store.tail_values.drain(..start * d);
+        }
+        self.tail_start += start;
+        Ok(())
+    }
+
+    fn tail_len(&self) -> usize {
+        self.tokens - self.tail_start
+    }
+
+    fn indexed_tokens(&self) -> usize {
+        self.tail_start - self.sink_len
+    }
+
+    /// Chooses retrieved and estimated clusters from one score per cluster.
+    fn select(&self, dir: &Directory<E>, scores: &[f32], budget: &ZoneBudget) -> (Vec<u32>, Vec<u32>) {
+        let n = scores.len();
+        let avg = (self.indexed_tokens() as f64 / n as f64).max(1.0);
+        let mut retrieve = Vec::new();
+        if budget.retrieve_tokens > 0 {
+            let mut r1 = ((budget.retrieve_tokens as f64 / avg).ceil() as usize * 2 + 8).min(n);
+            loop {
+                retrieve.clear();
+                let mut got = 0usize;
+                for id in top_r(scores, r1) {
+                    if got >= budget.retrieve_tokens {
+                        break;
+                    }
+                    got += dir.sizes[id as usize] as usize;
+                    retrieve.push(id);
+                }
+                if got >= budget.retrieve_tokens || r1 == n {
+                    break;
+                }
+                r1 = (r1 * 2).min(n);
+            }
+        }
+        let mut taken = vec![false; n];
+        retrieve.iter().for_each(|&id| taken[id as usize] = true);
+        let mut rest: Vec<u32> = (0..n as u32).filter(|&id| !taken[id as usize]).collect();
+        if budget.estimate_tokens != usize::MAX {
+            let r2 = ((budget.estimate_tokens as f64 / avg).round() as usize).min(rest.len());
+            if r2 > 0 && r2 < rest.len() {
+                rest.select_nth_unstable_by(r2 - 1, |a, b| scores[*b as usize].total_cmp(&scores[*a as usize]));
+            }
+            rest.truncate(r2);
+        }
+        (retrieve, rest)
+    }
+
+    fn selection(
+        &self,
+        dir: &Directory<E>,
+        first_head: usize,
+        scores: &[Vec<f32>],
+        choice: &[f32],
+        budget: &ZoneBudget,
+    ) -> Selection {
+        let (retrieve, estimate) = self.select(dir, choice, budget);
+        let mut spans: Vec<_> = retrieve.iter().map(|&id| dir.spans[id as usize]).collect();
+        let retrieve_tokens = spans.iter().map(|s| s.len()).sum::<usize>();
+        coalesce(&mut spans);
+        let estimate_tokens = estimate.iter().map(|&id| dir.sizes[id as usize] as usize).sum::<usize>();
+        let estimate_scores = scores.iter().flat_map(|s| estimate.iter().map(|&id| s[id as usize])).collect();
+        Selection {
+            first_head,
+            heads: scores.len(),
+            retrieve: spans,
+            retrieve_clusters: retrieve.len(),
+            retrieve_tokens,
+            dropped_clusters: dir.len() - retrieve.len() - estimate.len(),
+            dropped_tokens: self.indexed_tokens() - retrieve_tokens - estimate_tokens,
+            estimate,
+            estimate_scores,
+            estimate_tokens,
+            scored: dir.len(),
+        }
+    }
+
+    fn steady_plan(&self) -> HeadPlan {
+        let tail = self.tail_len();
+        HeadPlan {
+            exact: false,
+            steady_tokens: self.sink_len + tail,
+            pending_tokens: tail.saturating_sub(self.params.local_tokens),
+            selections: Vec::new(),
+        }
+    }
+}
+
+fn push_narrow<E: Element>(dst: &mut Vec<E>, src: &[f32]) {
+    let at = dst.len();
+    dst.resize(at + src.len(), E::default());
+    E::narrow(src, &mut dst[at..]);
+}
+
+impl<E: Element> AccessMethod for WaveIndex<E> {
+    fn name(&self) -> &'static str {
+        "wave"
+    }
+
+    fn stats(&self) -> IndexStats {
+        let elem = E::DTYPE.size_bytes();
+        IndexStats {
+            tokens: self.tokens,
+            kv_bytes: 2 * self.tokens * self.kv_heads * self.head_dim * elem,
+            index_bytes: self.heads.iter().map(|s| s.dir.bytes() + 4 * self.indexed_tokens()).sum(),
+            segments: self.heads[0].segments.len(),
+            clusters: self.heads[0].dir.len(),
+            pending_tokens: self.tail_len().saturating_sub(self.params.local_tokens),
+        }
+    }
+
+    fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.ingest(keys, values, self.params.decode_segment_tokens)
+    }
+
+    fn plan_exact(&self) -> HeadPlan {
+        HeadPlan { exact: true, ..self.steady_plan() }
+    }
+
+    fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan {
+        let mut plan = self.steady_plan();
+        let dir = &self.heads[kv_head].dir;
+        if dir.is_empty() {
+            return plan;
+        }
+        let d = self.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let scores: Vec<Vec<f32>> = q
+            .chunks_exact(d)
+            .map(|qj| {
+                let mut s = Vec::new();
+                score_rows(qj, &dir.centroids, scale, &mut s);
+                s
+            })
+            .collect();
+        plan.selections = match budget.mode {
+            SelectionMode::PerQueryHead => scores
+                .iter()
+                .enumerate()
+                .map(|(j, s)| self.selection(dir, j, std::slice::from_ref(s), s, budget))
+                .collect(),
+            SelectionMode::PerKvHead => {
+                let best: Vec<f32> =
+                    (0..dir.len()).map(|c| scores.iter().map(|s| s[c]).fold(f32::NEG_INFINITY, f32::max)).collect();
+                vec![self.selection(dir, 0, &scores, &best, budget)]
+            }
+        };
+        plan
+    }
+
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+        let d = self.head_dim;
+        let g = q.len() / d;
+        let scale = 1.0 / (d as f32).sqrt();
+        let store = &self.heads[kv_head];
+        let mut parts = attend_ranges(q, g, scale, &store.sink_keys, &store.sink_values, &[0..self.sink_len], scratch);
+        attend_rows(q, scale, &store.tail_keys, &store.tail_values, &mut parts, scratch);
+        if plan.exact {
+            for seg in &store.segments {
+                attend_rows(q, scale, &seg.keys, &seg.values, &mut parts, scratch);
+            }
+            return parts;
+        }
+        for sel in &plan.selections {
+            let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
+            let mut sub = vec![Partial::empty(d); sel.heads];
+            for span in &sel.retrieve {
+                let seg = &store.segments[span.unit as usize];
+                let rows = span.start as usize * d..span.end as usize * d;
+                attend_rows(qs, scale, &seg.keys[rows.clone()], &seg.values[rows], &mut sub, scratch);
+            }
+            let ne = sel.estimate.len();
+            for (i, part) in sub.iter_mut().enumerate() {
+                let items = sel.estimate.iter().zip(&sel.estimate_scores[i * ne..(i + 1) * ne]).map(|(&id, &score)| {
+                    let id = id as usize;
+                    EstimateItem {
+                        score,
+                        size: store.dir.sizes[id] as f32,
+                        value_mean: &store.dir.value_means[id * d..(id + 1) * d],
+                    }
+                });
+                part.merge(&estimate_partial(d, items));
+                parts[sel.first_head + i].merge(part);
+            }
+        }
+        parts
+    }
+
+    fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {
+        let store = &self.heads[kv_head];
+        let mut out: Vec<u32> = (0..self.sink_len as u32).chain(self.tail_start as u32..self.tokens as u32).collect();
+        if plan.exact {
+            store.segments.iter().for_each(|s| out.extend_from_slice(&s.positions));
+            return out;
+        }
+        for sel in plan.selections.iter().filter(|s| (s.first_head..s.first_head + s.heads).contains(&j)) {
+            for span in &sel.retrieve {
+                out.extend_from_slice(
+                    &store.segments[span.unit as usize].positions[span.start as usize..span.end as usize],
+                );
+            }
+        }
+        out
+    }
+}

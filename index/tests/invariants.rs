@@ -1,0 +1,144 @@
+//! DESIGN.md invariants of the access methods, checked against f64 reference attention.
+
+use attnstore_index::{AccessMethod, FlatIndex, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
+use attnstore_kernels::cpu::attention::Scratch;
+use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::{narrow_vec, AttnShape, Element, HeadsView};
+use half::f16;
+
+fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut g = SplitMix64::new(seed);
+    (0..n).map(|_| g.normal() * scale).collect()
+}
+
+/// Runs every KV head of `index` under `budget` (or exactly) and returns `q_heads × d` outputs.
+fn run(index: &dyn AccessMethod, shape: &AttnShape, q: &[f32], budget: Option<&ZoneBudget>) -> Vec<f32> {
+    let (g, d) = (shape.group(), shape.head_dim);
+    let mut out = Vec::new();
+    for h in 0..shape.kv_heads {
+        let qg = &q[h * g * d..(h + 1) * g * d];
+        let plan = match budget {
+            Some(b) => index.plan_head(h, qg, b),
+            None => index.plan_exact(),
+        };
+        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()) {
+            out.extend(p.finish());
+        }
+    }
+    out
+}
+
+fn reference<E: Element>(shape: &AttnShape, q: &[f32], k: &[f32], v: &[f32], tokens: usize) -> Vec<f64> {
+    let (kn, vn): (Vec<E>, Vec<E>) = (narrow_vec(k), narrow_vec(v));
+    let d = shape.head_dim;
+    let kv = HeadsView::new(&kn, shape.kv_heads, tokens, d).unwrap();
+    let vv = HeadsView::new(&vn, shape.kv_heads, tokens, d).unwrap();
+    reference_attention(shape, q, kv, vv, None)
+}
+
+fn small_params() -> WaveParams {
+    WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() }
+}
+
+#[test]
+fn full_budget_equals_exact_attention_in_f32() {
+    let shape = AttnShape::new(8, 2, 32).unwrap();
+    let tokens = 2000;
+    let (k, v, q) =
+        (randn(shape.kv_len(tokens), 1, 1.0), randn(shape.kv_len(tokens), 2, 1.0), randn(shape.query_len(), 3, 2.0));
+    let mut wave = WaveIndex::<f32>::new(small_params(), 2, 32).unwrap();
+    wave.prefill(&k, &v).unwrap();
+    assert!(wave.stats().segments >= 3, "the test must exercise several segments");
+    let want = reference::<f32>(&shape, &q, &k, &v, tokens);
+    assert!(rel_l2(&run(&wave, &shape, &q, None), &want) <= 1e-5);
+    for mode in [SelectionMode::PerQueryHead, SelectionMode::PerKvHead] {
+        let all = ZoneBudget { retrieve_tokens: tokens, estimate_tokens: 0, mode };
+        let err = rel_l2(&run(&wave, &shape, &q, Some(&all)), &want);
+        assert!(err <= 1e-5, "{mode:?}: {err}");
+    }
+}
+
+#[test]
+fn estimation_over_clusters_of_size_one_equals_exact() {
+    let shape = AttnShape::new(4, 1, 16).unwrap();
+    let tokens = 600;
+    let (k, v, q) =
+        (randn(shape.kv_len(tokens), 4, 1.0), randn(shape.kv_len(tokens), 5, 1.0), randn(shape.query_len(), 6, 2.0));
+    let params =
+        WaveParams { segment_tokens: 256, decode_segment_tokens: 64, tokens_per_cluster: 1, ..WaveParams::default() };
+    let mut wave = WaveIndex::<f16>::new(params, 1, 16).unwrap();
+    wave.prefill(&k, &v).unwrap();
+    let estimate_all =
+        ZoneBudget { retrieve_tokens: 0, estimate_tokens: usize::MAX, mode: SelectionMode::PerQueryHead };
+    let plan = wave.plan_head(0, &q, &estimate_all);
+    assert!(plan.selections.iter().all(|s| s.retrieve_tokens == 0 && s.estimate_tokens + plan.steady_tokens == tokens));
+    let err = rel_l2(&run(&wave, &shape, &q, Some(&estimate_all)), &reference::<f16>(&shape, &q, &k, &v, tokens));
+    assert!(err <= 1e-4, "{err}");
+}
+
+#[test]
+fn incremental_segments_equal_a_rebuild_for_full_budget() {
+    let shape = AttnShape::new(4, 2, 16).unwrap();
+    let (prefill, decode) = (700, 450);
+    let total = prefill + decode;
+    let (k, v, q) =
+        (randn(shape.kv_len(total), 7, 1.0), randn(shape.kv_len(total), 8, 1.0), randn(shape.query_len(), 9, 2.0));
+    let head_major = |x: &[f32], from: usize, to: usize| -> Vec<f32> {
+        (0..2).flat_map(|h| x[(h * total + from) * 16..(h * total + to) * 16].to_vec()).collect()
+    };
+    let mut rebuilt = WaveIndex::<f32>::new(small_params(), 2, 16).unwrap();
+    rebuilt.prefill(&k, &v).unwrap();
+    let mut incremental = WaveIndex::<f32>::new(small_params(), 2, 16).unwrap();
+    incremental.prefill(&head_major(&k, 0, prefill), &head_major(&v, 0, prefill)).unwrap();
+    let before = incremental.stats().segments;
+    for t in prefill..total {
+        incremental.append(&head_major(&k, t, t + 1), &head_major(&v, t, t + 1)).unwrap();
+    }
+    let stats = incremental.stats();
+    assert!(stats.segments >= before + 3, "decode must have built segments: {before} -> {}", stats.segments);
+    assert_eq!(stats.tokens, total);
+    assert!(stats.pending_tokens < 128);
+    let a = run(&incremental, &shape, &q, None);
+    let b = run(&rebuilt, &shape, &q, None);
+    let want = reference::<f32>(&shape, &q, &k, &v, total);
+    assert!(rel_l2(&a, &want) <= 1e-5 && rel_l2(&b, &want) <= 1e-5);
+    // Every position is stored exactly once.
+    let mut pos = incremental.exact_positions(1, &incremental.plan_exact(), 0);
+    pos.sort_unstable();
+    assert_eq!(pos, (0..total as u32).collect::<Vec<_>>());
+}
+
+#[test]
+fn flat_top_k_of_all_tokens_equals_exact_and_smaller_k_attends_the_true_top() {
+    let shape = AttnShape::new(4, 2, 16).unwrap();
+    let tokens = 300;
+    let (k, v, q) =
+        (randn(shape.kv_len(tokens), 10, 1.0), randn(shape.kv_len(tokens), 11, 1.0), randn(shape.query_len(), 12, 1.0));
+    let mut flat = FlatIndex::<f32>::new(2, 16).unwrap();
+    flat.append(&k, &v).unwrap();
+    let all = ZoneBudget { retrieve_tokens: tokens, estimate_tokens: 0, mode: SelectionMode::PerQueryHead };
+    let want = reference::<f32>(&shape, &q, &k, &v, tokens);
+    assert!(rel_l2(&run(&flat, &shape, &q, Some(&all)), &want) <= 1e-5);
+    let ten = ZoneBudget { retrieve_tokens: 10, ..all };
+    let plan = flat.plan_head(0, &q[..2 * 16], &ten);
+    let got = flat.exact_positions(0, &plan, 1);
+    assert_eq!(got.len(), 10);
+    let score = |t: usize| (0..16).map(|i| q[16 + i] * k[t * 16 + i]).sum::<f32>();
+    let worst_in = got.iter().map(|&t| score(t as usize)).fold(f32::INFINITY, f32::min);
+    let best_out = (0..tokens).filter(|t| !got.contains(&(*t as u32))).map(score).fold(f32::NEG_INFINITY, f32::max);
+    assert!(worst_in >= best_out);
+}
+
+#[test]
+fn bad_shapes_are_rejected_and_leave_the_index_unchanged() {
+    let mut wave = WaveIndex::<f32>::new(small_params(), 2, 16).unwrap();
+    let (k, v) = (randn(2 * 100 * 16, 1, 1.0), randn(2 * 100 * 16, 2, 1.0));
+    wave.prefill(&k, &v).unwrap();
+    let before = wave.stats();
+    assert!(wave.append(&k[..31], &v[..31]).is_err());
+    assert!(wave.append(&k[..32], &v[..64]).is_err());
+    assert_eq!(wave.stats(), before);
+    assert!(WaveIndex::<f32>::new(WaveParams { tokens_per_cluster: 0, ..WaveParams::default() }, 2, 16).is_err());
+    assert!(WaveIndex::<f32>::new(WaveParams { decode_segment_tokens: 9000, ..WaveParams::default() }, 2, 16).is_err());
+}

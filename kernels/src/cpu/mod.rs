@@ -1,0 +1,13 @@
+//! The CPU backend: f32 accumulation over narrow storage, rayon threads across heads and
+//! token chunks, inner loops shaped for auto-vectorization (see `simd.rs`).
+
+pub mod attention;
+pub mod estimate;
+mod gemm;
+pub mod kmeans;
+pub mod partial;
+pub mod reference;
+pub mod scoring;
+mod simd;
+
+pub use gemm::matmul_transposed;

@@ -1,0 +1,20 @@
+//! attnstore-kernels: the numeric operations of attnstore.
+//!
+//! One op API with a CPU implementation (f32 accumulation, rayon threads, loops written so
+//! LLVM vectorizes them). The CUDA backend joins behind the `cuda` feature. Everything above
+//! this crate (indexes, engine) calls these ops and never hand-rolls attention math.
+
+#![deny(unsafe_code)]
+
+pub mod cpu;
+mod element;
+mod error;
+pub mod random;
+mod shape;
+mod view;
+
+pub use cpu::partial::Partial;
+pub use element::{narrow_vec, DType, Element};
+pub use error::{Error, Result};
+pub use shape::AttnShape;
+pub use view::HeadsView;
