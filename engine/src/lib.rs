@@ -1,1 +1,29 @@
-//! placeholder while the crate is written
+//! attnstore: a storage engine for the attention KV cache of long-context LLM inference.
+//!
+//! The KV cache is treated as a database: contexts are stored per layer in an access method
+//! (the wave index by default), a decode step asks for attention with [`Request`]s, the
+//! planner turns them into a [`Plan`] of zones (steady / retrieve / estimate) that
+//! [`Plan::explain`] prints, and [`Engine::execute`] runs it.
+
+#![deny(unsafe_code)]
+
+mod budget;
+mod context;
+mod engine;
+mod error;
+mod execute;
+mod explain;
+mod plan;
+mod spec;
+pub mod synth;
+
+pub mod bench;
+
+pub use attnstore_index::{IndexStats, SelectionMode, WaveParams};
+pub use attnstore_kernels::{AttnShape, DType};
+pub use budget::{Budget, EstimateShare};
+pub use context::ContextId;
+pub use engine::{Engine, EngineConfig};
+pub use error::{Error, Result};
+pub use plan::{Plan, PlanCost, Request, RequestPlan, Strategy};
+pub use spec::{ContextSpec, LayerKind, Method};

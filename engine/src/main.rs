@@ -1,1 +1,233 @@
-fn main() {}
+//! The `attnstore` command: `bench` measures sparse against exact attention on synthetic
+//! contexts; `explain` prints the plan of one decode step.
+
+use attnstore::bench::{self, BenchConfig};
+use attnstore::synth::{SynthContext, SynthParams};
+use attnstore::{AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Request, SelectionMode};
+use clap::{Args, Parser, Subcommand};
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "attnstore",
+    version,
+    about = "A storage engine for the attention KV cache of long-context LLM inference"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Benchmark exact attention, wave sparse attention and an oracle top-k on synthetic KV.
+    Bench(BenchArgs),
+    /// Print the plan (EXPLAIN) of one decode step over a synthetic context.
+    Explain(ExplainArgs),
+}
+
+#[derive(Args, Clone)]
+struct ShapeArgs {
+    /// Query heads.
+    #[arg(long, default_value_t = 32)]
+    q_heads: usize,
+    /// KV heads (q_heads must be a multiple).
+    #[arg(long, default_value_t = 8)]
+    kv_heads: usize,
+    /// Head dimension.
+    #[arg(long, default_value_t = 128)]
+    head_dim: usize,
+    /// Storage type: f32, f16 or bf16.
+    #[arg(long, default_value = "f16")]
+    dtype: DType,
+    /// Seed of the synthetic data.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+#[derive(Args, Clone)]
+struct BudgetArgs {
+    /// Fraction of tokens attended exactly in the retrieval zone.
+    #[arg(long, default_value_t = 0.018)]
+    retrieve: f64,
+    /// Minimum tokens in the retrieval zone.
+    #[arg(long, default_value_t = 512)]
+    retrieve_floor: usize,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Context lengths, comma separated (K and M suffixes allowed).
+    #[arg(long, default_value = "32K,128K", value_delimiter = ',', value_parser = parse_tokens)]
+    tokens: Vec<usize>,
+    #[command(flatten)]
+    shape: ShapeArgs,
+    #[command(flatten)]
+    budget: BudgetArgs,
+    /// Estimation shares to compare: fractions of tokens, or `rest` (every cluster not retrieved).
+    #[arg(long, default_value = "0.232,rest", value_delimiter = ',', value_parser = parse_share)]
+    estimate: Vec<EstimateShare>,
+    /// Selection modes to compare: per-query-head, per-kv-head.
+    #[arg(long, default_value = "per-query-head,per-kv-head", value_delimiter = ',', value_parser = parse_mode)]
+    selection: Vec<SelectionMode>,
+    /// Decode steps (distinct queries) per configuration.
+    #[arg(long, default_value_t = 4)]
+    queries: usize,
+    /// Timed repetitions per query.
+    #[arg(long, default_value_t = 5)]
+    reps: usize,
+    /// Print JSON lines only (one object per configuration) on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ExplainArgs {
+    /// Context length (K and M suffixes allowed).
+    #[arg(long, default_value = "32K", value_parser = parse_tokens)]
+    tokens: usize,
+    #[command(flatten)]
+    shape: ShapeArgs,
+    #[command(flatten)]
+    budget: BudgetArgs,
+    /// Estimation share: a fraction of tokens, or `rest`.
+    #[arg(long, default_value = "0.232", value_parser = parse_share)]
+    estimate: EstimateShare,
+    /// Selection mode: per-query-head or per-kv-head.
+    #[arg(long, default_value = "per-query-head", value_parser = parse_mode)]
+    selection: SelectionMode,
+    /// Exact attention (full budget).
+    #[arg(long)]
+    full: bool,
+    /// One line per KV head as well.
+    #[arg(long)]
+    verbose: bool,
+}
+
+fn parse_tokens(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let (num, mul) = match t.chars().last() {
+        Some('k' | 'K') => (&t[..t.len() - 1], 1024),
+        Some('m' | 'M') => (&t[..t.len() - 1], 1024 * 1024),
+        _ => (t, 1),
+    };
+    let n: usize = num.parse().map_err(|_| format!("{s:?} is not a token count (e.g. 4096, 32K, 1M)"))?;
+    match n.checked_mul(mul) {
+        Some(v) if v > 0 => Ok(v),
+        _ => Err(format!("token count {s:?} must be positive and fit in memory")),
+    }
+}
+
+fn parse_share(s: &str) -> Result<EstimateShare, String> {
+    if s.trim().eq_ignore_ascii_case("rest") {
+        return Ok(EstimateShare::Rest);
+    }
+    s.trim()
+        .parse::<f64>()
+        .map(EstimateShare::Fraction)
+        .map_err(|_| format!("{s:?} is not an estimate share: a fraction such as 0.232, or `rest`"))
+}
+
+fn parse_mode(s: &str) -> Result<SelectionMode, String> {
+    match s.trim() {
+        "per-query-head" | "q" => Ok(SelectionMode::PerQueryHead),
+        "per-kv-head" | "kv" => Ok(SelectionMode::PerKvHead),
+        other => Err(format!("unknown selection mode {other:?}: expected per-query-head or per-kv-head")),
+    }
+}
+
+fn shape_of(a: &ShapeArgs) -> Result<AttnShape, String> {
+    AttnShape::new(a.q_heads, a.kv_heads, a.head_dim).map_err(|e| e.to_string())
+}
+
+fn bench(args: BenchArgs) -> Result<(), String> {
+    let shape = shape_of(&args.shape)?;
+    for &share in &args.estimate {
+        Budget::default()
+            .with_retrieve(args.budget.retrieve)
+            .with_estimate(share)
+            .validate()
+            .map_err(|e| e.to_string())?;
+    }
+    let cfg = BenchConfig {
+        tokens: args.tokens,
+        shape,
+        dtype: args.shape.dtype,
+        queries: args.queries.max(1),
+        reps: args.reps.max(1),
+        retrieve: args.budget.retrieve,
+        retrieve_floor: args.budget.retrieve_floor,
+        estimates: args.estimate,
+        modes: args.selection,
+        seed: args.shape.seed,
+        progress: std::io::stderr().is_terminal(),
+    };
+    let json = args.json;
+    if !json {
+        println!(
+            "attnstore bench on the CPU ({} threads): {} q heads / {} kv heads, d={}, {}, one layer, {} queries x {} reps",
+            rayon::current_num_threads(),
+            shape.q_heads,
+            shape.kv_heads,
+            shape.head_dim,
+            cfg.dtype,
+            cfg.queries,
+            cfg.reps
+        );
+    }
+    let mut stdout = std::io::stdout();
+    let rows = bench::run(&cfg, &mut |row| {
+        if json {
+            let _ = writeln!(stdout, "{}", row.json());
+        } else {
+            eprintln!("measured: {}", row.json());
+        }
+    })
+    .map_err(|e| e.to_string())?;
+    if !json {
+        println!("{}", bench::table(&rows));
+        println!("JSON lines:");
+        for r in &rows {
+            println!("{}", r.json());
+        }
+    }
+    Ok(())
+}
+
+fn explain(args: ExplainArgs) -> Result<(), String> {
+    let shape = shape_of(&args.shape)?;
+    let budget = if args.full {
+        Budget::full()
+    } else {
+        Budget::default()
+            .with_retrieve(args.budget.retrieve)
+            .with_retrieve_floor(args.budget.retrieve_floor)
+            .with_estimate(args.estimate)
+            .with_mode(args.selection)
+    };
+    budget.validate().map_err(|e| e.to_string())?;
+    let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
+    let ctx =
+        engine.create_context(ContextSpec::new(shape, 1).with_dtype(args.shape.dtype)).map_err(|e| e.to_string())?;
+    let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
+    engine.prefill(ctx, 0, &synth.keys, &synth.values).map_err(|e| e.to_string())?;
+    let plan = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &budget).map_err(|e| e.to_string())?;
+    print!("{}", if args.verbose { plan.explain_verbose() } else { plan.explain() });
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Bench(a) => bench(a),
+        Command::Explain(a) => explain(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -62,11 +62,11 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
 
     fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
         let row = self.kv_heads * self.head_dim;
-        if keys.len() % row != 0 || values.len() != keys.len() {
+        if !keys.len().is_multiple_of(row) || values.len() != keys.len() {
             return Err(Error::ShapeMismatch {
                 what: "keys and values (kv_heads × tokens × head_dim each)",
                 expected: keys.len() / row * row,
-                got: if keys.len() % row != 0 { keys.len() } else { values.len() },
+                got: if !keys.len().is_multiple_of(row) { keys.len() } else { values.len() },
             });
         }
         let n = keys.len() / row;

@@ -14,9 +14,11 @@ mod flat;
 mod method;
 mod segment;
 mod wave;
+mod window;
 
 pub use directory::Directory;
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
 pub use method::{AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
 pub use wave::{WaveIndex, WaveParams};
+pub use window::WindowIndex;

@@ -127,6 +127,8 @@ pub struct IndexStats {
     pub clusters: usize,
     /// Tokens waiting to be indexed (outside the local window, not yet in a segment).
     pub pending_tokens: usize,
+    /// Tokens in indexed segments (the rest are in the steady zone).
+    pub indexed_tokens: usize,
 }
 
 /// An access method over the KV of all KV heads of one layer.
@@ -140,8 +142,13 @@ pub trait AccessMethod: Send + Sync {
     fn name(&self) -> &'static str;
     /// Sizes of the stored data.
     fn stats(&self) -> IndexStats;
-    /// Appends `n` tokens: `keys`/`values` are `kv_heads × n × head_dim`.
+    /// Appends `n` decode tokens: `keys`/`values` are `kv_heads × n × head_dim`.
     fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()>;
+    /// Appends a prefill batch (same layout as [`AccessMethod::append`]); methods that
+    /// organize bulk data differently (larger segments) override it.
+    fn prefill(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.append(keys, values)
+    }
     /// Chooses what query group `q` (`group × head_dim`) of KV head `kv_head` attends.
     fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan;
     /// A plan that attends every token exactly.

@@ -7,7 +7,7 @@ use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode, ZoneBudget};
 use crate::segment::{build_head_segment, BuildParams, HeadSegment};
-use attnstore_kernels::cpu::attention::{attend_ranges, attend_rows, Scratch};
+use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::estimate::{estimate_partial, EstimateItem};
 use attnstore_kernels::cpu::scoring::{score_rows, top_r};
 use attnstore_kernels::{Element, Partial};
@@ -115,12 +115,6 @@ impl<E: Element> WaveIndex<E> {
         &self.params
     }
 
-    /// Appends a prefill batch: like [`AccessMethod::append`] but cut into prefill-sized
-    /// segments (default 8192 tokens).
-    pub fn prefill(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
-        self.ingest(keys, values, self.params.segment_tokens)
-    }
-
     /// The directory (cluster meta data) of KV head `h`.
     pub fn directory(&self, h: usize) -> &Directory<E> {
         &self.heads[h].dir
@@ -128,7 +122,7 @@ impl<E: Element> WaveIndex<E> {
 
     fn check_batch(&self, keys: &[f32], values: &[f32]) -> Result<usize> {
         let row = self.kv_heads * self.head_dim;
-        if keys.len() % row != 0 {
+        if !keys.len().is_multiple_of(row) {
             return Err(Error::ShapeMismatch {
                 what: "keys (kv_heads × tokens × head_dim)",
                 expected: keys.len() / row * row,
@@ -326,11 +320,17 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
             segments: self.heads[0].segments.len(),
             clusters: self.heads[0].dir.len(),
             pending_tokens: self.tail_len().saturating_sub(self.params.local_tokens),
+            indexed_tokens: self.indexed_tokens(),
         }
     }
 
     fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
         self.ingest(keys, values, self.params.decode_segment_tokens)
+    }
+
+    /// Prefill batches are cut into prefill-sized segments (default 8192 tokens).
+    fn prefill(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.ingest(keys, values, self.params.segment_tokens)
     }
 
     fn plan_exact(&self) -> HeadPlan {
@@ -373,7 +373,8 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         let g = q.len() / d;
         let scale = 1.0 / (d as f32).sqrt();
         let store = &self.heads[kv_head];
-        let mut parts = attend_ranges(q, g, scale, &store.sink_keys, &store.sink_values, &[0..self.sink_len], scratch);
+        let mut parts = vec![Partial::empty(d); g];
+        attend_rows(q, scale, &store.sink_keys, &store.sink_values, &mut parts, scratch);
         attend_rows(q, scale, &store.tail_keys, &store.tail_values, &mut parts, scratch);
         if plan.exact {
             for seg in &store.segments {

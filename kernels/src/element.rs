@@ -69,6 +69,14 @@ pub trait Element: Copy + Default + Send + Sync + 'static {
     fn widen(src: &[Self], dst: &mut [f32]);
     /// Narrows `src` into `dst` (same length).
     fn narrow(src: &[f32], dst: &mut [Self]);
+    /// Widens exactly 8 elements (`src.len() == 8`) into one vector: a single `vcvtph2ps`
+    /// for f16 on x86-64-v3, so kernels convert in registers instead of through memory.
+    #[inline(always)]
+    fn load8(src: &[Self]) -> wide::f32x8 {
+        let mut a = [0.0f32; 8];
+        Self::widen(src, &mut a);
+        wide::f32x8::from(a)
+    }
 }
 
 impl Element for f32 {

@@ -37,7 +37,7 @@ impl SplitMix64 {
 
     /// Uniform integer in `0..n` (`n > 0`).
     pub fn below(&mut self, n: usize) -> usize {
-        ((self.next_u64() >> 32) * n as u64 >> 32) as usize
+        (((self.next_u64() >> 32) * n as u64) >> 32) as usize
     }
 
     /// Standard normal variate (Box–Muller, both outputs used).

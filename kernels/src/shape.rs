@@ -23,7 +23,7 @@ impl AttnShape {
                 return Err(Error::ZeroDimension { what });
             }
         }
-        if q_heads % kv_heads != 0 {
+        if !q_heads.is_multiple_of(kv_heads) {
             return Err(Error::GqaMismatch { q_heads, kv_heads });
         }
         Ok(Self { q_heads, kv_heads, head_dim })

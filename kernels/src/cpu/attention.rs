@@ -5,6 +5,7 @@
 //! partials. Long ranges are split into chunks processed on rayon threads and merged by
 //! log-sum-exp, so the memory system streams K and V once per step.
 
+use super::microkernel;
 use super::partial::Partial;
 use super::simd::{axpy, dot};
 use crate::element::Element;
@@ -13,18 +14,20 @@ use crate::shape::AttnShape;
 use crate::view::HeadsView;
 use rayon::prelude::*;
 use std::ops::Range;
+use wide::f32x8;
 
 /// Rows widened at a time: 64 rows × 128 dims × 4 B = 32 KiB per K or V tile (fits L2).
-const TILE_ROWS: usize = 64;
+const TILE_ROWS: usize = 256;
 /// Rows one rayon task handles in [`exact_attention`]; large enough to amortize scheduling.
 const CHUNK_ROWS: usize = 2048;
 
-/// Reusable f32 scratch for [`attend_rows`].
+/// Reusable scratch for [`attend_rows`]: the queries as aligned vectors, the scores of one
+/// tile, and (only for head dimensions that are not a multiple of 8) widened rows.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    keys: Vec<f32>,
-    values: Vec<f32>,
+    queries: Vec<f32x8>,
     scores: Vec<f32>,
+    wide: Vec<f32>,
 }
 
 /// Folds the rows `keys`/`values` (each `n × d`, same storage type) into the partials of the
@@ -46,37 +49,141 @@ pub fn attend_rows<E: Element>(
     debug_assert_eq!(q.len(), g * d);
     debug_assert_eq!(keys.len(), values.len());
     debug_assert_eq!(keys.len() % d, 0);
-    scratch.keys.resize(TILE_ROWS * d, 0.0);
-    scratch.values.resize(TILE_ROWS * d, 0.0);
+    if !d.is_multiple_of(8) {
+        return attend_rows_unaligned(q, scale, keys, values, parts, scratch);
+    }
+    let d8 = d / 8;
+    scratch.queries.clear();
+    scratch.queries.extend(q.chunks_exact(8).map(|c| f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default())));
     scratch.scores.resize(TILE_ROWS * g, 0.0);
-    for (ktile, vtile) in keys.chunks(TILE_ROWS * d).zip(values.chunks(TILE_ROWS * d)) {
+    let tile = TILE_ROWS * d;
+    for (i, (ktile, vtile)) in keys.chunks(tile).zip(values.chunks(tile)).enumerate() {
         let n = ktile.len() / d;
-        let kbuf = &mut scratch.keys[..n * d];
-        E::widen(ktile, kbuf);
-        for (t, krow) in kbuf.chunks_exact(d).enumerate() {
-            for (j, qrow) in q.chunks_exact(d).enumerate() {
-                scratch.scores[j * TILE_ROWS + t] = dot(qrow, krow) * scale;
-            }
-        }
+        let next = ((i + 1) * tile).min(keys.len())..((i + 2) * tile).min(keys.len());
+        let ahead = [&keys[next.clone()], &values[next]];
+        tile_scores(&scratch.queries, g, d8, ktile, n, scale, &mut scratch.scores, ahead);
         for (j, part) in parts.iter_mut().enumerate() {
-            let s = &mut scratch.scores[j * TILE_ROWS..j * TILE_ROWS + n];
-            let tile_max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let s = &mut scratch.scores[j * TILE_ROWS..(j + 1) * TILE_ROWS];
+            s[n..].fill(f32::NEG_INFINITY);
+            let tile_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
             part.rescale_to(part.m.max(tile_max));
-            let m = part.m;
-            let mut sum = 0.0;
-            for x in s.iter_mut() {
-                *x = (*x - m).exp();
-                sum += *x;
-            }
-            part.l += sum;
+            part.l += microkernel::exp_shifted_sum(s, part.m);
         }
-        let vbuf = &mut scratch.values[..n * d];
-        E::widen(vtile, vbuf);
-        for (t, vrow) in vbuf.chunks_exact(d).enumerate() {
-            for (j, part) in parts.iter_mut().enumerate() {
-                axpy(scratch.scores[j * TILE_ROWS + t], vrow, &mut part.o);
-            }
+        tile_values(&scratch.scores, vtile, n, d8, parts);
+    }
+}
+
+/// [`attend_rows`] for head dimensions that are not a multiple of 8: plain loops.
+fn attend_rows_unaligned<E: Element>(
+    q: &[f32],
+    scale: f32,
+    keys: &[E],
+    values: &[E],
+    parts: &mut [Partial],
+    scratch: &mut Scratch,
+) {
+    let d = q.len() / parts.len();
+    scratch.wide.resize(2 * d, 0.0);
+    let (k, v) = scratch.wide.split_at_mut(d);
+    for (krow, vrow) in keys.chunks_exact(d).zip(values.chunks_exact(d)) {
+        E::widen(krow, k);
+        E::widen(vrow, v);
+        for (qrow, part) in q.chunks_exact(d).zip(parts.iter_mut()) {
+            let s = dot(qrow, k) * scale;
+            part.rescale_to(part.m.max(s));
+            let p = (s - part.m).exp();
+            part.l += p;
+            axpy(p, v, &mut part.o);
         }
+    }
+}
+
+/// Scores of a key tile against all `g` query heads, 4, 2 or 1 heads at a time.
+#[allow(clippy::too_many_arguments, reason = "a hot inner kernel: its operands stay separate")]
+fn tile_scores<E: Element>(
+    q: &[f32x8],
+    g: usize,
+    d8: usize,
+    k: &[E],
+    n: usize,
+    scale: f32,
+    out: &mut [f32],
+    ahead: [&[E]; 2],
+) {
+    let mut j = 0;
+    while j < g {
+        let (qs, os) = (&q[j * d8..], &mut out[j * TILE_ROWS..]);
+        j += match g - j {
+            r if r >= 4 => {
+                microkernel::scores::<4, E>(
+                    qs,
+                    k,
+                    n,
+                    d8,
+                    scale,
+                    os,
+                    TILE_ROWS,
+                    if j == 0 { ahead } else { [&[], &[]] },
+                );
+                4
+            }
+            r if r >= 2 => {
+                microkernel::scores::<2, E>(
+                    qs,
+                    k,
+                    n,
+                    d8,
+                    scale,
+                    os,
+                    TILE_ROWS,
+                    if j == 0 { ahead } else { [&[], &[]] },
+                );
+                2
+            }
+            _ => {
+                microkernel::scores::<1, E>(
+                    qs,
+                    k,
+                    n,
+                    d8,
+                    scale,
+                    os,
+                    TILE_ROWS,
+                    if j == 0 { ahead } else { [&[], &[]] },
+                );
+                1
+            }
+        };
+    }
+}
+
+/// `o_j += Σ_t p_j[t]·v_t` for every head of `parts`, 4, 2 or 1 heads at a time.
+fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial]) {
+    fn heads<const G: usize>(parts: &mut [Partial]) -> [&mut [f32]; G] {
+        let mut it = parts.iter_mut();
+        std::array::from_fn(|_| it.next().map(|p| p.o.as_mut_slice()).unwrap_or_default())
+    }
+    let mut j = 0;
+    while j < parts.len() {
+        let (ps, rest) = (&p[j * TILE_ROWS..], &mut parts[j..]);
+        j += match rest.len() {
+            r if r >= 4 && d8.is_multiple_of(2) => {
+                microkernel::accumulate::<4, 2, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<4>(rest));
+                4
+            }
+            r if r >= 2 && d8.is_multiple_of(4) => {
+                microkernel::accumulate::<2, 4, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<2>(rest));
+                2
+            }
+            _ if d8.is_multiple_of(8) => {
+                microkernel::accumulate::<1, 8, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<1>(rest));
+                1
+            }
+            _ => {
+                microkernel::accumulate::<1, 1, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<1>(rest));
+                1
+            }
+        };
     }
 }
 

@@ -65,7 +65,7 @@ fn normalize(r: &mut [f32]) {
 /// Spherical k-means over unit rows `x` (`n × d`). Single-threaded: the index runs many of
 /// these (heads × segments) in parallel.
 pub fn spherical_kmeans(x: &[f32], d: usize, params: KMeansParams) -> Result<KMeans> {
-    if d == 0 || x.len() % d != 0 {
+    if d == 0 || !x.len().is_multiple_of(d) {
         return Err(Error::ShapeMismatch { what: "k-means rows", expected: x.len() / d.max(1) * d, got: x.len() });
     }
     if params.clusters == 0 {

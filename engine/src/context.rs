@@ -1,0 +1,72 @@
+//! A context in the catalog: its spec and, per layer, the access method holding its KV.
+
+use crate::error::Result;
+use crate::spec::{ContextSpec, LayerKind, Method};
+use attnstore_buffer::Reservation;
+use attnstore_index::{AccessMethod, FlatIndex, WaveIndex, WindowIndex};
+use attnstore_kernels::{DType, Element};
+use half::{bf16, f16};
+use parking_lot::RwLock;
+use std::fmt;
+
+/// Identifies a context within an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ContextId(pub u64);
+
+impl fmt::Display for ContextId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ctx#{}", self.0)
+    }
+}
+
+/// One layer's KV and its bookkeeping.
+pub(crate) struct Layer {
+    pub kind: LayerKind,
+    pub method: Box<dyn AccessMethod>,
+    /// Host memory held for this layer's KV.
+    pub reservation: Option<Reservation>,
+    /// Bumped by every prefill or append, so a plan can tell it is stale.
+    pub version: u64,
+    pub prefilled: bool,
+}
+
+/// A context: spec plus layers, each behind its own lock so layers ingest in parallel.
+pub(crate) struct Context {
+    pub spec: ContextSpec,
+    pub layers: Vec<RwLock<Layer>>,
+}
+
+impl Context {
+    pub fn new(spec: ContextSpec) -> Result<Self> {
+        let layers = spec
+            .layers
+            .iter()
+            .map(|&kind| {
+                Ok(RwLock::new(Layer {
+                    kind,
+                    method: make_method(&spec, kind)?,
+                    reservation: None,
+                    version: 0,
+                    prefilled: false,
+                }))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { spec, layers })
+    }
+}
+
+fn make_method(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
+    fn typed<E: Element>(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
+        let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
+        Ok(match (kind, spec.method) {
+            (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
+            (LayerKind::Global, Method::Wave(p)) => Box::new(WaveIndex::<E>::new(p, h, d)?),
+            (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
+        })
+    }
+    match spec.dtype {
+        DType::F32 => typed::<f32>(spec, kind),
+        DType::F16 => typed::<f16>(spec, kind),
+        DType::Bf16 => typed::<bf16>(spec, kind),
+    }
+}

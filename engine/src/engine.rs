@@ -1,0 +1,247 @@
+//! The engine: a catalog of contexts, ingest (prefill/append) with validation and memory
+//! budgets, and the entry points of the query-plan API (`plan`, `execute`).
+
+use crate::budget::Budget;
+use crate::context::{Context, ContextId, Layer};
+use crate::error::{check_finite, Error, Result};
+use crate::plan::{Plan, Request};
+use crate::spec::{ContextSpec, LayerKind};
+use attnstore_buffer::{BlockLayout, MemoryBudget, Tier};
+use attnstore_index::IndexStats;
+use parking_lot::RwLock;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Settings of an engine.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineConfig {
+    /// Host memory the engine may fill with KV (bytes); beyond it ingest fails with a typed
+    /// out-of-memory error.
+    pub host_memory_bytes: usize,
+    /// Host read bandwidth assumed by the cost model of EXPLAIN (GB/s).
+    pub host_read_gbps: f64,
+    /// Block size used to count blocks in plans.
+    pub block: BlockLayout,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self { host_memory_bytes: usize::MAX, host_read_gbps: 10.0, block: BlockLayout::default() }
+    }
+}
+
+/// An attnstore engine: owns contexts and plans and executes attention over them.
+///
+/// ```
+/// use attnstore::{Budget, ContextSpec, Engine, EngineConfig, Request};
+/// use attnstore_kernels::AttnShape;
+///
+/// let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+/// let shape = AttnShape::new(4, 2, 8).unwrap();
+/// let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+/// let tokens = 100;
+/// let keys: Vec<f32> = (0..shape.kv_len(tokens)).map(|i| (i % 7) as f32 * 0.1).collect();
+/// engine.prefill(ctx, 0, &keys, &keys).unwrap();
+/// let plan = engine.plan(&[Request::new(ctx, 0, vec![0.5; shape.query_len()])], &Budget::full()).unwrap();
+/// println!("{}", plan.explain());
+/// let out = engine.execute(&plan).unwrap();
+/// assert_eq!(out[0].len(), shape.query_len());
+/// ```
+pub struct Engine {
+    config: EngineConfig,
+    host: Arc<MemoryBudget>,
+    contexts: RwLock<HashMap<ContextId, Arc<Context>>>,
+    next_id: AtomicU64,
+}
+
+impl Engine {
+    /// An engine that keeps all KV in host memory and nothing on disk.
+    pub fn in_memory(config: EngineConfig) -> Result<Self> {
+        if !(config.host_read_gbps.is_finite() && config.host_read_gbps > 0.0) {
+            return Err(Error::InvalidSpec(format!("host_read_gbps {} must be positive", config.host_read_gbps)));
+        }
+        Ok(Self {
+            host: MemoryBudget::new(Tier::Host, config.host_memory_bytes),
+            config,
+            contexts: RwLock::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+        })
+    }
+
+    /// The engine's settings.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// Bytes of host memory held by stored KV.
+    pub fn host_bytes_used(&self) -> usize {
+        self.host.used_bytes()
+    }
+
+    /// Creates an empty context.
+    pub fn create_context(&self, spec: ContextSpec) -> Result<ContextId> {
+        spec.validate()?;
+        let ctx = Arc::new(Context::new(spec)?);
+        // Relaxed: ids only need to be unique, which fetch_add guarantees at any ordering.
+        let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        self.contexts.write().insert(id, ctx);
+        Ok(id)
+    }
+
+    /// Drops a context and releases its memory.
+    pub fn drop_context(&self, id: ContextId) -> Result<()> {
+        self.contexts.write().remove(&id).map(|_| ()).ok_or(Error::UnknownContext(id))
+    }
+
+    /// Ids of all contexts, ascending.
+    pub fn contexts(&self) -> Vec<ContextId> {
+        let mut ids: Vec<_> = self.contexts.read().keys().copied().collect();
+        ids.sort_unstable();
+        ids
+    }
+
+    /// The spec a context was created with.
+    pub fn spec(&self, id: ContextId) -> Result<ContextSpec> {
+        Ok(self.context(id)?.spec.clone())
+    }
+
+    /// Sizes of one layer's stored KV and index.
+    pub fn stats(&self, id: ContextId, layer: usize) -> Result<IndexStats> {
+        let ctx = self.context(id)?;
+        let guard = layer_of(&ctx, id, layer)?.read();
+        Ok(guard.method.stats())
+    }
+
+    /// Stores the prompt's KV of one layer: `keys`/`values` are `kv_heads × tokens × head_dim`
+    /// (post-RoPE keys), f32, converted to the context's storage type. The wave index
+    /// clusters it before returning. A layer is prefilled once; later tokens are appended.
+    pub fn prefill(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.ingest(id, layer, keys, values, true)
+    }
+
+    /// Appends decode tokens to one layer (same layout as [`Engine::prefill`]).
+    pub fn append(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.ingest(id, layer, keys, values, false)
+    }
+
+    fn ingest(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32], prefill: bool) -> Result<()> {
+        let ctx = self.context(id)?;
+        let shape = ctx.spec.shape;
+        let row = shape.kv_heads * shape.head_dim;
+        if !keys.len().is_multiple_of(row) {
+            return Err(Error::ShapeMismatch {
+                what: "keys (kv_heads × tokens × head_dim): a multiple of kv_heads × head_dim",
+                expected: row,
+                got: keys.len(),
+            });
+        }
+        if values.len() != keys.len() {
+            return Err(Error::ShapeMismatch {
+                what: "values (same shape as keys)",
+                expected: keys.len(),
+                got: values.len(),
+            });
+        }
+        check_finite("keys", keys)?;
+        check_finite("values", values)?;
+        let tokens = keys.len() / row;
+        let mut guard = layer_of(&ctx, id, layer)?.write();
+        if prefill && guard.prefilled {
+            return Err(Error::AlreadyPrefilled { context: id, layer, tokens: guard.method.stats().tokens });
+        }
+        let before = guard.method.stats().tokens;
+        let kept_after = match guard.kind {
+            LayerKind::Global => before + tokens,
+            LayerKind::SlidingWindow(w) => (before + tokens).min(w),
+        };
+        let added_bytes = kept_after.saturating_sub(before) * 2 * row * ctx.spec.dtype.size_bytes();
+        let batch = self.host.reserve(added_bytes)?;
+        let layer_state: &mut Layer = &mut guard;
+        if prefill {
+            layer_state.method.prefill(keys, values)?;
+        } else {
+            layer_state.method.append(keys, values)?;
+        }
+        match &mut layer_state.reservation {
+            Some(r) => r.absorb(batch),
+            None => layer_state.reservation = Some(batch),
+        }
+        layer_state.prefilled = true;
+        layer_state.version += 1;
+        Ok(())
+    }
+
+    /// Plans attention for a batch of requests under one budget. Plans are data: inspect
+    /// them with [`Plan::explain`], run them with [`Engine::execute`].
+    pub fn plan(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {
+        budget.validate()?;
+        let plans = requests
+            .iter()
+            .map(|r| {
+                let ctx = self.context(r.context)?;
+                let guard = layer_of(&ctx, r.context, r.layer)?.read_recursive();
+                crate::plan::plan_request(&ctx.spec, &guard, r, budget, &self.config)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Plan { budget: *budget, requests: plans, host_read_gbps: self.config.host_read_gbps })
+    }
+
+    /// Runs a plan: one `q_heads × head_dim` output per request, in request order. Fails
+    /// with [`Error::StalePlan`] if a layer changed since it was planned.
+    pub fn execute(&self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
+        let ctxs = plan.requests.iter().map(|r| self.context(r.context)).collect::<Result<Vec<_>>>()?;
+        let guards = plan
+            .requests
+            .iter()
+            .zip(&ctxs)
+            .map(|(r, ctx)| {
+                let g = layer_of(ctx, r.context, r.layer)?.read_recursive();
+                if g.version != r.version {
+                    return Err(Error::StalePlan {
+                        context: r.context,
+                        layer: r.layer,
+                        planned: r.tokens,
+                        now: g.method.stats().tokens,
+                    });
+                }
+                Ok(g)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let layers: Vec<&Layer> = guards.iter().map(|g| &**g).collect();
+        Ok(crate::execute::run(plan, &layers))
+    }
+
+    /// Token positions that query head `q_head` of request `request` attends exactly under
+    /// `plan` (steady plus retrieved; for recall measurements).
+    pub fn exact_positions(&self, plan: &Plan, request: usize, q_head: usize) -> Result<Vec<u32>> {
+        let r = plan.requests.get(request).ok_or(Error::OutOfRange {
+            what: "request",
+            got: request,
+            limit: plan.requests.len(),
+        })?;
+        if q_head >= r.shape.q_heads {
+            return Err(Error::OutOfRange { what: "query head", got: q_head, limit: r.shape.q_heads });
+        }
+        let ctx = self.context(r.context)?;
+        let guard = layer_of(&ctx, r.context, r.layer)?.read_recursive();
+        if guard.version != r.version {
+            return Err(Error::StalePlan {
+                context: r.context,
+                layer: r.layer,
+                planned: r.tokens,
+                now: guard.method.stats().tokens,
+            });
+        }
+        let g = r.shape.group();
+        Ok(guard.method.exact_positions(q_head / g, &r.heads[q_head / g], q_head % g))
+    }
+
+    fn context(&self, id: ContextId) -> Result<Arc<Context>> {
+        self.contexts.read().get(&id).cloned().ok_or(Error::UnknownContext(id))
+    }
+}
+
+fn layer_of(ctx: &Context, id: ContextId, layer: usize) -> Result<&RwLock<Layer>> {
+    ctx.layers.get(layer).ok_or(Error::UnknownLayer { context: id, layer, layers: ctx.layers.len() })
+}

@@ -1,0 +1,102 @@
+//! The engine's error type: everything a caller can get wrong, and the typed failures of the
+//! layers below, each with what was expected and what came.
+
+use crate::ContextId;
+
+/// Errors of the engine API.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum Error {
+    /// No context with this id exists (never created, or dropped).
+    #[error("unknown context {0}")]
+    UnknownContext(ContextId),
+    /// The layer index is beyond the context's layers.
+    #[error("unknown layer {layer} of context {context}: it has {layers} layers")]
+    UnknownLayer {
+        /// The context.
+        context: ContextId,
+        /// The layer asked for.
+        layer: usize,
+        /// Layers the context has.
+        layers: usize,
+    },
+    /// A buffer had the wrong number of elements.
+    #[error("{what}: expected {expected}, got {got} elements")]
+    ShapeMismatch {
+        /// Which argument, with its expected layout.
+        what: &'static str,
+        /// Elements expected (or a multiple of it, as the message says).
+        expected: usize,
+        /// Elements given.
+        got: usize,
+    },
+    /// Input contained NaN or ±Inf.
+    #[error("{what} contains a non-finite value ({value}) at element {index}")]
+    NonFinite {
+        /// Which argument.
+        what: &'static str,
+        /// Index of the first bad element.
+        index: usize,
+        /// The value found.
+        value: f32,
+    },
+    /// A budget field is out of range.
+    #[error("invalid budget: {0}")]
+    InvalidBudget(String),
+    /// A context spec or engine config is unusable.
+    #[error("invalid spec: {0}")]
+    InvalidSpec(String),
+    /// A layer was prefilled twice; later tokens go through `append`.
+    #[error("layer {layer} of context {context} already holds {tokens} tokens: prefill a layer once, then append")]
+    AlreadyPrefilled {
+        /// The context.
+        context: ContextId,
+        /// The layer.
+        layer: usize,
+        /// Tokens it holds.
+        tokens: usize,
+    },
+    /// The context changed between planning and execution.
+    #[error(
+        "stale plan: layer {layer} of context {context} held {planned} tokens when planned and {now} now; plan again"
+    )]
+    StalePlan {
+        /// The context.
+        context: ContextId,
+        /// The layer.
+        layer: usize,
+        /// Tokens at plan time.
+        planned: usize,
+        /// Tokens now.
+        now: usize,
+    },
+    /// A request index or query head beyond the plan.
+    #[error("{what} {got} out of range (plan has {limit})")]
+    OutOfRange {
+        /// Which index.
+        what: &'static str,
+        /// The index given.
+        got: usize,
+        /// The number of valid entries.
+        limit: usize,
+    },
+    /// An access method rejected its input or parameters.
+    #[error(transparent)]
+    Index(#[from] attnstore_index::Error),
+    /// A kernel rejected its input.
+    #[error(transparent)]
+    Kernel(#[from] attnstore_kernels::Error),
+    /// The buffer manager refused (out of memory, bad block size).
+    #[error(transparent)]
+    Buffer(#[from] attnstore_buffer::Error),
+}
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Returns an error naming the first non-finite element of `data`.
+pub(crate) fn check_finite(what: &'static str, data: &[f32]) -> Result<()> {
+    match data.iter().position(|x| !x.is_finite()) {
+        Some(index) => Err(Error::NonFinite { what, index, value: data[index] }),
+        None => Ok(()),
+    }
+}

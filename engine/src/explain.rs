@@ -1,0 +1,143 @@
+//! EXPLAIN: a plan printed like a database's — per request the strategy and why, then one
+//! line per zone with clusters, tokens, blocks and bytes, then the estimated cost.
+
+use crate::plan::{human_bytes, Plan, RequestPlan, Strategy};
+use attnstore_index::HeadPlan;
+use std::fmt::Write;
+
+impl Plan {
+    /// The plan as text: zones, clusters, tokens, blocks and bytes per tier, estimated cost.
+    pub fn explain(&self) -> String {
+        self.render(false)
+    }
+
+    /// [`Plan::explain`] plus one line per KV head.
+    pub fn explain_verbose(&self) -> String {
+        self.render(true)
+    }
+
+    fn render(&self, verbose: bool) -> String {
+        let mut s = String::new();
+        let _ = writeln!(s, "EXPLAIN  budget: {}  ({} request(s))", self.budget.describe(), self.requests.len());
+        for (i, r) in self.requests.iter().enumerate() {
+            self.render_request(&mut s, i, r, verbose);
+        }
+        s
+    }
+
+    fn render_request(&self, s: &mut String, i: usize, r: &RequestPlan, verbose: bool) {
+        let sh = &r.shape;
+        let _ = writeln!(
+            s,
+            "Request {i}: {} layer {} ({:?}) · {} · {} tokens · {} q heads / {} kv heads · d={} · {}",
+            r.context, r.layer, r.kind, r.method, r.tokens, sh.q_heads, sh.kv_heads, sh.head_dim, r.dtype
+        );
+        let c = &r.cost;
+        let row = sh.head_dim * r.dtype.size_bytes();
+        match &r.strategy {
+            Strategy::Exact { reason } => {
+                let _ = writeln!(s, "  strategy: exact — {reason}");
+                let _ = writeln!(
+                    s,
+                    "  └─ Exact     {} tokens per kv head, all attended    bytes {}",
+                    r.tokens,
+                    human_bytes(c.kv_bytes)
+                );
+            }
+            Strategy::Sparse { zone } => {
+                let q = sh.q_heads as f64;
+                let per_q = |f: &dyn Fn(&attnstore_index::Selection) -> usize| -> f64 {
+                    r.heads.iter().flat_map(|h| &h.selections).map(|sel| (f(sel) * sel.heads) as f64).sum::<f64>() / q
+                };
+                let pct = |t: f64| 100.0 * t / r.tokens.max(1) as f64;
+                let kind = if r.method == "flat" { "oracle top-k over true scores" } else { "tripartite" };
+                let est = if zone.estimate_tokens == usize::MAX {
+                    "rest".to_string()
+                } else {
+                    zone.estimate_tokens.to_string()
+                };
+                let _ = writeln!(
+                    s,
+                    "  strategy: sparse, {kind}; token budgets: retrieve {}, estimate {est}",
+                    zone.retrieve_tokens
+                );
+                let _ = writeln!(
+                    s,
+                    "  ├─ Steady    exact  {:>9} tokens per kv head ({} pending)              bytes {}",
+                    c.steady_tokens,
+                    c.pending_tokens,
+                    human_bytes(sh.kv_heads * c.steady_tokens * 2 * row)
+                );
+                let rt = per_q(&|x| x.retrieve_tokens);
+                let _ = writeln!(
+                    s,
+                    "  ├─ Retrieve  exact  {:>9.1} clusters, {:.0} tokens ({:.2}%) per q head   blocks host {} gpu 0 disk 0   bytes {}",
+                    per_q(&|x| x.retrieve_clusters),
+                    rt,
+                    pct(rt),
+                    c.retrieve_blocks,
+                    human_bytes(c.retrieve_tokens * 2 * row)
+                );
+                let et = per_q(&|x| x.estimate_tokens);
+                let _ = writeln!(
+                    s,
+                    "  ├─ Estimate  meta   {:>9.1} clusters, {:.0} tokens ({:.2}%) per q head   bytes {}",
+                    per_q(&|x| x.estimate.len()),
+                    et,
+                    pct(et),
+                    human_bytes(c.estimate_clusters * row)
+                );
+                let dt = per_q(&|x| x.dropped_tokens);
+                let _ = writeln!(
+                    s,
+                    "  ├─ Dropped          {:>9.1} clusters, {:.0} tokens ({:.2}%) per q head",
+                    per_q(&|x| x.dropped_clusters),
+                    dt,
+                    pct(dt)
+                );
+                let _ = writeln!(
+                    s,
+                    "  ├─ Scoring   meta   {:>9} {} per kv head                               bytes {}",
+                    c.scored / sh.kv_heads.max(1),
+                    if r.method == "flat" { "keys" } else { "centroids" },
+                    human_bytes(c.scored * row)
+                );
+                if verbose {
+                    for (h, head) in r.heads.iter().enumerate() {
+                        render_head(s, h, head);
+                    }
+                }
+            }
+        }
+        let total = c.total_bytes();
+        let _ = writeln!(
+            s,
+            "  └─ Cost      reads {} (gpu {}, host {}, disk {}) = {:.1}% of exact ({}); est. {:.2} ms at {} GB/s host reads",
+            human_bytes(total),
+            human_bytes(c.tier_bytes[0]),
+            human_bytes(c.tier_bytes[1]),
+            human_bytes(c.tier_bytes[2]),
+            100.0 * total as f64 / c.exact_bytes.max(1) as f64,
+            human_bytes(c.exact_bytes),
+            total as f64 / (self.host_read_gbps * 1e6),
+            self.host_read_gbps
+        );
+    }
+}
+
+fn render_head(s: &mut String, h: usize, head: &HeadPlan) {
+    for sel in &head.selections {
+        let _ = writeln!(
+            s,
+            "  │   kv head {h} q {}..{}: retrieve {} clusters / {} tokens in {} spans, estimate {} clusters / {} tokens, drop {} clusters",
+            sel.first_head,
+            sel.first_head + sel.heads,
+            sel.retrieve_clusters,
+            sel.retrieve_tokens,
+            sel.retrieve.len(),
+            sel.estimate.len(),
+            sel.estimate_tokens,
+            sel.dropped_clusters
+        );
+    }
+}

@@ -1,0 +1,284 @@
+//! The planner: turns a request and a budget into a physical plan — per KV head the steady
+//! zone, the retrieved row spans, the estimated clusters — and counts what it will read.
+//! Planning reads only cluster meta data, never KV rows, and never touches a GPU.
+
+use crate::budget::Budget;
+use crate::context::{ContextId, Layer};
+use crate::engine::EngineConfig;
+use crate::error::{check_finite, Error, Result};
+use crate::spec::{ContextSpec, LayerKind, Method};
+use attnstore_buffer::Tier;
+use attnstore_index::{HeadPlan, ZoneBudget};
+use attnstore_kernels::{AttnShape, DType};
+use rayon::prelude::*;
+
+/// One attention request of a decode step: a layer of a context and the query vectors of
+/// all its query heads (`q_heads × head_dim`, post-RoPE).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// The context.
+    pub context: ContextId,
+    /// The layer.
+    pub layer: usize,
+    /// Query vectors, `q_heads × head_dim`.
+    pub queries: Vec<f32>,
+}
+
+impl Request {
+    /// A request for `layer` of `context`.
+    pub fn new(context: ContextId, layer: usize, queries: Vec<f32>) -> Self {
+        Self { context, layer, queries }
+    }
+}
+
+/// How a request is executed.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Strategy {
+    /// Every token attended exactly, and why the planner chose it.
+    Exact {
+        /// The reason, for EXPLAIN.
+        reason: String,
+    },
+    /// Tripartite (or top-k) sparse attention under these token budgets.
+    Sparse {
+        /// Resolved budgets.
+        zone: ZoneBudget,
+    },
+}
+
+/// What a plan will touch, summed over all query heads of a request.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct PlanCost {
+    /// Steady-zone tokens per KV head.
+    pub steady_tokens: usize,
+    /// Of those, tokens waiting to be indexed.
+    pub pending_tokens: usize,
+    /// Clusters retrieved (all selections).
+    pub retrieve_clusters: usize,
+    /// Tokens attended exactly in retrieval zones (all selections).
+    pub retrieve_tokens: usize,
+    /// Blocks the retrieval zones read (K and V).
+    pub retrieve_blocks: usize,
+    /// Clusters estimated (all selections).
+    pub estimate_clusters: usize,
+    /// Tokens those clusters stand for.
+    pub estimate_tokens: usize,
+    /// Clusters dropped (all selections).
+    pub dropped_clusters: usize,
+    /// Tokens dropped (all selections).
+    pub dropped_tokens: usize,
+    /// Centroids (or keys, for a flat top-k) scored.
+    pub scored: usize,
+    /// Bytes of meta data read for scoring and estimation.
+    pub meta_bytes: usize,
+    /// Bytes of KV rows read (steady + retrieved, or all for exact).
+    pub kv_bytes: usize,
+    /// Bytes read per tier: `[gpu, host, disk]`.
+    pub tier_bytes: [usize; 3],
+    /// Bytes exact attention over the same layer reads.
+    pub exact_bytes: usize,
+}
+
+impl PlanCost {
+    /// Bytes the plan reads in total.
+    pub fn total_bytes(&self) -> usize {
+        self.tier_bytes.iter().sum()
+    }
+}
+
+/// The plan of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestPlan {
+    /// The context.
+    pub context: ContextId,
+    /// The layer.
+    pub layer: usize,
+    /// Layer version at plan time (execution refuses a changed layer).
+    pub(crate) version: u64,
+    /// Tokens of the layer at plan time.
+    pub tokens: usize,
+    /// Shape of the context.
+    pub shape: AttnShape,
+    /// Storage type.
+    pub dtype: DType,
+    /// Access method (`wave`, `flat`, `window`).
+    pub method: &'static str,
+    /// Layer kind.
+    pub kind: LayerKind,
+    /// Query vectors.
+    pub queries: Vec<f32>,
+    /// Exact or sparse, and why.
+    pub strategy: Strategy,
+    /// One plan per KV head.
+    pub heads: Vec<HeadPlan>,
+    /// What the plan touches.
+    pub cost: PlanCost,
+}
+
+impl RequestPlan {
+    /// Tokens attended exactly by query head `q_head` (steady + retrieved, or all).
+    pub fn exact_tokens(&self, q_head: usize) -> usize {
+        let g = self.shape.group();
+        let head = &self.heads[q_head / g];
+        if head.exact {
+            return self.tokens;
+        }
+        let j = q_head % g;
+        head.steady_tokens
+            + head
+                .selections
+                .iter()
+                .filter(|s| (s.first_head..s.first_head + s.heads).contains(&j))
+                .map(|s| s.retrieve_tokens)
+                .sum::<usize>()
+    }
+}
+
+/// A physical plan for a batch of requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// The budget it was planned under.
+    pub budget: Budget,
+    /// One plan per request, in request order.
+    pub requests: Vec<RequestPlan>,
+    /// Bandwidth the cost estimate assumes (GB/s).
+    pub host_read_gbps: f64,
+}
+
+pub(crate) fn plan_request(
+    spec: &ContextSpec,
+    layer: &Layer,
+    request: &Request,
+    budget: &Budget,
+    config: &EngineConfig,
+) -> Result<RequestPlan> {
+    let shape = spec.shape;
+    if request.queries.len() != shape.query_len() {
+        return Err(Error::ShapeMismatch {
+            what: "queries (q_heads × head_dim)",
+            expected: shape.query_len(),
+            got: request.queries.len(),
+        });
+    }
+    check_finite("queries", &request.queries)?;
+    let stats = layer.method.stats();
+    let tokens = stats.tokens;
+    let elem = spec.dtype.size_bytes();
+    let row_bytes = shape.head_dim * elem;
+    let exact_bytes = shape.kv_heads * tokens * 2 * row_bytes;
+    let zone = budget.resolve(tokens);
+    let exact_reason = match (layer.kind, spec.method) {
+        (LayerKind::SlidingWindow(w), _) => {
+            Some(format!("sliding-window layer: its last {w} tokens are always attended"))
+        }
+        _ if budget.exact => Some("the budget is full".to_string()),
+        (_, Method::Wave(_)) if stats.clusters == 0 => {
+            Some(format!("nothing indexed yet: all {tokens} tokens are in the steady zone"))
+        }
+        (_, Method::Wave(_)) => {
+            let sparse = estimated_sparse_bytes(&shape, &stats, &zone, row_bytes);
+            (sparse as f64 >= budget.exact_threshold * exact_bytes as f64).then(|| {
+                format!(
+                    "cheaper than sparse: a sparse plan would read ~{} of the {} exact attention reads (threshold {:.0}%)",
+                    human_bytes(sparse),
+                    human_bytes(exact_bytes),
+                    budget.exact_threshold * 100.0
+                )
+            })
+        }
+        (_, Method::Flat) => None,
+    };
+    let g = shape.group();
+    let d = shape.head_dim;
+    let q = &request.queries;
+    let (strategy, heads): (Strategy, Vec<HeadPlan>) = match exact_reason {
+        Some(reason) => (Strategy::Exact { reason }, (0..shape.kv_heads).map(|_| layer.method.plan_exact()).collect()),
+        None => (
+            Strategy::Sparse { zone },
+            (0..shape.kv_heads)
+                .into_par_iter()
+                .map(|h| layer.method.plan_head(h, &q[h * g * d..(h + 1) * g * d], &zone))
+                .collect(),
+        ),
+    };
+    let cost = cost_of(&heads, tokens, row_bytes, exact_bytes, config);
+    Ok(RequestPlan {
+        context: request.context,
+        layer: request.layer,
+        version: layer.version,
+        tokens,
+        shape,
+        dtype: spec.dtype,
+        method: layer.method.name(),
+        kind: layer.kind,
+        queries: request.queries.clone(),
+        strategy,
+        heads,
+        cost,
+    })
+}
+
+/// Bytes a wave plan would read, before planning it: centroids, steady and retrieved KV
+/// (once per query head in per-query-head mode, the worst case), estimated value means.
+fn estimated_sparse_bytes(
+    shape: &AttnShape,
+    stats: &attnstore_index::IndexStats,
+    zone: &ZoneBudget,
+    row_bytes: usize,
+) -> usize {
+    let readers = match zone.mode {
+        attnstore_index::SelectionMode::PerQueryHead => shape.group(),
+        attnstore_index::SelectionMode::PerKvHead => 1,
+    };
+    let indexed = stats.indexed_tokens;
+    let steady = stats.tokens - indexed;
+    let avg = (indexed as f64 / stats.clusters.max(1) as f64).max(1.0);
+    let est_clusters = (zone.estimate_tokens.min(indexed) as f64 / avg) as usize;
+    let per_head = stats.clusters * row_bytes
+        + (steady + zone.retrieve_tokens.min(indexed) * readers) * 2 * row_bytes
+        + est_clusters * row_bytes * readers;
+    per_head * shape.kv_heads
+}
+
+fn cost_of(heads: &[HeadPlan], tokens: usize, row_bytes: usize, exact_bytes: usize, config: &EngineConfig) -> PlanCost {
+    let mut c = PlanCost { exact_bytes, ..PlanCost::default() };
+    for head in heads {
+        c.steady_tokens = head.steady_tokens;
+        c.pending_tokens = head.pending_tokens;
+        if head.exact {
+            c.kv_bytes += tokens * 2 * row_bytes;
+            continue;
+        }
+        c.kv_bytes += head.steady_tokens * 2 * row_bytes;
+        let mut scored = 0;
+        for s in &head.selections {
+            c.retrieve_clusters += s.retrieve_clusters;
+            c.retrieve_tokens += s.retrieve_tokens;
+            c.retrieve_blocks +=
+                s.retrieve.iter().map(|sp| 2 * config.block.blocks_for(sp.len() * row_bytes)).sum::<usize>();
+            c.kv_bytes += s.retrieve_tokens * 2 * row_bytes;
+            c.estimate_clusters += s.estimate.len();
+            c.estimate_tokens += s.estimate_tokens;
+            c.meta_bytes += s.estimate.len() * row_bytes;
+            c.dropped_clusters += s.dropped_clusters;
+            c.dropped_tokens += s.dropped_tokens;
+            scored = scored.max(s.scored);
+        }
+        // Centroids (or keys) of a head are read once per head, whatever the mode.
+        c.scored += scored;
+        c.meta_bytes += scored * row_bytes;
+    }
+    c.tier_bytes[Tier::Host as usize] = c.kv_bytes + c.meta_bytes;
+    c
+}
+
+/// `1234567` → `"1.2 MB"`.
+pub(crate) fn human_bytes(b: usize) -> String {
+    let b = b as f64;
+    match b {
+        _ if b >= 1e9 => format!("{:.2} GB", b / 1e9),
+        _ if b >= 1e6 => format!("{:.1} MB", b / 1e6),
+        _ if b >= 1e3 => format!("{:.1} KB", b / 1e3),
+        _ => format!("{b:.0} B"),
+    }
+}

@@ -1,0 +1,118 @@
+//! Register-blocked inner kernels of [`super::attention`] on 8-lane vectors (`wide::f32x8`,
+//! AVX2+FMA with the workspace's x86-64-v3 target): scores of a tile of keys against `G`
+//! query heads, and the value accumulation `o_i += p_i[t]·v_t`.
+//!
+//! Keys and values are widened from their storage type inside the loops (one conversion
+//! per 8 elements, reused for all `G` heads), so no f32 copy of a tile is ever written.
+//! Accumulators are small fixed arrays that stay in registers: scores take 2 tokens × `G`
+//! heads, values `G` heads × `V` vectors of the head dimension.
+
+use crate::element::Element;
+use wide::f32x8;
+
+/// `out[i·stride + t] = scale · q_i·k_t` for `G` query rows `q` (`G × d8` vectors) and `n`
+/// key rows `k` (`n × 8·d8` elements). While it works it prefetches the rows of `ahead`
+/// (the next tile's keys and values) at the same pace, so memory streams in the background.
+#[inline(always)]
+#[allow(clippy::too_many_arguments, reason = "a hot inner kernel: its operands stay separate")]
+pub(crate) fn scores<const G: usize, E: Element>(
+    q: &[f32x8],
+    k: &[E],
+    n: usize,
+    d8: usize,
+    scale: f32,
+    out: &mut [f32],
+    stride: usize,
+    ahead: [&[E]; 2],
+) {
+    let q = &q[..G * d8];
+    let d = d8 * 8;
+    let mut t = 0;
+    while t + 2 <= n {
+        for rows in ahead {
+            if let Some(r) = rows.get(t * d..(t + 2) * d) {
+                super::prefetch::prefetch(r);
+            }
+        }
+        let (k0, k1) = (&k[t * d..(t + 1) * d], &k[(t + 1) * d..(t + 2) * d]);
+        let mut acc = [[f32x8::ZERO; 2]; G];
+        for (c, (c0, c1)) in k0.chunks_exact(8).zip(k1.chunks_exact(8)).enumerate() {
+            let (a0, a1) = (E::load8(c0), E::load8(c1));
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                let qv = q[i * d8 + c];
+                acc_i[0] = qv.mul_add(a0, acc_i[0]);
+                acc_i[1] = qv.mul_add(a1, acc_i[1]);
+            }
+        }
+        for (i, acc_i) in acc.iter().enumerate() {
+            out[i * stride + t] = acc_i[0].reduce_add() * scale;
+            out[i * stride + t + 1] = acc_i[1].reduce_add() * scale;
+        }
+        t += 2;
+    }
+    if t < n {
+        let mut acc = [f32x8::ZERO; G];
+        for (c, c0) in k[t * d..(t + 1) * d].chunks_exact(8).enumerate() {
+            let a0 = E::load8(c0);
+            for (i, acc_i) in acc.iter_mut().enumerate() {
+                *acc_i = q[i * d8 + c].mul_add(a0, *acc_i);
+            }
+        }
+        for (i, acc_i) in acc.iter().enumerate() {
+            out[i * stride + t] = acc_i.reduce_add() * scale;
+        }
+    }
+}
+
+/// `o_i += Σ_t p[i·stride + t] · v_t` for `G` heads over `n` value rows `v` (`n × 8·d8`
+/// elements), `V` vectors of the head dimension at a time. Requires `d8 % V == 0`.
+#[inline(always)]
+pub(crate) fn accumulate<const G: usize, const V: usize, E: Element>(
+    p: &[f32],
+    stride: usize,
+    v: &[E],
+    n: usize,
+    d8: usize,
+    o: &mut [&mut [f32]; G],
+) {
+    debug_assert!(d8.is_multiple_of(V));
+    let d = d8 * 8;
+    for blk in (0..d).step_by(V * 8) {
+        let mut acc = [[f32x8::ZERO; V]; G];
+        for (a, oi) in acc.iter_mut().zip(o.iter()) {
+            for (x, lanes) in a.iter_mut().zip(oi[blk..blk + V * 8].chunks_exact(8)) {
+                *x = f32x8::from(<[f32; 8]>::try_from(lanes).unwrap_or_default());
+            }
+        }
+        for t in 0..n {
+            let mut row = [f32x8::ZERO; V];
+            for (r, lanes) in row.iter_mut().zip(v[t * d + blk..t * d + blk + V * 8].chunks_exact(8)) {
+                *r = E::load8(lanes);
+            }
+            for (i, a) in acc.iter_mut().enumerate() {
+                let pi = f32x8::splat(p[i * stride + t]);
+                for (x, &vv) in a.iter_mut().zip(&row) {
+                    *x = pi.mul_add(vv, *x);
+                }
+            }
+        }
+        for (a, oi) in acc.iter().zip(o.iter_mut()) {
+            for (x, lanes) in a.iter().zip(oi[blk..blk + V * 8].chunks_exact_mut(8)) {
+                lanes.copy_from_slice(&x.to_array());
+            }
+        }
+    }
+}
+
+/// `exp(s − m)` in place over `s` (a multiple of 8 long), returning the sum.
+#[inline(always)]
+pub(crate) fn exp_shifted_sum(s: &mut [f32], m: f32) -> f32 {
+    let mv = f32x8::splat(m);
+    let mut sum = f32x8::ZERO;
+    for lanes in s.chunks_exact_mut(8) {
+        let e = (f32x8::from(<[f32; 8]>::try_from(&*lanes).unwrap_or_default()) - mv).exp();
+        lanes.copy_from_slice(&e.to_array());
+        sum += e;
+    }
+    sum.reduce_add()
+}
