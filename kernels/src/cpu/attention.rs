@@ -330,6 +330,24 @@ mod tests {
     }
 
     #[test]
+    fn every_head_dim_and_group_size_path_matches_the_reference() {
+        // d = 12 takes the unaligned path; 24 the 1-vector blocks; 64 and 128 the wide ones.
+        // Groups of 1, 3 (2 + 1), 4 and 7 (4 + 2 + 1) cover every head-blocking branch.
+        for (d, g) in [(12, 3), (24, 3), (24, 7), (64, 1), (128, 4), (128, 7), (40, 2)] {
+            let shape = AttnShape::new(g * 2, 2, d).unwrap();
+            let tokens = 301;
+            let k = randn(shape.kv_len(tokens), d as u64);
+            let v = randn(shape.kv_len(tokens), 100 + d as u64);
+            let q = randn(shape.query_len(), 200 + g as u64);
+            let kv = HeadsView::new(&k, 2, tokens, d).unwrap();
+            let vv = HeadsView::new(&v, 2, tokens, d).unwrap();
+            let err =
+                rel_l2(&exact_attention(&shape, &q, kv, vv).unwrap(), &reference_attention(&shape, &q, kv, vv, None));
+            assert!(err < 1e-5, "d={d} g={g}: {err}");
+        }
+    }
+
+    #[test]
     fn wrong_query_length_is_a_shape_error() {
         let shape = AttnShape::new(4, 2, 8).unwrap();
         let k = vec![0.0f32; 2 * 3 * 8];
