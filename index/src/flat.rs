@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
-use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
-use attnstore_kernels::cpu::scoring::{score_rows, top_r};
+use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
+use attnstore_kernels::cpu::scoring::{score_group, top_r};
 use attnstore_kernels::{Element, Partial};
 
 /// Exact access method over the KV heads of one layer.
@@ -91,14 +91,8 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
     fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan {
         let d = self.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
-        let scores: Vec<Vec<f32>> = q
-            .chunks_exact(d)
-            .map(|qj| {
-                let mut s = Vec::new();
-                score_rows(qj, &self.keys[kv_head], scale, &mut s);
-                s
-            })
-            .collect();
+        let mut scores = vec![Vec::new(); q.len() / d];
+        score_group(q, scores.len(), &self.keys[kv_head], scale, &mut scores);
         let k = budget.retrieve_tokens.min(self.tokens);
         let selections = match budget.mode {
             SelectionMode::PerQueryHead => {
@@ -125,10 +119,11 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
             let out = &mut parts[sel.first_head..sel.first_head + sel.heads];
-            for span in &sel.retrieve {
+            let rows = sel.retrieve.iter().map(|span| {
                 let rows = span.start as usize * d..span.end as usize * d;
-                attend_rows(qs, scale, &keys[rows.clone()], &values[rows], out, scratch);
-            }
+                (&keys[rows.clone()], &values[rows])
+            });
+            attend_spans(qs, scale, rows, out, scratch);
         }
         parts
     }

@@ -7,9 +7,9 @@ use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode, ZoneBudget};
 use crate::segment::{build_head_segment, BuildParams, HeadSegment};
-use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
-use attnstore_kernels::cpu::estimate::{estimate_partial, EstimateItem};
-use attnstore_kernels::cpu::scoring::{score_rows, top_r};
+use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
+use attnstore_kernels::cpu::estimate::estimate_group;
+use attnstore_kernels::cpu::scoring::{score_group, top_r};
 use attnstore_kernels::{Element, Partial};
 use rayon::prelude::*;
 
@@ -345,14 +345,8 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         }
         let d = self.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
-        let scores: Vec<Vec<f32>> = q
-            .chunks_exact(d)
-            .map(|qj| {
-                let mut s = Vec::new();
-                score_rows(qj, &dir.centroids, scale, &mut s);
-                s
-            })
-            .collect();
+        let mut scores = vec![Vec::new(); q.len() / d];
+        score_group(q, scores.len(), &dir.centroids, scale, &mut scores);
         plan.selections = match budget.mode {
             SelectionMode::PerQueryHead => scores
                 .iter()
@@ -385,22 +379,20 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
             let mut sub = vec![Partial::empty(d); sel.heads];
-            for span in &sel.retrieve {
+            let rows = sel.retrieve.iter().map(|span| {
                 let seg = &store.segments[span.unit as usize];
                 let rows = span.start as usize * d..span.end as usize * d;
-                attend_rows(qs, scale, &seg.keys[rows.clone()], &seg.values[rows], &mut sub, scratch);
-            }
-            let ne = sel.estimate.len();
-            for (i, part) in sub.iter_mut().enumerate() {
-                let items = sel.estimate.iter().zip(&sel.estimate_scores[i * ne..(i + 1) * ne]).map(|(&id, &score)| {
-                    let id = id as usize;
-                    EstimateItem {
-                        score,
-                        size: store.dir.sizes[id] as f32,
-                        value_mean: &store.dir.value_means[id * d..(id + 1) * d],
-                    }
-                });
-                part.merge(&estimate_partial(d, items));
+                (&seg.keys[rows.clone()], &seg.values[rows])
+            });
+            attend_spans(qs, scale, rows, &mut sub, scratch);
+            let sizes: Vec<f32> = sel.estimate.iter().map(|&id| store.dir.sizes[id as usize] as f32).collect();
+            let value_mean = |c: usize| {
+                let id = sel.estimate[c] as usize;
+                &store.dir.value_means[id * d..(id + 1) * d]
+            };
+            let estimated = estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads);
+            for (i, (part, est)) in sub.iter_mut().zip(&estimated).enumerate() {
+                part.merge(est);
                 parts[sel.first_head + i].merge(part);
             }
         }

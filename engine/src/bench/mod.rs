@@ -136,24 +136,28 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     let kv_bytes = 2 * shape.kv_len(tokens) * E::DTYPE.size_bytes();
     pb.inc(1);
 
-    pb.set_message("memory-read baseline");
+    pb.set_message("memory-read baseline and exact attention, interleaved");
+    // Every speed is a ratio against a baseline timed in the same loop, interleaved rep by
+    // rep, so that the noise of a shared machine hits both alike.
     let buf: Vec<u64> = (0..kv_bytes / 8).map(|i| i as u64).collect();
-    let mem_us = memread_us(&buf, reps * 2);
+    let exact_once = |q: &[f32]| {
+        time_us(|| {
+            std::hint::black_box(exact_attention(&shape, q, kview, vview).ok());
+        })
+    };
+    let (mut mem_samples, mut samples) = (Vec::new(), Vec::new());
+    for q in &queries {
+        for _ in 0..reps {
+            mem_samples.push(memread_us(&buf, 1));
+            samples.push(exact_once(q));
+        }
+    }
     drop(buf);
+    let mem_us = median(mem_samples);
     let mut r = base_row(cfg, "memread", "sum", tokens);
     r.set("time_us", mem_us).set("gbps", kv_bytes as f64 / mem_us / 1e3).set("bytes_host", kv_bytes);
     emit(r);
     pb.inc(1);
-
-    pb.set_message("exact attention");
-    let mut samples = Vec::new();
-    for q in &queries {
-        for _ in 0..reps {
-            samples.push(time_us(|| {
-                std::hint::black_box(exact_attention(&shape, q, kview, vview).ok());
-            }));
-        }
-    }
     let exact_us = median(samples);
     let mut r = base_row(cfg, "decode", "exact", tokens);
     r.set("time_us", exact_us)
@@ -205,15 +209,21 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
             .with_estimate(share);
         let (mut samples, mut errs, mut oracle_errs, mut recalls, mut exact_tok, mut bytes) =
             (vec![], vec![], vec![], vec![], vec![], 0);
+        let (mut plan_samples, mut exec_samples, mut base_samples) = (vec![], vec![], vec![]);
         for (q, reference) in queries.iter().zip(&references) {
             let req = [Request::new(wave, 0, q.clone())];
             let mut out = Vec::new();
             let mut last_plan = None;
             for _ in 0..reps {
+                base_samples.push(exact_once(q));
                 let t = Instant::now();
                 let plan = engine.plan(&req, &budget)?;
+                let planned = t.elapsed().as_secs_f64() * 1e6;
                 out = engine.execute(&plan)?;
-                samples.push(t.elapsed().as_secs_f64() * 1e6);
+                let total = t.elapsed().as_secs_f64() * 1e6;
+                samples.push(total);
+                plan_samples.push(planned);
+                exec_samples.push(total - planned);
                 last_plan = Some(plan);
             }
             let Some(plan) = last_plan else { continue };
@@ -245,14 +255,17 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
         if default_exact_tokens.is_none() {
             default_exact_tokens = Some(avg_exact.round() as usize);
         }
+        let base_us = median(base_samples);
         let mut r = base_row(cfg, "decode", "wave", tokens);
         r.set("selection", mode.name())
             .set("retrieve_frac", cfg.retrieve)
             .set("estimate_frac", share_value(share))
             .set("time_us", us)
+            .set("plan_us", median(plan_samples))
+            .set("execute_us", median(exec_samples))
             .set("baseline", "exact")
-            .set("baseline_time_us", exact_us)
-            .set("speedup", exact_us / us)
+            .set("baseline_time_us", base_us)
+            .set("speedup", base_us / us)
             .set("rel_l2_error", mean(&errs))
             .set("oracle_rel_l2_error", mean(&oracle_errs))
             .set("recall", mean(&recalls))
@@ -267,11 +280,12 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     let n = default_exact_tokens.unwrap_or(cfg.retrieve_floor);
     let budget =
         Budget::default().with_retrieve(0.0).with_retrieve_floor(n).with_estimate(EstimateShare::Fraction(0.0));
-    let (mut samples, mut errs) = (vec![], vec![]);
+    let (mut samples, mut errs, mut base_samples) = (vec![], vec![], vec![]);
     for (q, reference) in queries.iter().zip(&references) {
         let req = [Request::new(flat, 0, q.clone())];
         let mut out = Vec::new();
         for _ in 0..reps {
+            base_samples.push(exact_once(q));
             let t = Instant::now();
             let plan = engine.plan(&req, &budget)?;
             out = engine.execute(&plan)?;
@@ -280,12 +294,13 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
         errs.push(rel_l2(&out[0], reference));
     }
     let us = median(samples);
+    let base_us = median(base_samples);
     let mut r = base_row(cfg, "decode", "oracle_topk", tokens);
     r.set("selection", SelectionMode::PerQueryHead.name())
         .set("time_us", us)
         .set("baseline", "exact")
-        .set("baseline_time_us", exact_us)
-        .set("speedup", exact_us / us)
+        .set("baseline_time_us", base_us)
+        .set("speedup", base_us / us)
         .set("rel_l2_error", errs.iter().sum::<f64>() / errs.len().max(1) as f64)
         .set("recall", 1.0)
         .set("exact_tokens", n);

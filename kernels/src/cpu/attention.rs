@@ -7,6 +7,7 @@
 
 use super::microkernel;
 use super::partial::Partial;
+use super::prefetch::prefetch;
 use super::simd::{axpy, dot};
 use crate::element::Element;
 use crate::error::{Error, Result};
@@ -41,35 +42,73 @@ pub fn attend_rows<E: Element>(
     parts: &mut [Partial],
     scratch: &mut Scratch,
 ) {
+    attend_spans(q, scale, std::iter::once((keys, values)), parts, scratch);
+}
+
+/// [`attend_rows`] over many runs of rows (the retrieved clusters of a plan), preparing the
+/// queries once for all of them.
+pub fn attend_spans<'a, E: Element>(
+    q: &[f32],
+    scale: f32,
+    spans: impl IntoIterator<Item = (&'a [E], &'a [E])>,
+    parts: &mut [Partial],
+    scratch: &mut Scratch,
+) {
     let g = parts.len();
-    if g == 0 || keys.is_empty() {
+    if g == 0 {
         return;
     }
     let d = q.len() / g;
     debug_assert_eq!(q.len(), g * d);
-    debug_assert_eq!(keys.len(), values.len());
-    debug_assert_eq!(keys.len() % d, 0);
-    if !d.is_multiple_of(8) {
-        return attend_rows_unaligned(q, scale, keys, values, parts, scratch);
+    if d % 8 != 0 {
+        for (keys, values) in spans {
+            attend_rows_unaligned(q, scale, keys, values, parts, scratch);
+        }
+        return;
     }
-    let d8 = d / 8;
     scratch.queries.clear();
     scratch.queries.extend(q.chunks_exact(8).map(|c| f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default())));
     scratch.scores.resize(TILE_ROWS * g, 0.0);
+    // Retrieved clusters are short runs scattered over the head's storage: no hardware
+    // prefetcher can guess the next one, so ask for the runs two ahead before working.
+    let spans: Vec<(&[E], &[E])> = spans.into_iter().collect();
+    for (i, &(keys, values)) in spans.iter().enumerate() {
+        if let Some(&(k, v)) = spans.get(i + 2) {
+            prefetch(&k[..k.len().min(TILE_ROWS * d)]);
+            prefetch(&v[..v.len().min(TILE_ROWS * d)]);
+        }
+        debug_assert_eq!(keys.len(), values.len());
+        debug_assert_eq!(keys.len() % d, 0);
+        attend_tiles(&scratch.queries, scale, keys, values, parts, &mut scratch.scores, d);
+    }
+}
+
+/// The tile loop of [`attend_spans`] for one run of rows.
+fn attend_tiles<E: Element>(
+    q: &[f32x8],
+    scale: f32,
+    keys: &[E],
+    values: &[E],
+    parts: &mut [Partial],
+    scores: &mut [f32],
+    d: usize,
+) {
+    let (g, d8) = (parts.len(), d / 8);
     let tile = TILE_ROWS * d;
     for (i, (ktile, vtile)) in keys.chunks(tile).zip(values.chunks(tile)).enumerate() {
         let n = ktile.len() / d;
         let next = ((i + 1) * tile).min(keys.len())..((i + 2) * tile).min(keys.len());
         let ahead = [&keys[next.clone()], &values[next]];
-        tile_scores(&scratch.queries, g, d8, ktile, n, scale, &mut scratch.scores, ahead);
+        tile_scores(q, g, d8, ktile, n, scale, scores, TILE_ROWS, ahead);
         for (j, part) in parts.iter_mut().enumerate() {
-            let s = &mut scratch.scores[j * TILE_ROWS..(j + 1) * TILE_ROWS];
+            // Only the first n scores are live; pad them to whole vectors with -inf (weight 0).
+            let s = &mut scores[j * TILE_ROWS..j * TILE_ROWS + n.next_multiple_of(8)];
             s[n..].fill(f32::NEG_INFINITY);
             let tile_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
             part.rescale_to(part.m.max(tile_max));
             part.l += microkernel::exp_shifted_sum(s, part.m);
         }
-        tile_values(&scratch.scores, vtile, n, d8, parts);
+        tile_values(scores, vtile, n, d8, parts);
     }
 }
 
@@ -100,7 +139,7 @@ fn attend_rows_unaligned<E: Element>(
 
 /// Scores of a key tile against all `g` query heads, 4, 2 or 1 heads at a time.
 #[allow(clippy::too_many_arguments, reason = "a hot inner kernel: its operands stay separate")]
-fn tile_scores<E: Element>(
+pub(crate) fn tile_scores<E: Element>(
     q: &[f32x8],
     g: usize,
     d8: usize,
@@ -108,11 +147,12 @@ fn tile_scores<E: Element>(
     n: usize,
     scale: f32,
     out: &mut [f32],
+    stride: usize,
     ahead: [&[E]; 2],
 ) {
     let mut j = 0;
     while j < g {
-        let (qs, os) = (&q[j * d8..], &mut out[j * TILE_ROWS..]);
+        let (qs, os) = (&q[j * d8..], &mut out[j * stride..]);
         j += match g - j {
             r if r >= 4 => {
                 microkernel::scores::<4, E>(
@@ -159,28 +199,42 @@ fn tile_scores<E: Element>(
 
 /// `o_j += Σ_t p_j[t]·v_t` for every head of `parts`, 4, 2 or 1 heads at a time.
 fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial]) {
+    let d = d8 * 8;
+    weighted_rows(p, TILE_ROWS, |t| &v[t * d..(t + 1) * d], n, d8, parts);
+}
+
+/// `o_j += Σ_t p[j·stride + t]·row(t)` for every head `j` of `parts` (rows of `8·d8`
+/// elements), 4, 2 or 1 heads at a time: the value side of exact and estimated zones.
+pub(crate) fn weighted_rows<'a, E: Element>(
+    p: &[f32],
+    stride: usize,
+    row: impl Fn(usize) -> &'a [E] + Copy,
+    n: usize,
+    d8: usize,
+    parts: &mut [Partial],
+) {
     fn heads<const G: usize>(parts: &mut [Partial]) -> [&mut [f32]; G] {
         let mut it = parts.iter_mut();
         std::array::from_fn(|_| it.next().map(|p| p.o.as_mut_slice()).unwrap_or_default())
     }
     let mut j = 0;
     while j < parts.len() {
-        let (ps, rest) = (&p[j * TILE_ROWS..], &mut parts[j..]);
+        let (ps, rest) = (&p[j * stride..], &mut parts[j..]);
         j += match rest.len() {
             r if r >= 4 && d8.is_multiple_of(2) => {
-                microkernel::accumulate::<4, 2, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<4>(rest));
+                microkernel::accumulate_rows::<4, 2, E>(ps, stride, row, n, d8, &mut heads::<4>(rest));
                 4
             }
             r if r >= 2 && d8.is_multiple_of(4) => {
-                microkernel::accumulate::<2, 4, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<2>(rest));
+                microkernel::accumulate_rows::<2, 4, E>(ps, stride, row, n, d8, &mut heads::<2>(rest));
                 2
             }
             _ if d8.is_multiple_of(8) => {
-                microkernel::accumulate::<1, 8, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<1>(rest));
+                microkernel::accumulate_rows::<1, 8, E>(ps, stride, row, n, d8, &mut heads::<1>(rest));
                 1
             }
             _ => {
-                microkernel::accumulate::<1, 1, E>(ps, TILE_ROWS, v, n, d8, &mut heads::<1>(rest));
+                microkernel::accumulate_rows::<1, 1, E>(ps, stride, row, n, d8, &mut heads::<1>(rest));
                 1
             }
         };

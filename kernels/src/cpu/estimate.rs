@@ -18,6 +18,51 @@ pub struct EstimateItem<'a, E> {
     pub value_mean: &'a [E],
 }
 
+/// Estimation partials of `heads` query heads that share one list of `n` clusters:
+/// `scores` holds `heads × n` scaled scores, `sizes` the cluster sizes, and `value_mean(c)`
+/// the mean value row of the `c`-th listed cluster (`head_dim` elements). The weights
+/// `size·exp(s − m)` are computed with vector exp and folded in with the same register-
+/// blocked kernel as exact values, so one read of a value mean serves every head.
+pub fn estimate_group<'a, E: Element>(
+    scores: &[f32],
+    sizes: &[f32],
+    value_mean: impl Fn(usize) -> &'a [E] + Copy,
+    head_dim: usize,
+    heads: usize,
+) -> Vec<Partial> {
+    let n = sizes.len();
+    let mut parts = vec![Partial::empty(head_dim); heads];
+    if n == 0 {
+        return parts;
+    }
+    let stride = n.next_multiple_of(8);
+    let mut weights = vec![f32::NEG_INFINITY; heads * stride];
+    for (j, part) in parts.iter_mut().enumerate() {
+        let w = &mut weights[j * stride..(j + 1) * stride];
+        w[..n].copy_from_slice(&scores[j * n..(j + 1) * n]);
+        part.m = w[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        super::microkernel::exp_shifted_sum(w, part.m);
+        let mut l = 0.0;
+        for (x, s) in w.iter_mut().zip(sizes) {
+            *x *= s;
+            l += *x;
+        }
+        part.l = l;
+    }
+    if head_dim.is_multiple_of(8) {
+        super::attention::weighted_rows(&weights, stride, value_mean, n, head_dim / 8, &mut parts);
+    } else {
+        let mut wide = vec![0.0f32; head_dim];
+        for (j, part) in parts.iter_mut().enumerate() {
+            for c in 0..n {
+                E::widen(value_mean(c), &mut wide);
+                axpy(weights[j * stride + c], &wide, &mut part.o);
+            }
+        }
+    }
+    parts
+}
+
 /// The estimation partial of one query head over `items` (single pass, online rescaling).
 pub fn estimate_partial<'a, E: Element>(
     head_dim: usize,
@@ -45,6 +90,31 @@ mod tests {
     use super::super::attention::{attend_ranges, Scratch};
     use super::*;
     use crate::random::SplitMix64;
+
+    #[test]
+    fn group_estimation_equals_per_item_estimation() {
+        for d in [12, 64] {
+            let (heads, n) = (3, 101);
+            let mut g = SplitMix64::new(d as u64);
+            let v: Vec<f32> = (0..n * d).map(|_| g.normal()).collect();
+            let scores: Vec<f32> = (0..heads * n).map(|_| g.normal() * 3.0).collect();
+            let sizes: Vec<f32> = (0..n).map(|i| (1 + i % 20) as f32).collect();
+            let group = estimate_group(&scores, &sizes, |c| &v[c * d..(c + 1) * d], d, heads);
+            for (j, got) in group.iter().enumerate() {
+                let want = estimate_partial(
+                    d,
+                    (0..n).map(|c| EstimateItem {
+                        score: scores[j * n + c],
+                        size: sizes[c],
+                        value_mean: &v[c * d..(c + 1) * d],
+                    }),
+                );
+                for (a, b) in got.finish().iter().zip(want.finish()) {
+                    assert!((a - b).abs() < 1e-5, "d={d} head {j}: {a} vs {b}");
+                }
+            }
+        }
+    }
 
     #[test]
     fn estimation_over_clusters_of_size_one_equals_exact() {

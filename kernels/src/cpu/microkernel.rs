@@ -64,13 +64,14 @@ pub(crate) fn scores<const G: usize, E: Element>(
     }
 }
 
-/// `o_i += Σ_t p[i·stride + t] · v_t` for `G` heads over `n` value rows `v` (`n × 8·d8`
-/// elements), `V` vectors of the head dimension at a time. Requires `d8 % V == 0`.
+/// `o_i += Σ_t p[i·stride + t] · row(t)` for `G` heads over `n` rows fetched by `row(t)`
+/// (each `8·d8` elements: a tile's value rows, or the estimation zone's gathered cluster
+/// value means), `V` vectors of the head dimension at a time. Requires `d8 % V == 0`.
 #[inline(always)]
-pub(crate) fn accumulate<const G: usize, const V: usize, E: Element>(
+pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
     p: &[f32],
     stride: usize,
-    v: &[E],
+    row: impl Fn(usize) -> &'a [E],
     n: usize,
     d8: usize,
     o: &mut [&mut [f32]; G],
@@ -85,13 +86,13 @@ pub(crate) fn accumulate<const G: usize, const V: usize, E: Element>(
             }
         }
         for t in 0..n {
-            let mut row = [f32x8::ZERO; V];
-            for (r, lanes) in row.iter_mut().zip(v[t * d + blk..t * d + blk + V * 8].chunks_exact(8)) {
+            let mut vrow = [f32x8::ZERO; V];
+            for (r, lanes) in vrow.iter_mut().zip(row(t)[blk..blk + V * 8].chunks_exact(8)) {
                 *r = E::load8(lanes);
             }
             for (i, a) in acc.iter_mut().enumerate() {
                 let pi = f32x8::splat(p[i * stride + t]);
-                for (x, &vv) in a.iter_mut().zip(&row) {
+                for (x, &vv) in a.iter_mut().zip(&vrow) {
                     *x = pi.mul_add(vv, *x);
                 }
             }

@@ -2,6 +2,7 @@
 
 use super::simd::dot;
 use crate::element::Element;
+use wide::f32x8;
 
 /// Writes `scale · q·row` for every `d`-element row of `rows` into `out` (cleared first).
 /// Rows are widened 64 at a time so narrow storage costs no extra pass.
@@ -14,6 +15,34 @@ pub fn score_rows<E: Element>(q: &[f32], rows: &[E], scale: f32, out: &mut Vec<f
         let wide = &mut buf[..tile.len()];
         E::widen(tile, wide);
         out.extend(wide.chunks_exact(d).map(|r| dot(q, r) * scale));
+    }
+}
+
+/// Scores of every row of `rows` (`n × d`) against all `g` query heads of `q` (`g × d`)
+/// in one pass over `rows`: `out[j]` receives the `n` scaled scores of head `j`. This is
+/// the planner's centroid scoring: one read of a head's meta data serves its whole group.
+pub fn score_group<E: Element>(q: &[f32], g: usize, rows: &[E], scale: f32, out: &mut [Vec<f32>]) {
+    let d = q.len() / g.max(1);
+    let n = rows.len() / d.max(1);
+    for o in out.iter_mut() {
+        o.clear();
+        o.resize(n, 0.0);
+    }
+    if d % 8 != 0 {
+        for (j, qj) in q.chunks_exact(d).enumerate() {
+            score_rows(qj, rows, scale, &mut out[j]);
+        }
+        return;
+    }
+    const TILE: usize = 256;
+    let qv: Vec<f32x8> = q.chunks_exact(8).map(|c| f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default())).collect();
+    let mut buf = vec![0.0f32; TILE * g];
+    for (t, tile) in rows.chunks(TILE * d).enumerate() {
+        let m = tile.len() / d;
+        super::attention::tile_scores(&qv, g, d / 8, tile, m, scale, &mut buf, TILE, [&[], &[]]);
+        for (j, o) in out.iter_mut().enumerate() {
+            o[t * TILE..t * TILE + m].copy_from_slice(&buf[j * TILE..j * TILE + m]);
+        }
     }
 }
 
@@ -48,6 +77,23 @@ mod tests {
             all.sort_by(|a, b| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b)));
             all.truncate(r);
             prop_assert_eq!(got, all);
+        }
+    }
+
+    #[test]
+    fn group_scoring_matches_per_head_scoring() {
+        for d in [8, 12, 64] {
+            let q: Vec<f32> = (0..3 * d).map(|i| (i % 7) as f32 - 3.0).collect();
+            let rows: Vec<f32> = (0..300 * d).map(|i| ((i * 31) % 11) as f32 * 0.1).collect();
+            let mut group = vec![Vec::new(); 3];
+            score_group(&q, 3, &rows, 0.5, &mut group);
+            for (j, got) in group.iter().enumerate() {
+                let mut want = Vec::new();
+                score_rows(&q[j * d..(j + 1) * d], &rows, 0.5, &mut want);
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() < 1e-3 * (1.0 + b.abs()), "d={d}: {a} vs {b}");
+                }
+            }
         }
     }
 
