@@ -68,8 +68,8 @@ struct BenchArgs {
     /// Estimation shares to compare: fractions of tokens, or `rest` (every cluster not retrieved).
     #[arg(long, default_value = "0.232,rest", value_delimiter = ',', value_parser = parse_share)]
     estimate: Vec<EstimateShare>,
-    /// Selection modes to compare: per-query-head, per-kv-head.
-    #[arg(long, default_value = "per-query-head,per-kv-head", value_delimiter = ',', value_parser = parse_mode)]
+    /// Selection modes to compare: per-kv-head, per-query-head.
+    #[arg(long, default_value = "per-kv-head,per-query-head", value_delimiter = ',', value_parser = parse_mode)]
     selection: Vec<SelectionMode>,
     /// Decode steps (distinct queries) per configuration.
     #[arg(long, default_value_t = 4)]
@@ -94,8 +94,8 @@ struct ExplainArgs {
     /// Estimation share: a fraction of tokens, or `rest`.
     #[arg(long, default_value = "0.232", value_parser = parse_share)]
     estimate: EstimateShare,
-    /// Selection mode: per-query-head or per-kv-head.
-    #[arg(long, default_value = "per-query-head", value_parser = parse_mode)]
+    /// Selection mode: per-kv-head (default) or per-query-head.
+    #[arg(long, default_value = "per-kv-head", value_parser = parse_mode)]
     selection: SelectionMode,
     /// Exact attention (full budget).
     #[arg(long)]

@@ -8,9 +8,9 @@ use attnstore_kernels::Partial;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SelectionMode {
     /// Every query head picks its own clusters (more accurate; reads up to `group×` more KV).
-    #[default]
     PerQueryHead,
     /// One choice per KV head from the group's best score per cluster (one read serves all).
+    #[default]
     PerKvHead,
 }
 

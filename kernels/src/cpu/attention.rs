@@ -60,7 +60,7 @@ pub fn attend_spans<'a, E: Element>(
     }
     let d = q.len() / g;
     debug_assert_eq!(q.len(), g * d);
-    if d % 8 != 0 {
+    if !d.is_multiple_of(8) {
         for (keys, values) in spans {
             attend_rows_unaligned(q, scale, keys, values, parts, scratch);
         }

@@ -28,7 +28,7 @@ pub fn score_group<E: Element>(q: &[f32], g: usize, rows: &[E], scale: f32, out:
         o.clear();
         o.resize(n, 0.0);
     }
-    if d % 8 != 0 {
+    if !d.is_multiple_of(8) {
         for (j, qj) in q.chunks_exact(d).enumerate() {
             score_rows(qj, rows, scale, &mut out[j]);
         }
