@@ -197,14 +197,7 @@ impl Engine {
             .zip(&ctxs)
             .map(|(r, ctx)| {
                 let g = layer_of(ctx, r.context, r.layer)?.read_recursive();
-                if g.version != r.version {
-                    return Err(Error::StalePlan {
-                        context: r.context,
-                        layer: r.layer,
-                        planned: r.tokens,
-                        now: g.method.stats().tokens,
-                    });
-                }
+                check_fresh(r, &g)?;
                 Ok(g)
             })
             .collect::<Result<Vec<_>>>()?;
@@ -225,14 +218,7 @@ impl Engine {
         }
         let ctx = self.context(r.context)?;
         let guard = layer_of(&ctx, r.context, r.layer)?.read_recursive();
-        if guard.version != r.version {
-            return Err(Error::StalePlan {
-                context: r.context,
-                layer: r.layer,
-                planned: r.tokens,
-                now: guard.method.stats().tokens,
-            });
-        }
+        check_fresh(r, &guard)?;
         let g = r.shape.group();
         Ok(guard.method.exact_positions(q_head / g, &r.heads[q_head / g], q_head % g))
     }
@@ -240,6 +226,14 @@ impl Engine {
     fn context(&self, id: ContextId) -> Result<Arc<Context>> {
         self.contexts.read().get(&id).cloned().ok_or(Error::UnknownContext(id))
     }
+}
+
+/// Refuses a plan made before the layer last changed.
+fn check_fresh(r: &crate::plan::RequestPlan, layer: &Layer) -> Result<()> {
+    if layer.version == r.version {
+        return Ok(());
+    }
+    Err(Error::StalePlan { context: r.context, layer: r.layer, planned: r.tokens, now: layer.method.stats().tokens })
 }
 
 fn layer_of(ctx: &Context, id: ContextId, layer: usize) -> Result<&RwLock<Layer>> {

@@ -2,7 +2,10 @@
 //! exact top-k over true scores — the oracle the approximate methods are measured against.
 
 use crate::error::{Error, Result};
-use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
+use crate::method::{
+    batch_tokens, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode,
+    ZoneBudget,
+};
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
 use attnstore_kernels::{Element, Partial};
@@ -61,21 +64,11 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
     }
 
     fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
-        let row = self.kv_heads * self.head_dim;
-        if !keys.len().is_multiple_of(row) || values.len() != keys.len() {
-            return Err(Error::ShapeMismatch {
-                what: "keys and values (kv_heads × tokens × head_dim each)",
-                expected: keys.len() / row * row,
-                got: if !keys.len().is_multiple_of(row) { keys.len() } else { values.len() },
-            });
-        }
-        let n = keys.len() / row;
+        let n = batch_tokens(self.kv_heads, self.head_dim, keys, values)?;
         let d = self.head_dim;
         for h in 0..self.kv_heads {
             for (dst, src) in [(&mut self.keys[h], keys), (&mut self.values[h], values)] {
-                let at = dst.len();
-                dst.resize(at + n * d, E::default());
-                E::narrow(&src[h * n * d..(h + 1) * n * d], &mut dst[at..]);
+                push_narrow(dst, &src[h * n * d..(h + 1) * n * d]);
             }
         }
         self.tokens += n;

@@ -1,7 +1,8 @@
 //! The access-method contract and the plan data it produces (decide, then execute).
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use attnstore_kernels::cpu::attention::Scratch;
+use attnstore_kernels::Element;
 use attnstore_kernels::Partial;
 
 /// How clusters are chosen for the query heads of one GQA group.
@@ -57,6 +58,35 @@ impl RowSpan {
     pub fn is_empty(&self) -> bool {
         self.end == self.start
     }
+}
+
+/// Tokens in a batch of `keys`/`values` laid out `kv_heads × tokens × head_dim`, or a
+/// shape error naming what was expected. Every access method checks its input with it
+/// before changing anything.
+pub(crate) fn batch_tokens(kv_heads: usize, head_dim: usize, keys: &[f32], values: &[f32]) -> Result<usize> {
+    let row = kv_heads * head_dim;
+    if !keys.len().is_multiple_of(row) {
+        return Err(Error::ShapeMismatch {
+            what: "keys (kv_heads × tokens × head_dim)",
+            expected: keys.len() / row * row,
+            got: keys.len(),
+        });
+    }
+    if values.len() != keys.len() {
+        return Err(Error::ShapeMismatch {
+            what: "values (same shape as keys)",
+            expected: keys.len(),
+            got: values.len(),
+        });
+    }
+    Ok(keys.len() / row)
+}
+
+/// Appends `src` narrowed to the storage type.
+pub(crate) fn push_narrow<E: Element>(dst: &mut Vec<E>, src: &[f32]) {
+    let at = dst.len();
+    dst.resize(at + src.len(), E::default());
+    E::narrow(src, &mut dst[at..]);
 }
 
 /// Sorts spans and joins those that touch, so execution streams long runs.

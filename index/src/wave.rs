@@ -5,7 +5,9 @@
 
 use crate::directory::Directory;
 use crate::error::{Error, Result};
-use crate::method::{coalesce, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode, ZoneBudget};
+use crate::method::{
+    batch_tokens, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode, ZoneBudget,
+};
 use crate::segment::{build_head_segment, BuildParams, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::estimate::estimate_group;
@@ -121,22 +123,7 @@ impl<E: Element> WaveIndex<E> {
     }
 
     fn check_batch(&self, keys: &[f32], values: &[f32]) -> Result<usize> {
-        let row = self.kv_heads * self.head_dim;
-        if !keys.len().is_multiple_of(row) {
-            return Err(Error::ShapeMismatch {
-                what: "keys (kv_heads × tokens × head_dim)",
-                expected: keys.len() / row * row,
-                got: keys.len(),
-            });
-        }
-        if values.len() != keys.len() {
-            return Err(Error::ShapeMismatch {
-                what: "values (same shape as keys)",
-                expected: keys.len(),
-                got: values.len(),
-            });
-        }
-        let n = keys.len() / row;
+        let n = batch_tokens(self.kv_heads, self.head_dim, keys, values)?;
         if self.tokens + n > u32::MAX as usize {
             return Err(Error::InvalidParameter {
                 what: "tokens",
@@ -298,12 +285,6 @@ impl<E: Element> WaveIndex<E> {
             selections: Vec::new(),
         }
     }
-}
-
-fn push_narrow<E: Element>(dst: &mut Vec<E>, src: &[f32]) {
-    let at = dst.len();
-    dst.resize(at + src.len(), E::default());
-    E::narrow(src, &mut dst[at..]);
 }
 
 impl<E: Element> AccessMethod for WaveIndex<E> {

@@ -2,7 +2,7 @@
 //! them exactly (the local layers of Gemma-style models).
 
 use crate::error::{Error, Result};
-use crate::method::{AccessMethod, HeadPlan, IndexStats, ZoneBudget};
+use crate::method::{batch_tokens, push_narrow, AccessMethod, HeadPlan, IndexStats, ZoneBudget};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::{Element, Partial};
 
@@ -54,23 +54,14 @@ impl<E: Element> AccessMethod for WindowIndex<E> {
     }
 
     fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
-        let row = self.kv_heads * self.head_dim;
-        if !keys.len().is_multiple_of(row) || values.len() != keys.len() {
-            return Err(Error::ShapeMismatch {
-                what: "keys and values (kv_heads × tokens × head_dim each)",
-                expected: keys.len() / row * row,
-                got: if !keys.len().is_multiple_of(row) { keys.len() } else { values.len() },
-            });
-        }
-        let (n, d) = (keys.len() / row, self.head_dim);
+        let n = batch_tokens(self.kv_heads, self.head_dim, keys, values)?;
+        let d = self.head_dim;
         let take = n.min(self.window);
         let drop_rows = (self.kept + take).saturating_sub(self.window);
         for h in 0..self.kv_heads {
             for (dst, src) in [(&mut self.keys[h], keys), (&mut self.values[h], values)] {
                 dst.drain(..drop_rows * d);
-                let at = dst.len();
-                dst.resize(at + take * d, E::default());
-                E::narrow(&src[(h * n + n - take) * d..(h + 1) * n * d], &mut dst[at..]);
+                push_narrow(dst, &src[(h * n + n - take) * d..(h + 1) * n * d]);
             }
         }
         self.kept = self.kept + take - drop_rows;
