@@ -97,8 +97,12 @@ fn attend_tiles<E: Element>(
     let tile = TILE_ROWS * d;
     for (i, (ktile, vtile)) in keys.chunks(tile).zip(values.chunks(tile)).enumerate() {
         let n = ktile.len() / d;
-        let next = ((i + 1) * tile).min(keys.len())..((i + 2) * tile).min(keys.len());
-        let ahead = [&keys[next.clone()], &values[next]];
+        // While scoring row t, ask for key row t + 32 (8 KiB ahead in f16) and for this
+        // tile's value row t, which the value pass needs next.
+        let start = i * tile;
+        let k_ahead = &keys[(start + 32 * d).min(keys.len())..];
+        let v_ahead = &values[start..(start + tile).min(values.len())];
+        let ahead = [k_ahead, v_ahead];
         tile_scores(q, g, d8, ktile, n, scale, scores, TILE_ROWS, ahead);
         for (j, part) in parts.iter_mut().enumerate() {
             // Only the first n scores are live; pad them to whole vectors with -inf (weight 0).

@@ -11,8 +11,9 @@ use crate::element::Element;
 use wide::f32x8;
 
 /// `out[i·stride + t] = scale · q_i·k_t` for `G` query rows `q` (`G × d8` vectors) and `n`
-/// key rows `k` (`n × 8·d8` elements). While it works it prefetches the rows of `ahead`
-/// (the next tile's keys and values) at the same pace, so memory streams in the background.
+/// key rows `k` (`n × 8·d8` elements). While it scores rows `t, t+1` it prefetches rows
+/// `t, t+1` of both `ahead` slices (the caller passes keys a few rows further on and this
+/// tile's values), so memory streams while the core computes.
 #[inline(always)]
 #[allow(clippy::too_many_arguments, reason = "a hot inner kernel: its operands stay separate")]
 pub(crate) fn scores<const G: usize, E: Element>(
