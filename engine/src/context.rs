@@ -3,7 +3,7 @@
 use crate::error::Result;
 use crate::spec::{ContextSpec, LayerKind, Method};
 use attnstore_buffer::Reservation;
-use attnstore_index::{AccessMethod, FlatIndex, WaveIndex, WindowIndex};
+use attnstore_index::{AccessMethod, FlatIndex, PqIndex, WaveIndex, WindowIndex};
 use attnstore_kernels::{DType, Element};
 use half::{bf16, f16};
 use parking_lot::RwLock;
@@ -62,6 +62,7 @@ fn make_method(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMeth
             (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
             (LayerKind::Global, Method::Wave(p)) => Box::new(WaveIndex::<E>::new(p, h, d)?),
             (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
+            (LayerKind::Global, Method::Pq(p)) => Box::new(PqIndex::<E>::new(p, h, d)?),
         })
     }
     match spec.dtype {

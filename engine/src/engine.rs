@@ -7,11 +7,12 @@ use crate::error::{check_finite, Error, Result};
 use crate::plan::{Plan, Request};
 use crate::spec::{ContextSpec, LayerKind};
 use attnstore_buffer::{BlockLayout, MemoryBudget, Tier};
-use attnstore_index::IndexStats;
+use attnstore_index::{BuildReport, IndexStats};
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Settings of an engine.
 #[derive(Debug, Clone, PartialEq)]
@@ -113,9 +114,31 @@ impl Engine {
         Ok(guard.method.stats())
     }
 
+    /// Waits up to `timeout` for a layer's background index build (PQ codebooks) and says
+    /// whether the index is ready: `Ok(true)` at once for methods without a background
+    /// build, `Ok(false)` if it is still running at the deadline. Plans made before then
+    /// attend those tokens exactly (EXPLAIN says so). The layer is not locked while waiting.
+    pub fn wait_index(&self, id: ContextId, layer: usize, timeout: Duration) -> Result<bool> {
+        let ctx = self.context(id)?;
+        let handle = layer_of(&ctx, id, layer)?.read().method.build_handle();
+        match handle {
+            Some(h) => Ok(h.wait(timeout)?),
+            None => Ok(true),
+        }
+    }
+
+    /// What a layer's background index build did (iteration limit, iterations run, time),
+    /// once it has finished; `None` for methods without one or while it runs.
+    pub fn index_build(&self, id: ContextId, layer: usize) -> Result<Option<BuildReport>> {
+        let ctx = self.context(id)?;
+        let handle = layer_of(&ctx, id, layer)?.read().method.build_handle();
+        Ok(handle.and_then(|h| h.report()))
+    }
+
     /// Stores the prompt's KV of one layer: `keys`/`values` are `kv_heads × tokens × head_dim`
     /// (post-RoPE keys), f32, converted to the context's storage type. The wave index
-    /// clusters it before returning. A layer is prefilled once; later tokens are appended.
+    /// clusters it before returning; the PQ index trains its codebooks in the background
+    /// (see [`Engine::wait_index`]). A layer is prefilled once; later tokens are appended.
     pub fn prefill(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         self.ingest(id, layer, keys, values, true)
     }

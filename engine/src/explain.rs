@@ -50,7 +50,11 @@ impl Plan {
                     r.heads.iter().flat_map(|h| &h.selections).map(|sel| (f(sel) * sel.heads) as f64).sum::<f64>() / q
                 };
                 let pct = |t: f64| 100.0 * t / r.tokens.max(1) as f64;
-                let kind = if r.method == "flat" { "oracle top-k over true scores" } else { "tripartite" };
+                let kind = match r.method {
+                    "flat" => "oracle top-k over true scores",
+                    "pq" => "top-k over PQ-approximated scores (no estimation zone)",
+                    _ => "tripartite",
+                };
                 let est = if zone.estimate_tokens == usize::MAX {
                     "rest".to_string()
                 } else {
@@ -99,8 +103,12 @@ impl Plan {
                     s,
                     "  ├─ Scoring   meta   {:>9} {} per kv head                               bytes {}",
                     c.scored / sh.kv_heads.max(1),
-                    if r.method == "flat" { "keys" } else { "centroids" },
-                    human_bytes(c.scored * row)
+                    match r.method {
+                        "flat" => "keys",
+                        "pq" => "token codes",
+                        _ => "centroids",
+                    },
+                    human_bytes(c.meta_bytes.saturating_sub(c.estimate_clusters * row))
                 );
                 if verbose {
                     for (h, head) in r.heads.iter().enumerate() {

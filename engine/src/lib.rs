@@ -1,7 +1,7 @@
 //! attnstore: a storage engine for the attention KV cache of long-context LLM inference.
 //!
 //! The KV cache is treated as a database: contexts are stored per layer in an access method
-//! (the wave index by default), a decode step asks for attention with [`Request`]s, the
+//! (the wave index by default, PQCache's product quantization, or none), a decode step asks for attention with [`Request`]s, the
 //! planner turns them into a [`Plan`] of zones (steady / retrieve / estimate) that
 //! [`Plan::explain`] prints, and [`Engine::execute`] runs it.
 
@@ -19,7 +19,7 @@ pub mod synth;
 
 pub mod bench;
 
-pub use attnstore_index::{IndexStats, SelectionMode, WaveParams};
+pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
 pub use attnstore_kernels::{AttnShape, DType};
 pub use budget::{Budget, EstimateShare};
 pub use context::ContextId;

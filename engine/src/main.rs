@@ -1,12 +1,16 @@
 //! The `attnstore` command: `bench` measures sparse against exact attention on synthetic
 //! contexts; `explain` prints the plan of one decode step.
 
-use attnstore::bench::{self, BenchConfig};
+use attnstore::bench::{self, BenchConfig, BenchMethod};
 use attnstore::synth::{SynthContext, SynthParams};
-use attnstore::{AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Request, SelectionMode};
+use attnstore::{
+    AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method, PqParams, Request,
+    SelectionMode, WaveParams,
+};
 use clap::{Args, Parser, Subcommand};
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
+use std::time::Duration;
 
 #[derive(Parser)]
 #[command(
@@ -77,6 +81,14 @@ struct BenchArgs {
     /// Timed repetitions per query.
     #[arg(long, default_value_t = 5)]
     reps: usize,
+    /// Access methods to measure: wave, pq, or all (comma separated). The exact baseline and
+    /// the oracle top-k always run.
+    #[arg(long, default_value = "all", value_delimiter = ',', value_parser = parse_bench_method)]
+    method: Vec<Vec<BenchMethod>>,
+    /// Time budget (ms) the PQ codebook build must fit in: picks the k-means iteration limit
+    /// from a time model measured on this machine. Default: no budget (25 iterations at most).
+    #[arg(long)]
+    pq_build_budget_ms: Option<u64>,
     /// Print JSON lines only (one object per configuration) on stdout.
     #[arg(long)]
     json: bool,
@@ -100,6 +112,9 @@ struct ExplainArgs {
     /// Exact attention (full budget).
     #[arg(long)]
     full: bool,
+    /// Access method: wave, pq or flat.
+    #[arg(long, default_value = "wave", value_parser = parse_method)]
+    method: Method,
     /// One line per KV head as well.
     #[arg(long)]
     verbose: bool,
@@ -137,6 +152,24 @@ fn parse_mode(s: &str) -> Result<SelectionMode, String> {
     }
 }
 
+fn parse_bench_method(s: &str) -> Result<Vec<BenchMethod>, String> {
+    match s.trim() {
+        "wave" => Ok(vec![BenchMethod::Wave]),
+        "pq" => Ok(vec![BenchMethod::Pq]),
+        "all" => Ok(vec![BenchMethod::Wave, BenchMethod::Pq]),
+        other => Err(format!("unknown method {other:?}: expected wave, pq or all")),
+    }
+}
+
+fn parse_method(s: &str) -> Result<Method, String> {
+    match s.trim() {
+        "wave" => Ok(Method::Wave(WaveParams::default())),
+        "pq" => Ok(Method::Pq(PqParams::default())),
+        "flat" => Ok(Method::Flat),
+        other => Err(format!("unknown method {other:?}: expected wave, pq or flat")),
+    }
+}
+
 fn shape_of(a: &ShapeArgs) -> Result<AttnShape, String> {
     AttnShape::new(a.q_heads, a.kv_heads, a.head_dim).map_err(|e| e.to_string())
 }
@@ -162,6 +195,12 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         modes: args.selection,
         seed: args.shape.seed,
         progress: std::io::stderr().is_terminal(),
+        methods: {
+            let mut m: Vec<BenchMethod> = args.method.into_iter().flatten().collect();
+            m.dedup();
+            m
+        },
+        pq_build_budget: args.pq_build_budget_ms.map(Duration::from_millis),
     };
     let json = args.json;
     if !json {
@@ -208,10 +247,13 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     };
     budget.validate().map_err(|e| e.to_string())?;
     let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
-    let ctx =
-        engine.create_context(ContextSpec::new(shape, 1).with_dtype(args.shape.dtype)).map_err(|e| e.to_string())?;
+    let spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype).with_method(args.method);
+    let ctx = engine.create_context(spec).map_err(|e| e.to_string())?;
     let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
     engine.prefill(ctx, 0, &synth.keys, &synth.values).map_err(|e| e.to_string())?;
+    // EXPLAIN the plan a decode step gets once the index is ready (a PQ build runs in the
+    // background; a plan made before it finishes would say so and attend exactly).
+    engine.wait_index(ctx, 0, Duration::from_secs(600)).map_err(|e| e.to_string())?;
     let plan = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &budget).map_err(|e| e.to_string())?;
     print!("{}", if args.verbose { plan.explain_verbose() } else { plan.explain() });
     Ok(())

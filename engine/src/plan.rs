@@ -167,16 +167,20 @@ pub(crate) fn plan_request(
     let row_bytes = shape.head_dim * elem;
     let exact_bytes = shape.kv_heads * tokens * 2 * row_bytes;
     let zone = budget.resolve(tokens);
+    let building = layer.method.build_handle().is_some_and(|h| !h.is_ready());
     let exact_reason = match (layer.kind, spec.method) {
         (LayerKind::SlidingWindow(w), _) => {
             Some(format!("sliding-window layer: its last {w} tokens are always attended"))
         }
         _ if budget.exact => Some("the budget is full".to_string()),
-        (_, Method::Wave(_)) if stats.clusters == 0 => {
+        (_, Method::Pq(_)) if building => Some(format!(
+            "the pq codebooks are still being built in the background: all {tokens} tokens attended exactly until ready"
+        )),
+        (_, Method::Wave(_) | Method::Pq(_)) if stats.indexed_tokens == 0 => {
             Some(format!("nothing indexed yet: all {tokens} tokens are in the steady zone"))
         }
-        (_, Method::Wave(_)) => {
-            let sparse = estimated_sparse_bytes(&shape, &stats, &zone, row_bytes);
+        (_, Method::Wave(_) | Method::Pq(_)) => {
+            let sparse = estimated_sparse_bytes(&shape, &stats, &zone, row_bytes, spec.method);
             (sparse as f64 >= budget.exact_threshold * exact_bytes as f64).then(|| {
                 format!(
                     "cheaper than sparse: a sparse plan would read ~{} of the {} exact attention reads (threshold {:.0}%)",
@@ -218,13 +222,15 @@ pub(crate) fn plan_request(
     })
 }
 
-/// Bytes a wave plan would read, before planning it: centroids, steady and retrieved KV
-/// (once per query head in per-query-head mode, the worst case), estimated value means.
+/// Bytes a sparse plan would read, before planning it: scoring meta data (centroids, or PQ
+/// codes and codebooks), steady and retrieved KV (once per query head in per-query-head
+/// mode, the worst case), estimated value means (wave only).
 fn estimated_sparse_bytes(
     shape: &AttnShape,
     stats: &attnstore_index::IndexStats,
     zone: &ZoneBudget,
     row_bytes: usize,
+    method: Method,
 ) -> usize {
     let readers = match zone.mode {
         attnstore_index::SelectionMode::PerQueryHead => shape.group(),
@@ -233,8 +239,11 @@ fn estimated_sparse_bytes(
     let indexed = stats.indexed_tokens;
     let steady = stats.tokens - indexed;
     let avg = (indexed as f64 / stats.clusters.max(1) as f64).max(1.0);
-    let est_clusters = (zone.estimate_tokens.min(indexed) as f64 / avg) as usize;
-    let per_head = stats.clusters * row_bytes
+    let (scoring, est_clusters) = match method {
+        Method::Pq(_) => (stats.index_bytes / shape.kv_heads.max(1), 0),
+        _ => (stats.clusters * row_bytes, (zone.estimate_tokens.min(indexed) as f64 / avg) as usize),
+    };
+    let per_head = scoring
         + (steady + zone.retrieve_tokens.min(indexed) * readers) * 2 * row_bytes
         + est_clusters * row_bytes * readers;
     per_head * shape.kv_heads
@@ -250,7 +259,7 @@ fn cost_of(heads: &[HeadPlan], tokens: usize, row_bytes: usize, exact_bytes: usi
             continue;
         }
         c.kv_bytes += head.steady_tokens * 2 * row_bytes;
-        let mut scored = 0;
+        let (mut scored, mut scored_bytes) = (0, 0);
         for s in &head.selections {
             c.retrieve_clusters += s.retrieve_clusters;
             c.retrieve_tokens += s.retrieve_tokens;
@@ -263,10 +272,11 @@ fn cost_of(heads: &[HeadPlan], tokens: usize, row_bytes: usize, exact_bytes: usi
             c.dropped_clusters += s.dropped_clusters;
             c.dropped_tokens += s.dropped_tokens;
             scored = scored.max(s.scored);
+            scored_bytes = scored_bytes.max(s.scored_bytes);
         }
-        // Centroids (or keys) of a head are read once per head, whatever the mode.
+        // Centroids (keys, codes) of a head are read once per head, whatever the mode.
         c.scored += scored;
-        c.meta_bytes += scored * row_bytes;
+        c.meta_bytes += scored_bytes;
     }
     c.tier_bytes[Tier::Host as usize] = c.kv_bytes + c.meta_bytes;
     c

@@ -2,7 +2,7 @@
 //! access method that serves its global layers.
 
 use crate::error::{Error, Result};
-use attnstore_index::WaveParams;
+use attnstore_index::{PqParams, WaveParams};
 use attnstore_kernels::{AttnShape, DType};
 
 /// The kind of one attention layer.
@@ -22,6 +22,8 @@ pub enum Method {
     Wave(WaveParams),
     /// No index: exact attention, or an exact top-k of true scores (the oracle).
     Flat,
+    /// PQCache's product-quantization index: top-k of approximate scores from PQ codes.
+    Pq(PqParams),
 }
 
 impl Method {
@@ -30,6 +32,7 @@ impl Method {
         match self {
             Method::Wave(_) => "wave",
             Method::Flat => "flat",
+            Method::Pq(_) => "pq",
         }
     }
 }
@@ -86,8 +89,10 @@ impl ContextSpec {
         if let Some(i) = self.layers.iter().position(|k| *k == LayerKind::SlidingWindow(0)) {
             return Err(Error::InvalidSpec(format!("layer {i}: a sliding window must hold at least one token")));
         }
-        if let Method::Wave(p) = &self.method {
-            p.validate()?;
+        match &self.method {
+            Method::Wave(p) => p.validate()?,
+            Method::Pq(p) => p.validate(self.shape.head_dim)?,
+            Method::Flat => {}
         }
         Ok(())
     }

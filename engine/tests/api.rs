@@ -234,3 +234,50 @@ fn batched_requests_over_several_contexts_match_single_requests() {
         assert_eq!(&run(&engine, r.context, &r.queries, &budget), out);
     }
 }
+
+#[test]
+fn pq_contexts_plan_exactly_until_the_build_is_ready_then_sparse() {
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let params = attnstore::PqParams { min_build_tokens: 512, ..attnstore::PqParams::default() };
+    let ctx = engine.create_context(ContextSpec::new(shape(), 1).with_method(attnstore::Method::Pq(params))).unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape(), 20_000, 9));
+    engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+    let q = synth.queries(0);
+    let want = reference(&synth, &q);
+    let budget = Budget::default().with_retrieve(0.1);
+    let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
+    if let Strategy::Exact { reason } = &plan.requests[0].strategy {
+        // Planned while the codebooks were still training: exact, and EXPLAIN says why.
+        assert!(reason.contains("still being built"), "{reason}");
+        assert!(plan.explain().contains("still being built"));
+        assert!(rel_l2(&engine.execute(&plan).unwrap()[0], &want) <= 1e-3);
+    }
+    assert!(engine.wait_index(ctx, 0, std::time::Duration::from_secs(120)).unwrap());
+    let report = engine.index_build(ctx, 0).unwrap().expect("finished build");
+    assert_eq!((report.layout.subspaces, report.layout.bits), (4, 8), "PQCache's layout beyond 16K tokens");
+    assert!(report.iters_run <= report.iters_limit);
+    let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
+    assert!(matches!(plan.requests[0].strategy, Strategy::Sparse { .. }), "{}", plan.explain());
+    let text = plan.explain();
+    assert!(text.contains("PQ-approximated") && text.contains("token codes"), "{text}");
+    let sparse = rel_l2(&engine.execute(&plan).unwrap()[0], &want);
+    assert!(sparse < 0.5, "10% of tokens chosen by PQ scores: {sparse}");
+    let exact = rel_l2(&run(&engine, ctx, &q, &Budget::full()), &want);
+    assert!(exact <= 1e-3, "f16 storage, full budget: {exact}");
+    // Decode appends keep working and the full budget stays exact.
+    let more = SynthContext::generate(SynthParams::new(shape(), 200, 10));
+    engine.append(ctx, 0, &more.keys, &more.values).unwrap();
+    assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 20_200);
+}
+
+#[test]
+fn bad_pq_parameters_are_typed_errors() {
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    for params in [
+        attnstore::PqParams { bits: Some(9), ..attnstore::PqParams::default() },
+        attnstore::PqParams { subspaces: Some(3), ..attnstore::PqParams::default() },
+    ] {
+        let err = engine.create_context(ContextSpec::new(shape(), 1).with_method(attnstore::Method::Pq(params)));
+        assert!(matches!(err, Err(Error::Index(_))), "{err:?}");
+    }
+}

@@ -44,6 +44,7 @@ impl<E: Element> FlatIndex<E> {
             retrieve_clusters: 0,
             retrieve_tokens,
             scored: self.tokens,
+            scored_bytes: self.tokens * self.head_dim * E::DTYPE.size_bytes(),
             dropped_tokens: self.tokens - retrieve_tokens,
             ..Selection::default()
         }

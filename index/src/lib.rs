@@ -3,7 +3,7 @@
 //! An access method stores the KV of every KV head of one layer, chooses for a query which
 //! tokens are attended exactly, which are estimated and which are dropped (a [`HeadPlan`]),
 //! and computes the partials of such a plan. [`WaveIndex`] is RetroInfer's segmented cluster
-//! index; [`FlatIndex`] keeps tokens in arrival order and answers exactly or by an exact
+//! index; [`PqIndex`] is PQCache's product-quantization index; [`FlatIndex`] keeps tokens in arrival order and answers exactly or by an exact
 //! top-k (the oracle the approximate methods are measured against).
 
 #![deny(unsafe_code)]
@@ -12,6 +12,7 @@ mod directory;
 mod error;
 mod flat;
 mod method;
+mod pq;
 mod segment;
 mod wave;
 mod window;
@@ -20,5 +21,8 @@ pub use directory::Directory;
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
 pub use method::{AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
+pub use pq::{
+    BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,
+};
 pub use wave::{WaveIndex, WaveParams};
 pub use window::WindowIndex;

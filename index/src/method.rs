@@ -121,8 +121,10 @@ pub struct Selection {
     pub estimate_scores: Vec<f32>,
     /// Tokens represented by the estimated clusters.
     pub estimate_tokens: usize,
-    /// Clusters (or tokens, for a flat index) scored to make the choice.
+    /// Clusters (or tokens, for flat and PQ indexes) scored to make the choice.
     pub scored: usize,
+    /// Bytes of meta data read to score them (centroids, keys, or PQ codes and codebooks).
+    pub scored_bytes: usize,
     /// Clusters neither retrieved nor estimated.
     pub dropped_clusters: usize,
     /// Tokens neither attended nor estimated.
@@ -168,7 +170,7 @@ pub struct IndexStats {
 /// exactly the partials of full attention; `append` validates its input completely before
 /// it changes anything.
 pub trait AccessMethod: Send + Sync {
-    /// Name for EXPLAIN and JSON (`"wave"`, `"flat"`).
+    /// Name for EXPLAIN and JSON (`"wave"`, `"flat"`, `"pq"`).
     fn name(&self) -> &'static str;
     /// Sizes of the stored data.
     fn stats(&self) -> IndexStats;
@@ -188,4 +190,10 @@ pub trait AccessMethod: Send + Sync {
     /// Token positions attended exactly by query head `j` of the group under `plan`
     /// (for recall measurements).
     fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32>;
+    /// The handle of an index build running in the background, for methods that build one
+    /// (PQ); `None` when the method is always ready. While a build runs, plans attend the
+    /// tokens it covers exactly.
+    fn build_handle(&self) -> Option<crate::pq::BuildHandle> {
+        None
+    }
 }

@@ -273,6 +273,7 @@ impl<E: Element> WaveIndex<E> {
             estimate_scores,
             estimate_tokens,
             scored: dir.len(),
+            scored_bytes: dir.len() * self.head_dim * E::DTYPE.size_bytes(),
         }
     }
 

@@ -1,22 +1,23 @@
 //! `attnstore bench`: exact CPU attention (with its memory-bandwidth ceiling) against the
-//! wave index's sparse plans and an oracle exact top-k, all in the same run, on synthetic
-//! contexts. Prints ratios against same-run baselines plus absolute figures (BENCH.md).
+//! sparse plans of the wave and PQ indexes and an oracle exact top-k, all in the same run,
+//! on synthetic contexts. Prints ratios against same-run baselines plus absolute figures (BENCH.md).
 
 mod report;
 
 pub use report::{table, Row};
 
 use crate::budget::{Budget, EstimateShare};
+use crate::context::ContextId;
 use crate::engine::{Engine, EngineConfig};
 use crate::error::Result;
 use crate::plan::Request;
 use crate::spec::{ContextSpec, Method};
 use crate::synth::{SynthContext, SynthParams};
-use crate::WaveParams;
+use crate::{PqParams, WaveParams};
 use attnstore_index::SelectionMode;
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
-use attnstore_kernels::cpu::scoring::{score_rows, top_r};
+use attnstore_kernels::cpu::scoring::{score_group, score_rows, top_r};
 use attnstore_kernels::{narrow_vec, AttnShape, DType, Element, HeadsView};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -49,6 +50,19 @@ pub struct BenchConfig {
     pub seed: u64,
     /// Show progress bars on stderr.
     pub progress: bool,
+    /// Access methods to measure (the oracle top-k always runs).
+    pub methods: Vec<BenchMethod>,
+    /// Time budget for the PQ codebook build (adaptive iteration limit); `None`: the cap.
+    pub pq_build_budget: Option<std::time::Duration>,
+}
+
+/// An access method `attnstore bench` can measure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BenchMethod {
+    /// The wave index (RetroInfer).
+    Wave,
+    /// The PQ index (PQCache).
+    Pq,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -125,7 +139,9 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     let (d, reps) = (shape.head_dim, cfg.reps.max(1));
     let combos: Vec<(SelectionMode, EstimateShare)> =
         cfg.modes.iter().flat_map(|&m| cfg.estimates.iter().map(move |&e| (m, e))).collect();
-    let pb = progress(cfg, tokens, 5 + cfg.queries * (1 + combos.len()) + 1);
+    let wave_runs = if cfg.methods.contains(&BenchMethod::Wave) { combos.len() } else { 0 };
+    let pq_runs = if cfg.methods.contains(&BenchMethod::Pq) { cfg.modes.len() } else { 0 };
+    let pb = progress(cfg, tokens, 5 + cfg.queries * (1 + wave_runs + pq_runs) + 2 * pq_runs.min(1) + 1);
     pb.set_message("generating synthetic KV");
     let synth = SynthContext::generate(SynthParams::new(shape, tokens, cfg.seed));
     let queries: Vec<Vec<f32>> = (0..cfg.queries as u64).map(|i| synth.queries(i)).collect();
@@ -174,19 +190,9 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     let engine = Engine::in_memory(EngineConfig::default())?;
     let spec = ContextSpec::new(shape, 1).with_dtype(cfg.dtype);
     let wave = engine.create_context(spec.clone().with_method(Method::Wave(WaveParams::default())))?;
-    let started = Instant::now();
-    engine.prefill(wave, 0, &synth.keys, &synth.values)?;
-    let build_us = started.elapsed().as_secs_f64() * 1e6;
-    let stats = engine.stats(wave, 0)?;
-    let mut r = base_row(cfg, "index_build", "wave", tokens);
-    r.set("time_us", build_us)
-        .set("us_per_1k_tokens", build_us / (tokens as f64 / 1000.0))
-        .set("index_bytes", stats.index_bytes)
-        .set("kv_bytes", stats.kv_bytes)
-        .set("index_frac", stats.index_bytes as f64 / stats.kv_bytes.max(1) as f64)
-        .set("segments", stats.segments)
-        .set("clusters", stats.clusters);
-    emit(r);
+    if cfg.methods.contains(&BenchMethod::Wave) {
+        measure_wave_build(cfg, &engine, wave, &synth, tokens, emit)?;
+    }
     pb.inc(1);
     let flat = engine.create_context(spec.with_method(Method::Flat))?;
     engine.prefill(flat, 0, &synth.keys, &synth.values)?;
@@ -199,85 +205,119 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
         pb.inc(1);
     }
 
+    let ctx = Inputs { engine: &engine, shape, queries: &queries, references: &references, kview, vview, reps };
     let mut default_exact_tokens = None;
-    for &(mode, share) in &combos {
-        pb.set_message(format!("wave {} estimate {}", mode.name(), share_name(share)));
-        let budget = Budget::default()
-            .with_retrieve(cfg.retrieve)
-            .with_retrieve_floor(cfg.retrieve_floor)
-            .with_mode(mode)
-            .with_estimate(share);
-        let (mut samples, mut errs, mut oracle_errs, mut recalls, mut exact_tok, mut bytes) =
-            (vec![], vec![], vec![], vec![], vec![], 0);
-        let (mut plan_samples, mut exec_samples, mut base_samples) = (vec![], vec![], vec![]);
-        for (q, reference) in queries.iter().zip(&references) {
-            let req = [Request::new(wave, 0, q.clone())];
-            let mut out = Vec::new();
-            let mut last_plan = None;
-            for _ in 0..reps {
-                base_samples.push(exact_once(q));
-                let t = Instant::now();
-                let plan = engine.plan(&req, &budget)?;
-                let planned = t.elapsed().as_secs_f64() * 1e6;
-                out = engine.execute(&plan)?;
-                let total = t.elapsed().as_secs_f64() * 1e6;
-                samples.push(total);
-                plan_samples.push(planned);
-                exec_samples.push(total - planned);
-                last_plan = Some(plan);
-            }
-            let Some(plan) = last_plan else { continue };
-            errs.push(rel_l2(&out[0], reference));
-            bytes = plan.requests[0].cost.total_bytes();
-            // Oracle: the true top-N tokens of every query head, N = what the wave plan attends exactly.
-            let mut subsets = Vec::with_capacity(shape.q_heads);
-            let mut recall = 0.0;
-            let mut scores = Vec::new();
-            for j in 0..shape.q_heads {
-                let attended = engine.exact_positions(&plan, 0, j)?;
-                let n = attended.len();
-                exact_tok.push(n as f64);
-                score_rows(&q[j * d..(j + 1) * d], kview.head(j / shape.group()), 1.0 / (d as f32).sqrt(), &mut scores);
-                let top = top_r(&scores, n);
-                let set: HashSet<u32> = top.iter().copied().collect();
-                recall += attended.iter().filter(|t| set.contains(t)).count() as f64 / n.max(1) as f64;
-                subsets.push(top);
-            }
-            recalls.push(recall / shape.q_heads as f64);
-            let oracle: Vec<f32> =
-                reference_attention(&shape, q, kview, vview, Some(&subsets)).iter().map(|&x| x as f32).collect();
-            oracle_errs.push(rel_l2(&oracle, reference));
-            pb.inc(1);
+    if cfg.methods.contains(&BenchMethod::Wave) {
+        for &(mode, share) in &combos {
+            pb.set_message(format!("wave {} estimate {}", mode.name(), share_name(share)));
+            let budget = Budget::default()
+                .with_retrieve(cfg.retrieve)
+                .with_retrieve_floor(cfg.retrieve_floor)
+                .with_mode(mode)
+                .with_estimate(share);
+            let run = measure_sparse(&ctx, wave, &budget, &exact_once, &pb)?;
+            default_exact_tokens.get_or_insert(run.exact_tokens.round() as usize);
+            let mut r = base_row(cfg, "decode", "wave", tokens);
+            r.set("selection", mode.name()).set("retrieve_frac", cfg.retrieve).set("estimate_frac", share_value(share));
+            run.fill(&mut r);
+            emit(r);
         }
-        let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
-        let us = median(samples);
-        let avg_exact = mean(&exact_tok);
-        if default_exact_tokens.is_none() {
-            default_exact_tokens = Some(avg_exact.round() as usize);
+    }
+    // Every method attends the same number of tokens exactly: what the first wave plan did,
+    // or the steady zone plus the retrieval budget when wave is not measured.
+    let steady = WaveParams::default().sink_tokens + WaveParams::default().local_tokens;
+    let n = default_exact_tokens.unwrap_or_else(|| {
+        steady
+            + Budget::default()
+                .with_retrieve(cfg.retrieve)
+                .with_retrieve_floor(cfg.retrieve_floor)
+                .resolve(tokens)
+                .retrieve_tokens
+    });
+
+    if cfg.methods.contains(&BenchMethod::Pq) {
+        pb.set_message("index build (pq, background k-means)");
+        let params = PqParams { build_budget: cfg.pq_build_budget, ..PqParams::default() };
+        let pq =
+            engine.create_context(ContextSpec::new(shape, 1).with_dtype(cfg.dtype).with_method(Method::Pq(params)))?;
+        let started = Instant::now();
+        engine.prefill(pq, 0, &synth.keys, &synth.values)?;
+        let returned_us = started.elapsed().as_secs_f64() * 1e6;
+        engine.wait_index(pq, 0, std::time::Duration::from_secs(3600))?;
+        let ready_us = started.elapsed().as_secs_f64() * 1e6;
+        let stats = engine.stats(pq, 0)?;
+        let mut r = base_row(cfg, "index_build", "pq", tokens);
+        r.set("time_us", ready_us)
+            .set("prefill_return_us", returned_us)
+            .set("us_per_1k_tokens", ready_us / (tokens as f64 / 1000.0))
+            .set("index_bytes", stats.index_bytes)
+            .set("index_bytes_per_token_head", stats.index_bytes as f64 / (tokens * shape.kv_heads) as f64)
+            .set("kv_bytes", stats.kv_bytes)
+            .set("index_frac", stats.index_bytes as f64 / stats.kv_bytes.max(1) as f64);
+        if let Some(b) = engine.index_build(pq, 0)? {
+            r.set("subspaces", b.layout.subspaces)
+                .set("bits", b.layout.bits)
+                .set("train_rows", b.train_rows)
+                .set("iters_limit", b.iters_limit)
+                .set("iters_run", b.iters_run)
+                .set("converged_jobs", b.converged_jobs)
+                .set("jobs", b.jobs);
+            if let (Some(budget), Some(pred)) = (b.budget, b.predicted) {
+                r.set("build_budget_us", budget.as_secs_f64() * 1e6).set("predicted_us", pred.as_secs_f64() * 1e6);
+            }
         }
-        let base_us = median(base_samples);
-        let mut r = base_row(cfg, "decode", "wave", tokens);
-        r.set("selection", mode.name())
-            .set("retrieve_frac", cfg.retrieve)
-            .set("estimate_frac", share_value(share))
-            .set("time_us", us)
-            .set("plan_us", median(plan_samples))
-            .set("execute_us", median(exec_samples))
-            .set("baseline", "exact")
-            .set("baseline_time_us", base_us)
-            .set("speedup", base_us / us)
-            .set("rel_l2_error", mean(&errs))
-            .set("oracle_rel_l2_error", mean(&oracle_errs))
-            .set("recall", mean(&recalls))
-            .set("exact_tokens", avg_exact.round())
-            .set("bytes_host", bytes)
-            .set("bytes_gpu", 0)
-            .set("bytes_disk", 0);
         emit(r);
+        pb.inc(1);
+
+        pb.set_message("pq scoring + top-k vs exact q·k scores");
+        let budget = Budget::default()
+            .with_retrieve(0.0)
+            .with_retrieve_floor(n.saturating_sub(steady))
+            .with_estimate(EstimateShare::Fraction(0.0));
+        let req = |q: &Vec<f32>| [Request::new(pq, 0, q.clone())];
+        let (mut pq_samples, mut exact_samples) = (vec![], vec![]);
+        let scale = 1.0 / (d as f32).sqrt();
+        for q in &queries {
+            for _ in 0..reps {
+                exact_samples.push(time_us(|| {
+                    let g = shape.group();
+                    let scores: Vec<usize> = (0..shape.kv_heads)
+                        .into_par_iter()
+                        .map(|h| {
+                            let mut out = vec![Vec::new(); g];
+                            score_group(&q[h * g * d..(h + 1) * g * d], g, kview.head(h), scale, &mut out);
+                            out.len()
+                        })
+                        .collect();
+                    std::hint::black_box(scores);
+                }));
+                let mut plan = None;
+                pq_samples.push(time_us(|| plan = Some(engine.plan(&req(q), &budget))));
+                plan.transpose()?;
+            }
+        }
+        let (pq_us, exact_us) = (median(pq_samples), median(exact_samples));
+        let mut r = base_row(cfg, "scoring", "pq", tokens);
+        r.set("selection", SelectionMode::PerKvHead.name())
+            .set("time_us", pq_us)
+            .set("baseline", "exact_scores")
+            .set("baseline_time_us", exact_us)
+            .set("speedup", exact_us / pq_us)
+            .set("exact_tokens", n);
+        emit(r);
+        pb.inc(1);
+
+        for &mode in &cfg.modes {
+            pb.set_message(format!("pq {}", mode.name()));
+            let run = measure_sparse(&ctx, pq, &budget.with_mode(mode), &exact_once, &pb)?;
+            let mut r = base_row(cfg, "decode", "pq", tokens);
+            r.set("selection", mode.name());
+            run.fill(&mut r);
+            emit(r);
+        }
     }
 
     pb.set_message("oracle top-k (flat index)");
-    let n = default_exact_tokens.unwrap_or(cfg.retrieve_floor);
     let budget =
         Budget::default().with_retrieve(0.0).with_retrieve_floor(n).with_estimate(EstimateShare::Fraction(0.0));
     let (mut samples, mut errs, mut base_samples) = (vec![], vec![], vec![]);
@@ -307,6 +347,140 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     emit(r);
     pb.finish_and_clear();
     Ok(())
+}
+
+/// Prefills the wave context (building its index before returning) and reports the build.
+fn measure_wave_build(
+    cfg: &BenchConfig,
+    engine: &Engine,
+    wave: ContextId,
+    synth: &SynthContext,
+    tokens: usize,
+    emit: &mut dyn FnMut(Row),
+) -> Result<()> {
+    let started = Instant::now();
+    engine.prefill(wave, 0, &synth.keys, &synth.values)?;
+    let build_us = started.elapsed().as_secs_f64() * 1e6;
+    let stats = engine.stats(wave, 0)?;
+    let mut r = base_row(cfg, "index_build", "wave", tokens);
+    r.set("time_us", build_us)
+        .set("us_per_1k_tokens", build_us / (tokens as f64 / 1000.0))
+        .set("index_bytes", stats.index_bytes)
+        .set("kv_bytes", stats.kv_bytes)
+        .set("index_frac", stats.index_bytes as f64 / stats.kv_bytes.max(1) as f64)
+        .set("segments", stats.segments)
+        .set("clusters", stats.clusters);
+    emit(r);
+    Ok(())
+}
+
+/// What every sparse measurement shares.
+struct Inputs<'a, E> {
+    engine: &'a Engine,
+    shape: AttnShape,
+    queries: &'a [Vec<f32>],
+    references: &'a [Vec<f64>],
+    kview: HeadsView<'a, E>,
+    vview: HeadsView<'a, E>,
+    reps: usize,
+}
+
+/// Medians and means of one sparse configuration over all queries.
+struct SparseRun {
+    us: f64,
+    plan_us: f64,
+    execute_us: f64,
+    base_us: f64,
+    err: f64,
+    oracle_err: f64,
+    recall: f64,
+    exact_tokens: f64,
+    bytes: usize,
+}
+
+impl SparseRun {
+    fn fill(&self, r: &mut Row) {
+        r.set("time_us", self.us)
+            .set("plan_us", self.plan_us)
+            .set("execute_us", self.execute_us)
+            .set("baseline", "exact")
+            .set("baseline_time_us", self.base_us)
+            .set("speedup", self.base_us / self.us)
+            .set("rel_l2_error", self.err)
+            .set("oracle_rel_l2_error", self.oracle_err)
+            .set("recall", self.recall)
+            .set("exact_tokens", self.exact_tokens.round())
+            .set("bytes_host", self.bytes)
+            .set("bytes_gpu", 0)
+            .set("bytes_disk", 0);
+    }
+}
+
+/// Times plan + execute of `ctx` under `budget` interleaved with exact attention, and
+/// measures the output error against f64, the error of an oracle top-k attending as many
+/// tokens exactly, and the recall of the true top-k.
+fn measure_sparse<E: Element>(
+    inp: &Inputs<'_, E>,
+    ctx: ContextId,
+    budget: &Budget,
+    exact_once: &dyn Fn(&[f32]) -> f64,
+    pb: &ProgressBar,
+) -> Result<SparseRun> {
+    let (shape, d) = (inp.shape, inp.shape.head_dim);
+    let (mut samples, mut errs, mut oracle_errs, mut recalls, mut exact_tok, mut bytes) =
+        (vec![], vec![], vec![], vec![], vec![], 0);
+    let (mut plan_samples, mut exec_samples, mut base_samples) = (vec![], vec![], vec![]);
+    for (q, reference) in inp.queries.iter().zip(inp.references) {
+        let req = [Request::new(ctx, 0, q.clone())];
+        let mut out = Vec::new();
+        let mut last_plan = None;
+        for _ in 0..inp.reps {
+            base_samples.push(exact_once(q));
+            let t = Instant::now();
+            let plan = inp.engine.plan(&req, budget)?;
+            let planned = t.elapsed().as_secs_f64() * 1e6;
+            out = inp.engine.execute(&plan)?;
+            let total = t.elapsed().as_secs_f64() * 1e6;
+            samples.push(total);
+            plan_samples.push(planned);
+            exec_samples.push(total - planned);
+            last_plan = Some(plan);
+        }
+        let Some(plan) = last_plan else { continue };
+        errs.push(rel_l2(&out[0], reference));
+        bytes = plan.requests[0].cost.total_bytes();
+        // Oracle: the true top-N tokens of every query head, N = what the plan attends exactly.
+        let mut subsets = Vec::with_capacity(shape.q_heads);
+        let mut recall = 0.0;
+        let mut scores = Vec::new();
+        for j in 0..shape.q_heads {
+            let attended = inp.engine.exact_positions(&plan, 0, j)?;
+            let n = attended.len();
+            exact_tok.push(n as f64);
+            score_rows(&q[j * d..(j + 1) * d], inp.kview.head(j / shape.group()), 1.0 / (d as f32).sqrt(), &mut scores);
+            let top = top_r(&scores, n);
+            let set: HashSet<u32> = top.iter().copied().collect();
+            recall += attended.iter().filter(|t| set.contains(t)).count() as f64 / n.max(1) as f64;
+            subsets.push(top);
+        }
+        recalls.push(recall / shape.q_heads as f64);
+        let oracle: Vec<f32> =
+            reference_attention(&shape, q, inp.kview, inp.vview, Some(&subsets)).iter().map(|&x| x as f32).collect();
+        oracle_errs.push(rel_l2(&oracle, reference));
+        pb.inc(1);
+    }
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    Ok(SparseRun {
+        us: median(samples),
+        plan_us: median(plan_samples),
+        execute_us: median(exec_samples),
+        base_us: median(base_samples),
+        err: mean(&errs),
+        oracle_err: mean(&oracle_errs),
+        recall: mean(&recalls),
+        exact_tokens: mean(&exact_tok),
+        bytes,
+    })
 }
 
 fn share_value(share: EstimateShare) -> serde_json::Value {

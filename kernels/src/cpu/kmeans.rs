@@ -1,6 +1,8 @@
-//! Spherical k-means (RetroInfer's wave index build): cosine assignment of unit vectors to
-//! unit centroids, centroid = normalized member sum. Callers centre keys first (subtract
-//! the segment mean) so the shared offset of post-RoPE keys does not dominate the angles.
+//! K-means for both indexes. Spherical (RetroInfer's wave index build): cosine assignment
+//! of unit vectors to unit centroids, centroid = normalized member sum; callers centre keys
+//! first so the shared offset of post-RoPE keys does not dominate the angles. Euclidean
+//! (PQCache's product quantizer): nearest centroid by L2, centroid = member mean. Both share
+//! one loop; assignment is a matrix product (`x·c`, minus `|c|²/2` for L2).
 
 use super::gemm::matmul_transposed;
 use crate::error::{Error, Result};
@@ -65,9 +67,94 @@ fn normalize(r: &mut [f32]) {
 /// Spherical k-means over unit rows `x` (`n × d`). Single-threaded: the index runs many of
 /// these (heads × segments) in parallel.
 pub fn spherical_kmeans(x: &[f32], d: usize, params: KMeansParams) -> Result<KMeans> {
-    if d == 0 || !x.len().is_multiple_of(d) {
-        return Err(Error::ShapeMismatch { what: "k-means rows", expected: x.len() / d.max(1) * d, got: x.len() });
+    kmeans(x, d, params, Metric::Cosine)
+}
+
+/// Euclidean (Lloyd) k-means over rows `x` (`n × d`): the codebook training of a product
+/// quantizer. Single-threaded, like [`spherical_kmeans`].
+pub fn l2_kmeans(x: &[f32], d: usize, params: KMeansParams) -> Result<KMeans> {
+    kmeans(x, d, params, Metric::L2)
+}
+
+/// Index of the nearest of the `centroids` (`k × d`) by L2 distance for every row of `x`
+/// (`n × d`), written to `out` (cleared first). This is how a product quantizer encodes
+/// rows with an existing codebook.
+pub fn nearest_centroids(x: &[f32], centroids: &[f32], d: usize, out: &mut Vec<u32>) -> Result<()> {
+    check_rows("rows to encode", x, d)?;
+    check_rows("centroids", centroids, d)?;
+    let k = centroids.len() / d;
+    if k == 0 {
+        return Err(Error::ZeroDimension { what: "centroids" });
     }
+    let bias = half_norms(centroids, d);
+    let n = x.len() / d;
+    out.clear();
+    out.resize(n, 0);
+    let mut best = vec![0.0f32; n];
+    let mut sims = vec![0.0f32; ROW_BLOCK.min(n) * k];
+    assign(x, d, &centroids[..k * d], &bias, k, &mut sims, out, &mut best);
+    Ok(())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Metric {
+    Cosine,
+    L2,
+}
+
+fn check_rows(what: &'static str, x: &[f32], d: usize) -> Result<()> {
+    if d == 0 || !x.len().is_multiple_of(d) {
+        return Err(Error::ShapeMismatch { what, expected: x.len() / d.max(1) * d, got: x.len() });
+    }
+    Ok(())
+}
+
+/// `|c|²/2` per centroid: argmin |x−c|² = argmax (x·c − |c|²/2).
+fn half_norms(centroids: &[f32], d: usize) -> Vec<f32> {
+    centroids.chunks_exact(d).map(|c| 0.5 * c.iter().map(|v| v * v).sum::<f32>()).collect()
+}
+
+/// Assigns every row to its best centroid (`x·c − bias[c]`, highest wins); returns how many
+/// assignments changed.
+#[allow(clippy::too_many_arguments)]
+fn assign(
+    x: &[f32],
+    d: usize,
+    centroids: &[f32],
+    bias: &[f32],
+    k: usize,
+    sims: &mut [f32],
+    assignment: &mut [u32],
+    best: &mut [f32],
+) -> usize {
+    let mut changed = 0usize;
+    for (b, xb) in x.chunks(ROW_BLOCK * d).enumerate() {
+        let rows = xb.len() / d;
+        let s = &mut sims[..rows * k];
+        matmul_transposed(xb, centroids, s, rows, k, d);
+        for (i, srow) in s.chunks_exact(k).enumerate() {
+            let (arg, val) =
+                srow.iter().zip(bias).enumerate().fold((0usize, f32::NEG_INFINITY), |acc, (c, (&v, &o))| {
+                    let v = v - o;
+                    if v > acc.1 {
+                        (c, v)
+                    } else {
+                        acc
+                    }
+                });
+            let row = b * ROW_BLOCK + i;
+            best[row] = val;
+            if assignment[row] != arg as u32 {
+                assignment[row] = arg as u32;
+                changed += 1;
+            }
+        }
+    }
+    changed
+}
+
+fn kmeans(x: &[f32], d: usize, params: KMeansParams, metric: Metric) -> Result<KMeans> {
+    check_rows("k-means rows", x, d)?;
     if params.clusters == 0 {
         return Err(Error::ZeroDimension { what: "clusters" });
     }
@@ -86,24 +173,11 @@ pub fn spherical_kmeans(x: &[f32], d: usize, params: KMeansParams) -> Result<KMe
     let mut sims = vec![0.0f32; ROW_BLOCK.min(n) * k];
     let (mut iterations, mut converged) = (0, false);
     loop {
-        let mut changed = 0usize;
-        for (b, xb) in x.chunks(ROW_BLOCK * d).enumerate() {
-            let rows = xb.len() / d;
-            let s = &mut sims[..rows * k];
-            matmul_transposed(xb, &centroids, s, rows, k, d);
-            for (i, srow) in s.chunks_exact(k).enumerate() {
-                let (arg, val) =
-                    srow.iter()
-                        .enumerate()
-                        .fold((0usize, f32::NEG_INFINITY), |acc, (c, &v)| if v > acc.1 { (c, v) } else { acc });
-                let row = b * ROW_BLOCK + i;
-                best[row] = val;
-                if assignment[row] != arg as u32 {
-                    assignment[row] = arg as u32;
-                    changed += 1;
-                }
-            }
-        }
+        let bias = match metric {
+            Metric::Cosine => vec![0.0; k],
+            Metric::L2 => half_norms(&centroids, d),
+        };
+        let changed = assign(x, d, &centroids, &bias, k, &mut sims, &mut assignment, &mut best);
         if iterations > 0 && changed == 0 {
             converged = true;
             break;
@@ -112,14 +186,22 @@ pub fn spherical_kmeans(x: &[f32], d: usize, params: KMeansParams) -> Result<KMe
             break;
         }
         iterations += 1;
-        update_centroids(x, d, k, &assignment, &best, &mut centroids);
+        update_centroids(x, d, k, &assignment, &best, &mut centroids, metric);
     }
     Ok(KMeans { assignment, centroids, clusters: k, iterations, converged })
 }
 
-/// Centroid = normalized sum of members; an empty cluster is re-seeded with the row that
-/// fits its own centroid worst, so no cluster id is wasted.
-fn update_centroids(x: &[f32], d: usize, k: usize, assignment: &[u32], best: &[f32], centroids: &mut [f32]) {
+/// Centroid = normalized sum (cosine) or mean (L2) of its members; an empty cluster is
+/// re-seeded with the row that fits its own centroid worst, so no cluster id is wasted.
+fn update_centroids(
+    x: &[f32],
+    d: usize,
+    k: usize,
+    assignment: &[u32],
+    best: &[f32],
+    centroids: &mut [f32],
+    metric: Metric,
+) {
     centroids.iter_mut().for_each(|c| *c = 0.0);
     let mut sizes = vec![0usize; k];
     for (r, &a) in x.chunks_exact(d).zip(assignment) {
@@ -136,8 +218,12 @@ fn update_centroids(x: &[f32], d: usize, k: usize, assignment: &[u32], best: &[f
             centroids[c * d..(c + 1) * d].copy_from_slice(&x[row * d..(row + 1) * d]);
         }
     }
-    for c in centroids.chunks_exact_mut(d) {
-        normalize(c);
+    for (c, &size) in centroids.chunks_exact_mut(d).zip(&sizes) {
+        match metric {
+            Metric::Cosine => normalize(c),
+            Metric::L2 if size > 0 => c.iter_mut().for_each(|v| *v /= size as f32),
+            Metric::L2 => {}
+        }
     }
 }
 
@@ -170,6 +256,40 @@ mod tests {
                 truth.iter().zip(&km.assignment).filter(|(t, _)| **t == c).map(|(_, a)| *a).collect();
             assert_eq!(labels.len(), 1, "true cluster {c} split into {labels:?}");
         }
+    }
+
+    #[test]
+    fn l2_kmeans_finds_separated_blobs_and_encoding_picks_the_nearest_centroid() {
+        let d = 4;
+        let mut g = SplitMix64::new(9);
+        let centers = [[0.0f32, 0.0, 0.0, 0.0], [5.0, 5.0, 0.0, 0.0], [0.0, 0.0, -5.0, 5.0]];
+        let mut rows = Vec::new();
+        for i in 0..300 {
+            rows.extend(centers[i % 3].iter().map(|c| c + g.normal() * 0.2));
+        }
+        let km = l2_kmeans(&rows, d, KMeansParams { clusters: 3, max_iters: 50, seed: 4 }).unwrap();
+        assert!(km.converged && km.iterations < 50, "{} iterations", km.iterations);
+        // Every centroid sits near one true centre (means, not unit vectors).
+        for c in km.centroids.chunks_exact(d) {
+            let nearest = centers
+                .iter()
+                .map(|t| t.iter().zip(c).map(|(a, b)| (a - b) * (a - b)).sum::<f32>())
+                .fold(f32::INFINITY, f32::min);
+            assert!(nearest < 0.05, "centroid {c:?} is {nearest} from every centre");
+        }
+        let mut codes = Vec::new();
+        nearest_centroids(&rows, &km.centroids, d, &mut codes).unwrap();
+        assert_eq!(codes, km.assignment);
+        // Brute force on a few off-grid points.
+        let probe = [2.4f32, 2.6, 0.1, 0.0, 0.1, -0.2, -4.0, 4.2];
+        nearest_centroids(&probe, &km.centroids, d, &mut codes).unwrap();
+        for (p, &code) in probe.chunks_exact(d).zip(&codes) {
+            let dist = |c: &[f32]| p.iter().zip(c).map(|(a, b)| (a - b) * (a - b)).sum::<f32>();
+            let want =
+                (0..3).min_by(|&a, &b| dist(&km.centroids[a * d..][..d]).total_cmp(&dist(&km.centroids[b * d..][..d])));
+            assert_eq!(Some(code as usize), want);
+        }
+        assert!(nearest_centroids(&probe[..5], &km.centroids, d, &mut codes).is_err());
     }
 
     #[test]

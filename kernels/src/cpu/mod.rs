@@ -7,6 +7,7 @@ mod gemm;
 pub mod kmeans;
 mod microkernel;
 pub mod partial;
+pub mod pq;
 mod prefetch;
 pub mod reference;
 pub mod scoring;

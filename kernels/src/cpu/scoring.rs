@@ -48,13 +48,20 @@ pub fn score_group<E: Element>(q: &[f32], g: usize, rows: &[E], scale: f32, out:
 
 /// Indices of the `r` largest scores, best first (ties broken by lower index; NaN sorts
 /// lowest). `r` larger than `scores.len()` returns all indices.
+///
+/// For a small `r` out of many scores (a top-k over every token of a long context) a
+/// threshold taken from a strided sample first discards almost every score in one pass, so
+/// the exact selection only sorts out a few candidates; when the sample misjudges, the
+/// full selection runs instead and the answer is the same.
 pub fn top_r(scores: &[f32], r: usize) -> Vec<u32> {
-    let mut idx: Vec<u32> = (0..scores.len() as u32).collect();
-    let r = r.min(idx.len());
+    let r = r.min(scores.len());
     let by_score_desc = |a: &u32, b: &u32| {
-        let (x, y) = (scores[*a as usize], scores[*b as usize]);
-        let (x, y) = (if x.is_nan() { f32::NEG_INFINITY } else { x }, if y.is_nan() { f32::NEG_INFINITY } else { y });
+        let (x, y) = (key(scores[*a as usize]), key(scores[*b as usize]));
         y.total_cmp(&x).then(a.cmp(b))
+    };
+    let mut idx = match threshold_candidates(scores, r) {
+        Some(candidates) => candidates,
+        None => (0..scores.len() as u32).collect(),
     };
     if r > 0 && r < idx.len() {
         idx.select_nth_unstable_by(r - 1, by_score_desc);
@@ -62,6 +69,63 @@ pub fn top_r(scores: &[f32], r: usize) -> Vec<u32> {
     idx.truncate(r);
     idx.sort_unstable_by(by_score_desc);
     idx
+}
+
+/// The same indices as [`top_r`], in ascending index order instead of best first: the set a
+/// planner turns into row spans, without the cost of ranking it.
+pub fn top_r_set(scores: &[f32], r: usize) -> Vec<u32> {
+    let r = r.min(scores.len());
+    let by_score_desc = |a: &u32, b: &u32| {
+        let (x, y) = (key(scores[*a as usize]), key(scores[*b as usize]));
+        y.total_cmp(&x).then(a.cmp(b))
+    };
+    let mut idx = match threshold_candidates(scores, r) {
+        Some(candidates) => candidates,
+        None => (0..scores.len() as u32).collect(),
+    };
+    if r > 0 && r < idx.len() {
+        idx.select_nth_unstable_by(r - 1, by_score_desc);
+    }
+    idx.truncate(r);
+    idx.sort_unstable();
+    idx
+}
+
+/// NaN ranks below every number.
+fn key(x: f32) -> f32 {
+    if x.is_nan() {
+        f32::NEG_INFINITY
+    } else {
+        x
+    }
+}
+
+/// Sample stride of the threshold pre-filter.
+const SAMPLE_STRIDE: usize = 16;
+
+/// Every index whose score is at least a threshold estimated from every 16th score, when
+/// that keeps at least `r` of them (so it contains the true top `r`: every score left out
+/// is below every score kept); `None` when the pre-filter does not apply or fails.
+fn threshold_candidates(scores: &[f32], r: usize) -> Option<Vec<u32>> {
+    let n = scores.len();
+    if n < 8192 || r == 0 || r > n / 8 {
+        return None;
+    }
+    let mut sample: Vec<f32> = scores.iter().step_by(SAMPLE_STRIDE).map(|&x| key(x)).collect();
+    // Aim for ~1.25 r candidates (+ slack for small r) so a miss is rare and the rest cheap.
+    let rank = ((r as f64 * 1.25) as usize / SAMPLE_STRIDE + 8).min(sample.len() - 1);
+    let (_, t, _) = sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
+    let t = *t;
+    if t == f32::NEG_INFINITY {
+        return None;
+    }
+    let mut out = Vec::with_capacity(rank * SAMPLE_STRIDE * 2);
+    for (i, &x) in scores.iter().enumerate() {
+        if x >= t {
+            out.push(i as u32);
+        }
+    }
+    (out.len() >= r).then_some(out)
 }
 
 #[cfg(test)]
@@ -77,6 +141,25 @@ mod tests {
             all.sort_by(|a, b| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b)));
             all.truncate(r);
             prop_assert_eq!(got, all);
+        }
+    }
+
+    #[test]
+    fn prefiltered_top_r_equals_a_full_sort_prefix_on_long_inputs() {
+        let mut g = crate::random::SplitMix64::new(11);
+        for (n, r) in [(8192usize, 1usize), (20_000, 37), (50_000, 2500), (50_000, 6250), (9000, 1125)] {
+            // Coarse values force many ties at the threshold; a few NaNs must rank last.
+            let mut scores: Vec<f32> = (0..n).map(|_| (g.normal() * 20.0).round() / 4.0).collect();
+            for i in (0..n).step_by(997) {
+                scores[i] = f32::NAN;
+            }
+            let got = top_r(&scores, r);
+            let mut all: Vec<u32> = (0..n as u32).collect();
+            all.sort_by(|a, b| key(scores[*b as usize]).total_cmp(&key(scores[*a as usize])).then(a.cmp(b)));
+            all.truncate(r);
+            assert_eq!(got, all, "n={n} r={r}");
+            all.sort_unstable();
+            assert_eq!(top_r_set(&scores, r), all, "n={n} r={r}: the set in index order");
         }
     }
 

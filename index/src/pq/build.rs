@@ -1,0 +1,243 @@
+//! Codebook training and encoding, run on a background thread after prefill so it
+//! overlaps with the caller (PQCache §3.3); a [`BuildHandle`] tells when it is done.
+
+use crate::error::{Error, Result};
+use crate::pq::adaptive::{BuildShape, IterationModel};
+use crate::pq::codes::PackedCodes;
+use crate::pq::params::{PqLayout, PqParams};
+use attnstore_kernels::cpu::kmeans::{l2_kmeans, nearest_centroids, KMeansParams};
+use attnstore_kernels::Element;
+use parking_lot::{Condvar, Mutex};
+use rayon::prelude::*;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+/// What a codebook build did.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BuildReport {
+    /// Sub-spaces and bits.
+    pub layout: PqLayout,
+    /// Centroids per sub-space actually trained (≤ `2^b`; fewer for tiny contexts).
+    pub codes: usize,
+    /// Tokens encoded per head.
+    pub tokens: usize,
+    /// Rows each codebook was trained on.
+    pub train_rows: usize,
+    /// The iteration limit (from the time budget, or the cap).
+    pub iters_limit: usize,
+    /// Most iterations any sub-space ran.
+    pub iters_run: usize,
+    /// Sub-space jobs that converged before the limit, of `jobs`.
+    pub converged_jobs: usize,
+    /// Jobs (KV heads × sub-spaces).
+    pub jobs: usize,
+    /// The caller's budget, if one was given.
+    pub budget: Option<Duration>,
+    /// Build time the time model predicted for the limit (with a budget).
+    pub predicted: Option<Duration>,
+    /// Wall time of the build.
+    pub elapsed: Duration,
+}
+
+/// The trained codebooks and the codes of positions `sink..end` of every head.
+#[derive(Debug)]
+pub(crate) struct Built {
+    pub layout: PqLayout,
+    /// Centroids per sub-space.
+    pub codes: usize,
+    /// Per head: `m × codes × d/m` f32 centroids.
+    pub codebooks: Vec<Vec<f32>>,
+    /// Per head: codes of positions `start..end`.
+    pub packed: Vec<PackedCodes>,
+    pub end: usize,
+    pub report: BuildReport,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct BuildSlot {
+    built: OnceLock<Arc<Built>>,
+    failure: Mutex<Option<Error>>,
+    finished: Mutex<bool>,
+    done: Condvar,
+}
+
+impl BuildSlot {
+    pub fn get(&self) -> Option<&Arc<Built>> {
+        self.built.get()
+    }
+
+    fn finish(&self, result: Result<Built>) {
+        match result {
+            Ok(b) => {
+                let _ = self.built.set(Arc::new(b));
+            }
+            Err(e) => *self.failure.lock() = Some(e),
+        }
+        *self.finished.lock() = true;
+        self.done.notify_all();
+    }
+}
+
+/// A handle on an index build that may still be running in the background.
+#[derive(Debug, Clone)]
+pub struct BuildHandle {
+    slot: Arc<BuildSlot>,
+}
+
+impl BuildHandle {
+    pub(crate) fn new(slot: Arc<BuildSlot>) -> Self {
+        Self { slot }
+    }
+
+    /// True once the index is built and plans use it.
+    pub fn is_ready(&self) -> bool {
+        self.slot.get().is_some()
+    }
+
+    /// Waits up to `timeout` for the build: `Ok(true)` when ready, `Ok(false)` when still
+    /// running at the deadline, the build's error if it failed (plans then stay exact).
+    pub fn wait(&self, timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut finished = self.slot.finished.lock();
+        while !*finished {
+            if self.slot.done.wait_until(&mut finished, deadline).timed_out() {
+                break;
+            }
+        }
+        drop(finished);
+        if let Some(e) = self.slot.failure.lock().clone() {
+            return Err(e);
+        }
+        Ok(self.is_ready())
+    }
+
+    /// What the build did, once it is done.
+    pub fn report(&self) -> Option<BuildReport> {
+        self.slot.get().map(|b| b.report)
+    }
+}
+
+/// The inputs of one build: keys of every head (shared with the index), the token range to
+/// encode and the layout.
+pub(crate) struct BuildJob<E> {
+    pub keys: Vec<Arc<Vec<E>>>,
+    pub head_dim: usize,
+    pub start: usize,
+    pub end: usize,
+    pub layout: PqLayout,
+    pub params: PqParams,
+}
+
+impl<E: Element> BuildJob<E> {
+    /// Runs the build now on the calling thread, or on a new thread; either way the result
+    /// lands in the returned slot.
+    pub fn launch(self, background: bool) -> Arc<BuildSlot> {
+        let slot = Arc::new(BuildSlot::default());
+        let target = Arc::clone(&slot);
+        if background {
+            let spawned = std::thread::Builder::new().name("attnstore-pq-build".into()).spawn(move || {
+                let result = self.run();
+                target.finish(result);
+            });
+            if let Err(e) = spawned {
+                slot.finish(Err(Error::InvalidParameter {
+                    what: "background build",
+                    message: format!("could not start a thread: {e}"),
+                }));
+            }
+        } else {
+            let result = self.run();
+            target.finish(result);
+        }
+        slot
+    }
+
+    fn run(&self) -> Result<Built> {
+        let started = Instant::now();
+        let (m, d) = (self.layout.subspaces, self.head_dim);
+        let sub = d / m;
+        let n = self.end - self.start;
+        let train_rows = n.min(self.layout.codes() * self.params.train_rows_per_centroid);
+        let jobs = self.keys.len() * m;
+        let (iters_limit, predicted) = match self.params.build_budget {
+            Some(budget) => {
+                let model = IterationModel::calibrated(sub, self.layout.codes());
+                let shape = BuildShape { train_rows, encode_rows: n, jobs, threads: rayon::current_num_threads() };
+                let c = model.choose(&shape, budget, self.params.max_iters);
+                (c.iters, Some(c.predicted))
+            }
+            None => (self.params.max_iters, None),
+        };
+        let trained = (0..jobs)
+            .into_par_iter()
+            .map(|job| self.train_and_encode(job / m, job % m, train_rows, iters_limit))
+            .collect::<Result<Vec<_>>>()?;
+        let codes = trained.first().map_or(1, |t| t.centroids.len() / sub);
+        let mut codebooks = Vec::with_capacity(self.keys.len());
+        let mut packed = Vec::with_capacity(self.keys.len());
+        let mut token_major = vec![0u8; n * m];
+        for head in trained.chunks(m) {
+            let mut book = Vec::with_capacity(m * codes * sub);
+            for (j, t) in head.iter().enumerate() {
+                book.extend_from_slice(&t.centroids);
+                for (i, &c) in t.codes.iter().enumerate() {
+                    token_major[i * m + j] = c;
+                }
+            }
+            let mut p = PackedCodes::new(self.layout);
+            p.push(&token_major)?;
+            codebooks.push(book);
+            packed.push(p);
+        }
+        let report = BuildReport {
+            layout: self.layout,
+            codes,
+            tokens: n,
+            train_rows,
+            iters_limit,
+            iters_run: trained.iter().map(|t| t.iterations).max().unwrap_or(0),
+            converged_jobs: trained.iter().filter(|t| t.converged).count(),
+            jobs,
+            budget: self.params.build_budget,
+            predicted,
+            elapsed: started.elapsed(),
+        };
+        Ok(Built { layout: self.layout, codes, codebooks, packed, end: self.end, report })
+    }
+
+    /// Trains sub-space `j` of head `h` on evenly spaced rows, then encodes every row.
+    fn train_and_encode(&self, h: usize, j: usize, train_rows: usize, iters: usize) -> Result<Trained> {
+        let (m, d) = (self.layout.subspaces, self.head_dim);
+        let sub = d / m;
+        let keys = &self.keys[h];
+        let n = self.end - self.start;
+        let mut row = vec![0.0f32; d];
+        let mut gather = |positions: &mut dyn Iterator<Item = usize>, out: &mut Vec<f32>| {
+            out.clear();
+            for p in positions {
+                E::widen(&keys[p * d..(p + 1) * d], &mut row);
+                out.extend_from_slice(&row[j * sub..(j + 1) * sub]);
+            }
+        };
+        let mut x = Vec::with_capacity(train_rows * sub);
+        gather(&mut (0..train_rows).map(|i| self.start + i * n / train_rows), &mut x);
+        let seed = self.params.seed ^ ((h * m + j) as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let km = l2_kmeans(&x, sub, KMeansParams { clusters: self.layout.codes(), max_iters: iters, seed })?;
+        const ENCODE_ROWS: usize = 4096;
+        let mut codes = Vec::with_capacity(n);
+        let mut nearest = Vec::new();
+        for s in (self.start..self.end).step_by(ENCODE_ROWS) {
+            gather(&mut (s..(s + ENCODE_ROWS).min(self.end)), &mut x);
+            nearest_centroids(&x, &km.centroids, sub, &mut nearest)?;
+            codes.extend(nearest.iter().map(|&c| c as u8));
+        }
+        Ok(Trained { centroids: km.centroids, codes, iterations: km.iterations, converged: km.converged })
+    }
+}
+
+struct Trained {
+    centroids: Vec<f32>,
+    codes: Vec<u8>,
+    iterations: usize,
+    converged: bool,
+}

@@ -1,0 +1,131 @@
+//! PQ codes packed tightly: `m` codes of `b` bits per token in one little-endian bit
+//! stream (code `i = token·m + j` at bits `i·b..(i+1)·b`), unpacked a tile at a time into
+//! bytes for the scoring loop.
+
+use crate::error::{Error, Result};
+use crate::pq::params::PqLayout;
+
+/// The codes of a run of tokens of one KV head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PackedCodes {
+    layout: PqLayout,
+    tokens: usize,
+    bytes: Vec<u8>,
+}
+
+impl PackedCodes {
+    /// An empty run.
+    pub fn new(layout: PqLayout) -> Self {
+        Self { layout, tokens: 0, bytes: Vec::new() }
+    }
+
+    /// Tokens held.
+    pub fn len(&self) -> usize {
+        self.tokens
+    }
+
+    /// True when no token is held.
+    pub fn is_empty(&self) -> bool {
+        self.tokens == 0
+    }
+
+    /// Bytes of the packed stream.
+    pub fn bytes(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// Appends the codes of `codes.len() / m` tokens (token-major); every code must fit in
+    /// `b` bits.
+    pub fn push(&mut self, codes: &[u8]) -> Result<()> {
+        let (m, b) = (self.layout.subspaces, self.layout.bits);
+        if !codes.len().is_multiple_of(m) {
+            return Err(Error::ShapeMismatch {
+                what: "codes (tokens × m)",
+                expected: codes.len() / m * m,
+                got: codes.len(),
+            });
+        }
+        if let Some(c) = codes.iter().find(|&&c| (c as usize) >> b != 0) {
+            return Err(Error::InvalidParameter { what: "code", message: format!("{c} does not fit in {b} bits") });
+        }
+        let mut bit = self.tokens * m * b;
+        self.bytes.resize((bit + codes.len() * b).div_ceil(8), 0);
+        if b == 8 {
+            self.bytes[bit / 8..].copy_from_slice(codes);
+        } else {
+            for &c in codes {
+                // b ≤ 8 and the offset ≤ 7, so a code spans at most two bytes.
+                let v = (c as u16) << (bit % 8);
+                self.bytes[bit / 8] |= v as u8;
+                if bit % 8 + b > 8 {
+                    self.bytes[bit / 8 + 1] |= (v >> 8) as u8;
+                }
+                bit += b;
+            }
+        }
+        self.tokens += codes.len() / m;
+        Ok(())
+    }
+
+    /// Appends to `out` the codes of tokens `start..start + n` (token-major bytes). Panics if
+    /// the range is not held (the caller's invariant).
+    pub fn unpack(&self, start: usize, n: usize, out: &mut Vec<u8>) {
+        assert!(start + n <= self.tokens, "unpack {start}+{n} beyond {} tokens", self.tokens);
+        let (m, b) = (self.layout.subspaces, self.layout.bits);
+        if b == 8 {
+            out.extend_from_slice(&self.bytes[start * m..(start + n) * m]);
+            return;
+        }
+        let mask = (1u16 << b) - 1;
+        let mut bit = start * m * b;
+        out.extend((0..n * m).map(|_| {
+            let i = bit / 8;
+            let lo = self.bytes[i] as u16;
+            let hi = self.bytes.get(i + 1).copied().unwrap_or(0) as u16;
+            let c = ((lo | hi << 8) >> (bit % 8)) & mask;
+            bit += b;
+            c as u8
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pq::params::{BITS, SUBSPACES};
+    use proptest::prelude::*;
+
+    proptest! {
+        #[test]
+        fn packing_round_trips_for_every_layout(
+            mi in 0usize..4, b in BITS, seeds in proptest::collection::vec(any::<u32>(), 1..200), split in 0usize..200,
+        ) {
+            let layout = PqLayout { subspaces: SUBSPACES[mi], bits: b };
+            let m = layout.subspaces;
+            let tokens = seeds.len();
+            let codes: Vec<u8> = (0..tokens * m).map(|i| (seeds[i / m].rotate_left(i as u32 * 5) as usize % layout.codes()) as u8).collect();
+            // Pushed in two batches, so batches that end mid-byte are covered too.
+            let cut = split.min(tokens) * m;
+            let mut p = PackedCodes::new(layout);
+            p.push(&codes[..cut]).unwrap();
+            p.push(&codes[cut..]).unwrap();
+            prop_assert_eq!(p.len(), tokens);
+            prop_assert_eq!(p.bytes(), (tokens * m * b).div_ceil(8));
+            let mut all = Vec::new();
+            p.unpack(0, tokens, &mut all);
+            prop_assert_eq!(&all, &codes);
+            let (s, n) = (tokens / 3, tokens - tokens / 3);
+            let mut part = Vec::new();
+            p.unpack(s, n, &mut part);
+            prop_assert_eq!(&part[..], &codes[s * m..]);
+        }
+    }
+
+    #[test]
+    fn codes_that_do_not_fit_are_rejected() {
+        let mut p = PackedCodes::new(PqLayout { subspaces: 2, bits: 4 });
+        assert!(p.push(&[3, 16]).is_err());
+        assert!(p.push(&[3]).is_err());
+        assert!(p.is_empty());
+    }
+}

@@ -1,0 +1,414 @@
+//! The PQ index (PQCache): keys of every KV head product-quantized into `m` sub-spaces of
+//! `2^b` centroids, a per-query lookup table that scores every token from its codes, and an
+//! exact top-k of those approximate scores plus sink and local tokens. Codebooks are trained
+//! in the background after prefill; until they are ready every token is in the steady zone
+//! (attended exactly). Decode tokens that leave the local window are encoded with the
+//! existing centroids.
+//!
+//! Tokens live in arrival order in two regions per head: the *base* (everything present
+//! when the codebook build started, shared with the build thread) and the *tail* (later
+//! tokens). A [`RowSpan`]'s `unit` names the region: 0 base, 1 tail.
+
+mod adaptive;
+mod build;
+mod codes;
+mod params;
+
+pub use adaptive::{BuildShape, IterationChoice, IterationModel};
+pub use build::{BuildHandle, BuildReport};
+pub use codes::PackedCodes;
+pub use params::{PqLayout, PqParams};
+
+use crate::error::{Error, Result};
+use crate::method::{
+    batch_tokens, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode,
+    ZoneBudget,
+};
+use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
+use attnstore_kernels::cpu::kmeans::nearest_centroids;
+use attnstore_kernels::cpu::pq::{scores_each, scores_max, Lut};
+use attnstore_kernels::cpu::scoring::top_r_set;
+use attnstore_kernels::{Element, Partial};
+use build::{BuildJob, BuildSlot, Built};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// Tokens whose codes are unpacked and scored at a time.
+const SCORE_TILE: usize = 4096;
+
+/// Buffers of one planning thread, kept between plans so a decode step allocates no
+/// per-token arrays.
+#[derive(Default)]
+struct PlanScratch {
+    scores: Vec<Vec<f32>>,
+    tile: Vec<u8>,
+}
+
+thread_local! {
+    static PLAN_SCRATCH: std::cell::RefCell<PlanScratch> = std::cell::RefCell::new(PlanScratch::default());
+}
+
+#[derive(Debug, Clone, Default)]
+struct HeadKv<E> {
+    base_keys: Arc<Vec<E>>,
+    base_values: Vec<E>,
+    tail_keys: Vec<E>,
+    tail_values: Vec<E>,
+}
+
+/// PQCache's product-quantization index over the KV heads of one layer.
+#[derive(Debug)]
+pub struct PqIndex<E> {
+    params: PqParams,
+    kv_heads: usize,
+    head_dim: usize,
+    heads: Vec<HeadKv<E>>,
+    tokens: usize,
+    base_len: usize,
+    build: Option<Arc<BuildSlot>>,
+    /// Per head: codes of decode tokens encoded with the existing codebooks, positions
+    /// `built.end..built.end + len`.
+    extra: Vec<PackedCodes>,
+}
+
+impl<E: Element> PqIndex<E> {
+    /// An empty index for `kv_heads` heads of dimension `head_dim`.
+    pub fn new(params: PqParams, kv_heads: usize, head_dim: usize) -> Result<Self> {
+        params.validate(head_dim)?;
+        if kv_heads == 0 || head_dim == 0 {
+            return Err(Error::InvalidParameter {
+                what: "shape",
+                message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
+            });
+        }
+        Ok(Self {
+            params,
+            kv_heads,
+            head_dim,
+            heads: vec![HeadKv::default(); kv_heads],
+            tokens: 0,
+            base_len: 0,
+            build: None,
+            extra: Vec::new(),
+        })
+    }
+
+    /// The parameters.
+    pub fn params(&self) -> &PqParams {
+        &self.params
+    }
+
+    /// The build handle, once a build has started (see [`AccessMethod::build_handle`]).
+    pub fn handle(&self) -> Option<BuildHandle> {
+        self.build.as_ref().map(|s| BuildHandle::new(Arc::clone(s)))
+    }
+
+    /// The trained codebook of KV head `h` (`m × codes × d/m`, sub-space major) and the
+    /// number of centroids per sub-space, once the build is done.
+    pub fn codebook(&self, h: usize) -> Option<(&[f32], usize)> {
+        self.built().and_then(|b| b.codebooks.get(h).map(|c| (c.as_slice(), b.codes)))
+    }
+
+    /// The codes (one per sub-space) of the token at `position` of KV head `h`, if it has
+    /// been encoded.
+    pub fn codes_of(&self, h: usize, position: usize) -> Option<Vec<u8>> {
+        let built = self.built()?;
+        let (sink, end) = (self.sink_len(), built.end);
+        if h >= self.kv_heads || position < sink || position >= self.coded_end() {
+            return None;
+        }
+        let mut out = Vec::new();
+        match position < end {
+            true => built.packed[h].unpack(position - sink, 1, &mut out),
+            false => self.extra[h].unpack(position - end, 1, &mut out),
+        }
+        Some(out)
+    }
+
+    fn built(&self) -> Option<&Arc<Built>> {
+        self.build.as_ref().and_then(|s| s.get())
+    }
+
+    fn sink_len(&self) -> usize {
+        self.params.sink_tokens.min(self.tokens)
+    }
+
+    /// First position not covered by codes: tokens from here on are in the steady zone.
+    fn coded_end(&self) -> usize {
+        match self.built() {
+            Some(b) => b.end + self.extra.first().map_or(0, |e| e.len()),
+            None => self.sink_len(),
+        }
+    }
+
+    /// Keys and values of positions `range` of head `h`, which must lie in one region.
+    fn rows(&self, h: usize, unit: u32, rows: Range<usize>) -> (&[E], &[E]) {
+        let d = self.head_dim;
+        let kv = &self.heads[h];
+        let r = rows.start * d..rows.end * d;
+        match unit {
+            0 => (&kv.base_keys[r.clone()], &kv.base_values[r]),
+            _ => (&kv.tail_keys[r.clone()], &kv.tail_values[r]),
+        }
+    }
+
+    /// Positions `range` as spans of the regions they fall in.
+    fn spans_of(&self, range: Range<usize>) -> impl Iterator<Item = RowSpan> {
+        let b = self.base_len;
+        let base = range.start.min(b)..range.end.min(b);
+        let tail = range.start.max(b) - b..range.end.max(b) - b;
+        [(0u32, base), (1u32, tail)].into_iter().filter(|(_, r)| !r.is_empty()).map(|(unit, r)| RowSpan {
+            unit,
+            start: r.start as u32,
+            end: r.end as u32,
+        })
+    }
+
+    fn position_span(&self, p: usize) -> RowSpan {
+        let (unit, row) = if p < self.base_len { (0, p) } else { (1, p - self.base_len) };
+        RowSpan { unit, start: row as u32, end: row as u32 + 1 }
+    }
+
+    fn steady_ranges(&self) -> [Range<usize>; 2] {
+        [0..self.sink_len(), self.coded_end()..self.tokens]
+    }
+
+    fn steady_plan(&self) -> HeadPlan {
+        let tail = self.tokens - self.coded_end();
+        HeadPlan {
+            exact: false,
+            steady_tokens: self.sink_len() + tail,
+            pending_tokens: tail.saturating_sub(self.params.local_tokens),
+            selections: Vec::new(),
+        }
+    }
+
+    fn ingest(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        let n = batch_tokens(self.kv_heads, self.head_dim, keys, values)?;
+        if self.tokens + n > u32::MAX as usize {
+            return Err(Error::InvalidParameter {
+                what: "tokens",
+                message: format!("a head holds at most {} tokens", u32::MAX),
+            });
+        }
+        let d = self.head_dim;
+        for (h, kv) in self.heads.iter_mut().enumerate() {
+            push_narrow(&mut kv.tail_keys, &keys[h * n * d..(h + 1) * n * d]);
+            push_narrow(&mut kv.tail_values, &values[h * n * d..(h + 1) * n * d]);
+        }
+        self.tokens += n;
+        if self.build.is_none() {
+            self.start_build_if_due();
+        } else {
+            self.encode_pending()?;
+        }
+        Ok(())
+    }
+
+    /// Starts the codebook build once enough tokens lie outside the steady zone: all tokens
+    /// so far become the base region, shared with the build.
+    fn start_build_if_due(&mut self) {
+        let p = &self.params;
+        let start = p.sink_tokens.min(self.tokens);
+        let end = self.tokens.saturating_sub(p.local_tokens).max(start);
+        if end - start < p.min_build_tokens {
+            return;
+        }
+        for kv in &mut self.heads {
+            kv.base_keys = Arc::new(std::mem::take(&mut kv.tail_keys));
+            kv.base_values = std::mem::take(&mut kv.tail_values);
+        }
+        self.base_len = self.tokens;
+        let layout = p.layout(self.tokens);
+        let job = BuildJob {
+            keys: self.heads.iter().map(|kv| Arc::clone(&kv.base_keys)).collect(),
+            head_dim: self.head_dim,
+            start,
+            end,
+            layout,
+            params: self.params,
+        };
+        self.extra = vec![PackedCodes::new(layout); self.kv_heads];
+        self.build = Some(job.launch(self.params.background));
+    }
+
+    /// Encodes, with the existing codebooks, every token that has left the local window
+    /// since the build (no-op while the build runs).
+    fn encode_pending(&mut self) -> Result<()> {
+        let Some(built) = self.built().cloned() else { return Ok(()) };
+        let from = self.coded_end();
+        let to = self.tokens.saturating_sub(self.params.local_tokens);
+        if to <= from {
+            return Ok(());
+        }
+        let (m, d) = (built.layout.subspaces, self.head_dim);
+        let sub = d / m;
+        let mut wide = vec![0.0f32; d];
+        let mut x = Vec::new();
+        let mut nearest = Vec::new();
+        for h in 0..self.kv_heads {
+            let mut codes = vec![0u8; (to - from) * m];
+            for j in 0..m {
+                x.clear();
+                for p in from..to {
+                    let span = self.position_span(p);
+                    let (k, _) = self.rows(h, span.unit, span.start as usize..span.end as usize);
+                    E::widen(k, &mut wide);
+                    x.extend_from_slice(&wide[j * sub..(j + 1) * sub]);
+                }
+                let book = &built.codebooks[h][j * built.codes * sub..(j + 1) * built.codes * sub];
+                nearest_centroids(&x, book, sub, &mut nearest)?;
+                for (i, &c) in nearest.iter().enumerate() {
+                    codes[i * m + j] = c as u8;
+                }
+            }
+            self.extra[h].push(&codes)?;
+        }
+        Ok(())
+    }
+
+    /// Approximate scores of every coded token (positions `sink..coded_end`) for the group
+    /// `q` into `scratch.scores`: the best over heads, or one vector per head.
+    fn score(&self, built: &Built, kv_head: usize, q: &[f32], per_head: bool, scratch: &mut PlanScratch) -> Result<()> {
+        let d = self.head_dim;
+        let g = q.len() / d;
+        let lut =
+            Lut::build(q, g, &built.codebooks[kv_head], built.layout.subspaces, built.codes, 1.0 / (d as f32).sqrt())?;
+        let PlanScratch { scores: out, tile } = scratch;
+        out.resize_with(if per_head { g } else { 1 }, Vec::new);
+        out.truncate(if per_head { g } else { 1 });
+        out.iter_mut().for_each(Vec::clear);
+        for codes in [&built.packed[kv_head], &self.extra[kv_head]] {
+            for s in (0..codes.len()).step_by(SCORE_TILE) {
+                tile.clear();
+                codes.unpack(s, SCORE_TILE.min(codes.len() - s), tile);
+                if per_head {
+                    scores_each(&lut, tile, out);
+                } else {
+                    scores_max(&lut, tile, &mut out[0]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn selection(&self, built: &Built, first_head: usize, heads: usize, scores: &[f32], k: usize) -> Selection {
+        let sink = self.sink_len();
+        let chosen = top_r_set(scores, k);
+        let mut spans: Vec<RowSpan> = chosen.iter().map(|&i| self.position_span(sink + i as usize)).collect();
+        coalesce(&mut spans);
+        let codes_bytes = built.packed[0].bytes() + self.extra[0].bytes();
+        Selection {
+            first_head,
+            heads,
+            retrieve: spans,
+            retrieve_tokens: chosen.len(),
+            scored: scores.len(),
+            scored_bytes: codes_bytes + built.codebooks[0].len() * 4,
+            dropped_tokens: scores.len() - chosen.len(),
+            ..Selection::default()
+        }
+    }
+}
+
+impl<E: Element> AccessMethod for PqIndex<E> {
+    fn name(&self) -> &'static str {
+        "pq"
+    }
+
+    fn stats(&self) -> IndexStats {
+        let elem = E::DTYPE.size_bytes();
+        let built = self.built();
+        let index_bytes = built.map_or(0, |b| {
+            b.packed.iter().chain(&self.extra).map(PackedCodes::bytes).sum::<usize>()
+                + b.codebooks.iter().map(|c| c.len() * 4).sum::<usize>()
+        });
+        let steady_tail = self.tokens - self.coded_end();
+        IndexStats {
+            tokens: self.tokens,
+            kv_bytes: 2 * self.tokens * self.kv_heads * self.head_dim * elem,
+            index_bytes,
+            segments: usize::from(built.is_some()),
+            clusters: built.map_or(0, |b| b.codes * b.layout.subspaces),
+            pending_tokens: steady_tail.saturating_sub(self.params.local_tokens),
+            indexed_tokens: self.coded_end() - self.sink_len(),
+        }
+    }
+
+    fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        self.ingest(keys, values)
+    }
+
+    fn plan_exact(&self) -> HeadPlan {
+        HeadPlan { exact: true, ..self.steady_plan() }
+    }
+
+    /// Top-k of the approximate scores (`retrieve_tokens` tokens) plus the steady zone.
+    /// There are no cluster value sums, so estimation budgets are ignored.
+    fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan {
+        // Before the codebooks exist nothing is coded: attend everything, marked exact so
+        // execution does not depend on whether the build finishes in between.
+        let Some(built) = self.built() else { return self.plan_exact() };
+        let mut plan = self.steady_plan();
+        if self.coded_end() == self.sink_len() {
+            return plan;
+        }
+        let g = q.len() / self.head_dim;
+        let per_head = budget.mode == SelectionMode::PerQueryHead;
+        PLAN_SCRATCH.with_borrow_mut(|scratch| {
+            // Lut::build only fails on shapes the engine validated before planning.
+            if self.score(built, kv_head, q, per_head, scratch).is_err() {
+                return self.plan_exact();
+            }
+            let k = budget.retrieve_tokens;
+            plan.selections = if per_head {
+                scratch.scores.iter().enumerate().map(|(j, s)| self.selection(built, j, 1, s, k)).collect()
+            } else {
+                vec![self.selection(built, 0, g, &scratch.scores[0], k)]
+            };
+            plan
+        })
+    }
+
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+        let d = self.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let kv = &self.heads[kv_head];
+        let mut parts = vec![Partial::empty(d); q.len() / d];
+        if plan.exact {
+            attend_rows(q, scale, &kv.base_keys, &kv.base_values, &mut parts, scratch);
+            attend_rows(q, scale, &kv.tail_keys, &kv.tail_values, &mut parts, scratch);
+            return parts;
+        }
+        let steady: Vec<RowSpan> = self.steady_ranges().into_iter().flat_map(|r| self.spans_of(r)).collect();
+        let rows = |s: &RowSpan| self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
+        attend_spans(q, scale, steady.iter().map(rows), &mut parts, scratch);
+        for sel in &plan.selections {
+            let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
+            let mut sub = vec![Partial::empty(d); sel.heads];
+            attend_spans(qs, scale, sel.retrieve.iter().map(rows), &mut sub, scratch);
+            for (i, part) in sub.iter().enumerate() {
+                parts[sel.first_head + i].merge(part);
+            }
+        }
+        parts
+    }
+
+    fn exact_positions(&self, _kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {
+        if plan.exact {
+            return (0..self.tokens as u32).collect();
+        }
+        let mut out: Vec<u32> = self.steady_ranges().into_iter().flat_map(|r| r.start as u32..r.end as u32).collect();
+        for sel in plan.selections.iter().filter(|s| (s.first_head..s.first_head + s.heads).contains(&j)) {
+            for span in &sel.retrieve {
+                let offset = if span.unit == 0 { 0 } else { self.base_len as u32 };
+                out.extend(span.start + offset..span.end + offset);
+            }
+        }
+        out
+    }
+
+    fn build_handle(&self) -> Option<BuildHandle> {
+        self.handle()
+    }
+}
