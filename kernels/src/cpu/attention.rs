@@ -29,7 +29,13 @@ pub struct Scratch {
     queries: Vec<f32x8>,
     scores: Vec<f32>,
     wide: Vec<f32>,
+    gather_keys: Vec<f32>,
+    gather_values: Vec<f32>,
 }
+
+/// Rows of short spans collected (widened) into one run before they are attended, so the
+/// per-tile softmax bookkeeping is paid once per 64 rows instead of once per span.
+const GATHER_ROWS: usize = 64;
 
 /// Folds the rows `keys`/`values` (each `n × d`, same storage type) into the partials of the
 /// `g = parts.len()` query heads whose vectors are the rows of `q` (`g × d`).
@@ -66,9 +72,13 @@ pub fn attend_spans<'a, E: Element>(
         }
         return;
     }
-    scratch.queries.clear();
-    scratch.queries.extend(q.chunks_exact(8).map(|c| f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default())));
-    scratch.scores.resize(TILE_ROWS * g, 0.0);
+    let Scratch { queries, scores, gather_keys, gather_values, .. } = scratch;
+    queries.clear();
+    queries.extend(q.chunks_exact(8).map(|c| f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default())));
+    scores.resize(TILE_ROWS * g, 0.0);
+    gather_keys.resize(GATHER_ROWS * d, 0.0);
+    gather_values.resize(GATHER_ROWS * d, 0.0);
+    let mut gathered = 0;
     // Retrieved clusters are short runs scattered over the head's storage: no hardware
     // prefetcher can guess the next one, so ask for the runs two ahead before working.
     let spans: Vec<(&[E], &[E])> = spans.into_iter().collect();
@@ -79,7 +89,23 @@ pub fn attend_spans<'a, E: Element>(
         }
         debug_assert_eq!(keys.len(), values.len());
         debug_assert_eq!(keys.len() % d, 0);
-        attend_tiles(&scratch.queries, scale, keys, values, parts, &mut scratch.scores, d);
+        let rows = keys.len() / d;
+        if rows >= GATHER_ROWS / 2 {
+            attend_tiles(queries, scale, keys, values, parts, scores, d);
+            continue;
+        }
+        if gathered + rows > GATHER_ROWS {
+            let n = gathered * d;
+            attend_tiles(queries, scale, &gather_keys[..n], &gather_values[..n], parts, scores, d);
+            gathered = 0;
+        }
+        E::widen(keys, &mut gather_keys[gathered * d..][..keys.len()]);
+        E::widen(values, &mut gather_values[gathered * d..][..values.len()]);
+        gathered += rows;
+    }
+    if gathered > 0 {
+        let n = gathered * d;
+        attend_tiles(queries, scale, &gather_keys[..n], &gather_values[..n], parts, scores, d);
     }
 }
 
@@ -384,6 +410,36 @@ mod tests {
             let (a, b) = (merged.finish(), whole[j].finish());
             let err: f32 = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
             assert!(err < 1e-5, "head {j}: {err}");
+        }
+    }
+
+    #[test]
+    fn spans_of_mixed_lengths_equal_attending_their_rows_in_one_run() {
+        // Short spans are gathered into 64-row runs, long ones attended in place; the result
+        // must equal one run over the same rows (order does not matter to softmax).
+        let (d, g) = (64, 4);
+        let mut rng = SplitMix64::new(21);
+        let mut lens: Vec<usize> = (0..120).map(|_| 1 + rng.below(20)).collect();
+        lens.extend([40, 300, 33, 1, 64, 2]);
+        let total: usize = lens.iter().sum();
+        let k: Vec<half::f16> = crate::narrow_vec(&randn(total * d, 22));
+        let v: Vec<half::f16> = crate::narrow_vec(&randn(total * d, 23));
+        let q = randn(g * d, 24);
+        let mut scratch = Scratch::default();
+        let mut spans = Vec::new();
+        let mut at = 0;
+        for &n in &lens {
+            spans.push((&k[at * d..(at + n) * d], &v[at * d..(at + n) * d]));
+            at += n;
+        }
+        let mut by_spans = vec![Partial::empty(d); g];
+        attend_spans(&q, 0.125, spans, &mut by_spans, &mut scratch);
+        let mut whole = vec![Partial::empty(d); g];
+        attend_rows(&q, 0.125, &k, &v, &mut whole, &mut scratch);
+        for (a, b) in by_spans.iter().zip(&whole) {
+            let (a, b) = (a.finish(), b.finish());
+            let err: f32 = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            assert!(err < 1e-5, "{err}");
         }
     }
 

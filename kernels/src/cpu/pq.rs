@@ -62,14 +62,26 @@ impl Lut {
         }
         let lanes = lanes_for(heads);
         let mut values = vec![0.0f32; m * LUT_ROWS * lanes];
+        // Per sub-space one small matrix product: (heads × sub) · (codes × sub)ᵀ.
+        let mut qj = vec![0.0f32; heads * sub];
+        let mut dots = vec![0.0f32; heads * codes];
         for j in 0..m {
+            for h in 0..heads {
+                qj[h * sub..(h + 1) * sub].copy_from_slice(&q[h * d + j * sub..][..sub]);
+            }
+            super::gemm::matmul_transposed(
+                &qj,
+                &codebooks[j * codes * sub..(j + 1) * codes * sub],
+                &mut dots,
+                heads,
+                codes,
+                sub,
+            );
             for c in 0..codes {
-                let centroid = &codebooks[(j * codes + c) * sub..][..sub];
                 let entry = &mut values[(j * LUT_ROWS + c) * lanes..][..lanes];
                 for (lane, e) in entry.iter_mut().enumerate() {
                     let h = if lane < heads { lane } else { 0 };
-                    let qj = &q[h * d + j * sub..][..sub];
-                    *e = scale * qj.iter().zip(centroid).map(|(a, b)| a * b).sum::<f32>();
+                    *e = scale * dots[h * codes + c];
                 }
             }
         }
@@ -92,12 +104,13 @@ pub fn scores_max(lut: &Lut, codes: &[u8], out: &mut Vec<f32>) {
         };
         (@p $m:literal [$($p:literal),*]) => {
             match lut.lanes {
+                4 => quad_max::<$m>(&lut.values, codes, out),
                 $($p => fixed_max::<$m, $p>(&lut.values, codes, out),)*
                 _ => generic_max(lut, codes, out),
             }
         };
     }
-    go!(1, 2, 4, 8; 1, 2, 4, 8)
+    go!(1, 2, 4, 8; 1, 2, 8)
 }
 
 /// Appends to `out[h]` the approximate score of head `h` for every token of `codes`
@@ -125,26 +138,6 @@ fn fixed_max<const M: usize, const P: usize>(values: &[f32], codes: &[u8], out: 
         rows[j * LUT_ROWS..(j + 1) * LUT_ROWS].try_into().expect("a lookup table holds 256 rows per sub-space")
     });
     let tokens: &[[u8; M]] = bytemuck::cast_slice(&codes[..codes.len() / M * M]);
-    let mut tokens = tokens;
-    if P == 4 {
-        // Four tokens at a time: their four-head sums transposed so the maximum over heads
-        // is three vertical max operations instead of a horizontal reduction per token.
-        let quads = tokens.len() / 4;
-        out.reserve(tokens.len());
-        for quad in tokens[..quads * 4].chunks_exact(4) {
-            let sums: [f32x4; 4] = std::array::from_fn(|t| {
-                let c = &quad[t];
-                let mut acc = f32x4::from(lane4(&tables[0][c[0] as usize]));
-                for j in 1..M {
-                    acc += f32x4::from(lane4(&tables[j][c[j] as usize]));
-                }
-                acc
-            });
-            let [h0, h1, h2, h3] = f32x4::transpose(sums);
-            out.extend_from_slice(&h0.fast_max(h1).fast_max(h2.fast_max(h3)).to_array());
-        }
-        tokens = &tokens[quads * 4..];
-    }
     out.extend(tokens.iter().map(|c| {
         let mut acc = tables[0][c[0] as usize];
         for j in 1..M {
@@ -162,10 +155,32 @@ fn fixed_max<const M: usize, const P: usize>(values: &[f32], codes: &[u8], out: 
     }));
 }
 
-/// A `[f32; P]` row as four lanes (only called with `P == 4`).
-#[inline(always)]
-fn lane4<const P: usize>(row: &[f32; P]) -> [f32; 4] {
-    std::array::from_fn(|i| row[i])
+/// The four-head case (the common GQA group), four tokens at a time: each token's four
+/// head sums are one vector, and the four vectors are transposed so the maximum over heads
+/// is three vertical max operations instead of a horizontal reduction per token.
+fn quad_max<const M: usize>(values: &[f32], codes: &[u8], out: &mut Vec<f32>) {
+    let rows: &[[f32; 4]] = bytemuck::cast_slice(values);
+    let tables: [&[[f32; 4]; LUT_ROWS]; M] = std::array::from_fn(|j| {
+        rows[j * LUT_ROWS..(j + 1) * LUT_ROWS].try_into().expect("a lookup table holds 256 rows per sub-space")
+    });
+    let tokens: &[[u8; M]] = bytemuck::cast_slice(&codes[..codes.len() / M * M]);
+    let quads = tokens.len() / 4;
+    out.reserve(tokens.len());
+    let sum = |c: &[u8; M]| {
+        let mut acc = f32x4::from(tables[0][c[0] as usize]);
+        for j in 1..M {
+            acc += f32x4::from(tables[j][c[j] as usize]);
+        }
+        acc
+    };
+    for quad in tokens[..quads * 4].chunks_exact(4) {
+        let [h0, h1, h2, h3] = f32x4::transpose([sum(&quad[0]), sum(&quad[1]), sum(&quad[2]), sum(&quad[3])]);
+        out.extend_from_slice(&h0.fast_max(h1).fast_max(h2.fast_max(h3)).to_array());
+    }
+    for c in &tokens[quads * 4..] {
+        let a = sum(c).to_array();
+        out.push(a[0].max(a[1]).max(a[2].max(a[3])));
+    }
 }
 
 fn generic_max(lut: &Lut, codes: &[u8], out: &mut Vec<f32>) {

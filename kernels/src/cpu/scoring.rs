@@ -72,23 +72,87 @@ pub fn top_r(scores: &[f32], r: usize) -> Vec<u32> {
 }
 
 /// The same indices as [`top_r`], in ascending index order instead of best first: the set a
-/// planner turns into row spans, without the cost of ranking it.
+/// planner turns into row spans, without the cost of ranking it. Works on integer keys
+/// (order-preserving bits of the score, then the inverted index for ties), so selection
+/// is a plain integer select.
 pub fn top_r_set(scores: &[f32], r: usize) -> Vec<u32> {
     let r = r.min(scores.len());
-    let by_score_desc = |a: &u32, b: &u32| {
-        let (x, y) = (key(scores[*a as usize]), key(scores[*b as usize]));
-        y.total_cmp(&x).then(a.cmp(b))
-    };
-    let mut idx = match threshold_candidates(scores, r) {
-        Some(candidates) => candidates,
-        None => (0..scores.len() as u32).collect(),
-    };
-    if r > 0 && r < idx.len() {
-        idx.select_nth_unstable_by(r - 1, by_score_desc);
+    if r == 0 {
+        return Vec::new();
     }
-    idx.truncate(r);
+    if r == scores.len() {
+        return (0..r as u32).collect();
+    }
+    // Larger key = better: score first, then the lower index.
+    let rank = |i: usize| ((ordered_bits(scores[i]) as u64) << 32) | (u32::MAX - i as u32) as u64;
+    let mut keys: Vec<u64> = match sampled_threshold(scores, r) {
+        Some(t) => {
+            let mut k = Vec::with_capacity(r * 2);
+            collect_at_least(scores, t, |i| k.push(rank(i)));
+            if k.len() >= r {
+                k
+            } else {
+                (0..scores.len()).map(rank).collect()
+            }
+        }
+        None => (0..scores.len()).map(rank).collect(),
+    };
+    let cut = keys.len() - r;
+    if cut > 0 {
+        keys.select_nth_unstable(cut);
+    }
+    let mut idx: Vec<u32> = keys[cut..].iter().map(|k| u32::MAX - *k as u32).collect();
     idx.sort_unstable();
     idx
+}
+
+/// Bits of `x` as a `u32` that orders like the numbers (NaN lowest).
+fn ordered_bits(x: f32) -> u32 {
+    let b = key(x).to_bits();
+    if b >> 31 == 1 {
+        !b
+    } else {
+        b | 1 << 31
+    }
+}
+
+/// A score that about 1.25 r scores reach, estimated from every 16th score; `None` when the
+/// pre-filter does not pay (short inputs, large `r`).
+fn sampled_threshold(scores: &[f32], r: usize) -> Option<f32> {
+    let n = scores.len();
+    if n < 8192 || r > n / 8 {
+        return None;
+    }
+    let mut sample: Vec<u32> = scores.iter().step_by(SAMPLE_STRIDE).map(|&x| ordered_bits(x)).collect();
+    let rank = ((r as f64 * 1.25) as usize / SAMPLE_STRIDE + 8).min(sample.len() - 1);
+    let at = sample.len() - 1 - rank;
+    let (_, t, _) = sample.select_nth_unstable(at);
+    let t = *t;
+    // Back from ordered bits to the score (the lowest possible key means no filtering).
+    let bits = if t >> 31 == 1 { t & !(1 << 31) } else { !t };
+    let x = f32::from_bits(bits);
+    (x != f32::NEG_INFINITY).then_some(x)
+}
+
+/// Calls `push(i)` for every `i` with `scores[i] >= t`, eight scores per comparison.
+fn collect_at_least(scores: &[f32], t: f32, mut push: impl FnMut(usize)) {
+    let tv = f32x8::splat(t);
+    let chunks = scores.chunks_exact(8);
+    let rest = chunks.remainder();
+    for (c, chunk) in chunks.enumerate() {
+        let v = f32x8::from(<[f32; 8]>::try_from(chunk).unwrap_or_default());
+        let mut mask = v.simd_ge(tv).to_bitmask();
+        while mask != 0 {
+            push(c * 8 + mask.trailing_zeros() as usize);
+            mask &= mask - 1;
+        }
+    }
+    let base = scores.len() - rest.len();
+    for (i, &x) in rest.iter().enumerate() {
+        if x >= t {
+            push(base + i);
+        }
+    }
 }
 
 /// NaN ranks below every number.
@@ -107,24 +171,9 @@ const SAMPLE_STRIDE: usize = 16;
 /// that keeps at least `r` of them (so it contains the true top `r`: every score left out
 /// is below every score kept); `None` when the pre-filter does not apply or fails.
 fn threshold_candidates(scores: &[f32], r: usize) -> Option<Vec<u32>> {
-    let n = scores.len();
-    if n < 8192 || r == 0 || r > n / 8 {
-        return None;
-    }
-    let mut sample: Vec<f32> = scores.iter().step_by(SAMPLE_STRIDE).map(|&x| key(x)).collect();
-    // Aim for ~1.25 r candidates (+ slack for small r) so a miss is rare and the rest cheap.
-    let rank = ((r as f64 * 1.25) as usize / SAMPLE_STRIDE + 8).min(sample.len() - 1);
-    let (_, t, _) = sample.select_nth_unstable_by(rank, |a, b| b.total_cmp(a));
-    let t = *t;
-    if t == f32::NEG_INFINITY {
-        return None;
-    }
-    let mut out = Vec::with_capacity(rank * SAMPLE_STRIDE * 2);
-    for (i, &x) in scores.iter().enumerate() {
-        if x >= t {
-            out.push(i as u32);
-        }
-    }
+    let t = sampled_threshold(scores, r)?;
+    let mut out = Vec::with_capacity(r * 2);
+    collect_at_least(scores, t, |i| out.push(i as u32));
     (out.len() >= r).then_some(out)
 }
 
