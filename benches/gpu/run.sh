@@ -8,5 +8,8 @@ tokens="${1:-32768,131072,524288}"
 out="${OUT:-/tmp}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 "$here/gpu_decode" "$tokens" | tee "$out/attnstore_gpu.jsonl"
+for t in ${tokens//,/ }; do
+  if [ "$t" -le 524288 ]; then "$here/gpu_tiered" "$t" | tee -a "$out/attnstore_gpu.jsonl"; fi
+done
 python3 "$here/sdpa.py" "$tokens" | tee "$out/sdpa.jsonl"
 python3 "$here/compare.py" "$out/attnstore_gpu.jsonl" "$out/sdpa.jsonl" | tee "$out/gpu_compare.txt"

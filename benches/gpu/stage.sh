@@ -4,9 +4,9 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-cargo build --release -p attnstore-benches --features cuda --bin gpu_decode
+cargo build --release -p attnstore-benches --features cuda --bin gpu_decode --bin gpu_tiered
 mkdir -p .gpu
-cp target/release/gpu_decode .gpu/ && strip .gpu/gpu_decode
+for b in gpu_decode gpu_tiered; do cp "target/release/$b" .gpu/ && strip ".gpu/$b"; done
 cp benches/gpu/sdpa.py benches/gpu/compare.py .gpu/
 cp benches/gpu/run.sh .gpu/bench.sh
 du -sh .gpu

@@ -98,3 +98,42 @@ fn bad_gpu_inputs_are_typed_errors() {
     assert!(GpuBackend::new(100).is_err(), "head_dim not a multiple of 32");
     assert!(gpu.upload(&[0; 300], &[0; 300], 2).is_err(), "ragged KV");
 }
+
+#[test]
+fn cache_hits_and_host_misses_in_one_plan_equal_attention_over_those_rows() {
+    use attnstore_kernels::cuda::RowRef;
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let tokens = 4096;
+    let (k, v, q) = data(&shape, tokens, 8);
+    let mapped = gpu.pin(&bits(&k), &bits(&v), shape.kv_heads).unwrap();
+    let mut cache = gpu.cache(1000).unwrap();
+    // Rows 100..300 of the first heads are admitted (1000 slots); the plan reads 100..400 of
+    // every head, so some rows are cache hits and the rest misses read from pinned memory.
+    let admitted: Vec<(u32, u32, u32)> = (0..8u32)
+        .flat_map(|h| (100..300u32).map(move |r| (h, r)))
+        .enumerate()
+        .map(|(i, (h, r))| (h, r, i as u32))
+        .take(1000)
+        .collect();
+    gpu.admit(mapped.pointers(), &mut cache, &admitted).unwrap();
+    let slot_of: std::collections::HashMap<(u32, u32), u32> = admitted.iter().map(|&(h, r, s)| ((h, r), s)).collect();
+    let lists: Vec<Vec<RowRef>> = (0..8u32)
+        .map(|h| (100..400u32).map(|r| slot_of.get(&(h, r)).map_or(RowRef::Kv(r), |&s| RowRef::Cache(s))).collect())
+        .collect();
+    assert!(
+        lists.iter().flatten().any(|r| matches!(r, RowRef::Cache(_)))
+            && lists.iter().flatten().any(|r| matches!(r, RowRef::Kv(_)))
+    );
+    let mut job = gpu.prepare_refs(&shape, &q, tokens, Some(&lists), cache.slots()).unwrap();
+    gpu.launch_cached(mapped.pointers(), Some(&cache), &mut job).unwrap();
+    let got = gpu.fetch(&job).unwrap();
+    let kview = HeadsView::new(&k, shape.kv_heads, tokens, 128).unwrap();
+    let vview = HeadsView::new(&v, shape.kv_heads, tokens, 128).unwrap();
+    let subsets: Vec<Vec<u32>> = (0..shape.q_heads).map(|_| (100..400).collect()).collect();
+    let err = rel_l2(&got, &reference_attention(&shape, &q, kview, vview, Some(&subsets)));
+    assert!(err <= 1e-4, "{err}");
+    // A job naming more slots than the cache has is refused before launch.
+    assert!(gpu.prepare_refs(&shape, &q, tokens, Some(&lists), 10).is_err());
+    assert!(gpu.launch_cached(mapped.pointers(), None, &mut job).is_err());
+}

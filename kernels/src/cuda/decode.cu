@@ -38,11 +38,14 @@ __device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, f
 }
 
 // part layout: [kv_head][chunk][g][PART] with PART = HEAD_DIM outputs, then m, then l.
+// A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 is slot −r−1 of the Gpu-tier
+// cache ck/cv (device memory, one row per slot): hits and misses of one plan in one pass.
 extern "C" __global__ void attn_partial(
     const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
     const float* __restrict__ q, float scale, int group,
     const int* __restrict__ rows, const int* __restrict__ row_offsets, int identity_rows,
-    int chunk, float* __restrict__ part) {
+    int chunk, float* __restrict__ part,
+    const unsigned short* __restrict__ ck, const unsigned short* __restrict__ cv) {
   const int h = blockIdx.y, c = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int* list = nullptr;
@@ -74,8 +77,14 @@ extern "C" __global__ void attn_partial(
       const int t = t0 + u;
       if (t < hi) {
         const long long row = list ? (long long)list[t] : (long long)t;
-        load_row(kh + row * HEAD_DIM, kf[u]);
-        load_row(vh + row * HEAD_DIM, vf[u]);
+        if (row >= 0) {
+          load_row(kh + row * HEAD_DIM, kf[u]);
+          load_row(vh + row * HEAD_DIM, vf[u]);
+        } else {
+          const long long slot = -row - 1;
+          load_row(ck + slot * HEAD_DIM + lane * PER_LANE, kf[u]);
+          load_row(cv + slot * HEAD_DIM + lane * PER_LANE, vf[u]);
+        }
       }
     }
 #pragma unroll
@@ -143,5 +152,21 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
       }
     }
     out[qh * HEAD_DIM + i] = lsum > 0.f ? acc / lsum : 0.f;
+  }
+}
+
+// Copies rows (head, row) of k/v (device or mapped host memory) into cache slots: the Gpu
+// tier's admission, one warp per row, off the decode path.
+extern "C" __global__ void admit_rows(
+    const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
+    const int* __restrict__ heads, const int* __restrict__ rows, const int* __restrict__ slots, int n,
+    unsigned short* __restrict__ ck, unsigned short* __restrict__ cv) {
+  const int w = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  if (w >= n) return;
+  const long long src = heads[w] * head_stride + (long long)rows[w] * HEAD_DIM;
+  const long long dst = (long long)slots[w] * HEAD_DIM;
+  for (int i = lane; i < HEAD_DIM; i += 32) {
+    ck[dst + i] = k[src + i];
+    cv[dst + i] = v[src + i];
   }
 }

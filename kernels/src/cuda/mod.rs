@@ -38,7 +38,32 @@ pub struct GpuBackend {
     stream: Arc<CudaStream>,
     partial: CudaFunction,
     merge: CudaFunction,
+    admit: CudaFunction,
     head_dim: usize,
+}
+
+/// One entry of a sparse plan's row list on the GPU: a row of the layer's KV (wherever it
+/// lives: device or mapped host memory), or a slot of the Gpu-tier cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowRef {
+    /// Row of the KV head.
+    Kv(u32),
+    /// Slot of the [`GpuCache`] (one row per slot).
+    Cache(u32),
+}
+
+/// The Gpu tier's block pool for decode: `slots` rows of keys and values in device memory.
+pub struct GpuCache {
+    keys: CudaSlice<u16>,
+    values: CudaSlice<u16>,
+    slots: usize,
+}
+
+impl GpuCache {
+    /// Rows it holds.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
 }
 
 /// Where a layer's KV lives for a launch: device pointers to f16 keys and values laid out
@@ -79,6 +104,7 @@ pub struct DecodeJob {
     chunks: usize,
     chunk: usize,
     identity_rows: usize,
+    cache_slots: usize,
     shape: AttnShape,
     scale: f32,
 }
@@ -100,7 +126,8 @@ impl GpuBackend {
         let module = ctx.load_module(ptx).map_err(gpu_err("loading the decode module"))?;
         let partial = module.load_function("attn_partial").map_err(gpu_err("attn_partial"))?;
         let merge = module.load_function("attn_merge").map_err(gpu_err("attn_merge"))?;
-        Ok(Self { ctx, stream, partial, merge, head_dim })
+        let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
+        Ok(Self { ctx, stream, partial, merge, admit, head_dim })
     }
 
     /// The device's name.
@@ -162,6 +189,20 @@ impl GpuBackend {
         identity_rows: usize,
         rows: Option<&[Vec<u32>]>,
     ) -> Result<DecodeJob> {
+        let lists = rows.map(|l| l.iter().map(|r| r.iter().map(|&x| RowRef::Kv(x)).collect()).collect::<Vec<Vec<_>>>());
+        self.prepare_refs(shape, q, identity_rows, lists.as_deref(), 0)
+    }
+
+    /// [`GpuBackend::prepare`] with row lists that mix KV rows and Gpu-tier cache slots
+    /// (`cache_slots` = slots of the cache the job will be launched with).
+    pub fn prepare_refs(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        identity_rows: usize,
+        rows: Option<&[Vec<RowRef>]>,
+        cache_slots: usize,
+    ) -> Result<DecodeJob> {
         if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP {
             return Err(Error::InvalidArgument {
                 what: "shape",
@@ -180,6 +221,12 @@ impl GpuBackend {
                 got: q.len(),
             });
         }
+        if identity_rows > i32::MAX as usize || cache_slots > i32::MAX as usize {
+            return Err(Error::InvalidArgument {
+                what: "rows",
+                message: "at most 2^31 − 1 rows per head and cache slots".into(),
+            });
+        }
         let s = &self.stream;
         let (lists, longest) = match rows {
             None => (None, identity_rows),
@@ -194,13 +241,18 @@ impl GpuBackend {
                 let mut offsets = vec![0i32];
                 let mut flat = Vec::new();
                 for l in lists {
-                    if let Some(&bad) = l.iter().find(|&&r| r as usize >= identity_rows) {
-                        return Err(Error::InvalidArgument {
-                            what: "row list",
-                            message: format!("row {bad} is beyond the {identity_rows} rows of a head"),
+                    for &r in l {
+                        flat.push(match r {
+                            RowRef::Kv(x) if (x as usize) < identity_rows => x as i32,
+                            RowRef::Cache(x) if (x as usize) < cache_slots => -(x as i32) - 1,
+                            bad => return Err(Error::InvalidArgument {
+                                what: "row list",
+                                message: format!(
+                                    "{bad:?} is beyond the {identity_rows} rows of a head / {cache_slots} cache slots"
+                                ),
+                            }),
                         });
                     }
-                    flat.extend(l.iter().map(|&r| r as i32));
                     offsets.push(flat.len() as i32);
                 }
                 flat.push(0); // never empty: a zero-length device buffer cannot be allocated
@@ -220,14 +272,74 @@ impl GpuBackend {
             chunks,
             chunk,
             identity_rows,
+            cache_slots,
             shape: *shape,
             scale: 1.0 / (shape.head_dim as f32).sqrt(),
         })
     }
 
-    /// Enqueues the two kernels of `job` over `kv` (returns before they finish).
+    /// A Gpu-tier cache of `slots` rows (keys and values) in device memory.
+    pub fn cache(&self, slots: usize) -> Result<GpuCache> {
+        let n = slots.max(1) * self.head_dim;
+        let keys = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the cache"))?;
+        let values = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the cache"))?;
+        Ok(GpuCache { keys, values, slots })
+    }
+
+    /// Enqueues copies of rows `(kv head, row)` of `kv` into cache slots: the admission of
+    /// missed blocks, one warp per row (from mapped host memory this is a zero-copy read).
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn admit(&self, kv: KvPointers, cache: &mut GpuCache, entries: &[(u32, u32, u32)]) -> Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        if let Some(bad) = entries.iter().find(|e| e.1 as usize >= kv.rows || e.2 as usize >= cache.slots) {
+            return Err(Error::InvalidArgument {
+                what: "admission",
+                message: format!("{bad:?}: rows < {}, slots < {}", kv.rows, cache.slots),
+            });
+        }
+        let s = &self.stream;
+        let col = |f: fn(&(u32, u32, u32)) -> u32| entries.iter().map(|e| f(e) as i32).collect::<Vec<i32>>();
+        let heads = s.clone_htod(&col(|e| e.0)).map_err(gpu_err("copying admissions"))?;
+        let rows = s.clone_htod(&col(|e| e.1)).map_err(gpu_err("copying admissions"))?;
+        let slots = s.clone_htod(&col(|e| e.2)).map_err(gpu_err("copying admissions"))?;
+        let n = entries.len() as i32;
+        let head_stride = (kv.rows * self.head_dim) as i64;
+        let cfg = LaunchConfig {
+            grid_dim: ((entries.len() * 32).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&self.admit);
+        b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&heads).arg(&rows).arg(&slots).arg(&n);
+        b.arg(&mut cache.keys).arg(&mut cache.values);
+        // SAFETY: every (head, row) was checked < (kv heads implied by kv, kv.rows) — heads
+        // come from the caller's plan over this layer — and every slot < cache.slots; one
+        // warp per entry copies head_dim elements of K and V.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching admit_rows"))?;
+        Ok(())
+    }
+
+    /// Enqueues the two kernels of `job` over `kv` (returns before they finish).
     pub fn launch(&self, kv: KvPointers, job: &mut DecodeJob) -> Result<()> {
+        self.launch_cached(kv, None, job)
+    }
+
+    /// [`GpuBackend::launch`] for a job whose row lists name Gpu-tier cache slots: hits are
+    /// read from `cache` (device memory), misses from `kv`, in the same kernel.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_cached(&self, kv: KvPointers, cache: Option<&GpuCache>, job: &mut DecodeJob) -> Result<()> {
+        if cache.map_or(0, |c| c.slots) < job.cache_slots {
+            return Err(Error::InvalidArgument {
+                what: "cache",
+                message: format!(
+                    "the job names {} cache slots, the cache has {}",
+                    job.cache_slots,
+                    cache.map_or(0, |c| c.slots)
+                ),
+            });
+        }
         if kv.rows < job.identity_rows {
             return Err(Error::InvalidArgument {
                 what: "kv",
@@ -251,11 +363,16 @@ impl GpuBackend {
         };
         let mut b = self.stream.launch_builder(&self.partial);
         b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
-        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part);
+        let (ck, cv) = match cache {
+            Some(c) => (device_address(&c.keys, &self.stream), device_address(&c.values, &self.stream)),
+            None => (null, null),
+        };
+        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&ck).arg(&cv);
         // SAFETY: `kv` points at kv_heads × rows × head_dim f16 values (a DeviceKv or MappedKv
-        // the caller keeps alive until the stream is synchronized); the row lists were
-        // checked to be < identity_rows ≤ kv.rows; q, part and out were sized in `prepare`
-        // for this shape and chunk count, which match the grid.
+        // the caller keeps alive until the stream is synchronized); row-list entries were
+        // checked to be < identity_rows ≤ kv.rows, or cache slots < job.cache_slots ≤ the
+        // cache's slots (checked above); q, part and out were sized in `prepare_refs` for
+        // this shape and chunk count, which match the grid.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
         let chunks = job.chunks as i32;
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
