@@ -43,6 +43,12 @@ impl BlockLayout {
 pub struct BlockId(pub(crate) u64);
 
 impl BlockId {
+    /// A block id from its raw value, for tools and benches that drive a [`DiskTier`](crate::DiskTier)
+    /// directly (a buffer manager only knows the ids its `allocate` returned).
+    pub fn from_raw(id: u64) -> Self {
+        Self(id)
+    }
+
     /// The raw id (ids start at 1).
     pub fn get(self) -> u64 {
         self.0
