@@ -60,11 +60,58 @@ impl BlockLocation {
     }
 }
 
-type Entry = (ClusterKey, Box<[BlockLocation]>);
+/// Block lists up to this long live inside the entry: one cache miss fewer per lookup.
+const INLINE_BLOCKS: usize = 4;
 
-/// An immutable bucket once published.
+#[derive(Clone)]
+struct Entry {
+    key: ClusterKey,
+    len: u32,
+    inline: [BlockLocation; INLINE_BLOCKS],
+    heap: Box<[BlockLocation]>,
+}
+
+impl Entry {
+    fn new(key: ClusterKey, blocks: Box<[BlockLocation]>) -> Self {
+        let mut inline = [BlockLocation::new(BlockId(0), Tier::Host, 0); INLINE_BLOCKS];
+        let len = blocks.len() as u32;
+        if blocks.len() <= INLINE_BLOCKS {
+            inline[..blocks.len()].copy_from_slice(&blocks);
+            Self { key, len, inline, heap: Box::new([]) }
+        } else {
+            Self { key, len, inline, heap: blocks }
+        }
+    }
+
+    #[inline]
+    fn blocks(&self) -> &[BlockLocation] {
+        if self.len as usize <= INLINE_BLOCKS {
+            &self.inline[..self.len as usize]
+        } else {
+            &self.heap
+        }
+    }
+}
+
+/// An immutable bucket once published. The first entry is stored in the bucket itself (with
+/// a load factor of at most 1 most buckets hold one entry): bucket pointer, then the entry.
 struct Bucket {
-    entries: Vec<Entry>,
+    first: Entry,
+    rest: Vec<Entry>,
+}
+
+impl Bucket {
+    fn from_entries(mut entries: Vec<Entry>) -> Option<Self> {
+        if entries.is_empty() {
+            return None;
+        }
+        let first = entries.swap_remove(0);
+        Some(Self { first, rest: entries })
+    }
+
+    fn entries(&self) -> impl Iterator<Item = &Entry> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
 }
 
 struct Table {
@@ -159,7 +206,10 @@ impl MappingTable {
         // SAFETY: a non-null bucket stays allocated while `guard` is pinned: writers retire
         // buckets with `defer_destroy`, and tables destroy theirs only after the epoch passes.
         let bucket = unsafe { bucket.as_ref() }?;
-        bucket.entries.iter().find(|(k, _)| k == key).map(|(_, blocks)| &blocks[..])
+        if bucket.first.key == *key {
+            return Some(bucket.first.blocks());
+        }
+        bucket.rest.iter().find(|e| e.key == *key).map(Entry::blocks)
     }
 
     /// Sets (or replaces) the blocks of `key`.
@@ -209,19 +259,19 @@ impl MappingTable {
         let slot = table.bucket_of(key);
         let old = slot.load(Ordering::Acquire, &guard);
         // SAFETY: as in `lookup`.
-        let old_entries: &[Entry] = unsafe { old.as_ref() }.map_or(&[], |b| &b.entries[..]);
-        let position = old_entries.iter().position(|(k, _)| k == key);
-        let new_blocks = f(position.map(|i| &old_entries[i].1[..]));
-        let mut entries: Vec<Entry> = old_entries.iter().filter(|(k, _)| k != key).cloned().collect();
+        let old_entries: Vec<&Entry> = unsafe { old.as_ref() }.map_or(Vec::new(), |b| b.entries().collect());
+        let position = old_entries.iter().position(|e| e.key == *key);
+        let new_blocks = f(position.map(|i| old_entries[i].blocks()));
+        let mut entries: Vec<Entry> = old_entries.iter().filter(|e| e.key != *key).map(|e| (*e).clone()).collect();
         let delta: isize = match (position.is_some(), new_blocks.is_some()) {
             (false, true) => 1,
             (true, false) => -1,
             _ => 0,
         };
         if let Some(blocks) = new_blocks {
-            entries.push((*key, blocks));
+            entries.push(Entry::new(*key, blocks));
         }
-        let new = if entries.is_empty() { Shared::null() } else { Owned::new(Bucket { entries }).into_shared(&guard) };
+        let new = Bucket::from_entries(entries).map_or(Shared::null(), |b| Owned::new(b).into_shared(&guard));
         // Release: the new bucket's contents are visible to readers that load its pointer.
         slot.store(new, Ordering::Release);
         if !old.is_null() {
@@ -231,7 +281,7 @@ impl MappingTable {
         }
         let len = self.len.load(Ordering::Relaxed).wrapping_add_signed(delta);
         self.len.store(len, Ordering::Relaxed);
-        if len > 2 * table.buckets.len() {
+        if len > table.buckets.len() {
             self.grow(table, table_ptr, &guard);
         }
     }
@@ -243,14 +293,14 @@ impl MappingTable {
         for bucket in table.buckets.iter() {
             // SAFETY: as in `lookup`.
             if let Some(b) = unsafe { bucket.load(Ordering::Acquire, guard).as_ref() } {
-                for entry in &b.entries {
-                    fresh[hash(&entry.0) as usize & new.mask].push(entry.clone());
+                for entry in b.entries() {
+                    fresh[hash(&entry.key) as usize & new.mask].push(entry.clone());
                 }
             }
         }
         for (slot, entries) in new.buckets.iter().zip(fresh) {
-            if !entries.is_empty() {
-                slot.store(Owned::new(Bucket { entries }), Ordering::Relaxed);
+            if let Some(bucket) = Bucket::from_entries(entries) {
+                slot.store(Owned::new(bucket), Ordering::Relaxed);
             }
         }
         // Release: the new table and its buckets are complete before readers can load it.
