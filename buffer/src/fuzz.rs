@@ -114,7 +114,7 @@ pub fn fuzz_buffer_ops(data: &[u8]) {
     config.layout = crate::BlockLayout::new(BLOCK_BYTES).expect("valid");
     config.replacer = ReplacerKind::ALL[first as usize % 4];
     config.disk = Some(disk);
-    config.access_queue_records = 8;
+    config.access_queue_batches = 2;
     config.check_replacer = true;
     let buffers = BufferManager::new(config).expect("small config");
     run_ops(&buffers, &faults, &mut input);

@@ -16,6 +16,7 @@ use crate::stats::{BufferStats, TierCounters};
 use crate::{BlockId, BlockKey, BlockLayout, ClusterKey, Error, Replacer, Result, Tier};
 use crossbeam_queue::ArrayQueue;
 use parking_lot::{Mutex, MutexGuard};
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -34,8 +35,9 @@ pub struct BufferConfig {
     pub replacer: ReplacerKind,
     /// The Disk tier (`None`: a full Host tier is an error instead of a spill).
     pub disk: Option<DiskConfig>,
-    /// Capacity of the access-record queue; records beyond it are dropped and counted.
-    pub access_queue_records: usize,
+    /// Capacity of the access-record queue, in batches (a [`Reader`] logs its records as one
+    /// batch when dropped); batches beyond it are dropped and their records counted.
+    pub access_queue_batches: usize,
     /// Bound on waiting for the state lock (write path and the readers' slow path).
     pub lock_timeout: Duration,
     /// Wrap the replacer in [`SanityReplacer`] (tests, fuzzing).
@@ -44,7 +46,7 @@ pub struct BufferConfig {
 
 impl BufferConfig {
     /// 2 KiB blocks, `host_blocks` in the Host arena, `gpu_blocks` cached, LRU, no Disk tier,
-    /// a queue of 64 Ki records, a 1 s lock bound.
+    /// a queue of 4096 batches, a 1 s lock bound.
     pub fn new(host_blocks: usize, gpu_blocks: usize) -> Self {
         Self {
             layout: BlockLayout::default(),
@@ -52,7 +54,7 @@ impl BufferConfig {
             gpu_blocks,
             replacer: ReplacerKind::Lru,
             disk: None,
-            access_queue_records: 1 << 16,
+            access_queue_batches: 4096,
             lock_timeout: Duration::from_secs(1),
             check_replacer: cfg!(debug_assertions),
         }
@@ -157,7 +159,8 @@ pub struct BufferManager {
     disk: Option<DiskTier>,
     mapping: MappingTable,
     state: Mutex<State>,
-    queue: ArrayQueue<AccessRecord>,
+    queue: ArrayQueue<Vec<AccessRecord>>,
+    queued_records: AtomicU64,
     dropped: AtomicU64,
     counters: [TierCounters; 3],
 }
@@ -165,8 +168,8 @@ pub struct BufferManager {
 impl BufferManager {
     /// A buffer manager with empty tiers.
     pub fn new(config: BufferConfig) -> Result<Self> {
-        if config.access_queue_records == 0 {
-            return Err(Error::BadConfig { what: "access_queue_records", expected: "at least 1", got: 0 });
+        if config.access_queue_batches == 0 {
+            return Err(Error::BadConfig { what: "access_queue_batches", expected: "at least 1", got: 0 });
         }
         let block_bytes = config.layout.block_bytes();
         let disk = match config.disk {
@@ -194,7 +197,8 @@ impl BufferManager {
             disk,
             mapping: MappingTable::new(),
             state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
-            queue: ArrayQueue::new(config.access_queue_records),
+            queue: ArrayQueue::new(config.access_queue_batches),
+            queued_records: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             counters: Default::default(),
         })
@@ -247,12 +251,18 @@ impl BufferManager {
         Err(Error::Pinned { block, pins: last, op })
     }
 
-    /// Queues an access record, or drops and counts it when the queue is full (never blocks).
-    fn record(&self, block: BlockId, gpu_slot: u32) {
-        if self.queue.push(AccessRecord { block, gpu_slot }).is_err() {
-            // Relaxed: a statistic.
-            self.dropped.fetch_add(1, Ordering::Relaxed);
+    /// Queues a batch of access records, or drops and counts them when the queue is full
+    /// (never blocks). One push per plan keeps the plan path off the queue's cache lines.
+    fn log(&self, records: Vec<AccessRecord>) {
+        let n = records.len() as u64;
+        if n == 0 {
+            return;
         }
+        // Relaxed: statistics.
+        match self.queue.push(records) {
+            Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
+            Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
+        };
     }
 
     fn remap(&self, block: BlockId, meta: &BlockMeta) {
@@ -711,7 +721,7 @@ impl BufferManager {
         if let Some(slot) = gpu_slot {
             if let Ok(read) = self.gpu.pin(slot, block.0) {
                 TierCounters::add(&self.counters(Tier::Gpu).hits, 1);
-                self.record(block, slot);
+                self.log(vec![AccessRecord { block, gpu_slot: slot }]);
                 return Ok(PinGuard { block, tier: Tier::Gpu, bytes: PinBytes::Frame(read) });
             }
         }
@@ -740,23 +750,32 @@ impl BufferManager {
             }
             Home::Lost(reason) => return Err(Error::Missing { block, reason }),
         };
-        self.record(block, MISS);
+        self.log(vec![AccessRecord { block, gpu_slot: MISS }]);
         Ok(guard)
     }
 
     /// A reader for one plan: lock-free cluster lookups and pins.
     pub fn reader(&self) -> Reader<'_> {
-        Reader { buffers: self, mapping: self.mapping.reader() }
+        Reader {
+            buffers: self,
+            mapping: self.mapping.reader(),
+            records: RefCell::new(Vec::new()),
+            counts: Cell::new([0; 3]),
+        }
     }
 
-    /// Processes up to `max_records` queued access records: hits update the replacer, misses
-    /// are admitted into the Gpu tier (evicting by policy). Returns the records processed.
+    /// Processes queued access records (whole batches, until at least `max_records` or the
+    /// queue is empty): hits update the replacer, misses are admitted into the Gpu tier
+    /// (evicting by policy). Returns the records processed.
     /// The [`Maintainer`](crate::Maintainer) thread calls this; tests may call it directly.
     pub fn maintain(&self, max_records: usize) -> usize {
         let mut records = Vec::new();
-        while records.len() < max_records.min(4096) {
+        while records.len() < max_records.min(1 << 16) {
             match self.queue.pop() {
-                Some(record) => records.push(record),
+                Some(batch) => {
+                    self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
+                    records.extend(batch);
+                }
                 None => break,
             }
         }
@@ -802,7 +821,7 @@ impl BufferManager {
             block_bytes: self.layout.block_bytes(),
             tiers,
             dropped_access_records: self.dropped.load(Ordering::Relaxed),
-            queued_access_records: self.queue.len(),
+            queued_access_records: self.queued_records.load(Ordering::Relaxed) as usize,
             replacer: self.state.lock().replacer.name(),
             disk_backend: self.disk.as_ref().map(DiskTier::backend_name),
         }
@@ -810,13 +829,50 @@ impl BufferManager {
 }
 
 /// Lock-free reads for one plan: cluster lookups (one epoch pin for the whole batch) and pins.
-/// Every pin logs an access record for the maintainer (never blocking).
+/// Every pin logs an access record; the reader hands them to the maintainer's queue as one
+/// batch when dropped (or at [`Reader::flush`]), never blocking. Keep a reader for one plan.
 pub struct Reader<'a> {
     buffers: &'a BufferManager,
     mapping: MappingReader<'a>,
+    records: RefCell<Vec<AccessRecord>>,
+    /// Gpu hits, Gpu misses, Host hits of this reader, added to the shared counters on flush.
+    counts: Cell<[u64; 3]>,
+}
+
+impl Drop for Reader<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
 }
 
 impl<'a> Reader<'a> {
+    /// Hands the access records logged so far to the maintainer's queue and adds this reader's
+    /// hit counts to the shared statistics.
+    pub fn flush(&self) {
+        let records = std::mem::take(&mut *self.records.borrow_mut());
+        self.buffers.log(records);
+        let [gpu_hits, gpu_misses, host_hits] = self.counts.take();
+        let (gpu, host) = (self.buffers.counters(Tier::Gpu), self.buffers.counters(Tier::Host));
+        for (counter, n) in [(&gpu.hits, gpu_hits), (&gpu.misses, gpu_misses), (&host.hits, host_hits)] {
+            if n > 0 {
+                TierCounters::add(counter, n);
+            }
+        }
+    }
+
+    fn note(&self, block: BlockId, gpu_slot: u32, tier: Tier) {
+        self.records.borrow_mut().push(AccessRecord { block, gpu_slot });
+        let mut counts = self.counts.get();
+        match tier {
+            Tier::Gpu => counts[0] += 1,
+            _ => {
+                counts[1] += u64::from(self.buffers.gpu.capacity() > 0);
+                counts[2] += 1;
+            }
+        }
+        self.counts.set(counts);
+    }
+
     /// The blocks of cluster `key` with their locations as of now, or `None` if unmapped.
     #[inline]
     pub fn cluster(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
@@ -831,8 +887,7 @@ impl<'a> Reader<'a> {
         let block = location.block();
         if let Some(slot) = location.gpu_slot() {
             if let Ok(read) = buffers.gpu.pin(slot, block.0) {
-                TierCounters::add(&buffers.counters(Tier::Gpu).hits, 1);
-                buffers.record(block, slot);
+                self.note(block, slot, Tier::Gpu);
                 return Ok(PinGuard { block, tier: Tier::Gpu, bytes: PinBytes::Frame(read) });
             }
         }
@@ -840,11 +895,7 @@ impl<'a> Reader<'a> {
             for attempt in 0..64 {
                 match buffers.host.pin(slot, block.0) {
                     Ok(read) => {
-                        if buffers.gpu.capacity() > 0 {
-                            TierCounters::add(&buffers.counters(Tier::Gpu).misses, 1);
-                        }
-                        TierCounters::add(&buffers.counters(Tier::Host).hits, 1);
-                        buffers.record(block, MISS);
+                        self.note(block, MISS, Tier::Host);
                         return Ok(PinGuard { block, tier: Tier::Host, bytes: PinBytes::Frame(read) });
                     }
                     Err(PinFailure::Busy) if attempt < 32 => std::hint::spin_loop(),

@@ -63,8 +63,8 @@ fn wrong_lengths_tiers_and_configurations_are_typed_errors() {
         BufferManager::new(c).err()
     };
     assert!(matches!(
-        config(&|c| c.access_queue_records = 0),
-        Some(Error::BadConfig { what: "access_queue_records", .. })
+        config(&|c| c.access_queue_batches = 0),
+        Some(Error::BadConfig { what: "access_queue_batches", .. })
     ));
     let dir = std::env::temp_dir().join(format!("attnstore-badcfg-{}", std::process::id()));
     assert!(matches!(

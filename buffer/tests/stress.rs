@@ -48,7 +48,7 @@ fn readers_never_see_wrong_bytes_while_the_maintainer_and_a_mover_churn() {
     let mut config = BufferConfig::new(total_blocks, total_blocks / 20); // Gpu: 5%
     config.replacer = ReplacerKind::Clock;
     config.disk = Some(DiskConfig::new(&dir));
-    config.access_queue_records = 4096;
+    config.access_queue_batches = 64;
     config.check_replacer = true;
     let buffers = Arc::new(BufferManager::new(config).unwrap());
     let block_bytes = buffers.layout().block_bytes();

@@ -55,8 +55,10 @@ pub struct DiskConfig {
     pub capacity_blocks: usize,
     /// Block slots per segment file.
     pub segment_blocks: usize,
-    /// Most blocks per submitted batch (one staging buffer).
+    /// Most blocks per submitted batch (one staging buffer, one backend call).
     pub batch_blocks: usize,
+    /// Requests kept in flight within a batch (io_uring backend).
+    pub queue_depth: usize,
     /// Bound on one batch.
     pub timeout: Duration,
     /// Open segments with `O_DIRECT` (falls back to buffered I/O, said once, if refused).
@@ -68,14 +70,16 @@ pub struct DiskConfig {
 }
 
 impl DiskConfig {
-    /// Defaults for `dir`: 1 Mi blocks, 16 Ki blocks per segment, batches of 64, 5 s bound,
+    /// Defaults for `dir`: 1 Mi blocks, 16 Ki blocks per segment, batches of up to 512 blocks
+    /// with 64 in flight, 5 s bound,
     /// `O_DIRECT`, automatic backend, files removed on drop.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
         Self {
             dir: dir.into(),
             capacity_blocks: 1 << 20,
             segment_blocks: 1 << 14,
-            batch_blocks: 64,
+            batch_blocks: 512,
+            queue_depth: 64,
             timeout: Duration::from_secs(5),
             direct: true,
             io: IoChoice::Auto,
@@ -129,7 +133,7 @@ impl DiskTier {
         let backend: Arc<dyn IoBackend> = match &config.io {
             IoChoice::Custom(backend) => Arc::clone(backend),
             IoChoice::Pread => Arc::new(PreadIo),
-            IoChoice::Auto => auto_backend(),
+            IoChoice::Auto => auto_backend(config.queue_depth),
         };
         let slot_bytes = block_bytes.next_multiple_of(DIRECT_IO_ALIGN);
         let capacity = config.capacity_blocks;
@@ -371,9 +375,9 @@ impl Drop for DiskTier {
     }
 }
 
-fn auto_backend() -> Arc<dyn IoBackend> {
+fn auto_backend(queue_depth: usize) -> Arc<dyn IoBackend> {
     #[cfg(target_os = "linux")]
-    match UringIo::new() {
+    match UringIo::with_depth(queue_depth) {
         Ok(ring) => return Arc::new(ring),
         Err(e) => {
             static ONCE: std::sync::Once = std::sync::Once::new();
