@@ -109,6 +109,14 @@ impl Bucket {
         Some(Self { first, rest: entries })
     }
 
+    #[inline]
+    fn find(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
+        if self.first.key == *key {
+            return Some(self.first.blocks());
+        }
+        self.rest.iter().find(|e| e.key == *key).map(Entry::blocks)
+    }
+
     fn entries(&self) -> impl Iterator<Item = &Entry> {
         std::iter::once(&self.first).chain(&self.rest)
     }
@@ -185,6 +193,12 @@ impl MappingTable {
         self.len() == 0
     }
 
+    /// Frees retired buckets whose readers are gone, on the calling thread (the maintainer's),
+    /// so the plan threads' epoch pins find little garbage to collect.
+    pub(crate) fn collect_garbage(&self) {
+        epoch::pin().flush();
+    }
+
     /// A reader for a batch of lookups (one epoch pin for all of them).
     pub fn reader(&self) -> MappingReader<'_> {
         MappingReader { table: self, guard: epoch::pin() }
@@ -206,10 +220,26 @@ impl MappingTable {
         // SAFETY: a non-null bucket stays allocated while `guard` is pinned: writers retire
         // buckets with `defer_destroy`, and tables destroy theirs only after the epoch passes.
         let bucket = unsafe { bucket.as_ref() }?;
-        if bucket.first.key == *key {
-            return Some(bucket.first.blocks());
+        bucket.find(key)
+    }
+
+    fn lookup_many<'g>(&self, keys: &[ClusterKey], guard: &'g Guard, out: &mut Vec<Option<&'g [BlockLocation]>>) {
+        const CHUNK: usize = 16;
+        let table = self.table.load(Ordering::Acquire, guard);
+        // SAFETY: as in `lookup`.
+        let table = unsafe { table.deref() };
+        for chunk in keys.chunks(CHUNK) {
+            // Two phases, so the cache misses of different keys overlap instead of queueing
+            // behind each other: first every bucket pointer, then every bucket.
+            let mut buckets = [Shared::<Bucket>::null(); CHUNK];
+            for (bucket, key) in buckets.iter_mut().zip(chunk) {
+                *bucket = table.bucket_of(key).load(Ordering::Acquire, guard);
+            }
+            for (bucket, key) in buckets.iter().zip(chunk) {
+                // SAFETY: as in `lookup`.
+                out.push(unsafe { bucket.as_ref() }.and_then(|b| b.find(key)));
+            }
         }
-        bucket.rest.iter().find(|e| e.key == *key).map(Entry::blocks)
     }
 
     /// Sets (or replaces) the blocks of `key`.
@@ -333,6 +363,12 @@ impl MappingReader<'_> {
     pub fn get(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
         self.table.lookup(key, &self.guard)
     }
+
+    /// Looks up a batch of clusters (a plan's retrieval set): appends to `out` one entry per
+    /// key, in order. Faster than `get` per key: the cache misses of the keys overlap.
+    pub fn get_many<'r>(&'r self, keys: &[ClusterKey], out: &mut Vec<Option<&'r [BlockLocation]>>) {
+        self.table.lookup_many(keys, &self.guard, out);
+    }
 }
 
 #[cfg(test)]
@@ -360,6 +396,11 @@ mod tests {
             assert_eq!(r.get(&key(c)).unwrap(), &blocks(u64::from(c) * 10 + 1, (c % 5) as usize + 1)[..]);
         }
         assert!(r.get(&key(1000)).is_none());
+        let keys: Vec<_> = (0..1001).rev().map(key).collect();
+        let mut many = Vec::new();
+        r.get_many(&keys, &mut many);
+        assert_eq!(many.len(), 1001);
+        assert!(many.iter().zip(&keys).all(|(got, k)| *got == r.get(k)), "get_many agrees with get");
         drop(r);
         assert!(t.update_block(&key(7), 1, BlockId(72), |l| l.with_gpu_slot(Some(9))));
         assert!(!t.update_block(&key(7), 1, BlockId(99), |l| l.with_gpu_slot(Some(9))), "wrong block id");
