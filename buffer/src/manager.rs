@@ -13,13 +13,14 @@ use crate::disk::{DiskConfig, DiskTier};
 use crate::mapping::{BlockLocation, MappingReader, MappingTable};
 use crate::replacer::{ReplacerKind, SanityReplacer};
 use crate::stats::{BufferStats, TierCounters};
-use crate::{BlockId, BlockKey, BlockLayout, ClusterKey, Error, Replacer, Result, Tier};
+use crate::{BlockId, BlockKey, BlockLayout, ClusterKey, Error, MemoryBudget, Replacer, Reservation, Result, Tier};
 use crossbeam_queue::ArrayQueue;
 use parking_lot::{Mutex, MutexGuard};
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Settings of a [`BufferManager`].
@@ -42,6 +43,9 @@ pub struct BufferConfig {
     pub lock_timeout: Duration,
     /// Wrap the replacer in [`SanityReplacer`] (tests, fuzzing).
     pub check_replacer: bool,
+    /// A host-memory budget the arena's bytes are reserved from (the engine's), so a manager
+    /// that does not fit fails with [`Error::OutOfMemory`] before mapping anything.
+    pub host_budget: Option<Arc<MemoryBudget>>,
 }
 
 impl BufferConfig {
@@ -57,6 +61,7 @@ impl BufferConfig {
             access_queue_batches: 4096,
             lock_timeout: Duration::from_secs(1),
             check_replacer: cfg!(debug_assertions),
+            host_budget: None,
         }
     }
 }
@@ -153,6 +158,9 @@ fn tier_index(tier: Tier) -> usize {
 /// ```
 pub struct BufferManager {
     layout: BlockLayout,
+    replacer_name: &'static str,
+    /// Held for the manager's life: the arena's bytes in the engine's host budget.
+    _host_reservation: Option<Reservation>,
     lock_timeout: Duration,
     host: FramePool,
     gpu: FramePool,
@@ -172,6 +180,10 @@ impl BufferManager {
             return Err(Error::BadConfig { what: "access_queue_batches", expected: "at least 1", got: 0 });
         }
         let block_bytes = config.layout.block_bytes();
+        let host_reservation = match &config.host_budget {
+            Some(budget) => Some(budget.reserve(config.host_blocks.saturating_mul(block_bytes))?),
+            None => None,
+        };
         let disk = match config.disk {
             Some(disk) => {
                 if !block_bytes.is_multiple_of(crate::disk::DIRECT_IO_ALIGN) {
@@ -191,6 +203,8 @@ impl BufferManager {
         }
         Ok(Self {
             layout: config.layout,
+            replacer_name: replacer.name(),
+            _host_reservation: host_reservation,
             lock_timeout: config.lock_timeout,
             host: FramePool::new(Tier::Host, config.host_blocks, block_bytes)?,
             gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes)?,
@@ -824,7 +838,7 @@ impl BufferManager {
             tiers,
             dropped_access_records: self.dropped.load(Ordering::Relaxed),
             queued_access_records: self.queued_records.load(Ordering::Relaxed) as usize,
-            replacer: self.state.lock().replacer.name(),
+            replacer: self.replacer_name,
             disk_backend: self.disk.as_ref().map(DiskTier::backend_name),
         }
     }

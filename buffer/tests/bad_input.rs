@@ -71,6 +71,19 @@ fn wrong_lengths_tiers_and_configurations_are_typed_errors() {
         config(&|c| c.disk = Some(DiskConfig { batch_blocks: 0, ..DiskConfig::new(&dir) })),
         Some(Error::BadConfig { what: "disk batch_blocks", .. })
     ));
+    // The arena is reserved from the engine's host budget: too small a budget is a typed error.
+    let budget = attnstore_buffer::MemoryBudget::new(Tier::Host, 4 * 2048 - 1);
+    assert!(matches!(
+        config(&|c| c.host_budget = Some(budget.clone())),
+        Some(Error::OutOfMemory { tier: Tier::Host, requested_bytes: 8192, available_bytes: 8191, .. })
+    ));
+    let budget = attnstore_buffer::MemoryBudget::new(Tier::Host, 4 * 2048);
+    let mut fits = BufferConfig::new(4, 2);
+    fits.host_budget = Some(budget.clone());
+    let held = BufferManager::new(fits).unwrap();
+    assert_eq!(budget.used_bytes(), 8192);
+    drop(held);
+    assert_eq!(budget.used_bytes(), 0, "released with the manager");
     assert_eq!(BlockLayout::new(100), Err(Error::BadBlockSize(100)));
     assert!(ReplacerKind::Lru.build(u32::MAX as usize).is_err());
     let _ = std::fs::remove_dir_all(&dir);
