@@ -259,10 +259,19 @@ fn run_ops(buffers: &BufferManager, faults: &FaultyIo, input: &mut Input<'_>) {
                 let reader = buffers.reader();
                 for cluster in 0..clusters {
                     let key = ClusterKey { context: 2, layer: 0, head: 0, cluster };
-                    for location in reader.cluster(&key).unwrap_or(&[]) {
+                    let locations = reader.cluster(&key).unwrap_or(&[]);
+                    for location in locations {
                         let block = location.block();
                         assert!(model.blocks.contains_key(&block), "the mapping table lists freed block {block}");
-                        check_read(&mut model, block, &reader.pin(location));
+                    }
+                    if arg % 2 == 0 {
+                        for location in locations {
+                            check_read(&mut model, location.block(), &reader.pin(location));
+                        }
+                    } else {
+                        for (location, result) in locations.iter().zip(reader.pin_all(locations)) {
+                            check_read(&mut model, location.block(), &result);
+                        }
                     }
                 }
                 drop(reader);

@@ -727,6 +727,74 @@ impl BufferManager {
         Ok(())
     }
 
+    /// Reads `blocks` by id like [`BufferManager::read`], with the Disk reads among them batched
+    /// into one submission.
+    fn read_many(&self, blocks: &[BlockId]) -> Vec<Result<PinGuard<'_>>> {
+        let mut state = match self.state() {
+            Ok(state) => state,
+            Err(e) => return blocks.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let mut disk_items = Vec::new();
+        let mut disk_positions = Vec::new();
+        for (i, &block) in blocks.iter().enumerate() {
+            if let Ok(BlockMeta { home: Home::Disk(slot), gpu_slot: None, .. }) = state.meta(block) {
+                disk_items.push((*slot, block));
+                disk_positions.push(i);
+            }
+        }
+        let mut staged: Vec<Option<Box<[u8]>>> = vec![None; blocks.len()];
+        let mut disk_results = Vec::new();
+        if let Some(disk) = &self.disk {
+            let block_bytes = self.layout.block_bytes();
+            disk_results = disk.read_blocks(&disk_items, |k, bytes| {
+                let mut copy = vec![0u8; block_bytes].into_boxed_slice();
+                copy.copy_from_slice(bytes);
+                staged[disk_positions[k]] = Some(copy);
+            });
+        }
+        let mut disk_failed = vec![None; blocks.len()];
+        for ((&(slot, block), result), &i) in disk_items.iter().zip(disk_results).zip(&disk_positions) {
+            if let Err(e) = result {
+                self.disk_failure(&mut state, block, slot, &e);
+                disk_failed[i] = Some(e);
+            }
+        }
+        let mut records = Vec::new();
+        let results = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &block)| {
+                if let Some(e) = disk_failed[i].take() {
+                    return Err(e);
+                }
+                match staged[i].take() {
+                    Some(bytes) => {
+                        if self.gpu.capacity() > 0 {
+                            TierCounters::add(&self.counters(Tier::Gpu).misses, 1);
+                        }
+                        TierCounters::add(&self.counters(Tier::Host).misses, 1);
+                        TierCounters::add(&self.counters(Tier::Disk).hits, 1);
+                        records.push(AccessRecord { block, gpu_slot: MISS });
+                        Ok(PinGuard { block, tier: Tier::Disk, bytes: PinBytes::Staged(bytes) })
+                    }
+                    // Not on Disk after all (moved since the lookup): the one-block path.
+                    None => Err(Error::WrongTier { block, expected: Tier::Disk, got: Tier::Host }),
+                }
+            })
+            .collect::<Vec<_>>();
+        drop(state);
+        self.log(records);
+        // Blocks that were not on Disk any more are read one by one.
+        results
+            .into_iter()
+            .zip(blocks)
+            .map(|(result, &block)| match result {
+                Err(Error::WrongTier { expected: Tier::Disk, .. }) => self.read(block),
+                other => other,
+            })
+            .collect()
+    }
+
     /// Reads `block` by id (the slow path of [`Reader::pin`]: takes the state lock, bounded).
     pub fn read(&self, block: BlockId) -> Result<PinGuard<'_>> {
         let mut state = self.state()?;
@@ -899,6 +967,30 @@ impl<'a> Reader<'a> {
     /// order; faster than [`Reader::cluster`] per key because the lookups' cache misses overlap.
     pub fn clusters<'r>(&'r self, keys: &[ClusterKey], out: &mut Vec<Option<&'r [BlockLocation]>>) {
         self.mapping.get_many(keys, out);
+    }
+
+    /// Pins every block of `locations` (a plan's retrieval set): Gpu and Host blocks as
+    /// [`Reader::pin`] does, and all the blocks that must come from Disk in one batched read
+    /// (one state-lock acquisition, one submission), instead of one I/O per block.
+    pub fn pin_all(&self, locations: &[BlockLocation]) -> Vec<Result<PinGuard<'a>>> {
+        let mut out: Vec<Option<Result<PinGuard<'a>>>> = Vec::with_capacity(locations.len());
+        let mut from_disk = Vec::new();
+        for (i, location) in locations.iter().enumerate() {
+            if location.gpu_slot().is_none() && location.home().0 == Tier::Disk {
+                from_disk.push(i);
+                out.push(None);
+            } else {
+                out.push(Some(self.pin(location)));
+            }
+        }
+        if !from_disk.is_empty() {
+            let blocks: Vec<BlockId> = from_disk.iter().map(|&i| locations[i].block()).collect();
+            let staged = self.buffers.read_many(&blocks);
+            for (i, result) in from_disk.into_iter().zip(staged) {
+                out[i] = Some(result);
+            }
+        }
+        out.into_iter().map(|r| r.expect("every location was pinned")).collect()
     }
 
     /// Pins the block at `location` (from [`Reader::cluster`]). Serves it from the Gpu tier if

@@ -75,6 +75,45 @@ fn spilled_blocks_read_back_byte_exact_with_both_backends() {
 }
 
 #[test]
+fn a_plan_reads_a_spilled_cluster_in_one_batch_byte_exact_and_corrupt_blocks_are_refused() {
+    let dir = tempdir("pin-all");
+    let buffers = manager(&dir, 64, IoChoice::Auto);
+    let key = ClusterKey { context: 4, layer: 1, head: 0, cluster: 7 };
+    let bytes = pattern(3, 40 * 2048);
+    let blocks = buffers.store_cluster(key, &bytes).unwrap();
+    for &block in &blocks[..30] {
+        buffers.spill(block).unwrap();
+    }
+    buffers.admit(blocks[35]).unwrap();
+    flip_bit(&buffers, blocks[10], 5, 1);
+    let reader = buffers.reader();
+    let locations = reader.cluster(&key).unwrap().to_vec();
+    let pins = reader.pin_all(&locations);
+    for (i, pin) in pins.iter().enumerate() {
+        match pin {
+            Ok(pin) => {
+                assert_eq!(&pin[..], &bytes[i * 2048..][..2048], "block {i}");
+                let expected = if i < 30 {
+                    Tier::Disk
+                } else if i == 35 {
+                    Tier::Gpu
+                } else {
+                    Tier::Host
+                };
+                assert_eq!(pin.tier(), expected, "block {i}");
+            }
+            Err(e) => assert!(i == 10 && matches!(e, Error::Corrupt { .. }), "block {i}: {e}"),
+        }
+    }
+    assert!(pins[10].is_err());
+    drop((pins, reader));
+    assert!(buffers.is_lost(blocks[10]).unwrap());
+    assert_eq!(buffers.stats().tier(Tier::Disk).unwrap().hits, 29);
+    drop(buffers);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
 fn a_flipped_bit_on_disk_is_a_typed_error_and_the_block_is_never_served() {
     let dir = tempdir("flip");
     let buffers = manager(&dir, 4, IoChoice::Auto);

@@ -97,10 +97,16 @@ fn readers_never_see_wrong_bytes_while_the_maintainer_and_a_mover_churn() {
                 while reads < READS_PER_READER {
                     let reader = buffers.reader();
                     let mut pins = Vec::new();
-                    for _ in 0..4 {
+                    for batch in 0..4 {
                         let locations = reader.cluster(&key(rng.cluster())).expect("every cluster is mapped");
-                        for location in locations {
-                            let pin = reader.pin(location).expect("no faults injected: every pin succeeds");
+                        // Half the batches pin one by one, half as a plan's set (Disk reads batched).
+                        let pinned: Vec<_> = if batch % 2 == 0 {
+                            locations.iter().map(|l| reader.pin(l)).collect()
+                        } else {
+                            reader.pin_all(locations)
+                        };
+                        for pin in pinned {
+                            let pin = pin.expect("no faults injected: every pin succeeds");
                             wrong += check(pin.block().get(), &pin);
                             per_tier[Tier::ALL.iter().position(|&x| x == pin.tier()).unwrap()] += 1;
                             pins.push(pin);
