@@ -134,24 +134,48 @@ extern "C" __global__ void attn_partial(
   }
 }
 
-// One CTA per query head: out[qh] = Σ_c e^{m_c−M} o_c / Σ_c e^{m_c−M} l_c.
+// One CTA per query head, MERGE_WARPS warps: the maximum m over chunks by a block
+// reduction, then warp w folds chunks w, w + MERGE_WARPS, … (lanes split the head
+// dimension, so each chunk's partial is one coalesced read), then the warps' sums are
+// combined: out[qh] = Σ_c e^{m_c−M} o_c / Σ_c e^{m_c−M} l_c.
+#define MERGE_WARPS 8
 extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out) {
   const int qh = blockIdx.x;
   const int h = qh / group, g = qh % group;
-  const float* base = part + (long long)h * chunks * group * PART + g * PART;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long stride = (long long)group * PART;
+  const float* base = part + (long long)h * chunks * stride + g * PART;
+  __shared__ float red[MERGE_WARPS];
+  __shared__ float acc_s[MERGE_WARPS][HEAD_DIM + 1];
   float mx = NEG_INF;
-  for (int c = 0; c < chunks; c++) mx = fmaxf(mx, base[(long long)c * group * PART + HEAD_DIM]);
-  for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
-    float acc = 0.f, lsum = 0.f;
-    if (mx != NEG_INF) {
-      for (int c = 0; c < chunks; c++) {
-        const float* p = base + (long long)c * group * PART;
-        const float e = __expf(p[HEAD_DIM] - mx);
-        acc += e * p[i];
-        lsum += e * p[HEAD_DIM + 1];
-      }
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) mx = fmaxf(mx, base[c * stride + HEAD_DIM]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = NEG_INF;
+  for (int w = 0; w < MERGE_WARPS; w++) mx = fmaxf(mx, red[w]);
+  float acc[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) acc[i] = 0.f;
+  float lsum = 0.f;
+  if (mx != NEG_INF) {
+    for (int c = warp; c < chunks; c += MERGE_WARPS) {
+      const float* p = base + c * stride;
+      const float e = __expf(p[HEAD_DIM] - mx);
+#pragma unroll
+      for (int i = 0; i < PER_LANE; i++) acc[i] = fmaf(e, p[lane * PER_LANE + i], acc[i]);
+      lsum = fmaf(e, p[HEAD_DIM + 1], lsum);
     }
-    out[qh * HEAD_DIM + i] = lsum > 0.f ? acc / lsum : 0.f;
+  }
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) acc_s[warp][lane * PER_LANE + i] = acc[i];
+  if (lane == 0) acc_s[warp][HEAD_DIM] = lsum;
+  __syncthreads();
+  for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
+    float a = 0.f, l = 0.f;
+    for (int w = 0; w < MERGE_WARPS; w++) { a += acc_s[w][i]; l += acc_s[w][HEAD_DIM]; }
+    out[qh * HEAD_DIM + i] = l > 0.f ? a / l : 0.f;
   }
 }
 

@@ -18,8 +18,9 @@ use std::sync::Arc;
 
 const SOURCE: &str = include_str!("decode.cu");
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
-/// latency of each row's load is hidden (an H100 has 132 SMs).
-const TARGET_CTAS: usize = 2048;
+/// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
+/// has not too many chunks to fold.
+const TARGET_CTAS: usize = 1024;
 
 /// Rows per CTA: a power of two in 16..=1024 that gives about [`TARGET_CTAS`] CTAs.
 fn chunk_rows(longest: usize, kv_heads: usize) -> usize {
@@ -375,7 +376,8 @@ impl GpuBackend {
         // this shape and chunk count, which match the grid.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
         let chunks = job.chunks as i32;
-        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        // 8 warps per query head (MERGE_WARPS in decode.cu).
+        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.merge);
         b.arg(&job.part).arg(&chunks).arg(&group).arg(&mut job.out);
         // SAFETY: part holds kv_heads × chunks × group partials written above; out holds
