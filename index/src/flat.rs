@@ -1,10 +1,10 @@
 //! The flat index: tokens in arrival order, no meta data. It answers exactly, or with an
 //! exact top-k over true scores — the oracle the approximate methods are measured against.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::method::{
-    batch_tokens, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode,
-    ZoneBudget,
+    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection,
+    SelectionMode, ZoneBudget,
 };
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
@@ -23,12 +23,7 @@ pub struct FlatIndex<E> {
 impl<E: Element> FlatIndex<E> {
     /// An empty flat index.
     pub fn new(kv_heads: usize, head_dim: usize) -> Result<Self> {
-        if kv_heads == 0 || head_dim == 0 {
-            return Err(Error::InvalidParameter {
-                what: "shape",
-                message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
-            });
-        }
+        check_shape(kv_heads, head_dim)?;
         Ok(Self { kv_heads, head_dim, keys: vec![Vec::new(); kv_heads], values: vec![Vec::new(); kv_heads], tokens: 0 })
     }
 

@@ -82,6 +82,17 @@ pub(crate) fn batch_tokens(kv_heads: usize, head_dim: usize, keys: &[f32], value
     Ok(keys.len() / row)
 }
 
+/// Checks the shape every access method is created with.
+pub(crate) fn check_shape(kv_heads: usize, head_dim: usize) -> Result<()> {
+    if kv_heads == 0 || head_dim == 0 {
+        return Err(Error::InvalidParameter {
+            what: "shape",
+            message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
+        });
+    }
+    Ok(())
+}
+
 /// Appends `src` narrowed to the storage type.
 pub(crate) fn push_narrow<E: Element>(dst: &mut Vec<E>, src: &[f32]) {
     let at = dst.len();

@@ -6,7 +6,8 @@
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode, ZoneBudget,
+    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode,
+    ZoneBudget,
 };
 use crate::segment::{build_head_segment, BuildParams, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
@@ -95,12 +96,7 @@ impl<E: Element> WaveIndex<E> {
     /// An empty index for `kv_heads` heads of dimension `head_dim`.
     pub fn new(params: WaveParams, kv_heads: usize, head_dim: usize) -> Result<Self> {
         params.validate()?;
-        if kv_heads == 0 || head_dim == 0 {
-            return Err(Error::InvalidParameter {
-                what: "shape",
-                message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
-            });
-        }
+        check_shape(kv_heads, head_dim)?;
         Ok(Self {
             params,
             kv_heads,

@@ -1,41 +1,12 @@
 //! DESIGN.md invariants of the access methods, checked against f64 reference attention.
 
+mod common;
+
 use attnstore_index::{AccessMethod, FlatIndex, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
-use attnstore_kernels::cpu::attention::Scratch;
-use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
-use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{narrow_vec, AttnShape, Element, HeadsView};
+use attnstore_kernels::cpu::reference::rel_l2;
+use attnstore_kernels::AttnShape;
+use common::{randn, reference, run};
 use half::f16;
-
-fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut g = SplitMix64::new(seed);
-    (0..n).map(|_| g.normal() * scale).collect()
-}
-
-/// Runs every KV head of `index` under `budget` (or exactly) and returns `q_heads × d` outputs.
-fn run(index: &dyn AccessMethod, shape: &AttnShape, q: &[f32], budget: Option<&ZoneBudget>) -> Vec<f32> {
-    let (g, d) = (shape.group(), shape.head_dim);
-    let mut out = Vec::new();
-    for h in 0..shape.kv_heads {
-        let qg = &q[h * g * d..(h + 1) * g * d];
-        let plan = match budget {
-            Some(b) => index.plan_head(h, qg, b),
-            None => index.plan_exact(),
-        };
-        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()) {
-            out.extend(p.finish());
-        }
-    }
-    out
-}
-
-fn reference<E: Element>(shape: &AttnShape, q: &[f32], k: &[f32], v: &[f32], tokens: usize) -> Vec<f64> {
-    let (kn, vn): (Vec<E>, Vec<E>) = (narrow_vec(k), narrow_vec(v));
-    let d = shape.head_dim;
-    let kv = HeadsView::new(&kn, shape.kv_heads, tokens, d).unwrap();
-    let vv = HeadsView::new(&vn, shape.kv_heads, tokens, d).unwrap();
-    reference_attention(shape, q, kv, vv, None)
-}
 
 fn small_params() -> WaveParams {
     WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() }

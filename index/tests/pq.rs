@@ -2,41 +2,16 @@
 //! background build falls back to exact attention until ready, the adaptive iteration limit
 //! and convergence, and the quality of its top-k.
 
+mod common;
+
 use attnstore_index::{AccessMethod, FlatIndex, PqIndex, PqLayout, PqParams, SelectionMode, ZoneBudget};
-use attnstore_kernels::cpu::attention::Scratch;
-use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
+use attnstore_kernels::cpu::reference::rel_l2;
 use attnstore_kernels::cpu::scoring::{score_rows, top_r};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{AttnShape, HeadsView};
+use attnstore_kernels::AttnShape;
+use common::{randn, reference, run};
 use std::collections::HashSet;
 use std::time::Duration;
-
-fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut g = SplitMix64::new(seed);
-    (0..n).map(|_| g.normal() * scale).collect()
-}
-
-fn run(index: &dyn AccessMethod, shape: &AttnShape, q: &[f32], budget: Option<&ZoneBudget>) -> Vec<f32> {
-    let (g, d) = (shape.group(), shape.head_dim);
-    let mut out = Vec::new();
-    for h in 0..shape.kv_heads {
-        let qg = &q[h * g * d..(h + 1) * g * d];
-        let plan = match budget {
-            Some(b) => index.plan_head(h, qg, b),
-            None => index.plan_exact(),
-        };
-        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()) {
-            out.extend(p.finish());
-        }
-    }
-    out
-}
-
-fn reference(shape: &AttnShape, q: &[f32], k: &[f32], v: &[f32], tokens: usize) -> Vec<f64> {
-    let kv = HeadsView::new(k, shape.kv_heads, tokens, shape.head_dim).unwrap();
-    let vv = HeadsView::new(v, shape.kv_heads, tokens, shape.head_dim).unwrap();
-    reference_attention(shape, q, kv, vv, None)
-}
 
 fn small(layout: PqLayout) -> PqParams {
     PqParams {
@@ -66,7 +41,7 @@ fn k_equal_to_all_tokens_equals_exact_attention() {
     let tokens = 1500;
     let (k, v, q) =
         (randn(shape.kv_len(tokens), 1, 1.0), randn(shape.kv_len(tokens), 2, 1.0), randn(shape.query_len(), 3, 2.0));
-    let want = reference(&shape, &q, &k, &v, tokens);
+    let want = reference::<f32>(&shape, &q, &k, &v, tokens);
     for layout in
         [PqLayout { subspaces: 2, bits: 6 }, PqLayout { subspaces: 4, bits: 8 }, PqLayout { subspaces: 8, bits: 4 }]
     {
@@ -76,7 +51,7 @@ fn k_equal_to_all_tokens_equals_exact_attention() {
         let (k2, v2) = (randn(2 * 100 * 32, 4, 1.0), randn(2 * 100 * 32, 5, 1.0));
         pq.append(&k2, &v2).unwrap();
         let (ka, va) = (concat(&k, &k2, tokens, 100, 64), concat(&v, &v2, tokens, 100, 64));
-        let want_all = reference(&shape, &q, &ka, &va, tokens + 100);
+        let want_all = reference::<f32>(&shape, &q, &ka, &va, tokens + 100);
         assert!(pq.stats().indexed_tokens > tokens - 100, "{:?}", pq.stats());
         assert!(rel_l2(&run(&pq, &shape, &q, None), &want_all) <= 1e-5);
         for mode in [SelectionMode::PerQueryHead, SelectionMode::PerKvHead] {
@@ -147,7 +122,7 @@ fn plans_attend_everything_exactly_until_the_background_build_is_ready() {
     if !handle.is_ready() {
         // Observed before the build finished: every token is in the steady zone.
         assert!(plan.exact && plan.selections.is_empty(), "{plan:?}");
-        let err = rel_l2(&run(&pq, &shape, &q, Some(&budget)), &reference(&shape, &q, &k, &v, tokens));
+        let err = rel_l2(&run(&pq, &shape, &q, Some(&budget)), &reference::<f32>(&shape, &q, &k, &v, tokens));
         assert!(err <= 1e-5, "{err}");
     }
     assert!(handle.wait(Duration::from_secs(120)).unwrap(), "build finished");

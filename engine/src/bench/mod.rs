@@ -122,6 +122,22 @@ fn memread_us(buf: &[u64], reps: usize) -> f64 {
     )
 }
 
+/// A row with a time, its same-run baseline and their ratio.
+fn timed_row(
+    cfg: &BenchConfig,
+    (bench, method, tokens): (&str, &str, usize),
+    time_us: f64,
+    baseline: &str,
+    baseline_us: f64,
+) -> Row {
+    let mut r = base_row(cfg, bench, method, tokens);
+    r.set("time_us", time_us)
+        .set("baseline", baseline)
+        .set("baseline_time_us", baseline_us)
+        .set("speedup", baseline_us / time_us);
+    r
+}
+
 fn base_row(cfg: &BenchConfig, bench: &str, method: &str, tokens: usize) -> Row {
     let mut r = Row::new(bench, method);
     r.set("tokens", tokens)
@@ -175,14 +191,8 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     emit(r);
     pb.inc(1);
     let exact_us = median(samples);
-    let mut r = base_row(cfg, "decode", "exact", tokens);
-    r.set("time_us", exact_us)
-        .set("baseline", "memread")
-        .set("baseline_time_us", mem_us)
-        .set("speedup", mem_us / exact_us)
-        .set("gbps", kv_bytes as f64 / exact_us / 1e3)
-        .set("exact_tokens", tokens)
-        .set("bytes_host", kv_bytes);
+    let mut r = timed_row(cfg, ("decode", "exact", tokens), exact_us, "memread", mem_us);
+    r.set("gbps", kv_bytes as f64 / exact_us / 1e3).set("exact_tokens", tokens).set("bytes_host", kv_bytes);
     emit(r);
     pb.inc(1);
 
@@ -297,13 +307,8 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
             }
         }
         let (pq_us, exact_us) = (median(pq_samples), median(exact_samples));
-        let mut r = base_row(cfg, "scoring", "pq", tokens);
-        r.set("selection", SelectionMode::PerKvHead.name())
-            .set("time_us", pq_us)
-            .set("baseline", "exact_scores")
-            .set("baseline_time_us", exact_us)
-            .set("speedup", exact_us / pq_us)
-            .set("exact_tokens", n);
+        let mut r = timed_row(cfg, ("scoring", "pq", tokens), pq_us, "exact_scores", exact_us);
+        r.set("selection", SelectionMode::PerKvHead.name()).set("exact_tokens", n);
         emit(r);
         pb.inc(1);
 
@@ -335,12 +340,8 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     }
     let us = median(samples);
     let base_us = median(base_samples);
-    let mut r = base_row(cfg, "decode", "oracle_topk", tokens);
+    let mut r = timed_row(cfg, ("decode", "oracle_topk", tokens), us, "exact", base_us);
     r.set("selection", SelectionMode::PerQueryHead.name())
-        .set("time_us", us)
-        .set("baseline", "exact")
-        .set("baseline_time_us", base_us)
-        .set("speedup", base_us / us)
         .set("rel_l2_error", errs.iter().sum::<f64>() / errs.len().max(1) as f64)
         .set("recall", 1.0)
         .set("exact_tokens", n);

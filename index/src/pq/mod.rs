@@ -21,8 +21,8 @@ pub use params::{PqLayout, PqParams};
 
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode,
-    ZoneBudget,
+    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection,
+    SelectionMode, ZoneBudget,
 };
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
@@ -77,12 +77,7 @@ impl<E: Element> PqIndex<E> {
     /// An empty index for `kv_heads` heads of dimension `head_dim`.
     pub fn new(params: PqParams, kv_heads: usize, head_dim: usize) -> Result<Self> {
         params.validate(head_dim)?;
-        if kv_heads == 0 || head_dim == 0 {
-            return Err(Error::InvalidParameter {
-                what: "shape",
-                message: format!("kv_heads ({kv_heads}) and head_dim ({head_dim}) must be positive"),
-            });
-        }
+        check_shape(kv_heads, head_dim)?;
         Ok(Self {
             params,
             kv_heads,

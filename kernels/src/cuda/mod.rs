@@ -246,12 +246,14 @@ impl GpuBackend {
                         flat.push(match r {
                             RowRef::Kv(x) if (x as usize) < identity_rows => x as i32,
                             RowRef::Cache(x) if (x as usize) < cache_slots => -(x as i32) - 1,
-                            bad => return Err(Error::InvalidArgument {
-                                what: "row list",
-                                message: format!(
+                            bad => {
+                                return Err(Error::InvalidArgument {
+                                    what: "row list",
+                                    message: format!(
                                     "{bad:?} is beyond the {identity_rows} rows of a head / {cache_slots} cache slots"
                                 ),
-                            }),
+                                })
+                            }
                         });
                     }
                     offsets.push(flat.len() as i32);

@@ -1,0 +1,40 @@
+//! Helpers shared by the access-method tests: seeded data, running every KV head of an
+//! index, and f64 reference attention.
+
+use attnstore_index::{AccessMethod, ZoneBudget};
+use attnstore_kernels::cpu::attention::Scratch;
+use attnstore_kernels::cpu::reference::reference_attention;
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::{narrow_vec, AttnShape, Element, HeadsView};
+
+/// `n` normal values times `scale`, from `seed`.
+pub fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut g = SplitMix64::new(seed);
+    (0..n).map(|_| g.normal() * scale).collect()
+}
+
+/// Runs every KV head of `index` under `budget` (or exactly) and returns `q_heads × d` outputs.
+pub fn run(index: &dyn AccessMethod, shape: &AttnShape, q: &[f32], budget: Option<&ZoneBudget>) -> Vec<f32> {
+    let (g, d) = (shape.group(), shape.head_dim);
+    let mut out = Vec::new();
+    for h in 0..shape.kv_heads {
+        let qg = &q[h * g * d..(h + 1) * g * d];
+        let plan = match budget {
+            Some(b) => index.plan_head(h, qg, b),
+            None => index.plan_exact(),
+        };
+        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()) {
+            out.extend(p.finish());
+        }
+    }
+    out
+}
+
+/// f64 attention over `tokens` tokens of `k`/`v` stored as `E`.
+pub fn reference<E: Element>(shape: &AttnShape, q: &[f32], k: &[f32], v: &[f32], tokens: usize) -> Vec<f64> {
+    let (kn, vn): (Vec<E>, Vec<E>) = (narrow_vec(k), narrow_vec(v));
+    let d = shape.head_dim;
+    let kv = HeadsView::new(&kn, shape.kv_heads, tokens, d).unwrap();
+    let vv = HeadsView::new(&vn, shape.kv_heads, tokens, d).unwrap();
+    reference_attention(shape, q, kv, vv, None)
+}
