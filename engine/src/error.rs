@@ -2,6 +2,7 @@
 //! layers below, each with what was expected and what came.
 
 use crate::ContextId;
+use std::path::PathBuf;
 
 /// Errors of the engine API.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -88,6 +89,42 @@ pub enum Error {
     /// The buffer manager refused (out of memory, bad block size).
     #[error(transparent)]
     Buffer(#[from] attnstore_buffer::Error),
+    /// The write-ahead log failed: I/O error, a poisoned writer (an earlier fsync failed,
+    /// so durable writes are refused), or corruption in a log or manifest file.
+    #[error(transparent)]
+    Wal(#[from] attnstore_wal::Error),
+    /// Stored bytes fail a check: a data-file chunk, a record payload or the manifest's
+    /// catalog. Never served; the engine refuses to open.
+    #[error("{file}: corrupt at offset {offset}: {detail}")]
+    Corrupt {
+        /// The file.
+        file: PathBuf,
+        /// Byte offset of the bad chunk or record frame.
+        offset: u64,
+        /// What was expected and what came.
+        detail: String,
+    },
+    /// A data file that committed records point into does not exist.
+    #[error("{file}: data file missing, the log commits {committed_bytes} bytes in it")]
+    MissingDataFile {
+        /// The data file.
+        file: PathBuf,
+        /// Bytes the manifest and log say it holds.
+        committed_bytes: u64,
+    },
+    /// A data file is shorter than what the log says was committed to it.
+    #[error("{file}: data file holds {got_bytes} bytes, the log commits {expected_bytes}")]
+    DataFileShort {
+        /// The data file.
+        file: PathBuf,
+        /// Committed bytes.
+        expected_bytes: u64,
+        /// Bytes found.
+        got_bytes: u64,
+    },
+    /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
+    #[error("{0} needs a durable engine (Engine::open), this one is in memory")]
+    NotDurable(&'static str),
 }
 
 /// Result alias of this crate.
