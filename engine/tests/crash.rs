@@ -27,7 +27,7 @@ fn shape() -> AttnShape {
 /// Thread `t`'s context: wave index (small segments) for even threads, flat for odd ones.
 fn spec(t: usize) -> ContextSpec {
     let wave = WaveParams { segment_tokens: 128, decode_segment_tokens: 32, local_tokens: 8, ..WaveParams::default() };
-    let method = if t % 2 == 0 { Method::Wave(wave) } else { Method::Flat };
+    let method = if t.is_multiple_of(2) { Method::Wave(wave) } else { Method::Flat };
     ContextSpec::new(shape(), 1).with_method(method)
 }
 
