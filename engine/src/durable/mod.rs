@@ -13,6 +13,7 @@
 
 pub mod bench;
 mod datafile;
+mod fuzz;
 mod records;
 mod recovery;
 
@@ -29,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::spec::ContextSpec;
 
 pub use datafile::StoredBatch;
+pub use fuzz::fuzz_decode_catalog;
 use records::{
     encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,
     ManifestLayer, SpecRecord,
