@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 
 use attnstore_kernels::{DType, Element};
 use half::{bf16, f16};
+use rayon::prelude::*;
 use zerocopy::byteorder::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
@@ -69,10 +70,19 @@ pub(crate) struct EncodedChunk {
     pub payload_crc: u32,
 }
 
-fn push_narrow<E: Element>(out: &mut Vec<u8>, src: &[f32], to_le: impl Fn(E) -> [u8; 2]) {
-    let mut narrow = vec![E::default(); src.len()];
-    E::narrow(src, &mut narrow);
-    out.extend(narrow.into_iter().flat_map(to_le));
+/// Elements converted per rayon job (large batches convert on all cores).
+const CONVERT_ELEMENTS: usize = 1 << 16;
+
+fn push_narrow<E: Element>(out: &mut Vec<u8>, src: &[f32], to_le: impl Fn(E) -> [u8; 2] + Sync) {
+    let at = out.len();
+    out.resize(at + src.len() * 2, 0);
+    out[at..].par_chunks_mut(CONVERT_ELEMENTS * 2).zip(src.par_chunks(CONVERT_ELEMENTS)).for_each(|(dst, src)| {
+        let mut narrow = vec![E::default(); src.len()];
+        E::narrow(src, &mut narrow);
+        for (d, x) in dst.chunks_exact_mut(2).zip(narrow) {
+            d.copy_from_slice(&to_le(x));
+        }
+    });
 }
 
 fn push_elements(out: &mut Vec<u8>, dtype: DType, src: &[f32]) {
@@ -124,10 +134,12 @@ pub struct StoredBatch {
     pub payload_crc: u32,
 }
 
-fn widen<E: Element>(bytes: &[u8], from_le: impl Fn([u8; 2]) -> E) -> Vec<f32> {
-    let narrow: Vec<E> = bytes.chunks_exact(2).map(|b| from_le([b[0], b[1]])).collect();
-    let mut out = vec![0.0; narrow.len()];
-    E::widen(&narrow, &mut out);
+fn widen<E: Element>(bytes: &[u8], from_le: impl Fn([u8; 2]) -> E + Sync) -> Vec<f32> {
+    let mut out = vec![0.0; bytes.len() / 2];
+    out.par_chunks_mut(CONVERT_ELEMENTS).zip(bytes.par_chunks(CONVERT_ELEMENTS * 2)).for_each(|(dst, src)| {
+        let narrow: Vec<E> = src.chunks_exact(2).map(|b| from_le([b[0], b[1]])).collect();
+        E::widen(&narrow, dst);
+    });
     out
 }
 
