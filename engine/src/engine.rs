@@ -287,7 +287,7 @@ impl Engine {
         Ok(guard.method.exact_positions(q_head / g, &r.heads[q_head / g], q_head % g))
     }
 
-    fn context(&self, id: ContextId) -> Result<Arc<Context>> {
+    pub(crate) fn context(&self, id: ContextId) -> Result<Arc<Context>> {
         self.contexts.read().get(&id).cloned().ok_or(Error::UnknownContext(id))
     }
 }

@@ -26,7 +26,7 @@ pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, Selection
 pub use attnstore_kernels::{AttnShape, DType};
 pub use budget::{Budget, EstimateShare};
 pub use context::ContextId;
-pub use durable::{CheckReport, DurableConfig, RecoveryReport, StoredBatch};
+pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use plan::{Plan, PlanCost, Request, RequestPlan, Strategy};

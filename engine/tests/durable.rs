@@ -8,8 +8,8 @@ use std::sync::Arc;
 use attnstore::durable::{DATA_DIR, WAL_DIR};
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
-    AttnShape, Budget, ContextId, ContextSpec, DType, DurableConfig, Engine, EngineConfig, Error, Method, Request,
-    WaveParams,
+    AttnShape, Budget, ContextId, ContextSpec, DType, DurableConfig, Engine, EngineConfig, Error, IndexRebuild, Method,
+    Request, WaveParams,
 };
 use attnstore_wal::{list_log_files, FaultyStorage, SyncPolicy, WriterConfig};
 
@@ -359,4 +359,34 @@ fn in_memory_engines_refuse_durable_calls_and_other_policies_still_recover_after
         let engine = Engine::open_with(dir.path(), EngineConfig::default(), config).unwrap();
         assert_holds_batches(&engine, ctx, &synth, 4);
     }
+}
+
+#[test]
+fn a_background_rebuild_serves_the_kv_at_once_and_swaps_in_the_same_index_including_new_appends() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth();
+    let ctx = {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let ctx = engine.create_context(spec()).unwrap();
+        for i in 0..8 {
+            ingest(&engine, ctx, &synth, i).unwrap();
+        }
+        ctx
+    };
+    let config = DurableConfig { index_rebuild: IndexRebuild::Background, ..DurableConfig::default() };
+    let engine = Engine::open_with(dir.path(), EngineConfig::default(), config).unwrap();
+    assert_eq!(engine.recovery_report().unwrap().background_rebuild_layers, 2);
+    // Served at once (exactly until the index is back), and appends keep working meanwhile.
+    let (want, want_ctx) = reference(&synth, 8);
+    let full = |e: &Engine, c| {
+        let plan = e.plan(&[Request::new(c, 0, synth.queries(1))], &Budget::full()).unwrap();
+        e.execute(&plan).unwrap().remove(0)
+    };
+    let (got, expected) = (full(&engine, ctx), full(&want, want_ctx));
+    let err = got.iter().zip(&expected).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(err < 1e-4, "{err}");
+    ingest(&engine, ctx, &synth, 8).unwrap();
+    assert!(engine.wait_index_rebuild(std::time::Duration::from_secs(120)).unwrap());
+    assert!(engine.index_rebuild_time().is_some());
+    assert_holds_batches(&engine, ctx, &synth, 9);
 }

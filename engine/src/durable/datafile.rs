@@ -184,6 +184,11 @@ impl ChunkReader {
         Ok(Self { path: path.to_path_buf(), file, offset: 0, committed_bytes, dtype, row_elements })
     }
 
+    /// Starts reading at `offset`, which must be the start of a committed chunk.
+    pub fn starting_at(self, offset: u64) -> Self {
+        Self { offset, ..self }
+    }
+
     fn corrupt(&self, offset: u64, detail: String) -> Error {
         Error::Corrupt { file: self.path.clone(), offset, detail }
     }

@@ -14,6 +14,7 @@
 pub mod bench;
 mod datafile;
 mod fuzz;
+mod rebuild;
 mod records;
 mod recovery;
 
@@ -31,6 +32,7 @@ use crate::spec::ContextSpec;
 
 pub use datafile::StoredBatch;
 pub use fuzz::fuzz_decode_catalog;
+pub use rebuild::IndexRebuild;
 use records::{
     encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,
     ManifestLayer, SpecRecord,
@@ -51,11 +53,13 @@ pub struct DurableConfig {
     pub wal: WriterConfig,
     /// The file system writes go through (a fault-injecting one in tests).
     pub storage: Arc<dyn Storage>,
+    /// Whether opening waits for recovered indexes to be rebuilt.
+    pub index_rebuild: IndexRebuild,
 }
 
 impl Default for DurableConfig {
     fn default() -> Self {
-        Self { wal: WriterConfig::default(), storage: Arc::new(StdStorage) }
+        Self { wal: WriterConfig::default(), storage: Arc::new(StdStorage), index_rebuild: IndexRebuild::Blocking }
     }
 }
 
@@ -84,6 +88,7 @@ pub(crate) struct Durable {
     gate: RwLock<()>,
     catalog: Mutex<Catalog>,
     report: RecoveryReport,
+    rebuild: rebuild::RebuildProgress,
 }
 
 /// The durable catalog: what the next manifest will say.
@@ -315,6 +320,32 @@ impl Engine {
     /// What opening this engine recovered; `None` for an in-memory engine.
     pub fn recovery_report(&self) -> Option<&RecoveryReport> {
         self.durable.as_deref().map(|d| &d.report)
+    }
+
+    /// Waits up to `timeout` for the background index rebuild after recovery
+    /// ([`IndexRebuild::Background`]): `Ok(true)` once every recovered layer has its index
+    /// (at once for in-memory engines and blocking rebuilds), `Ok(false)` at the deadline,
+    /// or the error that stopped the rebuild (those layers stay served exactly).
+    pub fn wait_index_rebuild(&self, timeout: std::time::Duration) -> Result<bool> {
+        let Some(durable) = self.durable.as_deref() else { return Ok(true) };
+        let deadline = std::time::Instant::now() + timeout;
+        let mut state = durable.rebuild.state.lock();
+        loop {
+            if let Some(error) = &state.error {
+                return Err(error.clone());
+            }
+            if state.pending_layers == 0 {
+                return Ok(true);
+            }
+            if durable.rebuild.done.wait_until(&mut state, deadline).timed_out() {
+                return Ok(state.pending_layers == 0 && state.error.is_none());
+            }
+        }
+    }
+
+    /// How long the background index rebuild took, once it has finished.
+    pub fn index_rebuild_time(&self) -> Option<std::time::Duration> {
+        self.durable.as_deref().and_then(|d| d.rebuild.state.lock().elapsed)
     }
 
     /// Counters of the write-ahead log (records, group writes, fsyncs).

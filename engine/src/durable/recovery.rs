@@ -16,14 +16,16 @@ use attnstore_wal::{read_manifest, replay_dir, LogFileSummary, LogReplay, LogWri
 use parking_lot::{Mutex, RwLock};
 
 use super::datafile::{parse_data_file_name, ChunkReader, StoredBatch};
+use super::rebuild::{self, IndexRebuild, RebuildJob, RebuildProgress};
 use super::records::{decode, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord};
 use super::{
     data_path, Catalog, CatalogContext, CatalogLayer, Durable, DurableConfig, DATA_DIR, MANIFEST_FILE, WAL_DIR,
 };
+use crate::context::make_method;
 use crate::context::ContextId;
 use crate::engine::{Engine, EngineConfig};
 use crate::error::{Error, Result};
-use crate::spec::ContextSpec;
+use crate::spec::{ContextSpec, LayerKind, Method};
 
 /// What opening a durable engine found and did.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -61,6 +63,8 @@ pub struct RecoveryReport {
     pub rebuild_time: Duration,
     /// Wall time of the whole open.
     pub total_time: Duration,
+    /// Layers loaded exactly whose index is being rebuilt in the background.
+    pub background_rebuild_layers: usize,
 }
 
 /// Records of each kind.
@@ -115,6 +119,13 @@ impl fmt::Display for RecoveryReport {
             self.uncommitted_data_bytes,
             self.orphan_data_files.len()
         )?;
+        if self.background_rebuild_layers > 0 {
+            writeln!(
+                f,
+                "indexes: {} layers served exactly while rebuilt in the background",
+                self.background_rebuild_layers
+            )?;
+        }
         write!(
             f,
             "time: {:.1} ms total ({:.1} ms reading chunks, {:.1} ms rebuilding indexes)",
@@ -358,11 +369,24 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         ..RecoveryReport::default()
     };
     let engine = Engine::in_memory(config)?;
+    let background = durable.index_rebuild == IndexRebuild::Background;
+    let mut jobs = Vec::new();
     for (&context, ctx) in &state.contexts {
         let id = ContextId(context);
         engine.insert_context(id, ctx.spec.clone())?;
         for layer in 0..ctx.layers.len() {
             let committed = ctx.layers[layer].committed_bytes;
+            let indexed = ctx.spec.layers[layer] == LayerKind::Global && ctx.spec.method != Method::Flat;
+            if background && indexed && committed > 0 {
+                // Load into an exact (flat) method now; the real index follows in the background.
+                let handle = engine.context(id)?;
+                let flat = ctx.spec.clone().with_method(Method::Flat);
+                let mut guard = handle.layers[layer].write();
+                guard.method = make_method(&flat, LayerKind::Global)?;
+                guard.rebuilding = true;
+                drop(guard);
+                jobs.push(RebuildJob { context: handle, id, layer, loaded_bytes: committed });
+            }
             let path = data_path(dir, context, layer);
             // Cut what an append wrote before its record committed (if the file exists at all).
             if let Ok(meta) = std::fs::metadata(&path) {
@@ -422,16 +446,28 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             })
             .collect(),
     };
+    report.background_rebuild_layers = jobs.len();
     report.total_time = started.elapsed();
-    let mut engine = engine;
-    engine.durable = Some(Arc::new(Durable {
+    let progress = RebuildProgress::default();
+    progress.state.lock().pending_layers = jobs.len();
+    let attached = Arc::new(Durable {
         dir: dir.to_path_buf(),
         storage,
         wal,
         gate: RwLock::new(()),
         catalog: Mutex::new(catalog),
         report,
-    }));
+        rebuild: progress,
+    });
+    if !jobs.is_empty() {
+        let for_thread = attached.clone();
+        std::thread::Builder::new()
+            .name("attnstore-index-rebuild".into())
+            .spawn(move || rebuild::run(for_thread, jobs))
+            .map_err(io("spawn index rebuild for", dir))?;
+    }
+    let mut engine = engine;
+    engine.durable = Some(attached);
     Ok(engine)
 }
 
