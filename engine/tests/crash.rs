@@ -12,10 +12,14 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use attnstore::{AttnShape, Budget, ContextId, ContextSpec, Engine, EngineConfig, Method, Request, WaveParams};
+use attnstore::{
+    AttnShape, Budget, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, IndexRebuild, Method, Request,
+    WaveParams,
+};
 use attnstore_kernels::random::SplitMix64;
 
 const CHILD_DIR_ENV: &str = "ATTNSTORE_CRASH_CHILD_DIR";
+const CHILD_BACKGROUND_ENV: &str = "ATTNSTORE_CRASH_CHILD_BACKGROUND_REBUILD";
 const THREADS: usize = 4;
 /// A fresh directory every this many rounds keeps the verification cost flat.
 const ROUNDS_PER_DIR: usize = 10;
@@ -62,7 +66,13 @@ fn say(line: &str) {
 #[ignore = "helper: the crash test runs it in a child process"]
 fn crash_child() {
     let Some(dir) = std::env::var_os(CHILD_DIR_ENV) else { return };
-    let engine = Engine::open(Path::new(&dir), EngineConfig::default()).unwrap();
+    // Odd rounds rebuild indexes in the background, so kills also land during a rebuild.
+    let index_rebuild = match std::env::var_os(CHILD_BACKGROUND_ENV) {
+        Some(_) => IndexRebuild::Background,
+        None => IndexRebuild::Blocking,
+    };
+    let config = DurableConfig { index_rebuild, ..DurableConfig::default() };
+    let engine = Engine::open_with(Path::new(&dir), EngineConfig::default(), config).unwrap();
     while engine.contexts().len() < THREADS {
         let t = engine.contexts().len();
         engine.create_context(spec(t)).unwrap();
@@ -185,7 +195,11 @@ fn sigkill_at_random_moments_never_loses_an_acknowledged_append_nor_shows_an_uns
         if round > 0 && round % ROUNDS_PER_DIR == 0 {
             dir = tempfile::tempdir().unwrap();
         }
-        let mut child = Command::new(&exe)
+        let mut command = Command::new(&exe);
+        if round % 2 == 1 {
+            command.env(CHILD_BACKGROUND_ENV, "1");
+        }
+        let mut child = command
             .args(["--exact", "crash_child", "--ignored", "--nocapture", "--test-threads=1"])
             .env(CHILD_DIR_ENV, dir.path())
             .stdout(Stdio::piped())
