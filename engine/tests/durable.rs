@@ -390,3 +390,25 @@ fn a_background_rebuild_serves_the_kv_at_once_and_swaps_in_the_same_index_includ
     assert!(engine.index_rebuild_time().is_some());
     assert_holds_batches(&engine, ctx, &synth, 9);
 }
+
+#[test]
+fn concurrent_drops_of_one_context_log_it_once_and_the_directory_reopens() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth();
+    {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        for _ in 0..8 {
+            let ctx = engine.create_context(spec()).unwrap();
+            ingest(&engine, ctx, &synth, 0).unwrap();
+            let outcomes: Vec<_> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..4).map(|_| s.spawn(|| engine.drop_context(ctx))).collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert_eq!(outcomes.iter().filter(|o| o.is_ok()).count(), 1, "{outcomes:?}");
+            assert!(outcomes.iter().all(|o| matches!(o, Ok(()) | Err(Error::UnknownContext(_)))));
+        }
+    }
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    assert!(engine.contexts().is_empty());
+    assert_eq!(engine.recovery_report().unwrap().replayed.drops, 8);
+}

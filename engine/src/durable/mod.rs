@@ -87,6 +87,8 @@ pub(crate) struct Durable {
     /// catalog it writes matches the log position it rotates to.
     gate: RwLock<()>,
     catalog: Mutex<Catalog>,
+    /// Held while a drop is logged.
+    drop_lock: Mutex<()>,
     report: RecoveryReport,
     rebuild: rebuild::RebuildProgress,
 }
@@ -139,6 +141,12 @@ impl Durable {
 
     pub(crate) fn log_drop(&self, id: ContextId) -> Result<()> {
         let _gate = self.gate.read();
+        // Drops are serialized so one context is never logged as dropped twice (replay
+        // refuses a drop of a context that does not exist).
+        let _drop = self.drop_lock.lock();
+        if !self.catalog.lock().contexts.contains_key(&id.0) {
+            return Err(Error::UnknownContext(id));
+        }
         self.wal.append(RecordKind::DropContext, &encode(&DropContextRecord { context: id.0 }))?;
         let dropped = self.catalog.lock().contexts.remove(&id.0);
         // The drop is committed: the files are garbage now. Deleting them is best effort,

@@ -95,6 +95,9 @@ pub(crate) fn run(durable: Arc<Durable>, jobs: Vec<RebuildJob>) {
         // A panic here must not leave waiters hanging: it becomes an error like any other.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rebuild_layer(&durable, job)))
             .unwrap_or_else(|_| Err(Error::InvalidSpec("index rebuild panicked".into())));
+        // A context dropped meanwhile may have lost its files: nothing to rebuild then.
+        let dropped = || !durable.catalog.lock().contexts.contains_key(&job.id.0);
+        let outcome = outcome.or_else(|error| if dropped() { Ok(()) } else { Err(error) });
         let mut state = durable.rebuild.state.lock();
         match outcome {
             Ok(()) => state.pending_layers -= 1,

@@ -456,6 +456,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         wal,
         gate: RwLock::new(()),
         catalog: Mutex::new(catalog),
+        drop_lock: Mutex::new(()),
         report,
         rebuild: progress,
     });
