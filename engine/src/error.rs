@@ -122,6 +122,14 @@ pub enum Error {
         /// Bytes found.
         got_bytes: u64,
     },
+    /// Another engine (in this or another process) has the directory open.
+    #[error("{dir}: already opened by another engine (lock file {lock} is held)")]
+    DirectoryLocked {
+        /// The engine directory.
+        dir: PathBuf,
+        /// The lock file.
+        lock: PathBuf,
+    },
     /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
     #[error("{0} needs a durable engine (Engine::open), this one is in memory")]
     NotDurable(&'static str),

@@ -412,3 +412,15 @@ fn concurrent_drops_of_one_context_log_it_once_and_the_directory_reopens() {
     assert!(engine.contexts().is_empty());
     assert_eq!(engine.recovery_report().unwrap().replayed.drops, 8);
 }
+
+#[test]
+fn a_second_engine_cannot_open_a_directory_in_use_until_the_first_is_dropped() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    match Engine::open(dir.path(), EngineConfig::default()) {
+        Err(Error::DirectoryLocked { dir: locked, .. }) => assert_eq!(locked, dir.path()),
+        other => panic!("{:?}", other.map(|_| ())),
+    }
+    drop(first);
+    Engine::open(dir.path(), EngineConfig::default()).unwrap();
+}

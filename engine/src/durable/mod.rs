@@ -2,6 +2,7 @@
 //! recovery, under one directory:
 //!
 //! ```text
+//! DIR/LOCK                           flock held while an engine has the directory open
 //! DIR/MANIFEST                       catalog as of the last checkpoint (atomic replace)
 //! DIR/wal/wal-<first lsn>.log        log files (attnstore-wal framing)
 //! DIR/data/ctx-<id>-layer-<l>.kv     one append-only chunk file per (context, layer)
@@ -41,6 +42,8 @@ pub use recovery::{check, CheckReport, LayerCheck, RecoveryReport};
 
 /// Name of the manifest file in an engine directory.
 pub const MANIFEST_FILE: &str = "MANIFEST";
+/// Lock file that keeps a second engine from opening the same directory.
+pub const LOCK_FILE: &str = "LOCK";
 /// Sub-directory of the log files.
 pub const WAL_DIR: &str = "wal";
 /// Sub-directory of the KV data files.
@@ -89,6 +92,8 @@ pub(crate) struct Durable {
     catalog: Mutex<Catalog>,
     /// Held while a drop is logged.
     drop_lock: Mutex<()>,
+    /// The open, `flock`ed `DIR/LOCK`: released when the engine (and its rebuild thread) let go.
+    _lock: std::fs::File,
     report: RecoveryReport,
     rebuild: rebuild::RebuildProgress,
 }

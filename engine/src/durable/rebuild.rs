@@ -6,7 +6,7 @@
 //! from its data file and swaps it in under the layer's write lock, first applying any
 //! batches appended since recovery, so the swapped index holds exactly the committed KV.
 
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use attnstore_index::AccessMethod;
@@ -89,9 +89,11 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
 
 /// Body of the rebuild thread: every job in order; the first error stops it (the layers
 /// left keep being served exactly) and is reported by `Engine::wait_index_rebuild`.
-pub(crate) fn run(durable: Arc<Durable>, jobs: Vec<RebuildJob>) {
+pub(crate) fn run(durable: Weak<Durable>, jobs: Vec<RebuildJob>) {
     let started = Instant::now();
     for job in &jobs {
+        // The engine was dropped: stop, and let its directory lock go.
+        let Some(durable) = durable.upgrade() else { return };
         // A panic here must not leave waiters hanging: it becomes an error like any other.
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| rebuild_layer(&durable, job)))
             .unwrap_or_else(|_| Err(Error::InvalidSpec("index rebuild panicked".into())));
@@ -107,6 +109,8 @@ pub(crate) fn run(durable: Arc<Durable>, jobs: Vec<RebuildJob>) {
             }
         }
     }
-    durable.rebuild.state.lock().elapsed = Some(started.elapsed());
-    durable.rebuild.done.notify_all();
+    if let Some(durable) = durable.upgrade() {
+        durable.rebuild.state.lock().elapsed = Some(started.elapsed());
+        durable.rebuild.done.notify_all();
+    }
 }

@@ -19,7 +19,8 @@ use super::datafile::{parse_data_file_name, ChunkReader, StoredBatch};
 use super::rebuild::{self, IndexRebuild, RebuildJob, RebuildProgress};
 use super::records::{decode, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord};
 use super::{
-    data_path, Catalog, CatalogContext, CatalogLayer, Durable, DurableConfig, DATA_DIR, MANIFEST_FILE, WAL_DIR,
+    data_path, Catalog, CatalogContext, CatalogLayer, Durable, DurableConfig, DATA_DIR, LOCK_FILE, MANIFEST_FILE,
+    WAL_DIR,
 };
 use crate::context::make_method;
 use crate::context::ContextId;
@@ -345,6 +346,19 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Er
     move |e| attnstore_wal::Error::io(op, path, &e).into()
 }
 
+/// Takes an exclusive `flock` on `DIR/LOCK`, held as long as the returned file is open
+/// (the OS releases it when the process dies, so a crash never leaves it behind).
+fn lock_directory(dir: &Path) -> Result<std::fs::File> {
+    let path = dir.join(LOCK_FILE);
+    let file =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io("open", &path))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(Error::DirectoryLocked { dir: dir.to_path_buf(), lock: path }),
+        Err(errno) => Err(io("lock", &path)(errno.into())),
+    }
+}
+
 /// Opens a durable engine: see [`Engine::open`].
 pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
     let started = Instant::now();
@@ -353,6 +367,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         std::fs::create_dir_all(&sub).map_err(io("create dir", &sub))?;
     }
     storage.sync_dir(dir).map_err(io("fsync dir", dir))?;
+    let lock = lock_directory(dir)?;
     // A checkpoint that died before its rename leaves the new manifest half-made; the old one stands.
     let _ = std::fs::remove_file(dir.join(format!("{MANIFEST_FILE}.tmp")));
     let state = read_state(dir)?;
@@ -457,11 +472,12 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         gate: RwLock::new(()),
         catalog: Mutex::new(catalog),
         drop_lock: Mutex::new(()),
+        _lock: lock,
         report,
         rebuild: progress,
     });
     if !jobs.is_empty() {
-        let for_thread = attached.clone();
+        let for_thread = Arc::downgrade(&attached);
         std::thread::Builder::new()
             .name("attnstore-index-rebuild".into())
             .spawn(move || rebuild::run(for_thread, jobs))
