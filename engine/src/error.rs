@@ -122,6 +122,15 @@ pub enum Error {
         /// Bytes found.
         got_bytes: u64,
     },
+    /// The log files a directory must have are gone (every opened directory keeps at least
+    /// the file its log continues in).
+    #[error("{dir}: no log file found, expected one holding lsn {expected_lsn}")]
+    MissingLog {
+        /// The log directory.
+        dir: PathBuf,
+        /// The LSN replay must start at.
+        expected_lsn: u64,
+    },
     /// Another engine (in this or another process) has the directory open.
     #[error("{dir}: already opened by another engine (lock file {lock} is held)")]
     DirectoryLocked {

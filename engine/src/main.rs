@@ -47,7 +47,7 @@ enum Command {
 
 #[derive(Args)]
 struct BenchWalArgs {
-    /// Scratch directory (its contents are deleted).
+    /// Scratch directory (created, and deleted at the end).
     #[arg(long, default_value = "target/bench-wal")]
     dir: PathBuf,
     /// Appending threads.

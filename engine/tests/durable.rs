@@ -424,3 +424,43 @@ fn a_second_engine_cannot_open_a_directory_in_use_until_the_first_is_dropped() {
     drop(first);
     Engine::open(dir.path(), EngineConfig::default()).unwrap();
 }
+
+#[test]
+fn a_damaged_manifest_or_a_missing_log_file_is_a_typed_error_naming_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth();
+    {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let ctx = engine.create_context(spec()).unwrap();
+        ingest(&engine, ctx, &synth, 0).unwrap();
+        engine.checkpoint().unwrap();
+        ingest(&engine, ctx, &synth, 1).unwrap();
+    }
+    let manifest = dir.path().join(attnstore::durable::MANIFEST_FILE);
+    let good = std::fs::read(&manifest).unwrap();
+    let mut bad = good.clone();
+    *bad.last_mut().unwrap() ^= 0x08;
+    std::fs::write(&manifest, &bad).unwrap();
+    match Engine::open(dir.path(), EngineConfig::default()).err() {
+        Some(Error::Wal(e @ (attnstore_wal::Error::InFile { .. } | attnstore_wal::Error::BadManifest { .. }))) => {
+            assert!(e.to_string().contains("MANIFEST"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(&manifest, &good).unwrap();
+    for log in log_files(dir.path()) {
+        std::fs::remove_file(log).unwrap();
+    }
+    // The appends after the checkpoint lived only in the log: losing it is an error, not an empty log.
+    for outcome in
+        [attnstore::durable::check(dir.path()).err(), Engine::open(dir.path(), EngineConfig::default()).err()]
+    {
+        match outcome {
+            Some(Error::MissingLog { dir: wal, expected_lsn }) => {
+                assert_eq!(wal, dir.path().join(WAL_DIR));
+                assert!(expected_lsn > 1);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -17,7 +17,7 @@ use crate::{AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, Method,
 /// Settings of the durability bench.
 #[derive(Debug, Clone)]
 pub struct WalBenchConfig {
-    /// Scratch directory (created; its contents are deleted).
+    /// Scratch directory (created, and deleted at the end).
     pub dir: PathBuf,
     /// Appending threads.
     pub threads: usize,
@@ -58,8 +58,14 @@ fn sequential_write_then_fsync(path: &Path, pieces: usize, piece_bytes: usize) -
     Ok(started.elapsed())
 }
 
-/// Runs the bench, printing each figure as it is measured.
+/// Runs the bench, printing each figure as it is measured; removes its scratch directory.
 pub fn run(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
+    let outcome = measure(cfg, out);
+    let _ = std::fs::remove_dir_all(&cfg.dir);
+    outcome
+}
+
+fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     let p = |out: &mut dyn Write, line: String| {
         let _ = writeln!(out, "{line}");
         let _ = out.flush();

@@ -198,6 +198,11 @@ pub(crate) fn read_state(dir: &Path) -> Result<State> {
         }
     }
     let replay = replay_dir(&dir.join(WAL_DIR), wal_start_lsn)?;
+    // An opened directory always keeps the log file it continues in: with none left, a
+    // checkpointed or written directory has lost its log (do not treat it as empty).
+    if replay.files.is_empty() && (manifest.is_some() || !data_files(dir)?.is_empty()) {
+        return Err(Error::MissingLog { dir: dir.join(WAL_DIR), expected_lsn: wal_start_lsn });
+    }
     // Appends to a context dropped later in the log are skipped: its files may be gone.
     let mut dropped_later = std::collections::HashSet::new();
     for record in &replay.records {
