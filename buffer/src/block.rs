@@ -1,6 +1,9 @@
-//! The block: the fixed-size unit of storage and transfer (default 2 KiB payload).
+//! The block: the fixed-size unit of storage and transfer (default 2 KiB payload), its id,
+//! and the keys that say whose KV it holds: (context, layer, head) per block and
+//! (context, layer, head, cluster) per entry of the mapping table.
 
 use crate::{Error, Result};
+use std::fmt;
 
 /// Block size and the arithmetic of fitting rows into blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -31,6 +34,61 @@ impl BlockLayout {
     /// Blocks needed for a run of `bytes` stored contiguously (one cluster's keys, say).
     pub fn blocks_for(&self, bytes: usize) -> usize {
         bytes.div_ceil(self.block_bytes)
+    }
+}
+
+/// A block's id: unique for the life of a buffer manager, never reused (so a stale
+/// reference to a freed block can always be told apart from its slot's next owner).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockId(pub(crate) u64);
+
+impl BlockId {
+    /// A block id from its raw value, for tools and benches that drive a [`DiskTier`](crate::DiskTier)
+    /// directly (a buffer manager only knows the ids its `allocate` returned).
+    pub fn from_raw(id: u64) -> Self {
+        Self(id)
+    }
+
+    /// The raw id (ids start at 1).
+    pub fn get(self) -> u64 {
+        self.0
+    }
+}
+
+impl fmt::Display for BlockId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// The owner of a block: one KV head of one layer of one context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BlockKey {
+    /// Context id (the engine's).
+    pub context: u64,
+    /// Layer index.
+    pub layer: u32,
+    /// KV head index.
+    pub head: u32,
+}
+
+/// A key of the cluster mapping table: one cluster of one head.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClusterKey {
+    /// Context id.
+    pub context: u64,
+    /// Layer index.
+    pub layer: u32,
+    /// KV head index.
+    pub head: u32,
+    /// Cluster index within the head.
+    pub cluster: u32,
+}
+
+impl ClusterKey {
+    /// The (context, layer, head) that owns the cluster's blocks.
+    pub fn block_key(&self) -> BlockKey {
+        BlockKey { context: self.context, layer: self.layer, head: self.head }
     }
 }
 

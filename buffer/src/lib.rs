@@ -1,39 +1,39 @@
-//! attnstore-buffer: the buffer manager's vocabulary and its first mechanism.
+//! attnstore-buffer: the buffer manager. It knows blocks and bytes, not attention.
 //!
-//! It knows blocks and bytes, not attention. This first piece provides the tiers, the block
-//! layout that EXPLAIN counts in, and per-tier memory budgets that turn "too big" into a
-//! typed error instead of an abort. Frames, the cluster mapping table, pin guards and the
-//! replacement policies build on these (see the buffer-manager issue).
+//! - [`BlockLayout`], [`BlockId`], [`BlockKey`], [`ClusterKey`]: fixed-size blocks (2 KiB by
+//!   default), each owned by one (context, layer, head).
+//! - Tiers ([`Tier`]): a Host arena of block slots (the home of all KV), a Gpu tier that is a
+//!   fixed pool of slots used as a cache, and a Disk tier of segment files ([`DiskTier`],
+//!   io_uring + `O_DIRECT`, crc32c per block) for what does not fit.
+//! - [`MappingTable`]: (context, layer, head, cluster) → blocks with their tier and slot;
+//!   lock-free reads.
+//! - [`Replacer`] policies (LRU, LFU, CLOCK, SIEVE) choose Gpu victims; [`Maintainer`] applies
+//!   them asynchronously from the plans' access records.
+//! - [`BufferManager`] joins them; [`Reader`] and [`PinGuard`] are the plan path;
+//!   [`BufferStats`] is what `attnstore inspect` prints. `docs/buffer-manager.md` explains why.
 
 #![deny(unsafe_code)]
 
+mod arena;
 mod block;
 mod budget;
+pub mod disk;
+mod error;
+pub mod fuzz;
+mod maintainer;
+mod manager;
+mod mapping;
+pub mod replacer;
+mod stats;
 mod tier;
 
-pub use block::BlockLayout;
+pub use block::{BlockId, BlockKey, BlockLayout, ClusterKey};
 pub use budget::{MemoryBudget, Reservation};
+pub use disk::{DiskConfig, DiskTier, FaultPlan, FaultyIo, IoBackend, IoChoice};
+pub use error::{Error, Result};
+pub use maintainer::Maintainer;
+pub use manager::{BufferConfig, BufferManager, PinGuard, Reader};
+pub use mapping::{BlockLocation, MappingReader, MappingTable};
+pub use replacer::{Replacer, ReplacerKind};
+pub use stats::{BufferStats, TierStats};
 pub use tier::Tier;
-
-/// Errors of the buffer manager.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Error {
-    /// A reservation would exceed the tier's budget.
-    #[error("out of {tier} memory: requested {requested_bytes} bytes, {available_bytes} of the {limit_bytes}-byte budget available")]
-    OutOfMemory {
-        /// The tier whose budget is exhausted.
-        tier: Tier,
-        /// Bytes asked for.
-        requested_bytes: usize,
-        /// Bytes still free in the budget.
-        available_bytes: usize,
-        /// The budget.
-        limit_bytes: usize,
-    },
-    /// A block size that is zero or not a multiple of 64 bytes.
-    #[error("block size must be a positive multiple of 64 bytes, got {0}")]
-    BadBlockSize(usize),
-}
-
-/// Result alias of this crate.
-pub type Result<T, E = Error> = std::result::Result<T, E>;

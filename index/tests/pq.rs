@@ -225,3 +225,27 @@ fn bad_parameters_are_typed_errors() {
     assert!(pq.append(&[0.0; 15], &[0.0; 15]).is_err(), "shape checked before anything changes");
     assert_eq!(pq.stats().tokens, 0);
 }
+
+#[test]
+fn fused_threshold_top_k_selects_exactly_the_top_k_of_all_pq_scores() {
+    // 20K tokens, k ≪ n: the planner takes the sampled-threshold path; its choice must be
+    // the top-k of the full PQ score array computed independently from codebook and codes.
+    let (g, d, tokens) = (4, 64, 20_000);
+    let mut pq = PqIndex::<f32>::new(small(PqLayout { subspaces: 4, bits: 8 }), 1, d).unwrap();
+    pq.prefill(&clustered(1, tokens, d, 51), &randn(tokens * d, 52, 1.0)).unwrap();
+    let q = randn(g * d, 53, 1.0);
+    let k = 700;
+    let plan =
+        pq.plan_head(0, &q, &ZoneBudget { retrieve_tokens: k, estimate_tokens: 0, mode: SelectionMode::PerKvHead });
+    let (book, codes) = pq.codebook(0).map(|(b, c)| (b.to_vec(), c)).unwrap();
+    let lut = attnstore_kernels::cpu::pq::Lut::build(&q, g, &book, 4, codes, 1.0 / (d as f32).sqrt()).unwrap();
+    let coded: Vec<usize> = (0..tokens).filter(|&p| pq.codes_of(0, p).is_some()).collect();
+    let all_codes: Vec<u8> = coded.iter().flat_map(|&p| pq.codes_of(0, p).unwrap()).collect();
+    let mut scores = Vec::new();
+    attnstore_kernels::cpu::pq::scores_max(&lut, &all_codes, &mut scores);
+    let want: HashSet<u32> = top_r(&scores, k).into_iter().map(|i| coded[i as usize] as u32).collect();
+    let steady: HashSet<u32> = (0..4).chain(tokens as u32 - 64..tokens as u32).collect();
+    let got: HashSet<u32> = pq.exact_positions(0, &plan, 0).into_iter().filter(|p| !steady.contains(p)).collect();
+    assert_eq!(got.len(), k);
+    assert_eq!(got, want);
+}

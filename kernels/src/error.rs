@@ -27,6 +27,14 @@ pub enum Error {
         /// Which dimension.
         what: &'static str,
     },
+    /// The GPU (CUDA driver, NVRTC, a launch) failed, or there is no GPU.
+    #[error("GPU: {what}: {message}")]
+    Gpu {
+        /// What was being done.
+        what: &'static str,
+        /// The driver's or compiler's message.
+        message: String,
+    },
     /// An argument was out of its valid range.
     #[error("invalid argument {what}: {message}")]
     InvalidArgument {

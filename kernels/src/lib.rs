@@ -7,6 +7,8 @@
 #![deny(unsafe_code)]
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod element;
 mod error;
 pub mod random;

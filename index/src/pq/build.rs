@@ -6,6 +6,7 @@ use crate::pq::adaptive::{BuildShape, IterationModel};
 use crate::pq::codes::PackedCodes;
 use crate::pq::params::{PqLayout, PqParams};
 use attnstore_kernels::cpu::kmeans::{l2_kmeans, nearest_centroids, KMeansParams};
+use attnstore_kernels::cpu::pq::transpose_codebooks;
 use attnstore_kernels::Element;
 use parking_lot::{Condvar, Mutex};
 use rayon::prelude::*;
@@ -45,8 +46,10 @@ pub(crate) struct Built {
     pub layout: PqLayout,
     /// Centroids per sub-space.
     pub codes: usize,
-    /// Per head: `m × codes × d/m` f32 centroids.
+    /// Per head: `m × codes × d/m` f32 centroids (encoding).
     pub codebooks: Vec<Vec<f32>>,
+    /// Per head: the same transposed to `m × d/m × codes` (lookup tables).
+    pub codebooks_t: Vec<Vec<f32>>,
     /// Per head: codes of positions `start..end`.
     pub packed: Vec<PackedCodes>,
     pub end: usize,
@@ -202,7 +205,8 @@ impl<E: Element> BuildJob<E> {
             predicted,
             elapsed: started.elapsed(),
         };
-        Ok(Built { layout: self.layout, codes, codebooks, packed, end: self.end, report })
+        let codebooks_t = codebooks.iter().map(|b| transpose_codebooks(b, m, codes)).collect();
+        Ok(Built { layout: self.layout, codes, codebooks, codebooks_t, packed, end: self.end, report })
     }
 
     /// Trains sub-space `j` of head `h` on evenly spaced rows, then encodes every row.

@@ -67,6 +67,20 @@ impl PackedCodes {
         Ok(())
     }
 
+    /// The codes as token-major bytes without unpacking, when `b = 8` (one byte per code).
+    pub fn as_bytes(&self) -> Option<&[u8]> {
+        (self.layout.bits == 8).then_some(&self.bytes[..])
+    }
+
+    /// Appends to `out` the codes of every `stride`-th token (`0, stride, 2·stride, …`).
+    pub fn sample(&self, stride: usize, out: &mut Vec<u8>) {
+        let m = self.layout.subspaces;
+        match self.as_bytes() {
+            Some(b) => b.chunks_exact(m).step_by(stride.max(1)).for_each(|c| out.extend_from_slice(c)),
+            None => (0..self.tokens).step_by(stride.max(1)).for_each(|t| self.unpack(t, 1, out)),
+        }
+    }
+
     /// Appends to `out` the codes of tokens `start..start + n` (token-major bytes). Panics if
     /// the range is not held (the caller's invariant).
     pub fn unpack(&self, start: usize, n: usize, out: &mut Vec<u8>) {
@@ -114,6 +128,10 @@ mod tests {
             let mut all = Vec::new();
             p.unpack(0, tokens, &mut all);
             prop_assert_eq!(&all, &codes);
+            let mut sampled = Vec::new();
+            p.sample(3, &mut sampled);
+            let want: Vec<u8> = codes.chunks_exact(m).step_by(3).flatten().copied().collect();
+            prop_assert_eq!(sampled, want);
             let (s, n) = (tokens / 3, tokens - tokens / 3);
             let mut part = Vec::new();
             p.unpack(s, n, &mut part);

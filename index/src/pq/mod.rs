@@ -26,8 +26,8 @@ use crate::method::{
 };
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
-use attnstore_kernels::cpu::pq::{scores_each, scores_max, Lut};
-use attnstore_kernels::cpu::scoring::top_r_set;
+use attnstore_kernels::cpu::pq::{candidates_max, scores_each, scores_max, scores_max_strided, Lut};
+use attnstore_kernels::cpu::scoring::{rank_key, threshold_from_sample, top_keys, top_r_set};
 use attnstore_kernels::{Element, Partial};
 use build::{BuildJob, BuildSlot, Built};
 use std::ops::Range;
@@ -42,6 +42,8 @@ const SCORE_TILE: usize = 4096;
 struct PlanScratch {
     scores: Vec<Vec<f32>>,
     tile: Vec<u8>,
+    sample: Vec<f32>,
+    candidates: Vec<(u32, f32)>,
 }
 
 thread_local! {
@@ -267,34 +269,105 @@ impl<E: Element> PqIndex<E> {
         Ok(())
     }
 
+    fn lut(&self, built: &Built, kv_head: usize, q: &[f32]) -> Result<Lut> {
+        let d = self.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let (m, codes) = (built.layout.subspaces, built.codes);
+        Ok(Lut::build_transposed(q, q.len() / d, &built.codebooks_t[kv_head], m, codes, scale)?)
+    }
+
+    /// Calls `f(first_token, codes)` for runs of coded tokens of `kv_head` in order (token
+    /// `i` is position `sink + i`): the packed bytes directly when `b = 8`, else unpacked
+    /// tiles.
+    fn for_code_runs(&self, built: &Built, kv_head: usize, tile: &mut Vec<u8>, mut f: impl FnMut(usize, &[u8])) {
+        let mut first = 0;
+        for codes in [&built.packed[kv_head], &self.extra[kv_head]] {
+            match codes.as_bytes() {
+                Some(bytes) => f(first, bytes),
+                None => {
+                    for s in (0..codes.len()).step_by(SCORE_TILE) {
+                        tile.clear();
+                        codes.unpack(s, SCORE_TILE.min(codes.len() - s), tile);
+                        f(first + s, tile);
+                    }
+                }
+            }
+            first += codes.len();
+        }
+    }
+
     /// Approximate scores of every coded token (positions `sink..coded_end`) for the group
     /// `q` into `scratch.scores`: the best over heads, or one vector per head.
     fn score(&self, built: &Built, kv_head: usize, q: &[f32], per_head: bool, scratch: &mut PlanScratch) -> Result<()> {
-        let d = self.head_dim;
-        let g = q.len() / d;
-        let lut =
-            Lut::build(q, g, &built.codebooks[kv_head], built.layout.subspaces, built.codes, 1.0 / (d as f32).sqrt())?;
-        let PlanScratch { scores: out, tile } = scratch;
+        let g = q.len() / self.head_dim;
+        let lut = self.lut(built, kv_head, q)?;
+        let PlanScratch { scores: out, tile, .. } = scratch;
         out.resize_with(if per_head { g } else { 1 }, Vec::new);
         out.truncate(if per_head { g } else { 1 });
         out.iter_mut().for_each(Vec::clear);
-        for codes in [&built.packed[kv_head], &self.extra[kv_head]] {
-            for s in (0..codes.len()).step_by(SCORE_TILE) {
-                tile.clear();
-                codes.unpack(s, SCORE_TILE.min(codes.len() - s), tile);
-                if per_head {
-                    scores_each(&lut, tile, out);
-                } else {
-                    scores_max(&lut, tile, &mut out[0]);
-                }
+        self.for_code_runs(built, kv_head, tile, |_, codes| {
+            if per_head {
+                scores_each(&lut, codes, out);
+            } else {
+                scores_max(&lut, codes, &mut out[0]);
             }
-        }
+        });
         Ok(())
     }
 
+    /// The per-KV-head top-`k` with the threshold pass fused into scoring: score every 16th
+    /// token, take a threshold that about 1.25 k tokens reach, then score all tokens keeping
+    /// only those at or above it. `None` when the shortcut does not apply or kept fewer than
+    /// `k` (the caller then scores everything).
+    fn fused_top_k(
+        &self,
+        built: &Built,
+        kv_head: usize,
+        q: &[f32],
+        k: usize,
+        scratch: &mut PlanScratch,
+    ) -> Option<Vec<u32>> {
+        const STRIDE: usize = 16;
+        let n = self.coded_end() - self.sink_len();
+        if n < 8192 || k == 0 || k > n / 8 {
+            return None;
+        }
+        let lut = self.lut(built, kv_head, q).ok()?;
+        let PlanScratch { tile, sample, candidates, .. } = scratch;
+        sample.clear();
+        for codes in [&built.packed[kv_head], &self.extra[kv_head]] {
+            match codes.as_bytes() {
+                Some(bytes) => scores_max_strided(&lut, bytes, STRIDE, sample),
+                None => {
+                    tile.clear();
+                    codes.sample(STRIDE, tile);
+                    scores_max(&lut, tile, sample);
+                }
+            }
+        }
+        let t = threshold_from_sample(sample, STRIDE, k)?;
+        candidates.clear();
+        self.for_code_runs(built, kv_head, tile, |first, codes| {
+            candidates_max(&lut, codes, first as u32, t, candidates)
+        });
+        (candidates.len() >= k).then(|| top_keys(candidates.iter().map(|&(i, s)| rank_key(s, i)).collect(), k))
+    }
+
     fn selection(&self, built: &Built, first_head: usize, heads: usize, scores: &[f32], k: usize) -> Selection {
+        self.selection_of(built, first_head, heads, scores.len(), top_r_set(scores, k))
+    }
+
+    /// The selection of coded tokens `chosen` (ascending, token `i` = position `sink + i`)
+    /// out of `scored`.
+    fn selection_of(
+        &self,
+        built: &Built,
+        first_head: usize,
+        heads: usize,
+        scored: usize,
+        chosen: Vec<u32>,
+    ) -> Selection {
         let sink = self.sink_len();
-        let chosen = top_r_set(scores, k);
         let mut spans: Vec<RowSpan> = chosen.iter().map(|&i| self.position_span(sink + i as usize)).collect();
         coalesce(&mut spans);
         let codes_bytes = built.packed[0].bytes() + self.extra[0].bytes();
@@ -303,9 +376,9 @@ impl<E: Element> PqIndex<E> {
             heads,
             retrieve: spans,
             retrieve_tokens: chosen.len(),
-            scored: scores.len(),
-            scored_bytes: codes_bytes + built.codebooks[0].len() * 4,
-            dropped_tokens: scores.len() - chosen.len(),
+            scored,
+            scored_bytes: codes_bytes + built.codebooks_t[0].len() * 4,
+            dropped_tokens: scored - chosen.len(),
             ..Selection::default()
         }
     }
@@ -321,7 +394,7 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         let built = self.built();
         let index_bytes = built.map_or(0, |b| {
             b.packed.iter().chain(&self.extra).map(PackedCodes::bytes).sum::<usize>()
-                + b.codebooks.iter().map(|c| c.len() * 4).sum::<usize>()
+                + b.codebooks.iter().chain(&b.codebooks_t).map(|c| c.len() * 4).sum::<usize>()
         });
         let steady_tail = self.tokens - self.coded_end();
         IndexStats {
@@ -355,12 +428,19 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         }
         let g = q.len() / self.head_dim;
         let per_head = budget.mode == SelectionMode::PerQueryHead;
+        // Lut::build only fails on shapes the engine validated before planning.
         PLAN_SCRATCH.with_borrow_mut(|scratch| {
-            // Lut::build only fails on shapes the engine validated before planning.
+            let k = budget.retrieve_tokens;
+            if !per_head {
+                if let Some(chosen) = self.fused_top_k(built, kv_head, q, k, scratch) {
+                    let n = self.coded_end() - self.sink_len();
+                    plan.selections = vec![self.selection_of(built, 0, g, n, chosen)];
+                    return plan;
+                }
+            }
             if self.score(built, kv_head, q, per_head, scratch).is_err() {
                 return self.plan_exact();
             }
-            let k = budget.retrieve_tokens;
             plan.selections = if per_head {
                 scratch.scores.iter().enumerate().map(|(j, s)| self.selection(built, j, 1, s, k)).collect()
             } else {

@@ -83,27 +83,55 @@ pub fn top_r_set(scores: &[f32], r: usize) -> Vec<u32> {
     if r == scores.len() {
         return (0..r as u32).collect();
     }
-    // Larger key = better: score first, then the lower index.
-    let rank = |i: usize| ((ordered_bits(scores[i]) as u64) << 32) | (u32::MAX - i as u32) as u64;
-    let mut keys: Vec<u64> = match sampled_threshold(scores, r) {
+    let all = || (0..scores.len()).map(|i| rank_key(scores[i], i as u32)).collect();
+    let keys: Vec<u64> = match sampled_threshold(scores, r) {
         Some(t) => {
             let mut k = Vec::with_capacity(r * 2);
-            collect_at_least(scores, t, |i| k.push(rank(i)));
+            collect_at_least(scores, t, |i| k.push(rank_key(scores[i], i as u32)));
             if k.len() >= r {
                 k
             } else {
-                (0..scores.len()).map(rank).collect()
+                all()
             }
         }
-        None => (0..scores.len()).map(rank).collect(),
+        None => all(),
     };
+    top_keys(keys, r)
+}
+
+/// The selection key of score `x` at index `i`: a larger key is a better candidate (higher
+/// score, then lower index; NaN lowest), so a top-k is an integer selection.
+pub fn rank_key(x: f32, i: u32) -> u64 {
+    ((ordered_bits(x) as u64) << 32) | (u32::MAX - i) as u64
+}
+
+/// The indices of the `r` largest keys of [`rank_key`], in ascending index order.
+pub fn top_keys(mut keys: Vec<u64>, r: usize) -> Vec<u32> {
+    let r = r.min(keys.len());
     let cut = keys.len() - r;
-    if cut > 0 {
+    if cut > 0 && r > 0 {
         keys.select_nth_unstable(cut);
     }
     let mut idx: Vec<u32> = keys[cut..].iter().map(|k| u32::MAX - *k as u32).collect();
     idx.sort_unstable();
     idx
+}
+
+/// A score that about `1.25 r` of `n` scores reach, estimated from `sample`, the scores of
+/// every `stride`-th of them (+8 sample ranks of slack, so a miss is rare); `None` when
+/// the sample cannot tell (too few, or everything qualifies).
+pub fn threshold_from_sample(sample: &[f32], stride: usize, r: usize) -> Option<f32> {
+    if sample.is_empty() {
+        return None;
+    }
+    let mut bits: Vec<u32> = sample.iter().map(|&x| ordered_bits(x)).collect();
+    let rank = ((r as f64 * 1.25) as usize / stride.max(1) + 8).min(bits.len() - 1);
+    let at = bits.len() - 1 - rank;
+    let (_, t, _) = bits.select_nth_unstable(at);
+    let t = *t;
+    // Back from ordered bits to the score (the lowest possible key means no filtering).
+    let x = f32::from_bits(if t >> 31 == 1 { t & !(1 << 31) } else { !t });
+    (x != f32::NEG_INFINITY).then_some(x)
 }
 
 /// Bits of `x` as a `u32` that orders like the numbers (NaN lowest).
@@ -116,22 +144,15 @@ fn ordered_bits(x: f32) -> u32 {
     }
 }
 
-/// A score that about 1.25 r scores reach, estimated from every 16th score; `None` when the
-/// pre-filter does not pay (short inputs, large `r`).
+/// [`threshold_from_sample`] over every 16th score; `None` when the pre-filter does not pay
+/// (short inputs, large `r`).
 fn sampled_threshold(scores: &[f32], r: usize) -> Option<f32> {
     let n = scores.len();
     if n < 8192 || r > n / 8 {
         return None;
     }
-    let mut sample: Vec<u32> = scores.iter().step_by(SAMPLE_STRIDE).map(|&x| ordered_bits(x)).collect();
-    let rank = ((r as f64 * 1.25) as usize / SAMPLE_STRIDE + 8).min(sample.len() - 1);
-    let at = sample.len() - 1 - rank;
-    let (_, t, _) = sample.select_nth_unstable(at);
-    let t = *t;
-    // Back from ordered bits to the score (the lowest possible key means no filtering).
-    let bits = if t >> 31 == 1 { t & !(1 << 31) } else { !t };
-    let x = f32::from_bits(bits);
-    (x != f32::NEG_INFINITY).then_some(x)
+    let sample: Vec<f32> = scores.iter().step_by(SAMPLE_STRIDE).copied().collect();
+    threshold_from_sample(&sample, SAMPLE_STRIDE, r)
 }
 
 /// Calls `push(i)` for every `i` with `scores[i] >= t`, eight scores per comparison.

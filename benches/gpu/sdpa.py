@@ -1,0 +1,55 @@
+"""PyTorch baselines on the GPU machine, same shapes as gpu_decode: SDPA decode (batch 1,
+32 q heads / 8 kv heads, d=128, f16, all KV in HBM) and the sparse plan written in plain
+PyTorch (gather the plan's rows, then SDPA over them), timed with CUDA events (median of 30).
+Prints JSON lines like gpu_decode."""
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def timed(fn, reps=30):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b) * 1e3)
+    out.sort()
+    return out[len(out) // 2]
+
+
+def main():
+    tokens_list = [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "32768,131072,524288").split(",")]
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+    for tokens in tokens_list:
+        k = torch.randn(1, 8, tokens, 128, device=dev, dtype=torch.float16, generator=g)
+        v = torch.randn(1, 8, tokens, 128, device=dev, dtype=torch.float16, generator=g)
+        q = torch.randn(1, 32, 1, 128, device=dev, dtype=torch.float16, generator=g)
+        sdpa = timed(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        retrieve = int(tokens * 0.018 + 0.999)
+        idx = torch.cat([torch.arange(4, device=dev), torch.arange(tokens - 64, tokens, device=dev),
+                         torch.randint(4, tokens - 100, (retrieve,), device=dev, generator=g)])
+
+        def sparse():
+            ks, vs = k.index_select(2, idx), v.index_select(2, idx)
+            return F.scaled_dot_product_attention(q, ks, vs, enable_gqa=True)
+
+        torch_sparse = timed(sparse)
+        for method, us in [("sdpa", sdpa), ("torch_sparse_hbm", torch_sparse)]:
+            print(json.dumps({"bench": "decode", "device": "cuda", "method": method, "tokens": tokens, "batch": 1,
+                              "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "f16",
+                              "time_us": round(us, 2)}))
+        del k, v
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+//! Frames: a pool of block slots in one arena of host memory, each slot with a latch (an
+//! atomic pin count, or "exclusive" while a writer fills it) and an owner tag (the id of the
+//! block it holds). The Host tier and the Gpu tier's CPU stand-in are both a `FramePool`.
+//!
+//! Readers pin a slot and then check its owner, so a reader holding a stale location either
+//! finds its block or learns it moved; writers only ever *try* the exclusive latch, so a
+//! pinned slot is never overwritten and nobody waits on a latch.
+
+#![allow(unsafe_code)] // raw slot memory behind the latch protocol; every block says why it is sound
+
+use crate::{Error, Result, Tier};
+use memmap2::MmapMut;
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// Latch value of a slot held exclusively by a writer.
+const EXCLUSIVE: u32 = u32::MAX;
+
+/// Owner tag of an empty slot (block ids start at 1).
+pub(crate) const NO_OWNER: u64 = 0;
+
+struct Frame {
+    /// Pin count, or `EXCLUSIVE`.
+    latch: AtomicU32,
+    /// Id of the block held, `NO_OWNER` when empty. Written only under the exclusive latch.
+    owner: AtomicU64,
+}
+
+/// The arena's memory. With the `cuda` feature this is where pinned, device-mapped memory
+/// from cudarc's `cuMemHostAlloc(DEVICEMAP)` plugs in (hook: [`HostMemory::allocate`]).
+enum HostMemory {
+    Anonymous(#[expect(dead_code, reason = "held only to keep the mapping alive")] MmapMut),
+}
+
+impl HostMemory {
+    fn allocate(bytes: usize) -> Result<(Self, *mut u8)> {
+        #[cfg(feature = "cuda")]
+        {
+            // HOOK(cuda): allocate with cudarc `cuMemHostAlloc(bytes, CU_MEMHOSTALLOC_DEVICEMAP)`
+            // when a device is present and keep the pointer in a `HostMemory::Pinned` variant whose
+            // Drop calls `cuMemFreeHost`. Not implemented yet: anonymous memory is used, said once.
+            static ONCE: std::sync::Once = std::sync::Once::new();
+            ONCE.call_once(|| eprintln!("attnstore-buffer: pinned host memory not implemented yet; using mmap"));
+        }
+        // An mmap failure is the kernel refusing memory: a typed error, never an abort.
+        let mut map = MmapMut::map_anon(bytes.max(1)).map_err(|_| Error::OutOfMemory {
+            tier: Tier::Host,
+            requested_bytes: bytes,
+            available_bytes: 0,
+            limit_bytes: bytes,
+        })?;
+        let base = map.as_mut_ptr();
+        Ok((HostMemory::Anonymous(map), base))
+    }
+}
+
+/// A fixed number of block slots in one arena, with latches and a free list.
+pub(crate) struct FramePool {
+    block_bytes: usize,
+    /// Keeps the mapping alive; never touched after `base` was taken from it.
+    _memory: HostMemory,
+    base: *mut u8,
+    frames: Box<[Frame]>,
+    free: Mutex<Vec<u32>>,
+}
+
+// SAFETY: the raw `base` pointer is owned by `_memory` for the pool's life; slot bytes are only
+// reached through `SlotRead`/`SlotWrite`, whose latch protocol rules out a write racing any other
+// access to the same slot. Everything else in the pool is atomics or locks.
+unsafe impl Send for FramePool {}
+// SAFETY: as for `Send`: shared access to slot memory is mediated by the per-slot latches.
+unsafe impl Sync for FramePool {}
+
+/// Why a pin failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum PinFailure {
+    /// A writer holds the slot exclusively right now.
+    Busy,
+    /// The slot holds another block (or none).
+    Moved,
+}
+
+impl FramePool {
+    /// A pool of `slots` slots of `block_bytes` each, all free.
+    pub(crate) fn new(tier: Tier, slots: usize, block_bytes: usize) -> Result<Self> {
+        let slots_u32 = u32::try_from(slots).map_err(|_| Error::BadConfig {
+            what: "slots",
+            expected: "< 2^32",
+            got: slots as u64,
+        })?;
+        let bytes = slots.checked_mul(block_bytes).ok_or(Error::OutOfMemory {
+            tier,
+            requested_bytes: usize::MAX,
+            available_bytes: 0,
+            limit_bytes: 0,
+        })?;
+        let (memory, base) = HostMemory::allocate(bytes)?;
+        let frames = (0..slots).map(|_| Frame { latch: AtomicU32::new(0), owner: AtomicU64::new(NO_OWNER) }).collect();
+        // Lowest slot first out: pop() from the end of a reversed list.
+        let free = Mutex::new((0..slots_u32).rev().collect());
+        Ok(Self { block_bytes, _memory: memory, base, frames, free })
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.frames.len()
+    }
+
+    pub(crate) fn free_slots(&self) -> usize {
+        self.free.lock().len()
+    }
+
+    /// Takes a free slot, or `None` when all are in use.
+    pub(crate) fn alloc_slot(&self) -> Option<u32> {
+        self.free.lock().pop()
+    }
+
+    /// Returns a slot to the free list. The caller has cleared its owner under the latch.
+    pub(crate) fn release_slot(&self, slot: u32) {
+        debug_assert_eq!(self.owner(slot), NO_OWNER, "a released slot is empty");
+        self.free.lock().push(slot);
+    }
+
+    /// The block id held by `slot` now (a hint unless the caller holds a latch).
+    pub(crate) fn owner(&self, slot: u32) -> u64 {
+        // Relaxed: under a latch the latch's acquire orders it; without one it is only a hint.
+        self.frames[slot as usize].owner.load(Ordering::Relaxed)
+    }
+
+    /// Pins held on `slot` now (`u32::MAX`: exclusively latched).
+    #[cfg(test)]
+    pub(crate) fn pins(&self, slot: u32) -> u32 {
+        self.frames[slot as usize].latch.load(Ordering::Relaxed)
+    }
+
+    /// Pins `slot` for reading if it holds block `owner`.
+    pub(crate) fn pin(&self, slot: u32, owner: u64) -> Result<SlotRead<'_>, PinFailure> {
+        let frame = self.frames.get(slot as usize).ok_or(PinFailure::Moved)?;
+        // Acquire on success pairs with the Release of `unlock`, so the owner tag and the bytes
+        // a writer stored under the exclusive latch are visible to this reader.
+        frame
+            .latch
+            .fetch_update(Ordering::Acquire, Ordering::Relaxed, |pins| (pins < EXCLUSIVE - 1).then(|| pins + 1))
+            .map_err(|_| PinFailure::Busy)?;
+        let read = SlotRead { pool: self, slot };
+        if frame.owner.load(Ordering::Relaxed) != owner {
+            return Err(PinFailure::Moved); // `read` drops and unpins
+        }
+        Ok(read)
+    }
+
+    /// Latches `slot` exclusively, or returns the pins that prevent it.
+    pub(crate) fn lock(&self, slot: u32) -> Result<SlotWrite<'_>, u32> {
+        let frame = &self.frames[slot as usize];
+        // Acquire pairs with the readers' Release unpin: their reads happen before our writes.
+        match frame.latch.compare_exchange(0, EXCLUSIVE, Ordering::Acquire, Ordering::Relaxed) {
+            Ok(_) => Ok(SlotWrite { pool: self, slot }),
+            Err(pins) => Err(if pins == EXCLUSIVE { 0 } else { pins }),
+        }
+    }
+
+    fn slot_ptr(&self, slot: u32) -> *mut u8 {
+        // wrapping_add: pointer arithmetic without dereference; in bounds since slot < capacity.
+        self.base.wrapping_add(slot as usize * self.block_bytes)
+    }
+}
+
+/// A pinned slot: shared read access to its bytes until dropped.
+pub(crate) struct SlotRead<'a> {
+    pool: &'a FramePool,
+    slot: u32,
+}
+
+impl SlotRead<'_> {
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: `slot < capacity` (checked when pinned), so the range lies inside the live
+        // mapping; the pin (latch > 0) keeps every writer out, as writers need latch == 0 to
+        // take `EXCLUSIVE`, so no `&mut` to these bytes exists while this `&[u8]` lives.
+        unsafe { std::slice::from_raw_parts(self.pool.slot_ptr(self.slot), self.pool.block_bytes) }
+    }
+}
+
+impl Drop for SlotRead<'_> {
+    fn drop(&mut self) {
+        // Release: our reads of the bytes happen before a later writer's exclusive latch.
+        self.pool.frames[self.slot as usize].latch.fetch_sub(1, Ordering::Release);
+    }
+}
+
+/// An exclusively latched slot: write access to its bytes and owner tag until dropped.
+pub(crate) struct SlotWrite<'a> {
+    pool: &'a FramePool,
+    slot: u32,
+}
+
+impl SlotWrite<'_> {
+    pub(crate) fn owner(&self) -> u64 {
+        self.pool.frames[self.slot as usize].owner.load(Ordering::Relaxed)
+    }
+
+    /// Tags the slot with its new owner (readers see it once the latch is released).
+    pub(crate) fn set_owner(&mut self, owner: u64) {
+        self.pool.frames[self.slot as usize].owner.store(owner, Ordering::Relaxed);
+    }
+
+    pub(crate) fn bytes(&self) -> &[u8] {
+        // SAFETY: in bounds as in `SlotRead::bytes`; the exclusive latch means no reader or other
+        // writer can reach this slot, and `&self` rules out a `&mut` from this guard meanwhile.
+        unsafe { std::slice::from_raw_parts(self.pool.slot_ptr(self.slot), self.pool.block_bytes) }
+    }
+
+    pub(crate) fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: in bounds as above; the exclusive latch makes this guard the only access to the
+        // slot, and `&mut self` makes the returned slice the only reference through the guard.
+        unsafe { std::slice::from_raw_parts_mut(self.pool.slot_ptr(self.slot), self.pool.block_bytes) }
+    }
+}
+
+impl Drop for SlotWrite<'_> {
+    fn drop(&mut self) {
+        // Release: the bytes and owner written under the latch are visible to the next pinner.
+        self.pool.frames[self.slot as usize].latch.store(0, Ordering::Release);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pinned_slot_cannot_be_latched_and_a_latched_slot_cannot_be_pinned() {
+        let pool = FramePool::new(Tier::Host, 4, 64).unwrap();
+        let slot = pool.alloc_slot().unwrap();
+        {
+            let mut w = pool.lock(slot).unwrap();
+            w.bytes_mut().fill(7);
+            w.set_owner(42);
+            assert_eq!(pool.pin(slot, 42).err(), Some(PinFailure::Busy));
+        }
+        let r = pool.pin(slot, 42).unwrap();
+        assert!(r.bytes().iter().all(|&b| b == 7));
+        assert_eq!(pool.lock(slot).err(), Some(1));
+        assert_eq!(pool.pin(slot, 43).err(), Some(PinFailure::Moved));
+        drop(r);
+        assert_eq!(pool.pins(slot), 0);
+        assert!(pool.lock(slot).is_ok());
+        assert_eq!(pool.free_slots(), 3);
+    }
+}

@@ -1,0 +1,77 @@
+//! The asynchronous maintainer: a background thread that drains the access-record queue
+//! ([`BufferManager::maintain`]) — admitting missed blocks into the Gpu tier and evicting by
+//! policy — so plans never wait for cache maintenance. A panic in it poisons the handle
+//! (reported, not silently lost); dropping the handle stops and joins the thread.
+
+use crate::BufferManager;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// Handle of a running maintainer thread.
+pub struct Maintainer {
+    stop: Arc<AtomicBool>,
+    poisoned: Arc<AtomicBool>,
+    processed: Arc<AtomicU64>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Maintainer {
+    /// Starts the thread. It processes up to `batch` records per round and sleeps `idle`
+    /// when the queue is empty.
+    pub fn spawn(buffers: Arc<BufferManager>, batch: usize, idle: Duration) -> std::io::Result<Self> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let poisoned = Arc::new(AtomicBool::new(false));
+        let processed = Arc::new(AtomicU64::new(0));
+        let (s, p, n) = (Arc::clone(&stop), Arc::clone(&poisoned), Arc::clone(&processed));
+        let thread = std::thread::Builder::new().name("attnstore-maintainer".into()).spawn(move || {
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // Relaxed: the flag carries no data; a late stop only costs one more round.
+                while !s.load(Ordering::Relaxed) {
+                    let done = buffers.maintain(batch);
+                    n.fetch_add(done as u64, Ordering::Relaxed);
+                    if done == 0 {
+                        std::thread::sleep(idle);
+                    }
+                }
+            }));
+            if run.is_err() {
+                p.store(true, Ordering::Relaxed);
+            }
+        })?;
+        Ok(Self { stop, poisoned, processed, thread: Some(thread) })
+    }
+
+    /// Whether the thread died of a panic (the buffer manager still serves reads; nothing is
+    /// admitted any more).
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Relaxed)
+    }
+
+    /// Access records processed so far.
+    pub fn processed(&self) -> u64 {
+        self.processed.load(Ordering::Relaxed)
+    }
+
+    /// Stops the thread and waits for it; returns whether it had panicked.
+    pub fn stop(mut self) -> bool {
+        self.shutdown();
+        self.is_poisoned()
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            if thread.join().is_err() {
+                self.poisoned.store(true, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+impl Drop for Maintainer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,1072 @@
+//! The buffer manager: blocks with a home (Host arena slot, or Disk slot when spilled), an
+//! optional copy in the Gpu tier's cache, the cluster mapping table, and the queue of access
+//! records that the maintainer turns into admissions and evictions.
+//!
+//! Two paths. The *plan path* ([`Reader`]) is lock-free: mapping-table lookup, then a pin on
+//! the slot the location names and a check that the slot still holds the block. The *write
+//! path* (allocate, write, free, spill, reload, admit, evict) runs under one state mutex taken
+//! with a bound; it only ever *tries* a slot's exclusive latch, so a pinned block is never
+//! overwritten, moved or evicted: the operation fails with [`Error::Pinned`] or picks another victim.
+
+use crate::arena::{FramePool, PinFailure, SlotRead, SlotWrite, NO_OWNER};
+use crate::disk::{DiskConfig, DiskTier};
+use crate::mapping::{BlockLocation, MappingReader, MappingTable};
+use crate::replacer::{ReplacerKind, SanityReplacer};
+use crate::stats::{BufferStats, TierCounters};
+use crate::{BlockId, BlockKey, BlockLayout, ClusterKey, Error, MemoryBudget, Replacer, Reservation, Result, Tier};
+use crossbeam_queue::ArrayQueue;
+use parking_lot::{Mutex, MutexGuard};
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Settings of a [`BufferManager`].
+#[derive(Debug, Clone)]
+pub struct BufferConfig {
+    /// Block size.
+    pub layout: BlockLayout,
+    /// Slots of the Host arena (the host-memory budget in blocks).
+    pub host_blocks: usize,
+    /// Slots of the Gpu tier's cache (0: no Gpu tier).
+    pub gpu_blocks: usize,
+    /// Replacement policy of the Gpu tier.
+    pub replacer: ReplacerKind,
+    /// The Disk tier (`None`: a full Host tier is an error instead of a spill).
+    pub disk: Option<DiskConfig>,
+    /// Capacity of the access-record queue, in batches (a [`Reader`] logs its records as one
+    /// batch when dropped); batches beyond it are dropped and their records counted.
+    pub access_queue_batches: usize,
+    /// Bound on waiting for the state lock (write path and the readers' slow path).
+    pub lock_timeout: Duration,
+    /// Wrap the replacer in [`SanityReplacer`] (tests, fuzzing).
+    pub check_replacer: bool,
+    /// A host-memory budget the arena's bytes are reserved from (the engine's), so a manager
+    /// that does not fit fails with [`Error::OutOfMemory`] before mapping anything.
+    pub host_budget: Option<Arc<MemoryBudget>>,
+}
+
+impl BufferConfig {
+    /// 2 KiB blocks, `host_blocks` in the Host arena, `gpu_blocks` cached, LRU, no Disk tier,
+    /// a queue of 4096 batches, a 1 s lock bound.
+    pub fn new(host_blocks: usize, gpu_blocks: usize) -> Self {
+        Self {
+            layout: BlockLayout::default(),
+            host_blocks,
+            gpu_blocks,
+            replacer: ReplacerKind::Lru,
+            disk: None,
+            access_queue_batches: 4096,
+            lock_timeout: Duration::from_secs(1),
+            check_replacer: cfg!(debug_assertions),
+            host_budget: None,
+        }
+    }
+}
+
+/// Where a block's bytes live when not cached.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Home {
+    Host(u32),
+    Disk(u32),
+    /// The bytes were lost (corrupt on disk, failed write): never served; a write restores it.
+    Lost(&'static str),
+}
+
+impl Home {
+    fn tier(self) -> Tier {
+        match self {
+            Home::Host(_) => Tier::Host,
+            Home::Disk(_) | Home::Lost(_) => Tier::Disk,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct BlockMeta {
+    #[allow(dead_code)] // kept for inspection and the engine's per-head accounting later
+    key: BlockKey,
+    cluster: Option<(ClusterKey, u32)>,
+    home: Home,
+    gpu_slot: Option<u32>,
+}
+
+impl BlockMeta {
+    fn location(&self, block: BlockId) -> BlockLocation {
+        let (tier, slot) = match self.home {
+            Home::Host(s) => (Tier::Host, s),
+            Home::Disk(s) => (Tier::Disk, s),
+            Home::Lost(_) => (Tier::Disk, u32::MAX),
+        };
+        BlockLocation::new(block, tier, slot).with_gpu_slot(self.gpu_slot)
+    }
+}
+
+struct State {
+    blocks: HashMap<BlockId, BlockMeta>,
+    next_id: u64,
+    replacer: Box<dyn Replacer>,
+}
+
+impl State {
+    fn meta(&self, block: BlockId) -> Result<&BlockMeta> {
+        self.blocks.get(&block).ok_or(Error::UnknownBlock { block })
+    }
+    fn meta_mut(&mut self, block: BlockId) -> Result<&mut BlockMeta> {
+        self.blocks.get_mut(&block).ok_or(Error::UnknownBlock { block })
+    }
+}
+
+/// One access of a plan, for the maintainer.
+#[derive(Debug, Clone, Copy)]
+struct AccessRecord {
+    block: BlockId,
+    /// The Gpu slot that served it (a hit), or `u32::MAX` (a miss: admission candidate).
+    gpu_slot: u32,
+}
+
+const MISS: u32 = u32::MAX;
+const TIERS: [Tier; 3] = Tier::ALL;
+
+fn tier_index(tier: Tier) -> usize {
+    match tier {
+        Tier::Gpu => 0,
+        Tier::Host => 1,
+        Tier::Disk => 2,
+    }
+}
+
+/// The buffer manager (see the module docs).
+///
+/// ```
+/// use attnstore_buffer::{BufferConfig, BufferManager, ClusterKey, Tier};
+///
+/// let buffers = BufferManager::new(BufferConfig::new(64, 8))?;
+/// let key = ClusterKey { context: 1, layer: 0, head: 0, cluster: 3 };
+/// let blocks = buffers.store_cluster(key, &[7u8; 3000])?; // two 2 KiB blocks
+/// let reader = buffers.reader();
+/// let locations = reader.cluster(&key).expect("mapped");
+/// assert_eq!(locations[0].tier(), Tier::Host);
+/// let pinned = reader.pin(&locations[0])?; // never evicted or overwritten while held
+/// assert_eq!(pinned[0], 7);
+/// drop((pinned, reader));
+/// buffers.maintain(usize::MAX); // admits the missed block into the Gpu tier
+/// assert_eq!(buffers.tier_of(blocks[0])?, Tier::Gpu);
+/// # Ok::<(), attnstore_buffer::Error>(())
+/// ```
+pub struct BufferManager {
+    layout: BlockLayout,
+    replacer_name: &'static str,
+    /// Held for the manager's life: the arena's bytes in the engine's host budget.
+    _host_reservation: Option<Reservation>,
+    lock_timeout: Duration,
+    host: FramePool,
+    gpu: FramePool,
+    disk: Option<DiskTier>,
+    mapping: MappingTable,
+    state: Mutex<State>,
+    queue: ArrayQueue<Vec<AccessRecord>>,
+    queued_records: AtomicU64,
+    dropped: AtomicU64,
+    counters: [TierCounters; 3],
+}
+
+impl BufferManager {
+    /// A buffer manager with empty tiers.
+    pub fn new(config: BufferConfig) -> Result<Self> {
+        if config.access_queue_batches == 0 {
+            return Err(Error::BadConfig { what: "access_queue_batches", expected: "at least 1", got: 0 });
+        }
+        let block_bytes = config.layout.block_bytes();
+        let host_reservation = match &config.host_budget {
+            Some(budget) => Some(budget.reserve(config.host_blocks.saturating_mul(block_bytes))?),
+            None => None,
+        };
+        let disk = match config.disk {
+            Some(disk) => {
+                if !block_bytes.is_multiple_of(crate::disk::DIRECT_IO_ALIGN) {
+                    return Err(Error::Unaligned {
+                        what: "block size for O_DIRECT",
+                        expected_multiple: crate::disk::DIRECT_IO_ALIGN,
+                        got: block_bytes,
+                    });
+                }
+                Some(DiskTier::open(disk, block_bytes)?)
+            }
+            None => None,
+        };
+        let mut replacer = config.replacer.build(config.gpu_blocks)?;
+        if config.check_replacer {
+            replacer = Box::new(SanityReplacer::new(replacer));
+        }
+        Ok(Self {
+            layout: config.layout,
+            replacer_name: replacer.name(),
+            _host_reservation: host_reservation,
+            lock_timeout: config.lock_timeout,
+            host: FramePool::new(Tier::Host, config.host_blocks, block_bytes)?,
+            gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes)?,
+            disk,
+            mapping: MappingTable::new(),
+            state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
+            queue: ArrayQueue::new(config.access_queue_batches),
+            queued_records: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            counters: Default::default(),
+        })
+    }
+
+    /// The block layout.
+    pub fn layout(&self) -> BlockLayout {
+        self.layout
+    }
+
+    /// The cluster mapping table.
+    pub fn mapping(&self) -> &MappingTable {
+        &self.mapping
+    }
+
+    /// The Disk tier, when configured (for tools and benches).
+    pub fn disk(&self) -> Option<&DiskTier> {
+        self.disk.as_ref()
+    }
+
+    fn counters(&self, tier: Tier) -> &TierCounters {
+        &self.counters[tier_index(tier)]
+    }
+
+    fn state(&self) -> Result<MutexGuard<'_, State>> {
+        self.state
+            .try_lock_for(self.lock_timeout)
+            .ok_or(Error::Timeout { op: "buffer state lock", limit_ms: self.lock_timeout.as_millis() as u64 })
+    }
+
+    /// Latches a slot whose owner is known to the state lock's holder. A reader that raced
+    /// with a move may hold a pin for a moment (to find the slot moved), so spin briefly.
+    fn lock_slot<'p>(&self, pool: &'p FramePool, slot: u32, block: BlockId, op: &'static str) -> Result<SlotWrite<'p>> {
+        let mut last = 0;
+        for attempt in 0..1000 {
+            match pool.lock(slot) {
+                Ok(w) => return Ok(w),
+                Err(pins) if block.0 != NO_OWNER && pool.owner(slot) == block.0 => {
+                    // A real pin by a reader of this very block: refuse at once.
+                    return Err(Error::Pinned { block, pins, op });
+                }
+                Err(pins) => last = pins,
+            }
+            if attempt > 100 {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        Err(Error::Pinned { block, pins: last, op })
+    }
+
+    /// Queues a batch of access records, or drops and counts them when the queue is full
+    /// (never blocks). One push per plan keeps the plan path off the queue's cache lines.
+    fn log(&self, records: Vec<AccessRecord>) {
+        let n = records.len() as u64;
+        if n == 0 {
+            return;
+        }
+        // Relaxed: statistics.
+        match self.queue.push(records) {
+            Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
+            Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
+        };
+    }
+
+    fn remap(&self, block: BlockId, meta: &BlockMeta) {
+        if let Some((key, index)) = meta.cluster {
+            let location = meta.location(block);
+            self.mapping.update_block(&key, index as usize, block, |_| location);
+        }
+    }
+
+    /// A new block of `key`, zero-filled, homed in the Host arena — or on Disk when the arena is
+    /// full (a spill), or [`Error::TierFull`] without a Disk tier.
+    pub fn allocate(&self, key: BlockKey) -> Result<BlockId> {
+        let mut state = self.state()?;
+        self.allocate_locked(&mut state, key)
+    }
+
+    fn allocate_locked(&self, state: &mut State, key: BlockKey) -> Result<BlockId> {
+        let block = BlockId(state.next_id);
+        let home = self.new_home(block, &[])?;
+        state.next_id += 1;
+        state.blocks.insert(block, BlockMeta { key, cluster: None, home, gpu_slot: None });
+        Ok(block)
+    }
+
+    /// A home for `block` holding `payload` (zero-padded): a Host slot, else a Disk slot.
+    fn new_home(&self, block: BlockId, payload: &[u8]) -> Result<Home> {
+        if let Some(slot) = self.host.alloc_slot() {
+            let mut w = match self.lock_slot(&self.host, slot, BlockId(NO_OWNER), "allocate") {
+                Ok(w) => w,
+                Err(e) => {
+                    self.host.release_slot(slot);
+                    return Err(e);
+                }
+            };
+            let bytes = w.bytes_mut();
+            bytes[..payload.len()].copy_from_slice(payload);
+            bytes[payload.len()..].fill(0);
+            w.set_owner(block.0);
+            return Ok(Home::Host(slot));
+        }
+        let Some(disk) = &self.disk else {
+            return Err(Error::TierFull { tier: Tier::Host, capacity_blocks: self.host.capacity() });
+        };
+        let slot = disk.alloc_slot()?;
+        let started = Instant::now();
+        if let Err(e) = disk.write_blocks(&[(slot, block, payload)]).remove(0) {
+            disk.free_slot(slot);
+            TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+            return Err(e);
+        }
+        self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+        Ok(Home::Disk(slot))
+    }
+
+    /// Overwrites `block` with `bytes` (at most a block; the rest is zero-filled). Drops the
+    /// block's Gpu copy first. Fails with [`Error::Pinned`] while a reader pins it.
+    pub fn write(&self, block: BlockId, bytes: &[u8]) -> Result<()> {
+        let mut state = self.state()?;
+        self.write_locked(&mut state, block, bytes)
+    }
+
+    fn write_locked(&self, state: &mut State, block: BlockId, bytes: &[u8]) -> Result<()> {
+        if bytes.len() > self.layout.block_bytes() {
+            return Err(Error::WrongLength { expected: self.layout.block_bytes(), got: bytes.len() });
+        }
+        let home = state.meta(block)?.home;
+        if let Home::Host(slot) = home {
+            // Check the pin before dropping the Gpu copy, so a refused write changes nothing.
+            let mut w = self.lock_slot(&self.host, slot, block, "overwrite")?;
+            self.uncache_locked(state, block, "overwrite")?;
+            let out = w.bytes_mut();
+            out[..bytes.len()].copy_from_slice(bytes);
+            out[bytes.len()..].fill(0);
+            return Ok(());
+        }
+        self.uncache_locked(state, block, "overwrite")?;
+        match home {
+            Home::Host(_) => unreachable!("handled above"),
+            Home::Disk(slot) => {
+                let disk = self.disk.as_ref().expect("a Disk home implies a Disk tier");
+                let started = Instant::now();
+                if let Err(e) = disk.write_blocks(&[(slot, block, bytes)]).remove(0) {
+                    // The old bytes may be torn: the block is lost until written again.
+                    disk.free_slot(slot);
+                    let meta = state.meta_mut(block)?;
+                    meta.home = Home::Lost("a write to disk failed");
+                    TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+                    self.remap(block, state.meta(block)?);
+                    return Err(e);
+                }
+                self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+                Ok(())
+            }
+            Home::Lost(_) => {
+                let home = self.new_home(block, bytes)?;
+                let meta = state.meta_mut(block)?;
+                meta.home = home;
+                self.remap(block, state.meta(block)?);
+                Ok(())
+            }
+        }
+    }
+
+    /// Drops the Gpu copy of `block`, if any (refused while pinned).
+    fn uncache_locked(&self, state: &mut State, block: BlockId, op: &'static str) -> Result<()> {
+        let Some(slot) = state.meta(block)?.gpu_slot else { return Ok(()) };
+        let mut w = self.lock_slot(&self.gpu, slot, block, op)?;
+        w.set_owner(NO_OWNER);
+        drop(w);
+        state.replacer.remove(slot);
+        self.gpu.release_slot(slot);
+        state.meta_mut(block)?.gpu_slot = None;
+        self.remap(block, state.meta(block)?);
+        Ok(())
+    }
+
+    /// Frees `block` and its slots in every tier; removes it from its cluster's block list.
+    /// [`Error::DoubleFree`] for a block freed before, [`Error::Pinned`] while pinned.
+    pub fn free(&self, block: BlockId) -> Result<()> {
+        let mut state = self.state()?;
+        self.free_locked(&mut state, block)
+    }
+
+    fn free_locked(&self, state: &mut State, block: BlockId) -> Result<()> {
+        let Some(meta) = state.blocks.get(&block) else {
+            return Err(if block.0 > 0 && block.0 < state.next_id {
+                Error::DoubleFree { block }
+            } else {
+                Error::UnknownBlock { block }
+            });
+        };
+        let home = meta.home;
+        // Take every latch first, so a refusal leaves everything as it was.
+        let host_latch = match home {
+            Home::Host(slot) => Some(self.lock_slot(&self.host, slot, block, "free")?),
+            _ => None,
+        };
+        let gpu_latch = match meta.gpu_slot {
+            Some(slot) => Some((slot, self.lock_slot(&self.gpu, slot, block, "free")?)),
+            None => None,
+        };
+        let meta = state.blocks.remove(&block).expect("checked above");
+        if let Some((key, index)) = meta.cluster {
+            self.detach_locked(state, key, index as usize);
+        }
+        if let Some((slot, mut w)) = gpu_latch {
+            w.set_owner(NO_OWNER);
+            drop(w);
+            state.replacer.remove(slot);
+            self.gpu.release_slot(slot);
+        }
+        if let (Some(mut w), Home::Host(slot)) = (host_latch, home) {
+            w.set_owner(NO_OWNER);
+            drop(w);
+            self.host.release_slot(slot);
+        }
+        if let Home::Disk(slot) = home {
+            self.disk.as_ref().expect("a Disk home implies a Disk tier").free_slot(slot);
+        }
+        Ok(())
+    }
+
+    /// Removes block `index` from cluster `key`'s list and renumbers the blocks after it.
+    fn detach_locked(&self, state: &mut State, key: ClusterKey, index: usize) {
+        let Some(mut blocks) = self.mapping.get(&key) else { return };
+        if index >= blocks.len() {
+            return;
+        }
+        blocks.remove(index);
+        for (i, location) in blocks.iter().enumerate().skip(index) {
+            if let Some(meta) = state.blocks.get_mut(&location.block()) {
+                meta.cluster = Some((key, i as u32));
+            }
+        }
+        if blocks.is_empty() {
+            self.mapping.remove(&key);
+        } else {
+            // Rebuild from the block table: the copied locations may be older than the metadata.
+            let fresh = blocks.iter().map(|l| state.blocks[&l.block()].location(l.block())).collect();
+            self.mapping.insert(key, fresh);
+        }
+    }
+
+    /// Maps cluster `key` to `blocks` (in order). A cluster mapped before loses its old list
+    /// (its blocks stay allocated, detached). [`Error::AlreadyAttached`] if a block belongs
+    /// to another cluster.
+    pub fn attach(&self, key: ClusterKey, blocks: &[BlockId]) -> Result<()> {
+        let mut state = self.state()?;
+        self.attach_locked(&mut state, key, blocks)
+    }
+
+    fn attach_locked(&self, state: &mut State, key: ClusterKey, blocks: &[BlockId]) -> Result<()> {
+        for (i, &block) in blocks.iter().enumerate() {
+            match state.meta(block)?.cluster {
+                Some((cluster, _)) if cluster != key => return Err(Error::AlreadyAttached { block, cluster }),
+                _ if blocks[..i].contains(&block) => return Err(Error::AlreadyAttached { block, cluster: key }),
+                _ => {}
+            }
+        }
+        if let Some(old) = self.mapping.get(&key) {
+            for location in old {
+                if let Some(meta) = state.blocks.get_mut(&location.block()) {
+                    meta.cluster = None;
+                }
+            }
+        }
+        let mut locations = Vec::with_capacity(blocks.len());
+        for (i, &block) in blocks.iter().enumerate() {
+            let meta = state.meta_mut(block)?;
+            meta.cluster = Some((key, i as u32));
+            locations.push(meta.location(block));
+        }
+        self.mapping.insert(key, locations);
+        Ok(())
+    }
+
+    /// Stores a cluster's bytes: allocates `blocks_for(bytes.len())` blocks of the cluster's
+    /// head, writes them (the last zero-padded) and maps the cluster to them. All or nothing.
+    pub fn store_cluster(&self, key: ClusterKey, bytes: &[u8]) -> Result<Vec<BlockId>> {
+        let mut state = self.state()?;
+        let mut blocks = Vec::with_capacity(self.layout.blocks_for(bytes.len()));
+        let result = (|| {
+            for chunk in bytes.chunks(self.layout.block_bytes()) {
+                let block = self.allocate_locked(&mut state, key.block_key())?;
+                blocks.push(block);
+                self.write_locked(&mut state, block, chunk)?;
+            }
+            self.attach_locked(&mut state, key, &blocks)
+        })();
+        if let Err(e) = result {
+            for &block in &blocks {
+                // Fresh, unpinned blocks: freeing cannot fail but for a broken invariant.
+                self.free_locked(&mut state, block).expect("freeing a block of a failed store");
+            }
+            return Err(e);
+        }
+        Ok(blocks)
+    }
+
+    /// Frees every block of cluster `key` and unmaps it; returns the blocks freed. Stops at the
+    /// first block that cannot be freed (pinned): the rest stay mapped.
+    pub fn free_cluster(&self, key: ClusterKey) -> Result<usize> {
+        let mut state = self.state()?;
+        let blocks = self.mapping.get(&key).unwrap_or_default();
+        for location in &blocks {
+            self.free_locked(&mut state, location.block())?;
+        }
+        Ok(blocks.len())
+    }
+
+    /// The fastest tier holding `block` now.
+    pub fn tier_of(&self, block: BlockId) -> Result<Tier> {
+        let state = self.state()?;
+        Ok(state.meta(block)?.location(block).tier())
+    }
+
+    /// Whether `block`'s bytes are lost (a corrupt read-back or a failed write).
+    pub fn is_lost(&self, block: BlockId) -> Result<bool> {
+        Ok(matches!(self.state()?.meta(block)?.home, Home::Lost(_)))
+    }
+
+    /// Segment file and offset of `block` when its home is on Disk (corruption tests, tools).
+    pub fn disk_location(&self, block: BlockId) -> Result<Option<(PathBuf, u64)>> {
+        let state = self.state()?;
+        Ok(match state.meta(block)?.home {
+            Home::Disk(slot) => self.disk.as_ref().map(|d| d.slot_location(slot)),
+            _ => None,
+        })
+    }
+
+    /// Moves `block`'s home from the Host arena to Disk (its Gpu copy, if any, stays).
+    pub fn spill(&self, block: BlockId) -> Result<()> {
+        let mut state = self.state()?;
+        let home = state.meta(block)?.home;
+        let Home::Host(slot) = home else {
+            return Err(Error::WrongTier { block, expected: Tier::Host, got: home.tier() });
+        };
+        let Some(disk) = &self.disk else {
+            return Err(Error::TierFull { tier: Tier::Disk, capacity_blocks: 0 });
+        };
+        let mut w = self.lock_slot(&self.host, slot, block, "spill")?;
+        let disk_slot = disk.alloc_slot()?;
+        let started = Instant::now();
+        if let Err(e) = disk.write_blocks(&[(disk_slot, block, w.bytes())]).remove(0) {
+            disk.free_slot(disk_slot);
+            TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+            return Err(e); // the block stays on Host, intact
+        }
+        self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+        w.set_owner(NO_OWNER);
+        drop(w);
+        let meta = state.meta_mut(block)?;
+        meta.home = Home::Disk(disk_slot);
+        self.remap(block, state.meta(block)?);
+        self.host.release_slot(slot);
+        TierCounters::add(&self.counters(Tier::Host).evictions, 1);
+        Ok(())
+    }
+
+    /// Reads a block back from Disk, checks its crc32c, and homes it in the Host arena.
+    /// A mismatch is [`Error::Corrupt`] and the block is lost (never served) from then on.
+    pub fn reload(&self, block: BlockId) -> Result<()> {
+        let mut state = self.state()?;
+        let home = state.meta(block)?.home;
+        let disk_slot = match home {
+            Home::Disk(slot) => slot,
+            Home::Lost(reason) => return Err(Error::Missing { block, reason }),
+            Home::Host(_) => return Err(Error::WrongTier { block, expected: Tier::Disk, got: Tier::Host }),
+        };
+        let disk = self.disk.as_ref().expect("a Disk home implies a Disk tier");
+        let slot = self
+            .host
+            .alloc_slot()
+            .ok_or(Error::TierFull { tier: Tier::Host, capacity_blocks: self.host.capacity() })?;
+        let started = Instant::now();
+        let mut w = match self.lock_slot(&self.host, slot, BlockId(NO_OWNER), "reload") {
+            Ok(w) => w,
+            Err(e) => {
+                self.host.release_slot(slot);
+                return Err(e);
+            }
+        };
+        let result = disk.read_blocks(&[(disk_slot, block)], |_, bytes| w.bytes_mut().copy_from_slice(bytes)).remove(0);
+        if let Err(e) = result {
+            drop(w);
+            self.host.release_slot(slot);
+            self.disk_failure(&mut state, block, disk_slot, &e);
+            return Err(e);
+        }
+        w.set_owner(block.0);
+        drop(w);
+        self.counters(Tier::Host).moved(self.layout.block_bytes(), started);
+        disk.free_slot(disk_slot);
+        let meta = state.meta_mut(block)?;
+        meta.home = Home::Host(slot);
+        self.remap(block, state.meta(block)?);
+        Ok(())
+    }
+
+    /// Counts a failed disk read; a corrupt or missing block is lost from then on.
+    fn disk_failure(&self, state: &mut State, block: BlockId, disk_slot: u32, error: &Error) {
+        TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+        if matches!(error, Error::Corrupt { .. } | Error::Missing { .. }) {
+            if let Some(meta) = state.blocks.get_mut(&block) {
+                meta.home = Home::Lost(if matches!(error, Error::Corrupt { .. }) {
+                    "corrupt on disk"
+                } else {
+                    "no intact copy on disk"
+                });
+                self.disk.as_ref().expect("a Disk home implies a Disk tier").free_slot(disk_slot);
+                self.remap(block, &state.blocks[&block]);
+            }
+        }
+    }
+
+    /// Copies `block` into the Gpu tier (evicting a victim chosen by the replacer if full);
+    /// returns its Gpu slot. [`Error::TierFull`] when every Gpu slot is pinned.
+    pub fn admit(&self, block: BlockId) -> Result<u32> {
+        let mut state = self.state()?;
+        self.admit_locked(&mut state, block)
+    }
+
+    fn admit_locked(&self, state: &mut State, block: BlockId) -> Result<u32> {
+        let meta = state.meta(block)?;
+        if let Some(slot) = meta.gpu_slot {
+            state.replacer.access(slot);
+            return Ok(slot);
+        }
+        let home = meta.home;
+        if let Home::Lost(reason) = home {
+            return Err(Error::Missing { block, reason });
+        }
+        let started = Instant::now();
+        let (slot, mut w) = match self.gpu.alloc_slot() {
+            Some(slot) => match self.lock_slot(&self.gpu, slot, BlockId(NO_OWNER), "admit") {
+                Ok(w) => (slot, w),
+                Err(e) => {
+                    self.gpu.release_slot(slot);
+                    return Err(e);
+                }
+            },
+            None => {
+                let mut taken = None;
+                let gpu = &self.gpu;
+                let victim = state.replacer.evict(&mut |slot| match gpu.lock(slot) {
+                    Ok(w) => {
+                        taken = Some(w);
+                        true
+                    }
+                    Err(_) => false, // pinned by a reader: never evicted
+                });
+                let (Some(slot), Some(w)) = (victim, taken) else {
+                    TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                    return Err(Error::TierFull { tier: Tier::Gpu, capacity_blocks: self.gpu.capacity() });
+                };
+                let old = BlockId(w.owner());
+                if let Some(old_meta) = state.blocks.get_mut(&old) {
+                    old_meta.gpu_slot = None;
+                    self.remap(old, &state.blocks[&old]);
+                }
+                TierCounters::add(&self.counters(Tier::Gpu).evictions, 1);
+                (slot, w)
+            }
+        };
+        let copied = match home {
+            Home::Host(host_slot) => match self.host.pin(host_slot, block.0) {
+                Ok(read) => {
+                    w.bytes_mut().copy_from_slice(read.bytes());
+                    Ok(())
+                }
+                // Only state-lock holders latch Host slots: a failure is a broken invariant.
+                Err(failure) => panic!("admit: host slot {host_slot} of {block} unreadable ({failure:?})"),
+            },
+            Home::Disk(disk_slot) => {
+                let disk = self.disk.as_ref().expect("a Disk home implies a Disk tier");
+                let result = disk.read_blocks(&[(disk_slot, block)], |_, bytes| w.bytes_mut().copy_from_slice(bytes));
+                result.into_iter().next().expect("one result").inspect_err(|e| {
+                    self.disk_failure(state, block, disk_slot, e);
+                })
+            }
+            Home::Lost(_) => unreachable!("checked above"),
+        };
+        if let Err(e) = copied {
+            w.set_owner(NO_OWNER);
+            drop(w);
+            self.gpu.release_slot(slot);
+            return Err(e);
+        }
+        w.set_owner(block.0);
+        drop(w);
+        state.replacer.insert(slot);
+        let meta = state.meta_mut(block)?;
+        meta.gpu_slot = Some(slot);
+        self.remap(block, state.meta(block)?);
+        self.counters(Tier::Gpu).moved(self.layout.block_bytes(), started);
+        Ok(slot)
+    }
+
+    /// Drops `block`'s Gpu copy. [`Error::WrongTier`] if not cached, [`Error::Pinned`] if pinned.
+    pub fn evict(&self, block: BlockId) -> Result<()> {
+        let mut state = self.state()?;
+        let meta = state.meta(block)?;
+        if meta.gpu_slot.is_none() {
+            return Err(Error::WrongTier { block, expected: Tier::Gpu, got: meta.home.tier() });
+        }
+        self.uncache_locked(&mut state, block, "evict")?;
+        TierCounters::add(&self.counters(Tier::Gpu).evictions, 1);
+        Ok(())
+    }
+
+    /// Reads `blocks` by id like [`BufferManager::read`], with the Disk reads among them batched
+    /// into one submission.
+    fn read_many(&self, blocks: &[BlockId]) -> Vec<Result<PinGuard<'_>>> {
+        let mut state = match self.state() {
+            Ok(state) => state,
+            Err(e) => return blocks.iter().map(|_| Err(e.clone())).collect(),
+        };
+        let mut disk_items = Vec::new();
+        let mut disk_positions = Vec::new();
+        for (i, &block) in blocks.iter().enumerate() {
+            if let Ok(BlockMeta { home: Home::Disk(slot), gpu_slot: None, .. }) = state.meta(block) {
+                disk_items.push((*slot, block));
+                disk_positions.push(i);
+            }
+        }
+        let mut staged: Vec<Option<Box<[u8]>>> = vec![None; blocks.len()];
+        let mut disk_results = Vec::new();
+        if let Some(disk) = &self.disk {
+            let block_bytes = self.layout.block_bytes();
+            disk_results = disk.read_blocks(&disk_items, |k, bytes| {
+                let mut copy = vec![0u8; block_bytes].into_boxed_slice();
+                copy.copy_from_slice(bytes);
+                staged[disk_positions[k]] = Some(copy);
+            });
+        }
+        let mut disk_failed = vec![None; blocks.len()];
+        for ((&(slot, block), result), &i) in disk_items.iter().zip(disk_results).zip(&disk_positions) {
+            if let Err(e) = result {
+                self.disk_failure(&mut state, block, slot, &e);
+                disk_failed[i] = Some(e);
+            }
+        }
+        let mut records = Vec::new();
+        let results = blocks
+            .iter()
+            .enumerate()
+            .map(|(i, &block)| {
+                if let Some(e) = disk_failed[i].take() {
+                    return Err(e);
+                }
+                match staged[i].take() {
+                    Some(bytes) => {
+                        if self.gpu.capacity() > 0 {
+                            TierCounters::add(&self.counters(Tier::Gpu).misses, 1);
+                        }
+                        TierCounters::add(&self.counters(Tier::Host).misses, 1);
+                        TierCounters::add(&self.counters(Tier::Disk).hits, 1);
+                        records.push(AccessRecord { block, gpu_slot: MISS });
+                        Ok(PinGuard { block, tier: Tier::Disk, bytes: PinBytes::Staged(bytes) })
+                    }
+                    // Not on Disk after all (moved since the lookup): the one-block path.
+                    None => Err(Error::WrongTier { block, expected: Tier::Disk, got: Tier::Host }),
+                }
+            })
+            .collect::<Vec<_>>();
+        drop(state);
+        self.log(records);
+        // Blocks that were not on Disk any more are read one by one.
+        results
+            .into_iter()
+            .zip(blocks)
+            .map(|(result, &block)| match result {
+                Err(Error::WrongTier { expected: Tier::Disk, .. }) => self.read(block),
+                other => other,
+            })
+            .collect()
+    }
+
+    /// Reads `block` by id (the slow path of [`Reader::pin`]: takes the state lock, bounded).
+    pub fn read(&self, block: BlockId) -> Result<PinGuard<'_>> {
+        let mut state = self.state()?;
+        let meta = state.meta(block)?;
+        let (gpu_slot, home) = (meta.gpu_slot, meta.home);
+        if let Some(slot) = gpu_slot {
+            if let Ok(read) = self.gpu.pin(slot, block.0) {
+                TierCounters::add(&self.counters(Tier::Gpu).hits, 1);
+                self.log(vec![AccessRecord { block, gpu_slot: slot }]);
+                return Ok(PinGuard { block, tier: Tier::Gpu, bytes: PinBytes::Frame(read) });
+            }
+        }
+        if self.gpu.capacity() > 0 {
+            TierCounters::add(&self.counters(Tier::Gpu).misses, 1);
+        }
+        let guard = match home {
+            Home::Host(slot) => {
+                let read = self.host.pin(slot, block.0).unwrap_or_else(|failure| {
+                    panic!("read: host slot {slot} of {block} unreadable under the state lock ({failure:?})")
+                });
+                TierCounters::add(&self.counters(Tier::Host).hits, 1);
+                PinGuard { block, tier: Tier::Host, bytes: PinBytes::Frame(read) }
+            }
+            Home::Disk(disk_slot) => {
+                let disk = self.disk.as_ref().expect("a Disk home implies a Disk tier");
+                let mut out = vec![0u8; self.layout.block_bytes()].into_boxed_slice();
+                let result = disk.read_blocks(&[(disk_slot, block)], |_, bytes| out.copy_from_slice(bytes)).remove(0);
+                if let Err(e) = result {
+                    self.disk_failure(&mut state, block, disk_slot, &e);
+                    return Err(e);
+                }
+                TierCounters::add(&self.counters(Tier::Host).misses, 1);
+                TierCounters::add(&self.counters(Tier::Disk).hits, 1);
+                PinGuard { block, tier: Tier::Disk, bytes: PinBytes::Staged(out) }
+            }
+            Home::Lost(reason) => return Err(Error::Missing { block, reason }),
+        };
+        self.log(vec![AccessRecord { block, gpu_slot: MISS }]);
+        Ok(guard)
+    }
+
+    /// A reader for one plan: lock-free cluster lookups and pins.
+    pub fn reader(&self) -> Reader<'_> {
+        Reader {
+            buffers: self,
+            mapping: self.mapping.reader(),
+            records: RefCell::new(Vec::new()),
+            counts: Cell::new([0; 3]),
+        }
+    }
+
+    /// Processes queued access records (whole batches, until at least `max_records` or the
+    /// queue is empty): hits update the replacer, misses are admitted into the Gpu tier
+    /// (evicting by policy). Returns the records processed.
+    /// The [`Maintainer`](crate::Maintainer) thread calls this; tests may call it directly.
+    pub fn maintain(&self, max_records: usize) -> usize {
+        let mut records = Vec::new();
+        while records.len() < max_records.min(1 << 16) {
+            match self.queue.pop() {
+                Some(batch) => {
+                    self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
+                    records.extend(batch);
+                }
+                None => break,
+            }
+        }
+        if records.is_empty() || self.gpu.capacity() == 0 {
+            return records.len();
+        }
+        let Ok(mut state) = self.state() else {
+            TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+            return records.len();
+        };
+        for record in &records {
+            if record.gpu_slot != MISS {
+                let cached = state.blocks.get(&record.block).and_then(|m| m.gpu_slot);
+                if cached == Some(record.gpu_slot) {
+                    state.replacer.access(record.gpu_slot);
+                }
+            } else {
+                match self.admit_locked(&mut state, record.block) {
+                    // Freed or lost since the access: nothing to admit.
+                    Ok(_) | Err(Error::UnknownBlock { .. } | Error::Missing { .. }) => {}
+                    Err(_) => {} // counted where it failed (full of pinned slots, disk errors)
+                }
+            }
+        }
+        drop(state);
+        self.mapping.collect_garbage();
+        records.len()
+    }
+
+    /// A snapshot of the counters of every tier.
+    pub fn stats(&self) -> BufferStats {
+        let mut tiers = Vec::new();
+        for tier in TIERS {
+            let (capacity, used) = match tier {
+                Tier::Gpu => (self.gpu.capacity(), self.gpu.capacity() - self.gpu.free_slots()),
+                Tier::Host => (self.host.capacity(), self.host.capacity() - self.host.free_slots()),
+                Tier::Disk => match &self.disk {
+                    Some(d) => (d.capacity_blocks(), d.used_blocks()),
+                    None => continue,
+                },
+            };
+            tiers.push(self.counters(tier).snapshot(tier, capacity, used));
+        }
+        BufferStats {
+            block_bytes: self.layout.block_bytes(),
+            tiers,
+            dropped_access_records: self.dropped.load(Ordering::Relaxed),
+            queued_access_records: self.queued_records.load(Ordering::Relaxed) as usize,
+            replacer: self.replacer_name,
+            disk_backend: self.disk.as_ref().map(DiskTier::backend_name),
+        }
+    }
+}
+
+/// Lock-free reads for one plan: cluster lookups (one epoch pin for the whole batch) and pins.
+/// Every pin logs an access record; the reader hands them to the maintainer's queue as one
+/// batch when dropped (or at [`Reader::flush`]), never blocking. Keep a reader for one plan.
+pub struct Reader<'a> {
+    buffers: &'a BufferManager,
+    mapping: MappingReader<'a>,
+    records: RefCell<Vec<AccessRecord>>,
+    /// Gpu hits, Gpu misses, Host hits of this reader, added to the shared counters on flush.
+    counts: Cell<[u64; 3]>,
+}
+
+impl Drop for Reader<'_> {
+    fn drop(&mut self) {
+        self.flush();
+    }
+}
+
+impl<'a> Reader<'a> {
+    /// Hands the access records logged so far to the maintainer's queue and adds this reader's
+    /// hit counts to the shared statistics.
+    pub fn flush(&self) {
+        let records = std::mem::take(&mut *self.records.borrow_mut());
+        self.buffers.log(records);
+        let [gpu_hits, gpu_misses, host_hits] = self.counts.take();
+        let (gpu, host) = (self.buffers.counters(Tier::Gpu), self.buffers.counters(Tier::Host));
+        for (counter, n) in [(&gpu.hits, gpu_hits), (&gpu.misses, gpu_misses), (&host.hits, host_hits)] {
+            if n > 0 {
+                TierCounters::add(counter, n);
+            }
+        }
+    }
+
+    fn note(&self, block: BlockId, gpu_slot: u32, tier: Tier) {
+        self.records.borrow_mut().push(AccessRecord { block, gpu_slot });
+        let mut counts = self.counts.get();
+        match tier {
+            Tier::Gpu => counts[0] += 1,
+            _ => {
+                counts[1] += u64::from(self.buffers.gpu.capacity() > 0);
+                counts[2] += 1;
+            }
+        }
+        self.counts.set(counts);
+    }
+
+    /// The blocks of cluster `key` with their locations as of now, or `None` if unmapped.
+    #[inline]
+    pub fn cluster(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
+        self.mapping.get(key)
+    }
+
+    /// The blocks of each cluster of `keys` (a plan's retrieval set), appended to `out` in
+    /// order; faster than [`Reader::cluster`] per key because the lookups' cache misses overlap.
+    pub fn clusters<'r>(&'r self, keys: &[ClusterKey], out: &mut Vec<Option<&'r [BlockLocation]>>) {
+        self.mapping.get_many(keys, out);
+    }
+
+    /// Pins every block of `locations` (a plan's retrieval set): Gpu and Host blocks as
+    /// [`Reader::pin`] does, and all the blocks that must come from Disk in one batched read
+    /// (one state-lock acquisition, one submission), instead of one I/O per block.
+    pub fn pin_all(&self, locations: &[BlockLocation]) -> Vec<Result<PinGuard<'a>>> {
+        let mut out: Vec<Option<Result<PinGuard<'a>>>> = Vec::with_capacity(locations.len());
+        let mut from_disk = Vec::new();
+        for (i, location) in locations.iter().enumerate() {
+            if location.gpu_slot().is_none() && location.home().0 == Tier::Disk {
+                from_disk.push(i);
+                out.push(None);
+            } else {
+                out.push(Some(self.pin(location)));
+            }
+        }
+        if !from_disk.is_empty() {
+            let blocks: Vec<BlockId> = from_disk.iter().map(|&i| locations[i].block()).collect();
+            let staged = self.buffers.read_many(&blocks);
+            for (i, result) in from_disk.into_iter().zip(staged) {
+                out[i] = Some(result);
+            }
+        }
+        out.into_iter().map(|r| r.expect("every location was pinned")).collect()
+    }
+
+    /// Pins the block at `location` (from [`Reader::cluster`]). Serves it from the Gpu tier if
+    /// the cached copy is still there, else from its Host slot, else through the slow path
+    /// (Disk read, or a block that moved since the lookup). The guard says which tier served it.
+    pub fn pin(&self, location: &BlockLocation) -> Result<PinGuard<'a>> {
+        let buffers = self.buffers;
+        let block = location.block();
+        if let Some(slot) = location.gpu_slot() {
+            if let Ok(read) = buffers.gpu.pin(slot, block.0) {
+                self.note(block, slot, Tier::Gpu);
+                return Ok(PinGuard { block, tier: Tier::Gpu, bytes: PinBytes::Frame(read) });
+            }
+        }
+        if let (Tier::Host, slot) = location.home() {
+            for attempt in 0..64 {
+                match buffers.host.pin(slot, block.0) {
+                    Ok(read) => {
+                        self.note(block, MISS, Tier::Host);
+                        return Ok(PinGuard { block, tier: Tier::Host, bytes: PinBytes::Frame(read) });
+                    }
+                    Err(PinFailure::Busy) if attempt < 32 => std::hint::spin_loop(),
+                    Err(PinFailure::Busy) => std::thread::yield_now(),
+                    Err(PinFailure::Moved) => break,
+                }
+            }
+        }
+        buffers.read(block)
+    }
+}
+
+enum PinBytes<'a> {
+    Frame(SlotRead<'a>),
+    Staged(Box<[u8]>),
+}
+
+/// A pinned block: its bytes cannot be evicted, overwritten or moved while the guard lives.
+/// Dereferences to the block's payload. (A block read from Disk is a private staged copy.)
+pub struct PinGuard<'a> {
+    block: BlockId,
+    tier: Tier,
+    bytes: PinBytes<'a>,
+}
+
+impl PinGuard<'_> {
+    /// The block.
+    pub fn block(&self) -> BlockId {
+        self.block
+    }
+
+    /// The tier that served the read (what a plan records as the block's source tier).
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// The Gpu or Host slot pinned (`None` for a staged Disk read).
+    pub fn slot(&self) -> Option<u32> {
+        match &self.bytes {
+            PinBytes::Frame(read) => Some(read.slot()),
+            PinBytes::Staged(_) => None,
+        }
+    }
+}
+
+impl std::ops::Deref for PinGuard<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match &self.bytes {
+            PinBytes::Frame(read) => read.bytes(),
+            PinBytes::Staged(bytes) => bytes,
+        }
+    }
+}
+
+impl std::fmt::Debug for PinGuard<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinGuard").field("block", &self.block).field("tier", &self.tier).finish()
+    }
+}

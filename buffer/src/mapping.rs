@@ -1,0 +1,449 @@
+//! The cluster mapping table: (context, layer, head, cluster) → the cluster's blocks, each
+//! with where it can be read now (Gpu slot if cached, and its home: Host slot or Disk slot).
+//!
+//! Reads are lock-free: a reader pins a `crossbeam-epoch` guard, loads a bucket pointer and
+//! scans an immutable bucket. Writers (under one `parking_lot` mutex) never modify a published
+//! bucket: they build a new one, swap the pointer and defer freeing the old one until every
+//! reader that could see it has unpinned — so a reader never sees a half-written entry.
+
+#![allow(unsafe_code)] // epoch-protected pointers; each dereference says why it is sound
+
+use crate::{BlockId, ClusterKey, Tier};
+use crossbeam_epoch::{self as epoch, Atomic, Guard, Owned, Shared};
+use parking_lot::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+const NO_SLOT: u32 = u32::MAX;
+
+/// Where one block of a cluster can be read, as of the lookup that returned it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockLocation {
+    block: BlockId,
+    gpu_slot: u32,
+    home_tier: Tier,
+    home_slot: u32,
+}
+
+impl BlockLocation {
+    pub(crate) fn new(block: BlockId, home_tier: Tier, home_slot: u32) -> Self {
+        Self { block, gpu_slot: NO_SLOT, home_tier, home_slot }
+    }
+
+    /// The block.
+    pub fn block(&self) -> BlockId {
+        self.block
+    }
+
+    /// The fastest tier holding the block: `Gpu` when cached, else its home (`Host` or `Disk`).
+    /// This is the source tier a plan records at lookup time.
+    pub fn tier(&self) -> Tier {
+        if self.gpu_slot != NO_SLOT {
+            Tier::Gpu
+        } else {
+            self.home_tier
+        }
+    }
+
+    /// The Gpu slot, when cached.
+    pub fn gpu_slot(&self) -> Option<u32> {
+        (self.gpu_slot != NO_SLOT).then_some(self.gpu_slot)
+    }
+
+    /// The home tier (`Host` or `Disk`) and slot.
+    pub fn home(&self) -> (Tier, u32) {
+        (self.home_tier, self.home_slot)
+    }
+
+    pub(crate) fn with_gpu_slot(mut self, slot: Option<u32>) -> Self {
+        self.gpu_slot = slot.unwrap_or(NO_SLOT);
+        self
+    }
+}
+
+/// Block lists up to this long live inside the entry: one cache miss fewer per lookup.
+const INLINE_BLOCKS: usize = 4;
+
+#[derive(Clone)]
+struct Entry {
+    key: ClusterKey,
+    len: u32,
+    inline: [BlockLocation; INLINE_BLOCKS],
+    heap: Box<[BlockLocation]>,
+}
+
+impl Entry {
+    fn new(key: ClusterKey, blocks: Box<[BlockLocation]>) -> Self {
+        let mut inline = [BlockLocation::new(BlockId(0), Tier::Host, 0); INLINE_BLOCKS];
+        let len = blocks.len() as u32;
+        if blocks.len() <= INLINE_BLOCKS {
+            inline[..blocks.len()].copy_from_slice(&blocks);
+            Self { key, len, inline, heap: Box::new([]) }
+        } else {
+            Self { key, len, inline, heap: blocks }
+        }
+    }
+
+    #[inline]
+    fn blocks(&self) -> &[BlockLocation] {
+        if self.len as usize <= INLINE_BLOCKS {
+            &self.inline[..self.len as usize]
+        } else {
+            &self.heap
+        }
+    }
+}
+
+/// An immutable bucket once published. The first entry is stored in the bucket itself (with
+/// a load factor of at most 1 most buckets hold one entry): bucket pointer, then the entry.
+struct Bucket {
+    first: Entry,
+    rest: Vec<Entry>,
+}
+
+impl Bucket {
+    fn from_entries(mut entries: Vec<Entry>) -> Option<Self> {
+        if entries.is_empty() {
+            return None;
+        }
+        let first = entries.swap_remove(0);
+        Some(Self { first, rest: entries })
+    }
+
+    #[inline]
+    fn find(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
+        if self.first.key == *key {
+            return Some(self.first.blocks());
+        }
+        self.rest.iter().find(|e| e.key == *key).map(Entry::blocks)
+    }
+
+    fn entries(&self) -> impl Iterator<Item = &Entry> {
+        std::iter::once(&self.first).chain(&self.rest)
+    }
+}
+
+struct Table {
+    buckets: Box<[Atomic<Bucket>]>,
+    mask: usize,
+}
+
+impl Table {
+    fn with_buckets(n: usize) -> Self {
+        debug_assert!(n.is_power_of_two());
+        Self { buckets: (0..n).map(|_| Atomic::null()).collect(), mask: n - 1 }
+    }
+
+    fn bucket_of(&self, key: &ClusterKey) -> &Atomic<Bucket> {
+        &self.buckets[hash(key) as usize & self.mask]
+    }
+}
+
+impl Drop for Table {
+    fn drop(&mut self) {
+        for bucket in self.buckets.iter() {
+            // SAFETY: a table is dropped either by `MappingTable::drop` (`&mut self`: no reader) or
+            // by an epoch's deferred destruction after every reader that could see it unpinned;
+            // its buckets were never shared with another table (a resize deep-copies them).
+            unsafe {
+                let shared = bucket.load(Ordering::Relaxed, epoch::unprotected());
+                if !shared.is_null() {
+                    drop(shared.into_owned());
+                }
+            }
+        }
+    }
+}
+
+fn hash(key: &ClusterKey) -> u64 {
+    // Cheap multiplicative mixing: keys are dense small integers, so a strong hash buys nothing.
+    let a = key.context.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    let b = (u64::from(key.layer) << 32 | u64::from(key.head)).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    let c = u64::from(key.cluster).wrapping_mul(0x1656_67B1_9E37_79F9);
+    let x = a ^ b.rotate_left(23) ^ c.rotate_left(41);
+    x ^ (x >> 29)
+}
+
+/// The cluster mapping table (see the module docs).
+pub struct MappingTable {
+    table: Atomic<Table>,
+    writer: Mutex<()>,
+    len: AtomicUsize,
+}
+
+impl Default for MappingTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MappingTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self { table: Atomic::new(Table::with_buckets(64)), writer: Mutex::new(()), len: AtomicUsize::new(0) }
+    }
+
+    /// Number of clusters mapped.
+    pub fn len(&self) -> usize {
+        // Relaxed: a statistic.
+        self.len.load(Ordering::Relaxed)
+    }
+
+    /// Whether no cluster is mapped.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Frees retired buckets whose readers are gone, on the calling thread (the maintainer's),
+    /// so the plan threads' epoch pins find little garbage to collect.
+    pub(crate) fn collect_garbage(&self) {
+        epoch::pin().flush();
+    }
+
+    /// A reader for a batch of lookups (one epoch pin for all of them).
+    pub fn reader(&self) -> MappingReader<'_> {
+        MappingReader { table: self, guard: epoch::pin() }
+    }
+
+    /// The blocks of `key` as of now, copied out (for callers that do not batch).
+    pub fn get(&self, key: &ClusterKey) -> Option<Vec<BlockLocation>> {
+        self.reader().get(key).map(<[_]>::to_vec)
+    }
+
+    fn lookup<'g>(&self, key: &ClusterKey, guard: &'g Guard) -> Option<&'g [BlockLocation]> {
+        // Acquire pairs with the writers' Release stores: the table and bucket contents are
+        // fully written before their pointers are published.
+        let table = self.table.load(Ordering::Acquire, guard);
+        // SAFETY: the table pointer is never null (set in `new`, replaced only by a non-null one)
+        // and a replaced table is destroyed only after `guard` (pinned now) is released.
+        let table = unsafe { table.deref() };
+        let bucket = table.bucket_of(key).load(Ordering::Acquire, guard);
+        // SAFETY: a non-null bucket stays allocated while `guard` is pinned: writers retire
+        // buckets with `defer_destroy`, and tables destroy theirs only after the epoch passes.
+        let bucket = unsafe { bucket.as_ref() }?;
+        bucket.find(key)
+    }
+
+    fn lookup_many<'g>(&self, keys: &[ClusterKey], guard: &'g Guard, out: &mut Vec<Option<&'g [BlockLocation]>>) {
+        const CHUNK: usize = 16;
+        let table = self.table.load(Ordering::Acquire, guard);
+        // SAFETY: as in `lookup`.
+        let table = unsafe { table.deref() };
+        for chunk in keys.chunks(CHUNK) {
+            // Two phases, so the cache misses of different keys overlap instead of queueing
+            // behind each other: first every bucket pointer, then every bucket.
+            let mut buckets = [Shared::<Bucket>::null(); CHUNK];
+            for (bucket, key) in buckets.iter_mut().zip(chunk) {
+                *bucket = table.bucket_of(key).load(Ordering::Acquire, guard);
+            }
+            for (bucket, key) in buckets.iter().zip(chunk) {
+                // SAFETY: as in `lookup`.
+                out.push(unsafe { bucket.as_ref() }.and_then(|b| b.find(key)));
+            }
+        }
+    }
+
+    /// Sets (or replaces) the blocks of `key`.
+    pub fn insert(&self, key: ClusterKey, blocks: Vec<BlockLocation>) {
+        self.modify(&key, |_| Some(blocks.into_boxed_slice()));
+    }
+
+    /// Removes `key`; returns whether it was mapped.
+    pub fn remove(&self, key: &ClusterKey) -> bool {
+        let mut found = false;
+        self.modify(key, |old| {
+            found = old.is_some();
+            None
+        });
+        found
+    }
+
+    /// Rewrites the location of block `index` of `key`, if present and still `block`.
+    pub(crate) fn update_block(
+        &self,
+        key: &ClusterKey,
+        index: usize,
+        block: BlockId,
+        f: impl FnOnce(BlockLocation) -> BlockLocation,
+    ) -> bool {
+        let mut done = false;
+        self.modify(key, |old| {
+            let old = old?;
+            let mut blocks: Box<[BlockLocation]> = old.into();
+            if let Some(loc) = blocks.get_mut(index).filter(|l| l.block == block) {
+                *loc = f(*loc);
+                done = true;
+            }
+            Some(blocks)
+        });
+        done
+    }
+
+    /// Copy-on-write update of one key: `f` sees the current blocks and returns the new ones
+    /// (`None`: remove the key).
+    fn modify(&self, key: &ClusterKey, f: impl FnOnce(Option<&[BlockLocation]>) -> Option<Box<[BlockLocation]>>) {
+        let _writer = self.writer.lock();
+        let guard = epoch::pin();
+        let table_ptr = self.table.load(Ordering::Acquire, &guard);
+        // SAFETY: as in `lookup`; moreover only writers (we hold their lock) replace tables.
+        let table = unsafe { table_ptr.deref() };
+        let slot = table.bucket_of(key);
+        let old = slot.load(Ordering::Acquire, &guard);
+        // SAFETY: as in `lookup`.
+        let old_entries: Vec<&Entry> = unsafe { old.as_ref() }.map_or(Vec::new(), |b| b.entries().collect());
+        let position = old_entries.iter().position(|e| e.key == *key);
+        let new_blocks = f(position.map(|i| old_entries[i].blocks()));
+        let mut entries: Vec<Entry> = old_entries.iter().filter(|e| e.key != *key).map(|e| (*e).clone()).collect();
+        let delta: isize = match (position.is_some(), new_blocks.is_some()) {
+            (false, true) => 1,
+            (true, false) => -1,
+            _ => 0,
+        };
+        if let Some(blocks) = new_blocks {
+            entries.push(Entry::new(*key, blocks));
+        }
+        let new = Bucket::from_entries(entries).map_or(Shared::null(), |b| Owned::new(b).into_shared(&guard));
+        // Release: the new bucket's contents are visible to readers that load its pointer.
+        slot.store(new, Ordering::Release);
+        if !old.is_null() {
+            // SAFETY: `old` is unreachable from the table now; readers that loaded it hold guards,
+            // and destruction waits for them.
+            unsafe { guard.defer_destroy(old) };
+        }
+        let len = self.len.load(Ordering::Relaxed).wrapping_add_signed(delta);
+        self.len.store(len, Ordering::Relaxed);
+        if len > table.buckets.len() {
+            self.grow(table, table_ptr, &guard);
+        }
+    }
+
+    /// Doubles the bucket count (writer lock held): deep-copies every entry into a new table.
+    fn grow(&self, table: &Table, table_ptr: Shared<'_, Table>, guard: &Guard) {
+        let new = Table::with_buckets(table.buckets.len() * 2);
+        let mut fresh: Vec<Vec<Entry>> = (0..new.buckets.len()).map(|_| Vec::new()).collect();
+        for bucket in table.buckets.iter() {
+            // SAFETY: as in `lookup`.
+            if let Some(b) = unsafe { bucket.load(Ordering::Acquire, guard).as_ref() } {
+                for entry in b.entries() {
+                    fresh[hash(&entry.key) as usize & new.mask].push(entry.clone());
+                }
+            }
+        }
+        for (slot, entries) in new.buckets.iter().zip(fresh) {
+            if let Some(bucket) = Bucket::from_entries(entries) {
+                slot.store(Owned::new(bucket), Ordering::Relaxed);
+            }
+        }
+        // Release: the new table and its buckets are complete before readers can load it.
+        self.table.store(Owned::new(new), Ordering::Release);
+        // SAFETY: the old table is unreachable now; its Drop frees its own buckets once every
+        // reader pinned before this store has unpinned.
+        unsafe { guard.defer_destroy(table_ptr) };
+    }
+}
+
+impl Drop for MappingTable {
+    fn drop(&mut self) {
+        // SAFETY: `&mut self`: no reader or writer is left; the pointer is the live table.
+        unsafe {
+            drop(self.table.load(Ordering::Relaxed, epoch::unprotected()).into_owned());
+        }
+    }
+}
+
+/// A batch of lock-free lookups under one epoch pin. Holds back memory reclamation while it
+/// lives: keep it for one plan, not longer.
+pub struct MappingReader<'a> {
+    table: &'a MappingTable,
+    guard: Guard,
+}
+
+impl MappingReader<'_> {
+    /// The blocks of `key`, or `None` when the cluster is not mapped.
+    #[inline]
+    pub fn get(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
+        self.table.lookup(key, &self.guard)
+    }
+
+    /// Looks up a batch of clusters (a plan's retrieval set): appends to `out` one entry per
+    /// key, in order. Faster than `get` per key: the cache misses of the keys overlap.
+    pub fn get_many<'r>(&'r self, keys: &[ClusterKey], out: &mut Vec<Option<&'r [BlockLocation]>>) {
+        self.table.lookup_many(keys, &self.guard, out);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn key(cluster: u32) -> ClusterKey {
+        ClusterKey { context: 1, layer: 2, head: 3, cluster }
+    }
+
+    fn blocks(first: u64, n: usize) -> Vec<BlockLocation> {
+        (0..n as u64).map(|i| BlockLocation::new(BlockId(first + i), Tier::Host, (first + i) as u32)).collect()
+    }
+
+    #[test]
+    fn inserted_clusters_are_found_updated_and_removed_across_growth() {
+        let t = MappingTable::new();
+        for c in 0..1000 {
+            t.insert(key(c), blocks(u64::from(c) * 10 + 1, (c % 5) as usize + 1));
+        }
+        assert_eq!(t.len(), 1000);
+        let r = t.reader();
+        for c in 0..1000 {
+            assert_eq!(r.get(&key(c)).unwrap(), &blocks(u64::from(c) * 10 + 1, (c % 5) as usize + 1)[..]);
+        }
+        assert!(r.get(&key(1000)).is_none());
+        let keys: Vec<_> = (0..1001).rev().map(key).collect();
+        let mut many = Vec::new();
+        r.get_many(&keys, &mut many);
+        assert_eq!(many.len(), 1001);
+        assert!(many.iter().zip(&keys).all(|(got, k)| *got == r.get(k)), "get_many agrees with get");
+        drop(r);
+        assert!(t.update_block(&key(7), 1, BlockId(72), |l| l.with_gpu_slot(Some(9))));
+        assert!(!t.update_block(&key(7), 1, BlockId(99), |l| l.with_gpu_slot(Some(9))), "wrong block id");
+        let got = t.get(&key(7)).unwrap();
+        assert_eq!((got[1].tier(), got[1].gpu_slot(), got[0].tier()), (Tier::Gpu, Some(9), Tier::Host));
+        assert!(t.remove(&key(7)) && !t.remove(&key(7)));
+        assert_eq!(t.len(), 999);
+    }
+
+    #[test]
+    fn concurrent_readers_never_see_a_half_written_entry() {
+        // Every entry the writer publishes has all blocks on the same home slot; a torn entry
+        // would mix two slots.
+        let t = Arc::new(MappingTable::new());
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut seen = 0u64;
+                    while !stop.load(Ordering::Relaxed) {
+                        let r = t.reader();
+                        for c in 0..64 {
+                            if let Some(b) = r.get(&key(c)) {
+                                assert!(b.iter().all(|l| l.home() == b[0].home()), "torn entry {b:?}");
+                                seen += 1;
+                            }
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for round in 0..20_000u32 {
+            let c = round % 200;
+            let v = vec![BlockLocation::new(BlockId(1), Tier::Host, round); 8];
+            t.insert(key(c), v);
+            if round % 3 == 0 {
+                t.remove(&key((round * 7) % 200));
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        let seen: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
+        assert!(seen > 0);
+    }
+}

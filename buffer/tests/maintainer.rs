@@ -1,0 +1,98 @@
+//! The maintainer: misses are admitted asynchronously, hits feed the policy, pinned blocks
+//! are never evicted however hard the queue pushes, and a full queue drops (and counts)
+//! records instead of blocking the plan.
+
+use attnstore_buffer::{BufferConfig, BufferManager, ClusterKey, Maintainer, ReplacerKind, Tier};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn key(cluster: u32) -> ClusterKey {
+    ClusterKey { context: 3, layer: 1, head: 0, cluster }
+}
+
+#[test]
+fn pinned_blocks_are_never_evicted_by_any_policy() {
+    for kind in ReplacerKind::ALL {
+        let mut config = BufferConfig::new(64, 4);
+        config.replacer = kind;
+        let buffers = BufferManager::new(config).unwrap();
+        for c in 0..32 {
+            buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
+        }
+        let reader = buffers.reader();
+        let hot = reader.cluster(&key(0)).unwrap()[0];
+        drop(reader);
+        buffers.admit(hot.block()).unwrap();
+        let reader = buffers.reader();
+        let location = reader.cluster(&key(0)).unwrap()[0];
+        let pin = reader.pin(&location).unwrap();
+        assert_eq!(pin.tier(), Tier::Gpu, "{}", kind.name());
+        // Every other cluster misses, many times over: the maintainer must evict 3 slots only.
+        for round in 0..20 {
+            for c in 1..32 {
+                let location = reader.cluster(&key(c)).unwrap()[0];
+                assert_eq!(reader.pin(&location).unwrap()[0], c as u8);
+            }
+            reader.flush(); // hand this round's records to the queue
+            buffers.maintain(usize::MAX);
+            assert_eq!(buffers.tier_of(hot.block()).unwrap(), Tier::Gpu, "{} round {round}", kind.name());
+            assert!(pin.iter().all(|&b| b == 0), "pinned bytes unchanged");
+        }
+        let stats = buffers.stats();
+        assert!(stats.tier(Tier::Gpu).unwrap().evictions > 50, "{}: {stats}", kind.name());
+        drop(pin);
+        drop(reader);
+    }
+}
+
+#[test]
+fn misses_are_admitted_in_the_background_and_hits_follow() {
+    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
+    for c in 0..8 {
+        buffers.store_cluster(key(c), &[c as u8; 4096]).unwrap();
+    }
+    let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_micros(100)).unwrap();
+    let read_all = || {
+        let reader = buffers.reader();
+        (0..8)
+            .flat_map(|c| reader.cluster(&key(c)).unwrap().to_vec())
+            .map(|l| reader.pin(&l).unwrap().tier())
+            .collect::<Vec<_>>()
+    };
+    assert!(read_all().iter().all(|&t| t == Tier::Host), "first reads miss");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read_all().iter().any(|&t| t != Tier::Gpu) {
+        assert!(Instant::now() < deadline, "the maintainer never admitted the missed blocks");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(maintainer.processed() >= 16);
+    assert!(!maintainer.stop());
+    let stats = buffers.stats();
+    let gpu = stats.tier(Tier::Gpu).unwrap();
+    assert_eq!((gpu.used_blocks, gpu.moves_in, gpu.bytes_in), (16, 16, 16 * 2048));
+    assert!(gpu.hit_ratio().unwrap() > 0.0);
+    let shown = stats.to_string();
+    assert!(shown.contains("gpu") && shown.contains("hit%") && shown.contains("dropped"), "{shown}");
+}
+
+#[test]
+fn a_full_access_queue_drops_and_counts_records_without_blocking() {
+    let mut config = BufferConfig::new(64, 4);
+    config.access_queue_batches = 2;
+    let buffers = BufferManager::new(config).unwrap();
+    buffers.store_cluster(key(0), &[1; 2048 * 20]).unwrap();
+    let started = Instant::now();
+    for _ in 0..10 {
+        // One plan: 20 pins, logged as one batch when the reader drops.
+        let reader = buffers.reader();
+        for location in reader.cluster(&key(0)).unwrap() {
+            reader.pin(location).unwrap();
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(1), "pins never wait for the maintainer");
+    let stats = buffers.stats();
+    assert_eq!((stats.queued_access_records, stats.dropped_access_records), (40, 160));
+    assert_eq!(stats.tier(Tier::Host).unwrap().hits, 200, "every pin is counted, queued or not");
+    assert_eq!(buffers.maintain(usize::MAX), 40);
+    assert_eq!(buffers.stats().queued_access_records, 0);
+}

@@ -1,0 +1,196 @@
+// Decode attention on the GPU, flash-decoding style: one CTA per (KV head, chunk of rows)
+// computes the partial (o, m, l) of every query head of the GQA group over its rows, and a
+// merge kernel combines the chunks by log-sum-exp. Rows are either all rows of the head
+// (exact attention) or a per-head row list (a sparse plan's steady + retrieved rows), read
+// from device memory or from mapped pinned host memory (zero-copy: no per-block copies).
+//
+// HEAD_DIM (a multiple of 32, ≤ 256) and MAX_GROUP are fixed when the module is compiled.
+// Keys and values are f16 bits; accumulation is f32.
+
+#ifndef HEAD_DIM
+#define HEAD_DIM 128
+#endif
+#ifndef MAX_GROUP
+#define MAX_GROUP 8
+#endif
+#define PER_LANE (HEAD_DIM / 32)
+#define WARPS 4
+#define UNROLL 4
+#define PART (HEAD_DIM + 2)
+// NVRTC has no math headers: -inf spelled out.
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float h2f(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+
+__device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, float* out) {
+#if PER_LANE == 4
+  uint2 raw = *reinterpret_cast<const uint2*>(p);
+  out[0] = h2f(raw.x & 0xffff); out[1] = h2f(raw.x >> 16);
+  out[2] = h2f(raw.y & 0xffff); out[3] = h2f(raw.y >> 16);
+#else
+  #pragma unroll
+  for (int i = 0; i < PER_LANE; i++) out[i] = h2f(p[i]);
+#endif
+}
+
+// part layout: [kv_head][chunk][g][PART] with PART = HEAD_DIM outputs, then m, then l.
+// A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 is slot −r−1 of the Gpu-tier
+// cache ck/cv (device memory, one row per slot): hits and misses of one plan in one pass.
+extern "C" __global__ void attn_partial(
+    const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
+    const float* __restrict__ q, float scale, int group,
+    const int* __restrict__ rows, const int* __restrict__ row_offsets, int identity_rows,
+    int chunk, float* __restrict__ part,
+    const unsigned short* __restrict__ ck, const unsigned short* __restrict__ cv) {
+  const int h = blockIdx.y, c = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int* list = nullptr;
+  int count = identity_rows;
+  if (rows != nullptr) {
+    list = rows + row_offsets[h];
+    count = row_offsets[h + 1] - row_offsets[h];
+  }
+  const int lo = c * chunk, hi = min(count, lo + chunk);
+  float qr[MAX_GROUP][PER_LANE], o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; g++) {
+    m[g] = NEG_INF;
+    l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) {
+      qr[g][i] = g < group ? q[(h * group + g) * HEAD_DIM + lane * PER_LANE + i] * scale : 0.f;
+      o[g][i] = 0.f;
+    }
+  }
+  const unsigned short* kh = k + h * head_stride + lane * PER_LANE;
+  const unsigned short* vh = v + h * head_stride + lane * PER_LANE;
+  // Each warp takes UNROLL rows per step and issues all their loads before any math, so
+  // several rows are in flight per warp (the loop is latency-bound otherwise).
+  for (int t0 = lo + warp * UNROLL; t0 < hi; t0 += WARPS * UNROLL) {
+    float kf[UNROLL][PER_LANE], vf[UNROLL][PER_LANE];
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      const int t = t0 + u;
+      if (t < hi) {
+        const long long row = list ? (long long)list[t] : (long long)t;
+        if (row >= 0) {
+          load_row(kh + row * HEAD_DIM, kf[u]);
+          load_row(vh + row * HEAD_DIM, vf[u]);
+        } else {
+          const long long slot = -row - 1;
+          load_row(ck + slot * HEAD_DIM + lane * PER_LANE, kf[u]);
+          load_row(cv + slot * HEAD_DIM + lane * PER_LANE, vf[u]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; u++) {
+      if (t0 + u >= hi) break;
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; g++) {
+        if (g >= group) break;
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) s = fmaf(qr[g][i], kf[u][i], s);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        const float mn = fmaxf(m[g], s);
+        const float corr = __expf(m[g] - mn);
+        const float p = __expf(s - mn);
+        l[g] = l[g] * corr + p;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) o[g][i] = fmaf(p, vf[u][i], o[g][i] * corr);
+        m[g] = mn;
+      }
+    }
+  }
+  // Combine the four warps of this CTA through shared memory.
+  __shared__ float sm[WARPS][MAX_GROUP][PART];
+  for (int g = 0; g < group; g++) {
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) sm[warp][g][lane * PER_LANE + i] = o[g][i];
+    if (lane == 0) { sm[warp][g][HEAD_DIM] = m[g]; sm[warp][g][HEAD_DIM + 1] = l[g]; }
+  }
+  __syncthreads();
+  float* out = part + ((long long)(h * gridDim.x + c) * group) * PART;
+  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += blockDim.x) {
+    const int g = idx / HEAD_DIM, i = idx % HEAD_DIM;
+    float mx = NEG_INF;
+    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm[w][g][HEAD_DIM]);
+    float acc = 0.f, lsum = 0.f;
+    if (mx != NEG_INF) {
+      for (int w = 0; w < WARPS; w++) {
+        const float e = __expf(sm[w][g][HEAD_DIM] - mx);
+        acc += e * sm[w][g][i];
+        lsum += e * sm[w][g][HEAD_DIM + 1];
+      }
+    }
+    out[g * PART + i] = acc;
+    if (i == 0) { out[g * PART + HEAD_DIM] = mx; out[g * PART + HEAD_DIM + 1] = lsum; }
+  }
+}
+
+// One CTA per query head, MERGE_WARPS warps: the maximum m over chunks by a block
+// reduction, then warp w folds chunks w, w + MERGE_WARPS, … (lanes split the head
+// dimension, so each chunk's partial is one coalesced read), then the warps' sums are
+// combined: out[qh] = Σ_c e^{m_c−M} o_c / Σ_c e^{m_c−M} l_c.
+#define MERGE_WARPS 8
+extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out) {
+  const int qh = blockIdx.x;
+  const int h = qh / group, g = qh % group;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const long long stride = (long long)group * PART;
+  const float* base = part + (long long)h * chunks * stride + g * PART;
+  __shared__ float red[MERGE_WARPS];
+  __shared__ float acc_s[MERGE_WARPS][HEAD_DIM + 1];
+  float mx = NEG_INF;
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) mx = fmaxf(mx, base[c * stride + HEAD_DIM]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  mx = NEG_INF;
+  for (int w = 0; w < MERGE_WARPS; w++) mx = fmaxf(mx, red[w]);
+  float acc[PER_LANE];
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) acc[i] = 0.f;
+  float lsum = 0.f;
+  if (mx != NEG_INF) {
+    for (int c = warp; c < chunks; c += MERGE_WARPS) {
+      const float* p = base + c * stride;
+      const float e = __expf(p[HEAD_DIM] - mx);
+#pragma unroll
+      for (int i = 0; i < PER_LANE; i++) acc[i] = fmaf(e, p[lane * PER_LANE + i], acc[i]);
+      lsum = fmaf(e, p[HEAD_DIM + 1], lsum);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < PER_LANE; i++) acc_s[warp][lane * PER_LANE + i] = acc[i];
+  if (lane == 0) acc_s[warp][HEAD_DIM] = lsum;
+  __syncthreads();
+  for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
+    float a = 0.f, l = 0.f;
+    for (int w = 0; w < MERGE_WARPS; w++) { a += acc_s[w][i]; l += acc_s[w][HEAD_DIM]; }
+    out[qh * HEAD_DIM + i] = l > 0.f ? a / l : 0.f;
+  }
+}
+
+// Copies rows (head, row) of k/v (device or mapped host memory) into cache slots: the Gpu
+// tier's admission, one warp per row, off the decode path.
+extern "C" __global__ void admit_rows(
+    const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
+    const int* __restrict__ heads, const int* __restrict__ rows, const int* __restrict__ slots, int n,
+    unsigned short* __restrict__ ck, unsigned short* __restrict__ cv) {
+  const int w = (blockIdx.x * blockDim.x + threadIdx.x) / 32, lane = threadIdx.x % 32;
+  if (w >= n) return;
+  const long long src = heads[w] * head_stride + (long long)rows[w] * HEAD_DIM;
+  const long long dst = (long long)slots[w] * HEAD_DIM;
+  for (int i = lane; i < HEAD_DIM; i += 32) {
+    ck[dst + i] = k[src + i];
+    cv[dst + i] = v[src + i];
+  }
+}

@@ -1,0 +1,492 @@
+//! The CUDA backend (feature `cuda`): decode attention kernels compiled at run time by NVRTC
+//! for the device's architecture (PTX cached on disk, keyed by a hash of the source and the
+//! compile options), launched through cudarc with dynamic loading, so building needs no
+//! CUDA and a machine without a GPU gets a typed error, not a crash.
+//!
+//! What is here: exact and row-list (sparse plan) decode attention, flash-decoding style
+//! (`decode.cu`), over KV in device memory or in mapped pinned host memory (zero-copy).
+//! The rest of the GPU plan path (centroid scoring and top-r, estimation, the Gpu-tier
+//! block cache) is future work, see `docs/architecture.md`.
+
+use crate::error::{Error, Result};
+use crate::shape::AttnShape;
+use cudarc::driver::{
+    sys, CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+use std::sync::Arc;
+
+const SOURCE: &str = include_str!("decode.cu");
+/// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
+/// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
+/// has not too many chunks to fold.
+const TARGET_CTAS: usize = 1024;
+
+/// Rows per CTA: a power of two in 16..=1024 that gives about [`TARGET_CTAS`] CTAs.
+fn chunk_rows(longest: usize, kv_heads: usize) -> usize {
+    (longest * kv_heads).div_ceil(TARGET_CTAS).next_power_of_two().clamp(16, 1024)
+}
+/// The largest GQA group the compiled kernels hold in registers.
+pub const MAX_GROUP: usize = 8;
+
+fn gpu_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Gpu { what, message: e.to_string() }
+}
+
+/// A GPU, its stream and the compiled decode kernels for one head dimension.
+pub struct GpuBackend {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    partial: CudaFunction,
+    merge: CudaFunction,
+    admit: CudaFunction,
+    head_dim: usize,
+}
+
+/// One entry of a sparse plan's row list on the GPU: a row of the layer's KV (wherever it
+/// lives: device or mapped host memory), or a slot of the Gpu-tier cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowRef {
+    /// Row of the KV head.
+    Kv(u32),
+    /// Slot of the [`GpuCache`] (one row per slot).
+    Cache(u32),
+}
+
+/// The Gpu tier's block pool for decode: `slots` rows of keys and values in device memory.
+pub struct GpuCache {
+    keys: CudaSlice<u16>,
+    values: CudaSlice<u16>,
+    slots: usize,
+}
+
+impl GpuCache {
+    /// Rows it holds.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+}
+
+/// Where a layer's KV lives for a launch: device pointers to f16 keys and values laid out
+/// `kv_heads × rows × head_dim`.
+#[derive(Debug, Clone, Copy)]
+pub struct KvPointers {
+    /// Keys.
+    pub keys: u64,
+    /// Values.
+    pub values: u64,
+    /// Rows per head (elements between heads = rows × head_dim).
+    pub rows: usize,
+}
+
+/// KV of one layer copied to device memory.
+pub struct DeviceKv {
+    keys: CudaSlice<u16>,
+    values: CudaSlice<u16>,
+    rows: usize,
+}
+
+/// KV of one layer in pinned host memory mapped into the device's address space: kernels
+/// read it over PCIe directly, block by block, with no copies issued.
+pub struct MappedKv {
+    keys: PinnedHostSlice<u16>,
+    values: PinnedHostSlice<u16>,
+    key_ptr: u64,
+    value_ptr: u64,
+    rows: usize,
+}
+
+/// Buffers of one decode launch: queries, the row lists of a sparse plan, partials, output.
+pub struct DecodeJob {
+    q: CudaSlice<f32>,
+    rows: Option<(CudaSlice<i32>, CudaSlice<i32>)>,
+    part: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    chunks: usize,
+    chunk: usize,
+    identity_rows: usize,
+    cache_slots: usize,
+    shape: AttnShape,
+    scale: f32,
+}
+
+impl GpuBackend {
+    /// Opens GPU 0 and compiles (or loads from the on-disk cache) the kernels for
+    /// `head_dim`, which must be a multiple of 32 up to 256.
+    pub fn new(head_dim: usize) -> Result<Self> {
+        if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
+            return Err(Error::InvalidArgument {
+                what: "head_dim",
+                message: format!("the GPU kernels take a multiple of 32 up to 256, got {head_dim}"),
+            });
+        }
+        let ctx = CudaContext::new(0).map_err(gpu_err("opening GPU 0"))?;
+        let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
+        let (major, minor) = ctx.compute_capability().map_err(gpu_err("reading the compute capability"))?;
+        let ptx = compiled(head_dim, major, minor)?;
+        let module = ctx.load_module(ptx).map_err(gpu_err("loading the decode module"))?;
+        let partial = module.load_function("attn_partial").map_err(gpu_err("attn_partial"))?;
+        let merge = module.load_function("attn_merge").map_err(gpu_err("attn_merge"))?;
+        let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
+        Ok(Self { ctx, stream, partial, merge, admit, head_dim })
+    }
+
+    /// The device's name.
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// The stream every launch of this backend goes to.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Copies f16 keys and values (`kv_heads × rows × head_dim`, as bits) to device memory.
+    pub fn upload(&self, keys: &[u16], values: &[u16], kv_heads: usize) -> Result<DeviceKv> {
+        let rows = self.rows_of(keys, values, kv_heads)?;
+        let k = self.stream.clone_htod(keys).map_err(gpu_err("copying keys"))?;
+        let v = self.stream.clone_htod(values).map_err(gpu_err("copying values"))?;
+        Ok(DeviceKv { keys: k, values: v, rows })
+    }
+
+    /// Copies f16 keys and values into mapped pinned host memory.
+    pub fn pin(&self, keys: &[u16], values: &[u16], kv_heads: usize) -> Result<MappedKv> {
+        let rows = self.rows_of(keys, values, kv_heads)?;
+        let mut k = self.alloc_mapped(keys.len())?;
+        let mut v = self.alloc_mapped(values.len())?;
+        k.as_mut_slice().map_err(gpu_err("writing pinned keys"))?.copy_from_slice(keys);
+        v.as_mut_slice().map_err(gpu_err("writing pinned values"))?.copy_from_slice(values);
+        let key_ptr = mapped_device_pointer(&mut k)?;
+        let value_ptr = mapped_device_pointer(&mut v)?;
+        Ok(MappedKv { keys: k, values: v, key_ptr, value_ptr, rows })
+    }
+
+    fn rows_of(&self, keys: &[u16], values: &[u16], kv_heads: usize) -> Result<usize> {
+        let per_row = kv_heads * self.head_dim;
+        if kv_heads == 0 || !keys.len().is_multiple_of(per_row) || values.len() != keys.len() {
+            return Err(Error::ShapeMismatch {
+                what: "keys/values (kv_heads × rows × head_dim, equal lengths)",
+                expected: keys.len() / per_row.max(1) * per_row,
+                got: values.len(),
+            });
+        }
+        Ok(keys.len() / per_row)
+    }
+
+    #[allow(unsafe_code, reason = "pinned, device-mapped host allocation")]
+    fn alloc_mapped(&self, len: usize) -> Result<PinnedHostSlice<u16>> {
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the allocation is fully overwritten (copy_from_slice) before any read, and
+        // u16 has no invalid bit patterns.
+        unsafe { self.ctx.alloc_pinned_with_flags::<u16>(len, flags) }.map_err(gpu_err("allocating pinned memory"))
+    }
+
+    /// Prepares a decode of queries `q` (`q_heads × head_dim`) over all rows
+    /// (`rows = None`) or over a row list per KV head (a sparse plan's attended rows).
+    pub fn prepare(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        identity_rows: usize,
+        rows: Option<&[Vec<u32>]>,
+    ) -> Result<DecodeJob> {
+        let lists = rows.map(|l| l.iter().map(|r| r.iter().map(|&x| RowRef::Kv(x)).collect()).collect::<Vec<Vec<_>>>());
+        self.prepare_refs(shape, q, identity_rows, lists.as_deref(), 0)
+    }
+
+    /// [`GpuBackend::prepare`] with row lists that mix KV rows and Gpu-tier cache slots
+    /// (`cache_slots` = slots of the cache the job will be launched with).
+    pub fn prepare_refs(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        identity_rows: usize,
+        rows: Option<&[Vec<RowRef>]>,
+        cache_slots: usize,
+    ) -> Result<DecodeJob> {
+        if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP {
+            return Err(Error::InvalidArgument {
+                what: "shape",
+                message: format!(
+                    "compiled for head_dim {} and groups up to {MAX_GROUP}; got head_dim {} group {}",
+                    self.head_dim,
+                    shape.head_dim,
+                    shape.group()
+                ),
+            });
+        }
+        if q.len() != shape.query_len() {
+            return Err(Error::ShapeMismatch {
+                what: "queries (q_heads × head_dim)",
+                expected: shape.query_len(),
+                got: q.len(),
+            });
+        }
+        if identity_rows > i32::MAX as usize || cache_slots > i32::MAX as usize {
+            return Err(Error::InvalidArgument {
+                what: "rows",
+                message: "at most 2^31 − 1 rows per head and cache slots".into(),
+            });
+        }
+        let s = &self.stream;
+        let (lists, longest) = match rows {
+            None => (None, identity_rows),
+            Some(lists) => {
+                if lists.len() != shape.kv_heads {
+                    return Err(Error::ShapeMismatch {
+                        what: "row lists (one per KV head)",
+                        expected: shape.kv_heads,
+                        got: lists.len(),
+                    });
+                }
+                let mut offsets = vec![0i32];
+                let mut flat = Vec::new();
+                for l in lists {
+                    for &r in l {
+                        flat.push(match r {
+                            RowRef::Kv(x) if (x as usize) < identity_rows => x as i32,
+                            RowRef::Cache(x) if (x as usize) < cache_slots => -(x as i32) - 1,
+                            bad => return Err(Error::InvalidArgument {
+                                what: "row list",
+                                message: format!(
+                                    "{bad:?} is beyond the {identity_rows} rows of a head / {cache_slots} cache slots"
+                                ),
+                            }),
+                        });
+                    }
+                    offsets.push(flat.len() as i32);
+                }
+                flat.push(0); // never empty: a zero-length device buffer cannot be allocated
+                let f = s.clone_htod(&flat).map_err(gpu_err("copying row lists"))?;
+                let o = s.clone_htod(&offsets).map_err(gpu_err("copying row offsets"))?;
+                (Some((f, o)), lists.iter().map(Vec::len).max().unwrap_or(0))
+            }
+        };
+        let chunk = chunk_rows(longest, shape.kv_heads);
+        let chunks = longest.div_ceil(chunk).max(1);
+        let part_len = shape.kv_heads * chunks * shape.group() * (self.head_dim + 2);
+        Ok(DecodeJob {
+            q: s.clone_htod(q).map_err(gpu_err("copying queries"))?,
+            rows: lists,
+            part: s.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
+            out: s.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
+            chunks,
+            chunk,
+            identity_rows,
+            cache_slots,
+            shape: *shape,
+            scale: 1.0 / (shape.head_dim as f32).sqrt(),
+        })
+    }
+
+    /// A Gpu-tier cache of `slots` rows (keys and values) in device memory.
+    pub fn cache(&self, slots: usize) -> Result<GpuCache> {
+        let n = slots.max(1) * self.head_dim;
+        let keys = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the cache"))?;
+        let values = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the cache"))?;
+        Ok(GpuCache { keys, values, slots })
+    }
+
+    /// Enqueues copies of rows `(kv head, row)` of `kv` into cache slots: the admission of
+    /// missed blocks, one warp per row (from mapped host memory this is a zero-copy read).
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn admit(&self, kv: KvPointers, cache: &mut GpuCache, entries: &[(u32, u32, u32)]) -> Result<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        if let Some(bad) = entries.iter().find(|e| e.1 as usize >= kv.rows || e.2 as usize >= cache.slots) {
+            return Err(Error::InvalidArgument {
+                what: "admission",
+                message: format!("{bad:?}: rows < {}, slots < {}", kv.rows, cache.slots),
+            });
+        }
+        let s = &self.stream;
+        let col = |f: fn(&(u32, u32, u32)) -> u32| entries.iter().map(|e| f(e) as i32).collect::<Vec<i32>>();
+        let heads = s.clone_htod(&col(|e| e.0)).map_err(gpu_err("copying admissions"))?;
+        let rows = s.clone_htod(&col(|e| e.1)).map_err(gpu_err("copying admissions"))?;
+        let slots = s.clone_htod(&col(|e| e.2)).map_err(gpu_err("copying admissions"))?;
+        let n = entries.len() as i32;
+        let head_stride = (kv.rows * self.head_dim) as i64;
+        let cfg = LaunchConfig {
+            grid_dim: ((entries.len() * 32).div_ceil(256) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = s.launch_builder(&self.admit);
+        b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&heads).arg(&rows).arg(&slots).arg(&n);
+        b.arg(&mut cache.keys).arg(&mut cache.values);
+        // SAFETY: every (head, row) was checked < (kv heads implied by kv, kv.rows) — heads
+        // come from the caller's plan over this layer — and every slot < cache.slots; one
+        // warp per entry copies head_dim elements of K and V.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching admit_rows"))?;
+        Ok(())
+    }
+
+    /// Enqueues the two kernels of `job` over `kv` (returns before they finish).
+    pub fn launch(&self, kv: KvPointers, job: &mut DecodeJob) -> Result<()> {
+        self.launch_cached(kv, None, job)
+    }
+
+    /// [`GpuBackend::launch`] for a job whose row lists name Gpu-tier cache slots: hits are
+    /// read from `cache` (device memory), misses from `kv`, in the same kernel.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_cached(&self, kv: KvPointers, cache: Option<&GpuCache>, job: &mut DecodeJob) -> Result<()> {
+        if cache.map_or(0, |c| c.slots) < job.cache_slots {
+            return Err(Error::InvalidArgument {
+                what: "cache",
+                message: format!(
+                    "the job names {} cache slots, the cache has {}",
+                    job.cache_slots,
+                    cache.map_or(0, |c| c.slots)
+                ),
+            });
+        }
+        if kv.rows < job.identity_rows {
+            return Err(Error::InvalidArgument {
+                what: "kv",
+                message: format!("{} rows per head, the job needs {}", kv.rows, job.identity_rows),
+            });
+        }
+        let sh = job.shape;
+        let head_stride = (kv.rows * self.head_dim) as i64;
+        let group = sh.group() as i32;
+        let identity = job.identity_rows as i32;
+        let chunk = job.chunk as i32;
+        let null = 0u64;
+        let (rows_ptr, offsets_ptr) = match &job.rows {
+            Some((f, o)) => (device_address(f, &self.stream), device_address(o, &self.stream)),
+            None => (null, null),
+        };
+        let cfg = LaunchConfig {
+            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.partial);
+        b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
+        let (ck, cv) = match cache {
+            Some(c) => (device_address(&c.keys, &self.stream), device_address(&c.values, &self.stream)),
+            None => (null, null),
+        };
+        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&ck).arg(&cv);
+        // SAFETY: `kv` points at kv_heads × rows × head_dim f16 values (a DeviceKv or MappedKv
+        // the caller keeps alive until the stream is synchronized); row-list entries were
+        // checked to be < identity_rows ≤ kv.rows, or cache slots < job.cache_slots ≤ the
+        // cache's slots (checked above); q, part and out were sized in `prepare_refs` for
+        // this shape and chunk count, which match the grid.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
+        let chunks = job.chunks as i32;
+        // 8 warps per query head (MERGE_WARPS in decode.cu).
+        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.merge);
+        b.arg(&job.part).arg(&chunks).arg(&group).arg(&mut job.out);
+        // SAFETY: part holds kv_heads × chunks × group partials written above; out holds
+        // q_heads × head_dim floats; one CTA per query head.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
+        Ok(())
+    }
+
+    /// Waits for the stream and copies the output (`q_heads × head_dim`) back.
+    pub fn fetch(&self, job: &DecodeJob) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the output back"))
+    }
+
+    /// Waits until every launch on the stream has finished.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(gpu_err("synchronizing"))
+    }
+
+    /// Milliseconds the stream spends on `f`'s launches, measured with events.
+    pub fn time_ms(&self, f: impl FnOnce() -> Result<()>) -> Result<f64> {
+        let e0 =
+            self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(gpu_err("creating an event"))?;
+        let e1 =
+            self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(gpu_err("creating an event"))?;
+        e0.record(&self.stream).map_err(gpu_err("recording an event"))?;
+        f()?;
+        e1.record(&self.stream).map_err(gpu_err("recording an event"))?;
+        e1.synchronize().map_err(gpu_err("waiting for an event"))?;
+        Ok(e0.elapsed_ms(&e1).map_err(gpu_err("reading an event"))? as f64)
+    }
+}
+
+impl DeviceKv {
+    /// Pointers for [`GpuBackend::launch`].
+    pub fn pointers(&self, gpu: &GpuBackend) -> KvPointers {
+        KvPointers {
+            keys: device_address(&self.keys, &gpu.stream),
+            values: device_address(&self.values, &gpu.stream),
+            rows: self.rows,
+        }
+    }
+}
+
+impl MappedKv {
+    /// Pointers for [`GpuBackend::launch`]: device addresses of the mapped host memory.
+    pub fn pointers(&self) -> KvPointers {
+        KvPointers { keys: self.key_ptr, values: self.value_ptr, rows: self.rows }
+    }
+
+    /// Bytes of pinned host memory held (keys and values).
+    pub fn bytes(&self) -> usize {
+        (self.keys.len() + self.values.len()) * 2
+    }
+}
+
+fn device_address<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
+    let (ptr, _sync) = s.device_ptr(stream);
+    ptr
+}
+
+#[allow(unsafe_code, reason = "cuMemHostGetDevicePointer is a raw driver call")]
+fn mapped_device_pointer(host: &mut PinnedHostSlice<u16>) -> Result<u64> {
+    let p = host.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))?;
+    let mut dptr: sys::CUdeviceptr = 0;
+    // SAFETY: `p` is the start of a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP in
+    // the current context; the driver writes one device address into `dptr`.
+    let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p as *mut _, 0) };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(Error::Gpu { what: "mapping pinned memory", message: format!("{r:?}") });
+    }
+    Ok(dptr)
+}
+
+/// PTX of the decode module for `head_dim` on compute capability `major.minor`: from the
+/// on-disk cache when present, else compiled by NVRTC and cached.
+fn compiled(head_dim: usize, major: i32, minor: i32) -> Result<Ptx> {
+    let arch: &'static str = match (major, minor) {
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (12, 0) => "sm_120",
+        _ => {
+            return Err(Error::Gpu {
+                what: "architecture",
+                message: format!("compute capability {major}.{minor} is not supported"),
+            })
+        }
+    };
+    let defines = [format!("-DHEAD_DIM={head_dim}"), format!("-DMAX_GROUP={MAX_GROUP}")];
+    let key = fnv1a(format!("{SOURCE}{arch}{defines:?}").as_bytes());
+    let dir = std::env::var_os("ATTNSTORE_PTX_CACHE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::env::temp_dir().join("attnstore-ptx"));
+    let path = dir.join(format!("decode-{key:016x}.ptx"));
+    if let Ok(src) = std::fs::read_to_string(&path) {
+        return Ok(Ptx::from_src(src));
+    }
+    let opts =
+        CompileOptions { arch: Some(arch), options: defines.to_vec(), use_fast_math: Some(true), ..Default::default() };
+    let ptx = compile_ptx_with_opts(SOURCE, opts)
+        .map_err(|e| Error::Gpu { what: "NVRTC compile", message: e.to_string() })?;
+    // The cache is an optimization: a failed write costs a compile next time, nothing more.
+    let _ = std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, ptx.to_src()));
+    Ok(ptx)
+}
+
+/// FNV-1a, 64 bits: a stable cache key (std's hasher is randomized per process).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}

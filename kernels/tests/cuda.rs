@@ -1,0 +1,139 @@
+//! CUDA kernels against the CPU kernels (run only with `--features cuda` and
+//! `ATTNSTORE_GPU=1`, on the GPU machine through `../shared/gpu/stage`).
+#![cfg(feature = "cuda")]
+
+use attnstore_kernels::cpu::attention::exact_attention;
+use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
+use attnstore_kernels::cuda::GpuBackend;
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::{narrow_vec, AttnShape, HeadsView};
+use half::f16;
+
+fn gpu() -> Option<GpuBackend> {
+    if std::env::var("ATTNSTORE_GPU").as_deref() != Ok("1") {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the CUDA tests");
+        return None;
+    }
+    Some(GpuBackend::new(128).expect("ATTNSTORE_GPU=1 but no usable GPU"))
+}
+
+fn data(shape: &AttnShape, tokens: usize, seed: u64) -> (Vec<f16>, Vec<f16>, Vec<f32>) {
+    let mut g = SplitMix64::new(seed);
+    let k: Vec<f32> = (0..shape.kv_len(tokens)).map(|_| g.normal()).collect();
+    let v: Vec<f32> = (0..shape.kv_len(tokens)).map(|_| g.normal()).collect();
+    let q: Vec<f32> = (0..shape.query_len()).map(|_| g.normal() * 2.0).collect();
+    (narrow_vec(&k), narrow_vec(&v), q)
+}
+
+fn bits(x: &[f16]) -> Vec<u16> {
+    x.iter().map(|h| h.to_bits()).collect()
+}
+
+#[test]
+fn exact_decode_on_the_gpu_equals_the_cpu_kernel() {
+    let Some(gpu) = gpu() else { return };
+    for (q_heads, tokens) in [(32, 5000), (8, 131_072), (24, 777)] {
+        let shape = AttnShape::new(q_heads, 8.min(q_heads), 128).unwrap();
+        let (k, v, q) = data(&shape, tokens, tokens as u64);
+        let kv = gpu.upload(&bits(&k), &bits(&v), shape.kv_heads).unwrap();
+        let mut job = gpu.prepare(&shape, &q, tokens, None).unwrap();
+        gpu.launch(kv.pointers(&gpu), &mut job).unwrap();
+        let got = gpu.fetch(&job).unwrap();
+        let kview = HeadsView::new(&k, shape.kv_heads, tokens, 128).unwrap();
+        let vview = HeadsView::new(&v, shape.kv_heads, tokens, 128).unwrap();
+        let cpu = exact_attention(&shape, &q, kview, vview).unwrap();
+        let reference = reference_attention(&shape, &q, kview, vview, None);
+        let (e_gpu, e_cpu) = (rel_l2(&got, &reference), rel_l2(&cpu, &reference));
+        assert!(e_gpu <= 1e-4, "q_heads={q_heads} tokens={tokens}: GPU error {e_gpu} (CPU {e_cpu})");
+    }
+}
+
+#[test]
+fn row_lists_over_mapped_host_memory_equal_attention_over_those_rows() {
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let tokens = 20_000;
+    let (k, v, q) = data(&shape, tokens, 5);
+    let mapped = gpu.pin(&bits(&k), &bits(&v), shape.kv_heads).unwrap();
+    let mut g = SplitMix64::new(6);
+    // Per KV head: a steady zone (first 4, last 64) plus clusters of 16 rows at random.
+    let lists: Vec<Vec<u32>> = (0..shape.kv_heads)
+        .map(|_| {
+            let mut l: Vec<u32> = (0..4).chain(tokens as u32 - 64..tokens as u32).collect();
+            for _ in 0..20 {
+                let s = 4 + g.below(tokens - 100) as u32;
+                l.extend(s..s + 16);
+            }
+            l.sort_unstable();
+            l.dedup();
+            l
+        })
+        .collect();
+    let mut job = gpu.prepare(&shape, &q, tokens, Some(&lists)).unwrap();
+    gpu.launch(mapped.pointers(), &mut job).unwrap();
+    let got = gpu.fetch(&job).unwrap();
+    let kview = HeadsView::new(&k, shape.kv_heads, tokens, 128).unwrap();
+    let vview = HeadsView::new(&v, shape.kv_heads, tokens, 128).unwrap();
+    let subsets: Vec<Vec<u32>> = (0..shape.q_heads).map(|j| lists[j / shape.group()].clone()).collect();
+    let want = reference_attention(&shape, &q, kview, vview, Some(&subsets));
+    let err = rel_l2(&got, &want);
+    assert!(err <= 1e-4, "{err}");
+    // Every row listed is exact attention again.
+    let all: Vec<Vec<u32>> = (0..shape.kv_heads).map(|_| (0..tokens as u32).collect()).collect();
+    let mut job = gpu.prepare(&shape, &q, tokens, Some(&all)).unwrap();
+    gpu.launch(mapped.pointers(), &mut job).unwrap();
+    let err = rel_l2(&gpu.fetch(&job).unwrap(), &reference_attention(&shape, &q, kview, vview, None));
+    assert!(err <= 1e-4, "all rows listed: {err}");
+}
+
+#[test]
+fn bad_gpu_inputs_are_typed_errors() {
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(8, 2, 128).unwrap();
+    let q = vec![0.0f32; shape.query_len()];
+    assert!(gpu.prepare(&shape, &q, 100, Some(&[vec![5], vec![100]])).is_err(), "row beyond the head");
+    assert!(gpu.prepare(&shape, &q[1..], 100, None).is_err(), "query length");
+    let wide_group = AttnShape::new(32, 2, 128).unwrap();
+    assert!(gpu.prepare(&wide_group, &vec![0.0; wide_group.query_len()], 100, None).is_err(), "group of 16");
+    assert!(GpuBackend::new(100).is_err(), "head_dim not a multiple of 32");
+    assert!(gpu.upload(&[0; 300], &[0; 300], 2).is_err(), "ragged KV");
+}
+
+#[test]
+fn cache_hits_and_host_misses_in_one_plan_equal_attention_over_those_rows() {
+    use attnstore_kernels::cuda::RowRef;
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let tokens = 4096;
+    let (k, v, q) = data(&shape, tokens, 8);
+    let mapped = gpu.pin(&bits(&k), &bits(&v), shape.kv_heads).unwrap();
+    let mut cache = gpu.cache(1000).unwrap();
+    // Rows 100..300 of the first heads are admitted (1000 slots); the plan reads 100..400 of
+    // every head, so some rows are cache hits and the rest misses read from pinned memory.
+    let admitted: Vec<(u32, u32, u32)> = (0..8u32)
+        .flat_map(|h| (100..300u32).map(move |r| (h, r)))
+        .enumerate()
+        .map(|(i, (h, r))| (h, r, i as u32))
+        .take(1000)
+        .collect();
+    gpu.admit(mapped.pointers(), &mut cache, &admitted).unwrap();
+    let slot_of: std::collections::HashMap<(u32, u32), u32> = admitted.iter().map(|&(h, r, s)| ((h, r), s)).collect();
+    let lists: Vec<Vec<RowRef>> = (0..8u32)
+        .map(|h| (100..400u32).map(|r| slot_of.get(&(h, r)).map_or(RowRef::Kv(r), |&s| RowRef::Cache(s))).collect())
+        .collect();
+    assert!(
+        lists.iter().flatten().any(|r| matches!(r, RowRef::Cache(_)))
+            && lists.iter().flatten().any(|r| matches!(r, RowRef::Kv(_)))
+    );
+    let mut job = gpu.prepare_refs(&shape, &q, tokens, Some(&lists), cache.slots()).unwrap();
+    gpu.launch_cached(mapped.pointers(), Some(&cache), &mut job).unwrap();
+    let got = gpu.fetch(&job).unwrap();
+    let kview = HeadsView::new(&k, shape.kv_heads, tokens, 128).unwrap();
+    let vview = HeadsView::new(&v, shape.kv_heads, tokens, 128).unwrap();
+    let subsets: Vec<Vec<u32>> = (0..shape.q_heads).map(|_| (100..400).collect()).collect();
+    let err = rel_l2(&got, &reference_attention(&shape, &q, kview, vview, Some(&subsets)));
+    assert!(err <= 1e-4, "{err}");
+    // A job naming more slots than the cache has is refused before launch.
+    assert!(gpu.prepare_refs(&shape, &q, tokens, Some(&lists), 10).is_err());
+    assert!(gpu.launch_cached(mapped.pointers(), None, &mut job).is_err());
+}
