@@ -28,6 +28,8 @@ pub(crate) struct Layer {
     /// Bumped by every prefill or append, so a plan can tell it is stale.
     pub version: u64,
     pub prefilled: bool,
+    /// A recovered layer served exactly while its index is rebuilt in the background.
+    pub rebuilding: bool,
 }
 
 /// A context: spec plus layers, each behind its own lock so layers ingest in parallel.
@@ -48,6 +50,7 @@ impl Context {
                     reservation: None,
                     version: 0,
                     prefilled: false,
+                    rebuilding: false,
                 }))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -55,7 +58,7 @@ impl Context {
     }
 }
 
-fn make_method(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
+pub(crate) fn make_method(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
     fn typed<E: Element>(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
         let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
         Ok(match (kind, spec.method) {

@@ -54,6 +54,8 @@ pub struct Engine {
     host: Arc<MemoryBudget>,
     contexts: RwLock<HashMap<ContextId, Arc<Context>>>,
     next_id: AtomicU64,
+    /// The log, data files and catalog of an engine made by [`Engine::open`]; `None` in memory.
+    pub(crate) durable: Option<Arc<crate::durable::Durable>>,
 }
 
 impl Engine {
@@ -67,6 +69,7 @@ impl Engine {
             config,
             contexts: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
+            durable: None,
         })
     }
 
@@ -86,12 +89,39 @@ impl Engine {
         let ctx = Arc::new(Context::new(spec)?);
         // Relaxed: ids only need to be unique, which fetch_add guarantees at any ordering.
         let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        if let Some(durable) = &self.durable {
+            durable.log_create(id, &ctx.spec)?;
+        }
         self.contexts.write().insert(id, ctx);
         Ok(id)
     }
 
-    /// Drops a context and releases its memory.
+    /// Inserts a recovered context under its stored id; later ids are above it.
+    pub(crate) fn insert_context(&self, id: ContextId, spec: ContextSpec) -> Result<()> {
+        spec.validate()?;
+        let ctx = Arc::new(Context::new(spec)?);
+        // Relaxed: recovery runs on one thread before the engine is shared.
+        self.next_id.fetch_max(id.0 + 1, Ordering::Relaxed);
+        self.contexts.write().insert(id, ctx);
+        Ok(())
+    }
+
+    /// The id the next created context gets.
+    pub(crate) fn next_context_id(&self) -> u64 {
+        self.next_id.load(Ordering::Relaxed)
+    }
+
+    /// Raises the id the next created context gets (ids of dropped contexts are not reused).
+    pub(crate) fn reserve_context_ids(&self, next: u64) {
+        self.next_id.fetch_max(next, Ordering::Relaxed);
+    }
+
+    /// Drops a context and releases its memory (a durable engine logs it and deletes its files).
     pub fn drop_context(&self, id: ContextId) -> Result<()> {
+        if let Some(durable) = &self.durable {
+            self.context(id)?;
+            durable.log_drop(id)?;
+        }
         self.contexts.write().remove(&id).map(|_| ()).ok_or(Error::UnknownContext(id))
     }
 
@@ -148,7 +178,14 @@ impl Engine {
         self.ingest(id, layer, keys, values, false)
     }
 
-    fn ingest(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32], prefill: bool) -> Result<()> {
+    pub(crate) fn ingest(
+        &self,
+        id: ContextId,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        prefill: bool,
+    ) -> Result<()> {
         let ctx = self.context(id)?;
         let shape = ctx.spec.shape;
         let row = shape.kv_heads * shape.head_dim;
@@ -180,6 +217,10 @@ impl Engine {
         };
         let added_bytes = kept_after.saturating_sub(before) * 2 * row * ctx.spec.dtype.size_bytes();
         let batch = self.host.reserve(added_bytes)?;
+        if let Some(durable) = &self.durable {
+            // Data file, then the WAL record (group commit); only then is it visible here.
+            durable.log_ingest(id, layer, prefill, &ctx.spec, tokens, keys, values)?;
+        }
         let layer_state: &mut Layer = &mut guard;
         if prefill {
             layer_state.method.prefill(keys, values)?;
@@ -246,7 +287,7 @@ impl Engine {
         Ok(guard.method.exact_positions(q_head / g, &r.heads[q_head / g], q_head % g))
     }
 
-    fn context(&self, id: ContextId) -> Result<Arc<Context>> {
+    pub(crate) fn context(&self, id: ContextId) -> Result<Arc<Context>> {
         self.contexts.read().get(&id).cloned().ok_or(Error::UnknownContext(id))
     }
 }

@@ -2,6 +2,7 @@
 //! layers below, each with what was expected and what came.
 
 use crate::ContextId;
+use std::path::PathBuf;
 
 /// Errors of the engine API.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -88,6 +89,59 @@ pub enum Error {
     /// The buffer manager refused (out of memory, bad block size).
     #[error(transparent)]
     Buffer(#[from] attnstore_buffer::Error),
+    /// The write-ahead log failed: I/O error, a poisoned writer (an earlier fsync failed,
+    /// so durable writes are refused), or corruption in a log or manifest file.
+    #[error(transparent)]
+    Wal(#[from] attnstore_wal::Error),
+    /// Stored bytes fail a check: a data-file chunk, a record payload or the manifest's
+    /// catalog. Never served; the engine refuses to open.
+    #[error("{file}: corrupt at offset {offset}: {detail}")]
+    Corrupt {
+        /// The file.
+        file: PathBuf,
+        /// Byte offset of the bad chunk or record frame.
+        offset: u64,
+        /// What was expected and what came.
+        detail: String,
+    },
+    /// A data file that committed records point into does not exist.
+    #[error("{file}: data file missing, the log commits {committed_bytes} bytes in it")]
+    MissingDataFile {
+        /// The data file.
+        file: PathBuf,
+        /// Bytes the manifest and log say it holds.
+        committed_bytes: u64,
+    },
+    /// A data file is shorter than what the log says was committed to it.
+    #[error("{file}: data file holds {got_bytes} bytes, the log commits {expected_bytes}")]
+    DataFileShort {
+        /// The data file.
+        file: PathBuf,
+        /// Committed bytes.
+        expected_bytes: u64,
+        /// Bytes found.
+        got_bytes: u64,
+    },
+    /// The log files a directory must have are gone (every opened directory keeps at least
+    /// the file its log continues in).
+    #[error("{dir}: no log file found, expected one holding lsn {expected_lsn}")]
+    MissingLog {
+        /// The log directory.
+        dir: PathBuf,
+        /// The LSN replay must start at.
+        expected_lsn: u64,
+    },
+    /// Another engine (in this or another process) has the directory open.
+    #[error("{dir}: already opened by another engine (lock file {lock} is held)")]
+    DirectoryLocked {
+        /// The engine directory.
+        dir: PathBuf,
+        /// The lock file.
+        lock: PathBuf,
+    },
+    /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
+    #[error("{0} needs a durable engine (Engine::open), this one is in memory")]
+    NotDurable(&'static str),
 }
 
 /// Result alias of this crate.

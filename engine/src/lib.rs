@@ -3,12 +3,15 @@
 //! The KV cache is treated as a database: contexts are stored per layer in an access method
 //! (the wave index by default, PQCache's product quantization, or none), a decode step asks for attention with [`Request`]s, the
 //! planner turns them into a [`Plan`] of zones (steady / retrieve / estimate) that
-//! [`Plan::explain`] prints, and [`Engine::execute`] runs it.
+//! [`Plan::explain`] prints, and [`Engine::execute`] runs it. [`Engine::open`] makes the
+//! engine durable: KV goes to checksummed data files, a write-ahead log with group commit
+//! makes each batch visible, checkpoints write a manifest, and reopening recovers.
 
 #![deny(unsafe_code)]
 
 mod budget;
 mod context;
+pub mod durable;
 mod engine;
 mod error;
 mod execute;
@@ -23,6 +26,7 @@ pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, Selection
 pub use attnstore_kernels::{AttnShape, DType};
 pub use budget::{Budget, EstimateShare};
 pub use context::ContextId;
+pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{Engine, EngineConfig};
 pub use error::{Error, Result};
 pub use plan::{Plan, PlanCost, Request, RequestPlan, Strategy};

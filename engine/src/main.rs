@@ -1,5 +1,6 @@
 //! The `attnstore` command: `bench` measures sparse against exact attention on synthetic
-//! contexts; `explain` prints the plan of one decode step.
+//! contexts; `explain` prints the plan of one decode step; `check` and `recover` inspect and
+//! repair a durable engine directory; `bench-wal` measures the durability paths.
 
 use attnstore::bench::{self, BenchConfig, BenchMethod};
 use attnstore::synth::{SynthContext, SynthParams};
@@ -9,6 +10,7 @@ use attnstore::{
 };
 use clap::{Args, Parser, Subcommand};
 use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -29,6 +31,45 @@ enum Command {
     Bench(BenchArgs),
     /// Print the plan (EXPLAIN) of one decode step over a synthetic context.
     Explain(ExplainArgs),
+    /// Verify every checksum of a durable engine directory and print what is there (read-only).
+    Check {
+        /// The engine directory.
+        dir: PathBuf,
+    },
+    /// Open a durable engine directory, run recovery (cuts torn tails) and report what replay did.
+    Recover {
+        /// The engine directory.
+        dir: PathBuf,
+    },
+    /// Benchmark group commit, recovery time per GB and the first attention after reopening.
+    BenchWal(BenchWalArgs),
+}
+
+#[derive(Args)]
+struct BenchWalArgs {
+    /// Scratch directory (created, and deleted at the end).
+    #[arg(long, default_value = "target/bench-wal")]
+    dir: PathBuf,
+    /// Appending threads.
+    #[arg(long, default_value_t = 8)]
+    threads: usize,
+    /// Records (and engine batches) per thread.
+    #[arg(long, default_value_t = 500)]
+    records: usize,
+    /// Payload bytes per WAL record.
+    #[arg(long, default_value_t = 4096)]
+    record_bytes: usize,
+    /// Tokens per engine append batch.
+    #[arg(long, default_value_t = 16)]
+    batch_tokens: usize,
+    /// Tokens of the long context (K and M suffixes allowed); 0 skips the recovery figures.
+    #[arg(long, default_value = "128K", value_parser = parse_tokens_or_zero)]
+    tokens: usize,
+    /// Layers of the long context.
+    #[arg(long, default_value_t = 1)]
+    layers: usize,
+    #[command(flatten)]
+    shape: ShapeArgs,
 }
 
 #[derive(Args, Clone)]
@@ -132,6 +173,13 @@ fn parse_tokens(s: &str) -> Result<usize, String> {
         Some(v) if v > 0 => Ok(v),
         _ => Err(format!("token count {s:?} must be positive and fit in memory")),
     }
+}
+
+fn parse_tokens_or_zero(s: &str) -> Result<usize, String> {
+    if s.trim() == "0" {
+        return Ok(0);
+    }
+    parse_tokens(s)
 }
 
 fn parse_share(s: &str) -> Result<EstimateShare, String> {
@@ -259,11 +307,46 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn check(dir: PathBuf) -> Result<(), String> {
+    let report = attnstore::durable::check(&dir).map_err(|e| format!("check failed: {e}"))?;
+    println!("{report}");
+    Ok(())
+}
+
+fn recover(dir: PathBuf) -> Result<(), String> {
+    if !dir.is_dir() {
+        return Err(format!("{} is not a directory", dir.display()));
+    }
+    let engine = Engine::open(&dir, EngineConfig::default()).map_err(|e| format!("recovery failed: {e}"))?;
+    if let Some(report) = engine.recovery_report() {
+        println!("{report}");
+    }
+    Ok(())
+}
+
+fn bench_wal(args: BenchWalArgs) -> Result<(), String> {
+    let cfg = attnstore::durable::bench::WalBenchConfig {
+        dir: args.dir,
+        threads: args.threads,
+        records_per_thread: args.records,
+        record_bytes: args.record_bytes,
+        batch_tokens: args.batch_tokens,
+        context_tokens: args.tokens,
+        layers: args.layers,
+        shape: shape_of(&args.shape)?,
+    };
+    println!("attnstore bench-wal in {} ({} CPU threads)", cfg.dir.display(), rayon::current_num_threads());
+    attnstore::durable::bench::run(&cfg, &mut std::io::stdout()).map_err(|e| e.to_string())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Bench(a) => bench(a),
         Command::Explain(a) => explain(a),
+        Command::Check { dir } => check(dir),
+        Command::Recover { dir } => recover(dir),
+        Command::BenchWal(a) => bench_wal(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -176,6 +176,9 @@ pub(crate) fn plan_request(
         (_, Method::Pq(_)) if building => Some(format!(
             "the pq codebooks are still being built in the background: all {tokens} tokens attended exactly until ready"
         )),
+        _ if layer.rebuilding => Some(format!(
+            "the index is being rebuilt after recovery: all {tokens} tokens attended exactly until it is ready"
+        )),
         (_, Method::Wave(_) | Method::Pq(_)) if stats.indexed_tokens == 0 => {
             Some(format!("nothing indexed yet: all {tokens} tokens are in the steady zone"))
         }

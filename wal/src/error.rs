@@ -1,7 +1,10 @@
 //! The one error type of the WAL crate: every way a header or a record frame is refused.
 //!
 //! Variants carry what was expected and what came, and the byte offset of the frame, so
-//! recovery can say exactly where a log went bad instead of "corrupt log".
+//! recovery can say exactly where a log went bad instead of "corrupt log". I/O failures keep
+//! the operation, the path and the OS error kind; a failed fsync poisons the writer for good.
+
+use std::path::PathBuf;
 
 /// Everything that can go wrong while encoding or decoding the log.
 ///
@@ -77,15 +80,86 @@ pub enum Error {
         /// The payload size given.
         got_bytes: usize,
     },
+    /// An operating-system call on a log, manifest or data file failed.
+    #[error("{op} {path}: {kind:?}: {message}")]
+    Io {
+        /// What was being done (`"write"`, `"fsync"`, `"create"`, ...).
+        op: &'static str,
+        /// The file or directory.
+        path: PathBuf,
+        /// The OS error kind, for callers that branch on it (e.g. `StorageFull`).
+        kind: std::io::ErrorKind,
+        /// The OS error's text.
+        message: String,
+    },
+    /// An earlier write or fsync failed, so the writer refuses all further writes: after a
+    /// failed fsync the page cache may have dropped the data, and retrying is not safe.
+    #[error("wal writer poisoned by an earlier failure, refusing further writes: {cause}")]
+    Poisoned {
+        /// The failure that poisoned the writer.
+        cause: String,
+    },
+    /// The writer was closed.
+    #[error("wal writer is closed")]
+    Closed,
+    /// A record error inside a named file (the inner error carries the offset).
+    #[error("{file}: {source}")]
+    InFile {
+        /// The log or manifest file.
+        file: PathBuf,
+        /// What is wrong at which offset.
+        source: Box<Error>,
+    },
+    /// A log file other than the last one ends in a torn record: only the newest file can
+    /// have been cut short by a crash, so this is damage.
+    #[error("{file}: torn record at offset {offset} in a log file that is not the last one")]
+    TornBeforeLastFile {
+        /// The log file.
+        file: PathBuf,
+        /// End of its last whole record.
+        offset: usize,
+    },
+    /// The log sequence numbers of consecutive log files do not join up: a file is missing.
+    #[error("{file}: log starts at lsn {got}, expected lsn {expected} (a log file is missing)")]
+    LsnGap {
+        /// The log file that starts too late.
+        file: PathBuf,
+        /// The lsn the previous file (or the checkpoint) ends at.
+        expected: u64,
+        /// The lsn in the file's name.
+        got: u64,
+    },
+    /// A manifest is not exactly one checkpoint record after the file header.
+    #[error("{file}: manifest malformed: {detail}")]
+    BadManifest {
+        /// The manifest file.
+        file: PathBuf,
+        /// What was expected and what came.
+        detail: String,
+    },
 }
 
 impl Error {
+    /// Wraps an OS error with the operation and the path it was about.
+    pub fn io(op: &'static str, path: impl Into<PathBuf>, error: &std::io::Error) -> Self {
+        Error::Io { op, path: path.into(), kind: error.kind(), message: error.to_string() }
+    }
+
+    /// Names the file a record error was found in.
+    pub fn in_file(self, file: impl Into<PathBuf>) -> Self {
+        match self {
+            Error::InFile { .. } => self,
+            other => Error::InFile { file: file.into(), source: Box::new(other) },
+        }
+    }
+
     /// Offset of the bad record frame, for errors that come from one.
     pub fn offset(&self) -> Option<usize> {
         match self {
             Error::ChecksumMismatch { offset, .. }
             | Error::RecordTooLarge { offset, .. }
             | Error::UnknownRecordKind { offset, .. } => Some(*offset),
+            Error::InFile { source, .. } => source.offset(),
             _ => None,
         }
     }

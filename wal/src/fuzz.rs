@@ -1,15 +1,22 @@
 //! The body of the `wal_decode` fuzz target, kept in the crate so the checked-in corpus
 //! replays on stable (`tests/fuzz_corpus_replay.rs`) and libFuzzer runs it on nightly.
 //!
-//! It decodes arbitrary bytes as a log and panics when the reader contradicts itself.
+//! It decodes arbitrary bytes as a log and as a manifest, and panics when a decoder
+//! contradicts itself.
 
-use crate::{encode_record, FileHeader, RecordReader, Tail};
+use crate::{decode_manifest, encode_record, FileHeader, RecordKind, RecordReader, Tail};
 
 /// Body of the `wal_decode` fuzz target: decodes `data` as a log file (header, then
 /// frames) and as bare frames, and panics if the decoder contradicts itself: records not
 /// contiguous, an error anywhere but at the frame after the last record, a tail beyond
 /// the buffer, or records that do not re-encode to exactly the bytes they were read from.
+/// It also decodes `data` as a manifest: an accepted manifest must re-encode to `data`.
 pub fn fuzz_decode(data: &[u8]) {
+    if let Ok(payload) = decode_manifest(std::path::Path::new("fuzz-input"), data) {
+        let mut manifest = FileHeader::new().encode().to_vec();
+        encode_record(RecordKind::Checkpoint, payload, &mut manifest).expect("a decoded payload is re-encodable");
+        assert!(manifest == data, "an accepted manifest is exactly header + one checkpoint record");
+    }
     if let Ok(header) = FileHeader::decode(data) {
         assert_eq!(header.encode()[..], data[..FileHeader::SIZE], "a decoded header re-encodes to its bytes");
         let reader = RecordReader::open_log(data).expect("open_log accepts what FileHeader::decode accepts");
@@ -57,7 +64,7 @@ fn check_reader(data: &[u8], start: usize, mut reader: RecordReader<'_>) {
 mod tests {
     use super::*;
     use crate::sample_log::{sample_log, SplitMix64};
-    use crate::{RecordKind, FORMAT_VERSION};
+    use crate::FORMAT_VERSION;
 
     /// The seed corpus of `fuzz/corpus/wal_decode`: one file per case of the torn-tail vs
     /// corruption rule, each well under 4 KiB.
@@ -77,6 +84,8 @@ mod tests {
             edit(&mut bytes);
             bytes
         };
+        let mut manifest = header.clone();
+        encode_record(RecordKind::Checkpoint, b"catalog", &mut manifest).unwrap();
         let mut unknown_kind = header.clone();
         encode_record(RecordKind::AppendKv, b"kv", &mut unknown_kind).unwrap();
         unknown_kind[FileHeader::SIZE + 8] = 0x2a;
@@ -87,6 +96,8 @@ mod tests {
             ("valid_every_kind", every_kind.clone()),
             ("valid_empty_payloads", empty_payloads),
             ("valid_small_records", small.clone()),
+            ("valid_manifest", manifest.clone()),
+            ("torn_manifest", manifest[..manifest.len() - 1].to_vec()),
             ("bare_frames_without_header", every_kind[FileHeader::SIZE..].to_vec()),
             ("torn_inside_frame_header", small[..FileHeader::SIZE + 5].to_vec()),
             ("torn_inside_payload", every_kind[..every_kind.len() - 3].to_vec()),

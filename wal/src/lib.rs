@@ -1,10 +1,13 @@
-//! Write-ahead log of attnstore: the on-disk framing of the append-only log file.
+//! Write-ahead log of attnstore: framing, group-commit writer, replay and the manifest.
 //!
 //! A log file opens with a fixed [`FileHeader`] and continues with checksummed,
 //! length-prefixed record frames ([`encode_record`], [`RecordReader`]). The reader tells a
 //! clean end from a torn tail (what a crash leaves; recovery truncates there) and from
-//! corruption in the middle of the log (an [`Error`] with its byte offset). Group commit,
-//! fsync and replay build on this framing; `docs/wal-format.md` describes the bytes.
+//! corruption in the middle of the log (an [`Error`] with its byte offset). [`LogWriter`]
+//! appends frames to rotating files with group commit under a [`SyncPolicy`];
+//! [`replay_dir`] reads a directory of them back; [`write_manifest`] replaces a checkpoint
+//! manifest atomically. All writes go through [`Storage`], so tests can inject a full disk
+//! or a failing fsync. `docs/wal-format.md` describes the bytes.
 //!
 //! ```
 //! use attnstore_wal::{encode_record, FileHeader, RecordKind, RecordReader, Tail};
@@ -26,11 +29,19 @@
 mod error;
 mod fuzz;
 mod header;
+mod manifest;
 mod record;
+mod replay;
 #[cfg(test)]
 mod sample_log;
+mod storage;
+mod writer;
 
 pub use error::Error;
 pub use fuzz::fuzz_decode;
 pub use header::{FileHeader, FORMAT_VERSION, MAGIC};
+pub use manifest::{decode_manifest, read_manifest, write_manifest};
 pub use record::{encode_record, Record, RecordKind, RecordReader, Tail, FRAME_HEADER_BYTES, MAX_RECORD_BYTES};
+pub use replay::{list_log_files, replay_dir, LogFileSummary, LogReplay, ReplayedRecord, TornTail};
+pub use storage::{FaultyStorage, StdStorage, Storage, StorageFile};
+pub use writer::{log_file_name, parse_log_file_name, LogWriter, Lsn, SyncPolicy, WriterConfig, WriterStats};

@@ -1,0 +1,287 @@
+//! `attnstore bench-wal`: the durability figures, each against a baseline measured in the
+//! same run — group-commit append throughput vs one sequential write + fsync of the same
+//! bytes, recovery time per GB of KV, and the first attention after reopening a long
+//! context vs recomputing its index from the prompt's KV.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use attnstore_wal::{LogWriter, RecordKind, StdStorage, SyncPolicy, WriterConfig};
+
+use crate::synth::{SynthContext, SynthParams};
+use crate::{AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, Method, Request, Result};
+
+/// Settings of the durability bench.
+#[derive(Debug, Clone)]
+pub struct WalBenchConfig {
+    /// Scratch directory (created, and deleted at the end).
+    pub dir: PathBuf,
+    /// Appending threads.
+    pub threads: usize,
+    /// Records (or engine batches) per thread.
+    pub records_per_thread: usize,
+    /// Payload bytes per WAL record.
+    pub record_bytes: usize,
+    /// Tokens per engine append batch.
+    pub batch_tokens: usize,
+    /// Tokens of the long context (recovery and first-attention figures); 0 skips them.
+    pub context_tokens: usize,
+    /// Layers of the long context.
+    pub layers: usize,
+    /// Shape of the contexts.
+    pub shape: AttnShape,
+}
+
+fn secs(d: Duration) -> f64 {
+    d.as_secs_f64()
+}
+
+fn fresh(dir: &Path) -> Result<()> {
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).map_err(|e| attnstore_wal::Error::io("create dir", dir, &e))?;
+    Ok(())
+}
+
+/// One sequential writer, `pieces` writes of `piece_bytes`, one fsync at the end.
+fn sequential_write_then_fsync(path: &Path, pieces: usize, piece_bytes: usize) -> Result<Duration> {
+    let io = |e: std::io::Error| crate::Error::from(attnstore_wal::Error::io("bench write", path, &e));
+    let piece = vec![0x5a_u8; piece_bytes];
+    let started = Instant::now();
+    let mut file = File::create(path).map_err(io)?;
+    for _ in 0..pieces {
+        file.write_all(&piece).map_err(io)?;
+    }
+    file.sync_data().map_err(io)?;
+    Ok(started.elapsed())
+}
+
+/// Runs the bench, printing each figure as it is measured; removes its scratch directory.
+pub fn run(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
+    let outcome = measure(cfg, out);
+    let _ = std::fs::remove_dir_all(&cfg.dir);
+    outcome
+}
+
+fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
+    let p = |out: &mut dyn Write, line: String| {
+        let _ = writeln!(out, "{line}");
+        let _ = out.flush();
+    };
+    fresh(&cfg.dir)?;
+    let threads = cfg.threads.max(1);
+    let records = threads * cfg.records_per_thread.max(1);
+
+    // 1. WAL records: group commit vs one sequential write + fsync of the same frame bytes.
+    let frame = attnstore_wal::FRAME_HEADER_BYTES + cfg.record_bytes;
+    let total = records * frame;
+    let base = sequential_write_then_fsync(&cfg.dir.join("baseline.bin"), records, frame)?;
+    let per_record = {
+        let path = cfg.dir.join("baseline-each.bin");
+        let n = records.min(2000);
+        let io = |e: std::io::Error| crate::Error::from(attnstore_wal::Error::io("bench write", &path, &e));
+        let mut file = File::create(&path).map_err(io)?;
+        let piece = vec![0x5a_u8; frame];
+        let started = Instant::now();
+        for _ in 0..n {
+            file.write_all(&piece).map_err(io)?;
+            file.sync_data().map_err(io)?;
+        }
+        started.elapsed().as_secs_f64() / n as f64
+    };
+    let wal_dir = cfg.dir.join("wal");
+    fresh(&wal_dir)?;
+    let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 64 << 20 };
+    let log = LogWriter::create(&wal_dir, Arc::new(StdStorage), config, 1)?;
+    let payload = vec![0xa5_u8; cfg.record_bytes];
+    let started = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let handles: Vec<_> = (0..threads)
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    for _ in 0..cfg.records_per_thread.max(1) {
+                        log.append(RecordKind::AppendKv, &payload)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join().expect("bench thread panicked"))
+    })?;
+    let group = started.elapsed();
+    let stats = log.stats();
+    log.close()?;
+    let mb = total as f64 / 1e6;
+    p(
+        out,
+        format!(
+            "wal append: {threads} threads x {} records of {} B ({mb:.1} MB), sync every batch",
+            cfg.records_per_thread, cfg.record_bytes
+        ),
+    );
+    p(
+        out,
+        format!(
+            "  group commit        {:8.1} MB/s  {:9.0} records/s  {} fsyncs ({:.1} records per fsync)",
+            mb / secs(group),
+            records as f64 / secs(group),
+            stats.syncs,
+            records as f64 / stats.syncs.max(1) as f64
+        ),
+    );
+    p(out, format!("  baseline: 1 sequential write stream + 1 fsync of the same bytes {:8.1} MB/s", mb / secs(base)));
+    p(
+        out,
+        format!(
+            "  baseline: fsync after every record (no group commit): {:.3} ms per record = {:.0} records/s",
+            per_record * 1e3,
+            1.0 / per_record
+        ),
+    );
+    p(out, format!("  ratio group commit / sequential write+fsync: {:.2}", secs(base) / secs(group)));
+
+    // 2. Engine appends (KV batches through data files and the log) vs the same chunk bytes written sequentially.
+    let edir = cfg.dir.join("engine-append");
+    fresh(&edir)?;
+    let shape = cfg.shape;
+    let engine = Engine::open(&edir, EngineConfig::default())?;
+    let spec = ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F16);
+    let contexts = (0..threads).map(|_| engine.create_context(spec.clone())).collect::<Result<Vec<_>>>()?;
+    let batch_tokens = cfg.batch_tokens.max(1);
+    let kv: Vec<f32> = (0..shape.kv_len(batch_tokens)).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+    let started = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let handles: Vec<_> = contexts
+            .iter()
+            .map(|&ctx| {
+                let (engine, kv) = (&engine, &kv);
+                s.spawn(move || -> Result<()> {
+                    for _ in 0..cfg.records_per_thread.max(1) {
+                        engine.append(ctx, 0, kv, kv)?;
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join().expect("bench thread panicked"))
+    })?;
+    let appended = started.elapsed();
+    let wal_stats = engine.wal_stats()?;
+    drop(engine);
+    let chunk = super::datafile::CHUNK_HEADER_BYTES + 2 * shape.kv_len(batch_tokens) * 2;
+    let engine_bytes = records * chunk;
+    let base = sequential_write_then_fsync(&cfg.dir.join("baseline-chunks.bin"), records, chunk)?;
+    let mb = engine_bytes as f64 / 1e6;
+    p(out, format!(
+        "engine append: {threads} threads x {} batches of {batch_tokens} tokens ({} B chunks, {mb:.1} MB), flat f16, sync every batch",
+        cfg.records_per_thread, chunk
+    ));
+    p(
+        out,
+        format!(
+            "  durable append      {:8.1} MB/s  {:9.0} batches/s  {} log fsyncs ({:.1} batches per fsync)",
+            mb / secs(appended),
+            records as f64 / secs(appended),
+            wal_stats.syncs,
+            records as f64 / wal_stats.syncs.max(1) as f64
+        ),
+    );
+    p(out, format!("  baseline: 1 sequential write stream + 1 fsync of the same bytes {:8.1} MB/s", mb / secs(base)));
+    p(out, format!("  ratio durable append / sequential write+fsync: {:.2}", secs(base) / secs(appended)));
+    let _ = std::fs::remove_dir_all(&edir);
+
+    if cfg.context_tokens == 0 {
+        return Ok(());
+    }
+    // 3. Recovery per GB and the first attention after reopening a long context.
+    let tokens = cfg.context_tokens;
+    let synth = SynthContext::generate(SynthParams::new(shape, tokens, 42));
+    let query = synth.queries(0);
+    let budget = Budget::default();
+    for method in [Method::Flat, Method::default()] {
+        let dir = cfg.dir.join(format!("context-{}", method.name()));
+        fresh(&dir)?;
+        let spec = ContextSpec::new(shape, cfg.layers.max(1)).with_method(method);
+        // Recompute: an in-memory engine ingests the prompt's KV and builds the index.
+        let recompute = {
+            let engine = Engine::in_memory(EngineConfig::default())?;
+            let started = Instant::now();
+            let ctx = engine.create_context(spec.clone())?;
+            for layer in 0..spec.layers.len() {
+                engine.prefill(ctx, layer, &synth.keys, &synth.values)?;
+            }
+            let plan = engine.plan(&[Request::new(ctx, 0, query.clone())], &budget)?;
+            let first = engine.execute(&plan)?;
+            (started.elapsed(), first)
+        };
+        let (ctx, write_time) = {
+            let engine = Engine::open(&dir, EngineConfig::default())?;
+            let started = Instant::now();
+            let ctx = engine.create_context(spec.clone())?;
+            for layer in 0..spec.layers.len() {
+                engine.prefill(ctx, layer, &synth.keys, &synth.values)?;
+            }
+            engine.checkpoint()?;
+            (ctx, started.elapsed())
+        };
+        let started = Instant::now();
+        let engine = Engine::open(&dir, EngineConfig::default())?;
+        let opened = started.elapsed();
+        let plan = engine.plan(&[Request::new(ctx, 0, query.clone())], &budget)?;
+        let first = engine.execute(&plan)?;
+        let reopen_first = started.elapsed();
+        let report = engine.recovery_report().cloned().unwrap_or_default();
+        let gb = report.kv_bytes_loaded as f64 / 1e9;
+        let same = first == recompute.1;
+        p(
+            out,
+            format!(
+                "context {tokens} tokens x {} layers, {} kv heads, d={}, f16, method {}: {:.3} GB of KV on disk",
+                spec.layers.len(),
+                shape.kv_heads,
+                shape.head_dim,
+                method.name(),
+                gb
+            ),
+        );
+        p(out, format!("  durable prefill + checkpoint: {:.2} s", secs(write_time)));
+        p(out, format!(
+            "  reopen: {:.2} s = {:.2} s per GB (reading + verifying chunks {:.2} s, rebuilding the index {:.2} s; page cache warm)",
+            secs(opened),
+            secs(opened) / gb.max(1e-9),
+            secs(report.read_time),
+            secs(report.rebuild_time)
+        ));
+        p(out, format!(
+            "  first attention after reopen: {:.2} s; recompute (prefill from f32 KV in memory + first attention): {:.2} s; ratio reopen/recompute {:.2}; outputs equal: {same}",
+            secs(reopen_first),
+            secs(recompute.0),
+            secs(reopen_first) / secs(recompute.0)
+        ));
+        drop(engine);
+        if method != Method::Flat {
+            // Reopen again, serving exactly at once while the index is rebuilt in the background.
+            let config = super::DurableConfig { index_rebuild: super::IndexRebuild::Background, ..Default::default() };
+            let started = Instant::now();
+            let engine = Engine::open_with(&dir, EngineConfig::default(), config)?;
+            let plan = engine.plan(&[Request::new(ctx, 0, query.clone())], &budget)?;
+            engine.execute(&plan)?;
+            let first = started.elapsed();
+            let exact = matches!(plan.requests[0].strategy, crate::Strategy::Exact { .. });
+            engine.wait_index_rebuild(Duration::from_secs(3600))?;
+            let ready = started.elapsed();
+            let plan = engine.plan(&[Request::new(ctx, 0, query.clone())], &budget)?;
+            let same = engine.execute(&plan)? == recompute.1;
+            p(out, format!(
+                "  background rebuild: first attention after reopen {:.2} s (exact: {exact}), ratio to recompute {:.2}; index ready after {:.2} s, then outputs equal: {same}",
+                secs(first),
+                secs(first) / secs(recompute.0),
+                secs(ready)
+            ));
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    Ok(())
+}

@@ -1,0 +1,378 @@
+//! The durable engine: KV data files, a write-ahead log with group commit, checkpoints and
+//! recovery, under one directory:
+//!
+//! ```text
+//! DIR/LOCK                           flock held while an engine has the directory open
+//! DIR/MANIFEST                       catalog as of the last checkpoint (atomic replace)
+//! DIR/wal/wal-<first lsn>.log        log files (attnstore-wal framing)
+//! DIR/data/ctx-<id>-layer-<l>.kv     one append-only chunk file per (context, layer)
+//! ```
+//!
+//! An append writes its chunk to the data file, then appends an `AppendKv` record and waits
+//! for group commit (which fsyncs the data file before the log); only then does the batch
+//! become visible in memory. `Engine::in_memory` has no [`Durable`] and skips all of this.
+
+pub mod bench;
+mod datafile;
+mod fuzz;
+mod rebuild;
+mod records;
+mod recovery;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use attnstore_wal::{write_manifest, LogWriter, Lsn, RecordKind, StdStorage, Storage, StorageFile, WriterConfig};
+use parking_lot::{Mutex, RwLock};
+
+use crate::context::ContextId;
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{Error, Result};
+use crate::spec::ContextSpec;
+
+pub use datafile::StoredBatch;
+pub use fuzz::fuzz_decode_catalog;
+pub use rebuild::IndexRebuild;
+use records::{
+    encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,
+    ManifestLayer, SpecRecord,
+};
+pub use recovery::{check, CheckReport, LayerCheck, RecoveryReport};
+
+/// Name of the manifest file in an engine directory.
+pub const MANIFEST_FILE: &str = "MANIFEST";
+/// Lock file that keeps a second engine from opening the same directory.
+pub const LOCK_FILE: &str = "LOCK";
+/// Sub-directory of the log files.
+pub const WAL_DIR: &str = "wal";
+/// Sub-directory of the KV data files.
+pub const DATA_DIR: &str = "data";
+
+/// Settings of the durable part of an engine.
+#[derive(Debug, Clone)]
+pub struct DurableConfig {
+    /// Sync policy and log file size of the write-ahead log.
+    pub wal: WriterConfig,
+    /// The file system writes go through (a fault-injecting one in tests).
+    pub storage: Arc<dyn Storage>,
+    /// Whether opening waits for recovered indexes to be rebuilt.
+    pub index_rebuild: IndexRebuild,
+}
+
+impl Default for DurableConfig {
+    fn default() -> Self {
+        Self { wal: WriterConfig::default(), storage: Arc::new(StdStorage), index_rebuild: IndexRebuild::Blocking }
+    }
+}
+
+/// What a checkpoint did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckpointReport {
+    /// The manifest's new generation.
+    pub generation: u64,
+    /// Replay now starts at this LSN.
+    pub wal_start_lsn: Lsn,
+    /// Log files deleted because the manifest covers them.
+    pub removed_log_files: usize,
+    /// Contexts in the manifest.
+    pub contexts: usize,
+    /// Size of the manifest's payload.
+    pub manifest_bytes: usize,
+}
+
+/// The durable state attached to an [`Engine`] made by [`Engine::open`].
+pub(crate) struct Durable {
+    dir: PathBuf,
+    storage: Arc<dyn Storage>,
+    wal: LogWriter,
+    /// Appends, creates and drops hold it shared; a checkpoint holds it exclusively, so the
+    /// catalog it writes matches the log position it rotates to.
+    gate: RwLock<()>,
+    catalog: Mutex<Catalog>,
+    /// Held while a drop is logged.
+    drop_lock: Mutex<()>,
+    /// The open, `flock`ed `DIR/LOCK`: released when the engine (and its rebuild thread) let go.
+    _lock: std::fs::File,
+    report: RecoveryReport,
+    rebuild: rebuild::RebuildProgress,
+}
+
+/// The durable catalog: what the next manifest will say.
+#[derive(Default)]
+pub(crate) struct Catalog {
+    pub generation: u64,
+    pub contexts: BTreeMap<u64, CatalogContext>,
+}
+
+pub(crate) struct CatalogContext {
+    pub spec: SpecRecord,
+    pub layers: Vec<CatalogLayer>,
+}
+
+#[derive(Default)]
+pub(crate) struct CatalogLayer {
+    /// Open handle of the data file, once written to in this process.
+    pub file: Option<Arc<dyn StorageFile>>,
+    pub committed_bytes: u64,
+    pub tokens: u64,
+    pub chunks: u64,
+}
+
+impl CatalogLayer {
+    fn manifest(&self) -> ManifestLayer {
+        ManifestLayer { committed_bytes: self.committed_bytes, tokens: self.tokens, chunks: self.chunks }
+    }
+}
+
+fn data_path(dir: &Path, context: u64, layer: usize) -> PathBuf {
+    dir.join(DATA_DIR).join(datafile::data_file_name(context, layer))
+}
+
+impl Durable {
+    fn data_dir(&self) -> PathBuf {
+        self.dir.join(DATA_DIR)
+    }
+
+    pub(crate) fn log_create(&self, id: ContextId, spec: &ContextSpec) -> Result<()> {
+        let _gate = self.gate.read();
+        let spec = SpecRecord::from_spec(spec);
+        let layers = (0..spec.layers.len()).map(|_| CatalogLayer::default()).collect();
+        self.wal
+            .append(RecordKind::CreateContext, &encode(&CreateContextRecord { context: id.0, spec: spec.clone() }))?;
+        self.catalog.lock().contexts.insert(id.0, CatalogContext { spec, layers });
+        Ok(())
+    }
+
+    pub(crate) fn log_drop(&self, id: ContextId) -> Result<()> {
+        let _gate = self.gate.read();
+        // Drops are serialized so one context is never logged as dropped twice (replay
+        // refuses a drop of a context that does not exist).
+        let _drop = self.drop_lock.lock();
+        if !self.catalog.lock().contexts.contains_key(&id.0) {
+            return Err(Error::UnknownContext(id));
+        }
+        self.wal.append(RecordKind::DropContext, &encode(&DropContextRecord { context: id.0 }))?;
+        let dropped = self.catalog.lock().contexts.remove(&id.0);
+        // The drop is committed: the files are garbage now. Deleting them is best effort,
+        // recovery removes data files of contexts it does not know.
+        if let Some(ctx) = dropped {
+            for layer in 0..ctx.layers.len() {
+                let _ = std::fs::remove_file(data_path(&self.dir, id.0, layer));
+            }
+            let _ = self.storage.sync_dir(&self.data_dir());
+        }
+        Ok(())
+    }
+
+    /// Makes one ingest batch durable: chunk to the data file, then the `AppendKv` record
+    /// through group commit. The caller holds the layer's write lock, so batches of one
+    /// layer are written in the order they become visible.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn log_ingest(
+        &self,
+        id: ContextId,
+        layer: usize,
+        prefill: bool,
+        spec: &ContextSpec,
+        tokens: usize,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<()> {
+        let _gate = self.gate.read();
+        let path = data_path(&self.dir, id.0, layer);
+        let (file, offset) = {
+            let mut catalog = self.catalog.lock();
+            let entry = catalog.contexts.get_mut(&id.0).ok_or(Error::UnknownContext(id))?;
+            let state = &mut entry.layers[layer];
+            if state.file.is_none() {
+                let opened = if state.committed_bytes > 0 {
+                    self.storage.open(&path).map_err(|e| attnstore_wal::Error::io("open", &path, &e))?
+                } else {
+                    let file = self.storage.create(&path).map_err(|e| attnstore_wal::Error::io("create", &path, &e))?;
+                    let data_dir = self.data_dir();
+                    self.storage
+                        .sync_dir(&data_dir)
+                        .map_err(|e| attnstore_wal::Error::io("fsync dir", &data_dir, &e))?;
+                    file
+                };
+                state.file = Some(opened);
+            }
+            (state.file.clone().expect("opened above"), state.committed_bytes)
+        };
+        let chunk = datafile::encode_chunk(spec.dtype, prefill, tokens, keys, values);
+        // A failed write (e.g. a full disk) leaves at most garbage after the committed end,
+        // which the next write at the same offset overwrites and recovery truncates.
+        file.write_all_at(&chunk.bytes, offset).map_err(|e| attnstore_wal::Error::io("write", &path, &e))?;
+        let record = AppendRecord {
+            context: id.0,
+            layer: layer as u32,
+            prefill,
+            offset,
+            chunk_bytes: chunk.bytes.len() as u64,
+            tokens: tokens as u64,
+            payload_crc: chunk.payload_crc,
+        };
+        self.wal.append_after(RecordKind::AppendKv, &encode(&record), Some(file))?;
+        let mut catalog = self.catalog.lock();
+        if let Some(entry) = catalog.contexts.get_mut(&id.0) {
+            let state = &mut entry.layers[layer];
+            state.committed_bytes = offset + chunk.bytes.len() as u64;
+            state.tokens += tokens as u64;
+            state.chunks += 1;
+        }
+        Ok(())
+    }
+
+    fn checkpoint(&self, next_context_id: u64) -> Result<CheckpointReport> {
+        let _gate = self.gate.write();
+        // Everything logged so far becomes durable (data files included) and lies in older files.
+        let wal_start_lsn = self.wal.rotate()?;
+        let mut catalog = self.catalog.lock();
+        let generation = catalog.generation + 1;
+        let manifest = Manifest {
+            generation,
+            wal_start_lsn,
+            next_context_id,
+            contexts: catalog
+                .contexts
+                .iter()
+                .map(|(&context, c)| ManifestContext {
+                    context,
+                    spec: c.spec.clone(),
+                    layers: c.layers.iter().map(CatalogLayer::manifest).collect(),
+                })
+                .collect(),
+        };
+        let payload = encode(&manifest);
+        write_manifest(&*self.storage, &self.dir, MANIFEST_FILE, &payload)?;
+        catalog.generation = generation;
+        drop(catalog);
+        self.wal.append(RecordKind::Checkpoint, &encode(&CheckpointRecord { generation }))?;
+        let removed_log_files = self.wal.remove_files_before(wal_start_lsn)?;
+        Ok(CheckpointReport {
+            generation,
+            wal_start_lsn,
+            removed_log_files,
+            contexts: manifest.contexts.len(),
+            manifest_bytes: payload.len(),
+        })
+    }
+
+    fn stored_batches(&self, id: ContextId, layer: usize, spec: &ContextSpec) -> Result<Vec<StoredBatch>> {
+        let _gate = self.gate.read();
+        let committed = {
+            let catalog = self.catalog.lock();
+            let entry = catalog.contexts.get(&id.0).ok_or(Error::UnknownContext(id))?;
+            entry.layers[layer].committed_bytes
+        };
+        if committed == 0 {
+            return Ok(Vec::new());
+        }
+        let row = spec.shape.kv_heads * spec.shape.head_dim;
+        let mut reader = datafile::ChunkReader::open(&data_path(&self.dir, id.0, layer), committed, spec.dtype, row)?;
+        let mut batches = Vec::new();
+        while let Some(batch) = reader.next_chunk()? {
+            batches.push(batch);
+        }
+        Ok(batches)
+    }
+}
+
+impl Engine {
+    /// Opens (or creates) a durable engine in `dir` with the default [`DurableConfig`]
+    /// (fsync every group commit): loads the manifest, replays the log after it, verifies
+    /// every chunk it loads, and rebuilds each layer's index from the recovered KV.
+    ///
+    /// ```
+    /// use attnstore::{AttnShape, ContextSpec, Engine, EngineConfig};
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let shape = AttnShape::new(4, 2, 8).unwrap();
+    /// let keys = vec![0.25; shape.kv_len(10)];
+    /// let ctx = {
+    ///     let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    ///     let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+    ///     engine.prefill(ctx, 0, &keys, &keys).unwrap(); // durable once it returns
+    ///     ctx
+    /// };
+    /// let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    /// assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 10);
+    /// ```
+    pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Engine> {
+        Self::open_with(dir, config, DurableConfig::default())
+    }
+
+    /// [`Engine::open`] with a chosen sync policy and storage.
+    pub fn open_with(dir: impl AsRef<Path>, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
+        recovery::open(dir.as_ref(), config, durable)
+    }
+
+    /// Whether this engine writes to disk (made by [`Engine::open`]).
+    pub fn is_durable(&self) -> bool {
+        self.durable.is_some()
+    }
+
+    fn durable(&self, what: &'static str) -> Result<&Durable> {
+        self.durable.as_deref().ok_or(Error::NotDurable(what))
+    }
+
+    /// Writes a manifest of the whole catalog atomically and deletes the log files it
+    /// covers; appends wait while it runs.
+    pub fn checkpoint(&self) -> Result<CheckpointReport> {
+        let durable = self.durable("checkpoint")?;
+        durable.checkpoint(self.next_context_id())
+    }
+
+    /// Makes everything acknowledged so far durable, whatever the sync policy.
+    pub fn sync(&self) -> Result<()> {
+        self.durable("sync")?.wal.sync()?;
+        Ok(())
+    }
+
+    /// What opening this engine recovered; `None` for an in-memory engine.
+    pub fn recovery_report(&self) -> Option<&RecoveryReport> {
+        self.durable.as_deref().map(|d| &d.report)
+    }
+
+    /// Waits up to `timeout` for the background index rebuild after recovery
+    /// ([`IndexRebuild::Background`]): `Ok(true)` once every recovered layer has its index
+    /// (at once for in-memory engines and blocking rebuilds), `Ok(false)` at the deadline,
+    /// or the error that stopped the rebuild (those layers stay served exactly).
+    pub fn wait_index_rebuild(&self, timeout: std::time::Duration) -> Result<bool> {
+        let Some(durable) = self.durable.as_deref() else { return Ok(true) };
+        let deadline = std::time::Instant::now() + timeout;
+        let mut state = durable.rebuild.state.lock();
+        loop {
+            if let Some(error) = &state.error {
+                return Err(error.clone());
+            }
+            if state.pending_layers == 0 {
+                return Ok(true);
+            }
+            if durable.rebuild.done.wait_until(&mut state, deadline).timed_out() {
+                return Ok(state.pending_layers == 0 && state.error.is_none());
+            }
+        }
+    }
+
+    /// How long the background index rebuild took, once it has finished.
+    pub fn index_rebuild_time(&self) -> Option<std::time::Duration> {
+        self.durable.as_deref().and_then(|d| d.rebuild.state.lock().elapsed)
+    }
+
+    /// Counters of the write-ahead log (records, group writes, fsyncs).
+    pub fn wal_stats(&self) -> Result<attnstore_wal::WriterStats> {
+        Ok(self.durable("wal_stats")?.wal.stats())
+    }
+
+    /// The committed batches of one layer as stored in its data file (checksums verified),
+    /// in commit order, widened to f32.
+    pub fn stored_batches(&self, id: ContextId, layer: usize) -> Result<Vec<StoredBatch>> {
+        let spec = self.spec(id)?;
+        if layer >= spec.layers.len() {
+            return Err(Error::UnknownLayer { context: id, layer, layers: spec.layers.len() });
+        }
+        self.durable("stored_batches")?.stored_batches(id, layer, &spec)
+    }
+}

@@ -1,0 +1,308 @@
+//! What the durable engine writes inside checksummed frames: the payloads of WAL records and
+//! the manifest's catalog, encoded with `bincode` (DESIGN.md, Durability).
+//!
+//! The engine's own types (`ContextSpec`, `WaveParams`, ...) stay free of serde; this module
+//! mirrors them in plain records and converts both ways, so the on-disk format changes only
+//! when these records do. Decoding is bounded by the payload's length: a corrupt length
+//! prefix cannot make it allocate more than the bytes it was given.
+
+use std::time::Duration;
+
+use attnstore_index::{PqParams, WaveParams};
+use attnstore_kernels::{AttnShape, DType};
+use bincode::Options;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::spec::{ContextSpec, LayerKind, Method};
+
+/// A context was created (WAL `CreateContext`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct CreateContextRecord {
+    pub context: u64,
+    pub spec: SpecRecord,
+}
+
+/// A batch of KV rows was stored in a data file (WAL `AppendKv`): the chunk at `offset`
+/// of the layer's data file, `chunk_bytes` long with payload checksum `payload_crc`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct AppendRecord {
+    pub context: u64,
+    pub layer: u32,
+    pub prefill: bool,
+    pub offset: u64,
+    pub chunk_bytes: u64,
+    pub tokens: u64,
+    pub payload_crc: u32,
+}
+
+/// A context was dropped (WAL `DropContext`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct DropContextRecord {
+    pub context: u64,
+}
+
+/// A checkpoint was taken (WAL `Checkpoint`, first record of the log after it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct CheckpointRecord {
+    pub generation: u64,
+}
+
+/// The catalog as of a checkpoint: everything needed to find the data again.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Manifest {
+    /// Bumped by every checkpoint.
+    pub generation: u64,
+    /// Replay starts at this LSN; older log files may be deleted.
+    pub wal_start_lsn: u64,
+    /// The id the next created context gets (ids are never reused).
+    pub next_context_id: u64,
+    pub contexts: Vec<ManifestContext>,
+}
+
+/// One context in the manifest.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ManifestContext {
+    pub context: u64,
+    pub spec: SpecRecord,
+    pub layers: Vec<ManifestLayer>,
+}
+
+/// One layer in the manifest: how much of its data file is committed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ManifestLayer {
+    pub committed_bytes: u64,
+    pub tokens: u64,
+    pub chunks: u64,
+}
+
+/// [`ContextSpec`] on disk.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct SpecRecord {
+    pub q_heads: u32,
+    pub kv_heads: u32,
+    pub head_dim: u32,
+    pub layers: Vec<LayerKindRecord>,
+    pub dtype: DTypeRecord,
+    pub method: MethodRecord,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum LayerKindRecord {
+    Global,
+    SlidingWindow(u64),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum DTypeRecord {
+    F32,
+    F16,
+    Bf16,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum MethodRecord {
+    Wave {
+        sink_tokens: u64,
+        local_tokens: u64,
+        segment_tokens: u64,
+        decode_segment_tokens: u64,
+        tokens_per_cluster: u64,
+        max_iters: u64,
+        seed: u64,
+    },
+    Flat,
+    Pq {
+        subspaces: Option<u64>,
+        bits: Option<u64>,
+        sink_tokens: u64,
+        local_tokens: u64,
+        max_iters: u64,
+        build_budget_ns: Option<u64>,
+        train_rows_per_centroid: u64,
+        min_build_tokens: u64,
+        background: bool,
+        seed: u64,
+    },
+}
+
+fn wide(x: usize) -> u64 {
+    x as u64
+}
+
+/// A stored count back to `usize`; a value that does not fit is reported, not truncated.
+fn narrow(x: u64, what: &str) -> Result<usize, String> {
+    usize::try_from(x).map_err(|_| format!("{what} {x} does not fit in usize"))
+}
+
+impl SpecRecord {
+    pub fn from_spec(spec: &ContextSpec) -> Self {
+        let layers = spec
+            .layers
+            .iter()
+            .map(|kind| match *kind {
+                LayerKind::Global => LayerKindRecord::Global,
+                LayerKind::SlidingWindow(w) => LayerKindRecord::SlidingWindow(wide(w)),
+            })
+            .collect();
+        let dtype = match spec.dtype {
+            DType::F32 => DTypeRecord::F32,
+            DType::F16 => DTypeRecord::F16,
+            DType::Bf16 => DTypeRecord::Bf16,
+        };
+        let method = match spec.method {
+            Method::Wave(p) => MethodRecord::Wave {
+                sink_tokens: wide(p.sink_tokens),
+                local_tokens: wide(p.local_tokens),
+                segment_tokens: wide(p.segment_tokens),
+                decode_segment_tokens: wide(p.decode_segment_tokens),
+                tokens_per_cluster: wide(p.tokens_per_cluster),
+                max_iters: wide(p.max_iters),
+                seed: p.seed,
+            },
+            Method::Flat => MethodRecord::Flat,
+            Method::Pq(p) => MethodRecord::Pq {
+                subspaces: p.subspaces.map(wide),
+                bits: p.bits.map(wide),
+                sink_tokens: wide(p.sink_tokens),
+                local_tokens: wide(p.local_tokens),
+                max_iters: wide(p.max_iters),
+                build_budget_ns: p.build_budget.map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)),
+                train_rows_per_centroid: wide(p.train_rows_per_centroid),
+                min_build_tokens: wide(p.min_build_tokens),
+                background: p.background,
+                seed: p.seed,
+            },
+        };
+        Self {
+            q_heads: spec.shape.q_heads as u32,
+            kv_heads: spec.shape.kv_heads as u32,
+            head_dim: spec.shape.head_dim as u32,
+            layers,
+            dtype,
+            method,
+        }
+    }
+
+    /// The spec, validated as `create_context` would.
+    pub fn to_spec(&self) -> Result<ContextSpec, String> {
+        let shape = AttnShape::new(self.q_heads as usize, self.kv_heads as usize, self.head_dim as usize)
+            .map_err(|e| e.to_string())?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|kind| {
+                Ok(match *kind {
+                    LayerKindRecord::Global => LayerKind::Global,
+                    LayerKindRecord::SlidingWindow(w) => LayerKind::SlidingWindow(narrow(w, "window")?),
+                })
+            })
+            .collect::<Result<Vec<_>, String>>()?;
+        let dtype = match self.dtype {
+            DTypeRecord::F32 => DType::F32,
+            DTypeRecord::F16 => DType::F16,
+            DTypeRecord::Bf16 => DType::Bf16,
+        };
+        let method = match self.method {
+            MethodRecord::Wave {
+                sink_tokens,
+                local_tokens,
+                segment_tokens,
+                decode_segment_tokens,
+                tokens_per_cluster,
+                max_iters,
+                seed,
+            } => Method::Wave(WaveParams {
+                sink_tokens: narrow(sink_tokens, "sink_tokens")?,
+                local_tokens: narrow(local_tokens, "local_tokens")?,
+                segment_tokens: narrow(segment_tokens, "segment_tokens")?,
+                decode_segment_tokens: narrow(decode_segment_tokens, "decode_segment_tokens")?,
+                tokens_per_cluster: narrow(tokens_per_cluster, "tokens_per_cluster")?,
+                max_iters: narrow(max_iters, "max_iters")?,
+                seed,
+            }),
+            MethodRecord::Flat => Method::Flat,
+            MethodRecord::Pq {
+                subspaces,
+                bits,
+                sink_tokens,
+                local_tokens,
+                max_iters,
+                build_budget_ns,
+                train_rows_per_centroid,
+                min_build_tokens,
+                background,
+                seed,
+            } => Method::Pq(PqParams {
+                subspaces: subspaces.map(|m| narrow(m, "subspaces")).transpose()?,
+                bits: bits.map(|b| narrow(b, "bits")).transpose()?,
+                sink_tokens: narrow(sink_tokens, "sink_tokens")?,
+                local_tokens: narrow(local_tokens, "local_tokens")?,
+                max_iters: narrow(max_iters, "max_iters")?,
+                build_budget: build_budget_ns.map(Duration::from_nanos),
+                train_rows_per_centroid: narrow(train_rows_per_centroid, "train_rows_per_centroid")?,
+                min_build_tokens: narrow(min_build_tokens, "min_build_tokens")?,
+                background,
+                seed,
+            }),
+        };
+        let spec = ContextSpec { shape, layers, dtype, method };
+        spec.validate().map_err(|e| e.to_string())?;
+        Ok(spec)
+    }
+}
+
+/// bincode settings of every durable payload: varint integers, no trailing bytes, and a
+/// read limit of the payload's own length.
+fn options(limit: usize) -> impl Options {
+    bincode::DefaultOptions::new().with_limit(limit as u64).reject_trailing_bytes()
+}
+
+/// Encodes a record payload.
+pub(crate) fn encode<T: Serialize>(value: &T) -> Vec<u8> {
+    // Serializing these plain records into a Vec cannot fail: no maps with non-string keys,
+    // no sizes beyond the (unbounded for writing) limit.
+    bincode::DefaultOptions::new().serialize(value).expect("durable records always serialize")
+}
+
+/// Decodes a record payload; every byte must be used.
+pub(crate) fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, String> {
+    options(payload.len()).deserialize(payload).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kind_of_spec_round_trips_through_its_record() {
+        let shape = AttnShape::new(8, 2, 32).unwrap();
+        let pq = PqParams { build_budget: Some(Duration::from_millis(7)), subspaces: Some(4), ..PqParams::default() };
+        for spec in [
+            ContextSpec::new(shape, 2),
+            ContextSpec::new(shape, 1).with_dtype(DType::F32).with_method(Method::Flat),
+            ContextSpec::new(shape, 1).with_dtype(DType::Bf16).with_method(Method::Pq(pq)),
+            ContextSpec::new(shape, 3).with_layers(vec![
+                LayerKind::Global,
+                LayerKind::SlidingWindow(512),
+                LayerKind::Global,
+            ]),
+        ] {
+            let record = SpecRecord::from_spec(&spec);
+            let back: SpecRecord = decode(&encode(&record)).unwrap();
+            assert_eq!(back.to_spec().unwrap(), spec);
+        }
+    }
+
+    #[test]
+    fn trailing_bytes_and_huge_length_prefixes_are_refused_without_allocating() {
+        let mut bytes = encode(&DropContextRecord { context: 3 });
+        bytes.push(0);
+        assert!(decode::<DropContextRecord>(&bytes).is_err());
+        // A manifest whose context list claims 2^60 entries: refused by the length limit.
+        let mut huge = encode(&Manifest { generation: 1, wal_start_lsn: 1, next_context_id: 1, contexts: vec![] });
+        huge.pop();
+        huge.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0x10]);
+        assert!(decode::<Manifest>(&huge).is_err());
+    }
+}

@@ -1,0 +1,644 @@
+//! Recovery: manifest, then the log after it, then the data files the two commit to.
+//!
+//! [`read_state`] is read-only and shared by `Engine::open` and [`check`]: it decodes the
+//! manifest and every log record into the committed catalog (contexts, and per layer the
+//! committed length of its data file). Opening then repairs (cuts the torn log tail and
+//! uncommitted data-file bytes), loads every chunk with its checksums verified, and rebuilds
+//! the indexes by replaying the batches through the in-memory ingest path.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use attnstore_wal::{read_manifest, replay_dir, LogFileSummary, LogReplay, LogWriter, Lsn, RecordKind, TornTail};
+use parking_lot::{Mutex, RwLock};
+
+use super::datafile::{parse_data_file_name, ChunkReader, StoredBatch};
+use super::rebuild::{self, IndexRebuild, RebuildJob, RebuildProgress};
+use super::records::{decode, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord};
+use super::{
+    data_path, Catalog, CatalogContext, CatalogLayer, Durable, DurableConfig, DATA_DIR, LOCK_FILE, MANIFEST_FILE,
+    WAL_DIR,
+};
+use crate::context::make_method;
+use crate::context::ContextId;
+use crate::engine::{Engine, EngineConfig};
+use crate::error::{Error, Result};
+use crate::spec::{ContextSpec, LayerKind, Method};
+
+/// What opening a durable engine found and did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RecoveryReport {
+    /// Generation of the manifest loaded, `None` if there was none (a new directory or no
+    /// checkpoint yet).
+    pub manifest_generation: Option<u64>,
+    /// LSN replay started at.
+    pub wal_start_lsn: Lsn,
+    /// Log files read.
+    pub log_files: Vec<LogFileSummary>,
+    /// Records replayed, per kind: create, append, drop, checkpoint.
+    pub replayed: RecordCounts,
+    /// Appends skipped because their context was dropped later in the log.
+    pub skipped_appends: u64,
+    /// The torn log tail that was cut off, if a crash left one.
+    pub torn_tail: Option<TornTail>,
+    /// Bytes after the committed end of data files (chunks whose record never committed), cut off.
+    pub uncommitted_data_bytes: u64,
+    /// Data files of contexts that no longer exist, deleted.
+    pub orphan_data_files: Vec<PathBuf>,
+    /// Contexts recovered.
+    pub contexts: usize,
+    /// Layers whose KV was loaded.
+    pub layers_loaded: usize,
+    /// Tokens loaded, summed over layers.
+    pub tokens_loaded: u64,
+    /// Bytes of KV chunks read and verified.
+    pub kv_bytes_loaded: u64,
+    /// The LSN the log continues at.
+    pub next_lsn: Lsn,
+    /// Time reading and verifying chunks.
+    pub read_time: Duration,
+    /// Time rebuilding indexes (ingest of the recovered batches).
+    pub rebuild_time: Duration,
+    /// Wall time of the whole open.
+    pub total_time: Duration,
+    /// Layers loaded exactly whose index is being rebuilt in the background.
+    pub background_rebuild_layers: usize,
+}
+
+/// Records of each kind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RecordCounts {
+    /// `CreateContext` records.
+    pub creates: u64,
+    /// `AppendKv` records.
+    pub appends: u64,
+    /// `DropContext` records.
+    pub drops: u64,
+    /// `Checkpoint` records.
+    pub checkpoints: u64,
+}
+
+impl fmt::Display for RecoveryReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.manifest_generation {
+            Some(g) => writeln!(f, "manifest: generation {g}, replay from lsn {}", self.wal_start_lsn)?,
+            None => writeln!(f, "manifest: none, replay from lsn {}", self.wal_start_lsn)?,
+        }
+        let log_bytes: u64 = self.log_files.iter().map(|l| l.bytes).sum();
+        let r = self.replayed;
+        writeln!(
+            f,
+            "log: {} files, {log_bytes} bytes; replayed {} creates, {} appends ({} skipped: context dropped), {} drops, {} checkpoints; next lsn {}",
+            self.log_files.len(),
+            r.creates,
+            r.appends,
+            self.skipped_appends,
+            r.drops,
+            r.checkpoints,
+            self.next_lsn
+        )?;
+        match &self.torn_tail {
+            Some(t) => writeln!(
+                f,
+                "torn tail: {} cut at offset {} ({} bytes dropped)",
+                t.file.display(),
+                t.valid_up_to,
+                t.file_bytes - t.valid_up_to
+            )?,
+            None => writeln!(f, "torn tail: none")?,
+        }
+        writeln!(
+            f,
+            "data: {} contexts, {} layers, {} tokens, {} KV bytes verified; {} uncommitted bytes cut; {} orphan files removed",
+            self.contexts,
+            self.layers_loaded,
+            self.tokens_loaded,
+            self.kv_bytes_loaded,
+            self.uncommitted_data_bytes,
+            self.orphan_data_files.len()
+        )?;
+        if self.background_rebuild_layers > 0 {
+            writeln!(
+                f,
+                "indexes: {} layers served exactly while rebuilt in the background",
+                self.background_rebuild_layers
+            )?;
+        }
+        write!(
+            f,
+            "time: {:.1} ms total ({:.1} ms reading chunks, {:.1} ms rebuilding indexes)",
+            ms(self.total_time),
+            ms(self.read_time),
+            ms(self.rebuild_time)
+        )
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// The committed state of a directory, read without changing anything.
+pub(crate) struct State {
+    pub manifest_generation: Option<u64>,
+    pub wal_start_lsn: Lsn,
+    pub next_context_id: u64,
+    pub contexts: BTreeMap<u64, CommittedContext>,
+    pub replay: LogReplay,
+    pub replayed: RecordCounts,
+    pub skipped_appends: u64,
+    /// Payload crc of each chunk the replayed log committed, by (context, layer, offset).
+    pub logged_crcs: HashMap<(u64, usize, u64), u32>,
+}
+
+pub(crate) struct CommittedContext {
+    pub spec_record: SpecRecord,
+    pub spec: ContextSpec,
+    pub layers: Vec<super::records::ManifestLayer>,
+}
+
+/// Reads manifest and log of `dir` into the committed catalog.
+pub(crate) fn read_state(dir: &Path) -> Result<State> {
+    let manifest_path = dir.join(MANIFEST_FILE);
+    let manifest: Option<Manifest> = match read_manifest(dir, MANIFEST_FILE)? {
+        Some(payload) => Some(decode(&payload).map_err(|detail| Error::Corrupt {
+            file: manifest_path.clone(),
+            offset: attnstore_wal::FileHeader::SIZE as u64,
+            detail: format!("manifest catalog does not decode: {detail}"),
+        })?),
+        None => None,
+    };
+    let wal_start_lsn = manifest.as_ref().map_or(1, |m| m.wal_start_lsn);
+    let mut contexts = BTreeMap::new();
+    let mut next_context_id = 1;
+    if let Some(m) = &manifest {
+        next_context_id = m.next_context_id;
+        for c in &m.contexts {
+            let corrupt = |detail: String| Error::Corrupt {
+                file: manifest_path.clone(),
+                offset: attnstore_wal::FileHeader::SIZE as u64,
+                detail,
+            };
+            let spec = c.spec.to_spec().map_err(|e| corrupt(format!("context {}: bad spec: {e}", c.context)))?;
+            if c.layers.len() != spec.layers.len() {
+                return Err(corrupt(format!(
+                    "context {}: expected {} layers, got {}",
+                    c.context,
+                    spec.layers.len(),
+                    c.layers.len()
+                )));
+            }
+            let entry = CommittedContext { spec_record: c.spec.clone(), spec, layers: c.layers.clone() };
+            if contexts.insert(c.context, entry).is_some() {
+                return Err(corrupt(format!("context {} listed twice", c.context)));
+            }
+        }
+    }
+    let replay = replay_dir(&dir.join(WAL_DIR), wal_start_lsn)?;
+    // An opened directory always keeps the log file it continues in: with none left, a
+    // checkpointed or written directory has lost its log (do not treat it as empty).
+    if replay.files.is_empty() && (manifest.is_some() || !data_files(dir)?.is_empty()) {
+        return Err(Error::MissingLog { dir: dir.join(WAL_DIR), expected_lsn: wal_start_lsn });
+    }
+    // Appends to a context dropped later in the log are skipped: its files may be gone.
+    let mut dropped_later = std::collections::HashSet::new();
+    for record in &replay.records {
+        if record.kind == RecordKind::DropContext {
+            if let Ok(r) = decode::<DropContextRecord>(&record.payload) {
+                dropped_later.insert(r.context);
+            }
+        }
+    }
+    let mut state = State {
+        manifest_generation: manifest.as_ref().map(|m| m.generation),
+        wal_start_lsn,
+        next_context_id,
+        contexts,
+        replay: LogReplay::default(),
+        replayed: RecordCounts::default(),
+        skipped_appends: 0,
+        logged_crcs: HashMap::new(),
+    };
+    for record in &replay.records {
+        let corrupt =
+            |detail: String| Error::Corrupt { file: record.file.clone(), offset: record.offset as u64, detail };
+        let bad_payload =
+            |e: String| corrupt(format!("{:?} record (lsn {}) does not decode: {e}", record.kind, record.lsn));
+        match record.kind {
+            RecordKind::CreateContext => {
+                let r: CreateContextRecord = decode(&record.payload).map_err(bad_payload)?;
+                let spec = r.spec.to_spec().map_err(|e| corrupt(format!("context {}: bad spec: {e}", r.context)))?;
+                let layers =
+                    vec![super::records::ManifestLayer { committed_bytes: 0, tokens: 0, chunks: 0 }; spec.layers.len()];
+                if state.contexts.insert(r.context, CommittedContext { spec_record: r.spec, spec, layers }).is_some() {
+                    return Err(corrupt(format!("context {} created twice", r.context)));
+                }
+                state.next_context_id = state.next_context_id.max(r.context + 1);
+                state.replayed.creates += 1;
+            }
+            RecordKind::AppendKv => {
+                let r: AppendRecord = decode(&record.payload).map_err(bad_payload)?;
+                state.replayed.appends += 1;
+                let Some(ctx) = state.contexts.get_mut(&r.context) else {
+                    if dropped_later.contains(&r.context) {
+                        state.skipped_appends += 1;
+                        continue;
+                    }
+                    return Err(corrupt(format!("append to context {} which does not exist", r.context)));
+                };
+                let layers = ctx.layers.len();
+                let Some(layer) = ctx.layers.get_mut(r.layer as usize) else {
+                    return Err(corrupt(format!(
+                        "append to layer {} of context {} which has {layers}",
+                        r.layer, r.context
+                    )));
+                };
+                if r.offset != layer.committed_bytes {
+                    return Err(corrupt(format!(
+                        "append to context {} layer {}: expected its chunk at data offset {}, record says {}",
+                        r.context, r.layer, layer.committed_bytes, r.offset
+                    )));
+                }
+                layer.committed_bytes += r.chunk_bytes;
+                layer.tokens += r.tokens;
+                layer.chunks += 1;
+                state.logged_crcs.insert((r.context, r.layer as usize, r.offset), r.payload_crc);
+            }
+            RecordKind::DropContext => {
+                let r: DropContextRecord = decode(&record.payload).map_err(bad_payload)?;
+                if state.contexts.remove(&r.context).is_none() {
+                    return Err(corrupt(format!("drop of context {} which does not exist", r.context)));
+                }
+                state.replayed.drops += 1;
+            }
+            RecordKind::Checkpoint => state.replayed.checkpoints += 1,
+            RecordKind::SegmentBuilt => {
+                return Err(corrupt("SegmentBuilt records are not written by this version".into()));
+            }
+        }
+    }
+    state.replay = replay;
+    Ok(state)
+}
+
+/// Reads and verifies the committed chunks of one layer, cross-checking the payload crc of
+/// every chunk the replayed log named, and the token count.
+fn read_layer(
+    dir: &Path,
+    state: &State,
+    context: u64,
+    layer: usize,
+    mut sink: impl FnMut(StoredBatch) -> Result<()>,
+) -> Result<(u64, u64)> {
+    let ctx = &state.contexts[&context];
+    let committed = ctx.layers[layer];
+    let path = data_path(dir, context, layer);
+    let row = ctx.spec.shape.kv_heads * ctx.spec.shape.head_dim;
+    let mut reader = ChunkReader::open(&path, committed.committed_bytes, ctx.spec.dtype, row)?;
+    let (mut tokens, mut chunks) = (0u64, 0u64);
+    while let Some(batch) = reader.next_chunk()? {
+        if let Some(&logged) = state.logged_crcs.get(&(context, layer, batch.offset)) {
+            if logged != batch.payload_crc {
+                return Err(Error::Corrupt {
+                    file: path,
+                    offset: batch.offset,
+                    detail: format!(
+                        "chunk payload crc {:#010x}, the log record committed {logged:#010x}",
+                        batch.payload_crc
+                    ),
+                });
+            }
+        }
+        tokens += batch.tokens as u64;
+        chunks += 1;
+        sink(batch)?;
+    }
+    if (tokens, chunks) != (committed.tokens, committed.chunks) {
+        return Err(Error::Corrupt {
+            file: path,
+            offset: committed.committed_bytes,
+            detail: format!(
+                "expected {} tokens in {} chunks, the data file holds {tokens} in {chunks}",
+                committed.tokens, committed.chunks
+            ),
+        });
+    }
+    Ok((tokens, committed.committed_bytes))
+}
+
+fn data_files(dir: &Path) -> Result<Vec<(u64, usize, PathBuf)>> {
+    let data_dir = dir.join(DATA_DIR);
+    let mut files = Vec::new();
+    let entries = match std::fs::read_dir(&data_dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(files),
+        Err(e) => return Err(attnstore_wal::Error::io("list", &data_dir, &e).into()),
+    };
+    for entry in entries {
+        let entry = entry.map_err(|e| attnstore_wal::Error::io("list", &data_dir, &e))?;
+        if let Some((context, layer)) = entry.file_name().to_str().and_then(parse_data_file_name) {
+            files.push((context, layer, entry.path()));
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
+fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+    move |e| attnstore_wal::Error::io(op, path, &e).into()
+}
+
+/// Takes an exclusive `flock` on `DIR/LOCK`, held as long as the returned file is open
+/// (the OS releases it when the process dies, so a crash never leaves it behind).
+fn lock_directory(dir: &Path) -> Result<std::fs::File> {
+    let path = dir.join(LOCK_FILE);
+    let file =
+        std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io("open", &path))?;
+    match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(file),
+        Err(rustix::io::Errno::WOULDBLOCK) => Err(Error::DirectoryLocked { dir: dir.to_path_buf(), lock: path }),
+        Err(errno) => Err(io("lock", &path)(errno.into())),
+    }
+}
+
+/// Opens a durable engine: see [`Engine::open`].
+pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
+    let started = Instant::now();
+    let storage = durable.storage.clone();
+    for sub in [dir.to_path_buf(), dir.join(WAL_DIR), dir.join(DATA_DIR)] {
+        std::fs::create_dir_all(&sub).map_err(io("create dir", &sub))?;
+    }
+    storage.sync_dir(dir).map_err(io("fsync dir", dir))?;
+    let lock = lock_directory(dir)?;
+    // A checkpoint that died before its rename leaves the new manifest half-made; the old one stands.
+    let _ = std::fs::remove_file(dir.join(format!("{MANIFEST_FILE}.tmp")));
+    let state = read_state(dir)?;
+    state.replay.repair(&*storage)?;
+    let mut report = RecoveryReport {
+        manifest_generation: state.manifest_generation,
+        wal_start_lsn: state.wal_start_lsn,
+        log_files: state.replay.files.clone(),
+        replayed: state.replayed,
+        skipped_appends: state.skipped_appends,
+        torn_tail: state.replay.torn.clone(),
+        contexts: state.contexts.len(),
+        next_lsn: state.replay.next_lsn,
+        ..RecoveryReport::default()
+    };
+    let engine = Engine::in_memory(config)?;
+    let background = durable.index_rebuild == IndexRebuild::Background;
+    let mut jobs = Vec::new();
+    for (&context, ctx) in &state.contexts {
+        let id = ContextId(context);
+        engine.insert_context(id, ctx.spec.clone())?;
+        for layer in 0..ctx.layers.len() {
+            let committed = ctx.layers[layer].committed_bytes;
+            let indexed = ctx.spec.layers[layer] == LayerKind::Global && ctx.spec.method != Method::Flat;
+            if background && indexed && committed > 0 {
+                // Load into an exact (flat) method now; the real index follows in the background.
+                let handle = engine.context(id)?;
+                let flat = ctx.spec.clone().with_method(Method::Flat);
+                let mut guard = handle.layers[layer].write();
+                guard.method = make_method(&flat, LayerKind::Global)?;
+                guard.rebuilding = true;
+                drop(guard);
+                jobs.push(RebuildJob { context: handle, id, layer, loaded_bytes: committed });
+            }
+            let path = data_path(dir, context, layer);
+            // Cut what an append wrote before its record committed (if the file exists at all).
+            if let Ok(meta) = std::fs::metadata(&path) {
+                if meta.len() > committed {
+                    report.uncommitted_data_bytes += meta.len() - committed;
+                    let file = storage.open(&path).map_err(io("open", &path))?;
+                    file.set_len(committed).map_err(io("truncate", &path))?;
+                    file.sync_data().map_err(io("fsync", &path))?;
+                }
+            }
+            if committed == 0 {
+                continue;
+            }
+            let mut read_time = Duration::ZERO;
+            let mut rebuild_time = Duration::ZERO;
+            let mut last = Instant::now();
+            let (tokens, bytes) = read_layer(dir, &state, context, layer, |batch| {
+                read_time += last.elapsed();
+                let rebuild = Instant::now();
+                engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)?;
+                rebuild_time += rebuild.elapsed();
+                last = Instant::now();
+                Ok(())
+            })?;
+            report.read_time += read_time;
+            report.rebuild_time += rebuild_time;
+            report.layers_loaded += 1;
+            report.tokens_loaded += tokens;
+            report.kv_bytes_loaded += bytes;
+        }
+    }
+    engine.reserve_context_ids(state.next_context_id);
+    for (context, _, path) in data_files(dir)? {
+        if !state.contexts.contains_key(&context) {
+            std::fs::remove_file(&path).map_err(io("remove", &path))?;
+            report.orphan_data_files.push(path);
+        }
+    }
+    let wal = LogWriter::create(&dir.join(WAL_DIR), storage.clone(), durable.wal, state.replay.next_lsn)?;
+    let catalog = Catalog {
+        generation: state.manifest_generation.unwrap_or(0),
+        contexts: state
+            .contexts
+            .into_iter()
+            .map(|(context, c)| {
+                let layers = c
+                    .layers
+                    .iter()
+                    .map(|l| CatalogLayer {
+                        file: None,
+                        committed_bytes: l.committed_bytes,
+                        tokens: l.tokens,
+                        chunks: l.chunks,
+                    })
+                    .collect();
+                (context, CatalogContext { spec: c.spec_record, layers })
+            })
+            .collect(),
+    };
+    report.background_rebuild_layers = jobs.len();
+    report.total_time = started.elapsed();
+    let progress = RebuildProgress::default();
+    progress.state.lock().pending_layers = jobs.len();
+    let attached = Arc::new(Durable {
+        dir: dir.to_path_buf(),
+        storage,
+        wal,
+        gate: RwLock::new(()),
+        catalog: Mutex::new(catalog),
+        drop_lock: Mutex::new(()),
+        _lock: lock,
+        report,
+        rebuild: progress,
+    });
+    if !jobs.is_empty() {
+        let for_thread = Arc::downgrade(&attached);
+        std::thread::Builder::new()
+            .name("attnstore-index-rebuild".into())
+            .spawn(move || rebuild::run(for_thread, jobs))
+            .map_err(io("spawn index rebuild for", dir))?;
+    }
+    let mut engine = engine;
+    engine.durable = Some(attached);
+    Ok(engine)
+}
+
+/// One layer as [`check`] found it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerCheck {
+    /// The context.
+    pub context: u64,
+    /// The layer.
+    pub layer: usize,
+    /// Its data file.
+    pub file: PathBuf,
+    /// Committed chunks, all verified.
+    pub chunks: u64,
+    /// Committed tokens.
+    pub tokens: u64,
+    /// Committed bytes.
+    pub committed_bytes: u64,
+    /// Bytes after the committed end (an append whose record never committed).
+    pub uncommitted_bytes: u64,
+}
+
+/// What [`check`] found in a directory: everything verified, nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckReport {
+    /// Generation of the manifest, if any.
+    pub manifest_generation: Option<u64>,
+    /// LSN replay would start at.
+    pub wal_start_lsn: Lsn,
+    /// Log files read.
+    pub log_files: Vec<LogFileSummary>,
+    /// Records after the checkpoint, per kind.
+    pub records: RecordCounts,
+    /// A torn tail recovery would cut.
+    pub torn_tail: Option<TornTail>,
+    /// Contexts and their specs, in words.
+    pub contexts: Vec<(u64, String)>,
+    /// Every layer with data.
+    pub layers: Vec<LayerCheck>,
+    /// Data files of contexts that do not exist.
+    pub orphan_data_files: Vec<PathBuf>,
+}
+
+/// Verifies every checksum in an engine directory (manifest, every log record, every
+/// committed chunk) without changing anything. Corruption is the typed error that opening
+/// would fail with.
+pub fn check(dir: &Path) -> Result<CheckReport> {
+    if !dir.is_dir() {
+        let e = std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory");
+        return Err(attnstore_wal::Error::io("open", dir, &e).into());
+    }
+    let state = read_state(dir)?;
+    let mut layers = Vec::new();
+    for (&context, ctx) in &state.contexts {
+        for (layer, committed) in ctx.layers.iter().enumerate() {
+            let file = data_path(dir, context, layer);
+            let on_disk = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+            if committed.committed_bytes > 0 {
+                read_layer(dir, &state, context, layer, |_| Ok(()))?;
+            }
+            layers.push(LayerCheck {
+                context,
+                layer,
+                file,
+                chunks: committed.chunks,
+                tokens: committed.tokens,
+                committed_bytes: committed.committed_bytes,
+                uncommitted_bytes: on_disk.saturating_sub(committed.committed_bytes),
+            });
+        }
+    }
+    let orphan_data_files =
+        data_files(dir)?.into_iter().filter(|(c, _, _)| !state.contexts.contains_key(c)).map(|(_, _, p)| p).collect();
+    Ok(CheckReport {
+        manifest_generation: state.manifest_generation,
+        wal_start_lsn: state.wal_start_lsn,
+        log_files: state.replay.files.clone(),
+        records: state.replayed,
+        torn_tail: state.replay.torn.clone(),
+        contexts: state
+            .contexts
+            .iter()
+            .map(|(&c, ctx)| {
+                let s = &ctx.spec;
+                let words = format!(
+                    "{} q heads / {} kv heads, d={}, {} layers, {}, {}",
+                    s.shape.q_heads,
+                    s.shape.kv_heads,
+                    s.shape.head_dim,
+                    s.layers.len(),
+                    s.dtype,
+                    s.method.name()
+                );
+                (c, words)
+            })
+            .collect(),
+        layers,
+        orphan_data_files,
+    })
+}
+
+impl fmt::Display for CheckReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.manifest_generation {
+            Some(g) => writeln!(f, "manifest: generation {g}, log replays from lsn {}", self.wal_start_lsn)?,
+            None => writeln!(f, "manifest: none (no checkpoint yet), log replays from lsn {}", self.wal_start_lsn)?,
+        }
+        for l in &self.log_files {
+            writeln!(
+                f,
+                "log {}: first lsn {}, {} records, {} bytes, ok",
+                l.path.display(),
+                l.first_lsn,
+                l.records,
+                l.bytes
+            )?;
+        }
+        let r = self.records;
+        writeln!(
+            f,
+            "records after the checkpoint: {} creates, {} appends, {} drops, {} checkpoints",
+            r.creates, r.appends, r.drops, r.checkpoints
+        )?;
+        if let Some(t) = &self.torn_tail {
+            writeln!(
+                f,
+                "torn tail: {} at offset {} ({} bytes would be cut by recovery)",
+                t.file.display(),
+                t.valid_up_to,
+                t.file_bytes - t.valid_up_to
+            )?;
+        }
+        for (c, words) in &self.contexts {
+            writeln!(f, "context {c}: {words}")?;
+        }
+        for l in &self.layers {
+            write!(
+                f,
+                "  context {} layer {}: {} tokens in {} chunks, {} bytes, checksums ok",
+                l.context, l.layer, l.tokens, l.chunks, l.committed_bytes
+            )?;
+            if l.uncommitted_bytes > 0 {
+                write!(f, " (+{} uncommitted bytes recovery would cut)", l.uncommitted_bytes)?;
+            }
+            writeln!(f)?;
+        }
+        for p in &self.orphan_data_files {
+            writeln!(f, "orphan data file (context gone): {}", p.display())?;
+        }
+        write!(f, "ok")
+    }
+}

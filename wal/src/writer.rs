@@ -1,0 +1,575 @@
+//! The log writer: appends record frames to rotating log files with group commit.
+//!
+//! Appenders put their frame into a shared pending buffer and wait. The first waiter that
+//! finds no flush running becomes the *leader*: it takes everything pending, writes it with
+//! one write call, syncs it with one fsync (policy permitting) and wakes the others; whoever
+//! arrived meanwhile forms the next group. An append returns its log sequence number (LSN)
+//! only once its bytes are durable under the [`SyncPolicy`]. A failed write or fsync poisons
+//! the writer: every waiter and every later call gets [`Error::Poisoned`].
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex, MutexGuard};
+
+use crate::storage::{Storage, StorageFile};
+use crate::{encode_record, Error, FileHeader, RecordKind, FRAME_HEADER_BYTES};
+
+/// Log sequence number: the position of a record in the log, counting from 1 over the
+/// whole life of a directory (log file names carry the LSN of their first record).
+pub type Lsn = u64;
+
+/// When appended records are made durable, and so when an append returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncPolicy {
+    /// fsync before acknowledging: an acknowledged record survives power loss. Concurrent
+    /// appenders share one fsync (group commit).
+    EveryBatch,
+    /// Acknowledge once the bytes are written to the OS; a background thread fsyncs every
+    /// interval. A process crash loses nothing acknowledged, power loss up to one interval.
+    Interval(Duration),
+    /// Acknowledge once written to the OS and never fsync except at rotation, checkpoints and
+    /// [`LogWriter::sync`]. Survives process crashes, not power loss.
+    None,
+}
+
+/// Settings of a [`LogWriter`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriterConfig {
+    /// When records become durable.
+    pub policy: SyncPolicy,
+    /// A new log file is started once the current one holds this many bytes.
+    pub max_file_bytes: u64,
+}
+
+impl Default for WriterConfig {
+    fn default() -> Self {
+        Self { policy: SyncPolicy::EveryBatch, max_file_bytes: 64 << 20 }
+    }
+}
+
+/// Counters of a writer, for benches and reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct WriterStats {
+    /// Records appended.
+    pub records: u64,
+    /// Group writes (one write call each).
+    pub writes: u64,
+    /// fsyncs of log files (data-file syncs not counted).
+    pub syncs: u64,
+    /// Frame bytes written.
+    pub bytes: u64,
+}
+
+/// Name of the log file whose first record has `first_lsn`: `wal-<20 digits>.log`, so that
+/// names sort in log order.
+pub fn log_file_name(first_lsn: Lsn) -> String {
+    format!("wal-{first_lsn:020}.log")
+}
+
+/// The first LSN named by a log file name, `None` for other names.
+pub fn parse_log_file_name(name: &str) -> Option<Lsn> {
+    let digits = name.strip_prefix("wal-")?.strip_suffix(".log")?;
+    if digits.len() != 20 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    digits.parse().ok()
+}
+
+/// Group-commit writer of one log directory. Cheap to share: all methods take `&self`.
+pub struct LogWriter {
+    shared: Arc<Shared>,
+    flusher: Mutex<Option<JoinHandle<()>>>,
+}
+
+struct Shared {
+    dir: PathBuf,
+    storage: Arc<dyn Storage>,
+    config: WriterConfig,
+    state: Mutex<State>,
+    /// Woken when a flush ends (followers) or the writer closes (flusher).
+    wake: Condvar,
+}
+
+struct State {
+    pending: Vec<u8>,
+    /// Files whose bytes must be durable before the pending records are written.
+    pending_deps: Vec<Arc<dyn StorageFile>>,
+    /// Dependencies of records already written but not yet synced (non-durable policies).
+    unsynced_deps: Vec<Arc<dyn StorageFile>>,
+    next_lsn: Lsn,
+    /// Every record below this LSN has been handed to the OS.
+    written_end: Lsn,
+    /// Every record below this LSN is durable.
+    durable_end: Lsn,
+    leader: bool,
+    file: Arc<dyn StorageFile>,
+    file_first_lsn: Lsn,
+    file_bytes: u64,
+    poisoned: Option<String>,
+    closed: bool,
+    stats: WriterStats,
+}
+
+impl State {
+    fn usable(&self) -> Result<(), Error> {
+        if let Some(cause) = &self.poisoned {
+            return Err(Error::Poisoned { cause: cause.clone() });
+        }
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        Ok(())
+    }
+}
+
+fn push_dep(deps: &mut Vec<Arc<dyn StorageFile>>, dep: Arc<dyn StorageFile>) {
+    if !deps.iter().any(|d| Arc::ptr_eq(d, &dep)) {
+        deps.push(dep);
+    }
+}
+
+/// fsyncs every file, concurrently when there are several (the device overlaps them).
+fn sync_all(files: &[Arc<dyn StorageFile>]) -> std::io::Result<()> {
+    match files {
+        [] => Ok(()),
+        [one] => one.sync_data(),
+        [first, rest @ ..] => std::thread::scope(|s| {
+            let others: Vec<_> = rest.iter().map(|f| s.spawn(move || f.sync_data())).collect();
+            let mut result = first.sync_data();
+            for handle in others {
+                let synced = handle.join().unwrap_or_else(|_| Err(std::io::Error::other("fsync thread panicked")));
+                result = result.and(synced);
+            }
+            result
+        }),
+    }
+}
+
+/// Creates log file `first_lsn` in `dir` holding just the header, synced, directory synced.
+fn create_log_file(storage: &dyn Storage, dir: &Path, first_lsn: Lsn) -> Result<Arc<dyn StorageFile>, Error> {
+    let path = dir.join(log_file_name(first_lsn));
+    let file = storage.create(&path).map_err(|e| Error::io("create", &path, &e))?;
+    file.write_all_at(&FileHeader::new().encode(), 0).map_err(|e| Error::io("write", &path, &e))?;
+    file.sync_data().map_err(|e| Error::io("fsync", &path, &e))?;
+    storage.sync_dir(dir).map_err(|e| Error::io("fsync dir", dir, &e))?;
+    Ok(file)
+}
+
+impl LogWriter {
+    /// Starts a new log file in `dir` whose first record will get `first_lsn` (the LSN after
+    /// the last record recovered), and the background flusher for [`SyncPolicy::Interval`].
+    pub fn create(
+        dir: &Path,
+        storage: Arc<dyn Storage>,
+        config: WriterConfig,
+        first_lsn: Lsn,
+    ) -> Result<LogWriter, Error> {
+        let file = create_log_file(&*storage, dir, first_lsn)?;
+        let state = State {
+            pending: Vec::new(),
+            pending_deps: Vec::new(),
+            unsynced_deps: Vec::new(),
+            next_lsn: first_lsn,
+            written_end: first_lsn,
+            durable_end: first_lsn,
+            leader: false,
+            file,
+            file_first_lsn: first_lsn,
+            file_bytes: FileHeader::SIZE as u64,
+            poisoned: None,
+            closed: false,
+            stats: WriterStats::default(),
+        };
+        let shared = Arc::new(Shared {
+            dir: dir.to_path_buf(),
+            storage,
+            config,
+            state: Mutex::new(state),
+            wake: Condvar::new(),
+        });
+        let flusher = match config.policy {
+            SyncPolicy::Interval(every) => {
+                let shared = shared.clone();
+                let handle = std::thread::Builder::new()
+                    .name("attnstore-wal-flusher".into())
+                    .spawn(move || shared.flush_every(every))
+                    .map_err(|e| Error::io("spawn flusher for", dir, &e))?;
+                Some(handle)
+            }
+            _ => None,
+        };
+        Ok(LogWriter { shared, flusher: Mutex::new(flusher) })
+    }
+
+    /// Appends one record and returns its LSN once it is durable under the policy.
+    pub fn append(&self, kind: RecordKind, payload: &[u8]) -> Result<Lsn, Error> {
+        self.append_after(kind, payload, None)
+    }
+
+    /// Appends one record that refers to bytes in another file (`dependency`, e.g. a KV data
+    /// file): under [`SyncPolicy::EveryBatch`] that file is fsynced before the record is
+    /// written, so a durable record never points at data that is not.
+    pub fn append_after(
+        &self,
+        kind: RecordKind,
+        payload: &[u8],
+        dependency: Option<Arc<dyn StorageFile>>,
+    ) -> Result<Lsn, Error> {
+        let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
+        encode_record(kind, payload, &mut frame)?;
+        let mut st = self.shared.state.lock();
+        st.usable()?;
+        let lsn = st.next_lsn;
+        st.next_lsn += 1;
+        st.pending.extend_from_slice(&frame);
+        st.stats.records += 1;
+        if let Some(dep) = dependency {
+            push_dep(&mut st.pending_deps, dep);
+        }
+        let durable = self.shared.config.policy == SyncPolicy::EveryBatch;
+        self.shared.commit(&mut st, lsn + 1, durable)?;
+        Ok(lsn)
+    }
+
+    /// Makes every record appended so far durable (whatever the policy) and returns the LSN
+    /// the next record will get.
+    pub fn sync(&self) -> Result<Lsn, Error> {
+        let mut st = self.shared.state.lock();
+        let end = st.next_lsn;
+        self.shared.commit(&mut st, end, true)?;
+        Ok(end)
+    }
+
+    /// Makes everything durable and starts a new log file; returns its first LSN. Every
+    /// record below it lies in older files, which a checkpoint may then delete.
+    pub fn rotate(&self) -> Result<Lsn, Error> {
+        let mut st = self.shared.state.lock();
+        let end = st.next_lsn;
+        self.shared.commit(&mut st, end, true)?;
+        while st.leader {
+            self.shared.wake.wait(&mut st);
+        }
+        st.usable()?;
+        self.shared.lead(&mut st, true, true);
+        st.usable()?;
+        Ok(st.file_first_lsn)
+    }
+
+    /// Deletes the log files that hold only records below `lsn` (never the current file)
+    /// and syncs the directory; returns how many were deleted.
+    pub fn remove_files_before(&self, lsn: Lsn) -> Result<usize, Error> {
+        let current = self.shared.state.lock().file_first_lsn;
+        let files = crate::replay::list_log_files(&self.shared.dir)?;
+        let mut removed = 0;
+        for pair in files.windows(2) {
+            let ((first, path), (next_first, _)) = (&pair[0], &pair[1]);
+            if *next_first <= lsn && *first != current {
+                std::fs::remove_file(path).map_err(|e| Error::io("remove", path, &e))?;
+                removed += 1;
+            }
+        }
+        if removed > 0 {
+            let dir = &self.shared.dir;
+            self.shared.storage.sync_dir(dir).map_err(|e| Error::io("fsync dir", dir, &e))?;
+        }
+        Ok(removed)
+    }
+
+    /// The LSN the next record will get.
+    pub fn next_lsn(&self) -> Lsn {
+        self.shared.state.lock().next_lsn
+    }
+
+    /// Every record below this LSN is durable.
+    pub fn durable_end(&self) -> Lsn {
+        self.shared.state.lock().durable_end
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> WriterStats {
+        self.shared.state.lock().stats
+    }
+
+    /// The poisoning failure, if an earlier write or fsync failed.
+    pub fn poisoned(&self) -> Option<String> {
+        self.shared.state.lock().poisoned.clone()
+    }
+
+    /// Syncs what was written (unless poisoned), stops the flusher and refuses later appends.
+    pub fn close(&self) -> Result<(), Error> {
+        let synced = {
+            let mut st = self.shared.state.lock();
+            let end = st.next_lsn;
+            let synced =
+                if st.poisoned.is_none() && !st.closed { self.shared.commit(&mut st, end, true) } else { Ok(()) };
+            st.closed = true;
+            self.shared.wake.notify_all();
+            synced
+        };
+        if let Some(handle) = self.flusher.lock().take() {
+            // A panic of the flusher thread already poisoned nothing it could have reported.
+            let _ = handle.join();
+        }
+        synced
+    }
+}
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
+        // Best effort: a caller that needs to know calls `close` itself.
+        let _ = self.close();
+    }
+}
+
+impl Shared {
+    /// Waits until every record below `end` is written (or durable, if `durable`), leading a
+    /// group flush whenever none is running.
+    fn commit(&self, st: &mut MutexGuard<'_, State>, end: Lsn, durable: bool) -> Result<(), Error> {
+        loop {
+            if let Some(cause) = &st.poisoned {
+                return Err(Error::Poisoned { cause: cause.clone() });
+            }
+            let reached = if durable { st.durable_end >= end } else { st.written_end >= end };
+            if reached {
+                return Ok(());
+            }
+            if st.leader {
+                self.wake.wait(st);
+            } else {
+                self.lead(st, durable, false);
+            }
+        }
+    }
+
+    /// One group flush, run by the caller as leader with the lock released during I/O:
+    /// rotate if the file is full (or `force_rotate`), sync dependencies, write everything
+    /// pending, fsync if `durable`. Failures poison the writer.
+    fn lead(&self, st: &mut MutexGuard<'_, State>, durable: bool, force_rotate: bool) {
+        st.leader = true;
+        let batch = std::mem::take(&mut st.pending);
+        let mut deps = std::mem::take(&mut st.pending_deps);
+        if durable {
+            for dep in std::mem::take(&mut st.unsynced_deps) {
+                push_dep(&mut deps, dep);
+            }
+        }
+        let batch_end = st.next_lsn;
+        let first_lsn = st.written_end;
+        let rotate = force_rotate || (!batch.is_empty() && st.file_bytes >= self.config.max_file_bytes);
+        let (old_file, old_first, file_bytes) = (st.file.clone(), st.file_first_lsn, st.file_bytes);
+        let outcome = MutexGuard::unlocked(st, || -> Result<(Arc<dyn StorageFile>, u64, bool), Error> {
+            let (file, mut offset, new_file) = if rotate {
+                // A finished file is synced whatever the policy: only the newest file may end torn.
+                let old_path = self.dir.join(log_file_name(old_first));
+                old_file.sync_data().map_err(|e| Error::io("fsync", &old_path, &e))?;
+                (create_log_file(&*self.storage, &self.dir, first_lsn)?, FileHeader::SIZE as u64, true)
+            } else {
+                (old_file, file_bytes, false)
+            };
+            let path = || self.dir.join(log_file_name(if new_file { first_lsn } else { old_first }));
+            if durable {
+                // Data before the records that make it visible; several files sync in parallel.
+                sync_all(&deps).map_err(|e| Error::io("fsync data file for", path(), &e))?;
+            }
+            if !batch.is_empty() {
+                file.write_all_at(&batch, offset).map_err(|e| Error::io("write", path(), &e))?;
+                offset += batch.len() as u64;
+            }
+            if durable {
+                file.sync_data().map_err(|e| Error::io("fsync", path(), &e))?;
+            }
+            Ok((file, offset, new_file))
+        });
+        st.leader = false;
+        match outcome {
+            Ok((file, offset, new_file)) => {
+                if new_file {
+                    st.file = file;
+                    st.file_first_lsn = first_lsn;
+                }
+                st.file_bytes = offset;
+                st.written_end = batch_end;
+                st.stats.bytes += batch.len() as u64;
+                st.stats.writes += u64::from(!batch.is_empty());
+                if durable {
+                    st.durable_end = batch_end;
+                    st.stats.syncs += 1;
+                } else {
+                    for dep in deps {
+                        push_dep(&mut st.unsynced_deps, dep);
+                    }
+                }
+            }
+            Err(error) => st.poisoned = Some(error.to_string()),
+        }
+        self.wake.notify_all();
+    }
+
+    /// Body of the [`SyncPolicy::Interval`] flusher thread.
+    fn flush_every(&self, every: Duration) {
+        let mut st = self.state.lock();
+        let mut deadline = Instant::now() + every;
+        loop {
+            // The condvar also wakes after every group flush; only a passed deadline syncs.
+            let _ = self.wake.wait_until(&mut st, deadline);
+            if st.closed || st.poisoned.is_some() {
+                return;
+            }
+            if Instant::now() < deadline {
+                continue;
+            }
+            deadline = Instant::now() + every;
+            let end = st.written_end;
+            if st.durable_end < end {
+                // An error poisons the writer; appenders see it on their next call.
+                let _ = self.commit(&mut st, end, true);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::replay_dir;
+    use crate::storage::{FaultyStorage, StdStorage};
+
+    fn tempdir() -> tempfile::TempDir {
+        tempfile::tempdir().unwrap()
+    }
+
+    fn writer(dir: &Path, policy: SyncPolicy, max_file_bytes: u64) -> LogWriter {
+        LogWriter::create(dir, Arc::new(StdStorage), WriterConfig { policy, max_file_bytes }, 1).unwrap()
+    }
+
+    #[test]
+    fn log_file_names_sort_in_lsn_order_and_parse_back() {
+        assert_eq!(parse_log_file_name(&log_file_name(42)), Some(42));
+        assert!(log_file_name(9) < log_file_name(10));
+        assert_eq!(parse_log_file_name("wal-1.log"), None);
+        assert_eq!(parse_log_file_name("MANIFEST"), None);
+    }
+
+    #[test]
+    fn concurrent_appenders_get_distinct_lsns_and_share_fsyncs() {
+        let dir = tempdir();
+        let log = writer(dir.path(), SyncPolicy::EveryBatch, 1 << 20);
+        let lsns: Vec<Lsn> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..8u8)
+                .map(|t| {
+                    let log = &log;
+                    s.spawn(move || {
+                        (0..50).map(|i| log.append(RecordKind::AppendKv, &[t, i]).unwrap()).collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        let mut sorted = lsns.clone();
+        sorted.sort_unstable();
+        assert_eq!(sorted, (1..=400).collect::<Vec<_>>());
+        let stats = log.stats();
+        assert_eq!(stats.records, 400);
+        assert!(stats.syncs <= 400, "{stats:?}");
+        assert_eq!(log.durable_end(), 401);
+        let replay = replay_dir(dir.path(), 1).unwrap();
+        assert_eq!(replay.records.len(), 400);
+        assert!(replay.torn.is_none());
+        // Each thread's records appear in its own order.
+        for t in 0..8u8 {
+            let mine: Vec<u8> = replay.records.iter().filter(|r| r.payload[0] == t).map(|r| r.payload[1]).collect();
+            assert_eq!(mine, (0..50).collect::<Vec<u8>>());
+        }
+    }
+
+    #[test]
+    fn a_full_file_rotates_and_replay_reads_across_files_in_order() {
+        let dir = tempdir();
+        let log = writer(dir.path(), SyncPolicy::None, 200);
+        for i in 0..100u32 {
+            assert_eq!(log.append(RecordKind::AppendKv, &i.to_le_bytes()).unwrap(), u64::from(i) + 1);
+        }
+        log.close().unwrap();
+        let files = crate::replay::list_log_files(dir.path()).unwrap();
+        assert!(files.len() > 5, "{} files", files.len());
+        let replay = replay_dir(dir.path(), 1).unwrap();
+        let got: Vec<u32> =
+            replay.records.iter().map(|r| u32::from_le_bytes(r.payload[..].try_into().unwrap())).collect();
+        assert_eq!(got, (0..100).collect::<Vec<_>>());
+        assert_eq!(replay.next_lsn, 101);
+        let from_50 = replay_dir(dir.path(), 51).unwrap();
+        assert_eq!(from_50.records.first().map(|r| r.lsn), Some(51));
+    }
+
+    #[test]
+    fn rotate_then_remove_keeps_only_records_from_the_new_file() {
+        let dir = tempdir();
+        let log = writer(dir.path(), SyncPolicy::EveryBatch, 1 << 20);
+        for i in 0..10u8 {
+            log.append(RecordKind::AppendKv, &[i]).unwrap();
+        }
+        let start = log.rotate().unwrap();
+        assert_eq!(start, 11);
+        log.append(RecordKind::Checkpoint, b"after").unwrap();
+        assert_eq!(log.remove_files_before(start).unwrap(), 1);
+        let replay = replay_dir(dir.path(), start).unwrap();
+        assert_eq!(replay.records.len(), 1);
+        assert_eq!((replay.records[0].lsn, &replay.records[0].payload[..]), (11, &b"after"[..]));
+        assert!(matches!(replay_dir(dir.path(), 1), Err(Error::LsnGap { expected: 1, got: 11, .. })));
+    }
+
+    #[test]
+    fn a_failed_fsync_poisons_the_writer_for_good() {
+        let dir = tempdir();
+        let storage = FaultyStorage::new();
+        let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 1 << 20 };
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, 1).unwrap();
+        log.append(RecordKind::AppendKv, b"one").unwrap();
+        storage.fail_syncs(true);
+        let err = log.append(RecordKind::AppendKv, b"two").unwrap_err();
+        assert!(matches!(err, Error::Poisoned { ref cause } if cause.contains("fsync")), "{err}");
+        storage.fail_syncs(false);
+        // Retrying is refused even though fsync would now succeed.
+        assert!(matches!(log.append(RecordKind::AppendKv, b"three"), Err(Error::Poisoned { .. })));
+        assert!(matches!(log.sync(), Err(Error::Poisoned { .. })));
+        assert!(log.poisoned().is_some());
+    }
+
+    #[test]
+    fn a_full_disk_mid_write_poisons_and_leaves_a_torn_tail_that_replay_drops() {
+        let dir = tempdir();
+        let storage = FaultyStorage::new();
+        let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 1 << 20 };
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, 1).unwrap();
+        log.append(RecordKind::AppendKv, &[1; 100]).unwrap();
+        storage.set_write_budget(50);
+        let err = log.append(RecordKind::AppendKv, &[2; 100]).unwrap_err();
+        assert!(matches!(err, Error::Poisoned { ref cause } if cause.contains("StorageFull")), "{err}");
+        drop(log);
+        let replay = replay_dir(dir.path(), 1).unwrap();
+        assert_eq!(replay.records.len(), 1);
+        let torn = replay.torn.as_ref().expect("the partial frame is a torn tail");
+        assert_eq!(torn.file_bytes - torn.valid_up_to, 50);
+        replay.repair(&StdStorage).unwrap();
+        let again = replay_dir(dir.path(), 1).unwrap();
+        assert!(again.torn.is_none());
+        assert_eq!(again.records.len(), 1);
+    }
+
+    #[test]
+    fn interval_policy_acknowledges_before_sync_and_the_flusher_catches_up() {
+        let dir = tempdir();
+        let log = writer(dir.path(), SyncPolicy::Interval(Duration::from_millis(5)), 1 << 20);
+        let lsn = log.append(RecordKind::AppendKv, b"x").unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while log.durable_end() <= lsn {
+            assert!(std::time::Instant::now() < deadline, "the flusher never synced");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        log.close().unwrap();
+        assert!(matches!(log.append(RecordKind::AppendKv, b"y"), Err(Error::Closed)));
+    }
+}
