@@ -71,6 +71,34 @@ fn main() {
         let exact_us = time(&mut exact, device.pointers(&gpu));
         let hbm_us = time(&mut sparse, device.pointers(&gpu));
         let host_us = time(&mut sparse, host.pointers());
+        // Scoring + top-r: over cluster centroids (one per 16 tokens, r = 1.8% of tokens in
+        // clusters) and over every key (r = 1.8% of tokens), both per KV head.
+        let mut select_rows = Vec::new();
+        for (what, n, r) in [
+            ("score_select_clusters", tokens / 16, (tokens as f64 * 0.018 / 16.0).ceil() as usize),
+            ("score_select_tokens", tokens, (tokens as f64 * 0.018).ceil() as usize),
+        ] {
+            let cent: Vec<u16> =
+                (0..shape.kv_heads * n * 128).map(|_| half::f16::from_f32(g.normal()).to_bits()).collect();
+            let dev = gpu.upload_centroids(&cent, shape.kv_heads).expect("centroids");
+            let mut job = gpu.prepare_select(&shape, &q, &dev, r).expect("prepare select");
+            for _ in 0..5 {
+                gpu.launch_select(&dev, &mut job).expect("select");
+            }
+            gpu.synchronize().expect("sync");
+            let us = median(
+                (0..30).map(|_| gpu.time_ms(|| gpu.launch_select(&dev, &mut job)).expect("time") * 1e3).collect(),
+            );
+            select_rows.push((what, n, r, us));
+        }
+        for (what, n, r, us) in select_rows {
+            println!(
+                "{}",
+                json!({"bench": "select", "device": "cuda", "method": what, "tokens": tokens, "kv_heads": 8,
+                       "q_heads": 32, "head_dim": 128, "scored_per_head": n, "r": r,
+                       "time_us": (us * 100.0).round() / 100.0})
+            );
+        }
         let kv_bytes = 2 * shape.kv_len(tokens) * 2;
         let sparse_bytes = 2 * rows_attended * shape.kv_heads * 128 * 2;
         for (method, us, bytes, tier) in [

@@ -47,6 +47,18 @@ def main():
             print(json.dumps({"bench": "decode", "device": "cuda", "method": method, "tokens": tokens, "batch": 1,
                               "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "f16",
                               "time_us": round(us, 2)}))
+        # Scoring + top-k in plain PyTorch on the same sizes as gpu_decode's select rows.
+        qg = q.view(8, 4, 128)
+        for what, n, r in [("score_select_clusters", tokens // 16, -(-int(tokens * 0.018) // 16)),
+                           ("score_select_tokens", tokens, int(tokens * 0.018 + 0.999))]:
+            cent = torch.randn(8, n, 128, device=dev, dtype=torch.float16, generator=g)
+            scores = torch.einsum("hgd,hnd->hgn", qg, cent).amax(dim=1).float()
+            both = timed(lambda: torch.topk(torch.einsum("hgd,hnd->hgn", qg, cent).amax(dim=1), r, dim=-1))
+            only = timed(lambda: torch.topk(scores, r, dim=-1))
+            for method, us in [("torch_" + what, both), ("torch_topk_only_" + what.split("_")[-1], only)]:
+                print(json.dumps({"bench": "select", "device": "cuda", "method": method, "tokens": tokens,
+                                  "scored_per_head": n, "r": r, "time_us": round(us, 2)}))
+            del cent, scores
         del k, v
         torch.cuda.empty_cache()
 

@@ -137,3 +137,48 @@ fn cache_hits_and_host_misses_in_one_plan_equal_attention_over_those_rows() {
     assert!(gpu.prepare_refs(&shape, &q, tokens, Some(&lists), 10).is_err());
     assert!(gpu.launch_cached(mapped.pointers(), None, &mut job).is_err());
 }
+
+#[test]
+fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
+    use attnstore_kernels::cpu::scoring::{score_group, top_r};
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let n = 8192;
+    let mut g = SplitMix64::new(12);
+    let cent: Vec<f16> = narrow_vec(&(0..8 * n * 128).map(|_| g.normal()).collect::<Vec<f32>>());
+    let q: Vec<f32> = (0..shape.query_len()).map(|_| g.normal()).collect();
+    let dev = gpu.upload_centroids(&bits(&cent), 8).unwrap();
+    for r in [1, 148, 2000] {
+        let mut job = gpu.prepare_select(&shape, &q, &dev, r).unwrap();
+        gpu.launch_select(&dev, &mut job).unwrap();
+        let (chosen, scores) = gpu.fetch_select(&job).unwrap();
+        for h in 0..8 {
+            let mut cpu = vec![Vec::new(); 4];
+            score_group(
+                &q[h * 512..(h + 1) * 512],
+                4,
+                &cent[h * n * 128..(h + 1) * n * 128],
+                1.0 / 128f32.sqrt(),
+                &mut cpu,
+            );
+            let best: Vec<f32> = (0..n).map(|c| cpu.iter().map(|s| s[c]).fold(f32::NEG_INFINITY, f32::max)).collect();
+            for c in 0..n {
+                assert!((scores[h * n + c] - best[c]).abs() < 1e-3 * (1.0 + best[c].abs()), "score h={h} c={c}");
+            }
+            let mut got = chosen[h].clone();
+            got.sort_unstable();
+            got.dedup();
+            assert_eq!(got.len(), r, "r distinct indices");
+            // The GPU's set is a true top-r of its own scores (ties at the threshold may differ
+            // from the CPU's choice, so compare scores, not indices).
+            let gpu_scores = &scores[h * n..(h + 1) * n];
+            let kth = gpu_scores[top_r(gpu_scores, r)[r - 1] as usize];
+            assert!(got.iter().all(|&i| gpu_scores[i as usize] >= kth - 1e-6), "h={h} r={r}: below the r-th score");
+            let want: std::collections::HashSet<u32> = top_r(&best, r).into_iter().collect();
+            let overlap = got.iter().filter(|i| want.contains(i)).count();
+            assert!(overlap + 2 >= r, "h={h} r={r}: overlap {overlap}");
+        }
+    }
+    assert!(gpu.prepare_select(&shape, &q, &dev, 0).is_err());
+    assert!(gpu.prepare_select(&shape, &q, &dev, n + 1).is_err());
+}

@@ -194,3 +194,83 @@ extern "C" __global__ void admit_rows(
     cv[dst + i] = v[src + i];
   }
 }
+
+// Centroid scoring for a plan: scores[h][c] = max over the group of scale · q_g · centroid,
+// one warp per centroid (lanes split the head dimension), centroids f16 in device memory.
+extern "C" __global__ void centroid_scores(
+    const unsigned short* __restrict__ cent, int n, const float* __restrict__ q, float scale, int group,
+    float* __restrict__ scores) {
+  const int h = blockIdx.y;
+  const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (c >= n) return;
+  float kf[PER_LANE];
+  load_row(cent + ((long long)h * n + c) * HEAD_DIM + lane * PER_LANE, kf);
+  float best = NEG_INF;
+  for (int g = 0; g < group; g++) {
+    const float* qg = q + (h * group + g) * HEAD_DIM + lane * PER_LANE;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) s = fmaf(qg[i], kf[i], s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    best = fmaxf(best, s * scale);
+  }
+  if (lane == 0) scores[(long long)h * n + c] = best;
+}
+
+// Order-preserving bits of a float (larger float → larger unsigned).
+__device__ __forceinline__ unsigned int ordered(float x) {
+  const unsigned int b = __float_as_uint(x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Per head (one CTA of 1024 threads), the indices of the r largest of n scores, unordered:
+// a three-level radix select on the ordered 32-bit keys (11 + 11 + 10 bits, histograms in
+// shared memory) finds the r-th key exactly; every key above it is emitted and keys equal
+// to it fill the remainder. No sort: three histogram passes and one emitting pass.
+extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n, int r, int* __restrict__ out) {
+  __shared__ unsigned int hist[2048];
+  __shared__ unsigned int sel_bin, above, emitted, tied;
+  const int h = blockIdx.x;
+  const float* s = scores + (long long)h * n;
+  int* o = out + (long long)h * r;
+  unsigned int prefix = 0, need = r;
+  const int shifts[3] = {21, 10, 0};
+  const unsigned int masks[3] = {2047u, 2047u, 1023u};
+  for (int level = 0; level < 3; level++) {
+    const int shift = shifts[level];
+    for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const unsigned int k = ordered(s[i]);
+      if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      unsigned int acc = 0;
+      int b = (int)masks[level];
+      for (; b > 0; b--) {
+        if (acc + hist[b] >= need) break;
+        acc += hist[b];
+      }
+      sel_bin = b;
+      above = acc;
+    }
+    __syncthreads();
+    need -= above;
+    prefix = level == 0 ? sel_bin : (prefix << (level == 1 ? 11 : 10)) | sel_bin;
+    __syncthreads();
+  }
+  // prefix is now the r-th largest key; `need` of the keys equal to it are taken.
+  if (threadIdx.x == 0) { emitted = 0; tied = 0; }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const unsigned int k = ordered(s[i]);
+    if (k > prefix) {
+      o[atomicAdd(&emitted, 1u)] = i;
+    } else if (k == prefix) {
+      const unsigned int t = atomicAdd(&tied, 1u);
+      if (t < need) o[r - need + t] = i;
+    }
+  }
+}

@@ -40,7 +40,24 @@ pub struct GpuBackend {
     partial: CudaFunction,
     merge: CudaFunction,
     admit: CudaFunction,
+    score: CudaFunction,
+    select: CudaFunction,
     head_dim: usize,
+}
+
+/// Cluster centroids (the meta index) of every KV head in device memory, f16.
+pub struct DeviceCentroids {
+    data: CudaSlice<u16>,
+    per_head: usize,
+}
+
+/// Buffers of one scoring + top-r launch.
+pub struct SelectJob {
+    q: CudaSlice<f32>,
+    scores: CudaSlice<f32>,
+    out: CudaSlice<i32>,
+    r: usize,
+    shape: AttnShape,
 }
 
 /// One entry of a sparse plan's row list on the GPU: a row of the layer's KV (wherever it
@@ -128,7 +145,9 @@ impl GpuBackend {
         let partial = module.load_function("attn_partial").map_err(gpu_err("attn_partial"))?;
         let merge = module.load_function("attn_merge").map_err(gpu_err("attn_merge"))?;
         let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
-        Ok(Self { ctx, stream, partial, merge, admit, head_dim })
+        let score = module.load_function("centroid_scores").map_err(gpu_err("centroid_scores"))?;
+        let select = module.load_function("top_r_select").map_err(gpu_err("top_r_select"))?;
+        Ok(Self { ctx, stream, partial, merge, admit, score, select, head_dim })
     }
 
     /// The device's name.
@@ -279,6 +298,74 @@ impl GpuBackend {
             shape: *shape,
             scale: 1.0 / (shape.head_dim as f32).sqrt(),
         })
+    }
+
+    /// Copies centroids (`kv_heads × n × head_dim`, f16 bits) to device memory.
+    pub fn upload_centroids(&self, centroids: &[u16], kv_heads: usize) -> Result<DeviceCentroids> {
+        let per_head = self.rows_of(centroids, centroids, kv_heads)?;
+        let data = self.stream.clone_htod(centroids).map_err(gpu_err("copying centroids"))?;
+        Ok(DeviceCentroids { data, per_head })
+    }
+
+    /// Prepares scoring every centroid against the group's queries (best head) and picking
+    /// the `r` best per KV head.
+    pub fn prepare_select(&self, shape: &AttnShape, q: &[f32], cent: &DeviceCentroids, r: usize) -> Result<SelectJob> {
+        if q.len() != shape.query_len() || shape.head_dim != self.head_dim {
+            return Err(Error::ShapeMismatch {
+                what: "queries (q_heads × head_dim)",
+                expected: shape.query_len(),
+                got: q.len(),
+            });
+        }
+        if r == 0 || r > cent.per_head {
+            return Err(Error::InvalidArgument {
+                what: "r",
+                message: format!("must be in 1..={} (centroids per head), got {r}", cent.per_head),
+            });
+        }
+        let s = &self.stream;
+        Ok(SelectJob {
+            q: s.clone_htod(q).map_err(gpu_err("copying queries"))?,
+            scores: s.alloc_zeros::<f32>(shape.kv_heads * cent.per_head).map_err(gpu_err("allocating scores"))?,
+            out: s.alloc_zeros::<i32>(shape.kv_heads * r).map_err(gpu_err("allocating the selection"))?,
+            r,
+            shape: *shape,
+        })
+    }
+
+    /// Enqueues centroid scoring and the per-head top-r selection (radix select, no sort).
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
+        let sh = job.shape;
+        let n = cent.per_head as i32;
+        let scale = 1.0 / (sh.head_dim as f32).sqrt();
+        let group = sh.group() as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (cent.per_head.div_ceil(8) as u32, sh.kv_heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.score);
+        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&mut job.scores);
+        // SAFETY: cent holds kv_heads × n × head_dim f16 values, q holds q_heads × head_dim
+        // floats (checked in prepare_select) and scores kv_heads × n floats; one warp per
+        // centroid, warps past n return.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching centroid_scores"))?;
+        let r = job.r as i32;
+        let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.select);
+        b.arg(&job.scores).arg(&n).arg(&r).arg(&mut job.out);
+        // SAFETY: scores holds kv_heads × n floats, out kv_heads × r ints with 1 ≤ r ≤ n;
+        // the kernel writes exactly r indices per head.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching top_r_select"))?;
+        Ok(())
+    }
+
+    /// The selected centroid indices per KV head (unordered) and all scores.
+    pub fn fetch_select(&self, job: &SelectJob) -> Result<(Vec<Vec<u32>>, Vec<f32>)> {
+        let out = self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the selection back"))?;
+        let scores = self.stream.clone_dtoh(&job.scores).map_err(gpu_err("copying scores back"))?;
+        Ok((out.chunks(job.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect(), scores))
     }
 
     /// A Gpu-tier cache of `slots` rows (keys and values) in device memory.
