@@ -151,7 +151,8 @@ fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
     for r in [1, 148, 2000] {
         let mut job = gpu.prepare_select(&shape, &q, &dev, r).unwrap();
         gpu.launch_select(&dev, &mut job).unwrap();
-        let (chosen, scores) = gpu.fetch_select(&job).unwrap();
+        let chosen = gpu.fetch_select(&dev, &mut job).unwrap();
+        let scores = gpu.select_scores(&dev, &mut job).unwrap();
         for h in 0..8 {
             let mut cpu = vec![Vec::new(); 4];
             score_group(

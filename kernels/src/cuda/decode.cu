@@ -218,6 +218,37 @@ extern "C" __global__ void centroid_scores(
   if (lane == 0) scores[(long long)h * n + c] = best;
 }
 
+// Warp 0 of a radix-select CTA: the highest bin b with (count above b) < need ≤ (count
+// above b) + hist[b], searched in parallel — each lane sums 1/32 of the bins, a suffix
+// scan over lanes finds the lane holding b, and that lane walks its own bins.
+__device__ void find_bin(const unsigned int* hist, int nbins, unsigned int need, unsigned int* sel_bin,
+                         unsigned int* above) {
+  const int lane = threadIdx.x % 32, per = nbins / 32;
+  const int lo = lane * per;
+  unsigned int total = 0;
+  for (int i = 0; i < per; i++) total += hist[lo + i];
+  // Suffix sum over higher lanes (higher bins): exclusive count above this lane's bins.
+  unsigned int incl = total;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const unsigned int v = __shfl_down_sync(0xffffffffu, incl, off);
+    if (lane + off < 32) incl += v;
+  }
+  const unsigned int excl = incl - total;
+  const bool mine = (excl < need && need <= incl) || (lane == 0 && incl < need);
+  const unsigned int who = __ballot_sync(0xffffffffu, mine);
+  if (lane == (int)(__ffs(who) - 1)) {
+    unsigned int acc = excl;
+    int b = lo + per - 1;
+    for (; b > lo; b--) {
+      if (acc + hist[b] >= need) break;
+      acc += hist[b];
+    }
+    *sel_bin = b;
+    *above = acc;
+  }
+}
+
 // Order-preserving bits of a float (larger float → larger unsigned).
 __device__ __forceinline__ unsigned int ordered(float x) {
   const unsigned int b = __float_as_uint(x);
@@ -246,16 +277,7 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
       if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
     }
     __syncthreads();
-    if (threadIdx.x == 0) {
-      unsigned int acc = 0;
-      int b = (int)masks[level];
-      for (; b > 0; b--) {
-        if (acc + hist[b] >= need) break;
-        acc += hist[b];
-      }
-      sel_bin = b;
-      above = acc;
-    }
+    if (threadIdx.x < 32) find_bin(hist, (int)masks[level] + 1, need, &sel_bin, &above);
     __syncthreads();
     need -= above;
     prefix = level == 0 ? sel_bin : (prefix << (level == 1 ? 11 : 10)) | sel_bin;
@@ -271,6 +293,146 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
     } else if (k == prefix) {
       const unsigned int t = atomicAdd(&tied, 1u);
       if (t < need) o[r - need + t] = i;
+    }
+  }
+}
+
+// ---- top-r by a sampled threshold (the CPU planner's method, on the GPU) ----
+// 1. sample_threshold: per head one CTA scores every `stride`-th centroid into shared
+//    memory, sorts the sample (bitonic, descending) and keeps the score at sample rank
+//    1.25·r/stride + 8: about 1.25 r centroids will reach it.
+// 2. score_filter: every centroid is scored (one warp each); those at or above the
+//    threshold are appended (index, score) to a per-head candidate buffer.
+// 3. select_candidates: per head one CTA runs the exact radix select over the candidates.
+// If fewer than r candidates survive (the sample misjudged), `fallback` is set and the
+// host runs the full selection instead.
+#define SAMPLE_MAX 1024
+#define FILTER_UNROLL 4
+
+__device__ __forceinline__ float group_score(const unsigned short* __restrict__ c, const float* __restrict__ q,
+                                             int group, float scale, int lane) {
+  float kf[PER_LANE];
+  load_row(c + lane * PER_LANE, kf);
+  float best = NEG_INF;
+  for (int g = 0; g < group; g++) {
+    const float* qg = q + g * HEAD_DIM + lane * PER_LANE;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) s = fmaf(qg[i], kf[i], s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    best = fmaxf(best, s * scale);
+  }
+  return best;
+}
+
+extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
+                                            float scale, int group, int stride, int r, float* __restrict__ thresh) {
+  __shared__ float smp[SAMPLE_MAX];
+  const int h = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  const int m = min(SAMPLE_MAX, (n + stride - 1) / stride);
+  int size = 1;
+  while (size < m) size <<= 1;
+  for (int i = warp; i < size; i += warps) {
+    float v = NEG_INF;
+    if (i < m) v = group_score(cent + ((long long)h * n + (long long)i * stride) * HEAD_DIM, q + h * group * HEAD_DIM, group, scale, lane);
+    if (lane == 0) smp[i] = v;
+  }
+  __syncthreads();
+  // Bitonic sort, descending.
+  for (int k = 2; k <= size; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      for (int i = threadIdx.x; i < size; i += blockDim.x) {
+        const int p = i ^ j;
+        if (p > i) {
+          const bool desc = (i & k) == 0;
+          const float a = smp[i], b = smp[p];
+          if (desc ? (a < b) : (a > b)) { smp[i] = b; smp[p] = a; }
+        }
+      }
+      __syncthreads();
+    }
+  }
+  if (threadIdx.x == 0) {
+    const int rank = min(m - 1, (int)(1.25f * r / stride) + 8);
+    thresh[h] = smp[rank];
+  }
+}
+
+extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
+                                        float scale, int group, const float* __restrict__ thresh, int cap,
+                                        int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score) {
+  // Each warp scores FILTER_UNROLL consecutive centroids, loading them all before the math
+  // so several rows are in flight (the pass is latency-bound otherwise).
+  const int h = blockIdx.y, lane = threadIdx.x % 32;
+  const int c0 = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * FILTER_UNROLL;
+  if (c0 >= n) return;
+  const float* qh = q + h * group * HEAD_DIM + lane * PER_LANE;
+  const float t = thresh[h];
+  float kf[FILTER_UNROLL][PER_LANE];
+#pragma unroll
+  for (int u = 0; u < FILTER_UNROLL; u++)
+    if (c0 + u < n) load_row(cent + ((long long)h * n + c0 + u) * HEAD_DIM + lane * PER_LANE, kf[u]);
+#pragma unroll
+  for (int u = 0; u < FILTER_UNROLL; u++) {
+    if (c0 + u >= n) break;
+    float best = NEG_INF;
+    for (int g = 0; g < group; g++) {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < PER_LANE; i++) s = fmaf(qh[g * HEAD_DIM + i], kf[u][i], s);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      best = fmaxf(best, s * scale);
+    }
+    if (lane == 0 && best >= t) {
+      const int at = atomicAdd(&counts[h], 1);
+      if (at < cap) { cand_idx[(long long)h * cap + at] = c0 + u; cand_score[(long long)h * cap + at] = best; }
+    }
+  }
+}
+
+extern "C" __global__ void select_candidates(const int* __restrict__ counts, const int* __restrict__ cand_idx,
+                                             const float* __restrict__ cand_score, int cap, int r,
+                                             int* __restrict__ out, int* __restrict__ fallback) {
+  __shared__ unsigned int hist[2048];
+  __shared__ unsigned int sel_bin, above, emitted, tied;
+  const int h = blockIdx.x;
+  const int n = counts[h];
+  if (n < r || n > cap) {  // the sample misjudged: the host selects over all scores
+    if (threadIdx.x == 0) fallback[h] = 1;
+    return;
+  }
+  const float* s = cand_score + (long long)h * cap;
+  const int* ix = cand_idx + (long long)h * cap;
+  int* o = out + (long long)h * r;
+  unsigned int prefix = 0, need = r;
+  const int shifts[3] = {21, 10, 0};
+  const unsigned int masks[3] = {2047u, 2047u, 1023u};
+  for (int level = 0; level < 3; level++) {
+    const int shift = shifts[level];
+    for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
+    __syncthreads();
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+      const unsigned int k = ordered(s[i]);
+      if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) find_bin(hist, (int)masks[level] + 1, need, &sel_bin, &above);
+    __syncthreads();
+    need -= above;
+    prefix = level == 0 ? sel_bin : (prefix << (level == 1 ? 11 : 10)) | sel_bin;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) { emitted = 0; tied = 0; fallback[h] = 0; }
+  __syncthreads();
+  for (int i = threadIdx.x; i < n; i += blockDim.x) {
+    const unsigned int k = ordered(s[i]);
+    if (k > prefix) {
+      o[atomicAdd(&emitted, 1u)] = ix[i];
+    } else if (k == prefix) {
+      const unsigned int t = atomicAdd(&tied, 1u);
+      if (t < need) o[r - need + t] = ix[i];
     }
   }
 }

@@ -42,6 +42,9 @@ pub struct GpuBackend {
     admit: CudaFunction,
     score: CudaFunction,
     select: CudaFunction,
+    sample: CudaFunction,
+    filter: CudaFunction,
+    pick: CudaFunction,
     head_dim: usize,
 }
 
@@ -56,6 +59,13 @@ pub struct SelectJob {
     q: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     out: CudaSlice<i32>,
+    thresh: CudaSlice<f32>,
+    counts: CudaSlice<i32>,
+    cand_idx: CudaSlice<i32>,
+    cand_score: CudaSlice<f32>,
+    fallback: CudaSlice<i32>,
+    cap: usize,
+    stride: usize,
     r: usize,
     shape: AttnShape,
 }
@@ -147,7 +157,10 @@ impl GpuBackend {
         let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
         let score = module.load_function("centroid_scores").map_err(gpu_err("centroid_scores"))?;
         let select = module.load_function("top_r_select").map_err(gpu_err("top_r_select"))?;
-        Ok(Self { ctx, stream, partial, merge, admit, score, select, head_dim })
+        let sample = module.load_function("sample_threshold").map_err(gpu_err("sample_threshold"))?;
+        let filter = module.load_function("score_filter").map_err(gpu_err("score_filter"))?;
+        let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
+        Ok(Self { ctx, stream, partial, merge, admit, score, select, sample, filter, pick, head_dim })
     }
 
     /// The device's name.
@@ -324,18 +337,76 @@ impl GpuBackend {
             });
         }
         let s = &self.stream;
+        let h = shape.kv_heads;
+        // Candidates expected ≈ 1.25 r + 8 strides; room for 4× that before falling back.
+        let stride = cent.per_head.div_ceil(1024).max(16); // ≤ 1024 samples (SAMPLE_MAX)
+        let cap = (4 * r + 64 * stride).min(cent.per_head);
+        let alloc_f = |n: usize| s.alloc_zeros::<f32>(n).map_err(gpu_err("allocating selection buffers"));
+        let alloc_i = |n: usize| s.alloc_zeros::<i32>(n).map_err(gpu_err("allocating selection buffers"));
         Ok(SelectJob {
             q: s.clone_htod(q).map_err(gpu_err("copying queries"))?,
-            scores: s.alloc_zeros::<f32>(shape.kv_heads * cent.per_head).map_err(gpu_err("allocating scores"))?,
-            out: s.alloc_zeros::<i32>(shape.kv_heads * r).map_err(gpu_err("allocating the selection"))?,
+            scores: alloc_f(h * cent.per_head)?,
+            out: alloc_i(h * r)?,
+            thresh: alloc_f(h)?,
+            counts: alloc_i(h)?,
+            cand_idx: alloc_i(h * cap)?,
+            cand_score: alloc_f(h * cap)?,
+            fallback: alloc_i(h)?,
+            cap,
+            stride,
             r,
             shape: *shape,
         })
     }
 
-    /// Enqueues centroid scoring and the per-head top-r selection (radix select, no sort).
+    /// Enqueues centroid scoring and the per-head top-r selection: a threshold from a
+    /// strided sample, a scoring pass that keeps only centroids at or above it, and an exact
+    /// radix select over those candidates (no sort of all scores).
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
+        let sh = job.shape;
+        let (n, r, cap, stride) = (cent.per_head as i32, job.r as i32, job.cap as i32, job.stride as i32);
+        let scale = 1.0 / (sh.head_dim as f32).sqrt();
+        let group = sh.group() as i32;
+        self.stream.memset_zeros(&mut job.counts).map_err(gpu_err("clearing counts"))?;
+        let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.sample);
+        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&stride).arg(&r).arg(&mut job.thresh);
+        // SAFETY: cent holds kv_heads × n × head_dim f16 values and q the group queries of
+        // every head (checked in prepare_select); one CTA per head writes thresh[head]; the
+        // sample (≤ 4096 scores) lives in the kernel's shared memory.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching sample_threshold"))?;
+        // 8 warps per CTA, FILTER_UNROLL = 4 centroids per warp.
+        let cfg = LaunchConfig {
+            grid_dim: (cent.per_head.div_ceil(32) as u32, sh.kv_heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.filter);
+        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&job.thresh).arg(&cap);
+        b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score);
+        // SAFETY: one warp per centroid (< n); appends past `cap` per head are counted but
+        // not written; the candidate buffers hold kv_heads × cap entries.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_filter"))?;
+        let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.pick);
+        b.arg(&job.counts)
+            .arg(&job.cand_idx)
+            .arg(&job.cand_score)
+            .arg(&cap)
+            .arg(&r)
+            .arg(&mut job.out)
+            .arg(&mut job.fallback);
+        // SAFETY: reads min(count, cap) candidates per head (a head with count > cap or < r
+        // only sets its fallback flag) and writes exactly r indices per head into out.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching select_candidates"))?;
+        Ok(())
+    }
+
+    /// Scores every centroid (best head of the group) into the job's score buffer and runs
+    /// the exact radix select over all of them: the fallback of [`GpuBackend::launch_select`].
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_full_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
         let sh = job.shape;
         let n = cent.per_head as i32;
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
@@ -347,25 +418,32 @@ impl GpuBackend {
         };
         let mut b = self.stream.launch_builder(&self.score);
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&mut job.scores);
-        // SAFETY: cent holds kv_heads × n × head_dim f16 values, q holds q_heads × head_dim
-        // floats (checked in prepare_select) and scores kv_heads × n floats; one warp per
-        // centroid, warps past n return.
+        // SAFETY: as in launch_select; scores holds kv_heads × n floats.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching centroid_scores"))?;
         let r = job.r as i32;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.select);
         b.arg(&job.scores).arg(&n).arg(&r).arg(&mut job.out);
-        // SAFETY: scores holds kv_heads × n floats, out kv_heads × r ints with 1 ≤ r ≤ n;
-        // the kernel writes exactly r indices per head.
+        // SAFETY: scores holds kv_heads × n floats, out kv_heads × r ints with 1 ≤ r ≤ n.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching top_r_select"))?;
         Ok(())
     }
 
-    /// The selected centroid indices per KV head (unordered) and all scores.
-    pub fn fetch_select(&self, job: &SelectJob) -> Result<(Vec<Vec<u32>>, Vec<f32>)> {
+    /// The selected centroid indices per KV head (unordered). Heads whose sampled
+    /// threshold kept fewer than r candidates are selected again over all scores.
+    pub fn fetch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<Vec<Vec<u32>>> {
+        let fallback = self.stream.clone_dtoh(&job.fallback).map_err(gpu_err("copying flags back"))?;
+        if fallback.iter().any(|&f| f != 0) {
+            self.launch_full_select(cent, job)?;
+        }
         let out = self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the selection back"))?;
-        let scores = self.stream.clone_dtoh(&job.scores).map_err(gpu_err("copying scores back"))?;
-        Ok((out.chunks(job.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect(), scores))
+        Ok(out.chunks(job.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect())
+    }
+
+    /// Every centroid's score (best head of the group), `kv_heads × n`, for checks.
+    pub fn select_scores(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<Vec<f32>> {
+        self.launch_full_select(cent, job)?;
+        self.stream.clone_dtoh(&job.scores).map_err(gpu_err("copying scores back"))
     }
 
     /// A Gpu-tier cache of `slots` rows (keys and values) in device memory.
