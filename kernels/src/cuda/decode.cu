@@ -195,19 +195,15 @@ extern "C" __global__ void admit_rows(
   }
 }
 
-// Centroid scoring for a plan: scores[h][c] = max over the group of scale · q_g · centroid,
-// one warp per centroid (lanes split the head dimension), centroids f16 in device memory.
-extern "C" __global__ void centroid_scores(
-    const unsigned short* __restrict__ cent, int n, const float* __restrict__ q, float scale, int group,
-    float* __restrict__ scores) {
-  const int h = blockIdx.y;
-  const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (c >= n) return;
+// The best head of the group's score for one centroid row c (f16), computed by one warp:
+// lanes split the head dimension and the dot products are warp-reduced.
+__device__ __forceinline__ float group_score(const unsigned short* __restrict__ c, const float* __restrict__ q,
+                                             int group, float scale, int lane) {
   float kf[PER_LANE];
-  load_row(cent + ((long long)h * n + c) * HEAD_DIM + lane * PER_LANE, kf);
+  load_row(c + lane * PER_LANE, kf);
   float best = NEG_INF;
   for (int g = 0; g < group; g++) {
-    const float* qg = q + (h * group + g) * HEAD_DIM + lane * PER_LANE;
+    const float* qg = q + g * HEAD_DIM + lane * PER_LANE;
     float s = 0.f;
 #pragma unroll
     for (int i = 0; i < PER_LANE; i++) s = fmaf(qg[i], kf[i], s);
@@ -215,6 +211,18 @@ extern "C" __global__ void centroid_scores(
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
     best = fmaxf(best, s * scale);
   }
+  return best;
+}
+
+// Centroid scoring for a plan: scores[h][c] = max over the group of scale · q_g · centroid,
+// one warp per centroid, centroids f16 in device memory.
+extern "C" __global__ void centroid_scores(
+    const unsigned short* __restrict__ cent, int n, const float* __restrict__ q, float scale, int group,
+    float* __restrict__ scores) {
+  const int h = blockIdx.y;
+  const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (c >= n) return;
+  const float best = group_score(cent + ((long long)h * n + c) * HEAD_DIM, q + h * group * HEAD_DIM, group, scale, lane);
   if (lane == 0) scores[(long long)h * n + c] = best;
 }
 
@@ -255,16 +263,13 @@ __device__ __forceinline__ unsigned int ordered(float x) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Per head (one CTA of 1024 threads), the indices of the r largest of n scores, unordered:
-// a three-level radix select on the ordered 32-bit keys (11 + 11 + 10 bits, histograms in
-// shared memory) finds the r-th key exactly; every key above it is emitted and keys equal
-// to it fill the remainder. No sort: three histogram passes and one emitting pass.
-extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n, int r, int* __restrict__ out) {
+// One CTA: writes to o the indices (ix[i], or i when ix is null) of the r largest of the n
+// scores s, unordered. A three-level radix select on the ordered 32-bit keys (11 + 11 + 10
+// bits, histograms in shared memory, a parallel bin search) finds the r-th key exactly;
+// every key above it is emitted and keys equal to it fill the remainder. No sort.
+__device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o) {
   __shared__ unsigned int hist[2048];
   __shared__ unsigned int sel_bin, above, emitted, tied;
-  const int h = blockIdx.x;
-  const float* s = scores + (long long)h * n;
-  int* o = out + (long long)h * r;
   unsigned int prefix = 0, need = r;
   const int shifts[3] = {21, 10, 0};
   const unsigned int masks[3] = {2047u, 2047u, 1023u};
@@ -288,13 +293,19 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const unsigned int k = ordered(s[i]);
+    const int id = ix ? ix[i] : i;
     if (k > prefix) {
-      o[atomicAdd(&emitted, 1u)] = i;
+      o[atomicAdd(&emitted, 1u)] = id;
     } else if (k == prefix) {
       const unsigned int t = atomicAdd(&tied, 1u);
-      if (t < need) o[r - need + t] = i;
+      if (t < need) o[r - need + t] = id;
     }
   }
+}
+
+// Per head (one CTA of 1024 threads): the indices of the r largest of its n scores.
+extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n, int r, int* __restrict__ out) {
+  radix_top_r(scores + (long long)blockIdx.x * n, nullptr, n, r, out + (long long)blockIdx.x * r);
 }
 
 // ---- top-r by a sampled threshold (the CPU planner's method, on the GPU) ----
@@ -309,22 +320,6 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
 #define SAMPLE_MAX 1024
 #define FILTER_UNROLL 4
 
-__device__ __forceinline__ float group_score(const unsigned short* __restrict__ c, const float* __restrict__ q,
-                                             int group, float scale, int lane) {
-  float kf[PER_LANE];
-  load_row(c + lane * PER_LANE, kf);
-  float best = NEG_INF;
-  for (int g = 0; g < group; g++) {
-    const float* qg = q + g * HEAD_DIM + lane * PER_LANE;
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) s = fmaf(qg[i], kf[i], s);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    best = fmaxf(best, s * scale);
-  }
-  return best;
-}
 
 extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                             float scale, int group, int stride, int r, float* __restrict__ thresh) {
@@ -395,44 +390,12 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
 extern "C" __global__ void select_candidates(const int* __restrict__ counts, const int* __restrict__ cand_idx,
                                              const float* __restrict__ cand_score, int cap, int r,
                                              int* __restrict__ out, int* __restrict__ fallback) {
-  __shared__ unsigned int hist[2048];
-  __shared__ unsigned int sel_bin, above, emitted, tied;
   const int h = blockIdx.x;
   const int n = counts[h];
   if (n < r || n > cap) {  // the sample misjudged: the host selects over all scores
     if (threadIdx.x == 0) fallback[h] = 1;
     return;
   }
-  const float* s = cand_score + (long long)h * cap;
-  const int* ix = cand_idx + (long long)h * cap;
-  int* o = out + (long long)h * r;
-  unsigned int prefix = 0, need = r;
-  const int shifts[3] = {21, 10, 0};
-  const unsigned int masks[3] = {2047u, 2047u, 1023u};
-  for (int level = 0; level < 3; level++) {
-    const int shift = shifts[level];
-    for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const unsigned int k = ordered(s[i]);
-      if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) find_bin(hist, (int)masks[level] + 1, need, &sel_bin, &above);
-    __syncthreads();
-    need -= above;
-    prefix = level == 0 ? sel_bin : (prefix << (level == 1 ? 11 : 10)) | sel_bin;
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) { emitted = 0; tied = 0; fallback[h] = 0; }
-  __syncthreads();
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const unsigned int k = ordered(s[i]);
-    if (k > prefix) {
-      o[atomicAdd(&emitted, 1u)] = ix[i];
-    } else if (k == prefix) {
-      const unsigned int t = atomicAdd(&tied, 1u);
-      if (t < need) o[r - need + t] = ix[i];
-    }
-  }
+  if (threadIdx.x == 0) fallback[h] = 0;
+  radix_top_r(cand_score + (long long)h * cap, cand_idx + (long long)h * cap, n, r, out + (long long)h * r);
 }
