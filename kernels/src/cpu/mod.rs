@@ -4,6 +4,7 @@
 pub mod attention;
 pub mod estimate;
 mod gemm;
+pub mod hack;
 pub mod kmeans;
 mod microkernel;
 pub mod partial;
