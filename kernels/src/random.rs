@@ -52,6 +52,11 @@ impl SplitMix64 {
         self.spare_normal = Some((r * s) as f32);
         (r * c) as f32
     }
+
+    /// `n` standard-normal values.
+    pub fn normals(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.normal()).collect()
+    }
 }
 
 #[cfg(test)]

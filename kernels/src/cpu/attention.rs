@@ -373,8 +373,7 @@ mod tests {
     use crate::random::SplitMix64;
 
     fn randn(n: usize, seed: u64) -> Vec<f32> {
-        let mut g = SplitMix64::new(seed);
-        (0..n).map(|_| g.normal()).collect()
+        SplitMix64::new(seed).normals(n)
     }
 
     #[test]

@@ -332,8 +332,7 @@ mod tests {
     use super::*;
 
     fn randn(n: usize, seed: u64) -> Vec<f32> {
-        let mut g = SplitMix64::new(seed);
-        (0..n).map(|_| g.normal()).collect()
+        SplitMix64::new(seed).normals(n)
     }
 
     #[test]

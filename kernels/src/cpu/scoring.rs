@@ -83,20 +83,8 @@ pub fn top_r_set(scores: &[f32], r: usize) -> Vec<u32> {
     if r == scores.len() {
         return (0..r as u32).collect();
     }
-    let all = || (0..scores.len()).map(|i| rank_key(scores[i], i as u32)).collect();
-    let keys: Vec<u64> = match sampled_threshold(scores, r) {
-        Some(t) => {
-            let mut k = Vec::with_capacity(r * 2);
-            collect_at_least(scores, t, |i| k.push(rank_key(scores[i], i as u32)));
-            if k.len() >= r {
-                k
-            } else {
-                all()
-            }
-        }
-        None => all(),
-    };
-    top_keys(keys, r)
+    let idx = threshold_candidates(scores, r).unwrap_or_else(|| (0..scores.len() as u32).collect());
+    top_keys(idx.iter().map(|&i| rank_key(scores[i as usize], i)).collect(), r)
 }
 
 /// The selection key of score `x` at index `i`: a larger key is a better candidate (higher
