@@ -1,0 +1,266 @@
+//! A generation session: the model's decode attention served by attnstore. Each layer's KV
+//! lives in one engine context; every decode step appends the new token's K/V and runs one
+//! plan per layer under the session's method and budget.
+
+use crate::error::{Error, Result};
+use crate::model::{argmax, AttentionBackend, Model, Prefill};
+use attnstore::{
+    Budget, ContextId, ContextSpec, DType, Engine, Method, PqParams, Request, Strategy, WaveParams,
+};
+use std::time::{Duration, Instant};
+
+/// Which attnstore access method serves decode attention.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AttnMethod {
+    /// Every token attended exactly (flat index, full budget).
+    Exact,
+    /// RetroInfer's wave index: steady + retrieved clusters + estimated clusters.
+    Wave,
+    /// PQCache: top-k of PQ-approximated scores.
+    Pq,
+    /// The oracle: top-k of true scores (flat index, sparse budget).
+    TopK,
+}
+
+impl AttnMethod {
+    /// Parses `exact|wave|pq|topk`.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "exact" => Ok(Self::Exact),
+            "wave" => Ok(Self::Wave),
+            "pq" => Ok(Self::Pq),
+            "topk" | "oracle" => Ok(Self::TopK),
+            _ => Err(Error::InvalidInput(format!("unknown method {s:?}: expected exact, wave, pq or topk"))),
+        }
+    }
+
+    /// Name in tables and JSON.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Exact => "exact",
+            Self::Wave => "wave",
+            Self::Pq => "pq",
+            Self::TopK => "topk",
+        }
+    }
+
+    fn spec_method(self) -> Method {
+        match self {
+            Self::Exact | Self::TopK => Method::Flat,
+            Self::Wave => Method::Wave(WaveParams::default()),
+            Self::Pq => Method::Pq(PqParams::default()),
+        }
+    }
+}
+
+/// A method and the budget its plans run under.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AttnConfig {
+    /// The access method.
+    pub method: AttnMethod,
+    /// The plan budget (ignored by `Exact`, which always plans the full budget).
+    pub budget: Budget,
+    /// Storage type of the stored KV.
+    pub dtype: DType,
+}
+
+impl AttnConfig {
+    /// `method` under the engine's default budget, f16 storage.
+    pub fn new(method: AttnMethod) -> Self {
+        Self { method, budget: Budget::default(), dtype: DType::F16 }
+    }
+
+    /// The budget scaled by `scale`: retrieval fraction and token floor (the estimation
+    /// share is kept).
+    pub fn scaled(mut self, scale: f64) -> Self {
+        self.budget.retrieve_frac *= scale;
+        self.budget.retrieve_floor_tokens = (self.budget.retrieve_floor_tokens as f64 * scale).round() as usize;
+        self
+    }
+
+    fn plan_budget(&self) -> Budget {
+        match self.method {
+            AttnMethod::Exact => Budget::full(),
+            _ => self.budget,
+        }
+    }
+}
+
+/// What a session's decode steps did.
+#[derive(Debug, Clone, Default)]
+pub struct SessionStats {
+    /// Decode steps run.
+    pub steps: usize,
+    /// Time in the model outside attention.
+    pub model_time: Duration,
+    /// Time in attnstore (append, plan, execute).
+    pub attn_time: Duration,
+    /// Sum over layer plans of the mean exactly attended tokens per query head.
+    pub exact_tokens: f64,
+    /// Sum over layer plans of the context length.
+    pub context_tokens: f64,
+    /// Layer plans the planner made exact (short context, full budget, cheaper).
+    pub exact_plans: usize,
+    /// Layer plans in total.
+    pub plans: usize,
+    /// With an audit: per layer, the sum of relative L2 errors of the attention output vs
+    /// exact attention over the same KV, and the number of steps summed.
+    pub layer_error: Vec<f64>,
+    /// Bytes the plans read (all tiers).
+    pub bytes_read: f64,
+}
+
+impl SessionStats {
+    /// Mean exactly attended tokens per query head per layer plan.
+    pub fn mean_exact_tokens(&self) -> f64 {
+        self.exact_tokens / self.plans.max(1) as f64
+    }
+
+    /// Mean share of the context attended exactly.
+    pub fn exact_share(&self) -> f64 {
+        self.exact_tokens / self.context_tokens.max(1.0)
+    }
+
+    /// Mean relative attention-output error per layer (empty without an audit).
+    pub fn mean_layer_error(&self) -> Vec<f64> {
+        self.layer_error.iter().map(|e| e / self.steps.max(1) as f64).collect()
+    }
+}
+
+/// A model with its decode attention in an attnstore context.
+pub struct Session<'a> {
+    model: &'a Model,
+    engine: &'a Engine,
+    config: AttnConfig,
+    ctx: ContextId,
+    /// An exact twin context for per-layer error audits.
+    audit: Option<ContextId>,
+    pos: usize,
+    stats: SessionStats,
+    last_plan: Option<String>,
+}
+
+impl<'a> Session<'a> {
+    /// Stores a prefilled prompt's KV in a new context of `engine` and returns a session
+    /// positioned after the prompt. With `audit`, an exact twin context is kept and every
+    /// step also measures the attention-output error per layer. PQ codebooks are waited for,
+    /// so every decode plan runs on a ready index.
+    pub fn new(model: &'a Model, engine: &'a Engine, config: AttnConfig, prefill: &Prefill, audit: bool) -> Result<Self> {
+        config.budget.validate()?;
+        let c = model.config();
+        let make = |method: Method| -> Result<ContextId> {
+            let spec = ContextSpec::new(c.attn_shape(), c.layers).with_dtype(config.dtype).with_method(method);
+            let ctx = engine.create_context(spec)?;
+            for (l, (k, v)) in prefill.kv.iter().enumerate() {
+                engine.prefill(ctx, l, k, v)?;
+            }
+            Ok(ctx)
+        };
+        let ctx = make(config.method.spec_method())?;
+        if config.method == AttnMethod::Pq {
+            for l in 0..c.layers {
+                engine.wait_index(ctx, l, Duration::from_secs(600))?;
+            }
+        }
+        let audit = if audit && config.method != AttnMethod::Exact { Some(make(Method::Flat)?) } else { None };
+        let stats = SessionStats { layer_error: vec![0.0; if audit.is_some() { c.layers } else { 0 }], ..Default::default() };
+        Ok(Self { model, engine, config, ctx, audit, pos: prefill.tokens.len(), stats, last_plan: None })
+    }
+
+    /// Feeds `token` and returns the next-token logits.
+    pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
+        let start = Instant::now();
+        let attn_before = self.stats.attn_time;
+        let model = self.model;
+        let logits = model.decode_step(token, self.pos, self)?;
+        self.pos += 1;
+        self.stats.steps += 1;
+        let attn = self.stats.attn_time - attn_before;
+        self.stats.model_time += start.elapsed().saturating_sub(attn);
+        Ok(logits)
+    }
+
+    /// Greedy generation: feeds `first` (usually the prompt's argmax) and the argmax of each
+    /// step, up to `max` tokens or the end-of-turn token; returns the tokens and the logits
+    /// that chose each of them after the first.
+    pub fn greedy(&mut self, first: u32, max: usize, stop: Option<u32>) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(max);
+        let mut next = first;
+        while out.len() < max {
+            out.push(next);
+            if Some(next) == stop || out.len() == max {
+                break;
+            }
+            next = argmax(&self.step(next)?);
+        }
+        Ok(out)
+    }
+
+    /// Tokens in the context (prompt + fed tokens).
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// What the steps did so far.
+    pub fn stats(&self) -> &SessionStats {
+        &self.stats
+    }
+
+    /// EXPLAIN of the most recent plan of layer 0.
+    pub fn last_explain(&self) -> Option<&str> {
+        self.last_plan.as_deref()
+    }
+
+    /// The engine context holding the session's KV.
+    pub fn context(&self) -> ContextId {
+        self.ctx
+    }
+
+    /// Drops the session's contexts from the engine.
+    pub fn close(self) -> Result<()> {
+        self.engine.drop_context(self.ctx)?;
+        if let Some(a) = self.audit {
+            self.engine.drop_context(a)?;
+        }
+        Ok(())
+    }
+}
+
+impl AttentionBackend for Session<'_> {
+    fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32]) -> Result<Vec<f32>> {
+        let start = Instant::now();
+        self.engine.append(self.ctx, layer, k, v)?;
+        let plan = self.engine.plan(&[Request::new(self.ctx, layer, q.to_vec())], &self.config.plan_budget())?;
+        let out = self.engine.execute(&plan)?.pop().expect("one request, one output");
+        let r = &plan.requests[0];
+        let qh = r.shape.q_heads;
+        self.stats.plans += 1;
+        self.stats.exact_tokens += (0..qh).map(|h| r.exact_tokens(h)).sum::<usize>() as f64 / qh as f64;
+        self.stats.context_tokens += r.tokens as f64;
+        self.stats.bytes_read += r.cost.total_bytes() as f64;
+        if matches!(r.strategy, Strategy::Exact { .. }) {
+            self.stats.exact_plans += 1;
+        }
+        if layer == 0 {
+            self.last_plan = Some(plan.explain());
+        }
+        self.stats.attn_time += start.elapsed();
+        if let Some(audit) = self.audit {
+            self.engine.append(audit, layer, k, v)?;
+            let exact = self.engine.plan(&[Request::new(audit, layer, q.to_vec())], &Budget::full())?;
+            let reference = self.engine.execute(&exact)?.pop().expect("one request, one output");
+            self.stats.layer_error[layer] += relative_l2(&out, &reference);
+        }
+        Ok(out)
+    }
+}
+
+/// `‖a − b‖ / ‖b‖`.
+pub fn relative_l2(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (&x, &y) in a.iter().zip(b) {
+        num += ((x - y) as f64).powi(2);
+        den += (y as f64).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
