@@ -7,9 +7,11 @@
 //! per layer under a method (exact, wave, pq, oracle top-k) and budget.
 
 mod error;
+pub mod eval;
 mod model;
 mod session;
 mod tokenizer;
+pub mod trace;
 
 pub use error::{Error, Result};
 pub use model::{argmax, kl_divergence, log_softmax, AttentionBackend, Model, ModelConfig, Prefill, Weights};

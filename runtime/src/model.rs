@@ -41,17 +41,22 @@ impl ModelConfig {
             })
         };
         let num = |key: &str| -> Result<usize> {
-            get(key)?.to_u32().map(|v| v as usize).map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() })
+            get(key)?
+                .to_u32()
+                .map(|v| v as usize)
+                .map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() })
         };
         let float = |key: &str| -> Result<f32> {
             get(key)?.to_f32().map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() })
         };
-        let arch = get("general.architecture")?.to_string().map_err(|e| Error::BadModel {
-            what: "general.architecture".into(),
-            detail: e.to_string(),
-        })?;
+        let arch = get("general.architecture")?
+            .to_string()
+            .map_err(|e| Error::BadModel { what: "general.architecture".into(), detail: e.to_string() })?;
         if arch != "llama" {
-            return Err(Error::BadModel { what: "general.architecture".into(), detail: format!("{arch}, expected llama") });
+            return Err(Error::BadModel {
+                what: "general.architecture".into(),
+                detail: format!("{arch}, expected llama"),
+            });
         }
         let d_model = num("llama.embedding_length")?;
         let q_heads = num("llama.attention.head_count")?;
@@ -63,8 +68,10 @@ impl ModelConfig {
             });
         }
         let vocab = match content.metadata.get("llama.vocab_size") {
-            Some(v) => v.to_u32().map_err(|e| Error::BadModel { what: "llama.vocab_size".into(), detail: e.to_string() })?
-                as usize,
+            Some(v) => {
+                v.to_u32().map_err(|e| Error::BadModel { what: "llama.vocab_size".into(), detail: e.to_string() })?
+                    as usize
+            }
             None => content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).unwrap_or(0),
         };
         Ok(Self {
@@ -150,12 +157,16 @@ impl Model {
         }
         let dev = Device::Cpu;
         let mut file = std::fs::File::open(path).map_err(Error::io(path))?;
-        let content = gguf_file::Content::read(&mut file)
-            .map_err(|e| Error::BadModel { what: path.display().to_string(), detail: format!("not a GGUF file: {e}") })?;
+        let content = gguf_file::Content::read(&mut file).map_err(|e| Error::BadModel {
+            what: path.display().to_string(),
+            detail: format!("not a GGUF file: {e}"),
+        })?;
         let config = ModelConfig::from_gguf(&content)?;
         let tokenizer = Tokenizer::from_gguf(&content)?;
         let mut tensor = |name: &str| {
-            content.tensor(&mut file, name, &dev).map_err(|e| Error::BadModel { what: name.into(), detail: e.to_string() })
+            content
+                .tensor(&mut file, name, &dev)
+                .map_err(|e| Error::BadModel { what: name.into(), detail: e.to_string() })
         };
         let matmul = |q: candle_core::quantized::QTensor| -> Result<QMatMul> {
             Ok(match weights {
@@ -207,7 +218,10 @@ impl Model {
 
     fn check_tokens(&self, tokens: &[u32], start: usize) -> Result<()> {
         if let Some(t) = tokens.iter().find(|&&t| t as usize >= self.config.vocab) {
-            return Err(Error::InvalidInput(format!("token id {t} is outside the vocabulary of {}", self.config.vocab)));
+            return Err(Error::InvalidInput(format!(
+                "token id {t} is outside the vocabulary of {}",
+                self.config.vocab
+            )));
         }
         if start + tokens.len() > self.config.context_length {
             return Err(Error::InvalidInput(format!(

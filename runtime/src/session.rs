@@ -4,9 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model, Prefill};
-use attnstore::{
-    Budget, ContextId, ContextSpec, DType, Engine, Method, PqParams, Request, Strategy, WaveParams,
-};
+use attnstore::{Budget, ContextId, ContextSpec, DType, Engine, Method, PqParams, Request, Strategy, WaveParams};
 use std::time::{Duration, Instant};
 
 /// Which attnstore access method serves decode attention.
@@ -145,7 +143,13 @@ impl<'a> Session<'a> {
     /// positioned after the prompt. With `audit`, an exact twin context is kept and every
     /// step also measures the attention-output error per layer. PQ codebooks are waited for,
     /// so every decode plan runs on a ready index.
-    pub fn new(model: &'a Model, engine: &'a Engine, config: AttnConfig, prefill: &Prefill, audit: bool) -> Result<Self> {
+    pub fn new(
+        model: &'a Model,
+        engine: &'a Engine,
+        config: AttnConfig,
+        prefill: &Prefill,
+        audit: bool,
+    ) -> Result<Self> {
         config.budget.validate()?;
         let c = model.config();
         let make = |method: Method| -> Result<ContextId> {
@@ -163,7 +167,8 @@ impl<'a> Session<'a> {
             }
         }
         let audit = if audit && config.method != AttnMethod::Exact { Some(make(Method::Flat)?) } else { None };
-        let stats = SessionStats { layer_error: vec![0.0; if audit.is_some() { c.layers } else { 0 }], ..Default::default() };
+        let stats =
+            SessionStats { layer_error: vec![0.0; if audit.is_some() { c.layers } else { 0 }], ..Default::default() };
         Ok(Self { model, engine, config, ctx, audit, pos: prefill.tokens.len(), stats, last_plan: None })
     }
 

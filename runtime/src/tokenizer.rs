@@ -33,12 +33,17 @@ impl Tokenizer {
         let strings = |key: &str| -> Result<Vec<String>> {
             list(key)?
                 .iter()
-                .map(|v| v.to_string().cloned().map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() }))
+                .map(|v| {
+                    v.to_string().cloned().map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() })
+                })
                 .collect()
         };
         let model = get("tokenizer.ggml.model")?.to_string().map_err(|e| Error::Tokenizer(e.to_string()))?;
         if model != "gpt2" {
-            return Err(Error::BadModel { what: "tokenizer.ggml.model".into(), detail: format!("{model}, expected gpt2") });
+            return Err(Error::BadModel {
+                what: "tokenizer.ggml.model".into(),
+                detail: format!("{model}, expected gpt2"),
+            });
         }
         let tokens = strings("tokenizer.ggml.tokens")?;
         let merges = strings("tokenizer.ggml.merges")?
@@ -61,7 +66,8 @@ impl Tokenizer {
         };
         let eos = get("tokenizer.ggml.eos_token_id")?.to_u32().map_err(|e| Error::Tokenizer(e.to_string()))?;
         let vocab: Vocab = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| Error::Tokenizer(e.to_string()))?;
+        let bpe =
+            BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| Error::Tokenizer(e.to_string()))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner.with_pre_tokenizer(Some(Sequence::new(vec![
             Digits::new(true).into(),

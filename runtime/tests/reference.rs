@@ -16,7 +16,10 @@ use common::{compare_with_reference, model_or_skip, NaiveAttention, PROMPTS};
 fn exact_method_matches_candle_llama_forward_quantized() {
     let Some(model) = model_or_skip(Weights::Quantized) else { return };
     let a = compare_with_reference(&model, DType::F32, 4096, 8);
-    println!("quantized weights, f32 KV: prefill {:.1e}, decode {:.2e}, argmax {}/{}", a.prefill, a.decode, a.argmax.0, a.argmax.1);
+    println!(
+        "quantized weights, f32 KV: prefill {:.1e}, decode {:.2e}, argmax {}/{}",
+        a.prefill, a.decode, a.argmax.0, a.argmax.1
+    );
     assert_eq!(a.prefill, 0.0, "the same operations in the same order give the same logits");
     assert!(a.decode < 0.1, "decode logits differ by {} (relative)", a.decode);
     assert!(a.argmax.0 * 100 >= a.argmax.1 * 95, "argmax agreement {}/{}", a.argmax.0, a.argmax.1);
@@ -86,4 +89,3 @@ fn bad_inputs_are_typed_errors() {
     ));
     assert!(AttnMethod::parse("dense").is_err());
 }
-

@@ -122,4 +122,3 @@ impl attnstore_runtime::AttentionBackend for NaiveAttention {
         Ok(out)
     }
 }
-

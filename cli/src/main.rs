@@ -1,6 +1,10 @@
 //! The `attnstore` command: `bench` measures sparse against exact attention on synthetic
-//! contexts; `explain` prints the plan of one decode step; `check` and `recover` inspect and
-//! repair a durable engine directory; `bench-wal` measures the durability paths.
+//! contexts (or, with `--trace`, on a captured real trace); `explain` prints the plan of one
+//! decode step; `check` and `recover` inspect and repair a durable engine directory;
+//! `bench-wal` measures the durability paths; `generate`, `capture`, `eval` and `argmax` run
+//! a real model (SmolLM2-135M) whose decode attention attnstore serves.
+
+mod model;
 
 use attnstore::bench::{self, BenchConfig, BenchMethod};
 use attnstore::synth::{SynthContext, SynthParams};
@@ -43,6 +47,14 @@ enum Command {
     },
     /// Benchmark group commit, recovery time per GB and the first attention after reopening.
     BenchWal(BenchWalArgs),
+    /// Generate text with SmolLM2-135M, decode attention served by attnstore (greedy).
+    Generate(model::GenerateArgs),
+    /// Write a real KV trace: every layer's post-RoPE keys, values and decode queries.
+    Capture(model::CaptureArgs),
+    /// Accuracy of every method and budget against exact attention on real long texts.
+    Eval(model::EvalArgs),
+    /// Teacher-forced argmax of the exact method, for scripts/llamacpp-check.
+    Argmax(model::ArgmaxArgs),
 }
 
 #[derive(Args)]
@@ -133,6 +145,10 @@ struct BenchArgs {
     /// Print JSON lines only (one object per configuration) on stdout.
     #[arg(long)]
     json: bool,
+    /// Evaluate every method on a real trace written by `attnstore capture` instead of
+    /// synthetic KV (relative error, recall of the true top-k, bytes read).
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -161,7 +177,7 @@ struct ExplainArgs {
     verbose: bool,
 }
 
-fn parse_tokens(s: &str) -> Result<usize, String> {
+pub(crate) fn parse_tokens(s: &str) -> Result<usize, String> {
     let t = s.trim();
     let (num, mul) = match t.chars().last() {
         Some('k' | 'K') => (&t[..t.len() - 1], 1024),
@@ -182,7 +198,7 @@ fn parse_tokens_or_zero(s: &str) -> Result<usize, String> {
     parse_tokens(s)
 }
 
-fn parse_share(s: &str) -> Result<EstimateShare, String> {
+pub(crate) fn parse_share(s: &str) -> Result<EstimateShare, String> {
     if s.trim().eq_ignore_ascii_case("rest") {
         return Ok(EstimateShare::Rest);
     }
@@ -223,6 +239,9 @@ fn shape_of(a: &ShapeArgs) -> Result<AttnShape, String> {
 }
 
 fn bench(args: BenchArgs) -> Result<(), String> {
+    if let Some(dir) = &args.trace {
+        return model::bench_trace(dir, args.json);
+    }
     let shape = shape_of(&args.shape)?;
     for &share in &args.estimate {
         Budget::default()
@@ -347,6 +366,10 @@ fn main() -> ExitCode {
         Command::Check { dir } => check(dir),
         Command::Recover { dir } => recover(dir),
         Command::BenchWal(a) => bench_wal(a),
+        Command::Generate(a) => model::generate(a),
+        Command::Capture(a) => model::capture(a),
+        Command::Eval(a) => model::eval(a),
+        Command::Argmax(a) => model::argmax_dump(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
