@@ -149,6 +149,9 @@ struct BenchArgs {
     /// synthetic KV (relative error, recall of the true top-k, bytes read).
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// With --trace: layers attended exactly whatever the budget.
+    #[arg(long, default_value_t = 0)]
+    dense_layers: usize,
 }
 
 #[derive(Args)]
@@ -240,7 +243,19 @@ fn shape_of(a: &ShapeArgs) -> Result<AttnShape, String> {
 
 fn bench(args: BenchArgs) -> Result<(), String> {
     if let Some(dir) = &args.trace {
-        return model::bench_trace(dir, args.json);
+        let mut bases = Vec::new();
+        for &estimate in &args.estimate {
+            for &mode in &args.selection {
+                bases.push(
+                    Budget::default()
+                        .with_retrieve(args.budget.retrieve)
+                        .with_retrieve_floor(args.budget.retrieve_floor)
+                        .with_estimate(estimate)
+                        .with_mode(mode),
+                );
+            }
+        }
+        return model::bench_trace(dir, &bases, args.dense_layers, args.json);
     }
     let shape = shape_of(&args.shape)?;
     for &share in &args.estimate {

@@ -264,7 +264,7 @@ pub fn capture(args: CaptureArgs) -> Result<(), String> {
 }
 
 /// `attnstore bench --trace DIR`.
-pub fn bench_trace(dir: &PathBuf, json: bool) -> Result<(), String> {
+pub fn bench_trace(dir: &PathBuf, bases: &[Budget], dense_layers: usize, json: bool) -> Result<(), String> {
     let t = Trace::load(dir).map_err(|e| e.to_string())?;
     let m = &t.meta;
     if !json {
@@ -280,7 +280,7 @@ pub fn bench_trace(dir: &PathBuf, json: bool) -> Result<(), String> {
             m.decode_steps
         );
     }
-    let rows = trace::bench_trace(&t, &trace::default_configs(), &mut |what| eprintln!("evaluating {what}"))
+    let rows = trace::bench_trace(&t, &trace::configs_for(bases, dense_layers), &mut |what| eprintln!("evaluating {what}"))
         .map_err(|e| e.to_string())?;
     if !json {
         println!("{}", trace_table(&rows));
@@ -294,14 +294,17 @@ pub fn bench_trace(dir: &PathBuf, json: bool) -> Result<(), String> {
 
 fn trace_table(rows: &[TraceRow]) -> String {
     let mut s = format!(
-        "{:<6} {:>6} {:>10} {:>8} {:>12} {:>8} {:>10} {:>11}\n",
-        "method", "budget", "rel error", "recall", "exact tokens", "share", "bytes/exact", "exact plans"
+        "{:<6} {:>6} {:>8} {:>14} {:>5} {:>10} {:>8} {:>12} {:>8} {:>10} {:>11}\n",
+        "method", "budget", "estimate", "selection", "dense", "rel error", "recall", "exact tokens", "share", "bytes/exact", "exact plans"
     );
     for r in rows {
         s += &format!(
-            "{:<6} {:>5}x {:>10.4} {:>8.3} {:>12.0} {:>7.1}% {:>10.3} {:>5}/{:<5}\n",
+            "{:<6} {:>5}x {:>8} {:>14} {:>5} {:>10.4} {:>8.3} {:>12.0} {:>7.1}% {:>10.3} {:>5}/{:<5}\n",
             r.method,
             r.budget_scale,
+            r.estimate,
+            r.selection,
+            r.dense_layers,
             r.rel_error,
             r.recall,
             r.exact_tokens,
@@ -425,7 +428,7 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
         "prompt_tokens": ids.len(),
         "argmax_from": ids.len() - 1,
         "argmax": cont,
-        "prompt_text": std::fs::read_to_string(&args.prompt_file).unwrap_or_default(),
+        "prompt_text": Tokenizer::chat_prompt(std::fs::read_to_string(&args.prompt_file).unwrap_or_default().trim()),
     });
     std::fs::write(&args.out, serde_json::to_vec(&value).expect("serializes"))
         .map_err(|e| format!("{}: {e}", args.out.display()))?;

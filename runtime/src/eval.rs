@@ -15,6 +15,9 @@ pub const SUMMARY_TEXT: &str = include_str!("../data/retroinfer.txt");
 /// The haystack of the passkey prompts (HACK's paper).
 pub const HAYSTACK_TEXT: &str = include_str!("../data/hack.txt");
 
+/// Tokens of a passkey answer.
+const PASSKEY_ANSWER: usize = 8;
+
 const SYSTEM: &str =
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n";
 
@@ -144,7 +147,10 @@ pub fn run(
     let engine = Engine::in_memory(EngineConfig::default())?;
     let exact = AttnConfig::new(AttnMethod::Exact);
     let mut rows = Vec::new();
-    for &length in &config.lengths {
+    let context = model.config().context_length;
+    for &asked in &config.lengths {
+        // The continuation must fit in the model's context too.
+        let length = asked.min(context.saturating_sub(config.gen_tokens));
         progress(&format!("{length} tokens: prefill"));
         let prompt = summary_prompt(model, length)?;
         let prefill = model.prefill(&prompt, config.chunk, &mut |_| {})?;
@@ -161,7 +167,8 @@ pub fn run(
     }
     let mut passkeys = Vec::new();
     let mut rng = config.seed;
-    for &length in &config.passkey_lengths {
+    for &asked in &config.passkey_lengths {
+        let length = asked.min(context.saturating_sub(PASSKEY_ANSWER));
         let mut all = vec![exact];
         all.extend(config.variants.iter().map(|v| v.0));
         let scales: Vec<f64> = std::iter::once(1.0).chain(config.variants.iter().map(|v| v.1)).collect();
@@ -174,7 +181,7 @@ pub fn run(
             let prefill = model.prefill(&prompt, config.chunk, &mut |_| {})?;
             for (i, &variant) in all.iter().enumerate() {
                 let mut s = Session::new(model, &engine, variant, &prefill, false)?;
-                let answer = s.greedy(argmax(&prefill.logits), 8, Some(model.tokenizer().eos()))?;
+                let answer = s.greedy(argmax(&prefill.logits), PASSKEY_ANSWER, Some(model.tokenizer().eos()))?;
                 s.close()?;
                 let text = model.tokenizer().decode(&answer)?;
                 found[i].0 += usize::from(text.contains(&key.to_string()));

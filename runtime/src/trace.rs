@@ -263,6 +263,12 @@ pub struct TraceRow {
     pub method: &'static str,
     /// Budget scale relative to the default.
     pub budget_scale: f64,
+    /// The estimation share (`rest` or a fraction).
+    pub estimate: String,
+    /// Cluster choice per KV head or per query head.
+    pub selection: &'static str,
+    /// Layers attended exactly whatever the budget.
+    pub dense_layers: usize,
     /// Mean relative L2 error of the attention output vs exact, over steps and layers.
     pub rel_error: f64,
     /// Per layer, the mean relative error over steps.
@@ -301,7 +307,6 @@ pub fn bench_trace(
             AttnMethod::Wave => Method::Wave(Default::default()),
             AttnMethod::Pq => Method::Pq(Default::default()),
         };
-        let budget = if config.method == AttnMethod::Exact { Budget::full() } else { config.budget };
         let make = |method: Method| -> Result<attnstore::ContextId> {
             let ctx = engine
                 .create_context(ContextSpec::new(shape, m.layers).with_dtype(config.dtype).with_method(method))?;
@@ -316,6 +321,12 @@ pub fn bench_trace(
         let mut row = TraceRow {
             method: config.method.name(),
             budget_scale: scale,
+            estimate: match config.budget.estimate {
+                attnstore::EstimateShare::Rest => "rest".into(),
+                attnstore::EstimateShare::Fraction(f) => format!("{f}"),
+            },
+            selection: config.budget.mode.name(),
+            dense_layers: config.dense_layers,
             rel_error: 0.0,
             layer_error: vec![0.0; m.layers],
             recall: 0.0,
@@ -333,7 +344,7 @@ pub fn bench_trace(
                 engine.append(ctx, l, &k, &v)?;
                 engine.append(exact, l, &k, &v)?;
                 let q = trace.query(s, l).to_vec();
-                let plan = engine.plan(&[Request::new(ctx, l, q.clone())], &budget)?;
+                let plan = engine.plan(&[Request::new(ctx, l, q.clone())], &config.layer_budget(l))?;
                 let got = engine.execute(&plan)?.pop().expect("one output");
                 let want = engine
                     .execute(&engine.plan(&[Request::new(exact, l, q.clone())], &Budget::full())?)?
@@ -392,10 +403,18 @@ pub fn recall_of(positions: &[u32], scores: &[f32]) -> f64 {
 /// The default set of trace evaluations: exact, then wave, pq and the oracle top-k at
 /// 0.5×, 1× and 2× the default budget.
 pub fn default_configs() -> Vec<(AttnConfig, f64)> {
+    configs_for(&[Budget::default()], 0)
+}
+
+/// Exact, then for every base budget wave, pq and the oracle top-k at 0.5×, 1× and 2× it,
+/// with `dense_layers` exact layers.
+pub fn configs_for(bases: &[Budget], dense_layers: usize) -> Vec<(AttnConfig, f64)> {
     let mut out = vec![(AttnConfig::new(AttnMethod::Exact), 1.0)];
-    for method in [AttnMethod::Wave, AttnMethod::Pq, AttnMethod::TopK] {
-        for scale in [0.5, 1.0, 2.0] {
-            out.push((AttnConfig::new(method).scaled(scale), scale));
+    for &budget in bases {
+        for method in [AttnMethod::Wave, AttnMethod::Pq, AttnMethod::TopK] {
+            for scale in [0.5, 1.0, 2.0] {
+                out.push((AttnConfig { budget, dense_layers, ..AttnConfig::new(method) }.scaled(scale), scale));
+            }
         }
     }
     out

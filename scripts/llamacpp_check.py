@@ -1,0 +1,38 @@
+"""Compares attnstore's teacher-forced argmax (from `attnstore argmax --out FILE`) with
+llama.cpp's over the same token ids, and the tokenizations of the same prompt text.
+Prints one JSON line and exits 1 if argmax agreement is below 95%."""
+import json
+import sys
+
+import numpy as np
+from llama_cpp import Llama
+
+
+def main() -> int:
+    path, model = sys.argv[1], sys.argv[2]
+    d = json.load(open(path))
+    tokens = d["tokens"]
+    llm = Llama(model_path=model, n_ctx=max(512, len(tokens) + 8), logits_all=True, verbose=False, seed=0)
+    theirs_prompt = llm.tokenize(d["prompt_text"].encode("utf-8"), add_bos=False, special=True)
+    ours_prompt = tokens[: d["prompt_tokens"]]
+    llm.eval(tokens)
+    scores = np.asarray(llm.scores[: len(tokens)])
+    start = d["argmax_from"]
+    ours = d["argmax"]
+    theirs = [int(np.argmax(scores[start + i])) for i in range(len(ours))]
+    agree = sum(int(a == b) for a, b in zip(ours, theirs))
+    out = {
+        "file": path,
+        "positions": len(ours),
+        "argmax_agree": agree,
+        "agreement": agree / max(1, len(ours)),
+        "tokenization_equal": theirs_prompt == ours_prompt,
+        "prompt_tokens": len(ours_prompt),
+        "llamacpp_prompt_tokens": len(theirs_prompt),
+    }
+    print(json.dumps(out))
+    return 0 if out["agreement"] >= 0.95 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
