@@ -36,8 +36,9 @@ pub struct ModelBudgetArgs {
     /// Minimum tokens in the retrieval zone.
     #[arg(long, default_value_t = Budget::default().retrieve_floor_tokens)]
     retrieve_floor: usize,
-    /// Estimation share: a fraction of tokens, or `rest`.
-    #[arg(long, default_value = "0.232", value_parser = crate::parse_share)]
+    /// Estimation share: a fraction of tokens, or `rest` (every cluster not retrieved; the
+    /// runtime's default, measured in docs/realmodel.md).
+    #[arg(long, default_value = "rest", value_parser = crate::parse_share)]
     estimate: EstimateShare,
 }
 
@@ -110,7 +111,10 @@ pub struct EvalArgs {
     /// Tokens of the exact continuation (teacher-forced and free-running agreement).
     #[arg(long, default_value_t = 64)]
     gen_tokens: usize,
-    /// Passkey prompt lengths (empty string: none).
+    /// Skip the passkey test.
+    #[arg(long)]
+    skip_passkey: bool,
+    /// Passkey prompt lengths.
     #[arg(long, default_value = "1K,2K,4K,8K", value_delimiter = ',', value_parser = crate::parse_tokens)]
     passkey_lengths: Vec<usize>,
     /// Needle depths.
@@ -165,7 +169,7 @@ fn load(args: &ModelArgs, default: Weights) -> Result<Model, String> {
     Ok(model)
 }
 
-fn prompt_ids(model: &Model, file: &PathBuf, raw: bool) -> Result<Vec<u32>, String> {
+fn prompt_ids(model: &Model, file: &std::path::Path, raw: bool) -> Result<Vec<u32>, String> {
     let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
     let text = if raw { text } else { Tokenizer::chat_prompt(text.trim()) };
     model.tokenizer().encode(&text).map_err(|e| e.to_string())
@@ -264,7 +268,7 @@ pub fn capture(args: CaptureArgs) -> Result<(), String> {
 }
 
 /// `attnstore bench --trace DIR`.
-pub fn bench_trace(dir: &PathBuf, bases: &[Budget], dense_layers: usize, json: bool) -> Result<(), String> {
+pub fn bench_trace(dir: &std::path::Path, bases: &[Budget], dense_layers: usize, json: bool) -> Result<(), String> {
     let t = Trace::load(dir).map_err(|e| e.to_string())?;
     let m = &t.meta;
     if !json {
@@ -280,8 +284,9 @@ pub fn bench_trace(dir: &PathBuf, bases: &[Budget], dense_layers: usize, json: b
             m.decode_steps
         );
     }
-    let rows = trace::bench_trace(&t, &trace::configs_for(bases, dense_layers), &mut |what| eprintln!("evaluating {what}"))
-        .map_err(|e| e.to_string())?;
+    let rows =
+        trace::bench_trace(&t, &trace::configs_for(bases, dense_layers), &mut |what| eprintln!("evaluating {what}"))
+            .map_err(|e| e.to_string())?;
     if !json {
         println!("{}", trace_table(&rows));
         println!("JSON lines:");
@@ -295,7 +300,17 @@ pub fn bench_trace(dir: &PathBuf, bases: &[Budget], dense_layers: usize, json: b
 fn trace_table(rows: &[TraceRow]) -> String {
     let mut s = format!(
         "{:<6} {:>6} {:>8} {:>14} {:>5} {:>10} {:>8} {:>12} {:>8} {:>10} {:>11}\n",
-        "method", "budget", "estimate", "selection", "dense", "rel error", "recall", "exact tokens", "share", "bytes/exact", "exact plans"
+        "method",
+        "budget",
+        "estimate",
+        "selection",
+        "dense",
+        "rel error",
+        "recall",
+        "exact tokens",
+        "share",
+        "bytes/exact",
+        "exact plans"
     );
     for r in rows {
         s += &format!(
@@ -337,7 +352,7 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
         lengths: args.lengths,
         variants,
         gen_tokens: args.gen_tokens.max(2),
-        passkey_lengths: args.passkey_lengths,
+        passkey_lengths: if args.skip_passkey { Vec::new() } else { args.passkey_lengths },
         passkey_depths: args.passkey_depths,
         seed: args.seed,
         chunk: args.model.chunk,
@@ -370,16 +385,29 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
 
 fn eval_table(rows: &[EvalRow]) -> String {
     let mut s = format!(
-        "{:>6} {:<6} {:>6} {:>7} {:>7} {:>7} {:>6} {:>9} {:>8} {:>7} {:>6}\n",
-        "tokens", "method", "budget", "top-1", "KL", "free", "1st≠", "attn err", "exact tk", "share", "exact%"
+        "{:>6} {:<6} {:>6} {:>7} {:>15} {:>7} {:>7} {:>6} {:>9} {:>8} {:>7} {:>6}\n",
+        "tokens",
+        "method",
+        "budget",
+        "top-1",
+        "decisive (ties)",
+        "KL",
+        "free",
+        "1st≠",
+        "attn err",
+        "exact tk",
+        "share",
+        "exact%"
     );
     for r in rows {
         s += &format!(
-            "{:>6} {:<6} {:>5}x {:>6.1}% {:>7.4} {:>6.1}% {:>6} {:>9.4} {:>8.0} {:>6.1}% {:>5.0}%\n",
+            "{:>6} {:<6} {:>5}x {:>6.1}% {:>9.1}% ({:>2}) {:>7.4} {:>6.1}% {:>6} {:>9.4} {:>8.0} {:>6.1}% {:>5.0}%\n",
             r.length,
             r.method,
             r.budget_scale,
             100.0 * r.teacher_top1,
+            100.0 * r.teacher_top1_decisive,
+            r.near_ties,
             r.kl,
             100.0 * r.free_agreement,
             r.first_difference.map_or("-".to_string(), |i| i.to_string()),

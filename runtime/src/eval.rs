@@ -53,6 +53,11 @@ pub struct EvalRow {
     pub teacher_top1: f64,
     /// Teacher-forced: mean KL(exact ‖ method) of the next-token distributions.
     pub kl: f64,
+    /// Positions where exact attention's two most likely tokens are within 0.05 probability
+    /// (a near tie: any perturbation may flip the argmax).
+    pub near_ties: usize,
+    /// Teacher-forced top-1 over the positions that are not near ties.
+    pub teacher_top1_decisive: f64,
     /// Free-running: fraction of generated tokens identical to the exact continuation.
     pub free_agreement: f64,
     /// Free-running: index of the first token that differs (`None`: all identical).
@@ -217,6 +222,23 @@ fn continuation(session: &mut Session, prefill: &Prefill, n: usize) -> Result<(V
     Ok((tokens, logits))
 }
 
+/// Probability gap under which two tokens count as a near tie.
+const NEAR_TIE: f64 = 0.05;
+
+/// Probability of the most likely token minus that of the second.
+fn top2_gap(logits: &[f32]) -> f64 {
+    let p: Vec<f64> = crate::model::log_softmax(logits).iter().map(|x| x.exp()).collect();
+    let (mut a, mut b) = (0.0, 0.0);
+    for &x in &p {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
 fn compare(
     model: &Model,
     engine: &Engine,
@@ -228,11 +250,17 @@ fn compare(
 ) -> Result<EvalRow> {
     // (a) + (d): teacher-forced along the exact continuation, with an exact audit twin.
     let mut s = Session::new(model, engine, variant, prefill, true)?;
-    let (mut top1, mut kl) = (0usize, 0.0f64);
+    let (mut top1, mut kl, mut ties, mut decisive) = (0usize, 0.0f64, 0usize, 0usize);
     for i in 1..reference.len() {
         let l = s.step(reference[i - 1])?;
-        top1 += usize::from(argmax(&l) == reference[i]);
+        let hit = argmax(&l) == reference[i];
+        top1 += usize::from(hit);
         kl += kl_divergence(&ref_logits[i], &l);
+        if top2_gap(&ref_logits[i]) < NEAR_TIE {
+            ties += 1;
+        } else {
+            decisive += usize::from(hit);
+        }
     }
     let stats = s.stats().clone();
     s.close()?;
@@ -251,6 +279,8 @@ fn compare(
         budget_scale: scale,
         teacher_top1: top1 as f64 / positions,
         kl: kl / positions,
+        near_ties: ties,
+        teacher_top1_decisive: decisive as f64 / (positions - ties as f64).max(1.0),
         free_agreement: same as f64 / reference.len().max(1) as f64,
         first_difference: own.iter().zip(reference).position(|(a, b)| a != b),
         attn_error,

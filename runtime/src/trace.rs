@@ -403,7 +403,7 @@ pub fn recall_of(positions: &[u32], scores: &[f32]) -> f64 {
 /// The default set of trace evaluations: exact, then wave, pq and the oracle top-k at
 /// 0.5×, 1× and 2× the default budget.
 pub fn default_configs() -> Vec<(AttnConfig, f64)> {
-    configs_for(&[Budget::default()], 0)
+    configs_for(&[crate::session::default_budget()], 0)
 }
 
 /// Exact, then for every base budget wave, pq and the oracle top-k at 0.5×, 1× and 2× it,
