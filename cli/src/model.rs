@@ -252,8 +252,9 @@ pub fn capture(args: CaptureArgs) -> Result<(), String> {
     let model = load(&args.model, Weights::Quantized)?;
     let ids = prompt_ids(&model, &args.prompt_file, args.raw)?;
     let pb = bar(ids.len(), "prefill");
-    let meta = trace::capture(&model, &ids, args.steps, &args.out, &mut |n| pb.set_position(n as u64))
-        .map_err(|e| e.to_string())?;
+    let meta =
+        trace::capture(&model, &ids, args.model.chunk, args.steps, &args.out, &mut |n| pb.set_position(n as u64))
+            .map_err(|e| e.to_string())?;
     pb.finish_and_clear();
     let bytes: u64 = meta.files.values().map(|f| f.bytes).sum();
     println!(

@@ -101,11 +101,13 @@ impl AttentionBackend for Recorder<'_, '_> {
     }
 }
 
-/// Runs `prompt` through `model` (exact attention), decodes `steps` tokens greedily and
-/// writes the trace to `out` (created; existing trace files are overwritten).
+/// Runs `prompt` through `model` (exact attention, prefill in `chunk`-token pieces), decodes
+/// `steps` tokens greedily and writes the trace to `out` (created; existing trace files are
+/// overwritten).
 pub fn capture(
     model: &Model,
     prompt: &[u32],
+    chunk: usize,
     steps: usize,
     out: &Path,
     progress: &mut dyn FnMut(usize),
@@ -114,7 +116,7 @@ pub fn capture(
         return Err(Error::InvalidInput("a trace needs at least one decode step (its queries)".into()));
     }
     let c = *model.config();
-    let prefill = model.prefill(prompt, 256, progress)?;
+    let prefill = model.prefill(prompt, chunk, progress)?;
     let engine = Engine::in_memory(EngineConfig::default())?;
     let config = AttnConfig { dtype: DType::F32, ..AttnConfig::new(AttnMethod::Exact) };
     let mut session = Session::new(model, &engine, config, &prefill, false)?;
@@ -358,7 +360,9 @@ pub fn bench_trace(
                 row.exact_plans += usize::from(matches!(r.strategy, attnstore::Strategy::Exact { .. }));
                 bytes += r.cost.total_bytes() as f64;
                 exact_bytes += r.cost.exact_bytes as f64;
-                let (keys, _) = trace.layer_kv(l, 0..t);
+                // All tokens' keys of this layer, head-major with the whole trace as stride.
+                let keys = &trace.kv[l].0;
+                let total = m.total_tokens();
                 for qh in 0..shape.q_heads {
                     let positions = engine.exact_positions(&plan, 0, qh)?;
                     row.exact_tokens += positions.len() as f64;
@@ -367,7 +371,7 @@ pub fn bench_trace(
                         let kv_head = qh / g;
                         let qv = &q[qh * d..(qh + 1) * d];
                         let scores: Vec<f32> = (0..t)
-                            .map(|j| qv.iter().zip(&keys[(kv_head * t + j) * d..]).map(|(a, b)| a * b).sum())
+                            .map(|j| qv.iter().zip(&keys[(kv_head * total + j) * d..]).map(|(a, b)| a * b).sum())
                             .collect();
                         row.recall += recall_of(&positions, &scores);
                         recall_n += 1;

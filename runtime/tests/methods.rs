@@ -71,7 +71,7 @@ fn trace_round_trips_and_corruption_is_a_typed_error() {
     let Some(model) = model_or_skip(Weights::Dequantized) else { return };
     let dir = tempfile::tempdir().unwrap();
     let prompt = summary_prompt(&model, 300).unwrap();
-    let meta = trace::capture(&model, &prompt, 3, dir.path(), &mut |_| {}).unwrap();
+    let meta = trace::capture(&model, &prompt, 128, 3, dir.path(), &mut |_| {}).unwrap();
     assert_eq!((meta.prompt_tokens, meta.decode_steps, meta.tokens.len()), (300, 3, 303));
     let t = Trace::load(dir.path()).unwrap();
     // The prompt KV is the prefill's, stored as f16.
@@ -105,7 +105,7 @@ fn trace_round_trips_and_corruption_is_a_typed_error() {
     assert!(matches!(Trace::load(dir.path()), Err(Error::BadTrace { .. })));
     std::fs::write(dir.path().join("trace.json"), b"{\"format\": 1}").unwrap();
     assert!(matches!(Trace::load(dir.path()), Err(Error::BadTrace { .. })));
-    assert!(matches!(trace::capture(&model, &prompt, 0, dir.path(), &mut |_| {}), Err(Error::InvalidInput(_))));
+    assert!(matches!(trace::capture(&model, &prompt, 128, 0, dir.path(), &mut |_| {}), Err(Error::InvalidInput(_))));
 }
 
 #[test]
