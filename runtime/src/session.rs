@@ -44,7 +44,8 @@ impl AttnMethod {
         }
     }
 
-    fn spec_method(self) -> Method {
+    /// The access method of the engine context that serves this method.
+    pub(crate) fn spec_method(self) -> Method {
         match self {
             Self::Exact | Self::TopK => Method::Flat,
             Self::Wave => Method::Wave(WaveParams::default()),
@@ -168,20 +169,11 @@ impl<'a> Session<'a> {
     ) -> Result<Self> {
         config.budget.validate()?;
         let c = model.config();
-        let make = |method: Method| -> Result<ContextId> {
+        let make = |method: Method| {
             let spec = ContextSpec::new(c.attn_shape(), c.layers).with_dtype(config.dtype).with_method(method);
-            let ctx = engine.create_context(spec)?;
-            for (l, (k, v)) in prefill.kv.iter().enumerate() {
-                engine.prefill(ctx, l, k, v)?;
-            }
-            Ok(ctx)
+            store_context(engine, spec, prefill.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))
         };
         let ctx = make(config.method.spec_method())?;
-        if config.method == AttnMethod::Pq {
-            for l in 0..c.layers {
-                engine.wait_index(ctx, l, Duration::from_secs(600))?;
-            }
-        }
         let audit = if audit && config.method != AttnMethod::Exact { Some(make(Method::Flat)?) } else { None };
         let stats =
             SessionStats { layer_error: vec![0.0; if audit.is_some() { c.layers } else { 0 }], ..Default::default() };
@@ -274,6 +266,22 @@ impl AttentionBackend for Session<'_> {
         }
         Ok(out)
     }
+}
+
+/// Creates a context of `spec` in `engine`, prefills layer `l` with the `l`-th `(keys,
+/// values)` and waits for background index builds (PQ codebooks), so every plan made on it
+/// runs on a ready index.
+pub(crate) fn store_context<K: AsRef<[f32]>, V: AsRef<[f32]>>(
+    engine: &Engine,
+    spec: ContextSpec,
+    layers: impl IntoIterator<Item = (K, V)>,
+) -> Result<ContextId> {
+    let ctx = engine.create_context(spec)?;
+    for (l, (k, v)) in layers.into_iter().enumerate() {
+        engine.prefill(ctx, l, k.as_ref(), v.as_ref())?;
+        engine.wait_index(ctx, l, Duration::from_secs(600))?;
+    }
+    Ok(ctx)
 }
 
 /// `‖a − b‖ / ‖b‖`.

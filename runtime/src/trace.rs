@@ -4,7 +4,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model};
-use crate::session::{relative_l2, AttnConfig, AttnMethod, Session};
+use crate::session::{relative_l2, store_context, AttnConfig, AttnMethod, Session};
 use attnstore::{Budget, ContextSpec, DType, Engine, EngineConfig, Method, Request};
 use half::f16;
 use serde::{Deserialize, Serialize};
@@ -304,22 +304,11 @@ pub fn bench_trace(
     for &(config, scale) in configs {
         progress(&format!("{} x{scale}", config.method.name()));
         let engine = Engine::in_memory(EngineConfig::default())?;
-        let method = match config.method {
-            AttnMethod::Exact | AttnMethod::TopK => Method::Flat,
-            AttnMethod::Wave => Method::Wave(Default::default()),
-            AttnMethod::Pq => Method::Pq(Default::default()),
+        let make = |method: Method| {
+            let spec = ContextSpec::new(shape, m.layers).with_dtype(config.dtype).with_method(method);
+            store_context(&engine, spec, (0..m.layers).map(|l| trace.layer_kv(l, 0..p)))
         };
-        let make = |method: Method| -> Result<attnstore::ContextId> {
-            let ctx = engine
-                .create_context(ContextSpec::new(shape, m.layers).with_dtype(config.dtype).with_method(method))?;
-            for l in 0..m.layers {
-                let (k, v) = trace.layer_kv(l, 0..p);
-                engine.prefill(ctx, l, &k, &v)?;
-                engine.wait_index(ctx, l, std::time::Duration::from_secs(600))?;
-            }
-            Ok(ctx)
-        };
-        let (ctx, exact) = (make(method)?, make(Method::Flat)?);
+        let (ctx, exact) = (make(config.method.spec_method())?, make(Method::Flat)?);
         let mut row = TraceRow {
             method: config.method.name(),
             budget_scale: scale,
