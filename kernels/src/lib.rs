@@ -6,6 +6,7 @@
 
 #![deny(unsafe_code)]
 
+mod codec;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -15,6 +16,9 @@ pub mod random;
 mod shape;
 mod view;
 
+pub use codec::Codec;
+pub use cpu::hack::HackParams;
+pub use cpu::hack_rows::{HackRows, HackScratch};
 pub use cpu::partial::Partial;
 pub use element::{narrow_vec, DType, Element};
 pub use error::{Error, Result};

@@ -13,7 +13,7 @@ use crate::random::SplitMix64;
 use half::f16;
 
 /// Parameters of the 2-bit codec.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct HackParams {
     /// Partition size Π along the inner dimension (HACK uses 64).
     pub partition: usize,
@@ -66,6 +66,30 @@ fn min_max(x: &[f32]) -> (f32, f32) {
     x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)))
 }
 
+/// Quantizes one partition to 2-bit codes (`codes[i]` in `0..=3`, same length as `part`)
+/// with stochastic rounding: returns the f16 minimum and scale (`x ≈ scale·code + min`) and
+/// the code sum. Rounding up happens with probability equal to the fraction, so the
+/// expected dequantized value is `x` itself (up to the f16 metadata).
+pub(crate) fn quantize_partition(part: &[f32], rng: &mut SplitMix64, codes: &mut [u8]) -> (f16, f16, u16) {
+    debug_assert_eq!(part.len(), codes.len());
+    let (lo, hi) = min_max(part);
+    let min = f16::from_f32(lo);
+    let scale = f16::from_f32((hi - min.to_f32()).max(0.0) / 3.0);
+    let (m, s) = (min.to_f32(), scale.to_f32());
+    let mut sum = 0u16;
+    for (&v, code) in part.iter().zip(codes.iter_mut()) {
+        *code = if s > 0.0 {
+            let t = ((v - m) / s).clamp(0.0, 3.0);
+            let floor = t.floor();
+            (floor + f32::from(rng.uniform() < t - floor)).min(3.0) as u8
+        } else {
+            0
+        };
+        sum += u16::from(*code);
+    }
+    (min, scale, sum)
+}
+
 impl Quantized2 {
     /// Quantizes `x` partition by partition with stochastic rounding drawn from `rng`
     /// (so the expected dequantized value is `x` itself, up to the f16 metadata).
@@ -85,24 +109,12 @@ impl Quantized2 {
     /// Appends one partition (at most Π values; only the last may be shorter).
     fn push_partition(&mut self, part: &[f32], rng: &mut SplitMix64) {
         debug_assert!(self.len.is_multiple_of(self.partition) && part.len() <= self.partition);
-        let (lo, hi) = min_max(part);
-        let min = f16::from_f32(lo);
-        let scale = f16::from_f32((hi - min.to_f32()).max(0.0) / 3.0);
-        let (m, s) = (min.to_f32(), scale.to_f32());
+        let mut codes = vec![0u8; part.len()];
+        let (min, scale, sum) = quantize_partition(part, rng, &mut codes);
         self.codes.resize((self.len + part.len()).div_ceil(4), 0);
-        let mut sum = 0u16;
-        for &v in part {
-            let q = if s > 0.0 {
-                let t = ((v - m) / s).clamp(0.0, 3.0);
-                let floor = t.floor();
-                // Round up with probability equal to the fraction: unbiased.
-                (floor + f32::from(rng.uniform() < t - floor)).min(3.0) as u8
-            } else {
-                0
-            };
+        for q in codes {
             self.codes[self.len / 4] |= q << (2 * (self.len % 4));
             self.len += 1;
-            sum += u16::from(q);
         }
         self.mins.push(min);
         self.scales.push(scale);

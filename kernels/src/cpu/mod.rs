@@ -5,6 +5,7 @@ pub mod attention;
 pub mod estimate;
 mod gemm;
 pub mod hack;
+pub mod hack_rows;
 pub mod kmeans;
 mod microkernel;
 pub mod partial;

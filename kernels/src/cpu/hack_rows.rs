@@ -1,0 +1,474 @@
+//! Rows of one KV head stored in HACK's 2-bit form, laid out for attention over row runs
+//! (what a wave segment or a flat index holds when its context uses the `hack2` codec).
+//!
+//! Layout, for head dimension `d` and partition Π:
+//! - **keys** row by row (the inner dimension of `q·k` is the head dimension): `d/4` code
+//!   bytes per row (code `j` in bits `2(j%4)` of byte `j/4`), and per row and key partition
+//!   of Π dimensions an f16 minimum, an f16 scale and the code sum;
+//! - **values** in blocks of Π rows (the inner dimension of `p·V` is the sequence): per
+//!   block, per channel an f16 minimum and scale, and the codes as *token quads*: for rows
+//!   `4i..4i+4` of the block, `d` bytes, byte `c` holding channel `c` of the four rows.
+//!   A run of selected rows therefore reads only its own quads.
+//!
+//! Attention never dequantizes: scores come from the homomorphic product of the 8-bit
+//! query with the 2-bit keys (integer code products plus the correction terms of the
+//! stored sums), and values from integer products of 8-bit probabilities with the 2-bit
+//! codes. Probabilities are non-negative, so they are quantized from zero (`p ≈ s·p8`):
+//! with a zero minimum the correction terms that need value code sums vanish, and rows a
+//! plan did not select contribute exactly nothing to a block's product.
+
+use super::hack::{quantize_partition, HackParams};
+use super::partial::Partial;
+use crate::element::Element;
+use crate::error::{Error, Result};
+use crate::random::SplitMix64;
+use half::f16;
+use std::ops::Range;
+
+/// One head's rows in 2-bit form (see the module docs for the layout).
+#[derive(Debug, Clone)]
+pub struct HackRows {
+    params: HackParams,
+    d: usize,
+    rows: usize,
+    /// Key partitions per row, `ceil(d / Π)`.
+    k_parts: usize,
+    k_codes: Vec<u8>,
+    /// Per row and key partition: minimum, scale (f16 bits as stored) and code sum.
+    k_min: Vec<f16>,
+    k_scale: Vec<f16>,
+    k_sum: Vec<u16>,
+    /// Per block: `Π/4` quads of `d` bytes (a short last block is padded with code 0).
+    v_codes: Vec<u8>,
+    /// Per block and channel: minimum and scale.
+    v_min: Vec<f16>,
+    v_scale: Vec<f16>,
+}
+
+/// Reusable buffers of [`HackRows::attend`].
+#[derive(Debug, Default)]
+pub struct HackScratch {
+    q8: Vec<u8>,
+    q_min: Vec<f32>,
+    q_scale: Vec<f32>,
+    q_sum: Vec<f32>,
+    keys: Vec<u8>,
+    rows: Vec<u32>,
+    scores: Vec<f32>,
+    p8: Vec<u8>,
+    acc: Vec<u32>,
+    column: Vec<f32>,
+    codes: Vec<u8>,
+}
+
+impl HackRows {
+    /// An empty store for rows of `head_dim` values.
+    pub fn new(head_dim: usize, params: HackParams) -> Result<Self> {
+        if head_dim == 0 || !head_dim.is_multiple_of(4) {
+            return Err(Error::InvalidArgument {
+                what: "head_dim",
+                message: format!("the 2-bit codec packs four values per byte: head_dim must be a positive multiple of 4, got {head_dim}"),
+            });
+        }
+        Ok(Self {
+            params,
+            d: head_dim,
+            rows: 0,
+            k_parts: head_dim.div_ceil(params.partition),
+            k_codes: vec![],
+            k_min: vec![],
+            k_scale: vec![],
+            k_sum: vec![],
+            v_codes: vec![],
+            v_min: vec![],
+            v_scale: vec![],
+        })
+    }
+
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The codec parameters.
+    pub fn params(&self) -> HackParams {
+        self.params
+    }
+
+    /// True once the last value block is short: no more rows can be appended.
+    pub fn is_sealed(&self) -> bool {
+        !self.rows.is_multiple_of(self.params.partition)
+    }
+
+    /// Stored bytes: codes, and per key partition and per value block and channel an f16
+    /// minimum and scale, plus one byte of key code sum (≤ 3·Π; two bytes when Π > 85).
+    pub fn bytes(&self) -> usize {
+        let sum = if 3 * self.params.partition <= 255 { 1 } else { 2 };
+        let blocks = self.rows.div_ceil(self.params.partition);
+        self.rows * self.d / 4 * 2 + self.k_min.len() * (4 + sum) + blocks * self.d * 4
+    }
+
+    /// Appends `n` rows (`keys`/`values`: `n × head_dim`), quantizing keys row by row and
+    /// values in blocks of Π rows with stochastic rounding from `rng`. Only the last call
+    /// may leave a short block; after it the store is sealed. Every value is quantized
+    /// exactly once.
+    pub fn push_rows<E: Element>(&mut self, keys: &[E], values: &[E], rng: &mut SplitMix64) -> Result<()> {
+        let d = self.d;
+        if keys.len() != values.len() || !keys.len().is_multiple_of(d) {
+            return Err(Error::ShapeMismatch { what: "keys/values (n × head_dim)", expected: keys.len() / d * d, got: values.len() });
+        }
+        if self.is_sealed() && !keys.is_empty() {
+            return Err(Error::InvalidArgument {
+                what: "rows",
+                message: format!("the last block of these {} rows is short (sealed): no rows can follow", self.rows),
+            });
+        }
+        let p = self.params.partition;
+        let mut wide = vec![0.0f32; p * d];
+        let mut codes = vec![0u8; p.max(d)];
+        for (kb, vb) in keys.chunks(p * d).zip(values.chunks(p * d)) {
+            let n = kb.len() / d;
+            E::widen(kb, &mut wide[..n * d]);
+            for row in wide[..n * d].chunks_exact(d) {
+                let at = self.k_codes.len();
+                self.k_codes.resize(at + d / 4, 0);
+                for (k, part) in row.chunks(p).enumerate() {
+                    let (min, scale, sum) = quantize_partition(part, rng, &mut codes[..part.len()]);
+                    for (j, &c) in codes[..part.len()].iter().enumerate() {
+                        let j = k * p + j;
+                        self.k_codes[at + j / 4] |= c << (2 * (j % 4));
+                    }
+                    self.k_min.push(min);
+                    self.k_scale.push(scale);
+                    self.k_sum.push(sum);
+                }
+            }
+            E::widen(vb, &mut wide[..n * d]);
+            let at = self.v_codes.len();
+            self.v_codes.resize(at + p / 4 * d, 0);
+            let mut column = vec![0.0f32; n];
+            for c in 0..d {
+                column.iter_mut().enumerate().for_each(|(t, x)| *x = wide[t * d + c]);
+                let (min, scale, _) = quantize_partition(&column, rng, &mut codes[..n]);
+                for (t, &code) in codes[..n].iter().enumerate() {
+                    self.v_codes[at + (t / 4) * d + c] |= code << (2 * (t % 4));
+                }
+                self.v_min.push(min);
+                self.v_scale.push(scale);
+            }
+            self.rows += n;
+        }
+        Ok(())
+    }
+
+    /// The dequantized rows `range` as `(keys, values)`, each `rows × head_dim` (for checks
+    /// and the dequantize-then-attend baseline; attention never needs them).
+    pub fn decode_rows(&self, range: Range<usize>) -> (Vec<f32>, Vec<f32>) {
+        let (d, p) = (self.d, self.params.partition);
+        let mut keys = Vec::with_capacity(range.len() * d);
+        let mut values = Vec::with_capacity(range.len() * d);
+        for r in range {
+            for j in 0..d {
+                let k = r * self.k_parts + j / p;
+                let code = (self.k_codes[r * d / 4 + j / 4] >> (2 * (j % 4))) & 3;
+                keys.push(self.k_scale[k].to_f32() * f32::from(code) + self.k_min[k].to_f32());
+            }
+            let (b, t) = (r / p, r % p);
+            for c in 0..d {
+                let code = (self.v_codes[b * p / 4 * d + (t / 4) * d + c] >> (2 * (t % 4))) & 3;
+                values.push(self.v_scale[b * d + c].to_f32() * f32::from(code) + self.v_min[b * d + c].to_f32());
+            }
+        }
+        (keys, values)
+    }
+
+    /// Folds the rows of `ranges` (any order, not overlapping) into the partials of the
+    /// `parts.len()` query heads whose vectors are the rows of `q`, by homomorphic products
+    /// (8-bit queries and probabilities against the 2-bit codes). `scale` multiplies every
+    /// score (normally `1/√d`).
+    pub fn attend(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], s: &mut HackScratch) {
+        let (g, p) = (parts.len(), self.params.partition);
+        if g == 0 || ranges.iter().all(|r| r.is_empty()) {
+            return;
+        }
+        debug_assert_eq!(q.len(), g * self.d);
+        self.quantize_queries(q, g, s);
+        let mut sorted: Vec<Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).cloned().collect();
+        sorted.sort_unstable_by_key(|r| r.start);
+        let mut i = 0;
+        while i < sorted.len() {
+            // Every selected row of one value block, in order.
+            let block = sorted[i].start / p;
+            let (lo, hi) = (block * p, ((block + 1) * p).min(self.rows));
+            s.rows.clear();
+            while i < sorted.len() && sorted[i].start < hi {
+                let r = &sorted[i];
+                s.rows.extend((r.start.max(lo)..r.end.min(hi)).map(|x| (x - lo) as u32));
+                if r.end > hi {
+                    sorted[i].start = hi;
+                    break;
+                }
+                i += 1;
+            }
+            self.attend_block(block, g, scale, parts, s);
+        }
+    }
+
+    /// 8-bit queries per key partition: codes, minimum, scale and code sum.
+    fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
+        let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
+        s.q8.resize(g * d, 0);
+        s.q_min.clear();
+        s.q_scale.clear();
+        s.q_sum.clear();
+        for (h, qh) in q.chunks_exact(d).enumerate() {
+            for (k, part) in qh.chunks(p).enumerate() {
+                let (lo, hi) = part.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+                let sc = (hi - lo).max(0.0) / 255.0;
+                let mut sum = 0u32;
+                for (j, &x) in part.iter().enumerate() {
+                    let c = if sc > 0.0 { ((x - lo) / sc).round().clamp(0.0, 255.0) as u8 } else { 0 };
+                    s.q8[h * d + k * p + j] = c;
+                    sum += u32::from(c);
+                }
+                s.q_min.push(lo);
+                s.q_scale.push(sc);
+                s.q_sum.push(sum as f32);
+            }
+            debug_assert_eq!(s.q_min.len(), (h + 1) * kp);
+        }
+    }
+
+    /// Attention over the selected rows `s.rows` (offsets inside value block `block`).
+    fn attend_block(&self, block: usize, g: usize, scale: f32, parts: &mut [Partial], s: &mut HackScratch) {
+        let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
+        let n = s.rows.len();
+        let first = block * p;
+        // Scores by the homomorphic product, per selected row and head.
+        s.scores.resize(g * n, 0.0);
+        s.keys.resize(d, 0);
+        for (i, &t) in s.rows.iter().enumerate() {
+            let r = first + t as usize;
+            for (j, k) in s.keys.iter_mut().enumerate() {
+                *k = (self.k_codes[r * d / 4 + j / 4] >> (2 * (j % 4))) & 3;
+            }
+            for h in 0..g {
+                let mut score = 0.0f32;
+                for k in 0..kp {
+                    let dims = k * p..((k + 1) * p).min(d);
+                    let qk = int_dot(&s.q8[h * d + dims.start..h * d + dims.end], &s.keys[dims.clone()]);
+                    let at = r * kp + k;
+                    let (sk, mk, ks) = (self.k_scale[at].to_f32(), self.k_min[at].to_f32(), f32::from(self.k_sum[at]));
+                    let (sq, mq, qs) = (s.q_scale[h * kp + k], s.q_min[h * kp + k], s.q_sum[h * kp + k]);
+                    score += sq * sk * qk as f32 + sq * mk * qs + mq * sk * ks + dims.len() as f32 * mq * mk;
+                }
+                s.scores[h * n + i] = score * scale;
+            }
+        }
+        // Probabilities relative to each head's running maximum, quantized from zero.
+        s.p8.resize(g * n, 0);
+        s.acc.resize(g * d, 0);
+        s.acc.iter_mut().for_each(|a| *a = 0);
+        let mut p_scale = vec![0.0f32; g];
+        let mut p_sum = vec![0u32; g];
+        for (h, part) in parts.iter_mut().enumerate() {
+            let sc = &mut s.scores[h * n..(h + 1) * n];
+            let block_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            part.rescale_to(part.m.max(block_max));
+            let m = part.m;
+            let mut pmax = 0.0f32;
+            for x in sc.iter_mut() {
+                *x = (*x - m).exp();
+                pmax = pmax.max(*x);
+            }
+            let step = pmax / 255.0;
+            let mut sum = 0u32;
+            for (c, &x) in s.p8[h * n..(h + 1) * n].iter_mut().zip(sc.iter()) {
+                *c = if step > 0.0 { (x / step).round().min(255.0) as u8 } else { 0 };
+                sum += u32::from(*c);
+            }
+            part.l += step * sum as f32;
+            p_scale[h] = step;
+            p_sum[h] = sum;
+        }
+        // Values: integer products of the 8-bit probabilities with the codes of each
+        // selected row's quad, then per channel the block's scale and minimum.
+        let quads = &self.v_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
+        s.codes.resize(d, 0);
+        for (i, &t) in s.rows.iter().enumerate() {
+            let t = t as usize;
+            let shift = 2 * (t % 4);
+            for (c, &b) in s.codes.iter_mut().zip(&quads[(t / 4) * d..(t / 4 + 1) * d]) {
+                *c = (b >> shift) & 3;
+            }
+            for h in 0..g {
+                let w = u32::from(s.p8[h * n + i]);
+                if w != 0 {
+                    for (a, &c) in s.acc[h * d..(h + 1) * d].iter_mut().zip(&s.codes) {
+                        *a += w * u32::from(c);
+                    }
+                }
+            }
+        }
+        s.column.resize(2 * d, 0.0);
+        let (sv, mv) = s.column.split_at_mut(d);
+        for c in 0..d {
+            sv[c] = self.v_scale[block * d + c].to_f32();
+            mv[c] = self.v_min[block * d + c].to_f32();
+        }
+        for (h, part) in parts.iter_mut().enumerate() {
+            let (sp, ps) = (p_scale[h], p_sum[h] as f32);
+            for (c, o) in part.o.iter_mut().enumerate() {
+                *o += sp * (sv[c] * s.acc[h * d + c] as f32 + mv[c] * ps);
+            }
+        }
+    }
+}
+
+/// `Σ a[j]·b[j]` of 8-bit query codes and 2-bit key codes (each product ≤ 765, so a
+/// partition of up to 85 values fits 16 bits; wider partitions sum in 32).
+#[inline]
+fn int_dot(a: &[u8], b: &[u8]) -> u32 {
+    a.iter().zip(b).map(|(&x, &y)| u32::from(x) * u32::from(y)).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::attention::{attend_rows, Scratch};
+
+    fn randn(n: usize, seed: u64) -> Vec<f32> {
+        SplitMix64::new(seed).normals(n)
+    }
+
+    fn rel(a: &[f32], b: &[f32]) -> f32 {
+        let num: f32 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+        (num / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
+    }
+
+    /// Attention over `ranges` computed in f32 from the dequantized rows, with the same
+    /// 8-bit query and probability quantization as the homomorphic path.
+    fn dequantized(rows: &HackRows, q: &[f32], g: usize, ranges: &[Range<usize>]) -> Vec<Vec<f32>> {
+        let (d, p) = (rows.d, rows.params.partition);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut s = HackScratch::default();
+        rows.quantize_queries(q, g, &mut s);
+        let q8: Vec<f32> = (0..g * d)
+            .map(|i| {
+                let (h, j) = (i / d, i % d);
+                let k = h * rows.k_parts + j / p;
+                s.q_scale[k] * f32::from(s.q8[i]) + s.q_min[k]
+            })
+            .collect();
+        let mut selected: Vec<usize> = ranges.iter().flat_map(|r| r.clone()).collect();
+        selected.sort_unstable();
+        (0..g)
+            .map(|h| {
+                let mut part = Partial::empty(d);
+                for block in selected.chunk_by(|a, b| a / p == b / p) {
+                    let mut sc = Vec::new();
+                    let mut vals = Vec::new();
+                    for &r in block {
+                        let (k, v) = rows.decode_rows(r..r + 1);
+                        sc.push(k.iter().zip(&q8[h * d..(h + 1) * d]).map(|(a, b)| a * b).sum::<f32>() * scale);
+                        vals.push(v);
+                    }
+                    let m = part.m.max(sc.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+                    part.rescale_to(m);
+                    let pr: Vec<f32> = sc.iter().map(|x| (x - m).exp()).collect();
+                    let step = pr.iter().copied().fold(0.0, f32::max) / 255.0;
+                    for (w, v) in pr.iter().zip(&vals) {
+                        let w = (w / step).round() * step;
+                        part.l += w;
+                        part.o.iter_mut().zip(v).for_each(|(o, x)| *o += w * x);
+                    }
+                }
+                part.finish()
+            })
+            .collect()
+    }
+
+    fn store(tokens: usize, d: usize, seed: u64) -> (HackRows, Vec<f32>, Vec<f32>) {
+        let (k, v) = (randn(tokens * d, seed), randn(tokens * d, seed + 1));
+        let mut rows = HackRows::new(d, HackParams::default()).unwrap();
+        let mut rng = SplitMix64::new(seed + 2);
+        let full = tokens / 64 * 64;
+        rows.push_rows(&k[..full * d], &v[..full * d], &mut rng).unwrap();
+        rows.push_rows(&k[full * d..], &v[full * d..], &mut rng).unwrap();
+        (rows, k, v)
+    }
+
+    #[test]
+    fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
+        let (d, g) = (128, 4);
+        let (rows, _, _) = store(300, d, 1);
+        let q: Vec<f32> = randn(g * d, 9).iter().map(|x| x * 2.0).collect();
+        for ranges in [vec![0..300], vec![5..21, 60..70, 200..201, 290..300], vec![100..164, 10..12]] {
+            let mut parts = vec![Partial::empty(d); g];
+            rows.attend(&q, 1.0 / (d as f32).sqrt(), &ranges, &mut parts, &mut HackScratch::default());
+            let want = dequantized(&rows, &q, g, &ranges);
+            for (p, w) in parts.iter().zip(&want) {
+                let err = rel(&p.finish(), w);
+                assert!(err < 2e-5, "{ranges:?}: homomorphic vs dequantized {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn two_bit_attention_is_close_to_exact_and_splits_merge() {
+        // Values with per-channel means (as real values have): the attention output is
+        // then signal, not an average of noise that 2 bits cannot resolve.
+        let (d, g, tokens) = (64, 2, 1000);
+        let mu = randn(d, 30);
+        let k = randn(tokens * d, 31);
+        let v: Vec<f32> = randn(tokens * d, 32).iter().enumerate().map(|(i, x)| 2.0 * mu[i % d] + 0.5 * x).collect();
+        let mut rows = HackRows::new(d, HackParams::default()).unwrap();
+        rows.push_rows(&k, &v, &mut SplitMix64::new(33)).unwrap();
+        let q = randn(g * d, 4);
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut exact = vec![Partial::empty(d); g];
+        attend_rows(&q, scale, &k, &v, &mut exact, &mut Scratch::default());
+        let mut whole = vec![Partial::empty(d); g];
+        rows.attend(&q, scale, &[0..tokens], &mut whole, &mut HackScratch::default());
+        // Split at block boundaries the arithmetic is the same; inside a block each side
+        // quantizes its probabilities on its own, which moves the result by about a step.
+        let split = |cut: usize, tol: f32| {
+            let (mut a, mut b) = (vec![Partial::empty(d); g], vec![Partial::empty(d); g]);
+            rows.attend(&q, scale, &[0..cut, 704..1000], &mut a, &mut HackScratch::default());
+            rows.attend(&q, scale, &[cut..704], &mut b, &mut HackScratch::default());
+            for j in 0..g {
+                a[j].merge(&b[j]);
+                let err = rel(&a[j].finish(), &whole[j].finish());
+                assert!(err < tol, "split at {cut}: {err}");
+            }
+        };
+        split(320, 1e-5);
+        split(333, 2e-2);
+        for j in 0..g {
+            let err = rel(&whole[j].finish(), &exact[j].finish());
+            assert!(err < 0.05, "2-bit attention vs exact: {err}");
+        }
+    }
+
+    #[test]
+    fn storage_is_under_a_fifth_of_f16_and_rows_round_trip_within_a_step() {
+        let d = 128;
+        let (rows, k, v) = store(640, d, 5);
+        let ratio = rows.bytes() as f64 / (640 * d * 2 * 2) as f64;
+        assert!(ratio <= 0.2, "{ratio}");
+        let (dk, dv) = rows.decode_rows(0..640);
+        // Each value is within one quantization step (range/3) of its partition's range.
+        for (orig, dec) in [(&k, &dk), (&v, &dv)] {
+            let worst = orig.iter().zip(dec.iter()).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+            assert!(worst < 3.5, "{worst}");
+        }
+        assert!(!rows.is_sealed());
+        let mut sealed = rows.clone();
+        let mut rng = SplitMix64::new(1);
+        sealed.push_rows(&k[..3 * d], &v[..3 * d], &mut rng).unwrap();
+        assert!(sealed.is_sealed());
+        assert!(sealed.push_rows(&k[..d], &v[..d], &mut rng).is_err(), "a short block ends the store");
+        assert!(sealed.push_rows(&k[..d + 1], &v[..d], &mut rng).is_err());
+        assert!(HackRows::new(30, HackParams::default()).is_err());
+    }
+}
