@@ -30,7 +30,7 @@ impl Plan {
         let _ = writeln!(
             s,
             "Request {i}: {} layer {} ({:?}) · {} · {} tokens · {} q heads / {} kv heads · d={} · {}",
-            r.context, r.layer, r.kind, r.method, r.tokens, sh.q_heads, sh.kv_heads, sh.head_dim, r.dtype
+            r.context, r.layer, r.kind, r.method, r.tokens, sh.q_heads, sh.kv_heads, sh.head_dim, r.codec
         );
         let c = &r.cost;
         let row = sh.head_dim * r.dtype.size_bytes();
@@ -80,7 +80,7 @@ impl Plan {
                     rt,
                     pct(rt),
                     c.retrieve_blocks,
-                    human_bytes(c.retrieve_tokens * 2 * row)
+                    human_bytes(c.retrieve_bytes)
                 );
                 let et = per_q(&|x| x.estimate_tokens);
                 let _ = writeln!(

@@ -23,7 +23,7 @@ pub mod synth;
 pub mod bench;
 
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
-pub use attnstore_kernels::{AttnShape, DType};
+pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
 pub use budget::{Budget, EstimateShare};
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};

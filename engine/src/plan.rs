@@ -9,7 +9,7 @@ use crate::error::{check_finite, Error, Result};
 use crate::spec::{ContextSpec, LayerKind, Method};
 use attnstore_buffer::Tier;
 use attnstore_index::{HeadPlan, ZoneBudget};
-use attnstore_kernels::{AttnShape, DType};
+use attnstore_kernels::{AttnShape, Codec, DType};
 use rayon::prelude::*;
 
 /// One attention request of a decode step: a layer of a context and the query vectors of
@@ -77,6 +77,8 @@ pub struct PlanCost {
     pub tier_bytes: [usize; 3],
     /// Bytes exact attention over the same layer reads.
     pub exact_bytes: usize,
+    /// Bytes of the retrieved rows (encoded sizes under the `hack2` codec).
+    pub retrieve_bytes: usize,
 }
 
 impl PlanCost {
@@ -101,6 +103,8 @@ pub struct RequestPlan {
     pub shape: AttnShape,
     /// Storage type.
     pub dtype: DType,
+    /// Codec of the context's stored rows.
+    pub codec: Codec,
     /// Access method (`wave`, `flat`, `window`).
     pub method: &'static str,
     /// Layer kind.
@@ -165,7 +169,8 @@ pub(crate) fn plan_request(
     let tokens = stats.tokens;
     let elem = spec.dtype.size_bytes();
     let row_bytes = shape.head_dim * elem;
-    let exact_bytes = shape.kv_heads * tokens * 2 * row_bytes;
+    let rows = RowBytes { plain: 2 * row_bytes, indexed: spec.codec.kv_row_bytes(shape.head_dim) };
+    let exact_bytes = stats.kv_bytes;
     let zone = budget.resolve(tokens);
     let building = layer.method.build_handle().is_some_and(|h| !h.is_ready());
     let exact_reason = match (layer.kind, spec.method) {
@@ -183,7 +188,7 @@ pub(crate) fn plan_request(
             Some(format!("nothing indexed yet: all {tokens} tokens are in the steady zone"))
         }
         (_, Method::Wave(_) | Method::Pq(_)) => {
-            let sparse = estimated_sparse_bytes(&shape, &stats, &zone, row_bytes, spec.method);
+            let sparse = estimated_sparse_bytes(&shape, &stats, &zone, rows, spec.method);
             (sparse as f64 >= budget.exact_threshold * exact_bytes as f64).then(|| {
                 format!(
                     "cheaper than sparse: a sparse plan would read ~{} of the {} exact attention reads (threshold {:.0}%)",
@@ -208,7 +213,7 @@ pub(crate) fn plan_request(
                 .collect(),
         ),
     };
-    let cost = cost_of(&heads, tokens, row_bytes, exact_bytes, config);
+    let cost = cost_of(&heads, tokens, rows, exact_bytes, config);
     Ok(RequestPlan {
         context: request.context,
         layer: request.layer,
@@ -216,6 +221,7 @@ pub(crate) fn plan_request(
         tokens,
         shape,
         dtype: spec.dtype,
+        codec: spec.codec,
         method: layer.method.name(),
         kind: layer.kind,
         queries: request.queries.clone(),
@@ -232,9 +238,10 @@ fn estimated_sparse_bytes(
     shape: &AttnShape,
     stats: &attnstore_index::IndexStats,
     zone: &ZoneBudget,
-    row_bytes: usize,
+    rows: RowBytes,
     method: Method,
 ) -> usize {
+    let row_bytes = rows.plain / 2;
     let readers = match zone.mode {
         attnstore_index::SelectionMode::PerQueryHead => shape.group(),
         attnstore_index::SelectionMode::PerKvHead => 1,
@@ -247,28 +254,48 @@ fn estimated_sparse_bytes(
         _ => (stats.clusters * row_bytes, (zone.estimate_tokens.min(indexed) as f64 / avg) as usize),
     };
     let per_head = scoring
-        + (steady + zone.retrieve_tokens.min(indexed) * readers) * 2 * row_bytes
+        + steady * rows.plain
+        + rows.indexed_bytes(zone.retrieve_tokens.min(indexed) * readers)
         + est_clusters * row_bytes * readers;
     per_head * shape.kv_heads
 }
 
-fn cost_of(heads: &[HeadPlan], tokens: usize, row_bytes: usize, exact_bytes: usize, config: &EngineConfig) -> PlanCost {
+/// Bytes of one token's K and V rows in one KV head: plain (steady zone) and as stored in
+/// indexed units (encoded under the `hack2` codec).
+#[derive(Debug, Clone, Copy)]
+struct RowBytes {
+    plain: usize,
+    indexed: f64,
+}
+
+impl RowBytes {
+    fn indexed_bytes(self, tokens: usize) -> usize {
+        (tokens as f64 * self.indexed).ceil() as usize
+    }
+}
+
+fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize, config: &EngineConfig) -> PlanCost {
     let mut c = PlanCost { exact_bytes, ..PlanCost::default() };
+    let row_bytes = rows.plain / 2;
     for head in heads {
         c.steady_tokens = head.steady_tokens;
         c.pending_tokens = head.pending_tokens;
         if head.exact {
-            c.kv_bytes += tokens * 2 * row_bytes;
+            c.kv_bytes += head.steady_tokens * rows.plain + rows.indexed_bytes(tokens - head.steady_tokens.min(tokens));
             continue;
         }
-        c.kv_bytes += head.steady_tokens * 2 * row_bytes;
+        c.kv_bytes += head.steady_tokens * rows.plain;
         let (mut scored, mut scored_bytes) = (0, 0);
         for s in &head.selections {
             c.retrieve_clusters += s.retrieve_clusters;
             c.retrieve_tokens += s.retrieve_tokens;
-            c.retrieve_blocks +=
-                s.retrieve.iter().map(|sp| 2 * config.block.blocks_for(sp.len() * row_bytes)).sum::<usize>();
-            c.kv_bytes += s.retrieve_tokens * 2 * row_bytes;
+            c.retrieve_blocks += s
+                .retrieve
+                .iter()
+                .map(|sp| 2 * config.block.blocks_for(rows.indexed_bytes(sp.len()).div_ceil(2)))
+                .sum::<usize>();
+            c.retrieve_bytes += rows.indexed_bytes(s.retrieve_tokens);
+            c.kv_bytes += rows.indexed_bytes(s.retrieve_tokens);
             c.estimate_clusters += s.estimate.len();
             c.estimate_tokens += s.estimate_tokens;
             c.meta_bytes += s.estimate.len() * row_bytes;

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use attnstore_index::{PqParams, WaveParams};
-use attnstore_kernels::{AttnShape, DType};
+use attnstore_kernels::{AttnShape, Codec, DType};
 
 /// The kind of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,8 +50,11 @@ pub struct ContextSpec {
     pub shape: AttnShape,
     /// One entry per layer.
     pub layers: Vec<LayerKind>,
-    /// Storage type of keys and values.
+    /// Storage type of keys and values kept plain (all of them, unless `codec` is `hack2`,
+    /// which keeps only the steady zone plain).
     pub dtype: DType,
+    /// How stored rows are encoded: the plain `dtype`, or `hack2` for indexed rows.
+    pub codec: Codec,
     /// Access method of the global layers.
     pub method: Method,
 }
@@ -59,12 +62,31 @@ pub struct ContextSpec {
 impl ContextSpec {
     /// `layers` global layers of `shape`, f16 storage, the wave index.
     pub fn new(shape: AttnShape, layers: usize) -> Self {
-        Self { shape, layers: vec![LayerKind::Global; layers], dtype: DType::F16, method: Method::default() }
+        Self {
+            shape,
+            layers: vec![LayerKind::Global; layers],
+            dtype: DType::F16,
+            codec: Codec::F16,
+            method: Method::default(),
+        }
     }
 
-    /// Sets the storage type.
+    /// Sets the plain storage type (the codec follows it, unless it is `hack2`, whose
+    /// steady zone then uses this type).
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;
+        if self.codec.hack().is_none() {
+            self.codec = Codec::from(dtype);
+        }
+        self
+    }
+
+    /// Sets the codec; a plain codec also sets the storage type.
+    pub fn with_codec(mut self, codec: Codec) -> Self {
+        self.codec = codec;
+        if codec.hack().is_none() {
+            self.dtype = codec.plain_dtype();
+        }
         self
     }
 
@@ -88,6 +110,35 @@ impl ContextSpec {
         }
         if let Some(i) = self.layers.iter().position(|k| *k == LayerKind::SlidingWindow(0)) {
             return Err(Error::InvalidSpec(format!("layer {i}: a sliding window must hold at least one token")));
+        }
+        match (self.codec.hack(), &self.method) {
+            (None, _) if self.codec.plain_dtype() != self.dtype => {
+                return Err(Error::InvalidSpec(format!(
+                    "codec {} stores {} rows but the spec's dtype is {}: set one with with_codec",
+                    self.codec,
+                    self.codec.plain_dtype(),
+                    self.dtype
+                )));
+            }
+            (Some(_), Method::Flat) => {
+                return Err(Error::InvalidSpec(
+                    "the hack2 codec encodes indexed rows: use it with the wave or pq method (flat keeps rows plain as the exact oracle)"
+                        .into(),
+                ));
+            }
+            (Some(_), _) if self.dtype != DType::F16 => {
+                return Err(Error::InvalidSpec(format!(
+                    "the hack2 codec keeps its unencoded rows (steady zone) in f16, not {}",
+                    self.dtype
+                )));
+            }
+            (Some(_), _) if !self.shape.head_dim.is_multiple_of(4) => {
+                return Err(Error::InvalidSpec(format!(
+                    "the hack2 codec packs four values per byte: head_dim must be a multiple of 4, got {}",
+                    self.shape.head_dim
+                )));
+            }
+            _ => {}
         }
         match &self.method {
             Method::Wave(p) => p.validate()?,

@@ -3,7 +3,8 @@
 
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
-    AttnShape, Budget, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, EstimateShare, LayerKind, Request,
+    AttnShape, Budget, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, EstimateShare, HackParams,
+    LayerKind, Request,
     SelectionMode, Strategy, WaveParams,
 };
 use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
@@ -279,5 +280,48 @@ fn bad_pq_parameters_are_typed_errors() {
     ] {
         let err = engine.create_context(ContextSpec::new(shape(), 1).with_method(attnstore::Method::Pq(params)));
         assert!(matches!(err, Err(Error::Index(_))), "{err:?}");
+    }
+}
+
+#[test]
+fn hack2_contexts_store_a_fifth_of_the_bytes_explain_encoded_sizes_and_stay_close() {
+    // The synthetic values are pure noise, the worst case for 2 bits (an attention output
+    // averages noise that 2 bits cannot resolve); real values carry per-channel means, so
+    // give them one here. Real-trace figures are in docs/codec.md.
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let mut synth = SynthContext::generate(SynthParams::new(shape(), 8000, 7));
+    let mu: Vec<f32> = (0..32).map(|c| ((c * 7 % 11) as f32 - 5.0) * 0.4).collect();
+    synth.values.iter_mut().enumerate().for_each(|(i, v)| *v = 0.5 * *v + mu[i % 32]);
+    let spec = ContextSpec::new(shape(), 2).with_method(small_wave());
+    let plain = engine.create_context(spec.clone()).unwrap();
+    let hack = engine.create_context(spec.with_codec(Codec::Hack2(HackParams::default()))).unwrap();
+    for ctx in [plain, hack] {
+        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+    }
+    let (ps, hs) = (engine.stats(plain, 0).unwrap(), engine.stats(hack, 0).unwrap());
+    assert!(hs.kv_bytes * 4 < ps.kv_bytes, "{} vs {}", hs.kv_bytes, ps.kv_bytes);
+    let q = synth.queries(2);
+    let want = reference(&synth, &q);
+    let budget = Budget::default().with_retrieve_floor(0).with_retrieve(0.05);
+    let plan = |ctx| engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
+    let (pp, hp) = (plan(plain), plan(hack));
+    let text = hp.explain();
+    assert!(text.contains("hack2"), "{text}");
+    let (pc, hc) = (&pp.requests[0].cost, &hp.requests[0].cost);
+    assert!(hc.retrieve_tokens == pc.retrieve_tokens && hc.retrieve_bytes * 4 < pc.retrieve_bytes, "{text}");
+    let (pe, he) =
+        (rel_l2(&engine.execute(&pp).unwrap()[0], &want), rel_l2(&engine.execute(&hp).unwrap()[0], &want));
+    let exact = rel_l2(&run(&engine, hack, &q, &Budget::full()), &want);
+    // 2-bit keys lose most of a score's detail next to the generator's outlier channels, so
+    // the bound is loose: it catches broken arithmetic (errors ≥ 1), not a 2-bit regression.
+    assert!(he < 0.3 && exact < 0.3, "hack2: sparse {he} (f16 sparse {pe}), full budget {exact}");
+    // Specs the codec cannot serve are typed errors.
+    let hack2 = Codec::Hack2(HackParams::default());
+    for bad in [
+        ContextSpec::new(shape(), 1).with_codec(hack2).with_method(attnstore::Method::Flat),
+        ContextSpec::new(shape(), 1).with_codec(hack2).with_dtype(DType::Bf16),
+        ContextSpec::new(AttnShape::new(2, 1, 30).unwrap(), 1).with_codec(hack2),
+    ] {
+        assert!(matches!(engine.create_context(bad), Err(Error::InvalidSpec(_))));
     }
 }

@@ -2,16 +2,60 @@
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
 use crate::error::Result;
+use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, spherical_kmeans, KMeansParams};
-use attnstore_kernels::Element;
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::{Element, HackParams, HackRows, Partial};
+use std::ops::Range;
 
-/// The KV rows of one head's segment, in cluster order.
+/// The KV rows of one head's segment, in cluster order: plain rows, or (with the `hack2`
+/// codec) 2-bit rows, in which case `keys` and `values` are empty.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct HeadSegment<E> {
     pub keys: Vec<E>,
     pub values: Vec<E>,
+    /// The rows in HACK 2-bit form, when the context's codec is `hack2`.
+    pub hack: Option<HackRows>,
     /// Original token position of every row.
     pub positions: Vec<u32>,
+}
+
+impl<E: Element> HeadSegment<E> {
+    /// Encodes the rows in 2-bit form (each value quantized once, seeded) and drops the
+    /// plain copy.
+    pub fn encode(&mut self, d: usize, params: HackParams, seed: u64) -> Result<()> {
+        let mut rows = HackRows::new(d, params)?;
+        rows.push_rows(&self.keys, &self.values, &mut SplitMix64::new(seed))?;
+        self.hack = Some(rows);
+        self.keys = Vec::new();
+        self.values = Vec::new();
+        Ok(())
+    }
+
+    /// Bytes of the stored rows, encoded or plain.
+    pub fn kv_bytes(&self) -> usize {
+        self.hack.as_ref().map_or(0, HackRows::bytes) + (self.keys.len() + self.values.len()) * E::DTYPE.size_bytes()
+    }
+
+    /// Folds the rows of `ranges` into the partials of query heads `q` (`parts.len() × d`).
+    pub fn attend(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], scratch: &mut Scratch) {
+        let d = q.len() / parts.len().max(1);
+        match &self.hack {
+            Some(rows) => rows.attend(q, scale, ranges, parts, &mut scratch.hack),
+            None => {
+                let spans = ranges.iter().map(|r| (&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]));
+                attnstore_kernels::cpu::attention::attend_spans(q, scale, spans, parts, scratch);
+            }
+        }
+    }
+
+    /// Every row of the segment (exact plans).
+    pub fn attend_all(&self, q: &[f32], scale: f32, parts: &mut [Partial], scratch: &mut Scratch) {
+        match &self.hack {
+            Some(rows) => rows.attend(q, scale, &[0..rows.rows()], parts, &mut scratch.hack),
+            None => attend_rows(q, scale, &self.keys, &self.values, parts, scratch),
+        }
+    }
 }
 
 /// One non-empty cluster of a built segment: rows `start..end`, mean key and mean value.
@@ -62,6 +106,7 @@ pub(crate) fn build_head_segment<E: Element>(
         counts[a as usize] += 1;
     }
     let mut seg = HeadSegment {
+        hack: None,
         keys: Vec::with_capacity(keys.len()),
         values: Vec::with_capacity(values.len()),
         positions: Vec::with_capacity(n),

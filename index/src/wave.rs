@@ -10,10 +10,10 @@ use crate::method::{
     ZoneBudget,
 };
 use crate::segment::{build_head_segment, BuildParams, HeadSegment};
-use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
+use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::estimate::estimate_group;
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
-use attnstore_kernels::{Element, Partial};
+use attnstore_kernels::{Element, HackParams, Partial};
 use rayon::prelude::*;
 
 /// Structure of a wave index. The defaults are RetroInfer's.
@@ -90,6 +90,8 @@ pub struct WaveIndex<E> {
     tokens: usize,
     sink_len: usize,
     tail_start: usize,
+    /// Segments are stored in HACK 2-bit form when set (the `hack2` codec).
+    hack: Option<HackParams>,
 }
 
 impl<E: Element> WaveIndex<E> {
@@ -105,7 +107,21 @@ impl<E: Element> WaveIndex<E> {
             tokens: 0,
             sink_len: 0,
             tail_start: 0,
+            hack: None,
         })
+    }
+
+    /// Stores every segment built from now on in HACK 2-bit form (`Some`), or plain.
+    /// The steady zone (sink, local window, pending tokens) stays in the plain type.
+    pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
+        if hack.is_some() && !self.head_dim.is_multiple_of(4) {
+            return Err(Error::InvalidParameter {
+                what: "codec",
+                message: format!("hack2 packs four values per byte: head_dim must be a multiple of 4, got {}", self.head_dim),
+            });
+        }
+        self.hack = hack;
+        Ok(self)
     }
 
     /// The structure parameters.
@@ -177,13 +193,17 @@ impl<E: Element> WaveIndex<E> {
                     max_iters: self.params.max_iters,
                     seed: self.params.seed ^ ((first_unit + c) as u64).wrapping_mul(0x9E37_79B9) ^ (h as u64) << 40,
                 };
-                build_head_segment(
+                let (mut seg, metas) = build_head_segment(
                     &store.tail_keys[s * d..(s + len) * d],
                     &store.tail_values[s * d..(s + len) * d],
                     (self.tail_start + s) as u32,
                     d,
                     params,
-                )
+                )?;
+                if let Some(hack) = self.hack {
+                    seg.encode(d, hack, params.seed ^ 0x4841_434b)?;
+                }
+                Ok((seg, metas))
             })
             .collect::<Result<Vec<_>>>()?;
         for (&(h, c), (seg, metas)) in jobs.iter().zip(built) {
@@ -291,9 +311,11 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
     fn stats(&self) -> IndexStats {
         let elem = E::DTYPE.size_bytes();
+        let steady = self.sink_len + self.tail_len();
+        let segments: usize = self.heads.iter().flat_map(|h| &h.segments).map(HeadSegment::kv_bytes).sum();
         IndexStats {
             tokens: self.tokens,
-            kv_bytes: 2 * self.tokens * self.kv_heads * self.head_dim * elem,
+            kv_bytes: 2 * steady * self.kv_heads * self.head_dim * elem + segments,
             index_bytes: self.heads.iter().map(|s| s.dir.bytes() + 4 * self.indexed_tokens()).sum(),
             segments: self.heads[0].segments.len(),
             clusters: self.heads[0].dir.len(),
@@ -350,19 +372,18 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         attend_rows(q, scale, &store.tail_keys, &store.tail_values, &mut parts, scratch);
         if plan.exact {
             for seg in &store.segments {
-                attend_rows(q, scale, &seg.keys, &seg.values, &mut parts, scratch);
+                seg.attend_all(q, scale, &mut parts, scratch);
             }
             return parts;
         }
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
             let mut sub = vec![Partial::empty(d); sel.heads];
-            let rows = sel.retrieve.iter().map(|span| {
-                let seg = &store.segments[span.unit as usize];
-                let rows = span.start as usize * d..span.end as usize * d;
-                (&seg.keys[rows.clone()], &seg.values[rows])
-            });
-            attend_spans(qs, scale, rows, &mut sub, scratch);
+            // Spans are sorted by segment (coalesce sorts them): one call per segment.
+            for runs in sel.retrieve.chunk_by(|a, b| a.unit == b.unit) {
+                let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
+                store.segments[runs[0].unit as usize].attend(qs, scale, &ranges, &mut sub, scratch);
+            }
             let sizes: Vec<f32> = sel.estimate.iter().map(|&id| store.dir.sizes[id as usize] as f32).collect();
             let value_mean = |c: usize| {
                 let id = sel.estimate[c] as usize;

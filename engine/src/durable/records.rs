@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use attnstore_index::{PqParams, WaveParams};
-use attnstore_kernels::{AttnShape, DType};
+use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
 use bincode::Options;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -98,6 +98,9 @@ pub(crate) enum DTypeRecord {
     F32,
     F16,
     Bf16,
+    /// The hack2 codec: f16 rows in the data files (the 2-bit form is derived, seeded,
+    /// when segments are built), partition Π. Appended last so older files still decode.
+    Hack2F16 { partition: u64 },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,10 +148,11 @@ impl SpecRecord {
                 LayerKind::SlidingWindow(w) => LayerKindRecord::SlidingWindow(wide(w)),
             })
             .collect();
-        let dtype = match spec.dtype {
-            DType::F32 => DTypeRecord::F32,
-            DType::F16 => DTypeRecord::F16,
-            DType::Bf16 => DTypeRecord::Bf16,
+        let dtype = match (spec.codec.hack(), spec.dtype) {
+            (Some(p), _) => DTypeRecord::Hack2F16 { partition: wide(p.partition) },
+            (None, DType::F32) => DTypeRecord::F32,
+            (None, DType::F16) => DTypeRecord::F16,
+            (None, DType::Bf16) => DTypeRecord::Bf16,
         };
         let method = match spec.method {
             Method::Wave(p) => MethodRecord::Wave {
@@ -198,10 +202,13 @@ impl SpecRecord {
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let dtype = match self.dtype {
-            DTypeRecord::F32 => DType::F32,
-            DTypeRecord::F16 => DType::F16,
-            DTypeRecord::Bf16 => DType::Bf16,
+        let codec = match self.dtype {
+            DTypeRecord::F32 => Codec::F32,
+            DTypeRecord::F16 => Codec::F16,
+            DTypeRecord::Bf16 => Codec::Bf16,
+            DTypeRecord::Hack2F16 { partition } => {
+                Codec::Hack2(HackParams::new(narrow(partition, "partition")?).map_err(|e| e.to_string())?)
+            }
         };
         let method = match self.method {
             MethodRecord::Wave {
@@ -246,7 +253,7 @@ impl SpecRecord {
                 seed,
             }),
         };
-        let spec = ContextSpec { shape, layers, dtype, method };
+        let spec = ContextSpec { shape, layers, dtype: codec.plain_dtype(), codec, method };
         spec.validate().map_err(|e| e.to_string())?;
         Ok(spec)
     }
@@ -282,6 +289,7 @@ mod tests {
             ContextSpec::new(shape, 2),
             ContextSpec::new(shape, 1).with_dtype(DType::F32).with_method(Method::Flat),
             ContextSpec::new(shape, 1).with_dtype(DType::Bf16).with_method(Method::Pq(pq)),
+            ContextSpec::new(shape, 1).with_codec(Codec::Hack2(HackParams::new(32).unwrap())),
             ContextSpec::new(shape, 3).with_layers(vec![
                 LayerKind::Global,
                 LayerKind::SlidingWindow(512),

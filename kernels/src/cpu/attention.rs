@@ -31,6 +31,8 @@ pub struct Scratch {
     wide: Vec<f32>,
     gather_keys: Vec<f32>,
     gather_values: Vec<f32>,
+    /// Buffers of attention over 2-bit rows ([`super::hack_rows::HackRows::attend`]).
+    pub hack: super::hack_rows::HackScratch,
 }
 
 /// Rows of short spans collected (widened) into one run before they are attended, so the
