@@ -9,7 +9,7 @@ mod model;
 use attnstore::bench::{self, BenchConfig, BenchMethod};
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
-    AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method, PqParams, Request,
+    AttnShape, Budget, Codec, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method, PqParams, Request,
     SelectionMode, WaveParams,
 };
 use clap::{Args, Parser, Subcommand};
@@ -98,6 +98,10 @@ struct ShapeArgs {
     /// Storage type: f32, f16 or bf16.
     #[arg(long, default_value = "f16")]
     dtype: DType,
+    /// Codec of the stored rows: f32, f16, bf16 (plain; overrides --dtype), or hack2 /
+    /// hack2:Π (2-bit homomorphic, HACK) for indexed rows, with an f16 steady zone.
+    #[arg(long)]
+    codec: Option<Codec>,
     /// Seed of the synthetic data.
     #[arg(long, default_value_t = 42)]
     seed: u64,
@@ -237,6 +241,11 @@ fn parse_method(s: &str) -> Result<Method, String> {
     }
 }
 
+/// The codec of `--codec`, or the plain codec of `--dtype`.
+fn codec_of(a: &ShapeArgs) -> Codec {
+    a.codec.unwrap_or(Codec::from(a.dtype))
+}
+
 fn shape_of(a: &ShapeArgs) -> Result<AttnShape, String> {
     AttnShape::new(a.q_heads, a.kv_heads, a.head_dim).map_err(|e| e.to_string())
 }
@@ -268,7 +277,8 @@ fn bench(args: BenchArgs) -> Result<(), String> {
     let cfg = BenchConfig {
         tokens: args.tokens,
         shape,
-        dtype: args.shape.dtype,
+        dtype: codec_of(&args.shape).plain_dtype(),
+        codec: codec_of(&args.shape),
         queries: args.queries.max(1),
         reps: args.reps.max(1),
         retrieve: args.budget.retrieve,
@@ -292,7 +302,7 @@ fn bench(args: BenchArgs) -> Result<(), String> {
             shape.q_heads,
             shape.kv_heads,
             shape.head_dim,
-            cfg.dtype,
+            cfg.codec,
             cfg.queries,
             cfg.reps
         );
@@ -329,7 +339,7 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     };
     budget.validate().map_err(|e| e.to_string())?;
     let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
-    let spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype).with_method(args.method);
+    let spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype).with_codec(codec_of(&args.shape)).with_method(args.method);
     let ctx = engine.create_context(spec).map_err(|e| e.to_string())?;
     let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
     engine.prefill(ctx, 0, &synth.keys, &synth.values).map_err(|e| e.to_string())?;

@@ -18,7 +18,7 @@ use attnstore_index::SelectionMode;
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
 use attnstore_kernels::cpu::scoring::{score_group, score_rows, top_r};
-use attnstore_kernels::{narrow_vec, AttnShape, DType, Element, HeadsView};
+use attnstore_kernels::{narrow_vec, AttnShape, Codec, DType, Element, HeadsView};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -32,8 +32,11 @@ pub struct BenchConfig {
     pub tokens: Vec<usize>,
     /// Heads and head dimension.
     pub shape: AttnShape,
-    /// Storage type.
+    /// Storage type of the exact baseline (and of plain contexts).
     pub dtype: DType,
+    /// Codec of the wave and PQ contexts; with `hack2` the bench also times exact attention
+    /// over the 2-bit rows against the plain exact baseline.
+    pub codec: Codec,
     /// Decode steps (distinct queries) per configuration.
     pub queries: usize,
     /// Timed repetitions per query (median reported).
@@ -146,7 +149,7 @@ fn base_row(cfg: &BenchConfig, bench: &str, method: &str, tokens: usize) -> Row 
         .set("kv_heads", cfg.shape.kv_heads)
         .set("head_dim", cfg.shape.head_dim)
         .set("dtype", cfg.dtype.name())
-        .set("codec", cfg.dtype.name());
+        .set("codec", cfg.codec.to_string());
     r
 }
 
@@ -199,8 +202,9 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     pb.set_message("index build (wave prefill)");
     let engine = Engine::in_memory(EngineConfig::default())?;
     let spec = ContextSpec::new(shape, 1).with_dtype(cfg.dtype);
-    let wave = engine.create_context(spec.clone().with_method(Method::Wave(WaveParams::default())))?;
-    if cfg.methods.contains(&BenchMethod::Wave) {
+    let coded = spec.clone().with_codec(cfg.codec);
+    let wave = engine.create_context(coded.clone().with_method(Method::Wave(WaveParams::default())))?;
+    if cfg.methods.contains(&BenchMethod::Wave) || cfg.codec.hack().is_some() {
         measure_wave_build(cfg, &engine, wave, &synth, tokens, emit)?;
     }
     pb.inc(1);
@@ -216,6 +220,13 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     }
 
     let ctx = Inputs { engine: &engine, shape, queries: &queries, references: &references, kview, vview, reps };
+    if cfg.codec.hack().is_some() {
+        pb.set_message(format!("exact attention over {} rows", cfg.codec));
+        let run = measure_sparse(&ctx, wave, &Budget::full(), &exact_once, &pb)?;
+        let mut r = base_row(cfg, "decode", "exact_hack2", tokens);
+        run.fill(&mut r);
+        emit(r);
+    }
     let mut default_exact_tokens = None;
     if cfg.methods.contains(&BenchMethod::Wave) {
         for &(mode, share) in &combos {
@@ -248,8 +259,7 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     if cfg.methods.contains(&BenchMethod::Pq) {
         pb.set_message("index build (pq, background k-means)");
         let params = PqParams { build_budget: cfg.pq_build_budget, ..PqParams::default() };
-        let pq =
-            engine.create_context(ContextSpec::new(shape, 1).with_dtype(cfg.dtype).with_method(Method::Pq(params)))?;
+        let pq = engine.create_context(coded.with_method(Method::Pq(params)))?;
         let started = Instant::now();
         engine.prefill(pq, 0, &synth.keys, &synth.values)?;
         let returned_us = started.elapsed().as_secs_f64() * 1e6;

@@ -23,6 +23,7 @@ use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::random::SplitMix64;
 use half::f16;
+use half::slice::HalfFloatSliceExt;
 use std::ops::Range;
 
 /// One head's rows in 2-bit form (see the module docs for the layout).
@@ -52,14 +53,24 @@ pub struct HackScratch {
     q_min: Vec<f32>,
     q_scale: Vec<f32>,
     q_sum: Vec<f32>,
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    pairs: Vec<super::hack_avx2::PairQuery>,
     keys: Vec<u8>,
     rows: Vec<u32>,
+    abs_rows: Vec<usize>,
     scores: Vec<f32>,
-    p8: Vec<u8>,
-    acc: Vec<u32>,
+    p_scale: Vec<f32>,
+    p_sum: Vec<f32>,
+    weights: Vec<u8>,
+    quads: Vec<u16>,
+    acc: Vec<i32>,
     column: Vec<f32>,
     codes: Vec<u8>,
 }
+
+/// Probabilities are quantized to 7 bits (0..=127): `vpmaddubsw` multiplies one unsigned
+/// and one *signed* byte operand, and the 2-bit codes take the unsigned side.
+const P_LEVELS: f32 = 127.0;
 
 impl HackRows {
     /// An empty store for rows of `head_dim` values.
@@ -237,15 +248,151 @@ impl HackRows {
             }
             debug_assert_eq!(s.q_min.len(), (h + 1) * kp);
         }
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+        if self.fast_scores() {
+            self.pair_queries(g, s);
+        }
+    }
+
+    /// The per-pair query vectors of the AVX2 score kernel (see `hack_avx2::block_scores`).
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    fn pair_queries(&self, g: usize, s: &mut HackScratch) {
+        let (d, kp) = (self.d, self.k_parts);
+        let types: Vec<(usize, usize)> = if kp == 1 { vec![(0, 0)] } else { (0..kp / 2).map(|m| (2 * m, 2 * m + 1)).collect() };
+        s.pairs.clear();
+        for hg in 0..g.div_ceil(4) {
+            for &(k0, k1) in &types {
+                let mut pq = super::hack_avx2::PairQuery { codes: [[[0; 32]; 4]; 4], sq: [0.0; 8], mq: [0.0; 8], c: [0.0; 8] };
+                for h in 0..4 {
+                    let head = hg * 4 + h;
+                    if head >= g {
+                        continue;
+                    }
+                    for (lane, k) in [(0, k0), (1, k1)] {
+                        for (sh, codes) in pq.codes[h].iter_mut().enumerate() {
+                            for b in 0..16 {
+                                codes[lane * 16 + b] = s.q8[head * d + k * 64 + 4 * b + sh];
+                            }
+                        }
+                        let at = head * kp + k;
+                        pq.sq[lane * 4 + h] = s.q_scale[at];
+                        pq.mq[lane * 4 + h] = s.q_min[at];
+                        pq.c[lane * 4 + h] = s.q_scale[at] * s.q_sum[at] + 64.0 * s.q_min[at];
+                    }
+                }
+                s.pairs.push(pq);
+            }
+        }
+    }
+
+    /// True when the AVX2 score kernel applies: Π = 64 and one or an even number of key
+    /// partitions per row.
+    fn fast_scores(&self) -> bool {
+        cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))
+            && self.params.partition == 64
+            && (self.k_parts == 1 || self.k_parts.is_multiple_of(2))
+    }
+
+    /// True when the AVX2 value kernel applies: blocks of at most 64 rows (16-bit sums
+    /// cannot overflow) and 32-channel groups.
+    fn fast_values(&self) -> bool {
+        cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))
+            && self.params.partition <= 64
+            && self.d.is_multiple_of(32)
     }
 
     /// Attention over the selected rows `s.rows` (offsets inside value block `block`).
     fn attend_block(&self, block: usize, g: usize, scale: f32, parts: &mut [Partial], s: &mut HackScratch) {
+        let (d, p) = (self.d, self.params.partition);
+        let n = s.rows.len();
+        s.scores.resize(g * n, 0.0);
+        self.block_scores(block, g, scale, s);
+        // Probabilities relative to each head's running maximum, quantized from zero.
+        s.weights.resize(g * p, 0);
+        let first_row = s.rows.first().map_or(0, |&t| t as usize);
+        let contiguous = s.rows.last().is_some_and(|&t| t as usize + 1 == first_row + n);
+        s.p_scale.resize(g, 0.0);
+        s.p_sum.resize(g, 0.0);
+        for (h, part) in parts.iter_mut().enumerate() {
+            let sc = &mut s.scores[h * n..(h + 1) * n];
+            let block_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            part.rescale_to(part.m.max(block_max));
+            // The largest probability is exp(block max − m): exp is monotonic.
+            let step = (block_max - part.m).exp() / P_LEVELS;
+            exp_shifted(sc, part.m);
+            let w = &mut s.weights[h * p..(h + 1) * p];
+            w.fill(0);
+            let mut sum = 0u32;
+            if step > 0.0 {
+                let inv = 1.0 / step;
+                s.codes.resize(n, 0);
+                for (c, &x) in s.codes.iter_mut().zip(sc.iter()) {
+                    // x ≥ 0: adding ½ and truncating rounds to nearest.
+                    *c = (x * inv + 0.5).min(P_LEVELS) as u8;
+                }
+                sum = s.codes.iter().map(|&c| u32::from(c)).sum();
+                if contiguous {
+                    w[first_row..first_row + n].copy_from_slice(&s.codes);
+                } else {
+                    s.rows.iter().zip(&s.codes).for_each(|(&t, &c)| w[t as usize] = c);
+                }
+            }
+            part.l += step * sum as f32;
+            s.p_scale[h] = step;
+            s.p_sum[h] = sum as f32;
+        }
+        // Values: integer products of the weights with the codes of the selected rows' quads.
+        s.quads.clear();
+        if contiguous {
+            s.quads.extend((first_row / 4) as u16..(first_row + n).div_ceil(4) as u16);
+        } else {
+            for &t in &s.rows {
+                let q = (t / 4) as u16;
+                if s.quads.last() != Some(&q) {
+                    s.quads.push(q);
+                }
+            }
+        }
+        s.acc.resize(g * d, 0);
+        let quads = &self.v_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
+        if self.fast_values() {
+            values_avx2(quads, d, &s.quads, &s.weights, p, &mut s.acc);
+        } else {
+            values_scalar(quads, d, &s.quads, &s.weights, p, &mut s.acc, &mut s.codes);
+        }
+        s.column.resize(2 * d, 0.0);
+        let (sv, mv) = s.column.split_at_mut(d);
+        self.v_scale[block * d..(block + 1) * d].convert_to_f32_slice(sv);
+        self.v_min[block * d..(block + 1) * d].convert_to_f32_slice(mv);
+        for (h, part) in parts.iter_mut().enumerate() {
+            let (sp, ps) = (s.p_scale[h], s.p_sum[h]);
+            let acc = &s.acc[h * d..(h + 1) * d];
+            for (((o, &a), &sv), &mv) in part.o.iter_mut().zip(acc).zip(sv.iter()).zip(mv.iter()) {
+                *o += sp * (sv * a as f32 + mv * ps);
+            }
+        }
+    }
+
+    /// Scaled scores of the selected rows of `block`: `s.scores[h·n + i]`.
+    fn block_scores(&self, block: usize, g: usize, scale: f32, s: &mut HackScratch) {
         let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
         let n = s.rows.len();
         let first = block * p;
-        // Scores by the homomorphic product, per selected row and head.
-        s.scores.resize(g * n, 0.0);
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+        if self.fast_scores() {
+            s.abs_rows.clear();
+            s.abs_rows.extend(s.rows.iter().map(|&t| first + t as usize));
+            let keys = super::hack_avx2::KeyData {
+                codes: &self.k_codes,
+                min: &self.k_min,
+                scale: &self.k_scale,
+                sum: &self.k_sum,
+                d,
+                kp,
+            };
+            scores_avx2(&keys, &s.abs_rows, &s.pairs, g, scale, &mut s.scores);
+            return;
+        }
         s.keys.resize(d, 0);
         for (i, &t) in s.rows.iter().enumerate() {
             let r = first + t as usize;
@@ -265,63 +412,78 @@ impl HackRows {
                 s.scores[h * n + i] = score * scale;
             }
         }
-        // Probabilities relative to each head's running maximum, quantized from zero.
-        s.p8.resize(g * n, 0);
-        s.acc.resize(g * d, 0);
-        s.acc.iter_mut().for_each(|a| *a = 0);
-        let mut p_scale = vec![0.0f32; g];
-        let mut p_sum = vec![0u32; g];
-        for (h, part) in parts.iter_mut().enumerate() {
-            let sc = &mut s.scores[h * n..(h + 1) * n];
-            let block_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            part.rescale_to(part.m.max(block_max));
-            let m = part.m;
-            let mut pmax = 0.0f32;
-            for x in sc.iter_mut() {
-                *x = (*x - m).exp();
-                pmax = pmax.max(*x);
+    }
+}
+
+/// The AVX2 score kernel (see `hack_avx2.rs`).
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+#[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
+fn scores_avx2(
+    keys: &super::hack_avx2::KeyData<'_>,
+    rows: &[usize],
+    pairs: &[super::hack_avx2::PairQuery],
+    g: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    // SAFETY: this function exists only when the build enables avx2 and fma for the whole
+    // program (cfg above), so every CPU that runs the binary has them.
+    unsafe { super::hack_avx2::block_scores(keys, rows, pairs, g, scale, out) }
+}
+
+/// The AVX2 value kernel, four heads at a time.
+#[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
+fn values_avx2(quads: &[u8], d: usize, active: &[u16], w: &[u8], stride: usize, acc: &mut [i32]) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    for (w, acc) in w.chunks(4 * stride).zip(acc.chunks_mut(4 * d)) {
+        use super::hack_avx2::block_values;
+        // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
+        // above), so every CPU that runs the binary has it.
+        unsafe {
+            match w.len() / stride {
+                1 => block_values::<1>(quads, d, active, w, stride, acc),
+                2 => block_values::<2>(quads, d, active, w, stride, acc),
+                3 => block_values::<3>(quads, d, active, w, stride, acc),
+                _ => block_values::<4>(quads, d, active, w, stride, acc),
             }
-            let step = pmax / 255.0;
-            let mut sum = 0u32;
-            for (c, &x) in s.p8[h * n..(h + 1) * n].iter_mut().zip(sc.iter()) {
-                *c = if step > 0.0 { (x / step).round().min(255.0) as u8 } else { 0 };
-                sum += u32::from(*c);
-            }
-            part.l += step * sum as f32;
-            p_scale[h] = step;
-            p_sum[h] = sum;
         }
-        // Values: integer products of the 8-bit probabilities with the codes of each
-        // selected row's quad, then per channel the block's scale and minimum.
-        let quads = &self.v_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
-        s.codes.resize(d, 0);
-        for (i, &t) in s.rows.iter().enumerate() {
-            let t = t as usize;
-            let shift = 2 * (t % 4);
-            for (c, &b) in s.codes.iter_mut().zip(&quads[(t / 4) * d..(t / 4 + 1) * d]) {
-                *c = (b >> shift) & 3;
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    values_scalar(quads, d, active, w, stride, acc, &mut Vec::new());
+}
+
+/// `acc[h·d + c] = Σ_t w[h][t]·code(t, c)` over the rows of the quads `active`.
+fn values_scalar(quads: &[u8], d: usize, active: &[u16], w: &[u8], stride: usize, acc: &mut [i32], codes: &mut Vec<u8>) {
+    acc.iter_mut().for_each(|a| *a = 0);
+    codes.resize(d, 0);
+    for &qi in active {
+        let qi = qi as usize;
+        for r in 0..4 {
+            for (c, &b) in codes.iter_mut().zip(&quads[qi * d..(qi + 1) * d]) {
+                *c = (b >> (2 * r)) & 3;
             }
-            for h in 0..g {
-                let w = u32::from(s.p8[h * n + i]);
-                if w != 0 {
-                    for (a, &c) in s.acc[h * d..(h + 1) * d].iter_mut().zip(&s.codes) {
-                        *a += w * u32::from(c);
+            for (h, wh) in w.chunks_exact(stride).enumerate() {
+                let x = i32::from(wh[qi * 4 + r]);
+                if x != 0 {
+                    for (a, &c) in acc[h * d..(h + 1) * d].iter_mut().zip(codes.iter()) {
+                        *a += x * i32::from(c);
                     }
                 }
             }
         }
-        s.column.resize(2 * d, 0.0);
-        let (sv, mv) = s.column.split_at_mut(d);
-        for c in 0..d {
-            sv[c] = self.v_scale[block * d + c].to_f32();
-            mv[c] = self.v_min[block * d + c].to_f32();
-        }
-        for (h, part) in parts.iter_mut().enumerate() {
-            let (sp, ps) = (p_scale[h], p_sum[h] as f32);
-            for (c, o) in part.o.iter_mut().enumerate() {
-                *o += sp * (sv[c] * s.acc[h * d + c] as f32 + mv[c] * ps);
-            }
-        }
+    }
+}
+
+/// `x ← exp(x − m)` in place, eight lanes at a time.
+fn exp_shifted(x: &mut [f32], m: f32) {
+    let mv = wide::f32x8::splat(m);
+    let mut chunks = x.chunks_exact_mut(8);
+    for c in &mut chunks {
+        let v = wide::f32x8::from(<[f32; 8]>::try_from(&*c).unwrap_or_default());
+        c.copy_from_slice(&(v - mv).exp().to_array());
+    }
+    for v in chunks.into_remainder() {
+        *v = (*v - m).exp();
     }
 }
 
@@ -376,7 +538,7 @@ mod tests {
                     let m = part.m.max(sc.iter().copied().fold(f32::NEG_INFINITY, f32::max));
                     part.rescale_to(m);
                     let pr: Vec<f32> = sc.iter().map(|x| (x - m).exp()).collect();
-                    let step = pr.iter().copied().fold(0.0, f32::max) / 255.0;
+                    let step = pr.iter().copied().fold(0.0, f32::max) / P_LEVELS;
                     for (w, v) in pr.iter().zip(&vals) {
                         let w = (w / step).round() * step;
                         part.l += w;
@@ -400,16 +562,21 @@ mod tests {
 
     #[test]
     fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
-        let (d, g) = (128, 4);
-        let (rows, _, _) = store(300, d, 1);
-        let q: Vec<f32> = randn(g * d, 9).iter().map(|x| x * 2.0).collect();
-        for ranges in [vec![0..300], vec![5..21, 60..70, 200..201, 290..300], vec![100..164, 10..12]] {
-            let mut parts = vec![Partial::empty(d); g];
-            rows.attend(&q, 1.0 / (d as f32).sqrt(), &ranges, &mut parts, &mut HackScratch::default());
-            let want = dequantized(&rows, &q, g, &ranges);
-            for (p, w) in parts.iter().zip(&want) {
-                let err = rel(&p.finish(), w);
-                assert!(err < 2e-5, "{ranges:?}: homomorphic vs dequantized {err}");
+        // Head dims and group sizes that take every kernel path: one or two rows per AVX2
+        // score vector, head groups padded to four, the scalar path for Π = 32.
+        for (d, g, partition) in [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64)] {
+            let (k, v) = (randn(300 * d, 1), randn(300 * d, 2));
+            let mut rows = HackRows::new(d, HackParams::new(partition).unwrap()).unwrap();
+            rows.push_rows(&k, &v, &mut SplitMix64::new(3)).unwrap();
+            let q: Vec<f32> = randn(g * d, 9).iter().map(|x| x * 2.0).collect();
+            for ranges in [vec![0..300], vec![5..21, 60..70, 200..201, 290..300], vec![100..164, 10..12]] {
+                let mut parts = vec![Partial::empty(d); g];
+                rows.attend(&q, 1.0 / (d as f32).sqrt(), &ranges, &mut parts, &mut HackScratch::default());
+                let want = dequantized(&rows, &q, g, &ranges);
+                for (p, w) in parts.iter().zip(&want) {
+                    let err = rel(&p.finish(), w);
+                    assert!(err < 2e-5, "d={d} g={g} Π={partition} {ranges:?}: homomorphic vs dequantized {err}");
+                }
             }
         }
     }

@@ -5,6 +5,8 @@ pub mod attention;
 pub mod estimate;
 mod gemm;
 pub mod hack;
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+mod hack_avx2;
 pub mod hack_rows;
 pub mod kmeans;
 mod microkernel;
