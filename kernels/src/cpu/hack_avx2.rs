@@ -43,18 +43,19 @@ pub(crate) struct PairQuery {
     pub c: [f32; 8],
 }
 
-/// Per-chunk key metadata: scale, minimum and code sum, as f32.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct KeyMeta {
-    pub sk: f32,
-    pub mk: f32,
-    pub ks: f32,
+/// Key metadata of the two chunks of a pair, each as a vector `[chunk 0 ×4 | chunk 1 ×4]`:
+/// scale, minimum and code sum.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct PairMeta {
+    pub sk: __m256,
+    pub mk: __m256,
+    pub ks: __m256,
 }
 
 /// Scores of one pair of 64-dim key chunks (`x`: chunk 0 in the low lane, chunk 1 in the
 /// high lane) against four heads: `[h0..h3 of chunk 0 | h0..h3 of chunk 1]`, unscaled.
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn pair_scores(x: __m256i, q: &PairQuery, k0: KeyMeta, k1: KeyMeta) -> [f32; 8] {
+pub(crate) fn pair_scores(x: __m256i, q: &PairQuery, k: PairMeta) -> __m256 {
     let m3 = _mm256_set1_epi8(3);
     let c = [
         _mm256_and_si256(x, m3),
@@ -77,31 +78,18 @@ pub(crate) fn pair_scores(x: __m256i, q: &PairQuery, k0: KeyMeta, k1: KeyMeta) -
     };
     let t = _mm256_hadd_epi32(_mm256_hadd_epi32(head(0), head(1)), _mm256_hadd_epi32(head(2), head(3)));
     let qk = _mm256_cvtepi32_ps(t);
-    let lanes = |a: f32, b: f32| _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a));
-    let (sk, mk, ks) = (lanes(k0.sk, k1.sk), lanes(k0.mk, k1.mk), lanes(k0.ks, k1.ks));
     let sq: __m256 = bytemuck::cast(q.sq);
     let mq: __m256 = bytemuck::cast(q.mq);
     let cc: __m256 = bytemuck::cast(q.c);
     // sk·(sq·QK + mq·Σk) + mk·(sq·Σq + Π·mq)
-    let inner = _mm256_fmadd_ps(sq, qk, _mm256_mul_ps(mq, ks));
-    bytemuck::cast(_mm256_fmadd_ps(sk, inner, _mm256_mul_ps(mk, cc)))
-}
-
-/// 16 key bytes of each of two chunks as one vector.
-#[target_feature(enable = "avx2")]
-pub(crate) fn two_chunks(lo: &[u8], hi: &[u8]) -> __m256i {
-    _mm256_set_m128i(load16(hi), load16(lo))
-}
-
-/// 32 key bytes (one row of 128 dims, or two partitions of a longer row) as one vector.
-#[target_feature(enable = "avx2")]
-pub(crate) fn one_pair(b: &[u8]) -> __m256i {
-    load32(b)
+    let inner = _mm256_fmadd_ps(sq, qk, _mm256_mul_ps(mq, k.ks));
+    _mm256_fmadd_ps(k.sk, inner, _mm256_mul_ps(k.mk, cc))
 }
 
 /// Integer value products of one block for `H` heads: `acc[h·d + c] = Σ_t w[h·stride + t]·code(t, c)`
 /// over the token quads `quads` (indices into `block`, which holds `d` bytes per quad).
-/// `w` holds 7-bit weights (zero for rows the plan did not select).
+/// `w` holds 7-bit weights (zero for rows the plan did not select); blocks hold at most 64
+/// rows (16 quads).
 #[target_feature(enable = "avx2")]
 pub(crate) fn block_values<const H: usize>(
     block: &[u8],
@@ -112,10 +100,19 @@ pub(crate) fn block_values<const H: usize>(
     acc: &mut [i32],
 ) {
     let m3 = _mm256_set1_epi8(3);
+    // The weight pairs of every live quad, broadcast once for all channel groups.
+    let mut pairs = [[[_mm256_setzero_si256(); 2]; H]; 16];
+    for (slot, &qi) in pairs.iter_mut().zip(quads) {
+        for (h, wp) in slot.iter_mut().enumerate() {
+            let wq = &w[h * stride + qi as usize * 4..h * stride + qi as usize * 4 + 4];
+            wp[0] = _mm256_set1_epi16(i16::from_le_bytes([wq[0], wq[1]]));
+            wp[1] = _mm256_set1_epi16(i16::from_le_bytes([wq[2], wq[3]]));
+        }
+    }
     for grp in 0..d / 32 {
         let mut lo = [_mm256_setzero_si256(); H];
         let mut hi = [_mm256_setzero_si256(); H];
-        for &qi in quads {
+        for (slot, &qi) in pairs.iter().zip(quads) {
             let qi = qi as usize;
             let x = load32(&block[qi * d + grp * 32..]);
             let c0 = _mm256_and_si256(x, m3);
@@ -125,9 +122,7 @@ pub(crate) fn block_values<const H: usize>(
             let (p01l, p01h) = (_mm256_unpacklo_epi8(c0, c1), _mm256_unpackhi_epi8(c0, c1));
             let (p23l, p23h) = (_mm256_unpacklo_epi8(c2, c3), _mm256_unpackhi_epi8(c2, c3));
             for h in 0..H {
-                let wq = &w[h * stride + qi * 4..h * stride + qi * 4 + 4];
-                let w01 = _mm256_set1_epi16(i16::from_le_bytes([wq[0], wq[1]]));
-                let w23 = _mm256_set1_epi16(i16::from_le_bytes([wq[2], wq[3]]));
+                let [w01, w23] = slot[h];
                 lo[h] = _mm256_add_epi16(
                     lo[h],
                     _mm256_add_epi16(_mm256_maddubs_epi16(p01l, w01), _mm256_maddubs_epi16(p23l, w23)),
@@ -156,40 +151,57 @@ pub(crate) fn block_values<const H: usize>(
     }
 }
 
-/// The key side of a [`super::hack_rows::HackRows`]: codes and per-(row, partition) metadata.
+/// The key side of one value block of a [`super::hack_rows::HackRows`]: all code bytes,
+/// and the block's per-(row, partition) metadata widened to f32 (`[row·kp + k]`, rows
+/// relative to `first_row`).
 pub(crate) struct KeyData<'a> {
     pub codes: &'a [u8],
-    pub min: &'a [half::f16],
-    pub scale: &'a [half::f16],
-    pub sum: &'a [u16],
+    pub sk: &'a [f32],
+    pub mk: &'a [f32],
+    pub ks: &'a [f32],
     pub d: usize,
     pub kp: usize,
+    pub first_row: usize,
 }
 
-impl KeyData<'_> {
-    #[inline(always)]
-    fn meta(&self, r: usize, k: usize) -> KeyMeta {
-        let at = r * self.kp + k;
-        KeyMeta { sk: self.scale[at].to_f32(), mk: self.min[at].to_f32(), ks: f32::from(self.sum[at]) }
-    }
+/// `[a ×4 | b ×4]` from two adjacent floats `ab[0..2]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn spread2(ab: &[f32]) -> __m256 {
+    let a = f64::from_bits(bytemuck::pod_read_unaligned::<u64>(bytemuck::cast_slice(&ab[..2])));
+    // Broadcast the 8 bytes, then pick lanes 0,0,0,0,1,1,1,1.
+    _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_set1_pd(a)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
 }
 
-/// Scaled scores of the key rows `rows` against `g` heads: `out[h·n + i]` for row `rows[i]`.
-/// `pairs` holds, per group of four heads, one [`PairQuery`] per pair type: one type
-/// `[partition 0 | partition 0]` when a row is one partition (two rows per vector), else
-/// `kp/2` types `[2m | 2m+1]` (one row per `kp/2` vectors). Requires Π = 64 and `kp` 1 or even.
+/// `[a ×4 | b ×4]` from two floats.
+#[inline]
+#[target_feature(enable = "avx")]
+fn lanes(a: f32, b: f32) -> __m256 {
+    _mm256_set_m128(_mm_set1_ps(b), _mm_set1_ps(a))
+}
+
+/// Scaled scores of the key rows `rows` (relative to `k.first_row`) against `g` heads:
+/// `out[h·n + i]` for row `rows[i]`. `pairs` holds, per group of four heads, one
+/// [`PairQuery`] per pair type: one type `[partition 0 | partition 0]` when a row is one
+/// partition (two rows per vector), else `kp/2` types `[2m | 2m+1]` (one row per `kp/2`
+/// vectors). Requires Π = 64 and `kp` 1 or even.
 #[target_feature(enable = "avx2,fma")]
-pub(crate) fn block_scores(k: &KeyData<'_>, rows: &[usize], pairs: &[PairQuery], g: usize, scale: f32, out: &mut [f32]) {
+pub(crate) fn block_scores(k: &KeyData<'_>, rows: &[u32], pairs: &[PairQuery], g: usize, scale: f32, out: &mut [f32]) {
     let n = rows.len();
     let types = if k.kp == 1 { 1 } else { k.kp / 2 };
+    let row_bytes = k.d / 4;
+    let sv = _mm_set1_ps(scale);
     for hg in 0..g.div_ceil(4) {
         let hn = (g - hg * 4).min(4);
         let pq = &pairs[hg * types..(hg + 1) * types];
         if k.kp == 1 {
             for (i, two) in rows.chunks(2).enumerate() {
-                let (r0, r1) = (two[0], *two.last().unwrap_or(&two[0]));
-                let x = two_chunks(&k.codes[r0 * 16..], &k.codes[r1 * 16..]);
-                let sc = pair_scores(x, &pq[0], k.meta(r0, 0), k.meta(r1, 0));
+                let (t0, t1) = (two[0] as usize, *two.last().unwrap_or(&two[0]) as usize);
+                let (r0, r1) = (k.first_row + t0, k.first_row + t1);
+                let x = _mm256_set_m128i(load16(&k.codes[r1 * 16..]), load16(&k.codes[r0 * 16..]));
+                let meta =
+                    PairMeta { sk: lanes(k.sk[t0], k.sk[t1]), mk: lanes(k.mk[t0], k.mk[t1]), ks: lanes(k.ks[t0], k.ks[t1]) };
+                let sc: [f32; 8] = bytemuck::cast(pair_scores(x, &pq[0], meta));
                 for h in 0..hn {
                     out[(hg * 4 + h) * n + 2 * i] = sc[h] * scale;
                     if two.len() == 2 {
@@ -198,17 +210,20 @@ pub(crate) fn block_scores(k: &KeyData<'_>, rows: &[usize], pairs: &[PairQuery],
                 }
             }
         } else {
-            for (i, &r) in rows.iter().enumerate() {
-                let mut acc = [0.0f32; 4];
+            for (i, &t) in rows.iter().enumerate() {
+                let t = t as usize;
+                let r = k.first_row + t;
+                let mut acc = _mm256_setzero_ps();
                 for (m, q) in pq.iter().enumerate() {
-                    let x = one_pair(&k.codes[r * k.d / 4 + m * 32..]);
-                    let sc = pair_scores(x, q, k.meta(r, 2 * m), k.meta(r, 2 * m + 1));
-                    for h in 0..4 {
-                        acc[h] += sc[h] + sc[4 + h];
-                    }
+                    let x = load32(&k.codes[r * row_bytes + m * 32..]);
+                    let at = t * k.kp + 2 * m;
+                    let meta = PairMeta { sk: spread2(&k.sk[at..]), mk: spread2(&k.mk[at..]), ks: spread2(&k.ks[at..]) };
+                    acc = _mm256_add_ps(acc, pair_scores(x, q, meta));
                 }
+                let four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)), sv);
+                let sc: [f32; 4] = bytemuck::cast(four);
                 for h in 0..hn {
-                    out[(hg * 4 + h) * n + i] = acc[h] * scale;
+                    out[(hg * 4 + h) * n + i] = sc[h];
                 }
             }
         }

@@ -57,7 +57,7 @@ pub struct HackScratch {
     pairs: Vec<super::hack_avx2::PairQuery>,
     keys: Vec<u8>,
     rows: Vec<u32>,
-    abs_rows: Vec<usize>,
+    kmeta: Vec<f32>,
     scores: Vec<f32>,
     p_scale: Vec<f32>,
     p_sum: Vec<f32>,
@@ -342,13 +342,18 @@ impl HackRows {
             s.p_sum[h] = sum as f32;
         }
         // Values: integer products of the weights with the codes of the selected rows' quads.
+        // Rows whose probability rounds to zero contribute nothing: only quads with a
+        // nonzero weight for some head are read (with peaked attention, most are not).
         s.quads.clear();
+        let live = |w: &[u8], q: usize| w.chunks_exact(p).any(|wh| wh[4 * q..4 * q + 4] != [0; 4]);
         if contiguous {
-            s.quads.extend((first_row / 4) as u16..(first_row + n).div_ceil(4) as u16);
+            s.quads.extend(
+                (first_row / 4..(first_row + n).div_ceil(4)).filter(|&q| live(&s.weights, q)).map(|q| q as u16),
+            );
         } else {
             for &t in &s.rows {
                 let q = (t / 4) as u16;
-                if s.quads.last() != Some(&q) {
+                if s.quads.last() != Some(&q) && live(&s.weights, q as usize) {
                     s.quads.push(q);
                 }
             }
@@ -366,6 +371,9 @@ impl HackRows {
         self.v_min[block * d..(block + 1) * d].convert_to_f32_slice(mv);
         for (h, part) in parts.iter_mut().enumerate() {
             let (sp, ps) = (s.p_scale[h], s.p_sum[h]);
+            if ps == 0.0 {
+                continue;
+            }
             let acc = &s.acc[h * d..(h + 1) * d];
             for (((o, &a), &sv), &mv) in part.o.iter_mut().zip(acc).zip(sv.iter()).zip(mv.iter()) {
                 *o += sp * (sv * a as f32 + mv * ps);
@@ -380,17 +388,17 @@ impl HackRows {
         let first = block * p;
         #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
         if self.fast_scores() {
-            s.abs_rows.clear();
-            s.abs_rows.extend(s.rows.iter().map(|&t| first + t as usize));
-            let keys = super::hack_avx2::KeyData {
-                codes: &self.k_codes,
-                min: &self.k_min,
-                scale: &self.k_scale,
-                sum: &self.k_sum,
-                d,
-                kp,
-            };
-            scores_avx2(&keys, &s.abs_rows, &s.pairs, g, scale, &mut s.scores);
+            // The block's key metadata widened to f32 in bulk.
+            let meta = first * kp..((first + p).min(self.rows)) * kp;
+            let m = meta.len();
+            s.kmeta.resize(3 * m, 0.0);
+            let (sk, rest) = s.kmeta.split_at_mut(m);
+            let (mk, ks) = rest.split_at_mut(m);
+            self.k_scale[meta.clone()].convert_to_f32_slice(sk);
+            self.k_min[meta.clone()].convert_to_f32_slice(mk);
+            ks.iter_mut().zip(&self.k_sum[meta]).for_each(|(f, &x)| *f = f32::from(x));
+            let keys = super::hack_avx2::KeyData { codes: &self.k_codes, sk, mk, ks, d, kp, first_row: first };
+            scores_avx2(&keys, &s.rows, &s.pairs, g, scale, &mut s.scores);
             return;
         }
         s.keys.resize(d, 0);
@@ -420,7 +428,7 @@ impl HackRows {
 #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
 fn scores_avx2(
     keys: &super::hack_avx2::KeyData<'_>,
-    rows: &[usize],
+    rows: &[u32],
     pairs: &[super::hack_avx2::PairQuery],
     g: usize,
     scale: f32,
