@@ -264,7 +264,7 @@ fn bench(args: BenchArgs) -> Result<(), String> {
                 );
             }
         }
-        return model::bench_trace(dir, &bases, args.dense_layers, args.json);
+        return model::bench_trace(dir, &bases, args.dense_layers, codec_of(&args.shape), args.json);
     }
     let shape = shape_of(&args.shape)?;
     for &share in &args.estimate {

@@ -1,6 +1,6 @@
 //! The real-model commands: `generate`, `capture`, `eval`, `argmax`, and `bench --trace`.
 
-use attnstore::{Budget, EstimateShare};
+use attnstore::{Budget, Codec, EstimateShare};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
 use attnstore_runtime::trace::{self, Trace, TraceRow};
 use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
@@ -40,6 +40,10 @@ pub struct ModelBudgetArgs {
     /// runtime's default, measured in docs/realmodel.md).
     #[arg(long, default_value = "rest", value_parser = crate::parse_share)]
     estimate: EstimateShare,
+    /// Codec of the stored KV: f16 (default), or hack2 / hack2:Π (2-bit homomorphic rows;
+    /// with `exact`, exact attention over the 2-bit rows).
+    #[arg(long, default_value = "f16")]
+    codec: Codec,
 }
 
 impl ModelBudgetArgs {
@@ -200,7 +204,7 @@ pub fn generate(args: GenerateArgs) -> Result<(), String> {
     let ids = prompt_ids(&model, &args.prompt_file, args.raw)?;
     let p = prefill(&model, &ids, args.model.chunk)?;
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
-    let config = AttnConfig { budget: args.budget.budget()?, ..AttnConfig::new(args.method) };
+    let config = AttnConfig { budget: args.budget.budget()?, codec: args.budget.codec, ..AttnConfig::new(args.method) };
     let mut session = Session::new(&model, &engine, config, &p, false).map_err(|e| e.to_string())?;
     let tok = model.tokenizer();
     let start = Instant::now();
@@ -269,12 +273,18 @@ pub fn capture(args: CaptureArgs) -> Result<(), String> {
 }
 
 /// `attnstore bench --trace DIR`.
-pub fn bench_trace(dir: &std::path::Path, bases: &[Budget], dense_layers: usize, json: bool) -> Result<(), String> {
+pub fn bench_trace(
+    dir: &std::path::Path,
+    bases: &[Budget],
+    dense_layers: usize,
+    codec: Codec,
+    json: bool,
+) -> Result<(), String> {
     let t = Trace::load(dir).map_err(|e| e.to_string())?;
     let m = &t.meta;
     if !json {
         println!(
-            "attnstore bench on the trace {} ({}: {} layers, {} q / {} kv heads, d={}, {} prompt tokens, {} decode steps, f16 storage)",
+            "attnstore bench on the trace {} ({}: {} layers, {} q / {} kv heads, d={}, {} prompt tokens, {} decode steps)",
             dir.display(),
             m.model,
             m.layers,
@@ -285,9 +295,12 @@ pub fn bench_trace(dir: &std::path::Path, bases: &[Budget], dense_layers: usize,
             m.decode_steps
         );
     }
-    let rows =
-        trace::bench_trace(&t, &trace::configs_for(bases, dense_layers), &mut |what| eprintln!("evaluating {what}"))
-            .map_err(|e| e.to_string())?;
+    // A 2-bit codec is measured next to f16 in the same run, so its cost is read off directly.
+    let mut configs = trace::configs_for(bases, dense_layers, Codec::F16);
+    if codec != Codec::F16 {
+        configs.extend(trace::configs_for(bases, dense_layers, codec));
+    }
+    let rows = trace::bench_trace(&t, &configs, &mut |what| eprintln!("evaluating {what}")).map_err(|e| e.to_string())?;
     if !json {
         println!("{}", trace_table(&rows));
         println!("JSON lines:");
@@ -300,8 +313,9 @@ pub fn bench_trace(dir: &std::path::Path, bases: &[Budget], dense_layers: usize,
 
 fn trace_table(rows: &[TraceRow]) -> String {
     let mut s = format!(
-        "{:<6} {:>6} {:>8} {:>14} {:>5} {:>10} {:>8} {:>12} {:>8} {:>10} {:>11}\n",
+        "{:<6} {:<6} {:>6} {:>8} {:>14} {:>5} {:>10} {:>8} {:>12} {:>8} {:>10} {:>11}\n",
         "method",
+        "codec",
         "budget",
         "estimate",
         "selection",
@@ -315,8 +329,9 @@ fn trace_table(rows: &[TraceRow]) -> String {
     );
     for r in rows {
         s += &format!(
-            "{:<6} {:>5}x {:>8} {:>14} {:>5} {:>10.4} {:>8.3} {:>12.0} {:>7.1}% {:>10.3} {:>5}/{:<5}\n",
+            "{:<6} {:<6} {:>5}x {:>8} {:>14} {:>5} {:>10.4} {:>8.3} {:>12.0} {:>7.1}% {:>10.3} {:>5}/{:<5}\n",
             r.method,
+            r.codec,
             r.budget_scale,
             r.estimate,
             r.selection,
@@ -338,15 +353,17 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
     let model = load(&args.model, Weights::Dequantized)?;
     let base = args.budget.budget()?;
     let mut variants = Vec::new();
+    let codec = args.budget.codec;
     for &m in &args.methods {
-        if m == AttnMethod::Exact {
+        // Exact attention is the reference; over a 2-bit codec it is a variant of its own.
+        if m == AttnMethod::Exact && codec.hack().is_none() {
             continue;
         }
         for &s in &args.scales {
             if !(s.is_finite() && s > 0.0) {
                 return Err(format!("budget scale {s} must be positive"));
             }
-            variants.push((AttnConfig { budget: base, ..AttnConfig::new(m) }.scaled(s), s));
+            variants.push((AttnConfig { budget: base, codec, ..AttnConfig::new(m) }.scaled(s), s));
         }
     }
     let config = EvalConfig {
@@ -386,9 +403,9 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
 
 fn eval_table(rows: &[EvalRow]) -> String {
     let mut s = format!(
-        "{:>6} {:<6} {:>6} {:>7} {:>15} {:>7} {:>7} {:>6} {:>9} {:>8} {:>7} {:>6}\n",
+        "{:>6} {:<12} {:>6} {:>7} {:>15} {:>7} {:>7} {:>6} {:>9} {:>8} {:>7} {:>6}\n",
         "tokens",
-        "method",
+        "method/codec",
         "budget",
         "top-1",
         "decisive (ties)",
@@ -402,9 +419,9 @@ fn eval_table(rows: &[EvalRow]) -> String {
     );
     for r in rows {
         s += &format!(
-            "{:>6} {:<6} {:>5}x {:>6.1}% {:>9.1}% ({:>2}) {:>7.4} {:>6.1}% {:>6} {:>9.4} {:>8.0} {:>6.1}% {:>5.0}%\n",
+            "{:>6} {:<12} {:>5}x {:>6.1}% {:>9.1}% ({:>2}) {:>7.4} {:>6.1}% {:>6} {:>9.4} {:>8.0} {:>6.1}% {:>5.0}%\n",
             r.length,
-            r.method,
+            format!("{}/{}", r.method, r.codec),
             r.budget_scale,
             100.0 * r.teacher_top1,
             100.0 * r.teacher_top1_decisive,
@@ -422,12 +439,12 @@ fn eval_table(rows: &[EvalRow]) -> String {
 }
 
 fn passkey_table(rows: &[PasskeyRow]) -> String {
-    let mut s = format!("{:>6} {:<6} {:>6} {:>8}  answers\n", "tokens", "method", "budget", "passkey");
+    let mut s = format!("{:>6} {:<12} {:>6} {:>8}  answers\n", "tokens", "method/codec", "budget", "passkey");
     for r in rows {
         s += &format!(
-            "{:>6} {:<6} {:>5}x {:>4}/{:<3}  {}\n",
+            "{:>6} {:<12} {:>5}x {:>4}/{:<3}  {}\n",
             r.length,
-            r.method,
+            format!("{}/{}", r.method, r.codec),
             r.budget_scale,
             r.correct,
             r.trials,

@@ -47,6 +47,8 @@ pub struct EvalRow {
     pub length: usize,
     /// Method.
     pub method: &'static str,
+    /// Codec of the stored KV.
+    pub codec: String,
     /// Budget scale relative to the default.
     pub budget_scale: f64,
     /// Teacher-forced: fraction of positions whose argmax equals the exact continuation's token.
@@ -81,6 +83,8 @@ pub struct PasskeyRow {
     pub length: usize,
     /// Method.
     pub method: &'static str,
+    /// Codec of the stored KV.
+    pub codec: String,
     /// Budget scale.
     pub budget_scale: f64,
     /// Needles found.
@@ -197,6 +201,7 @@ pub fn run(
             let row = PasskeyRow {
                 length,
                 method: all[i].method.name(),
+                codec: all[i].codec.to_string(),
                 budget_scale: scales[i],
                 correct,
                 trials: config.passkey_depths.len(),
@@ -276,6 +281,7 @@ fn compare(
     Ok(EvalRow {
         length: prefill.tokens.len(),
         method: variant.method.name(),
+        codec: variant.codec.to_string(),
         budget_scale: scale,
         teacher_top1: top1 as f64 / positions,
         kl: kl / positions,

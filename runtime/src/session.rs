@@ -5,7 +5,8 @@
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model, Prefill};
 use attnstore::{
-    Budget, ContextId, ContextSpec, DType, Engine, EstimateShare, Method, PqParams, Request, Strategy, WaveParams,
+    AttnShape, Budget, Codec, ContextId, ContextSpec, Engine, EstimateShare, Method, PqParams, Request, Strategy,
+    WaveParams,
 };
 use std::time::{Duration, Instant};
 
@@ -70,8 +71,8 @@ pub struct AttnConfig {
     pub method: AttnMethod,
     /// The plan budget (ignored by `Exact`, which always plans the full budget).
     pub budget: Budget,
-    /// Storage type of the stored KV.
-    pub dtype: DType,
+    /// Codec of the stored KV (`hack2`: 2-bit indexed rows, f16 steady zone).
+    pub codec: Codec,
     /// The first this many layers are always attended exactly (their attention is broad:
     /// on SmolLM2 layer 0 has 3-5x the sparse error of the median layer).
     pub dense_layers: usize,
@@ -80,7 +81,7 @@ pub struct AttnConfig {
 impl AttnConfig {
     /// `method` under the runtime's default budget ([`default_budget`]), f16 storage.
     pub fn new(method: AttnMethod) -> Self {
-        Self { method, budget: default_budget(), dtype: DType::F16, dense_layers: 0 }
+        Self { method, budget: default_budget(), codec: Codec::F16, dense_layers: 0 }
     }
 
     /// The budget scaled by `scale`: retrieval fraction and token floor (the estimation
@@ -89,6 +90,18 @@ impl AttnConfig {
         self.budget.retrieve_frac *= scale;
         self.budget.retrieve_floor_tokens = (self.budget.retrieve_floor_tokens as f64 * scale).round() as usize;
         self
+    }
+
+    /// The spec of the context that serves this configuration. Exact attention over
+    /// `hack2` rows runs on a wave context under a full budget (the 2-bit form lives in the
+    /// indexed segments); the oracle top-k always keeps plain rows (f16 for `hack2`).
+    pub(crate) fn spec(&self, shape: AttnShape, layers: usize) -> ContextSpec {
+        let base = ContextSpec::new(shape, layers);
+        match (self.method, self.codec.hack()) {
+            (AttnMethod::Exact, Some(_)) => base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default())),
+            (AttnMethod::TopK, Some(_)) => base.with_codec(Codec::from(self.codec.plain_dtype())).with_method(Method::Flat),
+            (m, _) => base.with_codec(self.codec).with_method(m.spec_method()),
+        }
     }
 
     /// The budget of `layer`'s plans.
@@ -169,12 +182,16 @@ impl<'a> Session<'a> {
     ) -> Result<Self> {
         config.budget.validate()?;
         let c = model.config();
-        let make = |method: Method| {
-            let spec = ContextSpec::new(c.attn_shape(), c.layers).with_dtype(config.dtype).with_method(method);
+        let make = |spec: ContextSpec| {
             store_context(engine, spec, prefill.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))
         };
-        let ctx = make(config.method.spec_method())?;
-        let audit = if audit && config.method != AttnMethod::Exact { Some(make(Method::Flat)?) } else { None };
+        let ctx = make(config.spec(c.attn_shape(), c.layers))?;
+        let exact_twin = ContextSpec::new(c.attn_shape(), c.layers).with_method(Method::Flat);
+        let audit = if audit && (config.method != AttnMethod::Exact || config.codec.hack().is_some()) {
+            Some(make(exact_twin)?)
+        } else {
+            None
+        };
         let stats =
             SessionStats { layer_error: vec![0.0; if audit.is_some() { c.layers } else { 0 }], ..Default::default() };
         Ok(Self { model, engine, config, ctx, audit, pos: prefill.tokens.len(), stats, last_plan: None })

@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model};
 use crate::session::{relative_l2, store_context, AttnConfig, AttnMethod, Session};
-use attnstore::{Budget, ContextSpec, DType, Engine, EngineConfig, Method, Request};
+use attnstore::{Budget, Codec, ContextSpec, Engine, EngineConfig, Method, Request};
 use half::f16;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -118,7 +118,7 @@ pub fn capture(
     let c = *model.config();
     let prefill = model.prefill(prompt, chunk, progress)?;
     let engine = Engine::in_memory(EngineConfig::default())?;
-    let config = AttnConfig { dtype: DType::F32, ..AttnConfig::new(AttnMethod::Exact) };
+    let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
     let mut session = Session::new(model, &engine, config, &prefill, false)?;
     let mut rec = Recorder { session: &mut session, kv: vec![(Vec::new(), Vec::new()); c.layers], queries: Vec::new() };
     let mut tokens = prompt.to_vec();
@@ -263,6 +263,8 @@ impl Trace {
 pub struct TraceRow {
     /// Method name.
     pub method: &'static str,
+    /// Codec of the stored rows.
+    pub codec: String,
     /// Budget scale relative to the default.
     pub budget_scale: f64,
     /// The estimation share (`rest` or a fraction).
@@ -304,13 +306,12 @@ pub fn bench_trace(
     for &(config, scale) in configs {
         progress(&format!("{} x{scale}", config.method.name()));
         let engine = Engine::in_memory(EngineConfig::default())?;
-        let make = |method: Method| {
-            let spec = ContextSpec::new(shape, m.layers).with_dtype(config.dtype).with_method(method);
-            store_context(&engine, spec, (0..m.layers).map(|l| trace.layer_kv(l, 0..p)))
-        };
-        let (ctx, exact) = (make(config.method.spec_method())?, make(Method::Flat)?);
+        let make = |spec: ContextSpec| store_context(&engine, spec, (0..m.layers).map(|l| trace.layer_kv(l, 0..p)));
+        let (ctx, exact) =
+            (make(config.spec(shape, m.layers))?, make(ContextSpec::new(shape, m.layers).with_method(Method::Flat))?);
         let mut row = TraceRow {
             method: config.method.name(),
+            codec: config.codec.to_string(),
             budget_scale: scale,
             estimate: match config.budget.estimate {
                 attnstore::EstimateShare::Rest => "rest".into(),
@@ -396,17 +397,17 @@ pub fn recall_of(positions: &[u32], scores: &[f32]) -> f64 {
 /// The default set of trace evaluations: exact, then wave, pq and the oracle top-k at
 /// 0.5×, 1× and 2× the default budget.
 pub fn default_configs() -> Vec<(AttnConfig, f64)> {
-    configs_for(&[crate::session::default_budget()], 0)
+    configs_for(&[crate::session::default_budget()], 0, Codec::F16)
 }
 
 /// Exact, then for every base budget wave, pq and the oracle top-k at 0.5×, 1× and 2× it,
 /// with `dense_layers` exact layers.
-pub fn configs_for(bases: &[Budget], dense_layers: usize) -> Vec<(AttnConfig, f64)> {
-    let mut out = vec![(AttnConfig::new(AttnMethod::Exact), 1.0)];
+pub fn configs_for(bases: &[Budget], dense_layers: usize, codec: Codec) -> Vec<(AttnConfig, f64)> {
+    let mut out = vec![(AttnConfig { codec, ..AttnConfig::new(AttnMethod::Exact) }, 1.0)];
     for &budget in bases {
         for method in [AttnMethod::Wave, AttnMethod::Pq, AttnMethod::TopK] {
             for scale in [0.5, 1.0, 2.0] {
-                out.push((AttnConfig { budget, dense_layers, ..AttnConfig::new(method) }.scaled(scale), scale));
+                out.push((AttnConfig { budget, dense_layers, codec, ..AttnConfig::new(method) }.scaled(scale), scale));
             }
         }
     }

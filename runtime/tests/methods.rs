@@ -4,7 +4,7 @@
 
 mod common;
 
-use attnstore::{DType, Engine, EngineConfig, EstimateShare};
+use attnstore::{Codec, DType, Engine, EngineConfig, EstimateShare};
 use attnstore_runtime::eval::{passkey_prompt, summary_prompt};
 use attnstore_runtime::trace::{self, Trace};
 use attnstore_runtime::{argmax, kl_divergence, AttnConfig, AttnMethod, Error, Session, Weights};
@@ -31,9 +31,9 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
         s.close().unwrap();
         (logits, stats)
     };
-    let exact = run(AttnConfig { dtype: DType::F32, ..AttnConfig::new(AttnMethod::Exact) }).0;
+    let exact = run(AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) }).0;
     for method in [AttnMethod::Wave, AttnMethod::Pq, AttnMethod::TopK] {
-        let mut full = AttnConfig { dtype: DType::F32, ..AttnConfig::new(method) };
+        let mut full = AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) };
         full.budget.retrieve_frac = 1.0;
         full.budget.estimate = EstimateShare::Fraction(0.0);
         full.budget.exact_threshold = f64::MAX;
@@ -45,13 +45,13 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
 
         // The default budget's 512-token floor would read over half of 1200 tokens: the
         // planner picks exact attention instead.
-        let (_, stats) = run(AttnConfig { dtype: DType::F32, ..AttnConfig::new(method) });
+        let (_, stats) = run(AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) });
         // (The oracle top-k is a measuring device: it is never replaced by exact attention.)
         if method != AttnMethod::TopK {
             assert_eq!(stats.exact_plans, stats.plans, "{method:?}: short contexts are planned exact at the default");
         }
         // A smaller floor makes it sparse, and it stays close.
-        let mut small = AttnConfig { dtype: DType::F32, ..AttnConfig::new(method) };
+        let mut small = AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) };
         small.budget.retrieve_floor_tokens = 128;
         let (logits, stats) = run(small);
         let kl = logits.iter().zip(&exact).map(|(a, b)| kl_divergence(b, a)).sum::<f64>() / 4.0;

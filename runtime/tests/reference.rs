@@ -4,7 +4,7 @@
 
 mod common;
 
-use attnstore::{DType, Engine, EngineConfig};
+use attnstore::{Codec, DType, Engine, EngineConfig};
 use attnstore_runtime::{argmax, AttentionBackend, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
 use common::{compare_with_reference, model_or_skip, NaiveAttention, PROMPTS};
 
@@ -48,7 +48,7 @@ fn engine_exact_attention_matches_naive_attention_in_the_model() {
     let ids = model.tokenizer().encode(&Tokenizer::chat_prompt(PROMPTS[2])).unwrap();
     let prefill = model.prefill(&ids, 16, &mut |_| {}).unwrap();
     let engine = Engine::in_memory(EngineConfig::default()).unwrap();
-    let config = AttnConfig { dtype: DType::F32, ..AttnConfig::new(AttnMethod::Exact) };
+    let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
     let mut session = Session::new(&model, &engine, config, &prefill, false).unwrap();
     let naive = NaiveAttention { shape: model.config().attn_shape(), kv: prefill.kv.clone() };
     let mut audit = Audit { session: &mut session, naive, worst: 0.0 };

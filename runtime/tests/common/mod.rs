@@ -2,7 +2,7 @@
 //! attention backend.
 #![allow(dead_code)]
 
-use attnstore::{DType, Engine, EngineConfig};
+use attnstore::{Codec, DType, Engine, EngineConfig};
 use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
 use candle_core::{Device, Tensor};
 use candle_transformers::models::quantized_llama::ModelWeights;
@@ -59,7 +59,7 @@ pub fn compare_with_reference(model: &Model, dtype: DType, chunk: usize, steps: 
         let mut want = logits(&mut reference, &ids, 0);
         let prefill = model.prefill(&ids, chunk, &mut |_| {}).unwrap();
         let engine = Engine::in_memory(EngineConfig::default()).unwrap();
-        let config = AttnConfig { dtype, ..AttnConfig::new(AttnMethod::Exact) };
+        let config = AttnConfig { codec: Codec::from(dtype), ..AttnConfig::new(AttnMethod::Exact) };
         let mut session = Session::new(model, &engine, config, &prefill, false).unwrap();
         let mut got = prefill.logits.clone();
         a.prefill = a.prefill.max(max_rel(&got, &want));
