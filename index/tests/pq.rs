@@ -8,7 +8,7 @@ use attnstore_index::{AccessMethod, FlatIndex, PqIndex, PqLayout, PqParams, Sele
 use attnstore_kernels::cpu::reference::rel_l2;
 use attnstore_kernels::cpu::scoring::{score_rows, top_r};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::AttnShape;
+use attnstore_kernels::{AttnShape, HackParams};
 use common::{randn, reference, run};
 use std::collections::HashSet;
 use std::time::Duration;
@@ -223,4 +223,40 @@ fn fused_threshold_top_k_selects_exactly_the_top_k_of_all_pq_scores() {
     let got: HashSet<u32> = pq.exact_positions(0, &plan, 0).into_iter().filter(|p| !steady.contains(p)).collect();
     assert_eq!(got.len(), k);
     assert_eq!(got, want);
+}
+
+#[test]
+fn hack2_base_rows_serve_exact_and_top_k_plans_and_decode_keys_are_still_encoded() {
+    // Values with per-channel means, as real values have; keys clustered.
+    let shape = AttnShape::new(8, 2, 64).unwrap();
+    let tokens = 1500;
+    let k = clustered(2, tokens, 64, 11);
+    let mu = randn(64, 12, 2.0);
+    let v: Vec<f32> = randn(shape.kv_len(tokens), 13, 0.5).iter().enumerate().map(|(i, x)| mu[i % 64] + x).collect();
+    let q = randn(shape.query_len(), 14, 0.3);
+    let params = small(PqLayout { subspaces: 4, bits: 6 });
+    let mut plain = PqIndex::<f32>::new(params, 2, 64).unwrap();
+    let mut hack = PqIndex::<f32>::new(params, 2, 64).unwrap().with_codec(Some(HackParams::default())).unwrap();
+    let (k2, v2) = (clustered(2, 100, 64, 15), randn(2 * 100 * 64, 16, 0.5));
+    for pq in [&mut plain, &mut hack] {
+        pq.prefill(&k, &v).unwrap();
+        pq.append(&k2, &v2).unwrap();
+    }
+    let (ps, hs) = (plain.stats(), hack.stats());
+    assert_eq!(ps.indexed_tokens, hs.indexed_tokens, "decode tokens past the build are PQ-coded under hack2 too");
+    assert!(hs.kv_bytes * 3 < ps.kv_bytes, "{} vs {}", hs.kv_bytes, ps.kv_bytes);
+    let exact_plain = run(&plain, &shape, &q, None);
+    let exact_hack = run(&hack, &shape, &q, None);
+    let want: Vec<f64> = exact_plain.iter().map(|&x| f64::from(x)).collect();
+    let err = rel_l2(&exact_hack, &want);
+    assert!(err < 0.1, "hack2 exact vs f32 exact: {err}");
+    // Retrieving every token reads the same rows as the exact plan.
+    let all = ZoneBudget { retrieve_tokens: tokens + 100, estimate_tokens: 0, mode: SelectionMode::PerKvHead };
+    let exact_hack64: Vec<f64> = exact_hack.iter().map(|&x| f64::from(x)).collect();
+    assert!(rel_l2(&run(&hack, &shape, &q, Some(&all)), &exact_hack64) < 1e-4);
+    // A top-k plan over 2-bit rows stays near the same plan over plain rows.
+    let some = ZoneBudget { retrieve_tokens: 300, estimate_tokens: 0, mode: SelectionMode::PerKvHead };
+    let sparse_plain: Vec<f64> = run(&plain, &shape, &q, Some(&some)).iter().map(|&x| f64::from(x)).collect();
+    let err = rel_l2(&run(&hack, &shape, &q, Some(&some)), &sparse_plain);
+    assert!(err < 0.1, "hack2 vs plain top-k: {err}");
 }

@@ -4,7 +4,7 @@
 
 mod common;
 
-use attnstore::{Codec, DType, Engine, EngineConfig, EstimateShare};
+use attnstore::{Codec, Engine, EngineConfig, EstimateShare};
 use attnstore_runtime::eval::{passkey_prompt, summary_prompt};
 use attnstore_runtime::trace::{self, Trace};
 use attnstore_runtime::{argmax, kl_divergence, AttnConfig, AttnMethod, Error, Session, Weights};

@@ -28,7 +28,8 @@ use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
 use attnstore_kernels::cpu::pq::{candidates_max, scores_each, scores_max, scores_max_strided, Lut};
 use attnstore_kernels::cpu::scoring::{rank_key, threshold_from_sample, top_keys, top_r_set};
-use attnstore_kernels::{Element, Partial};
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::{Element, HackParams, HackRows, Partial};
 use build::{BuildJob, BuildSlot, Built};
 use std::ops::Range;
 use std::sync::Arc;
@@ -52,8 +53,11 @@ thread_local! {
 
 #[derive(Debug, Clone, Default)]
 struct HeadKv<E> {
+    /// Base rows; under the `hack2` codec only the sink rows (the rest are in `hack`).
     base_keys: Arc<Vec<E>>,
     base_values: Vec<E>,
+    /// Base rows from the sink on, in HACK 2-bit form (`hack2` codec).
+    hack: Option<HackRows>,
     tail_keys: Vec<E>,
     tail_values: Vec<E>,
 }
@@ -71,6 +75,10 @@ pub struct PqIndex<E> {
     /// Per head: codes of decode tokens encoded with the existing codebooks, positions
     /// `built.end..built.end + len`.
     extra: Vec<PackedCodes>,
+    /// Base rows past the sink are stored 2-bit when set (the `hack2` codec).
+    codec: Option<HackParams>,
+    /// Sink rows kept plain in the base region (2-bit rows start after them).
+    base_sink: usize,
 }
 
 impl<E: Element> PqIndex<E> {
@@ -87,7 +95,22 @@ impl<E: Element> PqIndex<E> {
             base_len: 0,
             build: None,
             extra: Vec::new(),
+            codec: None,
+            base_sink: 0,
         })
+    }
+
+    /// Stores the prefill (base) rows past the sink in HACK 2-bit form (`Some`) once the
+    /// codebook build starts; decode tokens (the tail) stay in the plain type.
+    pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
+        if hack.is_some() && !self.head_dim.is_multiple_of(4) {
+            return Err(Error::InvalidParameter {
+                what: "codec",
+                message: format!("hack2 packs four values per byte: head_dim must be a multiple of 4, got {}", self.head_dim),
+            });
+        }
+        self.codec = hack;
+        Ok(self)
     }
 
     /// The parameters.
@@ -195,7 +218,7 @@ impl<E: Element> PqIndex<E> {
         }
         self.tokens += n;
         if self.build.is_none() {
-            self.start_build_if_due();
+            self.start_build_if_due()?;
         } else {
             self.encode_pending()?;
         }
@@ -204,21 +227,41 @@ impl<E: Element> PqIndex<E> {
 
     /// Starts the codebook build once enough tokens lie outside the steady zone: all tokens
     /// so far become the base region, shared with the build.
-    fn start_build_if_due(&mut self) {
+    fn start_build_if_due(&mut self) -> Result<()> {
         let p = &self.params;
         let start = p.sink_tokens.min(self.tokens);
         let end = self.tokens.saturating_sub(p.local_tokens).max(start);
         if end - start < p.min_build_tokens {
-            return;
+            return Ok(());
         }
-        for kv in &mut self.heads {
-            kv.base_keys = Arc::new(std::mem::take(&mut kv.tail_keys));
-            kv.base_values = std::mem::take(&mut kv.tail_values);
+        let d = self.head_dim;
+        let mut jobs = Vec::with_capacity(self.kv_heads);
+        for (h, kv) in self.heads.iter_mut().enumerate() {
+            let keys = Arc::new(std::mem::take(&mut kv.tail_keys));
+            let values = std::mem::take(&mut kv.tail_values);
+            jobs.push(Arc::clone(&keys));
+            match self.codec {
+                Some(hp) => {
+                    // The build thread keeps its own reference to the plain keys until the
+                    // codebooks are trained; the index keeps only the 2-bit rows.
+                    let mut rows = HackRows::new(d, hp)?;
+                    let seed = self.params.seed ^ 0x4841_434b ^ (h as u64) << 40;
+                    rows.push_rows(&keys[start * d..], &values[start * d..], &mut SplitMix64::new(seed))?;
+                    kv.hack = Some(rows);
+                    kv.base_keys = Arc::new(keys[..start * d].to_vec());
+                    kv.base_values = values[..start * d].to_vec();
+                }
+                None => {
+                    kv.base_keys = keys;
+                    kv.base_values = values;
+                }
+            }
         }
+        self.base_sink = start;
         self.base_len = self.tokens;
         let layout = p.layout(self.tokens);
         let job = BuildJob {
-            keys: self.heads.iter().map(|kv| Arc::clone(&kv.base_keys)).collect(),
+            keys: jobs,
             head_dim: self.head_dim,
             start,
             end,
@@ -227,6 +270,58 @@ impl<E: Element> PqIndex<E> {
         };
         self.extra = vec![PackedCodes::new(layout); self.kv_heads];
         self.build = Some(job.launch(self.params.background));
+        Ok(())
+    }
+
+    /// Key row of position `p` of head `h`, widened (decoded from 2 bits for coded base rows).
+    fn key_row(&self, h: usize, p: usize, out: &mut [f32]) {
+        let kv = &self.heads[h];
+        match &kv.hack {
+            Some(rows) if p < self.base_len && p >= self.base_sink => {
+                let r = p - self.base_sink;
+                out.copy_from_slice(&rows.decode_rows(r..r + 1).0);
+            }
+            _ => {
+                let span = self.position_span(p);
+                let (k, _) = self.rows(h, span.unit, span.start as usize..span.end as usize);
+                E::widen(k, out);
+            }
+        }
+    }
+
+    /// Folds the rows of `spans` into `parts`: plain rows from the plain vectors, coded base
+    /// rows by homomorphic attention over the 2-bit form.
+    fn attend_row_spans(
+        &self,
+        kv_head: usize,
+        q: &[f32],
+        scale: f32,
+        spans: &[RowSpan],
+        parts: &mut [Partial],
+        scratch: &mut Scratch,
+    ) {
+        let rows = |s: &RowSpan| self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
+        let Some(coded) = &self.heads[kv_head].hack else {
+            attend_spans(q, scale, spans.iter().map(rows), parts, scratch);
+            return;
+        };
+        let sink = self.base_sink;
+        let (mut plain, mut ranges) = (Vec::new(), Vec::new());
+        for s in spans {
+            let (a, b) = (s.start as usize, s.end as usize);
+            if s.unit != 0 {
+                plain.push(*s);
+                continue;
+            }
+            if a < sink {
+                plain.push(RowSpan { unit: 0, start: s.start, end: b.min(sink) as u32 });
+            }
+            if b > sink {
+                ranges.push(a.max(sink) - sink..b - sink);
+            }
+        }
+        attend_spans(q, scale, plain.iter().map(rows), parts, scratch);
+        coded.attend(q, scale, &ranges, parts, &mut scratch.hack);
     }
 
     /// Encodes, with the existing codebooks, every token that has left the local window
@@ -248,9 +343,7 @@ impl<E: Element> PqIndex<E> {
             for j in 0..m {
                 x.clear();
                 for p in from..to {
-                    let span = self.position_span(p);
-                    let (k, _) = self.rows(h, span.unit, span.start as usize..span.end as usize);
-                    E::widen(k, &mut wide);
+                    self.key_row(h, p, &mut wide);
                     x.extend_from_slice(&wide[j * sub..(j + 1) * sub]);
                 }
                 let book = &built.codebooks[h][j * built.codes * sub..(j + 1) * built.codes * sub];
@@ -392,9 +485,11 @@ impl<E: Element> AccessMethod for PqIndex<E> {
                 + b.codebooks.iter().chain(&b.codebooks_t).map(|c| c.len() * 4).sum::<usize>()
         });
         let steady_tail = self.tokens - self.coded_end();
+        let coded: usize = self.heads.iter().filter_map(|kv| kv.hack.as_ref()).map(HackRows::bytes).sum();
+        let coded_rows = self.heads[0].hack.as_ref().map_or(0, HackRows::rows);
         IndexStats {
             tokens: self.tokens,
-            kv_bytes: 2 * self.tokens * self.kv_heads * self.head_dim * elem,
+            kv_bytes: 2 * (self.tokens - coded_rows) * self.kv_heads * self.head_dim * elem + coded,
             index_bytes,
             segments: usize::from(built.is_some()),
             clusters: built.map_or(0, |b| b.codes * b.layout.subspaces),
@@ -451,17 +546,19 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         let kv = &self.heads[kv_head];
         let mut parts = vec![Partial::empty(d); q.len() / d];
         if plan.exact {
+            if let Some(coded) = &kv.hack {
+                coded.attend(q, scale, &[0..coded.rows()], &mut parts, &mut scratch.hack);
+            }
             attend_rows(q, scale, &kv.base_keys, &kv.base_values, &mut parts, scratch);
             attend_rows(q, scale, &kv.tail_keys, &kv.tail_values, &mut parts, scratch);
             return parts;
         }
         let steady: Vec<RowSpan> = self.steady_ranges().into_iter().flat_map(|r| self.spans_of(r)).collect();
-        let rows = |s: &RowSpan| self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
-        attend_spans(q, scale, steady.iter().map(rows), &mut parts, scratch);
+        self.attend_row_spans(kv_head, q, scale, &steady, &mut parts, scratch);
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
             let mut sub = vec![Partial::empty(d); sel.heads];
-            attend_spans(qs, scale, sel.retrieve.iter().map(rows), &mut sub, scratch);
+            self.attend_row_spans(kv_head, qs, scale, &sel.retrieve, &mut sub, scratch);
             for (i, part) in sub.iter().enumerate() {
                 parts[sel.first_head + i].merge(part);
             }

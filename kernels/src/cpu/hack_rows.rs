@@ -285,11 +285,12 @@ impl HackRows {
         }
     }
 
-    /// True when the AVX2 score kernel applies: Π = 64 and one or an even number of key
-    /// partitions per row.
+    /// True when the AVX2 score kernel applies: Π = 64, whole partitions, and one or an
+    /// even number of them per row.
     fn fast_scores(&self) -> bool {
         cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))
             && self.params.partition == 64
+            && self.d.is_multiple_of(64)
             && (self.k_parts == 1 || self.k_parts.is_multiple_of(2))
     }
 
@@ -572,7 +573,7 @@ mod tests {
     fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
         // Head dims and group sizes that take every kernel path: one or two rows per AVX2
         // score vector, head groups padded to four, the scalar path for Π = 32.
-        for (d, g, partition) in [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64)] {
+        for (d, g, partition) in [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64), (32, 4, 64)] {
             let (k, v) = (randn(300 * d, 1), randn(300 * d, 2));
             let mut rows = HackRows::new(d, HackParams::new(partition).unwrap()).unwrap();
             rows.push_rows(&k, &v, &mut SplitMix64::new(3)).unwrap();
