@@ -300,7 +300,8 @@ pub fn bench_trace(
     if codec != Codec::F16 {
         configs.extend(trace::configs_for(bases, dense_layers, codec));
     }
-    let rows = trace::bench_trace(&t, &configs, &mut |what| eprintln!("evaluating {what}")).map_err(|e| e.to_string())?;
+    let rows =
+        trace::bench_trace(&t, &configs, &mut |what| eprintln!("evaluating {what}")).map_err(|e| e.to_string())?;
     if !json {
         println!("{}", trace_table(&rows));
         println!("JSON lines:");

@@ -63,7 +63,9 @@ pub(crate) fn make_method(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn
         let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
         Ok(match (kind, spec.method) {
             (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
-            (LayerKind::Global, Method::Wave(p)) => Box::new(WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?),
+            (LayerKind::Global, Method::Wave(p)) => {
+                Box::new(WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?)
+            }
             (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
             (LayerKind::Global, Method::Pq(p)) => Box::new(PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?),
         })

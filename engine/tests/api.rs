@@ -4,8 +4,7 @@
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, EstimateShare, HackParams,
-    LayerKind, Request,
-    SelectionMode, Strategy, WaveParams,
+    LayerKind, Request, SelectionMode, Strategy, WaveParams,
 };
 use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
 use attnstore_kernels::HeadsView;
@@ -309,8 +308,7 @@ fn hack2_contexts_store_a_fifth_of_the_bytes_explain_encoded_sizes_and_stay_clos
     assert!(text.contains("hack2"), "{text}");
     let (pc, hc) = (&pp.requests[0].cost, &hp.requests[0].cost);
     assert!(hc.retrieve_tokens == pc.retrieve_tokens && hc.retrieve_bytes * 4 < pc.retrieve_bytes, "{text}");
-    let (pe, he) =
-        (rel_l2(&engine.execute(&pp).unwrap()[0], &want), rel_l2(&engine.execute(&hp).unwrap()[0], &want));
+    let (pe, he) = (rel_l2(&engine.execute(&pp).unwrap()[0], &want), rel_l2(&engine.execute(&hp).unwrap()[0], &want));
     let exact = rel_l2(&run(&engine, hack, &q, &Budget::full()), &want);
     // 2-bit keys lose most of a score's detail next to the generator's outlier channels, so
     // the bound is loose: it catches broken arithmetic (errors ≥ 1), not a 2-bit regression.

@@ -43,7 +43,8 @@ impl<E: Element> HeadSegment<E> {
         match &self.hack {
             Some(rows) => rows.attend(q, scale, ranges, parts, &mut scratch.hack),
             None => {
-                let spans = ranges.iter().map(|r| (&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]));
+                let spans =
+                    ranges.iter().map(|r| (&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]));
                 attnstore_kernels::cpu::attention::attend_spans(q, scale, spans, parts, scratch);
             }
         }

@@ -117,7 +117,10 @@ impl<E: Element> WaveIndex<E> {
         if hack.is_some() && !self.head_dim.is_multiple_of(4) {
             return Err(Error::InvalidParameter {
                 what: "codec",
-                message: format!("hack2 packs four values per byte: head_dim must be a multiple of 4, got {}", self.head_dim),
+                message: format!(
+                    "hack2 packs four values per byte: head_dim must be a multiple of 4, got {}",
+                    self.head_dim
+                ),
             });
         }
         self.hack = hack;

@@ -123,8 +123,11 @@ fn hack2_segments_serve_exact_and_sparse_plans_from_a_fifth_of_the_bytes() {
     let mu = randn(64, 40, 2.0);
     let v: Vec<f32> = randn(shape.kv_len(tokens), 41, 0.5).iter().enumerate().map(|(i, x)| mu[i % 64] + x).collect();
     let dirs = randn(4 * 64, 42, 1.0);
-    let k: Vec<f32> =
-        randn(shape.kv_len(tokens), 43, 0.3).iter().enumerate().map(|(i, x)| dirs[(i / 64 % 4) * 64 + i % 64] + x).collect();
+    let k: Vec<f32> = randn(shape.kv_len(tokens), 43, 0.3)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| dirs[(i / 64 % 4) * 64 + i % 64] + x)
+        .collect();
     let q = randn(shape.query_len(), 44, 1.5);
     let mut plain = WaveIndex::<f16>::new(small_params(), 2, 64).unwrap();
     let mut hack =
@@ -141,7 +144,9 @@ fn hack2_segments_serve_exact_and_sparse_plans_from_a_fifth_of_the_bytes() {
     assert!(err < 0.05, "hack2 exact plan vs f64 reference: {err}");
     // Retrieving every cluster reads the same rows block by block: the same result.
     let all = ZoneBudget { retrieve_tokens: tokens, estimate_tokens: 0, mode: SelectionMode::PerKvHead };
-    assert!(rel_l2(&run(&hack, &shape, &q, Some(&all)), &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) < 1e-5);
+    assert!(
+        rel_l2(&run(&hack, &shape, &q, Some(&all)), &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) < 1e-5
+    );
     // A tripartite plan over 2-bit rows stays near the same plan over f16 rows.
     let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
     let (a, b) = (run(&hack, &shape, &q, Some(&sparse)), run(&plain, &shape, &q, Some(&sparse)));

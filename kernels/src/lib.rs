@@ -18,7 +18,7 @@ mod view;
 
 pub use codec::Codec;
 pub use cpu::hack::HackParams;
-pub use cpu::hack_rows::{HackRows, HackScratch};
+pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch};
 pub use cpu::partial::Partial;
 pub use element::{narrow_vec, DType, Element};
 pub use error::{Error, Result};

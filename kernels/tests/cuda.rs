@@ -183,3 +183,63 @@ fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
     assert!(gpu.prepare_select(&shape, &q, &dev, 0).is_err());
     assert!(gpu.prepare_select(&shape, &q, &dev, n + 1).is_err());
 }
+
+/// 2-bit rows of every KV head of `k`/`v` (`kv_heads × tokens × d`).
+fn hack_heads(shape: &AttnShape, tokens: usize, k: &[f16], v: &[f16]) -> Vec<attnstore_kernels::HackRows> {
+    let d = shape.head_dim;
+    (0..shape.kv_heads)
+        .map(|h| {
+            let mut rows = attnstore_kernels::HackRows::new(d, attnstore_kernels::HackParams::default()).unwrap();
+            let r = h * tokens * d..(h + 1) * tokens * d;
+            rows.push_rows(&k[r.clone()], &v[r], &mut SplitMix64::new(h as u64)).unwrap();
+            rows
+        })
+        .collect()
+}
+
+#[test]
+fn homomorphic_decode_on_the_gpu_equals_the_cpu_kernel_and_dequantize_then_attend() {
+    let Some(gpu) = gpu() else { return };
+    for (q_heads, tokens) in [(32, 5000), (8, 131_072), (24, 777)] {
+        let shape = AttnShape::new(q_heads, 8.min(q_heads), 128).unwrap();
+        let (k, v, q) = data(&shape, tokens, tokens as u64 + 1);
+        let heads = hack_heads(&shape, tokens, &k, &v);
+        let dev = gpu.upload_hack(&heads).unwrap();
+        let mut job = gpu.prepare_hack(&shape, &q, &dev).unwrap();
+        gpu.launch_hack(&dev, &mut job).unwrap();
+        let got = gpu.fetch_hack(&job).unwrap();
+        // The CPU kernel: the same integer products, 7-bit probabilities per 64-row block.
+        let (d, g) = (shape.head_dim, shape.group());
+        let mut cpu = Vec::new();
+        for (h, rows) in heads.iter().enumerate() {
+            let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
+            let qh = &q[h * g * d..(h + 1) * g * d];
+            rows.attend(qh, shape.scale(), &[0..tokens], &mut parts, &mut attnstore_kernels::HackScratch::default());
+            cpu.extend(parts.iter().flat_map(|p| p.finish()));
+        }
+        let cpu64: Vec<f64> = cpu.iter().map(|&x| f64::from(x)).collect();
+        let err = rel_l2(&got, &cpu64);
+        assert!(err <= 1e-3, "q_heads={q_heads} tokens={tokens}: GPU vs CPU homomorphic {err}");
+        // Dequantize, then the exact f16 kernel: the same rows, no 8-bit operands.
+        let mut kv = gpu.alloc_kv(shape.kv_heads, tokens).unwrap();
+        gpu.dequantize_hack(&dev, &mut kv).unwrap();
+        let mut exact = gpu.prepare(&shape, &q, tokens, None).unwrap();
+        gpu.launch(kv.pointers(&gpu), &mut exact).unwrap();
+        let deq = gpu.fetch(&exact).unwrap();
+        let mut dk = Vec::new();
+        let mut dv = Vec::new();
+        for rows in &heads {
+            let (a, b) = rows.decode_rows(0..tokens);
+            dk.extend(a);
+            dv.extend(b);
+        }
+        let (dk, dv): (Vec<f16>, Vec<f16>) = (narrow_vec(&dk), narrow_vec(&dv));
+        let kview = HeadsView::new(&dk, shape.kv_heads, tokens, d).unwrap();
+        let vview = HeadsView::new(&dv, shape.kv_heads, tokens, d).unwrap();
+        let reference = reference_attention(&shape, &q, kview, vview, None);
+        assert!(rel_l2(&deq, &reference) <= 1e-3, "dequantized rows on the GPU differ from the CPU's");
+        // The 8-bit query and 7-bit probabilities cost little next to the 2-bit rows.
+        let homomorphic = rel_l2(&got, &reference);
+        assert!(homomorphic <= 0.05, "homomorphic vs dequantized attention: {homomorphic}");
+    }
+}

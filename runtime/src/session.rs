@@ -98,8 +98,12 @@ impl AttnConfig {
     pub(crate) fn spec(&self, shape: AttnShape, layers: usize) -> ContextSpec {
         let base = ContextSpec::new(shape, layers);
         match (self.method, self.codec.hack()) {
-            (AttnMethod::Exact, Some(_)) => base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default())),
-            (AttnMethod::TopK, Some(_)) => base.with_codec(Codec::from(self.codec.plain_dtype())).with_method(Method::Flat),
+            (AttnMethod::Exact, Some(_)) => {
+                base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default()))
+            }
+            (AttnMethod::TopK, Some(_)) => {
+                base.with_codec(Codec::from(self.codec.plain_dtype())).with_method(Method::Flat)
+            }
             (m, _) => base.with_codec(self.codec).with_method(m.spec_method()),
         }
     }

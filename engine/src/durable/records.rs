@@ -100,7 +100,9 @@ pub(crate) enum DTypeRecord {
     Bf16,
     /// The hack2 codec: f16 rows in the data files (the 2-bit form is derived, seeded,
     /// when segments are built), partition Π. Appended last so older files still decode.
-    Hack2F16 { partition: u64 },
+    Hack2F16 {
+        partition: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

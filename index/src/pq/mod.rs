@@ -106,7 +106,10 @@ impl<E: Element> PqIndex<E> {
         if hack.is_some() && !self.head_dim.is_multiple_of(4) {
             return Err(Error::InvalidParameter {
                 what: "codec",
-                message: format!("hack2 packs four values per byte: head_dim must be a multiple of 4, got {}", self.head_dim),
+                message: format!(
+                    "hack2 packs four values per byte: head_dim must be a multiple of 4, got {}",
+                    self.head_dim
+                ),
             });
         }
         self.codec = hack;
@@ -260,14 +263,7 @@ impl<E: Element> PqIndex<E> {
         self.base_sink = start;
         self.base_len = self.tokens;
         let layout = p.layout(self.tokens);
-        let job = BuildJob {
-            keys: jobs,
-            head_dim: self.head_dim,
-            start,
-            end,
-            layout,
-            params: self.params,
-        };
+        let job = BuildJob { keys: jobs, head_dim: self.head_dim, start, end, layout, params: self.params };
         self.extra = vec![PackedCodes::new(layout); self.kv_heads];
         self.build = Some(job.launch(self.params.background));
         Ok(())

@@ -66,14 +66,10 @@ pub(crate) fn pair_scores(x: __m256i, q: &PairQuery, k: PairMeta) -> __m256 {
     let ones = _mm256_set1_epi16(1);
     let head = |h: usize| {
         let qh = &q.codes[h];
-        let a01 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(load32(&qh[0]), c[0]),
-            _mm256_maddubs_epi16(load32(&qh[1]), c[1]),
-        );
-        let a23 = _mm256_add_epi16(
-            _mm256_maddubs_epi16(load32(&qh[2]), c[2]),
-            _mm256_maddubs_epi16(load32(&qh[3]), c[3]),
-        );
+        let a01 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(load32(&qh[0]), c[0]), _mm256_maddubs_epi16(load32(&qh[1]), c[1]));
+        let a23 =
+            _mm256_add_epi16(_mm256_maddubs_epi16(load32(&qh[2]), c[2]), _mm256_maddubs_epi16(load32(&qh[3]), c[3]));
         _mm256_madd_epi16(_mm256_add_epi16(a01, a23), ones)
     };
     let t = _mm256_hadd_epi32(_mm256_hadd_epi32(head(0), head(1)), _mm256_hadd_epi32(head(2), head(3)));
@@ -199,8 +195,11 @@ pub(crate) fn block_scores(k: &KeyData<'_>, rows: &[u32], pairs: &[PairQuery], g
                 let (t0, t1) = (two[0] as usize, *two.last().unwrap_or(&two[0]) as usize);
                 let (r0, r1) = (k.first_row + t0, k.first_row + t1);
                 let x = _mm256_set_m128i(load16(&k.codes[r1 * 16..]), load16(&k.codes[r0 * 16..]));
-                let meta =
-                    PairMeta { sk: lanes(k.sk[t0], k.sk[t1]), mk: lanes(k.mk[t0], k.mk[t1]), ks: lanes(k.ks[t0], k.ks[t1]) };
+                let meta = PairMeta {
+                    sk: lanes(k.sk[t0], k.sk[t1]),
+                    mk: lanes(k.mk[t0], k.mk[t1]),
+                    ks: lanes(k.ks[t0], k.ks[t1]),
+                };
                 let sc: [f32; 8] = bytemuck::cast(pair_scores(x, &pq[0], meta));
                 for h in 0..hn {
                     out[(hg * 4 + h) * n + 2 * i] = sc[h] * scale;
@@ -217,7 +216,8 @@ pub(crate) fn block_scores(k: &KeyData<'_>, rows: &[u32], pairs: &[PairQuery], g
                 for (m, q) in pq.iter().enumerate() {
                     let x = load32(&k.codes[r * row_bytes + m * 32..]);
                     let at = t * k.kp + 2 * m;
-                    let meta = PairMeta { sk: spread2(&k.sk[at..]), mk: spread2(&k.mk[at..]), ks: spread2(&k.ks[at..]) };
+                    let meta =
+                        PairMeta { sk: spread2(&k.sk[at..]), mk: spread2(&k.mk[at..]), ks: spread2(&k.ks[at..]) };
                     acc = _mm256_add_ps(acc, pair_scores(x, q, meta));
                 }
                 let four = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc)), sv);

@@ -46,6 +46,26 @@ pub struct HackRows {
     v_scale: Vec<f16>,
 }
 
+/// The stored arrays of a [`HackRows`] in the layout the module docs describe (for copying
+/// to a GPU; the last value block is padded to whole quads with code 0).
+#[derive(Debug, Clone, Copy)]
+pub struct HackArrays<'a> {
+    /// Key codes, `rows × head_dim/4` bytes.
+    pub key_codes: &'a [u8],
+    /// Key minima, `rows × partitions`.
+    pub key_min: &'a [f16],
+    /// Key scales, `rows × partitions`.
+    pub key_scale: &'a [f16],
+    /// Key code sums, `rows × partitions`.
+    pub key_sum: &'a [u16],
+    /// Value codes, `blocks × Π/4 × head_dim` bytes.
+    pub value_codes: &'a [u8],
+    /// Value minima, `blocks × head_dim`.
+    pub value_min: &'a [f16],
+    /// Value scales, `blocks × head_dim`.
+    pub value_scale: &'a [f16],
+}
+
 /// Reusable buffers of [`HackRows::attend`].
 #[derive(Debug, Default)]
 pub struct HackScratch {
@@ -106,6 +126,19 @@ impl HackRows {
         self.params
     }
 
+    /// The stored arrays (for copying to a GPU).
+    pub fn arrays(&self) -> HackArrays<'_> {
+        HackArrays {
+            key_codes: &self.k_codes,
+            key_min: &self.k_min,
+            key_scale: &self.k_scale,
+            key_sum: &self.k_sum,
+            value_codes: &self.v_codes,
+            value_min: &self.v_min,
+            value_scale: &self.v_scale,
+        }
+    }
+
     /// True once the last value block is short: no more rows can be appended.
     pub fn is_sealed(&self) -> bool {
         !self.rows.is_multiple_of(self.params.partition)
@@ -126,7 +159,11 @@ impl HackRows {
     pub fn push_rows<E: Element>(&mut self, keys: &[E], values: &[E], rng: &mut SplitMix64) -> Result<()> {
         let d = self.d;
         if keys.len() != values.len() || !keys.len().is_multiple_of(d) {
-            return Err(Error::ShapeMismatch { what: "keys/values (n × head_dim)", expected: keys.len() / d * d, got: values.len() });
+            return Err(Error::ShapeMismatch {
+                what: "keys/values (n × head_dim)",
+                expected: keys.len() / d * d,
+                got: values.len(),
+            });
         }
         if self.is_sealed() && !keys.is_empty() {
             return Err(Error::InvalidArgument {
@@ -258,11 +295,13 @@ impl HackRows {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     fn pair_queries(&self, g: usize, s: &mut HackScratch) {
         let (d, kp) = (self.d, self.k_parts);
-        let types: Vec<(usize, usize)> = if kp == 1 { vec![(0, 0)] } else { (0..kp / 2).map(|m| (2 * m, 2 * m + 1)).collect() };
+        let types: Vec<(usize, usize)> =
+            if kp == 1 { vec![(0, 0)] } else { (0..kp / 2).map(|m| (2 * m, 2 * m + 1)).collect() };
         s.pairs.clear();
         for hg in 0..g.div_ceil(4) {
             for &(k0, k1) in &types {
-                let mut pq = super::hack_avx2::PairQuery { codes: [[[0; 32]; 4]; 4], sq: [0.0; 8], mq: [0.0; 8], c: [0.0; 8] };
+                let mut pq =
+                    super::hack_avx2::PairQuery { codes: [[[0; 32]; 4]; 4], sq: [0.0; 8], mq: [0.0; 8], c: [0.0; 8] };
                 for h in 0..4 {
                     let head = hg * 4 + h;
                     if head >= g {
@@ -462,7 +501,15 @@ fn values_avx2(quads: &[u8], d: usize, active: &[u16], w: &[u8], stride: usize, 
 }
 
 /// `acc[h·d + c] = Σ_t w[h][t]·code(t, c)` over the rows of the quads `active`.
-fn values_scalar(quads: &[u8], d: usize, active: &[u16], w: &[u8], stride: usize, acc: &mut [i32], codes: &mut Vec<u8>) {
+fn values_scalar(
+    quads: &[u8],
+    d: usize,
+    active: &[u16],
+    w: &[u8],
+    stride: usize,
+    acc: &mut [i32],
+    codes: &mut Vec<u8>,
+) {
     acc.iter_mut().for_each(|a| *a = 0);
     codes.resize(d, 0);
     for &qi in active {
@@ -573,7 +620,9 @@ mod tests {
     fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
         // Head dims and group sizes that take every kernel path: one or two rows per AVX2
         // score vector, head groups padded to four, the scalar path for Π = 32.
-        for (d, g, partition) in [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64), (32, 4, 64)] {
+        for (d, g, partition) in
+            [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64), (32, 4, 64)]
+        {
             let (k, v) = (randn(300 * d, 1), randn(300 * d, 2));
             let mut rows = HackRows::new(d, HackParams::new(partition).unwrap()).unwrap();
             rows.push_rows(&k, &v, &mut SplitMix64::new(3)).unwrap();

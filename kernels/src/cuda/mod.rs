@@ -16,7 +16,10 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
 
-const SOURCE: &str = include_str!("decode.cu");
+mod hack;
+pub use hack::{DeviceHack, HackJob};
+
+const SOURCE: &str = concat!(include_str!("decode.cu"), include_str!("hack.cu"));
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
 /// has not too many chunks to fold.
@@ -45,6 +48,9 @@ pub struct GpuBackend {
     sample: CudaFunction,
     filter: CudaFunction,
     pick: CudaFunction,
+    /// The hack2 kernels (compiled for head dimensions that are a multiple of 64).
+    hack_partial: Option<CudaFunction>,
+    hack_dequant: Option<CudaFunction>,
     head_dim: usize,
 }
 
@@ -160,7 +166,29 @@ impl GpuBackend {
         let sample = module.load_function("sample_threshold").map_err(gpu_err("sample_threshold"))?;
         let filter = module.load_function("score_filter").map_err(gpu_err("score_filter"))?;
         let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
-        Ok(Self { ctx, stream, partial, merge, admit, score, select, sample, filter, pick, head_dim })
+        let (hack_partial, hack_dequant) = if head_dim.is_multiple_of(64) {
+            (
+                Some(module.load_function("hack_partial").map_err(gpu_err("hack_partial"))?),
+                Some(module.load_function("hack_dequant").map_err(gpu_err("hack_dequant"))?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            ctx,
+            stream,
+            partial,
+            merge,
+            admit,
+            score,
+            select,
+            sample,
+            filter,
+            pick,
+            hack_partial,
+            hack_dequant,
+            head_dim,
+        })
     }
 
     /// The device's name.

@@ -1,0 +1,104 @@
+//! GPU benchmark of the `hack2` codec (feature `cuda`, run on the GPU machine by
+//! `benches/gpu/hack.sh`): one layer, 32 q heads / 8 kv heads, d=128, batch 1. Times, with
+//! CUDA events (median of 30 after warm-up), over the same rows:
+//! - `hack2_homomorphic`: attention computed on the 2-bit codes (dp4a integer products);
+//! - `hack2_dequant_attend`: dequantize the 2-bit rows to f16, then the exact f16 kernel
+//!   (what a codec without homomorphic attention does every step);
+//! - `exact_f16`: the exact f16 kernel over the original f16 rows in HBM.
+//!
+//! Prints one JSON line per configuration with the bytes read; `compare.py` adds PyTorch
+//! SDPA over f16 KV measured in the same command and prints the ratios.
+
+use attnstore_kernels::cuda::GpuBackend;
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::{AttnShape, HackParams, HackRows};
+use serde_json::json;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn main() {
+    let tokens_list: Vec<usize> = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "32768,131072".into())
+        .split(',')
+        .filter_map(|t| t.trim().parse().ok())
+        .collect();
+    let gpu = match GpuBackend::new(128) {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("no GPU: {e}");
+            std::process::exit(2);
+        }
+    };
+    eprintln!("device: {}", gpu.name());
+    let shape = AttnShape::new(32, 8, 128).expect("shape");
+    let d = shape.head_dim;
+    for tokens in tokens_list {
+        let mut g = SplitMix64::new(tokens as u64);
+        let n = shape.kv_len(tokens);
+        let k: Vec<half::f16> = (0..n).map(|_| half::f16::from_f32(g.normal())).collect();
+        let v: Vec<half::f16> = (0..n).map(|_| half::f16::from_f32(g.normal())).collect();
+        let q: Vec<f32> = (0..shape.query_len()).map(|_| g.normal()).collect();
+        // Encoding is CPU work done once per stored block; one thread per head.
+        let heads: Vec<HackRows> = std::thread::scope(|s| {
+            let jobs: Vec<_> = (0..shape.kv_heads)
+                .map(|h| {
+                    let (k, v) = (&k[h * tokens * d..(h + 1) * tokens * d], &v[h * tokens * d..(h + 1) * tokens * d]);
+                    s.spawn(move || {
+                        let mut rows = HackRows::new(d, HackParams::default()).expect("rows");
+                        rows.push_rows(k, v, &mut SplitMix64::new(h as u64)).expect("encode");
+                        rows
+                    })
+                })
+                .collect();
+            jobs.into_iter().map(|j| j.join().expect("encoder thread")).collect()
+        });
+        let bits = |x: &[half::f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+        let f16_kv = gpu.upload(&bits(&k), &bits(&v), shape.kv_heads).expect("upload f16");
+        let dev = gpu.upload_hack(&heads).expect("upload 2-bit rows");
+        let mut deq = gpu.alloc_kv(shape.kv_heads, tokens).expect("f16 buffers");
+        let mut hack_job = gpu.prepare_hack(&shape, &q, &dev).expect("prepare");
+        let mut exact_job = gpu.prepare(&shape, &q, tokens, None).expect("prepare");
+        let time = |f: &mut dyn FnMut()| {
+            for _ in 0..5 {
+                f();
+            }
+            gpu.synchronize().expect("sync");
+            median(
+                (0..30)
+                    .map(|_| {
+                        gpu.time_ms(|| {
+                            f();
+                            Ok(())
+                        })
+                        .expect("time")
+                            * 1e3
+                    })
+                    .collect(),
+            )
+        };
+        let homomorphic = time(&mut || gpu.launch_hack(&dev, &mut hack_job).expect("launch"));
+        let dequant_attend = time(&mut || {
+            gpu.dequantize_hack(&dev, &mut deq).expect("dequantize");
+            gpu.launch(deq.pointers(&gpu), &mut exact_job).expect("launch");
+        });
+        let exact = time(&mut || gpu.launch(f16_kv.pointers(&gpu), &mut exact_job).expect("launch"));
+        let f16_bytes = 2 * n * 2;
+        for (method, us, bytes) in [
+            ("hack2_homomorphic", homomorphic, dev.bytes()),
+            ("hack2_dequant_attend", dequant_attend, dev.bytes() + 2 * f16_bytes),
+            ("exact_f16", exact, f16_bytes),
+        ] {
+            println!(
+                "{}",
+                json!({"bench": "decode", "device": "cuda", "method": method, "tokens": tokens, "batch": 1,
+                       "q_heads": 32, "kv_heads": 8, "head_dim": 128, "codec": if method == "exact_f16" { "f16" } else { "hack2" },
+                       "time_us": (us * 10.0).round() / 10.0, "bytes": bytes,
+                       "gbps": ((bytes as f64 / us / 1e3) * 10.0).round() / 10.0})
+            );
+        }
+    }
+}

@@ -1,0 +1,180 @@
+
+// ---------------------------------------------------------------------------------------
+// HACK 2-bit homomorphic decode attention (the `hack2` codec), layout as `HackRows` on the
+// CPU: keys row by row (HEAD_DIM/4 code bytes, per 64-dim partition an f16 minimum and
+// scale and a u16 code sum), values in blocks of 64 rows as token quads (per quad HEAD_DIM
+// bytes, byte c = channel c of four rows; per block and channel an f16 minimum and scale).
+// Scores are `dp4a` products of the 8-bit query with the 2-bit key codes plus the
+// correction terms; values are `dp4a` products of 7-bit probabilities (as on the CPU) with
+// the value codes. Nothing is dequantized. Needs HEAD_DIM % 64 == 0.
+// ---------------------------------------------------------------------------------------
+
+#if HEAD_DIM % 64 == 0
+#define HBLK 64
+#define KP (HEAD_DIM / 64)
+#define KWORDS (HEAD_DIM / 16)
+#define HACK_THREADS 128
+#define P_LEVELS 127.f
+
+// One byte of four 2-bit codes → four bytes, one code each (code i in byte i).
+__device__ __forceinline__ unsigned spread4(unsigned x) {
+  return (x & 3u) | ((x >> 2 & 3u) << 8) | ((x >> 4 & 3u) << 16) | ((x >> 6 & 3u) << 24);
+}
+
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
+// One CTA per (chunk of `chunk_blocks` value blocks, KV head); partials in the layout of
+// attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them.
+// q8: [q_heads][HEAD_DIM/4] words of 8-bit query codes (same dim order as the keys);
+// qmeta: [q_heads][KP][3] = scale, minimum, scale·Σcodes + 64·minimum.
+extern "C" __global__ void hack_partial(
+    const unsigned* __restrict__ kc, const unsigned short* __restrict__ kmin,
+    const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ ksum,
+    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ vmin,
+    const unsigned short* __restrict__ vscale, int rows,
+    const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
+    int chunk_blocks, float* __restrict__ part) {
+  const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
+  const int warp = t / 32, lane = t % 32;
+  const int blocks = (rows + HBLK - 1) / HBLK;
+  __shared__ unsigned q_s[MAX_GROUP][HEAD_DIM / 4];
+  __shared__ float qm_s[MAX_GROUP][KP][3];
+  __shared__ float score_s[MAX_GROUP][HBLK];
+  __shared__ unsigned p8_s[MAX_GROUP][HBLK / 4];
+  __shared__ float m_s[MAX_GROUP], l_s[MAX_GROUP], corr_s[MAX_GROUP], step_s[MAX_GROUP], psum_s[MAX_GROUP];
+  for (int i = t; i < group * (HEAD_DIM / 4); i += HACK_THREADS)
+    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * group) * (HEAD_DIM / 4) + i];
+  for (int i = t; i < group * KP * 3; i += HACK_THREADS)
+    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * group) * KP * 3 + i];
+  if (t < MAX_GROUP) { m_s[t] = NEG_INF; l_s[t] = 0.f; }
+  // Each thread owns channels t and t + 128 of every head's output.
+  float o[MAX_GROUP][(HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; g++)
+#pragma unroll
+    for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) o[g][j] = 0.f;
+  __syncthreads();
+  const int b0 = chunk * chunk_blocks, b1 = min(blocks, b0 + chunk_blocks);
+  const long long head_rows = (long long)h * rows;
+  for (int b = b0; b < b1; b++) {
+    // Scores: KWORDS lanes per row, 16 codes (4 bytes) per lane.
+    const int per_pass = HACK_THREADS / KWORDS;
+    for (int r0 = 0; r0 < HBLK; r0 += per_pass) {
+      const int r = r0 + t / KWORDS, w = t % KWORDS;
+      const int row = b * HBLK + r;
+      const bool live = row < rows;
+      const unsigned word = live ? kc[(head_rows + row) * KWORDS + w] : 0u;
+      unsigned s4[4];
+#pragma unroll
+      for (int i = 0; i < 4; i++) s4[i] = spread4(word >> (8 * i) & 0xffu);
+      const int k = w / 4;  // this lane's 64-dim partition
+      float sk = 0.f, mk = 0.f, ks = 0.f;
+      if (live) {
+        const long long at = (head_rows + row) * KP + k;
+        sk = h2f(kscale[at]); mk = h2f(kmin[at]); ks = (float)ksum[at];
+      }
+      for (int g = 0; g < group; g++) {
+        unsigned acc = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc = __dp4a(s4[i], q_s[g][4 * w + i], acc);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        const float sq = qm_s[g][k][0], mq = qm_s[g][k][1], cq = qm_s[g][k][2];
+        float s = (w % 4 == 0) ? sk * (sq * (float)acc + mq * ks) + mk * cq : 0.f;
+#pragma unroll
+        for (int off = 4; off < KWORDS; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+        if (w == 0) score_s[g][r] = live ? s * scale : NEG_INF;
+      }
+    }
+    __syncthreads();
+    // Softmax bookkeeping and 7-bit probabilities, one warp per head.
+    for (int g = warp; g < group; g += HACK_THREADS / 32) {
+      const float a = score_s[g][lane], c = score_s[g][lane + 32];
+      float bm = fmaxf(a, c);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) bm = fmaxf(bm, __shfl_xor_sync(0xffffffffu, bm, off));
+      const float m_old = m_s[g], m_new = fmaxf(m_old, bm);
+      const float step = m_new == NEG_INF ? 0.f : __expf(bm - m_new) / P_LEVELS;
+      unsigned ca = 0, cc = 0;
+      if (step > 0.f) {
+        ca = (unsigned)fminf(__expf(a - m_new) / step + 0.5f, P_LEVELS);
+        cc = (unsigned)fminf(__expf(c - m_new) / step + 0.5f, P_LEVELS);
+      }
+      unsigned sum = ca + cc;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      reinterpret_cast<unsigned char*>(p8_s[g])[lane] = (unsigned char)ca;
+      reinterpret_cast<unsigned char*>(p8_s[g])[lane + 32] = (unsigned char)cc;
+      if (lane == 0) {
+        const float corr = m_old == NEG_INF ? 0.f : __expf(m_old - m_new);
+        corr_s[g] = corr;
+        l_s[g] = l_s[g] * corr + step * (float)sum;
+        m_s[g] = m_new;
+        step_s[g] = step;
+        psum_s[g] = (float)sum;
+      }
+    }
+    __syncthreads();
+    // Values: one thread per channel, dp4a over each quad's four rows.
+    const long long vblock = (long long)h * blocks + b;
+#pragma unroll
+    for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) {
+      const int ch = t + j * HACK_THREADS;
+      if (ch < HEAD_DIM) {
+        unsigned acc[MAX_GROUP];
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; g++) acc[g] = 0;
+        const unsigned char* vq = vc + vblock * (HBLK / 4) * HEAD_DIM + ch;
+#pragma unroll 4
+        for (int qi = 0; qi < HBLK / 4; qi++) {
+          const unsigned s = spread4(vq[qi * HEAD_DIM]);
+#pragma unroll
+          for (int g = 0; g < MAX_GROUP; g++)
+            if (g < group) acc[g] = __dp4a(s, p8_s[g][qi], acc[g]);
+        }
+        const float sv = h2f(vscale[vblock * HEAD_DIM + ch]), mv = h2f(vmin[vblock * HEAD_DIM + ch]);
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; g++)
+          if (g < group) o[g][j] = o[g][j] * corr_s[g] + step_s[g] * (sv * (float)acc[g] + mv * psum_s[g]);
+      }
+    }
+    __syncthreads();
+  }
+  float* out = part + ((long long)(h * gridDim.x + chunk) * group) * PART;
+  for (int g = 0; g < group; g++) {
+#pragma unroll
+    for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) {
+      const int ch = t + j * HACK_THREADS;
+      if (ch < HEAD_DIM) out[g * PART + ch] = o[g][j];
+    }
+    if (t == 0) { out[g * PART + HEAD_DIM] = m_s[g]; out[g * PART + HEAD_DIM + 1] = l_s[g]; }
+  }
+}
+
+// Dequantize-then-attend's first half: writes the f16 keys and values of every row
+// ([kv_head][rows][HEAD_DIM]) from the 2-bit form, one CTA per (value block, KV head).
+extern "C" __global__ void hack_dequant(
+    const unsigned char* __restrict__ kc, const unsigned short* __restrict__ kmin,
+    const unsigned short* __restrict__ kscale, const unsigned char* __restrict__ vc,
+    const unsigned short* __restrict__ vmin, const unsigned short* __restrict__ vscale, int rows,
+    unsigned short* __restrict__ k, unsigned short* __restrict__ v) {
+  const int b = blockIdx.x, h = blockIdx.y;
+  const int blocks = (rows + HBLK - 1) / HBLK;
+  const long long vblock = (long long)h * blocks + b;
+  for (int i = threadIdx.x; i < HBLK * HEAD_DIM; i += blockDim.x) {
+    const int r = i / HEAD_DIM, j = i % HEAD_DIM, row = b * HBLK + r;
+    if (row >= rows) break;
+    const long long at = (long long)h * rows + row;
+    const unsigned kcode = kc[at * (HEAD_DIM / 4) + j / 4] >> (2 * (j % 4)) & 3u;
+    const long long km = at * KP + j / 64;
+    k[at * HEAD_DIM + j] = f2h(h2f(kscale[km]) * (float)kcode + h2f(kmin[km]));
+    const unsigned vcode = vc[(vblock * (HBLK / 4) + r / 4) * HEAD_DIM + j] >> (2 * (r % 4)) & 3u;
+    v[at * HEAD_DIM + j] =
+        f2h(h2f(vscale[vblock * HEAD_DIM + j]) * (float)vcode + h2f(vmin[vblock * HEAD_DIM + j]));
+  }
+}
+#endif  // HEAD_DIM % 64 == 0

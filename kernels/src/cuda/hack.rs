@@ -1,0 +1,233 @@
+//! The GPU side of the `hack2` codec: 2-bit rows of every KV head in device memory,
+//! homomorphic decode attention over them (`hack_partial` + the shared merge kernel), and
+//! the dequantize-then-attend baseline (`hack_dequant`, then the exact f16 kernel).
+
+use super::{device_address, gpu_err, DeviceKv, GpuBackend, MAX_GROUP};
+use crate::cpu::hack_rows::HackRows;
+use crate::error::{Error, Result};
+use crate::shape::AttnShape;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Rows of a value block (Π); the GPU kernels are compiled for Π = 64.
+const BLOCK: usize = 64;
+/// CTAs a homomorphic decode aims for (`ATTNSTORE_HACK_CTAS` overrides it, for tuning).
+const HACK_CTAS: usize = 4096;
+
+/// The 2-bit rows of every KV head of one layer in device memory.
+pub struct DeviceHack {
+    kc: CudaSlice<u8>,
+    kmin: CudaSlice<u16>,
+    kscale: CudaSlice<u16>,
+    ksum: CudaSlice<u16>,
+    vc: CudaSlice<u8>,
+    vmin: CudaSlice<u16>,
+    vscale: CudaSlice<u16>,
+    rows: usize,
+    kv_heads: usize,
+}
+
+impl DeviceHack {
+    /// Rows per KV head.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Device bytes of codes and metadata.
+    pub fn bytes(&self) -> usize {
+        self.kc.len() + self.vc.len() + 2 * (self.kmin.len() * 3 + self.vmin.len() * 2)
+    }
+}
+
+/// Buffers of one homomorphic decode launch.
+pub struct HackJob {
+    q8: CudaSlice<u32>,
+    qmeta: CudaSlice<f32>,
+    part: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    chunks: usize,
+    chunk_blocks: usize,
+    shape: AttnShape,
+    scale: f32,
+}
+
+/// 8-bit query codes per 64-dim partition (packed four to a word, dimension order) and per
+/// partition `[scale, minimum, scale·Σcodes + 64·minimum]`: what `hack_partial` reads.
+fn quantize_queries(q: &[f32], d: usize) -> (Vec<u32>, Vec<f32>) {
+    let mut codes = Vec::with_capacity(q.len());
+    let mut meta = Vec::with_capacity(q.len() / 64 * 3);
+    for part in q.chunks(BLOCK) {
+        let (lo, hi) = part.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
+        let sc = (hi - lo).max(0.0) / 255.0;
+        let mut sum = 0u32;
+        for &x in part {
+            let c = if sc > 0.0 { ((x - lo) / sc).round().clamp(0.0, 255.0) as u8 } else { 0 };
+            codes.push(c);
+            sum += u32::from(c);
+        }
+        meta.extend([sc, lo, sc * sum as f32 + part.len() as f32 * lo]);
+    }
+    debug_assert!(d.is_multiple_of(BLOCK));
+    let words = codes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    (words, meta)
+}
+
+impl GpuBackend {
+    /// Copies the 2-bit rows of every KV head (all with the same row count, Π = 64) to
+    /// device memory.
+    pub fn upload_hack(&self, heads: &[HackRows]) -> Result<DeviceHack> {
+        let d = self.head_dim;
+        let rows = heads.first().map_or(0, HackRows::rows);
+        let bad = |message: String| Err(Error::InvalidArgument { what: "hack rows", message });
+        if self.hack_partial.is_none() {
+            return bad(format!("the GPU hack2 kernels need a head dimension that is a multiple of 64, got {d}"));
+        }
+        if heads.iter().any(|h| h.rows() != rows || h.params().partition != BLOCK) {
+            return bad("every head needs the same row count and partition Π = 64".into());
+        }
+        let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+        let (mut kc, mut kmin, mut kscale, mut ksum, mut vc, mut vmin, mut vscale) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        for h in heads {
+            let a = h.arrays();
+            kc.extend_from_slice(a.key_codes);
+            kmin.extend(bits(a.key_min));
+            kscale.extend(bits(a.key_scale));
+            ksum.extend_from_slice(a.key_sum);
+            vc.extend_from_slice(a.value_codes);
+            vmin.extend(bits(a.value_min));
+            vscale.extend(bits(a.value_scale));
+        }
+        if kc.len() != heads.len() * rows * d / 4 || vmin.len() != heads.len() * rows.div_ceil(BLOCK) * d {
+            return bad(format!("rows of head dimension {d} expected"));
+        }
+        let up8 = |x: &[u8]| self.stream.clone_htod(x).map_err(gpu_err("copying 2-bit codes"));
+        let up16 = |x: &[u16]| self.stream.clone_htod(x).map_err(gpu_err("copying 2-bit metadata"));
+        Ok(DeviceHack {
+            kc: up8(&kc)?,
+            kmin: up16(&kmin)?,
+            kscale: up16(&kscale)?,
+            ksum: up16(&ksum)?,
+            vc: up8(&vc)?,
+            vmin: up16(&vmin)?,
+            vscale: up16(&vscale)?,
+            rows,
+            kv_heads: heads.len(),
+        })
+    }
+
+    /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over `dev`.
+    pub fn prepare_hack(&self, shape: &AttnShape, q: &[f32], dev: &DeviceHack) -> Result<HackJob> {
+        if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP || shape.kv_heads != dev.kv_heads {
+            return Err(Error::InvalidArgument {
+                what: "shape",
+                message: format!(
+                    "head_dim {} (backend {}), group {} (at most {MAX_GROUP}), kv_heads {} (rows hold {})",
+                    shape.head_dim,
+                    self.head_dim,
+                    shape.group(),
+                    shape.kv_heads,
+                    dev.kv_heads
+                ),
+            });
+        }
+        if q.len() != shape.query_len() {
+            return Err(Error::ShapeMismatch { what: "queries", expected: shape.query_len(), got: q.len() });
+        }
+        let (words, meta) = quantize_queries(q, shape.head_dim);
+        let blocks = dev.rows.div_ceil(BLOCK).max(1);
+        // About HACK_CTAS CTAs in all: each CTA walks its blocks one after another
+        // (three barriers per 64 rows), so more, shorter CTAs hide more latency.
+        let ctas: usize = std::env::var("ATTNSTORE_HACK_CTAS").ok().and_then(|v| v.parse().ok()).unwrap_or(HACK_CTAS);
+        let chunk_blocks = (blocks * shape.kv_heads).div_ceil(ctas.max(1)).max(1);
+        let chunks = blocks.div_ceil(chunk_blocks);
+        let part_len = shape.kv_heads * chunks * shape.group() * (shape.head_dim + 2);
+        Ok(HackJob {
+            q8: self.stream.clone_htod(&words).map_err(gpu_err("copying queries"))?,
+            qmeta: self.stream.clone_htod(&meta).map_err(gpu_err("copying queries"))?,
+            part: self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
+            out: self.stream.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
+            chunks,
+            chunk_blocks,
+            shape: *shape,
+            scale: shape.scale(),
+        })
+    }
+
+    /// Enqueues the homomorphic decode and the merge of its partials.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_hack(&self, dev: &DeviceHack, job: &mut HackJob) -> Result<()> {
+        let Some(f) = &self.hack_partial else {
+            return Err(Error::InvalidArgument {
+                what: "head_dim",
+                message: "no hack2 kernels for this head_dim".into(),
+            });
+        };
+        let sh = job.shape;
+        let (rows, group, chunk_blocks) = (dev.rows as i32, sh.group() as i32, job.chunk_blocks as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&dev.kc).arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vc).arg(&dev.vmin).arg(&dev.vscale);
+        b.arg(&rows).arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&group).arg(&chunk_blocks).arg(&mut job.part);
+        // SAFETY: dev holds kv_heads × rows rows in the layout hack_partial reads (checked in
+        // upload_hack); q8/qmeta hold q_heads queries and part kv_heads × chunks × group
+        // partials (sized in prepare_hack for this shape, whose kv_heads match dev).
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_partial"))?;
+        let chunks = job.chunks as i32;
+        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.merge);
+        b.arg(&job.part).arg(&chunks).arg(&group).arg(&mut job.out);
+        // SAFETY: part holds kv_heads × chunks × group partials; out q_heads × head_dim.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
+        Ok(())
+    }
+
+    /// Waits for the stream and copies a homomorphic decode's output back.
+    pub fn fetch_hack(&self, job: &HackJob) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the output back"))
+    }
+
+    /// Device f16 buffers for `rows` rows of every KV head (the dequantize-then-attend
+    /// baseline writes into them).
+    pub fn alloc_kv(&self, kv_heads: usize, rows: usize) -> Result<DeviceKv> {
+        let n = kv_heads * rows * self.head_dim;
+        let keys = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating keys"))?;
+        let values = self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating values"))?;
+        Ok(DeviceKv { keys, values, rows })
+    }
+
+    /// Enqueues the dequantization of `dev` into the f16 buffers `kv`.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn dequantize_hack(&self, dev: &DeviceHack, kv: &mut DeviceKv) -> Result<()> {
+        let Some(f) = &self.hack_dequant else {
+            return Err(Error::InvalidArgument {
+                what: "head_dim",
+                message: "no hack2 kernels for this head_dim".into(),
+            });
+        };
+        if kv.rows != dev.rows || kv.keys.len() != dev.kv_heads * dev.rows * self.head_dim {
+            return Err(Error::ShapeMismatch {
+                what: "f16 buffers for the dequantized rows",
+                expected: dev.kv_heads * dev.rows * self.head_dim,
+                got: kv.keys.len(),
+            });
+        }
+        let rows = dev.rows as i32;
+        let cfg = LaunchConfig {
+            grid_dim: (dev.rows.div_ceil(BLOCK) as u32, dev.kv_heads as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (k, v) = (device_address(&kv.keys, &self.stream), device_address(&kv.values, &self.stream));
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&dev.kc).arg(&dev.kmin).arg(&dev.kscale).arg(&dev.vc).arg(&dev.vmin).arg(&dev.vscale).arg(&rows);
+        b.arg(&k).arg(&v);
+        // SAFETY: kv holds kv_heads × rows × head_dim f16 values for each of K and V (checked
+        // above); dev's arrays match that shape (checked in upload_hack).
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_dequant"))?;
+        Ok(())
+    }
+}
