@@ -115,6 +115,10 @@ struct BudgetArgs {
     /// Minimum tokens in the retrieval zone.
     #[arg(long, default_value_t = 512)]
     retrieve_floor: usize,
+    /// A plan is made exact when a sparse plan would read at least this share of the bytes
+    /// exact attention reads (short contexts, or 2-bit rows that make exact cheap).
+    #[arg(long, default_value_t = 0.5)]
+    exact_threshold: f64,
 }
 
 #[derive(Args)]
@@ -260,7 +264,8 @@ fn bench(args: BenchArgs) -> Result<(), String> {
                         .with_retrieve(args.budget.retrieve)
                         .with_retrieve_floor(args.budget.retrieve_floor)
                         .with_estimate(estimate)
-                        .with_mode(mode),
+                        .with_mode(mode)
+                        .with_exact_threshold(args.budget.exact_threshold),
                 );
             }
         }
@@ -336,6 +341,7 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
             .with_retrieve_floor(args.budget.retrieve_floor)
             .with_estimate(args.estimate)
             .with_mode(args.selection)
+            .with_exact_threshold(args.budget.exact_threshold)
     };
     budget.validate().map_err(|e| e.to_string())?;
     let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;

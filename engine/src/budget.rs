@@ -74,7 +74,14 @@ impl Budget {
         self
     }
 
-    /// Sets the selection mode.
+    /// Sets the share of exact attention's bytes at which a sparse plan is replaced by an
+    /// exact one (0.5 by default; above 1, sparse plans are always kept).
+    pub fn with_exact_threshold(mut self, share: f64) -> Self {
+        self.exact_threshold = share;
+        self
+    }
+
+    /// Sets how clusters are chosen across a GQA group.
     pub fn with_mode(mut self, mode: SelectionMode) -> Self {
         self.mode = mode;
         self
