@@ -2,7 +2,7 @@
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
 use crate::error::Result;
-use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
+use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, spherical_kmeans, KMeansParams};
 use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::{Element, HackParams, HackRows, Partial};
@@ -45,16 +45,8 @@ impl<E: Element> HeadSegment<E> {
             None => {
                 let spans =
                     ranges.iter().map(|r| (&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]));
-                attnstore_kernels::cpu::attention::attend_spans(q, scale, spans, parts, scratch);
+                attend_spans(q, scale, spans, parts, scratch);
             }
-        }
-    }
-
-    /// Every row of the segment (exact plans).
-    pub fn attend_all(&self, q: &[f32], scale: f32, parts: &mut [Partial], scratch: &mut Scratch) {
-        match &self.hack {
-            Some(rows) => rows.attend(q, scale, &[0..rows.rows()], parts, &mut scratch.hack),
-            None => attend_rows(q, scale, &self.keys, &self.values, parts, scratch),
         }
     }
 }

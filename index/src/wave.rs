@@ -69,6 +69,10 @@ impl WaveParams {
     }
 }
 
+/// Rows one rayon task attends in an exact plan (a multiple of the 2-bit codec's 64-row
+/// value blocks, so no block is split).
+const EXACT_CHUNK: usize = 2048;
+
 #[derive(Debug, Clone, Default)]
 struct HeadStore<E> {
     sink_keys: Vec<E>,
@@ -374,8 +378,28 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         attend_rows(q, scale, &store.sink_keys, &store.sink_values, &mut parts, scratch);
         attend_rows(q, scale, &store.tail_keys, &store.tail_values, &mut parts, scratch);
         if plan.exact {
-            for seg in &store.segments {
-                seg.attend_all(q, scale, &mut parts, scratch);
+            // Every segment row, in runs of EXACT_CHUNK rows on rayon threads (the executor
+            // parallelizes over KV heads only), merged by log-sum-exp.
+            let jobs: Vec<(usize, std::ops::Range<usize>)> = store
+                .segments
+                .iter()
+                .enumerate()
+                .flat_map(|(i, s)| {
+                    let n = s.positions.len();
+                    (0..n).step_by(EXACT_CHUNK).map(move |a| (i, a..(a + EXACT_CHUNK).min(n)))
+                })
+                .collect();
+            let g = parts.len();
+            let partials: Vec<Vec<Partial>> = jobs
+                .par_iter()
+                .map_init(Scratch::default, |sc, (i, rows)| {
+                    let mut p = vec![Partial::empty(d); g];
+                    store.segments[*i].attend(q, scale, std::slice::from_ref(rows), &mut p, sc);
+                    p
+                })
+                .collect();
+            for p in &partials {
+                parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
             }
             return parts;
         }
