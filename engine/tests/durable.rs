@@ -464,3 +464,30 @@ fn a_damaged_manifest_or_a_missing_log_file_is_a_typed_error_naming_the_file() {
         }
     }
 }
+
+#[test]
+fn a_hack2_context_reopens_with_the_same_codec_and_identical_attention() {
+    // Data files hold the f16 rows; recovery rebuilds the segments and re-derives the same
+    // 2-bit codes (seeded), so attention after reopening is bit-identical.
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth();
+    let spec = spec().with_codec(attnstore::Codec::Hack2(attnstore::HackParams::default()));
+    let (ctx, before) = {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let ctx = engine.create_context(spec.clone()).unwrap();
+        for i in 0..6 {
+            ingest(&engine, ctx, &synth, i).unwrap();
+        }
+        engine.checkpoint().unwrap();
+        for i in 6..12 {
+            ingest(&engine, ctx, &synth, i).unwrap();
+        }
+        assert!(engine.stats(ctx, 0).unwrap().segments >= 1, "the test must cover 2-bit segments");
+        (ctx, (0..2).map(|l| attention(&engine, ctx, &synth, l)).collect::<Vec<_>>())
+    };
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    assert!(engine.wait_index_rebuild(std::time::Duration::from_secs(60)).unwrap());
+    assert_eq!(engine.spec(ctx).unwrap().codec, spec.codec);
+    let after: Vec<_> = (0..2).map(|l| attention(&engine, ctx, &synth, l)).collect();
+    assert_eq!(after, before);
+}
