@@ -6,8 +6,8 @@
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection, SelectionMode,
-    ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection,
+    SelectionMode, ZoneBudget,
 };
 use crate::segment::{build_head_segment, BuildParams, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
@@ -118,15 +118,7 @@ impl<E: Element> WaveIndex<E> {
     /// Stores every segment built from now on in HACK 2-bit form (`Some`), or plain.
     /// The steady zone (sink, local window, pending tokens) stays in the plain type.
     pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
-        if hack.is_some() && !self.head_dim.is_multiple_of(4) {
-            return Err(Error::InvalidParameter {
-                what: "codec",
-                message: format!(
-                    "hack2 packs four values per byte: head_dim must be a multiple of 4, got {}",
-                    self.head_dim
-                ),
-            });
-        }
+        check_codec(self.head_dim, hack)?;
         self.hack = hack;
         Ok(self)
     }

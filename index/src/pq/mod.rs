@@ -21,8 +21,8 @@ pub use params::{PqLayout, PqParams};
 
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection,
-    SelectionMode, ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan,
+    Selection, SelectionMode, ZoneBudget,
 };
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
@@ -103,15 +103,7 @@ impl<E: Element> PqIndex<E> {
     /// Stores the prefill (base) rows past the sink in HACK 2-bit form (`Some`) once the
     /// codebook build starts; decode tokens (the tail) stay in the plain type.
     pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
-        if hack.is_some() && !self.head_dim.is_multiple_of(4) {
-            return Err(Error::InvalidParameter {
-                what: "codec",
-                message: format!(
-                    "hack2 packs four values per byte: head_dim must be a multiple of 4, got {}",
-                    self.head_dim
-                ),
-            });
-        }
+        check_codec(self.head_dim, hack)?;
         self.codec = hack;
         Ok(self)
     }

@@ -176,13 +176,7 @@ impl GpuBackend {
         // upload_hack); q8/qmeta hold q_heads queries and part kv_heads × chunks × group
         // partials (sized in prepare_hack for this shape, whose kv_heads match dev).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_partial"))?;
-        let chunks = job.chunks as i32;
-        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.merge);
-        b.arg(&job.part).arg(&chunks).arg(&group).arg(&mut job.out);
-        // SAFETY: part holds kv_heads × chunks × group partials; out q_heads × head_dim.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
-        Ok(())
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out)
     }
 
     /// Waits for the stream and copies a homomorphic decode's output back.

@@ -570,13 +570,30 @@ impl GpuBackend {
         // cache's slots (checked above); q, part and out were sized in `prepare_refs` for
         // this shape and chunk count, which match the grid.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
-        let chunks = job.chunks as i32;
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out)
+    }
+
+    /// Enqueues the log-sum-exp merge of `chunks` partials per query head (`part`, laid out
+    /// `[kv_head][chunk][group][head_dim + 2]`) into `out` (`q_heads × head_dim`).
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_merge(
+        &self,
+        sh: &AttnShape,
+        part: &CudaSlice<f32>,
+        chunks: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let need = sh.kv_heads * chunks * sh.group() * (self.head_dim + 2);
+        if part.len() < need || out.len() < sh.query_len() {
+            return Err(Error::ShapeMismatch { what: "merge partials", expected: need, got: part.len() });
+        }
+        let (chunks, group) = (chunks as i32, sh.group() as i32);
         // 8 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.merge);
-        b.arg(&job.part).arg(&chunks).arg(&group).arg(&mut job.out);
-        // SAFETY: part holds kv_heads × chunks × group partials written above; out holds
-        // q_heads × head_dim floats; one CTA per query head.
+        b.arg(part).arg(&chunks).arg(&group).arg(out);
+        // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
+        // floats (both checked above); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
         Ok(())
     }
