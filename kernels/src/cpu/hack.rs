@@ -54,10 +54,10 @@ pub struct Quantized2 {
 /// minimum and scale and the code sum. Rounded to nearest (these are not stored).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Quantized8 {
-    codes: Vec<u8>,
-    mins: Vec<f32>,
-    scales: Vec<f32>,
-    sums: Vec<u32>,
+    pub(crate) codes: Vec<u8>,
+    pub(crate) mins: Vec<f32>,
+    pub(crate) scales: Vec<f32>,
+    pub(crate) sums: Vec<u32>,
     len: usize,
     partition: usize,
 }

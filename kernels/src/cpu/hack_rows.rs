@@ -17,7 +17,7 @@
 //! with a zero minimum the correction terms that need value code sums vanish, and rows a
 //! plan did not select contribute exactly nothing to a block's product.
 
-use super::hack::{quantize_partition, HackParams};
+use super::hack::{quantize_partition, HackParams, Quantized8};
 use super::partial::Partial;
 use crate::element::Element;
 use crate::error::{Error, Result};
@@ -264,27 +264,20 @@ impl HackRows {
 
     /// 8-bit queries per key partition: codes, minimum, scale and code sum.
     fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
-        let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
-        s.q8.resize(g * d, 0);
+        let d = self.d;
+        s.q8.clear();
         s.q_min.clear();
         s.q_scale.clear();
         s.q_sum.clear();
-        for (h, qh) in q.chunks_exact(d).enumerate() {
-            for (k, part) in qh.chunks(p).enumerate() {
-                let (lo, hi) = part.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
-                let sc = (hi - lo).max(0.0) / 255.0;
-                let mut sum = 0u32;
-                for (j, &x) in part.iter().enumerate() {
-                    let c = if sc > 0.0 { ((x - lo) / sc).round().clamp(0.0, 255.0) as u8 } else { 0 };
-                    s.q8[h * d + k * p + j] = c;
-                    sum += u32::from(c);
-                }
-                s.q_min.push(lo);
-                s.q_scale.push(sc);
-                s.q_sum.push(sum as f32);
-            }
-            debug_assert_eq!(s.q_min.len(), (h + 1) * kp);
+        for qh in q.chunks_exact(d) {
+            // Partitions restart at every head.
+            let q8 = Quantized8::encode(qh, self.params);
+            s.q8.extend_from_slice(&q8.codes);
+            s.q_min.extend_from_slice(&q8.mins);
+            s.q_scale.extend_from_slice(&q8.scales);
+            s.q_sum.extend(q8.sums.iter().map(|&x| x as f32));
         }
+        debug_assert_eq!((s.q8.len(), s.q_min.len()), (g * d, g * self.k_parts));
         #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
         if self.fast_scores() {
             self.pair_queries(g, s);

@@ -3,10 +3,11 @@
 //! the dequantize-then-attend baseline (`hack_dequant`, then the exact f16 kernel).
 
 use super::{device_address, gpu_err, DeviceKv, GpuBackend, MAX_GROUP};
+use crate::cpu::hack::{HackParams, Quantized8};
 use crate::cpu::hack_rows::HackRows;
 use crate::error::{Error, Result};
 use crate::shape::AttnShape;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Rows of a value block (Π); the GPU kernels are compiled for Π = 64.
 const BLOCK: usize = 64;
@@ -53,34 +54,38 @@ pub struct HackJob {
 /// 8-bit query codes per 64-dim partition (packed four to a word, dimension order) and per
 /// partition `[scale, minimum, scale·Σcodes + 64·minimum]`: what `hack_partial` reads.
 fn quantize_queries(q: &[f32], d: usize) -> (Vec<u32>, Vec<f32>) {
-    let mut codes = Vec::with_capacity(q.len());
-    let mut meta = Vec::with_capacity(q.len() / 64 * 3);
-    for part in q.chunks(BLOCK) {
-        let (lo, hi) = part.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &x| (a.min(x), b.max(x)));
-        let sc = (hi - lo).max(0.0) / 255.0;
-        let mut sum = 0u32;
-        for &x in part {
-            let c = if sc > 0.0 { ((x - lo) / sc).round().clamp(0.0, 255.0) as u8 } else { 0 };
-            codes.push(c);
-            sum += u32::from(c);
-        }
-        meta.extend([sc, lo, sc * sum as f32 + part.len() as f32 * lo]);
-    }
+    // With d a multiple of 64, 64-value partitions of the whole query never cross heads.
     debug_assert!(d.is_multiple_of(BLOCK));
-    let words = codes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    let q8 = Quantized8::encode(q, HackParams::default());
+    let meta = (0..q8.mins.len())
+        .flat_map(|k| {
+            let (sc, lo) = (q8.scales[k], q8.mins[k]);
+            [sc, lo, sc * q8.sums[k] as f32 + BLOCK as f32 * lo]
+        })
+        .collect();
+    let words = q8.codes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     (words, meta)
 }
 
 impl GpuBackend {
+    /// A hack2 kernel, or the typed error for a head dimension it was not compiled for.
+    fn hack_kernel<'a>(&self, f: &'a Option<CudaFunction>) -> Result<&'a CudaFunction> {
+        f.as_ref().ok_or_else(|| Error::InvalidArgument {
+            what: "head_dim",
+            message: format!(
+                "the GPU hack2 kernels need a head dimension that is a multiple of 64, got {}",
+                self.head_dim
+            ),
+        })
+    }
+
     /// Copies the 2-bit rows of every KV head (all with the same row count, Π = 64) to
     /// device memory.
     pub fn upload_hack(&self, heads: &[HackRows]) -> Result<DeviceHack> {
         let d = self.head_dim;
         let rows = heads.first().map_or(0, HackRows::rows);
         let bad = |message: String| Err(Error::InvalidArgument { what: "hack rows", message });
-        if self.hack_partial.is_none() {
-            return bad(format!("the GPU hack2 kernels need a head dimension that is a multiple of 64, got {d}"));
-        }
+        self.hack_kernel(&self.hack_partial)?;
         if heads.iter().any(|h| h.rows() != rows || h.params().partition != BLOCK) {
             return bad("every head needs the same row count and partition Π = 64".into());
         }
@@ -156,12 +161,7 @@ impl GpuBackend {
     /// Enqueues the homomorphic decode and the merge of its partials.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_hack(&self, dev: &DeviceHack, job: &mut HackJob) -> Result<()> {
-        let Some(f) = &self.hack_partial else {
-            return Err(Error::InvalidArgument {
-                what: "head_dim",
-                message: "no hack2 kernels for this head_dim".into(),
-            });
-        };
+        let f = self.hack_kernel(&self.hack_partial)?;
         let sh = job.shape;
         let (rows, group, chunk_blocks) = (dev.rows as i32, sh.group() as i32, job.chunk_blocks as i32);
         let cfg = LaunchConfig {
@@ -196,12 +196,7 @@ impl GpuBackend {
     /// Enqueues the dequantization of `dev` into the f16 buffers `kv`.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn dequantize_hack(&self, dev: &DeviceHack, kv: &mut DeviceKv) -> Result<()> {
-        let Some(f) = &self.hack_dequant else {
-            return Err(Error::InvalidArgument {
-                what: "head_dim",
-                message: "no hack2 kernels for this head_dim".into(),
-            });
-        };
+        let f = self.hack_kernel(&self.hack_dequant)?;
         if kv.rows != dev.rows || kv.keys.len() != dev.kv_heads * dev.rows * self.head_dim {
             return Err(Error::ShapeMismatch {
                 what: "f16 buffers for the dequantized rows",
