@@ -2,12 +2,13 @@
 
 use crate::error::Result;
 use crate::spec::{ContextSpec, LayerKind, Method};
-use attnstore_buffer::Reservation;
-use attnstore_index::{AccessMethod, FlatIndex, PqIndex, WaveIndex, WindowIndex};
+use attnstore_buffer::{BufferManager, Reservation};
+use attnstore_index::{AccessMethod, BlockStore, FlatIndex, PqIndex, WaveIndex, WindowIndex};
 use attnstore_kernels::{DType, Element};
 use half::{bf16, f16};
 use parking_lot::RwLock;
 use std::fmt;
+use std::sync::Arc;
 
 /// Identifies a context within an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -39,14 +40,17 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    pub fn new(spec: ContextSpec) -> Result<Self> {
+    /// `buffers`: where wave layers home their indexed rows (plain codecs only).
+    pub fn new(spec: ContextSpec, id: ContextId, buffers: Option<&Arc<BufferManager>>) -> Result<Self> {
         let layers = spec
             .layers
             .iter()
-            .map(|&kind| {
+            .enumerate()
+            .map(|(layer, &kind)| {
+                let blocks = buffers.map(|b| BlockStore::new(Arc::clone(b), id.0, layer as u32));
                 Ok(RwLock::new(Layer {
                     kind,
-                    method: make_method(&spec, kind)?,
+                    method: make_method(&spec, kind, blocks)?,
                     reservation: None,
                     version: 0,
                     prefilled: false,
@@ -58,21 +62,35 @@ impl Context {
     }
 }
 
-pub(crate) fn make_method(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
-    fn typed<E: Element>(spec: &ContextSpec, kind: LayerKind) -> Result<Box<dyn AccessMethod>> {
+/// The access method of one layer; `blocks` homes a plain wave index's segment rows in the
+/// buffer manager (ignored by other methods and by `hack2` rows).
+pub(crate) fn make_method(
+    spec: &ContextSpec,
+    kind: LayerKind,
+    blocks: Option<BlockStore>,
+) -> Result<Box<dyn AccessMethod>> {
+    fn typed<E: Element>(
+        spec: &ContextSpec,
+        kind: LayerKind,
+        blocks: Option<BlockStore>,
+    ) -> Result<Box<dyn AccessMethod>> {
         let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
         Ok(match (kind, spec.method) {
             (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
             (LayerKind::Global, Method::Wave(p)) => {
-                Box::new(WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?)
+                let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?;
+                match blocks {
+                    Some(store) if spec.codec.hack().is_none() => Box::new(index.with_blocks(store)?),
+                    _ => Box::new(index),
+                }
             }
             (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
             (LayerKind::Global, Method::Pq(p)) => Box::new(PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?),
         })
     }
     match spec.dtype {
-        DType::F32 => typed::<f32>(spec, kind),
-        DType::F16 => typed::<f16>(spec, kind),
-        DType::Bf16 => typed::<bf16>(spec, kind),
+        DType::F32 => typed::<f32>(spec, kind, blocks),
+        DType::F16 => typed::<f16>(spec, kind, blocks),
+        DType::Bf16 => typed::<bf16>(spec, kind, blocks),
     }
 }

@@ -2,6 +2,7 @@
 //! budgets, and the entry points of the query-plan API (`plan`, `execute`).
 
 use crate::budget::Budget;
+use crate::buffers::{BufferSettings, Buffers};
 use crate::context::{Context, ContextId, Layer};
 use crate::error::{check_finite, Error, Result};
 use crate::plan::{Plan, Request};
@@ -22,13 +23,16 @@ pub struct EngineConfig {
     pub host_memory_bytes: usize,
     /// Host read bandwidth assumed by the cost model of EXPLAIN (GB/s).
     pub host_read_gbps: f64,
-    /// Block size used to count blocks in plans.
+    /// Block size: of the buffer manager's blocks, and used to count blocks in plans.
     pub block: BlockLayout,
+    /// A buffer manager homing the indexed rows of wave contexts (`None`: rows stay in the
+    /// indexes, as before). See [`BufferSettings`].
+    pub buffers: Option<BufferSettings>,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        Self { host_memory_bytes: usize::MAX, host_read_gbps: 10.0, block: BlockLayout::default() }
+        Self { host_memory_bytes: usize::MAX, host_read_gbps: 10.0, block: BlockLayout::default(), buffers: None }
     }
 }
 
@@ -56,6 +60,8 @@ pub struct Engine {
     next_id: AtomicU64,
     /// The log, data files and catalog of an engine made by [`Engine::open`]; `None` in memory.
     pub(crate) durable: Option<Arc<crate::durable::Durable>>,
+    /// The buffer manager, when [`EngineConfig::buffers`] is set.
+    buffers: Option<Buffers>,
 }
 
 impl Engine {
@@ -64,8 +70,10 @@ impl Engine {
         if !(config.host_read_gbps.is_finite() && config.host_read_gbps > 0.0) {
             return Err(Error::InvalidSpec(format!("host_read_gbps {} must be positive", config.host_read_gbps)));
         }
+        let buffers = config.buffers.as_ref().map(|b| Buffers::start(b, config.block)).transpose()?;
         Ok(Self {
             host: MemoryBudget::new(Tier::Host, config.host_memory_bytes),
+            buffers,
             config,
             contexts: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -78,6 +86,24 @@ impl Engine {
         &self.config
     }
 
+    /// Tier statistics of the buffer manager (capacity, used, hit ratio, bytes and latency
+    /// moved, evictions, dropped access records, failures): what `attnstore inspect` prints.
+    /// `None` without [`EngineConfig::buffers`].
+    pub fn buffer_stats(&self) -> Option<attnstore_buffer::BufferStats> {
+        self.buffers.as_ref().map(|b| b.manager.stats())
+    }
+
+    /// Whether the buffer maintainer thread died of a panic (reads still work; nothing is
+    /// admitted into the Gpu tier any more). `false` without a maintainer.
+    pub fn maintainer_poisoned(&self) -> bool {
+        self.buffers.as_ref().and_then(|b| b.maintainer.as_ref()).is_some_and(|m| m.is_poisoned())
+    }
+
+    /// The buffer manager, when configured (for tests and tools that inspect or inject faults).
+    pub fn buffer_manager(&self) -> Option<&Arc<attnstore_buffer::BufferManager>> {
+        self.buffers.as_ref().map(|b| &b.manager)
+    }
+
     /// Bytes of host memory held by stored KV.
     pub fn host_bytes_used(&self) -> usize {
         self.host.used_bytes()
@@ -86,9 +112,9 @@ impl Engine {
     /// Creates an empty context.
     pub fn create_context(&self, spec: ContextSpec) -> Result<ContextId> {
         spec.validate()?;
-        let ctx = Arc::new(Context::new(spec)?);
         // Relaxed: ids only need to be unique, which fetch_add guarantees at any ordering.
         let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
+        let ctx = Arc::new(Context::new(spec, id, self.buffer_manager())?);
         if let Some(durable) = &self.durable {
             durable.log_create(id, &ctx.spec)?;
         }
@@ -99,7 +125,7 @@ impl Engine {
     /// Inserts a recovered context under its stored id; later ids are above it.
     pub(crate) fn insert_context(&self, id: ContextId, spec: ContextSpec) -> Result<()> {
         spec.validate()?;
-        let ctx = Arc::new(Context::new(spec)?);
+        let ctx = Arc::new(Context::new(spec, id, self.buffer_manager())?);
         // Relaxed: recovery runs on one thread before the engine is shared.
         self.next_id.fetch_max(id.0 + 1, Ordering::Relaxed);
         self.contexts.write().insert(id, ctx);
@@ -266,7 +292,7 @@ impl Engine {
             })
             .collect::<Result<Vec<_>>>()?;
         let layers: Vec<&Layer> = guards.iter().map(|g| &**g).collect();
-        Ok(crate::execute::run(plan, &layers))
+        crate::execute::run(plan, &layers)
     }
 
     /// Token positions that query head `q_head` of request `request` attends exactly under

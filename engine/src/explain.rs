@@ -75,11 +75,14 @@ impl Plan {
                 let rt = per_q(&|x| x.retrieve_tokens);
                 let _ = writeln!(
                     s,
-                    "  ├─ Retrieve  exact  {:>9.1} clusters, {:.0} tokens ({:.2}%) per q head   blocks host {} gpu 0 disk 0   bytes {}",
+                    "  ├─ Retrieve  exact  {:>9.1} clusters, {:.0} tokens ({:.2}%) per q head   blocks gpu {} host {} disk {}{}   bytes {}",
                     per_q(&|x| x.retrieve_clusters),
                     rt,
                     pct(rt),
-                    c.retrieve_blocks,
+                    c.tier_blocks[0],
+                    c.tier_blocks[1],
+                    c.tier_blocks[2],
+                    if c.buffered { " (looked up)" } else { " (estimated)" },
                     human_bytes(c.retrieve_bytes)
                 );
                 let et = per_q(&|x| x.estimate_tokens);

@@ -10,6 +10,7 @@
 #![deny(unsafe_code)]
 
 mod budget;
+mod buffers;
 mod context;
 pub mod durable;
 mod engine;
@@ -22,9 +23,11 @@ pub mod synth;
 
 pub mod bench;
 
+pub use attnstore_buffer::{BufferStats, ReplacerKind, Tier, TierStats};
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
 pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
 pub use budget::{Budget, EstimateShare};
+pub use buffers::BufferSettings;
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{Engine, EngineConfig};

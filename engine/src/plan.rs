@@ -59,6 +59,11 @@ pub struct PlanCost {
     pub retrieve_tokens: usize,
     /// Blocks the retrieval zones read (K and V).
     pub retrieve_blocks: usize,
+    /// Those blocks per tier, `[gpu, host, disk]`: looked up in the buffer manager's
+    /// mapping table at planning time when the rows live there (`buffered`), else all host.
+    pub tier_blocks: [usize; 3],
+    /// The retrieved rows live in the buffer manager and `tier_blocks` was looked up.
+    pub buffered: bool,
     /// Clusters estimated (all selections).
     pub estimate_clusters: usize,
     /// Tokens those clusters stand for.
@@ -277,6 +282,8 @@ impl RowBytes {
 fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize, config: &EngineConfig) -> PlanCost {
     let mut c = PlanCost { exact_bytes, ..PlanCost::default() };
     let row_bytes = rows.plain / 2;
+    // Retrieved rows read from buffer-manager blocks: their row bytes, and block bytes per tier.
+    let (mut buffered_rows, mut buffered_bytes) = (0, [0usize; 3]);
     for head in heads {
         c.steady_tokens = head.steady_tokens;
         c.pending_tokens = head.pending_tokens;
@@ -289,11 +296,24 @@ fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize
         for s in &head.selections {
             c.retrieve_clusters += s.retrieve_clusters;
             c.retrieve_tokens += s.retrieve_tokens;
-            c.retrieve_blocks += s
-                .retrieve
-                .iter()
-                .map(|sp| 2 * config.block.blocks_for(rows.indexed_bytes(sp.len()).div_ceil(2)))
-                .sum::<usize>();
+            if s.blocks.is_empty() {
+                let blocks = s
+                    .retrieve
+                    .iter()
+                    .map(|sp| 2 * config.block.blocks_for(rows.indexed_bytes(sp.len()).div_ceil(2)))
+                    .sum::<usize>();
+                c.retrieve_blocks += blocks;
+                c.tier_blocks[Tier::Host as usize] += blocks;
+            } else {
+                let per_tier = attnstore_index::blocks_per_tier(&s.blocks);
+                for (t, n) in per_tier.into_iter().enumerate() {
+                    c.tier_blocks[t] += n;
+                    buffered_bytes[t] += n * config.block.block_bytes();
+                }
+                c.retrieve_blocks += s.blocks.len();
+                buffered_rows += rows.indexed_bytes(s.retrieve_tokens);
+                c.buffered = true;
+            }
             c.retrieve_bytes += rows.indexed_bytes(s.retrieve_tokens);
             c.kv_bytes += rows.indexed_bytes(s.retrieve_tokens);
             c.estimate_clusters += s.estimate.len();
@@ -308,7 +328,8 @@ fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize
         c.scored += scored;
         c.meta_bytes += scored_bytes;
     }
-    c.tier_bytes[Tier::Host as usize] = c.kv_bytes + c.meta_bytes;
+    c.tier_bytes = buffered_bytes;
+    c.tier_bytes[Tier::Host as usize] += c.kv_bytes + c.meta_bytes - buffered_rows;
     c
 }
 

@@ -96,14 +96,14 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
         HeadPlan { exact: false, steady_tokens: 0, pending_tokens: 0, selections }
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
         let d = self.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
         let (keys, values) = (&self.keys[kv_head], &self.values[kv_head]);
         let mut parts = vec![Partial::empty(d); q.len() / d];
         if plan.exact {
             attend_rows(q, scale, keys, values, &mut parts, scratch);
-            return parts;
+            return Ok(parts);
         }
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
@@ -114,7 +114,7 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
             });
             attend_spans(qs, scale, rows, out, scratch);
         }
-        parts
+        Ok(parts)
     }
 
     fn exact_positions(&self, _kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {

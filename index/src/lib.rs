@@ -8,6 +8,7 @@
 
 #![deny(unsafe_code)]
 
+mod blocks;
 mod directory;
 mod error;
 mod flat;
@@ -17,6 +18,7 @@ mod segment;
 mod wave;
 mod window;
 
+pub use blocks::{blocks_per_tier, BlockStore};
 pub use directory::Directory;
 pub use error::{Error, Result};
 pub use flat::FlatIndex;

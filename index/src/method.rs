@@ -135,6 +135,13 @@ pub struct Selection {
     pub retrieve: Vec<RowSpan>,
     /// Clusters chosen for retrieval.
     pub retrieve_clusters: usize,
+    /// Directory ids of the retrieved clusters, ascending (row order).
+    pub retrieve_ids: Vec<u32>,
+    /// The retrieved clusters' blocks as the buffer manager's mapping table gave them at
+    /// planning time (K blocks then V blocks per cluster, in `retrieve_ids` order): each
+    /// one's source tier is `location.tier()`. Empty when the rows are not homed in a buffer
+    /// manager.
+    pub blocks: Vec<attnstore_buffer::BlockLocation>,
     /// Tokens attended exactly in the retrieval zone.
     pub retrieve_tokens: usize,
     /// Directory ids of the clusters estimated.
@@ -207,8 +214,9 @@ pub trait AccessMethod: Send + Sync {
     fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan;
     /// A plan that attends every token exactly.
     fn plan_exact(&self) -> HeadPlan;
-    /// The partials of the group's query heads under `plan` (one per query head).
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial>;
+    /// The partials of the group's query heads under `plan` (one per query head). Fails only
+    /// when stored rows cannot be read (a block that is corrupt, lost or unreadable).
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>>;
     /// Token positions attended exactly by query head `j` of the group under `plan`
     /// (for recall measurements).
     fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32>;

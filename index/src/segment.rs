@@ -1,6 +1,7 @@
 //! Building one segment of one head: spherical k-means on the centred keys, then the
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
+use crate::blocks::{attend_clusters, missing, BlockStore, ClusterRows};
 use crate::error::Result;
 use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, spherical_kmeans, KMeansParams};
@@ -8,16 +9,30 @@ use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::{Element, HackParams, HackRows, Partial};
 use std::ops::Range;
 
-/// The KV rows of one head's segment, in cluster order: plain rows, or (with the `hack2`
-/// codec) 2-bit rows, in which case `keys` and `values` are empty.
+/// The KV rows of one head's segment, in cluster order: plain rows, (with the `hack2`
+/// codec) 2-bit rows, or rows homed in the buffer manager; in the last two cases `keys` and
+/// `values` are empty.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct HeadSegment<E> {
     pub keys: Vec<E>,
     pub values: Vec<E>,
     /// The rows in HACK 2-bit form, when the context's codec is `hack2`.
     pub hack: Option<HackRows>,
+    /// Where the rows are when they live in the buffer manager.
+    pub blocks: Option<SegmentBlocks>,
     /// Original token position of every row.
     pub positions: Vec<u32>,
+}
+
+/// The clusters of a segment whose rows live in the buffer manager.
+#[derive(Debug, Clone)]
+pub(crate) struct SegmentBlocks {
+    /// Directory id of the segment's first cluster (its clusters have consecutive ids).
+    pub first_cluster: u32,
+    /// First row of every cluster, then the segment's row count.
+    pub starts: Vec<u32>,
+    /// Bytes of one K (or V) row.
+    pub row_bytes: usize,
 }
 
 impl<E: Element> HeadSegment<E> {
@@ -32,14 +47,78 @@ impl<E: Element> HeadSegment<E> {
         Ok(())
     }
 
-    /// Bytes of the stored rows, encoded or plain.
+    /// Bytes of the stored rows, encoded, plain, or in the buffer manager's blocks (the
+    /// rows' bytes, without the padding of the blocks' tails).
     pub fn kv_bytes(&self) -> usize {
-        self.hack.as_ref().map_or(0, HackRows::bytes) + (self.keys.len() + self.values.len()) * E::DTYPE.size_bytes()
+        self.hack.as_ref().map_or(0, HackRows::bytes)
+            + self.blocks.as_ref().map_or(0, |b| 2 * self.positions.len() * b.row_bytes)
+            + (self.keys.len() + self.values.len()) * E::DTYPE.size_bytes()
+    }
+
+    /// Moves the rows into the buffer manager (`store`, KV head `head`) as clusters
+    /// `first_cluster..` with the bounds of `metas`, and drops the plain copy. All or nothing:
+    /// on failure the clusters stored so far are freed and the rows stay here.
+    pub fn move_to(
+        &mut self,
+        store: &BlockStore,
+        head: usize,
+        first_cluster: u32,
+        metas: &[ClusterMeta],
+        d: usize,
+    ) -> Result<()> {
+        for (i, m) in metas.iter().enumerate() {
+            let rows = m.start as usize * d..m.end as usize * d;
+            if let Err(e) = store.store(head, first_cluster + i as u32, &self.keys[rows.clone()], &self.values[rows], d)
+            {
+                store.free(head, first_cluster..first_cluster + i as u32);
+                return Err(e);
+            }
+        }
+        let mut starts: Vec<u32> = metas.iter().map(|m| m.start).collect();
+        starts.push(self.positions.len() as u32);
+        self.blocks = Some(SegmentBlocks { first_cluster, starts, row_bytes: d * E::DTYPE.size_bytes() });
+        self.keys = Vec::new();
+        self.values = Vec::new();
+        Ok(())
     }
 
     /// Folds the rows of `ranges` into the partials of query heads `q` (`parts.len() × d`).
-    pub fn attend(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], scratch: &mut Scratch) {
+    /// `store` (and the KV head) say where block-homed rows are; pinning them can fail (a corrupt
+    /// or lost block, an I/O error), which is reported, never served.
+    pub fn attend(
+        &self,
+        store: Option<(&BlockStore, usize)>,
+        q: &[f32],
+        scale: f32,
+        ranges: &[Range<usize>],
+        parts: &mut [Partial],
+        scratch: &mut Scratch,
+    ) -> Result<()> {
         let d = q.len() / parts.len().max(1);
+        if let (Some(b), Some((store, head))) = (&self.blocks, store) {
+            let mut keys = Vec::new();
+            let mut rows = Vec::new();
+            for r in ranges.iter().filter(|r| !r.is_empty()) {
+                let mut c = b.starts.partition_point(|&s| s as usize <= r.start).saturating_sub(1);
+                while c + 1 < b.starts.len() && (b.starts[c] as usize) < r.end {
+                    let (cs, ce) = (b.starts[c] as usize, b.starts[c + 1] as usize);
+                    keys.push(store.key(head, b.first_cluster + c as u32));
+                    rows.push(r.start.max(cs) - cs..r.end.min(ce) - cs);
+                    c += 1;
+                }
+            }
+            let reader = store.buffers().reader();
+            let mut found = Vec::with_capacity(keys.len());
+            reader.clusters(&keys, &mut found);
+            let clusters = found
+                .into_iter()
+                .zip(&keys)
+                .zip(rows)
+                .map(|((f, k), rows)| Ok(ClusterRows { locations: f.ok_or_else(|| missing(k))?, rows }))
+                .collect::<Result<Vec<_>>>()?;
+            let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
+            return attend_clusters::<E>(&reader, per_block, q, scale, &clusters, parts, scratch);
+        }
         match &self.hack {
             Some(rows) => rows.attend(q, scale, ranges, parts, &mut scratch.hack),
             None => {
@@ -48,6 +127,7 @@ impl<E: Element> HeadSegment<E> {
                 attend_spans(q, scale, spans, parts, scratch);
             }
         }
+        Ok(())
     }
 }
 
@@ -100,6 +180,7 @@ pub(crate) fn build_head_segment<E: Element>(
     }
     let mut seg = HeadSegment {
         hack: None,
+        blocks: None,
         keys: Vec::with_capacity(keys.len()),
         values: Vec::with_capacity(values.len()),
         positions: Vec::with_capacity(n),

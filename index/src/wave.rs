@@ -3,6 +3,7 @@
 //! of cluster meta data. Decode tokens that leave the local window wait as *pending* tokens
 //! (attended exactly) until a decode segment's worth has collected, then are clustered.
 
+use crate::blocks::{attend_clusters, BlockStore, ClusterRows};
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
@@ -85,7 +86,7 @@ struct HeadStore<E> {
 }
 
 /// RetroInfer's segmented cluster index over the KV heads of one layer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct WaveIndex<E> {
     params: WaveParams,
     kv_heads: usize,
@@ -96,6 +97,18 @@ pub struct WaveIndex<E> {
     tail_start: usize,
     /// Segments are stored in HACK 2-bit form when set (the `hack2` codec).
     hack: Option<HackParams>,
+    /// Segment rows live in the buffer manager when set (one mapping-table entry per cluster).
+    blocks: Option<BlockStore>,
+}
+
+impl<E> Drop for WaveIndex<E> {
+    fn drop(&mut self) {
+        if let Some(store) = &self.blocks {
+            for (h, head) in self.heads.iter().enumerate() {
+                store.free(h, 0..head.dir.sizes.len() as u32);
+            }
+        }
+    }
 }
 
 impl<E: Element> WaveIndex<E> {
@@ -112,6 +125,7 @@ impl<E: Element> WaveIndex<E> {
             sink_len: 0,
             tail_start: 0,
             hack: None,
+            blocks: None,
         })
     }
 
@@ -119,8 +133,37 @@ impl<E: Element> WaveIndex<E> {
     /// The steady zone (sink, local window, pending tokens) stays in the plain type.
     pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
         check_codec(self.head_dim, hack)?;
+        if hack.is_some() && self.blocks.is_some() {
+            return Err(Error::InvalidParameter {
+                what: "codec",
+                message: "hack2 segments keep their own layout: they cannot live in the buffer manager (yet)".into(),
+            });
+        }
         self.hack = hack;
         Ok(self)
+    }
+
+    /// Homes the rows of every segment built from now on in the buffer manager of `store`:
+    /// one mapping-table entry per cluster, K rows then V rows in whole blocks. Plans record
+    /// each retrieved block's location (and so its tier) when they are made; execution pins
+    /// the blocks. The steady zone and the directory stay in the index. Only for an empty,
+    /// plain (not `hack2`) index whose rows fit a block.
+    pub fn with_blocks(mut self, store: BlockStore) -> Result<Self> {
+        if self.hack.is_some() || self.tokens > 0 {
+            return Err(Error::InvalidParameter {
+                what: "blocks",
+                message: "only an empty index with plain (not hack2) rows can move its segments to the buffer manager"
+                    .into(),
+            });
+        }
+        store.rows_per_block(self.head_dim * E::DTYPE.size_bytes())?;
+        self.blocks = Some(store);
+        Ok(self)
+    }
+
+    /// True when segment rows live in a buffer manager.
+    pub fn is_block_backed(&self) -> bool {
+        self.blocks.is_some()
     }
 
     /// The structure parameters.
@@ -146,6 +189,23 @@ impl<E: Element> WaveIndex<E> {
 
     fn ingest(&mut self, keys: &[f32], values: &[f32], max_segment: usize) -> Result<()> {
         let n = self.check_batch(keys, values)?;
+        let before = (self.sink_len, self.tail_start, self.tokens);
+        let lens: Vec<(usize, usize)> = self.heads.iter().map(|s| (s.sink_keys.len(), s.tail_keys.len())).collect();
+        let result = self.push_and_cut(keys, values, n, max_segment);
+        if result.is_err() {
+            // A failed segment build (e.g. the buffer manager is full) leaves the index as it was.
+            (self.sink_len, self.tail_start, self.tokens) = before;
+            for (store, &(sink, tail)) in self.heads.iter_mut().zip(&lens) {
+                store.sink_keys.truncate(sink);
+                store.sink_values.truncate(sink);
+                store.tail_keys.truncate(tail);
+                store.tail_values.truncate(tail);
+            }
+        }
+        result
+    }
+
+    fn push_and_cut(&mut self, keys: &[f32], values: &[f32], n: usize, max_segment: usize) -> Result<()> {
         let d = self.head_dim;
         let to_sink = (self.params.sink_tokens - self.sink_len.min(self.params.sink_tokens)).min(n);
         for (h, store) in self.heads.iter_mut().enumerate() {
@@ -205,6 +265,20 @@ impl<E: Element> WaveIndex<E> {
                 Ok((seg, metas))
             })
             .collect::<Result<Vec<_>>>()?;
+        let mut built = built;
+        if let Some(blocks) = &self.blocks {
+            // Sequentially, in the order the directory numbers clusters; all or nothing.
+            let mut next: Vec<u32> = self.heads.iter().map(|s| s.dir.len() as u32).collect();
+            for (&(h, _), (seg, metas)) in jobs.iter().zip(built.iter_mut()) {
+                if let Err(e) = seg.move_to(blocks, h, next[h], metas, d) {
+                    for (head, store) in self.heads.iter().enumerate() {
+                        blocks.free(head, store.dir.len() as u32..next[head]);
+                    }
+                    return Err(e);
+                }
+                next[h] += metas.len() as u32;
+            }
+        }
         for (&(h, c), (seg, metas)) in jobs.iter().zip(built) {
             let store = &mut self.heads[h];
             store.dir.push_segment((first_unit + c) as u32, &metas);
@@ -262,25 +336,38 @@ impl<E: Element> WaveIndex<E> {
         (retrieve, rest)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn selection(
         &self,
+        kv_head: usize,
         dir: &Directory<E>,
         first_head: usize,
         scores: &[Vec<f32>],
         choice: &[f32],
         budget: &ZoneBudget,
     ) -> Selection {
-        let (retrieve, estimate) = self.select(dir, choice, budget);
+        let (mut retrieve, estimate) = self.select(dir, choice, budget);
+        retrieve.sort_unstable();
         let mut spans: Vec<_> = retrieve.iter().map(|&id| dir.spans[id as usize]).collect();
         let retrieve_tokens = spans.iter().map(|s| s.len()).sum::<usize>();
         coalesce(&mut spans);
         let estimate_tokens = estimate.iter().map(|&id| dir.sizes[id as usize] as usize).sum::<usize>();
         let estimate_scores = scores.iter().flat_map(|s| estimate.iter().map(|&id| s[id as usize])).collect();
+        // The blocks' locations as of now; a cluster that cannot be found leaves the list
+        // empty and execution looks the clusters up again (and reports what is missing).
+        let blocks = match &self.blocks {
+            Some(store) => {
+                let keys: Vec<_> = retrieve.iter().map(|&id| store.key(kv_head, id)).collect();
+                store.lookup(&keys).unwrap_or_default()
+            }
+            None => Vec::new(),
+        };
         Selection {
             first_head,
             heads: scores.len(),
             retrieve: spans,
             retrieve_clusters: retrieve.len(),
+            blocks,
             retrieve_tokens,
             dropped_clusters: dir.len() - retrieve.len() - estimate.len(),
             dropped_tokens: self.indexed_tokens() - retrieve_tokens - estimate_tokens,
@@ -289,6 +376,7 @@ impl<E: Element> WaveIndex<E> {
             estimate_tokens,
             scored: dir.len(),
             scored_bytes: dir.len() * self.head_dim * E::DTYPE.size_bytes(),
+            retrieve_ids: retrieve,
         }
     }
 
@@ -350,22 +438,23 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
             SelectionMode::PerQueryHead => scores
                 .iter()
                 .enumerate()
-                .map(|(j, s)| self.selection(dir, j, std::slice::from_ref(s), s, budget))
+                .map(|(j, s)| self.selection(kv_head, dir, j, std::slice::from_ref(s), s, budget))
                 .collect(),
             SelectionMode::PerKvHead => {
                 let best: Vec<f32> =
                     (0..dir.len()).map(|c| scores.iter().map(|s| s[c]).fold(f32::NEG_INFINITY, f32::max)).collect();
-                vec![self.selection(dir, 0, &scores, &best, budget)]
+                vec![self.selection(kv_head, dir, 0, &scores, &best, budget)]
             }
         };
         plan
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
         let d = self.head_dim;
         let g = q.len() / d;
         let scale = 1.0 / (d as f32).sqrt();
         let store = &self.heads[kv_head];
+        let blocks = self.blocks.as_ref();
         let mut parts = vec![Partial::empty(d); g];
         attend_rows(q, scale, &store.sink_keys, &store.sink_values, &mut parts, scratch);
         attend_rows(q, scale, &store.tail_keys, &store.tail_values, &mut parts, scratch);
@@ -386,22 +475,60 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 .par_iter()
                 .map_init(Scratch::default, |sc, (i, rows)| {
                     let mut p = vec![Partial::empty(d); g];
-                    store.segments[*i].attend(q, scale, std::slice::from_ref(rows), &mut p, sc);
-                    p
+                    store.segments[*i].attend(
+                        blocks.map(|b| (b, kv_head)),
+                        q,
+                        scale,
+                        std::slice::from_ref(rows),
+                        &mut p,
+                        sc,
+                    )?;
+                    Ok(p)
                 })
-                .collect();
+                .collect::<Result<_>>()?;
             for p in &partials {
                 parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
             }
-            return parts;
+            return Ok(parts);
         }
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
             let mut sub = vec![Partial::empty(d); sel.heads];
-            // Spans are sorted by segment (coalesce sorts them): one call per segment.
-            for runs in sel.retrieve.chunk_by(|a, b| a.unit == b.unit) {
-                let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
-                store.segments[runs[0].unit as usize].attend(qs, scale, &ranges, &mut sub, scratch);
+            match blocks {
+                // Block-homed rows: pin the blocks recorded at planning time (a block that
+                // moved since is found through its owner tag).
+                Some(bs) if !sel.blocks.is_empty() => {
+                    let per_block = bs.rows_per_block(d * E::DTYPE.size_bytes())?;
+                    let mut at = 0;
+                    let mut clusters = Vec::with_capacity(sel.retrieve_ids.len());
+                    for &id in &sel.retrieve_ids {
+                        let size = store.dir.sizes[id as usize] as usize;
+                        let n = 2 * size.div_ceil(per_block);
+                        let locations = sel.blocks.get(at..at + n).ok_or_else(|| {
+                            Error::MissingRows(format!(
+                                "the plan's block list ends before cluster {id} of head {kv_head}"
+                            ))
+                        })?;
+                        clusters.push(ClusterRows { locations, rows: 0..size });
+                        at += n;
+                    }
+                    let reader = bs.buffers().reader();
+                    attend_clusters::<E>(&reader, per_block, qs, scale, &clusters, &mut sub, scratch)?;
+                }
+                _ => {
+                    // Spans are sorted by segment (coalesce sorts them): one call per segment.
+                    for runs in sel.retrieve.chunk_by(|a, b| a.unit == b.unit) {
+                        let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
+                        store.segments[runs[0].unit as usize].attend(
+                            blocks.map(|b| (b, kv_head)),
+                            qs,
+                            scale,
+                            &ranges,
+                            &mut sub,
+                            scratch,
+                        )?;
+                    }
+                }
             }
             let sizes: Vec<f32> = sel.estimate.iter().map(|&id| store.dir.sizes[id as usize] as f32).collect();
             let value_mean = |c: usize| {
@@ -414,7 +541,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 parts[sel.first_head + i].merge(part);
             }
         }
-        parts
+        Ok(parts)
     }
 
     fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {

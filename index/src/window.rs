@@ -78,11 +78,11 @@ impl<E: Element> AccessMethod for WindowIndex<E> {
         self.plan_exact()
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], _plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+    fn execute_head(&self, kv_head: usize, q: &[f32], _plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
         let d = self.head_dim;
         let mut parts = vec![Partial::empty(d); q.len() / d];
         attend_rows(q, 1.0 / (d as f32).sqrt(), &self.keys[kv_head], &self.values[kv_head], &mut parts, scratch);
-        parts
+        Ok(parts)
     }
 
     fn exact_positions(&self, _kv_head: usize, _plan: &HeadPlan, _j: usize) -> Vec<u32> {

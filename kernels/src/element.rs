@@ -58,7 +58,7 @@ impl FromStr for DType {
 }
 
 /// A storage element: something kernels can widen to f32 in bulk.
-pub trait Element: Copy + Default + Send + Sync + 'static {
+pub trait Element: Copy + Default + Send + Sync + bytemuck::Pod + 'static {
     /// The matching [`DType`].
     const DTYPE: DType;
     /// Narrows one f32 (round to nearest even).

@@ -36,6 +36,8 @@ pub(crate) struct RebuildJob {
     pub layer: usize,
     /// Committed end of the layer's data file when recovery loaded it.
     pub loaded_bytes: u64,
+    /// Where the rebuilt index homes its segment rows (the engine's buffer manager).
+    pub blocks: Option<attnstore_index::BlockStore>,
 }
 
 /// Progress of the background rebuild.
@@ -66,7 +68,7 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
     let spec = &job.context.spec;
     let path = data_path(&durable.dir, job.id.0, job.layer);
     let row = spec.shape.kv_heads * spec.shape.head_dim;
-    let mut method = make_method(spec, spec.layers[job.layer])?;
+    let mut method = make_method(spec, spec.layers[job.layer], job.blocks.clone())?;
     let mut reader = ChunkReader::open(&path, job.loaded_bytes, spec.dtype, row)?;
     while let Some(batch) = reader.next_chunk()? {
         apply(&mut *method, &batch)?;

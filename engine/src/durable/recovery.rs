@@ -402,10 +402,13 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                 let handle = engine.context(id)?;
                 let flat = ctx.spec.clone().with_method(Method::Flat);
                 let mut guard = handle.layers[layer].write();
-                guard.method = make_method(&flat, LayerKind::Global)?;
+                guard.method = make_method(&flat, LayerKind::Global, None)?;
                 guard.rebuilding = true;
                 drop(guard);
-                jobs.push(RebuildJob { context: handle, id, layer, loaded_bytes: committed });
+                let blocks = engine
+                    .buffer_manager()
+                    .map(|b| attnstore_index::BlockStore::new(Arc::clone(b), id.0, layer as u32));
+                jobs.push(RebuildJob { context: handle, id, layer, loaded_bytes: committed, blocks });
             }
             let path = data_path(dir, context, layer);
             // Cut what an append wrote before its record committed (if the file exists at all).

@@ -528,7 +528,7 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         })
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Vec<Partial> {
+    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
         let d = self.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
         let kv = &self.heads[kv_head];
@@ -539,7 +539,7 @@ impl<E: Element> AccessMethod for PqIndex<E> {
             }
             attend_rows(q, scale, &kv.base_keys, &kv.base_values, &mut parts, scratch);
             attend_rows(q, scale, &kv.tail_keys, &kv.tail_values, &mut parts, scratch);
-            return parts;
+            return Ok(parts);
         }
         let steady: Vec<RowSpan> = self.steady_ranges().into_iter().flat_map(|r| self.spans_of(r)).collect();
         self.attend_row_spans(kv_head, q, scale, &steady, &mut parts, scratch);
@@ -551,7 +551,7 @@ impl<E: Element> AccessMethod for PqIndex<E> {
                 parts[sel.first_head + i].merge(part);
             }
         }
-        parts
+        Ok(parts)
     }
 
     fn exact_positions(&self, _kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {

@@ -23,7 +23,7 @@ pub fn run(index: &dyn AccessMethod, shape: &AttnShape, q: &[f32], budget: Optio
             Some(b) => index.plan_head(h, qg, b),
             None => index.plan_exact(),
         };
-        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()) {
+        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()).expect("rows in memory are readable") {
             out.extend(p.finish());
         }
     }

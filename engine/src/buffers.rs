@@ -1,0 +1,74 @@
+//! The engine's buffer manager: where the indexed rows of wave contexts live when
+//! [`EngineConfig::buffers`](crate::EngineConfig::buffers) is set.
+
+use crate::error::{Error, Result};
+use attnstore_buffer::{BlockLayout, BufferConfig, BufferManager, DiskConfig, Maintainer, ReplacerKind};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Settings of the engine's buffer manager (`docs/buffer-manager.md`).
+///
+/// With them, every segment a wave context builds moves its rows into the buffer manager:
+/// one cluster mapping-table entry per cluster, K rows then V rows in whole blocks of
+/// [`EngineConfig::block`](crate::EngineConfig::block). Plans record the tier of every
+/// retrieved block when they are made; EXPLAIN counts blocks and bytes per tier; execution
+/// pins the blocks; `Engine::buffer_stats` is what `attnstore inspect` prints. The steady
+/// zone (sink, local window, pending tokens) and the cluster directory stay in the index.
+/// Flat and PQ contexts and `hack2` rows keep their own storage.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BufferSettings {
+    /// Blocks of the Host arena (mapped once at start). It is sized here, not charged to
+    /// [`EngineConfig::host_memory_bytes`](crate::EngineConfig::host_memory_bytes), which
+    /// counts rows as they arrive.
+    pub host_blocks: usize,
+    /// Blocks of the Gpu tier's cache (host memory standing in for it without a GPU).
+    pub gpu_blocks: usize,
+    /// Replacement policy of the Gpu tier.
+    pub replacer: ReplacerKind,
+    /// Folder for spill files: a context larger than the Host arena spills blocks there
+    /// (io_uring, `O_DIRECT`, crc32c per block). `None`: a full arena is a typed error.
+    pub spill_dir: Option<PathBuf>,
+    /// Run the asynchronous maintainer (admits missed blocks into the Gpu tier, evicts by
+    /// policy) with this idle sleep; `None` leaves the Gpu tier as it is.
+    pub maintainer_idle: Option<Duration>,
+}
+
+impl BufferSettings {
+    /// `host_blocks` in the arena, a Gpu cache of 5% of it, CLOCK, no spill folder, a
+    /// maintainer that sleeps 100 µs when idle.
+    pub fn new(host_blocks: usize) -> Self {
+        Self {
+            host_blocks,
+            gpu_blocks: host_blocks / 20,
+            replacer: ReplacerKind::Clock,
+            spill_dir: None,
+            maintainer_idle: Some(Duration::from_micros(100)),
+        }
+    }
+}
+
+/// A running buffer manager and its maintainer.
+pub(crate) struct Buffers {
+    pub manager: Arc<BufferManager>,
+    pub maintainer: Option<Maintainer>,
+}
+
+impl Buffers {
+    pub fn start(settings: &BufferSettings, layout: BlockLayout) -> Result<Self> {
+        let mut config = BufferConfig::new(settings.host_blocks, settings.gpu_blocks);
+        config.layout = layout;
+        config.replacer = settings.replacer;
+        config.check_replacer = false;
+        config.disk = settings.spill_dir.as_ref().map(DiskConfig::new);
+        let manager = Arc::new(BufferManager::new(config)?);
+        let maintainer = match settings.maintainer_idle {
+            Some(idle) => Some(
+                Maintainer::spawn(Arc::clone(&manager), 256, idle)
+                    .map_err(|e| Error::InvalidSpec(format!("cannot start the buffer maintainer thread: {e}")))?,
+            ),
+            None => None,
+        };
+        Ok(Self { manager, maintainer })
+    }
+}

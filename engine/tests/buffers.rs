@@ -1,0 +1,202 @@
+//! Wave contexts whose indexed rows live in the engine's buffer manager: the same answers as
+//! rows kept in the index, plans that record each retrieved block's tier, spill to Disk and
+//! read back, typed errors for full tiers and corrupt blocks, and blocks freed with their
+//! context.
+
+use attnstore::synth::{SynthContext, SynthParams};
+use attnstore::{
+    AttnShape, Budget, BufferSettings, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, Request, Tier,
+    WaveParams,
+};
+use attnstore_kernels::cpu::reference::rel_l2;
+
+fn shape() -> AttnShape {
+    AttnShape::new(8, 2, 32).unwrap()
+}
+
+fn spec(dtype: DType) -> ContextSpec {
+    let wave = WaveParams { segment_tokens: 1024, decode_segment_tokens: 256, ..WaveParams::default() };
+    ContextSpec::new(shape(), 1).with_dtype(dtype).with_method(attnstore::Method::Wave(wave))
+}
+
+fn engine(buffers: Option<BufferSettings>) -> Engine {
+    Engine::in_memory(EngineConfig { buffers, ..EngineConfig::default() }).unwrap()
+}
+
+/// No maintainer thread: tests drive maintenance themselves, so results do not depend on timing.
+fn settings(host_blocks: usize) -> BufferSettings {
+    BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) }
+}
+
+fn load(engine: &Engine, synth: &SynthContext, dtype: DType) -> ContextId {
+    let ctx = engine.create_context(spec(dtype)).unwrap();
+    let split = synth.params.tokens - 300;
+    let (k, v) = synth.slice(0, split);
+    engine.prefill(ctx, 0, &k, &v).unwrap();
+    // Decode appends: pending tokens become a decode segment that is homed in blocks too.
+    for at in (split..synth.params.tokens).step_by(50) {
+        let (k, v) = synth.slice(at, (at + 50).min(synth.params.tokens));
+        engine.append(ctx, 0, &k, &v).unwrap();
+    }
+    ctx
+}
+
+fn run(engine: &Engine, ctx: ContextId, q: &[f32], budget: &Budget) -> attnstore::Result<Vec<f32>> {
+    let plan = engine.plan(&[Request::new(ctx, 0, q.to_vec())], budget)?;
+    Ok(engine.execute(&plan)?.remove(0))
+}
+
+fn sparse() -> Budget {
+    Budget::default().with_retrieve_floor(0).with_retrieve(0.05)
+}
+
+#[test]
+fn rows_in_the_buffer_manager_give_the_answers_of_rows_in_the_index() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), 4000, 3));
+    for dtype in [DType::F32, DType::F16, DType::Bf16] {
+        let plain = engine(None);
+        let buffered = engine(Some(settings(4096)));
+        let (a, b) = (load(&plain, &synth, dtype), load(&buffered, &synth, dtype));
+        assert_eq!(plain.stats(a, 0).unwrap().segments, buffered.stats(b, 0).unwrap().segments);
+        let host = buffered.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks;
+        assert!(host > 0, "{dtype:?}: no block was stored");
+        for step in 0..3 {
+            let q = synth.queries(step);
+            for budget in [Budget::full(), sparse()] {
+                let want = run(&plain, a, &q, &budget).unwrap();
+                let got = run(&buffered, b, &q, &budget).unwrap();
+                let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+                let err = rel_l2(&got, &want64);
+                assert!(err <= 1e-6, "{dtype:?} step {step} exact={}: {err}", budget.exact);
+            }
+        }
+    }
+}
+
+#[test]
+fn plans_record_each_retrieved_blocks_tier_and_explain_shows_them() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), 4000, 5));
+    let buffered = engine(Some(settings(4096)));
+    let ctx = load(&buffered, &synth, DType::F16);
+    let q = synth.queries(0);
+    let plan = buffered.plan(&[Request::new(ctx, 0, q.clone())], &sparse()).unwrap();
+    let r = &plan.requests[0];
+    let blocks: usize = r.heads.iter().flat_map(|h| &h.selections).map(|s| s.blocks.len()).sum();
+    assert!(blocks > 0 && r.cost.buffered);
+    assert_eq!(r.cost.retrieve_blocks, blocks);
+    assert_eq!(r.cost.tier_blocks, [0, blocks, 0], "nothing admitted yet: every block is served by Host");
+    let text = plan.explain();
+    assert!(text.contains(&format!("blocks gpu 0 host {blocks} disk 0 (looked up)")), "{text}");
+    // Each selection's block list holds K and V blocks of every retrieved cluster.
+    for sel in r.heads.iter().flat_map(|h| &h.selections) {
+        assert!(sel.blocks.len() >= 2 * sel.retrieve_ids.len());
+        assert!(sel.retrieve_ids.windows(2).all(|w| w[0] < w[1]));
+    }
+    // After the plan's reads are maintained, its blocks are admitted into the Gpu tier, and
+    // the next plan's lookups say so (and the answer does not change).
+    let first = buffered.execute(&plan).unwrap().remove(0);
+    buffered.buffer_manager().unwrap().maintain(usize::MAX);
+    let again = buffered.plan(&[Request::new(ctx, 0, q)], &sparse()).unwrap();
+    assert!(again.requests[0].cost.tier_blocks[0] > 0, "{}", again.explain());
+    assert!(again.requests[0].cost.tier_bytes[0] > 0);
+    assert_eq!(buffered.execute(&again).unwrap().remove(0), first);
+    let stats = buffered.buffer_stats().unwrap();
+    assert!(stats.tier(Tier::Gpu).unwrap().hits > 0, "{stats}");
+}
+
+#[test]
+fn a_context_larger_than_the_host_arena_spills_to_disk_and_reads_back_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape(), 3000, 9));
+    let plain = engine(None);
+    let small = BufferSettings { spill_dir: Some(dir.path().to_path_buf()), gpu_blocks: 0, ..settings(64) };
+    let buffered = engine(Some(small));
+    let (a, b) = (load(&plain, &synth, DType::F16), load(&buffered, &synth, DType::F16));
+    let stats = buffered.buffer_stats().unwrap();
+    assert_eq!(stats.tier(Tier::Host).unwrap().used_blocks, 64, "{stats}");
+    assert!(stats.tier(Tier::Disk).unwrap().used_blocks > 64, "{stats}");
+    for step in 0..2 {
+        let q = synth.queries(step);
+        for budget in [Budget::full(), sparse()] {
+            let want: Vec<f64> = run(&plain, a, &q, &budget).unwrap().iter().map(|&x| f64::from(x)).collect();
+            let err = rel_l2(&run(&buffered, b, &q, &budget).unwrap(), &want);
+            assert!(err <= 1e-6, "step {step}: {err}");
+        }
+    }
+    let plan = buffered.plan(&[Request::new(b, 0, synth.queries(0))], &sparse()).unwrap();
+    assert!(plan.requests[0].cost.tier_blocks[2] > 0, "{}", plan.explain());
+    assert!(plan.requests[0].cost.tier_bytes[2] > 0);
+}
+
+#[test]
+fn a_full_arena_without_a_spill_folder_is_a_typed_error_and_changes_nothing() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), 3000, 11));
+    let buffered = engine(Some(settings(16)));
+    let ctx = buffered.create_context(spec(DType::F16)).unwrap();
+    let err = buffered.prefill(ctx, 0, &synth.keys, &synth.values).unwrap_err();
+    assert!(matches!(err, Error::Index(attnstore_index::Error::Buffer(_))), "{err}");
+    assert!(err.to_string().contains("full"), "{err}");
+    assert_eq!(buffered.stats(ctx, 0).unwrap().tokens, 0);
+    assert_eq!(buffered.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks, 0);
+    // A prefill that fits still works afterwards.
+    let (k, v) = synth.slice(0, 200);
+    buffered.prefill(ctx, 0, &k, &v).unwrap();
+    assert_eq!(buffered.stats(ctx, 0).unwrap().tokens, 200);
+}
+
+#[test]
+fn a_corrupt_spilled_block_is_reported_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape(), 3000, 13));
+    let small = BufferSettings { spill_dir: Some(dir.path().to_path_buf()), gpu_blocks: 0, ..settings(8) };
+    let buffered = engine(Some(small));
+    let ctx = load(&buffered, &synth, DType::F16);
+    let q = synth.queries(0);
+    let plan = buffered.plan(&[Request::new(ctx, 0, q.clone())], &sparse()).unwrap();
+    let manager = buffered.buffer_manager().unwrap();
+    let on_disk = plan.requests[0]
+        .heads
+        .iter()
+        .flat_map(|h| &h.selections)
+        .flat_map(|s| &s.blocks)
+        .find(|l| l.tier() == Tier::Disk)
+        .expect("a retrieved block on disk");
+    let (path, offset) = manager.disk_location(on_disk.block()).unwrap().unwrap();
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[offset as usize + 17] ^= 0x10;
+    std::fs::write(&path, bytes).unwrap();
+    let err = buffered.execute(&plan).unwrap_err();
+    assert!(err.to_string().contains("corrupt") || err.to_string().contains("crc"), "{err}");
+    // The lost block stays reported on later reads; exact plans hit it too.
+    assert!(run(&buffered, ctx, &q, &Budget::full()).is_err());
+    assert!(buffered.buffer_stats().unwrap().tier(Tier::Disk).unwrap().failures > 0);
+}
+
+#[test]
+fn dropping_a_context_frees_its_blocks() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), 3000, 17));
+    let buffered = engine(Some(settings(4096)));
+    let a = load(&buffered, &synth, DType::F16);
+    let used = buffered.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks;
+    let b = load(&buffered, &synth, DType::F16);
+    assert_eq!(buffered.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks, 2 * used);
+    buffered.drop_context(a).unwrap();
+    assert_eq!(buffered.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks, used);
+    // The other context still answers.
+    run(&buffered, b, &synth.queries(0), &sparse()).unwrap();
+    buffered.drop_context(b).unwrap();
+    assert_eq!(buffered.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks, 0);
+}
+
+#[test]
+fn a_block_that_does_not_hold_one_row_is_a_typed_error() {
+    let config = EngineConfig {
+        block: attnstore_buffer::BlockLayout::new(512).unwrap(),
+        buffers: Some(settings(64)),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::in_memory(config).unwrap();
+    let wide = AttnShape::new(2, 1, 256).unwrap();
+    let err = engine.create_context(ContextSpec::new(wide, 1).with_dtype(DType::F32)).unwrap_err();
+    assert!(err.to_string().contains("must fit one block"), "{err}");
+}
