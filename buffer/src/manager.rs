@@ -843,6 +843,21 @@ impl BufferManager {
             mapping: self.mapping.reader(),
             records: RefCell::new(Vec::new()),
             counts: Cell::new([0; 3]),
+            track: true,
+        }
+    }
+
+    /// A reader for a scan (an exact plan reading every block once): like [`Self::reader`],
+    /// but its pins log no access records, so a scan neither admits what it reads into the
+    /// Gpu tier nor evicts the blocks sparse plans keep re-reading (scan resistance, as a
+    /// database's sequential scan bypasses its buffer pool's recency list). Hits still count.
+    pub fn scan_reader(&self) -> Reader<'_> {
+        Reader {
+            buffers: self,
+            mapping: self.mapping.reader(),
+            records: RefCell::new(Vec::new()),
+            counts: Cell::new([0; 3]),
+            track: false,
         }
     }
 
@@ -921,6 +936,8 @@ pub struct Reader<'a> {
     records: RefCell<Vec<AccessRecord>>,
     /// Gpu hits, Gpu misses, Host hits of this reader, added to the shared counters on flush.
     counts: Cell<[u64; 3]>,
+    /// Log access records (false for scans).
+    track: bool,
 }
 
 impl Drop for Reader<'_> {
@@ -945,7 +962,9 @@ impl<'a> Reader<'a> {
     }
 
     fn note(&self, block: BlockId, gpu_slot: u32, tier: Tier) {
-        self.records.borrow_mut().push(AccessRecord { block, gpu_slot });
+        if self.track {
+            self.records.borrow_mut().push(AccessRecord { block, gpu_slot });
+        }
         let mut counts = self.counts.get();
         match tier {
             Tier::Gpu => counts[0] += 1,

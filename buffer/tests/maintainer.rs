@@ -96,3 +96,34 @@ fn a_full_access_queue_drops_and_counts_records_without_blocking() {
     assert_eq!(buffers.maintain(usize::MAX), 40);
     assert_eq!(buffers.stats().queued_access_records, 0);
 }
+
+#[test]
+fn a_scan_reader_counts_its_reads_but_admits_and_evicts_nothing() {
+    let buffers = BufferManager::new(BufferConfig::new(64, 4)).unwrap();
+    for c in 0..16 {
+        buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
+    }
+    // A sparse plan's reads admit its blocks.
+    let reader = buffers.reader();
+    for c in 0..4 {
+        let location = reader.cluster(&key(c)).unwrap()[0];
+        assert_eq!(reader.pin(&location).unwrap()[0], c as u8);
+    }
+    drop(reader);
+    assert_eq!(buffers.maintain(usize::MAX), 4);
+    let cached: Vec<_> = (0..4).map(|c| buffers.reader().cluster(&key(c)).unwrap()[0].block()).collect();
+    assert!(cached.iter().all(|&b| buffers.tier_of(b).unwrap() == Tier::Gpu));
+    // A scan over every block reads the right bytes, logs nothing, and leaves the cache alone.
+    let hits_before = buffers.stats().tier(Tier::Host).unwrap().hits;
+    let scan = buffers.scan_reader();
+    for c in 0..16 {
+        let location = scan.cluster(&key(c)).unwrap()[0];
+        assert_eq!(scan.pin(&location).unwrap()[0], c as u8);
+    }
+    drop(scan);
+    assert_eq!(buffers.maintain(usize::MAX), 0, "a scan logs no access records");
+    assert!(cached.iter().all(|&b| buffers.tier_of(b).unwrap() == Tier::Gpu));
+    let stats = buffers.stats();
+    assert_eq!(stats.tier(Tier::Host).unwrap().hits, hits_before + 12, "{stats}");
+    assert_eq!(stats.tier(Tier::Gpu).unwrap().hits, 4, "{stats}");
+}

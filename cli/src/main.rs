@@ -9,8 +9,8 @@ mod model;
 use attnstore::bench::{self, BenchConfig, BenchMethod};
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
-    AttnShape, Budget, Codec, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method, PqParams, Request,
-    SelectionMode, WaveParams,
+    AttnShape, Budget, BufferSettings, Codec, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method,
+    PqParams, ReplacerKind, Request, SelectionMode, WaveParams,
 };
 use clap::{Args, Parser, Subcommand};
 use std::io::{IsTerminal, Write};
@@ -35,6 +35,10 @@ enum Command {
     Bench(BenchArgs),
     /// Print the plan (EXPLAIN) of one decode step over a synthetic context.
     Explain(ExplainArgs),
+    /// Serve a synthetic wave context from the buffer manager and from the index in the same
+    /// run (decode steps on both), then print the buffer manager's tiers: capacity, used,
+    /// hit ratio, bytes and latency moved, evictions, dropped access records, failures.
+    Inspect(InspectArgs),
     /// Verify every checksum of a durable engine directory and print what is there (read-only).
     Check {
         /// The engine directory.
@@ -186,6 +190,49 @@ struct ExplainArgs {
     /// One line per KV head as well.
     #[arg(long)]
     verbose: bool,
+}
+
+#[derive(Args)]
+struct InspectArgs {
+    /// Context length (K and M suffixes allowed).
+    #[arg(long, default_value = "32K", value_parser = parse_tokens)]
+    tokens: usize,
+    #[command(flatten)]
+    shape: ShapeArgs,
+    #[command(flatten)]
+    budget: BudgetArgs,
+    /// Sparse decode steps (distinct queries).
+    #[arg(long, default_value_t = 200)]
+    steps: usize,
+    /// Of those, steps that also run an exact plan on both engines.
+    #[arg(long, default_value_t = 3)]
+    exact_steps: usize,
+    /// Blocks of the Host arena; 0 sizes it to hold the whole context. Smaller needs
+    /// --spill-dir (the rest spills to disk) or the prefill fails with a typed error.
+    #[arg(long, default_value_t = 0)]
+    host_blocks: usize,
+    /// Gpu-tier cache as a share of the Host arena (host memory stands in for it on the CPU).
+    #[arg(long, default_value_t = 0.05)]
+    gpu_share: f64,
+    /// Replacement policy of the Gpu tier: lru, lfu, clock or sieve.
+    #[arg(long, default_value = "clock", value_parser = parse_replacer)]
+    replacer: ReplacerKind,
+    /// Folder for spilled blocks (created; files deleted at the end).
+    #[arg(long)]
+    spill_dir: Option<PathBuf>,
+    /// Do not run the asynchronous maintainer (nothing is admitted into the Gpu tier).
+    #[arg(long)]
+    no_maintainer: bool,
+    /// Block size in bytes (a multiple of 512).
+    #[arg(long, default_value_t = 2048)]
+    block_bytes: usize,
+}
+
+fn parse_replacer(s: &str) -> Result<ReplacerKind, String> {
+    ReplacerKind::ALL
+        .into_iter()
+        .find(|k| k.name() == s.trim().to_ascii_lowercase())
+        .ok_or_else(|| format!("unknown replacer {s:?}: expected lru, lfu, clock or sieve"))
 }
 
 pub(crate) fn parse_tokens(s: &str) -> Result<usize, String> {
@@ -360,6 +407,55 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     Ok(())
 }
 
+fn inspect(args: InspectArgs) -> Result<(), String> {
+    let shape = shape_of(&args.shape)?;
+    if !(0.0..=1.0).contains(&args.gpu_share) {
+        return Err(format!("--gpu-share {} must be in 0..=1", args.gpu_share));
+    }
+    if args.shape.codec.is_some_and(|c| c.hack().is_some()) {
+        return Err("inspect serves plain rows: hack2 rows are not homed in the buffer manager yet".into());
+    }
+    let budget = Budget::default()
+        .with_retrieve(args.budget.retrieve)
+        .with_retrieve_floor(args.budget.retrieve_floor)
+        .with_exact_threshold(args.budget.exact_threshold);
+    budget.validate().map_err(|e| e.to_string())?;
+    let layout = attnstore::BlockLayout::new(args.block_bytes).map_err(|e| e.to_string())?;
+    let block = layout.block_bytes();
+    let host_blocks = match args.host_blocks {
+        0 => attnstore::bench::blocks_for_context(&shape, args.shape.dtype, args.tokens, block),
+        n => n,
+    };
+    let buffers = BufferSettings {
+        host_blocks,
+        gpu_blocks: (host_blocks as f64 * args.gpu_share) as usize,
+        replacer: args.replacer,
+        spill_dir: args.spill_dir.clone(),
+        maintainer_idle: (!args.no_maintainer).then(|| Duration::from_micros(100)),
+    };
+    let cfg = attnstore::bench::InspectConfig {
+        tokens: args.tokens,
+        shape,
+        dtype: codec_of(&args.shape).plain_dtype(),
+        steps: args.steps,
+        exact_steps: args.exact_steps.min(args.steps),
+        budget,
+        buffers,
+        block: layout,
+        seed: args.shape.seed,
+        progress: true,
+    };
+    let report = attnstore::bench::inspect(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
+    println!("{}", attnstore::bench::table(&report.rows));
+    for r in &report.rows {
+        println!("{}", r.json());
+    }
+    println!("largest relative difference between the two engines' outputs: {:.2e}", report.max_rel_diff);
+    println!("\nEXPLAIN of the last sparse plan over the buffered context:\n{}", report.explain);
+    println!("buffer manager:\n{}", report.stats);
+    Ok(())
+}
+
 fn check(dir: PathBuf) -> Result<(), String> {
     let report = attnstore::durable::check(&dir).map_err(|e| format!("check failed: {e}"))?;
     println!("{report}");
@@ -397,6 +493,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(a) => bench(a),
         Command::Explain(a) => explain(a),
+        Command::Inspect(a) => inspect(a),
         Command::Check { dir } => check(dir),
         Command::Recover { dir } => recover(dir),
         Command::BenchWal(a) => bench_wal(a),

@@ -23,7 +23,7 @@ pub mod synth;
 
 pub mod bench;
 
-pub use attnstore_buffer::{BufferStats, ReplacerKind, Tier, TierStats};
+pub use attnstore_buffer::{BlockLayout, BufferStats, ReplacerKind, Tier, TierStats};
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
 pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
 pub use budget::{Budget, EstimateShare};

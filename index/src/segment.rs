@@ -107,7 +107,9 @@ impl<E: Element> HeadSegment<E> {
                     c += 1;
                 }
             }
-            let reader = store.buffers().reader();
+            // Exact plans read every block once through here: a scan, which must not flush
+            // the Gpu tier (sparse plans pin their recorded blocks with a tracking reader).
+            let reader = store.buffers().scan_reader();
             let mut found = Vec::with_capacity(keys.len());
             reader.clusters(&keys, &mut found);
             let clusters = found

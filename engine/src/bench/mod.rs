@@ -2,8 +2,10 @@
 //! sparse plans of the wave and PQ indexes and an oracle exact top-k, all in the same run,
 //! on synthetic contexts. Prints ratios against same-run baselines plus absolute figures (BENCH.md).
 
+mod inspect;
 mod report;
 
+pub use inspect::{blocks_for_context, inspect, InspectConfig, InspectReport};
 pub use report::{table, Row};
 
 use crate::budget::{Budget, EstimateShare};

@@ -39,6 +39,10 @@ pub struct Scratch {
 /// per-tile softmax bookkeeping is paid once per 64 rows instead of once per span.
 const GATHER_ROWS: usize = 64;
 
+/// Spans ahead whose first rows are prefetched (retrieved clusters and blocks are short runs
+/// scattered in memory that no hardware prefetcher can guess).
+const PREFETCH_SPANS: usize = 8;
+
 /// Folds the rows `keys`/`values` (each `n × d`, same storage type) into the partials of the
 /// `g = parts.len()` query heads whose vectors are the rows of `q` (`g × d`).
 /// `scale` multiplies every dot product (normally `1/√d`).
@@ -82,10 +86,10 @@ pub fn attend_spans<'a, E: Element>(
     gather_values.resize(GATHER_ROWS * d, 0.0);
     let mut gathered = 0;
     // Retrieved clusters are short runs scattered over the head's storage: no hardware
-    // prefetcher can guess the next one, so ask for the runs two ahead before working.
+    // prefetcher can guess the next one, so ask for runs PREFETCH_SPANS ahead before working.
     let spans: Vec<(&[E], &[E])> = spans.into_iter().collect();
     for (i, &(keys, values)) in spans.iter().enumerate() {
-        if let Some(&(k, v)) = spans.get(i + 2) {
+        if let Some(&(k, v)) = spans.get(i + PREFETCH_SPANS) {
             prefetch(&k[..k.len().min(TILE_ROWS * d)]);
             prefetch(&v[..v.len().min(TILE_ROWS * d)]);
         }
@@ -98,17 +102,44 @@ pub fn attend_spans<'a, E: Element>(
         }
         if gathered + rows > GATHER_ROWS {
             let n = gathered * d;
-            attend_tiles(queries, scale, &gather_keys[..n], &gather_values[..n], parts, scores, d);
+            attend_tiles(
+                queries,
+                scale,
+                &as_elems::<E>(gather_keys)[..n],
+                &as_elems::<E>(gather_values)[..n],
+                parts,
+                scores,
+                d,
+            );
             gathered = 0;
         }
-        E::widen(keys, &mut gather_keys[gathered * d..][..keys.len()]);
-        E::widen(values, &mut gather_values[gathered * d..][..values.len()]);
+        as_elems_mut::<E>(gather_keys)[gathered * d..][..keys.len()].copy_from_slice(keys);
+        as_elems_mut::<E>(gather_values)[gathered * d..][..values.len()].copy_from_slice(values);
         gathered += rows;
     }
     if gathered > 0 {
         let n = gathered * d;
-        attend_tiles(queries, scale, &gather_keys[..n], &gather_values[..n], parts, scores, d);
+        attend_tiles(
+            queries,
+            scale,
+            &as_elems::<E>(gather_keys)[..n],
+            &as_elems::<E>(gather_values)[..n],
+            parts,
+            scores,
+            d,
+        );
     }
+}
+
+/// The gather buffer (f32 storage, so aligned for every element type) seen as elements of
+/// the storage type: short spans are copied there as they are, not widened, so the gathered
+/// run goes through the same kernel as a long span.
+fn as_elems<E: Element>(buf: &[f32]) -> &[E] {
+    bytemuck::cast_slice(buf)
+}
+
+fn as_elems_mut<E: Element>(buf: &mut [f32]) -> &mut [E] {
+    bytemuck::cast_slice_mut(buf)
 }
 
 /// The tile loop of [`attend_spans`] for one run of rows.

@@ -1,0 +1,184 @@
+//! `attnstore inspect`: one synthetic wave context served twice in the same run — rows kept
+//! in the index, and rows homed in the buffer manager — decode steps planned and executed on
+//! both (same queries, interleaved), then the buffer manager's tier statistics.
+
+use super::report::Row;
+use crate::buffers::BufferSettings;
+use crate::synth::{SynthContext, SynthParams};
+use crate::{Budget, ContextId, ContextSpec, Engine, EngineConfig, Request, Result};
+use attnstore_buffer::BufferStats;
+use attnstore_kernels::{AttnShape, DType};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::time::Instant;
+
+/// Settings of [`inspect`].
+#[derive(Debug, Clone)]
+pub struct InspectConfig {
+    /// Context length.
+    pub tokens: usize,
+    /// Heads and head dimension.
+    pub shape: AttnShape,
+    /// Storage type.
+    pub dtype: DType,
+    /// Sparse decode steps (distinct queries).
+    pub steps: usize,
+    /// Of those, steps that also run an exact (full-budget) plan on both engines.
+    pub exact_steps: usize,
+    /// The sparse budget.
+    pub budget: Budget,
+    /// The buffer manager; `host_blocks == 0` sizes the arena to hold the whole context.
+    pub buffers: BufferSettings,
+    /// Block size of the buffer manager.
+    pub block: attnstore_buffer::BlockLayout,
+    /// Seed of the synthetic data.
+    pub seed: u64,
+    /// Show a progress bar on stderr.
+    pub progress: bool,
+}
+
+/// What [`inspect`] measured.
+#[derive(Debug, Clone)]
+pub struct InspectReport {
+    /// Timing rows: prefill, sparse and exact decode, rows in the index vs in the buffer manager.
+    pub rows: Vec<Row>,
+    /// EXPLAIN of the last sparse plan over the buffered context.
+    pub explain: String,
+    /// The buffer manager's statistics at the end.
+    pub stats: BufferStats,
+    /// Largest relative L2 difference between the two engines' outputs (0 when identical).
+    pub max_rel_diff: f64,
+}
+
+/// Host blocks that hold all indexed rows of a context: per cluster, K and V each round up
+/// to whole blocks (clusters average 16 tokens, so ≤ tokens / 16 + segments partial blocks).
+pub fn blocks_for_context(shape: &AttnShape, dtype: DType, tokens: usize, block_bytes: usize) -> usize {
+    let per_block = (block_bytes / (shape.head_dim * dtype.size_bytes())).max(1);
+    let per_head = tokens.div_ceil(per_block) + tokens / 8 + 64;
+    2 * per_head * shape.kv_heads
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(f64::NAN)
+}
+
+fn timed(
+    engine: &Engine,
+    ctx: ContextId,
+    q: &[f32],
+    budget: &Budget,
+    times: &mut Vec<f64>,
+) -> Result<(Vec<f32>, crate::Plan)> {
+    let t = Instant::now();
+    let plan = engine.plan(&[Request::new(ctx, 0, q.to_vec())], budget)?;
+    let out = engine.execute(&plan)?.remove(0);
+    times.push(t.elapsed().as_secs_f64() * 1e6);
+    Ok((out, plan))
+}
+
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    let (mut num, mut den) = (0.0f64, 0.0f64);
+    for (x, y) in a.iter().zip(b) {
+        num += (f64::from(*x) - f64::from(*y)).powi(2);
+        den += f64::from(*y).powi(2);
+    }
+    (num / den.max(f64::MIN_POSITIVE)).sqrt()
+}
+
+/// Runs the comparison (see the module docs).
+pub fn inspect(cfg: &InspectConfig) -> Result<InspectReport> {
+    let config = EngineConfig { block: cfg.block, ..EngineConfig::default() };
+    let mut settings = cfg.buffers.clone();
+    if settings.host_blocks == 0 {
+        settings.host_blocks = blocks_for_context(&cfg.shape, cfg.dtype, cfg.tokens, config.block.block_bytes());
+        settings.gpu_blocks = settings.host_blocks / 20;
+    }
+    let plain = Engine::in_memory(config.clone())?;
+    let buffered = Engine::in_memory(EngineConfig { buffers: Some(settings), ..config })?;
+    let synth = SynthContext::generate(SynthParams::new(cfg.shape, cfg.tokens, cfg.seed));
+    let spec = ContextSpec::new(cfg.shape, 1).with_dtype(cfg.dtype);
+    let mut prefill = [0.0; 2];
+    let mut ctxs = [ContextId(0); 2];
+    for (i, engine) in [&plain, &buffered].into_iter().enumerate() {
+        ctxs[i] = engine.create_context(spec.clone())?;
+        let t = Instant::now();
+        engine.prefill(ctxs[i], 0, &synth.keys, &synth.values)?;
+        prefill[i] = t.elapsed().as_secs_f64() * 1e6;
+    }
+    let pb = if cfg.progress { ProgressBar::new(cfg.steps as u64) } else { ProgressBar::hidden() };
+    if let Ok(style) = ProgressStyle::with_template("decode steps [{bar:30}] {pos}/{len} ({elapsed})") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    let (mut sparse, mut exact) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
+    let mut max_rel_diff = 0.0f64;
+    let mut explain = String::new();
+    for step in 0..cfg.steps {
+        let q = synth.queries(step as u64);
+        let mut runs: Vec<(usize, &Budget)> = vec![(0, &cfg.budget), (1, &cfg.budget)];
+        let full = Budget::full();
+        if step < cfg.exact_steps {
+            runs.extend([(2, &full), (3, &full)]);
+        }
+        // Alternate which engine goes first, so neither always finds the caches warm.
+        if step % 2 == 1 {
+            runs.swap(0, 1);
+            if runs.len() == 4 {
+                runs.swap(2, 3);
+            }
+        }
+        let mut outs: [Vec<f32>; 4] = Default::default();
+        for (which, budget) in runs {
+            let (engine, times) = match which {
+                0 => (&plain, &mut sparse[0]),
+                1 => (&buffered, &mut sparse[1]),
+                2 => (&plain, &mut exact[0]),
+                _ => (&buffered, &mut exact[1]),
+            };
+            let (out, plan) = timed(engine, ctxs[which % 2], &q, budget, times)?;
+            if which == 1 {
+                explain = plan.explain();
+            }
+            outs[which] = out;
+        }
+        max_rel_diff = max_rel_diff.max(rel_diff(&outs[1], &outs[0]));
+        if step < cfg.exact_steps {
+            max_rel_diff = max_rel_diff.max(rel_diff(&outs[3], &outs[2]));
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    let stats = buffered.buffer_stats().expect("configured with a buffer manager");
+    let mut rows = Vec::new();
+    let mut row = |what: &str, times: &mut [Vec<f64>; 2]| {
+        let [a, b] = times;
+        a.sort_by(f64::total_cmp);
+        b.sort_by(f64::total_cmp);
+        for (method, t, base) in [("rows-in-index", &*a, &*a), ("rows-in-buffer-manager", &*b, &*a)] {
+            if t.is_empty() {
+                continue;
+            }
+            let mut r = Row::new("inspect", method);
+            r.set("what", what)
+                .set("tokens", cfg.tokens as u64)
+                .set("steps", t.len() as u64)
+                .set("p50_us", percentile(t, 0.5))
+                .set("p99_us", percentile(t, 0.99))
+                .set("baseline", "rows-in-index")
+                .set("ratio_p50", percentile(t, 0.5) / percentile(base, 0.5));
+            rows.push(r);
+        }
+    };
+    row("sparse decode", &mut sparse);
+    row("exact decode", &mut exact);
+    for (method, us) in [("rows-in-index", prefill[0]), ("rows-in-buffer-manager", prefill[1])] {
+        let mut r = Row::new("inspect", method);
+        r.set("what", "prefill")
+            .set("tokens", cfg.tokens as u64)
+            .set("steps", 1u64)
+            .set("p50_us", us)
+            .set("p99_us", us)
+            .set("baseline", "rows-in-index")
+            .set("ratio_p50", us / prefill[0]);
+        rows.push(r);
+    }
+    Ok(InspectReport { rows, explain, stats, max_rel_diff })
+}
