@@ -446,7 +446,19 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         progress: true,
     };
     let report = attnstore::bench::inspect(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
-    println!("{}", attnstore::bench::table(&report.rows));
+    println!("{:<14} {:<24} {:>6} {:>12} {:>12} {:>10}", "what", "rows", "steps", "p50_us", "p99_us", "p50 ratio");
+    for r in &report.rows {
+        let field = |k: &str| r.get(k).map_or_else(String::new, |v| v.to_string().trim_matches('"').to_string());
+        println!(
+            "{:<14} {:<24} {:>6} {:>12} {:>12} {:>10}",
+            field("what"),
+            field("method"),
+            field("steps"),
+            field("p50_us"),
+            field("p99_us"),
+            field("ratio_p50")
+        );
+    }
     for r in &report.rows {
         println!("{}", r.json());
     }
