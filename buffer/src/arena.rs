@@ -26,22 +26,45 @@ struct Frame {
     owner: AtomicU64,
 }
 
-/// The arena's memory. With the `cuda` feature this is where pinned, device-mapped memory
-/// from cudarc's `cuMemHostAlloc(DEVICEMAP)` plugs in (hook: [`HostMemory::allocate`]).
+/// The arena's memory: anonymous memory, or (feature `cuda`, Host tier, a GPU present)
+/// pinned host memory mapped into the device's address space, so GPU kernels read blocks
+/// in place (zero-copy) and copies to the device run at full PCIe speed.
 enum HostMemory {
     Anonymous(#[expect(dead_code, reason = "held only to keep the mapping alive")] MmapMut),
+    #[cfg(feature = "cuda")]
+    Pinned(pinned::Pinned),
+}
+
+/// What backs a [`FramePool`]'s arena.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostMemoryKind {
+    /// Anonymous `mmap` memory (no GPU, or the `cuda` feature is off).
+    Anonymous,
+    /// Pinned host memory from `cuMemHostAlloc(DEVICEMAP | PORTABLE)`; the device sees the
+    /// arena at the given base address.
+    Pinned {
+        /// Device address of the arena's first byte (slot `s` is at `base + s × block_bytes`).
+        device_base: u64,
+    },
 }
 
 impl HostMemory {
-    fn allocate(bytes: usize) -> Result<(Self, *mut u8)> {
+    fn allocate(tier: Tier, bytes: usize, want_pinned: bool) -> Result<(Self, *mut u8)> {
         #[cfg(feature = "cuda")]
-        {
-            // HOOK(cuda): allocate with cudarc `cuMemHostAlloc(bytes, CU_MEMHOSTALLOC_DEVICEMAP)`
-            // when a device is present and keep the pointer in a `HostMemory::Pinned` variant whose
-            // Drop calls `cuMemFreeHost`. Not implemented yet: anonymous memory is used, said once.
-            static ONCE: std::sync::Once = std::sync::Once::new();
-            ONCE.call_once(|| eprintln!("attnstore-buffer: pinned host memory not implemented yet; using mmap"));
+        if want_pinned && tier == Tier::Host {
+            match pinned::Pinned::allocate(bytes.max(1)) {
+                Ok(mut p) => {
+                    let base = p.host_ptr();
+                    return Ok((HostMemory::Pinned(p), base));
+                }
+                Err(why) => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| eprintln!("attnstore-buffer: no pinned host memory ({why}); using mmap"));
+                }
+            }
         }
+        #[cfg(not(feature = "cuda"))]
+        let _ = (tier, want_pinned);
         // An mmap failure is the kernel refusing memory: a typed error, never an abort.
         let mut map = MmapMut::map_anon(bytes.max(1)).map_err(|_| Error::OutOfMemory {
             tier: Tier::Host,
@@ -51,6 +74,60 @@ impl HostMemory {
         })?;
         let base = map.as_mut_ptr();
         Ok((HostMemory::Anonymous(map), base))
+    }
+
+    fn kind(&self) -> HostMemoryKind {
+        match self {
+            HostMemory::Anonymous(_) => HostMemoryKind::Anonymous,
+            #[cfg(feature = "cuda")]
+            HostMemory::Pinned(p) => HostMemoryKind::Pinned { device_base: p.device_base() },
+        }
+    }
+}
+
+/// Pinned, device-mapped host memory through cudarc (dynamic loading: a machine without the
+/// CUDA driver gets an error here, never a crash).
+#[cfg(feature = "cuda")]
+mod pinned {
+    use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
+    use std::sync::Arc;
+
+    pub(super) struct Pinned {
+        slice: PinnedHostSlice<u8>,
+        device_base: u64,
+        _ctx: Arc<CudaContext>,
+    }
+
+    impl Pinned {
+        pub(super) fn allocate(bytes: usize) -> Result<Self, String> {
+            // cudarc panics when it cannot load the driver library; that means "no GPU here".
+            let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+                .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
+                .map_err(|e| format!("no usable GPU 0: {e:?}"))?;
+            let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+            // SAFETY: the slice's bytes are uninitialized host memory; the arena only hands out
+            // slot bytes after a writer filled them (owner tags), and u8 has no invalid values.
+            let mut slice = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, flags) }
+                .map_err(|e| format!("cuMemHostAlloc of {bytes} bytes failed: {e:?}"))?;
+            let host = slice.as_mut_ptr().map_err(|e| format!("pinned pointer: {e:?}"))?;
+            let mut device: sys::CUdeviceptr = 0;
+            // SAFETY: `host` is the start of a live DEVICEMAP allocation of this context, and
+            // `device` is a valid out-pointer; flags must be 0.
+            let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) };
+            if status != sys::CUresult::CUDA_SUCCESS {
+                return Err(format!("cuMemHostGetDevicePointer failed: {status:?}"));
+            }
+            Ok(Self { slice, device_base: device, _ctx: ctx })
+        }
+
+        pub(super) fn host_ptr(&mut self) -> *mut u8 {
+            // Checked in `allocate`; the slice never moves.
+            self.slice.as_mut_ptr().expect("pinned pointer checked at allocation")
+        }
+
+        pub(super) fn device_base(&self) -> u64 {
+            self.device_base
+        }
     }
 }
 
@@ -81,8 +158,9 @@ pub(crate) enum PinFailure {
 }
 
 impl FramePool {
-    /// A pool of `slots` slots of `block_bytes` each, all free.
-    pub(crate) fn new(tier: Tier, slots: usize, block_bytes: usize) -> Result<Self> {
+    /// A pool of `slots` slots of `block_bytes` each, all free. `want_pinned`: a Host
+    /// arena in pinned, device-mapped memory when the `cuda` feature is on and a GPU answers.
+    pub(crate) fn new(tier: Tier, slots: usize, block_bytes: usize, want_pinned: bool) -> Result<Self> {
         let slots_u32 = u32::try_from(slots).map_err(|_| Error::BadConfig {
             what: "slots",
             expected: "< 2^32",
@@ -94,11 +172,16 @@ impl FramePool {
             available_bytes: 0,
             limit_bytes: 0,
         })?;
-        let (memory, base) = HostMemory::allocate(bytes)?;
+        let (memory, base) = HostMemory::allocate(tier, bytes, want_pinned)?;
         let frames = (0..slots).map(|_| Frame { latch: AtomicU32::new(0), owner: AtomicU64::new(NO_OWNER) }).collect();
         // Lowest slot first out: pop() from the end of a reversed list.
         let free = Mutex::new((0..slots_u32).rev().collect());
         Ok(Self { block_bytes, _memory: memory, base, frames, free })
+    }
+
+    /// What backs the arena.
+    pub(crate) fn memory_kind(&self) -> HostMemoryKind {
+        self._memory.kind()
     }
 
     pub(crate) fn capacity(&self) -> usize {
@@ -232,7 +315,7 @@ mod tests {
 
     #[test]
     fn a_pinned_slot_cannot_be_latched_and_a_latched_slot_cannot_be_pinned() {
-        let pool = FramePool::new(Tier::Host, 4, 64).unwrap();
+        let pool = FramePool::new(Tier::Host, 4, 64, false).unwrap();
         let slot = pool.alloc_slot().unwrap();
         {
             let mut w = pool.lock(slot).unwrap();

@@ -27,6 +27,7 @@ pub mod replacer;
 mod stats;
 mod tier;
 
+pub use arena::HostMemoryKind;
 pub use block::{BlockId, BlockKey, BlockLayout, ClusterKey};
 pub use budget::{MemoryBudget, Reservation};
 pub use disk::{DiskConfig, DiskTier, FaultPlan, FaultyIo, IoBackend, IoChoice};

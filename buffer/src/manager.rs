@@ -8,7 +8,7 @@
 //! with a bound; it only ever *tries* a slot's exclusive latch, so a pinned block is never
 //! overwritten, moved or evicted: the operation fails with [`Error::Pinned`] or picks another victim.
 
-use crate::arena::{FramePool, PinFailure, SlotRead, SlotWrite, NO_OWNER};
+use crate::arena::{FramePool, HostMemoryKind, PinFailure, SlotRead, SlotWrite, NO_OWNER};
 use crate::disk::{DiskConfig, DiskTier};
 use crate::mapping::{BlockLocation, MappingReader, MappingTable};
 use crate::replacer::{ReplacerKind, SanityReplacer};
@@ -46,6 +46,10 @@ pub struct BufferConfig {
     /// A host-memory budget the arena's bytes are reserved from (the engine's), so a manager
     /// that does not fit fails with [`Error::OutOfMemory`] before mapping anything.
     pub host_budget: Option<Arc<MemoryBudget>>,
+    /// Put the Host arena in pinned, device-mapped memory (`cuMemHostAlloc`) when the `cuda`
+    /// feature is on and GPU 0 answers; otherwise (and on any failure, said once) anonymous
+    /// memory. [`BufferManager::host_memory`] says which it got.
+    pub pinned_host: bool,
 }
 
 impl BufferConfig {
@@ -62,6 +66,7 @@ impl BufferConfig {
             lock_timeout: Duration::from_secs(1),
             check_replacer: cfg!(debug_assertions),
             host_budget: None,
+            pinned_host: true,
         }
     }
 }
@@ -206,8 +211,8 @@ impl BufferManager {
             replacer_name: replacer.name(),
             _host_reservation: host_reservation,
             lock_timeout: config.lock_timeout,
-            host: FramePool::new(Tier::Host, config.host_blocks, block_bytes)?,
-            gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes)?,
+            host: FramePool::new(Tier::Host, config.host_blocks, block_bytes, config.pinned_host)?,
+            gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes, false)?,
             disk,
             mapping: MappingTable::new(),
             state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
@@ -836,6 +841,22 @@ impl BufferManager {
         Ok(guard)
     }
 
+    /// What backs the Host arena: anonymous memory, or pinned memory the GPU reads in place
+    /// (with the arena's device address).
+    pub fn host_memory(&self) -> HostMemoryKind {
+        self.host.memory_kind()
+    }
+
+    /// The Host slot of `block` when its home is the Host arena (with [`Self::host_memory`]'s
+    /// device base, what a zero-copy GPU gather reads: `base + slot × block_bytes`).
+    pub fn host_slot(&self, block: BlockId) -> Result<Option<u32>> {
+        let state = self.state()?;
+        Ok(match state.meta(block)?.home {
+            Home::Host(slot) => Some(slot),
+            _ => None,
+        })
+    }
+
     /// A reader for one plan: lock-free cluster lookups and pins.
     pub fn reader(&self) -> Reader<'_> {
         Reader {
@@ -923,6 +944,7 @@ impl BufferManager {
             queued_access_records: self.queued_records.load(Ordering::Relaxed) as usize,
             replacer: self.replacer_name,
             disk_backend: self.disk.as_ref().map(DiskTier::backend_name),
+            host_memory: self.host.memory_kind(),
         }
     }
 }

@@ -99,6 +99,8 @@ pub struct BufferStats {
     pub replacer: &'static str,
     /// The Disk tier's I/O backend (`io_uring`, `pread`, ...), when there is a Disk tier.
     pub disk_backend: Option<&'static str>,
+    /// What backs the Host arena (pinned and device-mapped, or anonymous memory).
+    pub host_memory: crate::HostMemoryKind,
 }
 
 impl BufferStats {
@@ -146,8 +148,12 @@ impl fmt::Display for BufferStats {
         }
         write!(
             f,
-            "block {} B, replacer {}, disk I/O {}, access records: {} queued, {} dropped",
+            "block {} B, host memory {}, replacer {}, disk I/O {}, access records: {} queued, {} dropped",
             self.block_bytes,
+            match self.host_memory {
+                crate::HostMemoryKind::Anonymous => "anonymous",
+                crate::HostMemoryKind::Pinned { .. } => "pinned (device-mapped)",
+            },
             self.replacer,
             self.disk_backend.unwrap_or("-"),
             self.queued_access_records,
