@@ -19,6 +19,40 @@ enum Keys {
     PerToken(usize),
     /// Per channel, blocks of this many tokens (KIVI's layout).
     PerChannel(usize),
+    /// Per token, partitions of this many dims, after subtracting the mean key (`center`)
+    /// and/or a randomized Hadamard rotation (`rotate`). Both keep scores up to a constant
+    /// per query (`q·μ`), which softmax ignores, and the rotation keeps dot products exact.
+    Transformed { part: usize, center: bool, rotate: bool },
+}
+
+/// In-place fast Walsh–Hadamard transform of a power-of-two length, scaled to be orthonormal.
+fn hadamard(x: &mut [f32]) {
+    let n = x.len();
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+    let s = 1.0 / (n as f32).sqrt();
+    x.iter_mut().for_each(|v| *v *= s);
+}
+
+/// Random ±1 signs then a Hadamard transform: an orthogonal matrix `R`; its inverse is the
+/// transform followed by the same signs.
+fn rotate(x: &mut [f32], signs: &[f32]) {
+    x.iter_mut().zip(signs).for_each(|(v, s)| *v *= s);
+    hadamard(x);
+}
+
+fn unrotate(x: &mut [f32], signs: &[f32]) {
+    hadamard(x);
+    x.iter_mut().zip(signs).for_each(|(v, s)| *v *= s);
 }
 
 fn attention(q: &[f32], k: &[f32], v: &[f32], d: usize) -> Vec<f32> {
@@ -88,6 +122,10 @@ fn main() {
         ("per token, Π = 32, stochastic", Keys::PerToken(32), true),
         ("per channel, 64 tokens, stochastic", Keys::PerChannel(64), true),
         ("per channel, 32 tokens, to nearest", Keys::PerChannel(32), false),
+        ("per token, Π = 64, centred, stochastic", Keys::Transformed { part: 64, center: true, rotate: false }, true),
+        ("per token, Π = 64, rotated, stochastic", Keys::Transformed { part: 64, center: false, rotate: true }, true),
+        ("per token, Π = 64, centred+rotated, stoch.", Keys::Transformed { part: 64, center: true, rotate: true }, true),
+        ("per token, Π = 64, centred+rotated, nearest", Keys::Transformed { part: 64, center: true, rotate: true }, false),
     ] {
         let (mut ek, mut ev, mut eb) = (0.0, 0.0, 0.0);
         for layer in 0..m.layers {
@@ -103,6 +141,28 @@ fn main() {
                         }
                     }
                     Keys::PerChannel(block) => per_channel(&mut kq, d, block, &mut rng, stochastic),
+                    Keys::Transformed { part, center, rotate: rot } => {
+                        let rows = p - KEEP;
+                        let mut mean = vec![0.0f32; d];
+                        if center {
+                            for row in kq[KEEP * d..].chunks(d) {
+                                mean.iter_mut().zip(row).for_each(|(m, x)| *m += x / rows as f32);
+                            }
+                        }
+                        let mut sg = SplitMix64::new(99);
+                        let signs: Vec<f32> = (0..d).map(|_| if sg.uniform() < 0.5 { -1.0 } else { 1.0 }).collect();
+                        for row in kq[KEEP * d..].chunks_mut(d) {
+                            row.iter_mut().zip(&mean).for_each(|(x, m)| *x -= m);
+                            if rot {
+                                rotate(row, &signs);
+                            }
+                            row.chunks_mut(part).for_each(|x| quantize(x, &mut rng, stochastic));
+                            if rot {
+                                unrotate(row, &signs);
+                            }
+                            row.iter_mut().zip(&mean).for_each(|(x, m)| *x += m);
+                        }
+                    }
                 }
                 let mut vq = vh.to_vec();
                 per_channel(&mut vq, d, 64, &mut rng, stochastic);
