@@ -26,5 +26,5 @@ pub use method::{AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, Selecti
 pub use pq::{
     BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,
 };
-pub use wave::{WaveIndex, WaveParams};
+pub use wave::{HeadLayout, SegmentLayout, WaveIndex, WaveLayout, WaveParams};
 pub use window::WindowIndex;

@@ -226,4 +226,16 @@ pub trait AccessMethod: Send + Sync {
     fn build_handle(&self) -> Option<crate::pq::BuildHandle> {
         None
     }
+    /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:
+    /// nothing worth keeping; recovery rebuilds from the KV).
+    fn layout(&self) -> Option<crate::WaveLayout> {
+        None
+    }
+    /// Rebuilds this empty method from a checkpointed `layout` and the KV it covers (same
+    /// layout as [`AccessMethod::append`]). `Ok(false)` when the method keeps no layout (the
+    /// caller then ingests the KV normally).
+    fn restore(&mut self, layout: &crate::WaveLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
+        let _ = (layout, keys, values);
+        Ok(false)
+    }
 }

@@ -180,20 +180,36 @@ pub(crate) fn build_head_segment<E: Element>(
         order[counts[a as usize] as usize] = row as u32;
         counts[a as usize] += 1;
     }
+    let sizes: Vec<u32> = offsets.windows(2).map(|w| w[1] - w[0]).filter(|&n| n > 0).collect();
+    Ok(assemble_segment(keys, values, &wide_keys, first_position, d, &order, &sizes))
+}
+
+/// The segment whose rows are `order` (row numbers within `keys`/`values`, cluster after
+/// cluster) with non-empty clusters of `sizes` rows, and each cluster's mean key and value.
+/// `wide_keys` are `keys` widened to f32. Used by a build (after k-means) and by a restore
+/// from a checkpointed layout (no k-means).
+pub(crate) fn assemble_segment<E: Element>(
+    keys: &[E],
+    values: &[E],
+    wide_keys: &[f32],
+    first_position: u32,
+    d: usize,
+    order: &[u32],
+    sizes: &[u32],
+) -> (HeadSegment<E>, Vec<ClusterMeta>) {
+    let n = order.len();
     let mut seg = HeadSegment {
         hack: None,
         blocks: None,
-        keys: Vec::with_capacity(keys.len()),
-        values: Vec::with_capacity(values.len()),
+        keys: Vec::with_capacity(n * d),
+        values: Vec::with_capacity(n * d),
         positions: Vec::with_capacity(n),
     };
     let mut wide_value = vec![0.0f32; d];
-    let mut metas = Vec::new();
-    for c in 0..km.clusters {
-        let (start, end) = (offsets[c], offsets[c + 1]);
-        if start == end {
-            continue;
-        }
+    let mut metas = Vec::with_capacity(sizes.len());
+    let mut start = 0u32;
+    for &size in sizes {
+        let end = start + size;
         let out_start = seg.positions.len() as u32;
         let mut centroid = vec![0.0f32; d];
         let mut value_mean = vec![0.0f32; d];
@@ -210,12 +226,13 @@ pub(crate) fn build_head_segment<E: Element>(
                 *m += v;
             }
         }
-        let inv = 1.0 / (end - start) as f32;
+        let inv = 1.0 / size as f32;
         centroid.iter_mut().for_each(|x| *x *= inv);
         value_mean.iter_mut().for_each(|x| *x *= inv);
-        metas.push(ClusterMeta { start: out_start, end: out_start + (end - start), centroid, value_mean });
+        metas.push(ClusterMeta { start: out_start, end: out_start + size, centroid, value_mean });
+        start = end;
     }
-    Ok((seg, metas))
+    (seg, metas)
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@ use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection,
     SelectionMode, ZoneBudget,
 };
-use crate::segment::{build_head_segment, BuildParams, HeadSegment};
+use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::estimate::estimate_group;
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
@@ -68,6 +68,43 @@ impl WaveParams {
         }
         Ok(())
     }
+}
+
+/// The structure of a wave index without its rows: which tokens form each segment and, per
+/// KV head, its clusters (sizes, and the token positions in cluster order). With the same KV
+/// it rebuilds the index exactly, without k-means ([`WaveIndex::restore`]): the index meta
+/// data a checkpoint keeps. Centroids and value means are not stored; they are the means of
+/// the rows and are recomputed in one pass.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct WaveLayout {
+    /// Tokens covered.
+    pub tokens: u64,
+    /// Tokens in the sink.
+    pub sink_len: u64,
+    /// First token after the last segment (pending and local tokens follow).
+    pub tail_start: u64,
+    /// Segments in order.
+    pub segments: Vec<SegmentLayout>,
+}
+
+/// One segment of a [`WaveLayout`]: tokens `first..first + len`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SegmentLayout {
+    /// First token position.
+    pub first: u64,
+    /// Tokens.
+    pub len: u64,
+    /// One entry per KV head.
+    pub heads: Vec<HeadLayout>,
+}
+
+/// The clusters of one KV head in one segment.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct HeadLayout {
+    /// Tokens of each (non-empty) cluster, in storage order.
+    pub sizes: Vec<u32>,
+    /// Token positions in storage (cluster) order.
+    pub positions: Vec<u32>,
 }
 
 /// Rows one rayon task attends in an exact plan (a multiple of the 2-bit codec's 64-row
@@ -250,7 +287,7 @@ impl<E: Element> WaveIndex<E> {
                 let params = BuildParams {
                     tokens_per_cluster: self.params.tokens_per_cluster,
                     max_iters: self.params.max_iters,
-                    seed: self.params.seed ^ ((first_unit + c) as u64).wrapping_mul(0x9E37_79B9) ^ (h as u64) << 40,
+                    seed: self.segment_seed(first_unit + c, h),
                 };
                 let (mut seg, metas) = build_head_segment(
                     &store.tail_keys[s * d..(s + len) * d],
@@ -265,7 +302,30 @@ impl<E: Element> WaveIndex<E> {
                 Ok((seg, metas))
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut built = built;
+        self.push_segments(&jobs, first_unit, built)?;
+        for store in &mut self.heads {
+            store.tail_keys.drain(..start * d);
+            store.tail_values.drain(..start * d);
+        }
+        self.tail_start += start;
+        Ok(())
+    }
+
+    /// Seed of the clustering (and of the 2-bit rounding) of segment `unit` of head `h`.
+    fn segment_seed(&self, unit: usize, h: usize) -> u64 {
+        self.params.seed ^ (unit as u64).wrapping_mul(0x9E37_79B9) ^ (h as u64) << 40
+    }
+
+    /// Stores built segments (`jobs[i]` = (head, segment − `first_unit`) of `built[i]`): rows
+    /// to the buffer manager when the index has one (all or nothing), clusters into the
+    /// directory.
+    fn push_segments(
+        &mut self,
+        jobs: &[(usize, usize)],
+        first_unit: usize,
+        mut built: Vec<(HeadSegment<E>, Vec<ClusterMeta>)>,
+    ) -> Result<()> {
+        let d = self.head_dim;
         if let Some(blocks) = &self.blocks {
             // Sequentially, in the order the directory numbers clusters; all or nothing.
             let mut next: Vec<u32> = self.heads.iter().map(|s| s.dir.len() as u32).collect();
@@ -284,11 +344,122 @@ impl<E: Element> WaveIndex<E> {
             store.dir.push_segment((first_unit + c) as u32, &metas);
             store.segments.push(seg);
         }
-        for store in &mut self.heads {
-            store.tail_keys.drain(..start * d);
-            store.tail_values.drain(..start * d);
+        Ok(())
+    }
+
+    /// The index's structure (see [`WaveLayout`]).
+    pub fn layout(&self) -> WaveLayout {
+        let units = self.heads.first().map_or(0, |s| s.segments.len());
+        let mut segments: Vec<SegmentLayout> = (0..units)
+            .map(|u| {
+                let seg = &self.heads[0].segments[u];
+                let first = seg.positions.iter().copied().min().unwrap_or(0);
+                SegmentLayout { first: u64::from(first), len: seg.positions.len() as u64, heads: Vec::new() }
+            })
+            .collect();
+        for store in &self.heads {
+            let mut sizes = vec![Vec::new(); units];
+            for (span, &size) in store.dir.spans.iter().zip(&store.dir.sizes) {
+                sizes[span.unit as usize].push(size);
+            }
+            for (u, sizes) in sizes.into_iter().enumerate() {
+                segments[u].heads.push(HeadLayout { sizes, positions: store.segments[u].positions.clone() });
+            }
         }
-        self.tail_start += start;
+        WaveLayout {
+            tokens: self.tokens as u64,
+            sink_len: self.sink_len as u64,
+            tail_start: self.tail_start as u64,
+            segments,
+        }
+    }
+
+    /// Rebuilds this empty index from `layout` and the KV it covers (`kv_heads × tokens ×
+    /// head_dim`, the tokens the layout was taken over): the same segments, clusters, rows
+    /// and 2-bit codes as the index the layout came from, without k-means. A layout that
+    /// does not fit (wrong sizes, positions that are not a permutation of their segment,
+    /// segments that do not tile the indexed range) is a typed error and changes nothing.
+    pub fn restore(&mut self, layout: &WaveLayout, keys: &[f32], values: &[f32]) -> Result<()> {
+        let bad = |message: String| Error::InvalidParameter { what: "wave layout", message };
+        if self.tokens > 0 {
+            return Err(bad("only an empty index can be restored".into()));
+        }
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let n = batch_tokens(h, d, keys, values)?;
+        if n as u64 != layout.tokens {
+            return Err(bad(format!("the layout covers {} tokens, the KV given has {n}", layout.tokens)));
+        }
+        let sink = self.params.sink_tokens.min(n);
+        if layout.sink_len != sink as u64 || layout.tail_start < layout.sink_len || layout.tail_start > layout.tokens {
+            return Err(bad(format!(
+                "sink {} and tail start {} do not fit {n} tokens with a sink of {sink}",
+                layout.sink_len, layout.tail_start
+            )));
+        }
+        let mut next = layout.sink_len;
+        for (u, seg) in layout.segments.iter().enumerate() {
+            if seg.first != next || seg.len == 0 || seg.heads.len() != h {
+                return Err(bad(format!(
+                    "segment {u} (tokens {}+{}, {} heads) does not follow token {next} with {h} heads",
+                    seg.first,
+                    seg.len,
+                    seg.heads.len()
+                )));
+            }
+            for (head, hl) in seg.heads.iter().enumerate() {
+                let mut seen = vec![false; seg.len as usize];
+                let fits = hl.positions.len() as u64 == seg.len
+                    && hl.sizes.iter().all(|&s| s > 0)
+                    && hl.sizes.iter().map(|&s| u64::from(s)).sum::<u64>() == seg.len
+                    && hl.positions.iter().all(|&p| {
+                        let r = u64::from(p).wrapping_sub(seg.first);
+                        r < seg.len && !std::mem::replace(&mut seen[r as usize], true)
+                    });
+                if !fits {
+                    return Err(bad(format!(
+                        "segment {u} head {head}: cluster sizes or positions do not cover its tokens once"
+                    )));
+                }
+            }
+            next += seg.len;
+        }
+        if next != layout.tail_start {
+            return Err(bad(format!(
+                "segments end at token {next}, the layout's tail starts at {}",
+                layout.tail_start
+            )));
+        }
+        let (sink_len, tail_start) = (layout.sink_len as usize, layout.tail_start as usize);
+        let jobs: Vec<(usize, usize)> =
+            (0..h).flat_map(|hh| (0..layout.segments.len()).map(move |u| (hh, u))).collect();
+        let built = jobs
+            .par_iter()
+            .map(|&(hh, u)| {
+                let seg = &layout.segments[u];
+                let hl = &seg.heads[hh];
+                let rows = (hh * n + seg.first as usize) * d..(hh * n + (seg.first + seg.len) as usize) * d;
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                push_narrow(&mut k, &keys[rows.clone()]);
+                push_narrow(&mut v, &values[rows]);
+                let mut wide = vec![0.0f32; k.len()];
+                E::widen(&k, &mut wide);
+                let order: Vec<u32> = hl.positions.iter().map(|&p| p - seg.first as u32).collect();
+                let (mut built, metas) = assemble_segment(&k, &v, &wide, seg.first as u32, d, &order, &hl.sizes);
+                if let Some(hack) = self.hack {
+                    built.encode(d, hack, self.segment_seed(u, hh) ^ 0x4841_434b)?;
+                }
+                Ok((built, metas))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.push_segments(&jobs, 0, built)?;
+        for (hh, store) in self.heads.iter_mut().enumerate() {
+            let (k, v) = (&keys[hh * n * d..(hh + 1) * n * d], &values[hh * n * d..(hh + 1) * n * d]);
+            push_narrow(&mut store.sink_keys, &k[..sink_len * d]);
+            push_narrow(&mut store.sink_values, &v[..sink_len * d]);
+            push_narrow(&mut store.tail_keys, &k[tail_start * d..]);
+            push_narrow(&mut store.tail_values, &v[tail_start * d..]);
+        }
+        (self.tokens, self.sink_len, self.tail_start) = (n, sink_len, tail_start);
         Ok(())
     }
 
@@ -542,6 +713,15 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
             }
         }
         Ok(parts)
+    }
+
+    fn layout(&self) -> Option<WaveLayout> {
+        Some(WaveIndex::layout(self))
+    }
+
+    fn restore(&mut self, layout: &WaveLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
+        WaveIndex::restore(self, layout, keys, values)?;
+        Ok(true)
     }
 
     fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {

@@ -124,8 +124,16 @@ fn main() {
         ("per channel, 32 tokens, to nearest", Keys::PerChannel(32), false),
         ("per token, Π = 64, centred, stochastic", Keys::Transformed { part: 64, center: true, rotate: false }, true),
         ("per token, Π = 64, rotated, stochastic", Keys::Transformed { part: 64, center: false, rotate: true }, true),
-        ("per token, Π = 64, centred+rotated, stoch.", Keys::Transformed { part: 64, center: true, rotate: true }, true),
-        ("per token, Π = 64, centred+rotated, nearest", Keys::Transformed { part: 64, center: true, rotate: true }, false),
+        (
+            "per token, Π = 64, centred+rotated, stoch.",
+            Keys::Transformed { part: 64, center: true, rotate: true },
+            true,
+        ),
+        (
+            "per token, Π = 64, centred+rotated, nearest",
+            Keys::Transformed { part: 64, center: true, rotate: true },
+            false,
+        ),
     ] {
         let (mut ek, mut ev, mut eb) = (0.0, 0.0, 0.0);
         for layer in 0..m.layers {

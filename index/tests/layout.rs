@@ -1,0 +1,106 @@
+//! A wave index restored from its layout and the same KV (a checkpoint's index meta data)
+//! is the index it came from: same segments, clusters, rows, 2-bit codes and answers, with
+//! no clustering; a layout that does not fit is a typed error that changes nothing.
+
+mod common;
+
+use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveLayout, WaveParams, ZoneBudget};
+use attnstore_kernels::{AttnShape, HackParams};
+use common::{randn, run};
+use half::f16;
+
+const HEADS: usize = 2;
+const D: usize = 32;
+
+fn params() -> WaveParams {
+    WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() }
+}
+
+/// Tokens `from..to` of `all` (`HEADS × total × D`) as one batch (`HEADS × n × D`).
+fn slice(all: &[f32], total: usize, from: usize, to: usize) -> Vec<f32> {
+    (0..HEADS).flat_map(|h| all[(h * total + from) * D..(h * total + to) * D].iter().copied()).collect()
+}
+
+/// Prefill `prefill` tokens, then append the rest in batches of 37.
+fn build(hack: Option<HackParams>, k: &[f32], v: &[f32], total: usize, prefill: usize) -> WaveIndex<f16> {
+    let mut w = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
+    w.prefill(&slice(k, total, 0, prefill), &slice(v, total, 0, prefill)).unwrap();
+    let mut at = prefill;
+    while at < total {
+        let to = (at + 37).min(total);
+        w.append(&slice(k, total, at, to), &slice(v, total, at, to)).unwrap();
+        at = to;
+    }
+    w
+}
+
+#[test]
+fn a_restored_index_is_the_index_it_came_from() {
+    let shape = AttnShape::new(8, HEADS, D).unwrap();
+    let total = 2000;
+    let (k, v) = (randn(shape.kv_len(total), 1, 1.0), randn(shape.kv_len(total), 2, 1.0));
+    for hack in [None, Some(HackParams::default())] {
+        let original = build(hack, &k, &v, total, 1200);
+        let layout = original.layout();
+        assert!(layout.segments.len() >= 3, "prefill and decode segments: {}", layout.segments.len());
+        let mut restored = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
+        restored.restore(&layout, &k, &v).unwrap();
+        assert_eq!(restored.layout(), layout);
+        assert_eq!(restored.stats(), original.stats());
+        for seed in 0..3 {
+            let q = randn(shape.query_len(), 10 + seed, 2.0);
+            assert_eq!(run(&restored, &shape, &q, None), run(&original, &shape, &q, None), "exact, {hack:?}");
+            for mode in [SelectionMode::PerKvHead, SelectionMode::PerQueryHead] {
+                let zone = ZoneBudget { retrieve_tokens: 100, estimate_tokens: 400, mode };
+                for h in 0..HEADS {
+                    let qh = &q[h * 4 * D..(h + 1) * 4 * D];
+                    assert_eq!(restored.plan_head(h, qh, &zone), original.plan_head(h, qh, &zone));
+                }
+                assert_eq!(run(&restored, &shape, &q, Some(&zone)), run(&original, &shape, &q, Some(&zone)));
+            }
+        }
+        // Decoding goes on from the restored state exactly as from the original.
+        let more = randn(HEADS * 300 * D, 7, 1.0);
+        let (mut a, mut b) = (original, restored);
+        a.append(&more, &more).unwrap();
+        b.append(&more, &more).unwrap();
+        assert_eq!(a.layout(), b.layout());
+    }
+}
+
+#[test]
+fn a_layout_that_does_not_fit_is_a_typed_error_and_changes_nothing() {
+    let shape = AttnShape::new(8, HEADS, D).unwrap();
+    let total = 1500;
+    let (k, v) = (randn(shape.kv_len(total), 3, 1.0), randn(shape.kv_len(total), 4, 1.0));
+    let good = build(None, &k, &v, total, 1500).layout();
+    let mut broken: Vec<(&str, WaveLayout)> = Vec::new();
+    let mut dup = good.clone();
+    dup.segments[0].heads[1].positions[1] = dup.segments[0].heads[1].positions[0];
+    broken.push(("a position twice", dup));
+    let mut sizes = good.clone();
+    sizes.segments[1].heads[0].sizes[0] += 1;
+    broken.push(("sizes not summing to the segment", sizes));
+    let mut gap = good.clone();
+    gap.segments.remove(0);
+    broken.push(("a missing segment", gap));
+    let mut heads = good.clone();
+    heads.segments[0].heads.pop();
+    broken.push(("a missing head", heads));
+    let mut tokens = good.clone();
+    tokens.tokens += 1;
+    broken.push(("more tokens than the KV", tokens));
+    let mut outside = good.clone();
+    outside.segments[0].heads[0].positions[0] = 1_000_000;
+    broken.push(("a position outside its segment", outside));
+    for (what, layout) in broken {
+        let mut w = WaveIndex::<f16>::new(params(), HEADS, D).unwrap();
+        let err = w.restore(&layout, &k, &v).unwrap_err();
+        assert!(err.to_string().contains("wave layout") || err.to_string().contains("expected"), "{what}: {err}");
+        assert_eq!(w.stats().tokens, 0, "{what}");
+        assert!(w.layout().segments.is_empty(), "{what}");
+    }
+    // A non-empty index is not restored over.
+    let mut w = build(None, &k, &v, total, 1500);
+    assert!(w.restore(&good, &k, &v).is_err());
+}
