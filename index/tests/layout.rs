@@ -2,6 +2,7 @@
 //! is the index it came from: same segments, clusters, rows, 2-bit codes and answers, with
 //! no clustering; a layout that does not fit is a typed error that changes nothing.
 
+#[allow(dead_code, reason = "helpers shared by the test files; this one uses some")]
 mod common;
 
 use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveLayout, WaveParams, ZoneBudget};
