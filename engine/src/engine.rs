@@ -262,6 +262,35 @@ impl Engine {
         Ok(())
     }
 
+    /// Restores an empty layer from a checkpointed index layout and the KV it covers
+    /// (recovery): no clustering. A layout that does not fit is a typed error and leaves the
+    /// layer empty; a method without layouts ingests the KV as a prefill instead.
+    pub(crate) fn restore_layer(
+        &self,
+        id: ContextId,
+        layer: usize,
+        layout: &attnstore_index::WaveLayout,
+        keys: &[f32],
+        values: &[f32],
+    ) -> Result<()> {
+        let ctx = self.context(id)?;
+        let shape = ctx.spec.shape;
+        let row = shape.kv_heads * shape.head_dim;
+        let tokens = keys.len() / row.max(1);
+        let mut guard = layer_of(&ctx, id, layer)?.write();
+        if guard.prefilled {
+            return Err(Error::AlreadyPrefilled { context: id, layer, tokens: guard.method.stats().tokens });
+        }
+        let batch = self.host.reserve(tokens * 2 * row * ctx.spec.dtype.size_bytes())?;
+        if !guard.method.restore(layout, keys, values)? {
+            guard.method.prefill(keys, values)?;
+        }
+        guard.reservation = Some(batch);
+        guard.prefilled = true;
+        guard.version += 1;
+        Ok(())
+    }
+
     /// Plans attention for a batch of requests under one budget. Plans are data: inspect
     /// them with [`Plan::explain`], run them with [`Engine::execute`].
     pub fn plan(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {

@@ -491,3 +491,57 @@ fn a_hack2_context_reopens_with_the_same_codec_and_identical_attention() {
     let after: Vec<_> = (0..2).map(|l| attention(&engine, ctx, &synth, l)).collect();
     assert_eq!(after, before);
 }
+
+#[test]
+fn a_checkpointed_index_layout_restores_wave_layers_without_clustering_and_a_bad_one_is_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth();
+    let ctx = {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let ctx = engine.create_context(spec()).unwrap();
+        for i in 0..30 {
+            ingest(&engine, ctx, &synth, i).unwrap();
+        }
+        let checkpoint = engine.checkpoint().unwrap();
+        assert_eq!(checkpoint.layouts_written, 2, "one layout per wave layer");
+        assert!(checkpoint.layout_bytes > 0);
+        // Nothing was re-segmented since: the next checkpoint keeps the files.
+        assert_eq!(engine.checkpoint().unwrap().layouts_written, 0);
+        for i in 30..40 {
+            ingest(&engine, ctx, &synth, i).unwrap();
+        }
+        ctx
+    };
+    let layout_file = dir.path().join("index").join(format!("ctx-{}-layer-1.layout", ctx.0));
+    assert!(layout_file.exists());
+    {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let report = engine.recovery_report().unwrap().clone();
+        assert_eq!(report.layouts_restored, 2, "{report}");
+        assert!(report.layout_errors.is_empty(), "{report}");
+        assert!(report.to_string().contains("2 layers restored without clustering"), "{report}");
+        // Same segments, clusters and answers (sparse plans included) as the engine that wrote them.
+        assert_holds_batches(&engine, ctx, &synth, 40);
+    }
+    // A damaged layout is reported, and that layer is rebuilt from its KV: still the same answers.
+    let mut bytes = std::fs::read(&layout_file).unwrap();
+    let at = bytes.len() / 2;
+    bytes[at] ^= 0x40;
+    std::fs::write(&layout_file, bytes).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let report = engine.recovery_report().unwrap().clone();
+    assert_eq!(report.layouts_restored, 1, "{report}");
+    assert_eq!(report.layout_errors.len(), 1, "{report}");
+    assert!(report.layout_errors[0].contains("layer-1.layout"), "{report}");
+    assert_holds_batches(&engine, ctx, &synth, 40);
+    // A background rebuild uses the intact layout too and swaps in the same index.
+    drop(engine);
+    let config = DurableConfig { index_rebuild: IndexRebuild::Background, ..DurableConfig::default() };
+    let engine = Engine::open_with(dir.path(), EngineConfig::default(), config).unwrap();
+    assert!(engine.wait_index_rebuild(std::time::Duration::from_secs(120)).unwrap());
+    assert_holds_batches(&engine, ctx, &synth, 40);
+    // Dropping the context makes its layouts stale: the next checkpoint removes them.
+    engine.drop_context(ctx).unwrap();
+    engine.checkpoint().unwrap();
+    assert!(!layout_file.exists());
+}

@@ -15,6 +15,7 @@
 pub mod bench;
 mod datafile;
 mod fuzz;
+mod layout;
 mod rebuild;
 mod records;
 mod recovery;
@@ -79,6 +80,10 @@ pub struct CheckpointReport {
     pub contexts: usize,
     /// Size of the manifest's payload.
     pub manifest_bytes: usize,
+    /// Index layouts written (wave layers whose segments changed since the last checkpoint).
+    pub layouts_written: usize,
+    /// Bytes of those layouts' payloads.
+    pub layout_bytes: usize,
 }
 
 /// The durable state attached to an [`Engine`] made by [`Engine::open`].
@@ -96,6 +101,9 @@ pub(crate) struct Durable {
     _lock: std::fs::File,
     report: RecoveryReport,
     rebuild: rebuild::RebuildProgress,
+    /// Per (context, layer): the indexed end (`tail_start`) of the layout file on disk, so a
+    /// checkpoint rewrites only layouts whose segments changed.
+    layouts: Mutex<BTreeMap<(u64, usize), u64>>,
 }
 
 /// The durable catalog: what the next manifest will say.
@@ -224,7 +232,23 @@ impl Durable {
         Ok(())
     }
 
-    fn checkpoint(&self, next_context_id: u64) -> Result<CheckpointReport> {
+    fn checkpoint(
+        &self,
+        next_context_id: u64,
+        layouts: Vec<(u64, usize, attnstore_index::WaveLayout)>,
+    ) -> Result<CheckpointReport> {
+        // Index layouts first: each is valid on its own (it covers tokens that are already
+        // committed and never change), so no ordering with the manifest is needed.
+        let (mut layouts_written, mut layout_bytes) = (0, 0);
+        for (context, layer, l) in &layouts {
+            let key = (*context, *layer);
+            if self.layouts.lock().get(&key) == Some(&l.tail_start) || l.segments.is_empty() {
+                continue;
+            }
+            layout_bytes += layout::write_layout(&*self.storage, &self.dir, *context, *layer, l)?;
+            layouts_written += 1;
+            self.layouts.lock().insert(key, l.tail_start);
+        }
         let _gate = self.gate.write();
         // Everything logged so far becomes durable (data files included) and lies in older files.
         let wal_start_lsn = self.wal.rotate()?;
@@ -250,12 +274,17 @@ impl Durable {
         drop(catalog);
         self.wal.append(RecordKind::Checkpoint, &encode(&CheckpointRecord { generation }))?;
         let removed_log_files = self.wal.remove_files_before(wal_start_lsn)?;
+        let live = manifest.contexts.iter().flat_map(|c| (0..c.layers.len()).map(move |l| (c.context, l))).collect();
+        layout::remove_stale(&self.dir, &live);
+        self.layouts.lock().retain(|key, _| live.contains(key));
         Ok(CheckpointReport {
             generation,
             wal_start_lsn,
             removed_log_files,
             contexts: manifest.contexts.len(),
             manifest_bytes: payload.len(),
+            layouts_written,
+            layout_bytes,
         })
     }
 
@@ -321,7 +350,20 @@ impl Engine {
     /// covers; appends wait while it runs.
     pub fn checkpoint(&self) -> Result<CheckpointReport> {
         let durable = self.durable("checkpoint")?;
-        durable.checkpoint(self.next_context_id())
+        let mut layouts = Vec::new();
+        for id in self.contexts() {
+            let Ok(ctx) = self.context(id) else { continue }; // dropped meanwhile
+            for (layer, state) in ctx.layers.iter().enumerate() {
+                let guard = state.read();
+                if guard.rebuilding {
+                    continue;
+                }
+                if let Some(l) = guard.method.layout() {
+                    layouts.push((id.0, layer, l));
+                }
+            }
+        }
+        durable.checkpoint(self.next_context_id(), layouts)
     }
 
     /// Makes everything acknowledged so far durable, whatever the sync policy.

@@ -66,6 +66,13 @@ pub struct RecoveryReport {
     pub total_time: Duration,
     /// Layers loaded exactly whose index is being rebuilt in the background.
     pub background_rebuild_layers: usize,
+    /// Wave layers restored from a checkpointed layout (no clustering of the tokens it covers).
+    pub layouts_restored: usize,
+    /// Layout files that could not be used (why, naming the file); those layers were rebuilt
+    /// from their KV.
+    pub layout_errors: Vec<String>,
+    /// Layout files of contexts that no longer exist, deleted.
+    pub stale_layout_files: Vec<PathBuf>,
 }
 
 /// Records of each kind.
@@ -120,6 +127,18 @@ impl fmt::Display for RecoveryReport {
             self.uncommitted_data_bytes,
             self.orphan_data_files.len()
         )?;
+        if self.layouts_restored > 0 || !self.layout_errors.is_empty() || !self.stale_layout_files.is_empty() {
+            writeln!(
+                f,
+                "index layouts: {} layers restored without clustering; {} unusable (rebuilt from KV); {} stale files removed",
+                self.layouts_restored,
+                self.layout_errors.len(),
+                self.stale_layout_files.len()
+            )?;
+            for why in &self.layout_errors {
+                writeln!(f, "  unusable layout: {why}")?;
+            }
+        }
         if self.background_rebuild_layers > 0 {
             writeln!(
                 f,
@@ -368,7 +387,7 @@ fn lock_directory(dir: &Path) -> Result<std::fs::File> {
 pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
     let started = Instant::now();
     let storage = durable.storage.clone();
-    for sub in [dir.to_path_buf(), dir.join(WAL_DIR), dir.join(DATA_DIR)] {
+    for sub in [dir.to_path_buf(), dir.join(WAL_DIR), dir.join(DATA_DIR), dir.join(super::layout::INDEX_DIR)] {
         std::fs::create_dir_all(&sub).map_err(io("create dir", &sub))?;
     }
     storage.sync_dir(dir).map_err(io("fsync dir", dir))?;
@@ -426,14 +445,56 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             let mut read_time = Duration::ZERO;
             let mut rebuild_time = Duration::ZERO;
             let mut last = Instant::now();
+            // A wave layer with a checkpointed layout is restored without clustering: collect
+            // its batches first. Others (and background rebuilds) ingest batch by batch.
+            let layout = match (ctx.spec.layers[layer], ctx.spec.method, background) {
+                (LayerKind::Global, Method::Wave(_), false) => super::layout::read_layout(dir, context, layer)
+                    .unwrap_or_else(|why| {
+                        report.layout_errors.push(why);
+                        None
+                    }),
+                _ => None,
+            };
+            let mut held = Vec::new();
             let (tokens, bytes) = read_layer(dir, &state, context, layer, |batch| {
                 read_time += last.elapsed();
                 let rebuild = Instant::now();
-                engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)?;
+                if layout.is_some() {
+                    held.push(batch);
+                } else {
+                    engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)?;
+                }
                 rebuild_time += rebuild.elapsed();
                 last = Instant::now();
                 Ok(())
             })?;
+            if let Some(layout) = layout {
+                let rebuild = Instant::now();
+                let file = super::layout::layout_name(context, layer);
+                let restored = match super::layout::split_at(&held, layout.tokens, ctx.spec.shape.kv_heads) {
+                    Some((keys, values, cut)) => match engine.restore_layer(id, layer, &layout, &keys, &values) {
+                        Ok(()) => Some(cut),
+                        Err(e) => {
+                            report.layout_errors.push(format!("{file}: {e}"));
+                            None
+                        }
+                    },
+                    None => {
+                        report.layout_errors.push(format!(
+                            "{file}: covers {} tokens, which does not end on a committed batch",
+                            layout.tokens
+                        ));
+                        None
+                    }
+                };
+                // The batches the layout does not cover, or (an unusable layout: nothing was
+                // changed) all of them, ingested as they were committed.
+                report.layouts_restored += usize::from(restored.is_some());
+                for batch in &held[restored.unwrap_or(0)..] {
+                    engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)?;
+                }
+                rebuild_time += rebuild.elapsed();
+            }
             report.read_time += read_time;
             report.rebuild_time += rebuild_time;
             report.layers_loaded += 1;
@@ -448,6 +509,8 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             report.orphan_data_files.push(path);
         }
     }
+    let live = state.contexts.iter().flat_map(|(&c, ctx)| (0..ctx.layers.len()).map(move |l| (c, l))).collect();
+    report.stale_layout_files = super::layout::remove_stale(dir, &live);
     let wal = LogWriter::create(&dir.join(WAL_DIR), storage.clone(), durable.wal, state.replay.next_lsn)?;
     let catalog = Catalog {
         generation: state.manifest_generation.unwrap_or(0),
@@ -483,6 +546,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         _lock: lock,
         report,
         rebuild: progress,
+        layouts: Mutex::new(std::collections::BTreeMap::new()),
     });
     if !jobs.is_empty() {
         let for_thread = Arc::downgrade(&attached);
