@@ -129,11 +129,59 @@ mod pinned {
             self.device_base
         }
     }
+
+    /// The Gpu tier's slots in device memory: a mirror of the pool's host-side slots that
+    /// kernels read at `base + slot × block_bytes`, written on the pool's own stream.
+    pub(super) struct Device {
+        slice: cudarc::driver::CudaSlice<u8>,
+        base: u64,
+        stream: Arc<cudarc::driver::CudaStream>,
+        ctx: Arc<CudaContext>,
+    }
+
+    impl Device {
+        pub(super) fn allocate(bytes: usize) -> Result<Self, String> {
+            use cudarc::driver::DevicePtr;
+            let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
+                .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
+                .map_err(|e| format!("no usable GPU 0: {e:?}"))?;
+            let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e:?}"))?;
+            let slice = stream.alloc_zeros::<u8>(bytes).map_err(|e| format!("cuMemAlloc of {bytes} bytes: {e:?}"))?;
+            let base = {
+                let (ptr, _sync) = slice.device_ptr(&stream);
+                ptr
+            };
+            Ok(Self { slice, base, stream, ctx })
+        }
+
+        pub(super) fn base(&self) -> u64 {
+            self.base
+        }
+
+        /// Copies `src` to device offset `offset` on the pool's stream and waits for it.
+        pub(super) fn copy_in(&self, offset: usize, src: &[u8]) -> Result<(), String> {
+            if offset + src.len() > self.slice.len() {
+                return Err(format!("{} bytes at {offset} overrun the {}-byte pool", src.len(), self.slice.len()));
+            }
+            self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e:?}"))?;
+            // SAFETY: the destination range lies inside the live allocation (checked above);
+            // `src` is a host slice that outlives the copy, because the stream is synchronized
+            // before returning.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(self.base + offset as u64, src, self.stream.cu_stream())
+            }
+            .map_err(|e| format!("cuMemcpyHtoDAsync: {e:?}"))?;
+            self.stream.synchronize().map_err(|e| format!("synchronizing the copy: {e:?}"))
+        }
+    }
 }
 
 /// A fixed number of block slots in one arena, with latches and a free list.
 pub(crate) struct FramePool {
     block_bytes: usize,
+    /// The Gpu tier on a machine with a GPU: every slot mirrored in device memory.
+    #[cfg(feature = "cuda")]
+    device: Option<pinned::Device>,
     /// Keeps the mapping alive; never touched after `base` was taken from it.
     _memory: HostMemory,
     base: *mut u8,
@@ -176,7 +224,35 @@ impl FramePool {
         let frames = (0..slots).map(|_| Frame { latch: AtomicU32::new(0), owner: AtomicU64::new(NO_OWNER) }).collect();
         // Lowest slot first out: pop() from the end of a reversed list.
         let free = Mutex::new((0..slots_u32).rev().collect());
-        Ok(Self { block_bytes, _memory: memory, base, frames, free })
+        #[cfg(feature = "cuda")]
+        let device = match (want_pinned && tier == Tier::Gpu && bytes > 0).then(|| pinned::Device::allocate(bytes)) {
+            Some(Ok(d)) => Some(d),
+            Some(Err(why)) => {
+                static ONCE: std::sync::Once = std::sync::Once::new();
+                ONCE.call_once(|| eprintln!("attnstore-buffer: Gpu tier in host memory only ({why})"));
+                None
+            }
+            None => None,
+        };
+        Ok(Self {
+            block_bytes,
+            #[cfg(feature = "cuda")]
+            device,
+            _memory: memory,
+            base,
+            frames,
+            free,
+        })
+    }
+
+    /// Device address of slot 0 when the pool is mirrored in device memory (the Gpu tier on a
+    /// machine with a GPU): slot `s` is at `base + s × block_bytes`.
+    pub(crate) fn device_base(&self) -> Option<u64> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.device {
+            return Some(d.base());
+        }
+        None
     }
 
     /// What backs the arena.
@@ -299,6 +375,16 @@ impl SlotWrite<'_> {
         // SAFETY: in bounds as above; the exclusive latch makes this guard the only access to the
         // slot, and `&mut self` makes the returned slice the only reference through the guard.
         unsafe { std::slice::from_raw_parts_mut(self.pool.slot_ptr(self.slot), self.pool.block_bytes) }
+    }
+
+    /// Copies the slot's bytes to its device mirror, if the pool has one (before the latch
+    /// is released, so no reader of either copy sees a half-written slot).
+    pub(crate) fn mirror(&self) -> std::result::Result<(), String> {
+        #[cfg(feature = "cuda")]
+        if let Some(d) = &self.pool.device {
+            return d.copy_in(self.slot as usize * self.pool.block_bytes, self.bytes());
+        }
+        Ok(())
     }
 }
 

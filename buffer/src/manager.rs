@@ -46,9 +46,11 @@ pub struct BufferConfig {
     /// A host-memory budget the arena's bytes are reserved from (the engine's), so a manager
     /// that does not fit fails with [`Error::OutOfMemory`] before mapping anything.
     pub host_budget: Option<Arc<MemoryBudget>>,
-    /// Put the Host arena in pinned, device-mapped memory (`cuMemHostAlloc`) when the `cuda`
-    /// feature is on and GPU 0 answers; otherwise (and on any failure, said once) anonymous
-    /// memory. [`BufferManager::host_memory`] says which it got.
+    /// Use the GPU when the `cuda` feature is on and GPU 0 answers: the Host arena in pinned,
+    /// device-mapped memory (`cuMemHostAlloc`), and the Gpu tier mirrored in device memory
+    /// (CPU readers use its host side; kernels read `gpu_device_base`). Otherwise (and on any
+    /// failure, said once) anonymous host memory. [`BufferManager::host_memory`] and
+    /// [`BufferManager::gpu_device_base`] say what it got.
     pub pinned_host: bool,
 }
 
@@ -212,7 +214,7 @@ impl BufferManager {
             _host_reservation: host_reservation,
             lock_timeout: config.lock_timeout,
             host: FramePool::new(Tier::Host, config.host_blocks, block_bytes, config.pinned_host)?,
-            gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes, false)?,
+            gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes, config.pinned_host)?,
             disk,
             mapping: MappingTable::new(),
             state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
@@ -704,7 +706,18 @@ impl BufferManager {
             }
             Home::Lost(_) => unreachable!("checked above"),
         };
+        let copied = copied.and_then(|()| {
+            w.mirror().map_err(|message| Error::Io {
+                op: "copy to gpu",
+                block: Some(block),
+                kind: std::io::ErrorKind::Other,
+                message,
+            })
+        });
         if let Err(e) = copied {
+            if matches!(e, Error::Io { op: "copy to gpu", .. }) {
+                TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+            }
             w.set_owner(NO_OWNER);
             drop(w);
             self.gpu.release_slot(slot);
@@ -847,6 +860,13 @@ impl BufferManager {
         self.host.memory_kind()
     }
 
+    /// Device address of the Gpu tier's slot 0 when the tier lives in device memory (feature
+    /// `cuda` and a GPU): slot `s` (`BlockLocation::gpu_slot`) is at `base + s × block_bytes`.
+    /// Admissions write the device copy on the pool's own stream before the slot is published.
+    pub fn gpu_device_base(&self) -> Option<u64> {
+        self.gpu.device_base()
+    }
+
     /// The Host slot of `block` when its home is the Host arena (with [`Self::host_memory`]'s
     /// device base, what a zero-copy GPU gather reads: `base + slot × block_bytes`).
     pub fn host_slot(&self, block: BlockId) -> Result<Option<u32>> {
@@ -945,6 +965,7 @@ impl BufferManager {
             replacer: self.replacer_name,
             disk_backend: self.disk.as_ref().map(DiskTier::backend_name),
             host_memory: self.host.memory_kind(),
+            gpu_on_device: self.gpu.device_base().is_some(),
         }
     }
 }

@@ -101,6 +101,8 @@ pub struct BufferStats {
     pub disk_backend: Option<&'static str>,
     /// What backs the Host arena (pinned and device-mapped, or anonymous memory).
     pub host_memory: crate::HostMemoryKind,
+    /// The Gpu tier is mirrored in device memory (a GPU is present).
+    pub gpu_on_device: bool,
 }
 
 impl BufferStats {
@@ -148,12 +150,13 @@ impl fmt::Display for BufferStats {
         }
         write!(
             f,
-            "block {} B, host memory {}, replacer {}, disk I/O {}, access records: {} queued, {} dropped",
+            "block {} B, host memory {}, gpu tier in {}, replacer {}, disk I/O {}, access records: {} queued, {} dropped",
             self.block_bytes,
             match self.host_memory {
                 crate::HostMemoryKind::Anonymous => "anonymous",
                 crate::HostMemoryKind::Pinned { .. } => "pinned (device-mapped)",
             },
+            if self.gpu_on_device { "device memory" } else { "host memory" },
             self.replacer,
             self.disk_backend.unwrap_or("-"),
             self.queued_access_records,

@@ -64,3 +64,40 @@ fn the_gpu_reads_pinned_blocks_in_place() {
     assert_eq!(read_on_gpu(5), vec![0xAB; block]);
     println!("pinned arena: 256 blocks at device address {device_base:#x}; 200 blocks read in place by the GPU");
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+#[allow(unsafe_code, reason = "raw device-to-host copies from the Gpu tier's device slots, to check them")]
+fn the_gpu_tier_lives_in_device_memory_and_admissions_write_it_before_publishing() {
+    use cudarc::driver::{result, CudaContext};
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the device-tier test");
+        return;
+    }
+    let buffers = BufferManager::new(BufferConfig::new(64, 8)).unwrap();
+    let base = buffers.gpu_device_base().expect("ATTNSTORE_GPU=1 but the Gpu tier is not in device memory");
+    assert!(buffers.stats().gpu_on_device);
+    let block = buffers.layout().block_bytes();
+    let ctx = CudaContext::new(0).unwrap();
+    ctx.bind_to_thread().unwrap();
+    let content = |c: u32| -> Vec<u8> { (0..block).map(|i| (i as u32 * 13 + c * 101) as u8).collect() };
+    for c in 0..40u32 {
+        buffers.store_cluster(key(c), &content(c)).unwrap();
+    }
+    // 40 admissions through 8 slots: each slot is rewritten several times, and every time
+    // the device copy is the admitted block's bytes as soon as the slot is published.
+    for c in 0..40u32 {
+        let id = buffers.reader().cluster(&key(c)).unwrap()[0].block();
+        let slot = buffers.admit(id).unwrap();
+        let location = buffers.reader().cluster(&key(c)).unwrap()[0];
+        assert_eq!(location.gpu_slot(), Some(slot));
+        let mut on_device = vec![0u8; block];
+        // SAFETY: slot < 8 lies inside the device pool of 8 blocks; `on_device` holds one block.
+        unsafe { result::memcpy_dtoh_sync(&mut on_device, base + (slot as usize * block) as u64) }.unwrap();
+        assert_eq!(on_device, content(c), "cluster {c} in slot {slot}");
+        // CPU readers still get the right bytes (from the tier's host side).
+        let pin = buffers.reader().pin(&location).unwrap();
+        assert_eq!(&pin[..], &content(c)[..]);
+    }
+    println!("gpu tier: 8 device slots at {base:#x}; 40 admissions verified on the device");
+}
