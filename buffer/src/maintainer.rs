@@ -21,6 +21,20 @@ impl Maintainer {
     /// Starts the thread. It processes up to `batch` records per round and sleeps `idle`
     /// when the queue is empty.
     pub fn spawn(buffers: Arc<BufferManager>, batch: usize, idle: Duration) -> std::io::Result<Self> {
+        Self::spawn_paced(buffers, batch, idle, Duration::ZERO)
+    }
+
+    /// [`Maintainer::spawn`] that also sleeps `pause` after every round that did work, which
+    /// bounds the thread's share of the CPU and of the memory system (like a database's
+    /// background writer with a delay per round): plans that run back to back then lose less
+    /// to it, at the price of admitting misses later (records beyond what it keeps up with
+    /// are dropped and counted, as for a full queue).
+    pub fn spawn_paced(
+        buffers: Arc<BufferManager>,
+        batch: usize,
+        idle: Duration,
+        pause: Duration,
+    ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
         let poisoned = Arc::new(AtomicBool::new(false));
         let processed = Arc::new(AtomicU64::new(0));
@@ -33,6 +47,8 @@ impl Maintainer {
                     n.fetch_add(done as u64, Ordering::Relaxed);
                     if done == 0 {
                         std::thread::sleep(idle);
+                    } else if !pause.is_zero() {
+                        std::thread::sleep(pause);
                     }
                 }
             }));
