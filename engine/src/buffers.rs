@@ -10,7 +10,8 @@ use std::time::Duration;
 /// Settings of the engine's buffer manager (`docs/buffer-manager.md`).
 ///
 /// With them, every segment a wave context builds moves its rows into the buffer manager:
-/// one cluster mapping-table entry per cluster, K rows then V rows in whole blocks of
+/// one cluster mapping-table entry per cluster, each block holding `R` tokens' K rows then
+/// their V rows, in blocks of
 /// [`EngineConfig::block`](crate::EngineConfig::block). Plans record the tier of every
 /// retrieved block when they are made; EXPLAIN counts blocks and bytes per tier; execution
 /// pins the blocks; `Engine::buffer_stats` is what `attnstore inspect` prints. The steady

@@ -87,9 +87,9 @@ fn plans_record_each_retrieved_blocks_tier_and_explain_shows_them() {
     assert_eq!(r.cost.tier_blocks, [0, blocks, 0], "nothing admitted yet: every block is served by Host");
     let text = plan.explain();
     assert!(text.contains(&format!("blocks gpu 0 host {blocks} disk 0 (looked up)")), "{text}");
-    // Each selection's block list holds K and V blocks of every retrieved cluster.
+    // Each selection's block list holds the blocks of every retrieved cluster.
     for sel in r.heads.iter().flat_map(|h| &h.selections) {
-        assert!(sel.blocks.len() >= 2 * sel.retrieve_ids.len());
+        assert!(sel.blocks.len() >= sel.retrieve_ids.len());
         assert!(sel.retrieve_ids.windows(2).all(|w| w[0] < w[1]));
     }
     // After the plan's reads are maintained, its blocks are admitted into the Gpu tier, and

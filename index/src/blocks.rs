@@ -1,7 +1,10 @@
 //! Segment rows homed in the buffer manager: each cluster of a wave segment is one entry of
-//! the cluster mapping table, its K rows in whole blocks followed by its V rows in as many
-//! blocks. Rows never straddle a block, so a pinned block is attended in place (no copy
-//! unless it was read from Disk, whose staged bytes need not be aligned).
+//! the cluster mapping table, its rows in whole blocks of `R` tokens each, a block holding
+//! the K rows of its tokens followed by their V rows (`[K × R][V × R]`). Rows never straddle
+//! a block, so a pinned block is attended in place (no copy unless it was read from Disk,
+//! whose staged bytes need not be aligned), one pin serves both K and V, and a GPU kernel
+//! addresses K row `r` of slot `s` and its V row with one index (`s·2R + r`, the V pointer
+//! `R` rows after the K pointer).
 
 use crate::error::{Error, Result};
 use attnstore_buffer::{BlockLocation, BufferManager, ClusterKey, PinGuard, Reader, Tier};
@@ -42,19 +45,21 @@ impl BlockStore {
         ClusterKey { context: self.context, layer: self.layer, head: head as u32, cluster }
     }
 
-    /// Rows of `row_bytes` that fit one block, or a typed error when a row does not fit.
-    pub(crate) fn rows_per_block(&self, row_bytes: usize) -> Result<usize> {
+    /// Tokens per block (`R`: a K row and a V row of `row_bytes` each per token), or a typed
+    /// error when one token's K and V rows do not fit a block.
+    pub fn rows_per_block(&self, row_bytes: usize) -> Result<usize> {
         let block = self.buffers.layout().block_bytes();
-        if row_bytes == 0 || row_bytes > block {
+        if row_bytes == 0 || 2 * row_bytes > block {
             return Err(Error::InvalidParameter {
                 what: "block size",
-                message: format!("a KV row of {row_bytes} bytes must fit one block of {block} bytes"),
+                message: format!("a token's K and V rows ({row_bytes} bytes each) must fit one block of {block} bytes"),
             });
         }
-        Ok(block / row_bytes)
+        Ok(block / (2 * row_bytes))
     }
 
-    /// Stores one cluster's `n × d` key and value rows (K blocks, then V blocks).
+    /// Stores one cluster's `n × d` key and value rows: block `b` holds the K rows of tokens
+    /// `b·R..(b+1)·R`, then their V rows at `R` rows in.
     pub(crate) fn store<E: Element>(
         &self,
         head: usize,
@@ -68,12 +73,12 @@ impl BlockStore {
         let block = self.buffers.layout().block_bytes();
         let n = keys.len() / d;
         let blocks = n.div_ceil(per_block);
-        let mut bytes = vec![0u8; 2 * blocks * block];
-        for (part, rows) in [keys, values].into_iter().enumerate() {
-            for (b, chunk) in rows.chunks(per_block * d).enumerate() {
-                let at = (part * blocks + b) * block;
-                bytes[at..at + chunk.len() * E::DTYPE.size_bytes()].copy_from_slice(bytemuck::cast_slice(chunk));
-            }
+        let mut bytes = vec![0u8; blocks * block];
+        for (b, (k, v)) in keys.chunks(per_block * d).zip(values.chunks(per_block * d)).enumerate() {
+            let at = b * block;
+            bytes[at..at + k.len() * E::DTYPE.size_bytes()].copy_from_slice(bytemuck::cast_slice(k));
+            let at = at + per_block * row_bytes;
+            bytes[at..at + v.len() * E::DTYPE.size_bytes()].copy_from_slice(bytemuck::cast_slice(v));
         }
         self.buffers.store_cluster(self.key(head, cluster), &bytes)?;
         Ok(())
@@ -108,16 +113,15 @@ pub(crate) fn missing(key: &ClusterKey) -> Error {
     ))
 }
 
-/// Rows `rows` of one cluster, whose blocks are `locations` (K blocks then V blocks).
+/// Rows `rows` of one cluster, whose blocks are `locations`.
 pub(crate) struct ClusterRows<'l> {
     pub locations: &'l [BlockLocation],
     pub rows: Range<usize>,
 }
 
-/// A pinned K/V block pair and the rows of it to attend.
+/// A pinned block and the rows of it to attend.
 struct Held<'a> {
-    key: PinGuard<'a>,
-    value: PinGuard<'a>,
+    block: PinGuard<'a>,
     rows: Range<usize>,
 }
 
@@ -135,38 +139,31 @@ pub(crate) fn attend_clusters<E: Element>(
     let mut wanted = Vec::new();
     let mut rows = Vec::new();
     for c in clusters {
-        let blocks = c.locations.len() / 2;
-        let last = c.rows.end.div_ceil(per_block).min(blocks);
+        let last = c.rows.end.div_ceil(per_block).min(c.locations.len());
         for b in c.rows.start / per_block..last {
             let lo = c.rows.start.max(b * per_block) - b * per_block;
             let hi = c.rows.end.min((b + 1) * per_block) - b * per_block;
             wanted.push(c.locations[b]);
-            wanted.push(c.locations[blocks + b]);
             rows.push(lo..hi);
         }
     }
-    let mut pins = reader.pin_all(&wanted).into_iter();
     let mut held = Vec::with_capacity(rows.len());
-    for r in rows {
-        let (Some(key), Some(value)) = (pins.next(), pins.next()) else { break };
-        held.push(Held { key: key?, value: value?, rows: r });
+    for (pin, r) in reader.pin_all(&wanted).into_iter().zip(rows) {
+        held.push(Held { block: pin?, rows: r });
     }
     // Disk reads are private staged copies that need not be aligned for `E`: copy those.
-    let mut copies: Vec<(Vec<E>, Vec<E>)> = Vec::new();
-    for h in &held {
-        if bytemuck::try_cast_slice::<u8, E>(&h.key).is_err() || bytemuck::try_cast_slice::<u8, E>(&h.value).is_err() {
-            copies.push((aligned_copy(&h.key), aligned_copy(&h.value)));
-        }
-    }
+    let copies: Vec<Vec<E>> = held
+        .iter()
+        .filter(|h| bytemuck::try_cast_slice::<u8, E>(&h.block).is_err())
+        .map(|h| aligned_copy(&h.block))
+        .collect();
     let mut copied = copies.iter();
     let spans = held.iter().map(|h| {
-        let (k, v): (&[E], &[E]) = match (bytemuck::try_cast_slice(&h.key), bytemuck::try_cast_slice(&h.value)) {
-            (Ok(k), Ok(v)) => (k, v),
-            _ => {
-                let (k, v) = copied.next().expect("one copy per unaligned pair");
-                (k, v)
-            }
+        let all: &[E] = match bytemuck::try_cast_slice(&h.block) {
+            Ok(all) => all,
+            Err(_) => copied.next().expect("one copy per unaligned block"),
         };
+        let (k, v) = all.split_at(per_block * d);
         (&k[h.rows.start * d..h.rows.end * d], &v[h.rows.start * d..h.rows.end * d])
     });
     attend_spans(q, scale, spans, parts, scratch);

@@ -138,7 +138,7 @@ pub struct Selection {
     /// Directory ids of the retrieved clusters, ascending (row order).
     pub retrieve_ids: Vec<u32>,
     /// The retrieved clusters' blocks as the buffer manager's mapping table gave them at
-    /// planning time (K blocks then V blocks per cluster, in `retrieve_ids` order): each
+    /// planning time (each cluster's blocks, in `retrieve_ids` order): each
     /// one's source tier is `location.tier()`. Empty when the rows are not homed in a buffer
     /// manager.
     pub blocks: Vec<attnstore_buffer::BlockLocation>,

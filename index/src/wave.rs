@@ -181,7 +181,7 @@ impl<E: Element> WaveIndex<E> {
     }
 
     /// Homes the rows of every segment built from now on in the buffer manager of `store`:
-    /// one mapping-table entry per cluster, K rows then V rows in whole blocks. Plans record
+    /// one mapping-table entry per cluster, each block `[K × R][V × R]`. Plans record
     /// each retrieved block's location (and so its tier) when they are made; execution pins
     /// the blocks. The steady zone and the directory stay in the index. Only for an empty,
     /// plain (not `hack2`) index whose rows fit a block.
@@ -674,7 +674,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                     let mut clusters = Vec::with_capacity(sel.retrieve_ids.len());
                     for &id in &sel.retrieve_ids {
                         let size = store.dir.sizes[id as usize] as usize;
-                        let n = 2 * size.div_ceil(per_block);
+                        let n = size.div_ceil(per_block);
                         let locations = sel.blocks.get(at..at + n).ok_or_else(|| {
                             Error::MissingRows(format!(
                                 "the plan's block list ends before cluster {id} of head {kv_head}"
