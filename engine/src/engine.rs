@@ -62,6 +62,9 @@ pub struct Engine {
     pub(crate) durable: Option<Arc<crate::durable::Durable>>,
     /// The buffer manager, when [`EngineConfig::buffers`] is set.
     buffers: Option<Buffers>,
+    /// GPU backends of [`Engine::execute_gpu`].
+    #[cfg(feature = "cuda")]
+    pub(crate) gpu: crate::gpu::GpuExec,
 }
 
 impl Engine {
@@ -74,6 +77,8 @@ impl Engine {
         Ok(Self {
             host: MemoryBudget::new(Tier::Host, config.host_memory_bytes),
             buffers,
+            #[cfg(feature = "cuda")]
+            gpu: crate::gpu::GpuExec::default(),
             config,
             contexts: RwLock::new(HashMap::new()),
             next_id: AtomicU64::new(1),
@@ -348,7 +353,7 @@ impl Engine {
 }
 
 /// Refuses a plan made before the layer last changed.
-fn check_fresh(r: &crate::plan::RequestPlan, layer: &Layer) -> Result<()> {
+pub(crate) fn check_fresh(r: &crate::plan::RequestPlan, layer: &Layer) -> Result<()> {
     if layer.version == r.version {
         return Ok(());
     }

@@ -17,6 +17,8 @@ mod engine;
 mod error;
 mod execute;
 mod explain;
+#[cfg(feature = "cuda")]
+mod gpu;
 mod plan;
 mod spec;
 pub mod synth;
@@ -31,6 +33,8 @@ pub use buffers::BufferSettings;
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{Engine, EngineConfig};
+#[cfg(feature = "cuda")]
+pub use gpu::GpuRun;
 pub use error::{Error, Result};
 pub use plan::{Plan, PlanCost, Request, RequestPlan, Strategy};
 pub use spec::{ContextSpec, LayerKind, Method};

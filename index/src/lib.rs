@@ -22,7 +22,7 @@ pub use blocks::{blocks_per_tier, BlockStore};
 pub use directory::Directory;
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
-pub use method::{AccessMethod, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
+pub use method::{AccessMethod, GpuHeadWork, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
 pub use pq::{
     BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,
 };

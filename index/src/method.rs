@@ -173,6 +173,23 @@ pub struct HeadPlan {
     pub selections: Vec<Selection>,
 }
 
+/// What a GPU executor needs for one KV head of a plan whose exactly attended rows beyond
+/// the steady zone live in the buffer manager ([`AccessMethod::gpu_work`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GpuHeadWork {
+    /// Steady-zone rows (sink, pending, local window), f16 bits, `n × head_dim`.
+    pub steady_keys: Vec<u16>,
+    /// Their values, same layout.
+    pub steady_values: Vec<u16>,
+    /// Blocks of the other exactly attended rows and the tokens valid in each (the first
+    /// `n` of the block's `R`), as the plan (or, for exact plans, a lookup now) found them.
+    pub blocks: Vec<(attnstore_buffer::BlockLocation, u32)>,
+    /// Tokens per block (`R`).
+    pub tokens_per_block: usize,
+    /// The estimation zone's partial of each query head of the group (empty when none).
+    pub estimate: Vec<Partial>,
+}
+
 /// Sizes of an access method's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IndexStats {
@@ -224,6 +241,14 @@ pub trait AccessMethod: Send + Sync {
     /// (PQ); `None` when the method is always ready. While a build runs, plans attend the
     /// tokens it covers exactly.
     fn build_handle(&self) -> Option<crate::pq::BuildHandle> {
+        None
+    }
+    /// The GPU executor's inputs for `kv_head` under `plan` (`q`: the group's queries), or
+    /// `None` when this method cannot serve the plan from the buffer manager on the GPU
+    /// (rows not homed there, not f16, or one selection per query head): the caller then
+    /// runs [`AccessMethod::execute_head`] on the CPU.
+    fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
+        let _ = (kv_head, q, plan);
         None
     }
     /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:

@@ -7,7 +7,8 @@ use crate::blocks::{attend_clusters, BlockStore, ClusterRows};
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, Selection,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, GpuHeadWork, HeadPlan, IndexStats,
+    Selection,
     SelectionMode, ZoneBudget,
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
@@ -345,6 +346,59 @@ impl<E: Element> WaveIndex<E> {
             store.segments.push(seg);
         }
         Ok(())
+    }
+
+    /// [`AccessMethod::gpu_work`] for f16 rows homed in `store`.
+    fn gpu_work_f16(&self, store: &BlockStore, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Result<GpuHeadWork> {
+        let d = self.head_dim;
+        let g = q.len() / d;
+        let head = &self.heads[kv_head];
+        let bits = |rows: &[E]| -> Vec<u16> { bytemuck::cast_slice::<E, u16>(rows).to_vec() };
+        let mut steady_keys = bits(&head.sink_keys);
+        steady_keys.extend(bits(&head.tail_keys));
+        let mut steady_values = bits(&head.sink_values);
+        steady_values.extend(bits(&head.tail_values));
+        let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
+        let mut estimate = vec![Partial::empty(d); g];
+        // The clusters attended exactly and their block lists.
+        let (ids, found): (Vec<u32>, Vec<attnstore_buffer::BlockLocation>) = if plan.exact {
+            let ids: Vec<u32> = (0..head.dir.len() as u32).collect();
+            let keys: Vec<_> = ids.iter().map(|&id| store.key(kv_head, id)).collect();
+            let found = store.lookup(&keys)?;
+            (ids, found)
+        } else if let Some(sel) = plan.selections.first() {
+            let found = if sel.blocks.is_empty() && !sel.retrieve_ids.is_empty() {
+                let keys: Vec<_> = sel.retrieve_ids.iter().map(|&id| store.key(kv_head, id)).collect();
+                store.lookup(&keys)?
+            } else {
+                sel.blocks.clone()
+            };
+            let sizes: Vec<f32> = sel.estimate.iter().map(|&id| head.dir.sizes[id as usize] as f32).collect();
+            let value_mean = |c: usize| {
+                let id = sel.estimate[c] as usize;
+                &head.dir.value_means[id * d..(id + 1) * d]
+            };
+            let estimated = estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads);
+            for (i, e) in estimated.into_iter().enumerate() {
+                estimate[sel.first_head + i] = e;
+            }
+            (sel.retrieve_ids.clone(), found)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let mut blocks = Vec::with_capacity(found.len());
+        let mut at = 0;
+        for &id in &ids {
+            let size = head.dir.sizes[id as usize] as usize;
+            for b in 0..size.div_ceil(per_block) {
+                let location = *found.get(at).ok_or_else(|| {
+                    Error::MissingRows(format!("the block list ends before cluster {id} of head {kv_head}"))
+                })?;
+                blocks.push((location, (size - b * per_block).min(per_block) as u32));
+                at += 1;
+            }
+        }
+        Ok(GpuHeadWork { steady_keys, steady_values, blocks, tokens_per_block: per_block, estimate })
     }
 
     /// The index's structure (see [`WaveLayout`]).
@@ -717,6 +771,14 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
     fn layout(&self) -> Option<WaveLayout> {
         Some(WaveIndex::layout(self))
+    }
+
+    fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
+        let store = self.blocks.as_ref()?;
+        if E::DTYPE != attnstore_kernels::DType::F16 || (!plan.exact && plan.selections.len() > 1) {
+            return None;
+        }
+        Some(self.gpu_work_f16(store, kv_head, q, plan))
     }
 
     fn restore(&mut self, layout: &WaveLayout, keys: &[f32], values: &[f32]) -> Result<bool> {

@@ -112,6 +112,20 @@ pub struct KvPointers {
     pub rows: usize,
 }
 
+/// Rows addressed by one index for all KV heads (no head stride): K row `i` at
+/// `keys + i·head_dim`, its V row at `values + i·head_dim`. The buffer manager's blocks
+/// (`[K × R][V × R]`) in its pinned arena or its device Gpu tier are such rows, with
+/// `values = keys + R rows` and row `slot·2R + r`.
+#[derive(Debug, Clone, Copy)]
+pub struct SharedRows {
+    /// Device address of row 0's keys.
+    pub keys: u64,
+    /// Device address of row 0's values.
+    pub values: u64,
+    /// Rows addressable (a row list entry must be below it).
+    pub rows: usize,
+}
+
 /// KV of one layer copied to device memory.
 pub struct DeviceKv {
     keys: CudaSlice<u16>,
@@ -596,6 +610,71 @@ impl GpuBackend {
         // floats (both checked above); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
         Ok(())
+    }
+
+    /// [`GpuBackend::launch_cached`] over [`SharedRows`] (row lists index `kv`'s rows, and
+    /// `Cache` entries `cache`'s rows, the same for every KV head): a plan's retrieved blocks
+    /// read where the buffer manager keeps them — Gpu-tier hits from device memory, the rest
+    /// zero-copy from the pinned arena — in one kernel, without copies.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_shared(&self, kv: SharedRows, cache: Option<SharedRows>, job: &mut DecodeJob) -> Result<()> {
+        let cache_rows = cache.map_or(0, |c| c.rows);
+        if job.rows.is_none() || kv.rows < job.identity_rows || cache_rows < job.cache_slots {
+            return Err(Error::InvalidArgument {
+                what: "shared rows",
+                message: format!(
+                    "a row-list job over {} rows and {} cache rows needs at least {} and {}",
+                    kv.rows, cache_rows, job.identity_rows, job.cache_slots
+                ),
+            });
+        }
+        let sh = job.shape;
+        let head_stride = 0i64;
+        let group = sh.group() as i32;
+        let identity = job.identity_rows as i32;
+        let chunk = job.chunk as i32;
+        let (rows_ptr, offsets_ptr) = match &job.rows {
+            Some((f, o)) => (device_address(f, &self.stream), device_address(o, &self.stream)),
+            None => (0u64, 0u64),
+        };
+        let (ck, cv) = cache.map_or((0u64, 0u64), |c| (c.keys, c.values));
+        let cfg = LaunchConfig {
+            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.partial);
+        b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
+        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&ck).arg(&cv);
+        // SAFETY: every row-list entry was checked in `prepare_refs` to be < identity_rows ≤
+        // kv.rows (a `Kv` row) or < cache_slots ≤ cache.rows (a `Cache` row), and the caller
+        // keeps both address ranges alive and unchanged (pinned) until the stream is
+        // synchronized; q and part were sized for this shape and chunk count.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out)
+    }
+
+    /// Waits for the stream and returns the job's unnormalized partial `(o, m, l)` per query
+    /// head (its chunks merged), to be merged with partials computed elsewhere (another
+    /// launch, the CPU's estimation zone).
+    pub fn fetch_partials(&self, job: &DecodeJob) -> Result<Vec<crate::Partial>> {
+        let part = self.stream.clone_dtoh(&job.part).map_err(gpu_err("copying partials back"))?;
+        let (sh, d) = (job.shape, self.head_dim);
+        let (group, width) = (sh.group(), d + 2);
+        let mut out = Vec::with_capacity(sh.q_heads);
+        for h in 0..sh.kv_heads {
+            for g in 0..group {
+                let mut acc = crate::Partial::empty(d);
+                for c in 0..job.chunks {
+                    let at = ((h * job.chunks + c) * group + g) * width;
+                    let p = &part[at..at + width];
+                    let chunk = crate::Partial { o: p[..d].to_vec(), m: p[d], l: p[d + 1] };
+                    acc.merge(&chunk);
+                }
+                out.push(acc);
+            }
+        }
+        Ok(out)
     }
 
     /// Waits for the stream and copies the output (`q_heads × head_dim`) back.

@@ -1,0 +1,70 @@
+//! Engine plans executed on the GPU (feature `cuda`, `ATTNSTORE_GPU=1`, run on the GPU
+//! machine through `../shared/gpu/stage`): the same outputs as the CPU executor for exact and
+//! sparse plans, with retrieved blocks read from the Gpu tier (device memory) and zero-copy
+//! from the pinned Host arena. Timings are printed, not asserted.
+
+#![cfg(feature = "cuda")]
+
+use std::time::Instant;
+
+use attnstore::synth::{SynthContext, SynthParams};
+use attnstore::{AttnShape, Budget, BufferSettings, ContextSpec, Engine, EngineConfig, Request};
+use attnstore_kernels::cpu::reference::rel_l2;
+
+fn gpu_wanted() -> bool {
+    std::env::var("ATTNSTORE_GPU").as_deref() == Ok("1")
+}
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    xs[xs.len() / 2]
+}
+
+#[test]
+fn gpu_execution_of_plans_equals_the_cpu_executor() {
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the engine's GPU executor test");
+        return;
+    }
+    for tokens in [32 * 1024, 128 * 1024] {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+        let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
+        let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
+        let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+        let synth = SynthContext::generate(SynthParams::new(shape, tokens, 5));
+        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+        let manager = engine.buffer_manager().unwrap().clone();
+        let (mut cpu_us, mut gpu_us) = (Vec::new(), Vec::new());
+        let mut cache_hits = 0;
+        for step in 0..12u64 {
+            let q = synth.queries(step % 4);
+            for budget in [Budget::default(), Budget::full()] {
+                let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
+                let t = Instant::now();
+                let want = engine.execute(&plan).unwrap().remove(0);
+                let cpu = t.elapsed().as_secs_f64() * 1e6;
+                let t = Instant::now();
+                let (mut got, run) = engine.execute_gpu(&plan).unwrap();
+                let gpu = t.elapsed().as_secs_f64() * 1e6;
+                assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
+                cache_hits += run.gpu_blocks;
+                let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+                let err = rel_l2(&got.remove(0), &want64);
+                assert!(err <= 2e-3, "{tokens} tokens, step {step}, exact={}: {err}", budget.exact);
+                if !budget.exact && step >= 2 {
+                    cpu_us.push(cpu);
+                    gpu_us.push(gpu);
+                }
+            }
+            // Admit what the plans read, so later plans find Gpu-tier hits.
+            manager.maintain(usize::MAX);
+        }
+        assert!(cache_hits > 0, "some retrieved blocks must come from the Gpu tier");
+        let (c, g) = (median(cpu_us), median(gpu_us));
+        println!(
+            "{tokens} tokens, sparse plans: CPU executor {c:.0} us, GPU executor {g:.0} us (host + device, incl. the steady-zone upload): {:.2}x; Gpu-tier blocks read: {cache_hits}",
+            c / g
+        );
+    }
+}
