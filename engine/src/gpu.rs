@@ -16,6 +16,7 @@ use attnstore_buffer::{HostMemoryKind, Tier};
 use attnstore_kernels::cuda::{GpuBackend, RowRef, SharedRows};
 use attnstore_kernels::Partial;
 use parking_lot::Mutex;
+use rayon::prelude::*;
 
 use crate::engine::Engine;
 use crate::error::{Error, Result};
@@ -36,6 +37,33 @@ impl GpuExec {
         let b = Arc::new(GpuBackend::new(head_dim)?);
         map.insert(head_dim, Arc::clone(&b));
         Ok(b)
+    }
+}
+
+/// Phase times of one GPU request, printed to stderr when `ATTNSTORE_GPU_TRACE` is set.
+struct PhaseTrace {
+    on: bool,
+    last: std::time::Instant,
+    phases: Vec<(&'static str, f64)>,
+}
+
+impl PhaseTrace {
+    fn new() -> Self {
+        Self { on: std::env::var_os("ATTNSTORE_GPU_TRACE").is_some(), last: std::time::Instant::now(), phases: Vec::new() }
+    }
+
+    fn mark(&mut self, phase: &'static str) {
+        if self.on {
+            self.phases.push((phase, self.last.elapsed().as_secs_f64() * 1e6));
+            self.last = std::time::Instant::now();
+        }
+    }
+
+    fn print(&self) {
+        if self.on {
+            let parts: Vec<String> = self.phases.iter().map(|(p, us)| format!("{p} {us:.0}")).collect();
+            eprintln!("gpu request (us): {}", parts.join(", "));
+        }
     }
 }
 
@@ -78,6 +106,7 @@ impl Engine {
 
     /// One request on the GPU, or `None` when it must run on the CPU.
     fn execute_request_gpu(&self, r: &RequestPlan, run: &mut GpuRun) -> Result<Option<Vec<f32>>> {
+        let mut trace = PhaseTrace::new();
         let Some(manager) = self.buffer_manager() else { return Ok(None) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
         let ctx = self.context(r.context)?;
@@ -90,13 +119,15 @@ impl Engine {
         crate::engine::check_fresh(r, &guard)?;
         let sh = r.shape;
         let (g, d) = (sh.group(), sh.head_dim);
-        let mut works = Vec::with_capacity(sh.kv_heads);
-        for h in 0..sh.kv_heads {
-            match guard.method.gpu_work(h, &r.queries[h * g * d..(h + 1) * g * d], &r.heads[h]) {
-                Some(work) => works.push(work?),
-                None => return Ok(None),
-            }
-        }
+        // Per KV head on rayon threads (the estimation partials are CPU work).
+        let method = &guard.method;
+        let works: Option<Vec<_>> = (0..sh.kv_heads)
+            .into_par_iter()
+            .map(|h| method.gpu_work(h, &r.queries[h * g * d..(h + 1) * g * d], &r.heads[h]))
+            .collect();
+        let Some(works) = works else { return Ok(None) };
+        let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
+        trace.mark("work");
         // Pin every block (CPU latches keep the maintainer off the slots the kernel reads).
         let reader = manager.reader();
         let locations: Vec<_> = works.iter().flat_map(|w| w.blocks.iter().map(|(l, _)| *l)).collect();
@@ -125,8 +156,10 @@ impl Engine {
             }
             lists.push(list);
         }
+        trace.mark("pins+lists");
         let gpu = self.gpu.backend(d)?;
         let stats = manager.stats();
+        trace.mark("backend+stats");
         let capacity = |t: Tier| stats.tier(t).map_or(0, |s| s.capacity_blocks);
         let row_bytes = (d * 2) as u64;
         let shift = per_block as u64 * row_bytes;
@@ -138,33 +171,51 @@ impl Engine {
             rows: capacity(Tier::Gpu) * stride,
         });
         let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
-        if lists.iter().any(|l| !l.is_empty()) {
+        // Both launches go to the stream before the first wait, so the steady zone's upload
+        // overlaps the retrieved rows' kernel.
+        let retrieved = if lists.iter().any(|l| !l.is_empty()) {
             let cache_rows = cache.map_or(0, |c| c.rows);
             let mut job = gpu.prepare_refs(&sh, &r.queries, host_rows, Some(&lists), cache_rows)?;
             gpu.launch_shared(host, cache, &mut job)?;
-            for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(&job)?) {
-                p.merge(&got);
-            }
-        }
-        drop(pins);
-        drop(reader);
+            Some(job)
+        } else {
+            None
+        };
+        trace.mark("launch");
         // The steady zone: every head has the same number of rows; uploaded per request.
         let steady = works.first().map_or(0, |w| w.steady_keys.len() / d);
-        if steady > 0 {
+        let steady_job = if steady > 0 {
             let keys: Vec<u16> = works.iter().flat_map(|w| w.steady_keys.iter().copied()).collect();
             let values: Vec<u16> = works.iter().flat_map(|w| w.steady_values.iter().copied()).collect();
             let kv = gpu.upload(&keys, &values, sh.kv_heads)?;
             let mut job = gpu.prepare(&sh, &r.queries, steady, None)?;
             gpu.launch(kv.pointers(&gpu), &mut job)?;
-            for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(&job)?) {
+            Some((kv, job))
+        } else {
+            None
+        };
+        trace.mark("steady");
+        if let Some(job) = &retrieved {
+            for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(job)?) {
                 p.merge(&got);
             }
         }
+        // The kernels are done: the blocks may move again.
+        drop(pins);
+        drop(reader);
+        if let Some((_kv, job)) = &steady_job {
+            for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(job)?) {
+                p.merge(&got);
+            }
+        }
+        trace.mark("fetch");
         for (h, w) in works.iter().enumerate() {
             for (j, e) in w.estimate.iter().enumerate() {
                 parts[h * g + j].merge(e);
             }
         }
+        trace.mark("merge");
+        trace.print();
         Ok(Some(parts.iter().flat_map(Partial::finish).collect()))
     }
 }
