@@ -49,7 +49,11 @@ struct PhaseTrace {
 
 impl PhaseTrace {
     fn new() -> Self {
-        Self { on: std::env::var_os("ATTNSTORE_GPU_TRACE").is_some(), last: std::time::Instant::now(), phases: Vec::new() }
+        Self {
+            on: std::env::var_os("ATTNSTORE_GPU_TRACE").is_some(),
+            last: std::time::Instant::now(),
+            phases: Vec::new(),
+        }
     }
 
     fn mark(&mut self, phase: &'static str) {
@@ -96,7 +100,8 @@ impl Engine {
                 }
                 None => {
                     run.on_cpu += 1;
-                    let single = Plan { budget: plan.budget, requests: vec![r.clone()], host_read_gbps: plan.host_read_gbps };
+                    let single =
+                        Plan { budget: plan.budget, requests: vec![r.clone()], host_read_gbps: plan.host_read_gbps };
                     outputs.push(self.execute(&single)?.remove(0));
                 }
             }

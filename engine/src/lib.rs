@@ -33,8 +33,8 @@ pub use buffers::BufferSettings;
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{Engine, EngineConfig};
+pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;
-pub use error::{Error, Result};
 pub use plan::{Plan, PlanCost, Request, RequestPlan, Strategy};
 pub use spec::{ContextSpec, LayerKind, Method};

@@ -8,8 +8,7 @@ use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, GpuHeadWork, HeadPlan, IndexStats,
-    Selection,
-    SelectionMode, ZoneBudget,
+    Selection, SelectionMode, ZoneBudget,
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
