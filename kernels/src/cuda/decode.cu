@@ -139,7 +139,10 @@ extern "C" __global__ void attn_partial(
 // dimension, so each chunk's partial is one coalesced read), then the warps' sums are
 // combined: out[qh] = Σ_c e^{m_c−M} o_c / Σ_c e^{m_c−M} l_c.
 #define MERGE_WARPS 8
-extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out) {
+// `lse` (may be null): per query head, the log of the softmax denominator m + ln l, so the
+// normalized output and it form a partial (o = out, m = lse, l = 1) the host can merge.
+extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
+                                      float* __restrict__ lse) {
   const int qh = blockIdx.x;
   const int h = qh / group, g = qh % group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -176,6 +179,11 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
     float a = 0.f, l = 0.f;
     for (int w = 0; w < MERGE_WARPS; w++) { a += acc_s[w][i]; l += acc_s[w][HEAD_DIM]; }
     out[qh * HEAD_DIM + i] = l > 0.f ? a / l : 0.f;
+  }
+  if (lse != nullptr && threadIdx.x == 0) {
+    float l = 0.f;
+    for (int w = 0; w < MERGE_WARPS; w++) l += acc_s[w][HEAD_DIM];
+    lse[qh] = l > 0.f ? mx + __logf(l) : NEG_INF;
   }
 }
 

@@ -149,6 +149,8 @@ pub struct DecodeJob {
     rows: Option<(CudaSlice<i32>, CudaSlice<i32>)>,
     part: CudaSlice<f32>,
     out: CudaSlice<f32>,
+    /// Per query head, `m + ln l` of the merged partial (see `attn_merge`).
+    lse: CudaSlice<f32>,
     chunks: usize,
     chunk: usize,
     identity_rows: usize,
@@ -346,6 +348,7 @@ impl GpuBackend {
             rows: lists,
             part: s.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
             out: s.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
+            lse: s.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
             chunks,
             chunk,
             identity_rows,
@@ -584,7 +587,8 @@ impl GpuBackend {
         // cache's slots (checked above); q, part and out were sized in `prepare_refs` for
         // this shape and chunk count, which match the grid.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
-        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out)
+        let lse = device_address(&job.lse, &self.stream);
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
     }
 
     /// Enqueues the log-sum-exp merge of `chunks` partials per query head (`part`, laid out
@@ -596,6 +600,7 @@ impl GpuBackend {
         part: &CudaSlice<f32>,
         chunks: usize,
         out: &mut CudaSlice<f32>,
+        lse: u64,
     ) -> Result<()> {
         let need = sh.kv_heads * chunks * sh.group() * (self.head_dim + 2);
         if part.len() < need || out.len() < sh.query_len() {
@@ -605,7 +610,7 @@ impl GpuBackend {
         // 8 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.merge);
-        b.arg(part).arg(&chunks).arg(&group).arg(out);
+        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
         // floats (both checked above); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
@@ -651,30 +656,30 @@ impl GpuBackend {
         // keeps both address ranges alive and unchanged (pinned) until the stream is
         // synchronized; q and part were sized for this shape and chunk count.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
-        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out)
+        let lse = device_address(&job.lse, &self.stream);
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
     }
 
     /// Waits for the stream and returns the job's unnormalized partial `(o, m, l)` per query
     /// head (its chunks merged), to be merged with partials computed elsewhere (another
     /// launch, the CPU's estimation zone).
     pub fn fetch_partials(&self, job: &DecodeJob) -> Result<Vec<crate::Partial>> {
-        let part = self.stream.clone_dtoh(&job.part).map_err(gpu_err("copying partials back"))?;
-        let (sh, d) = (job.shape, self.head_dim);
-        let (group, width) = (sh.group(), d + 2);
-        let mut out = Vec::with_capacity(sh.q_heads);
-        for h in 0..sh.kv_heads {
-            for g in 0..group {
-                let mut acc = crate::Partial::empty(d);
-                for c in 0..job.chunks {
-                    let at = ((h * job.chunks + c) * group + g) * width;
-                    let p = &part[at..at + width];
-                    let chunk = crate::Partial { o: p[..d].to_vec(), m: p[d], l: p[d + 1] };
-                    acc.merge(&chunk);
+        // The merge kernel already combined the chunks: the normalized output and the log of
+        // its denominator are the partial (o = out, m = lse, l = 1).
+        let out = self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the output back"))?;
+        let lse = self.stream.clone_dtoh(&job.lse).map_err(gpu_err("copying the output back"))?;
+        let d = self.head_dim;
+        Ok(lse
+            .iter()
+            .enumerate()
+            .map(|(qh, &m)| {
+                if m == f32::NEG_INFINITY {
+                    crate::Partial::empty(d)
+                } else {
+                    crate::Partial { o: out[qh * d..(qh + 1) * d].to_vec(), m, l: 1.0 }
                 }
-                out.push(acc);
-            }
-        }
-        Ok(out)
+            })
+            .collect())
     }
 
     /// Waits for the stream and copies the output (`q_heads × head_dim`) back.
