@@ -446,6 +446,12 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         progress: true,
     };
     let report = attnstore::bench::inspect(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
+    if !report.stats.gpu_on_device && !args.no_maintainer && cfg.buffers.gpu_blocks > 0 {
+        eprintln!(
+            "note: no GPU here, so the Gpu tier is host memory and the maintainer's admissions only cost CPU; \
+             --no-maintainer measures the buffer manager without them"
+        );
+    }
     println!("{:<14} {:<24} {:>6} {:>12} {:>12} {:>10}", "what", "rows", "steps", "p50_us", "p99_us", "p50 ratio");
     for r in &report.rows {
         let field = |k: &str| r.get(k).map_or_else(String::new, |v| v.to_string().trim_matches('"').to_string());
