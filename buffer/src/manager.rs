@@ -879,13 +879,7 @@ impl BufferManager {
 
     /// A reader for one plan: lock-free cluster lookups and pins.
     pub fn reader(&self) -> Reader<'_> {
-        Reader {
-            buffers: self,
-            mapping: self.mapping.reader(),
-            records: RefCell::new(Vec::new()),
-            counts: Cell::new([0; 3]),
-            track: true,
-        }
+        self.reader_logging(true)
     }
 
     /// A reader for a scan (an exact plan reading every block once): like [`Self::reader`],
@@ -893,12 +887,16 @@ impl BufferManager {
     /// Gpu tier nor evicts the blocks sparse plans keep re-reading (scan resistance, as a
     /// database's sequential scan bypasses its buffer pool's recency list). Hits still count.
     pub fn scan_reader(&self) -> Reader<'_> {
+        self.reader_logging(false)
+    }
+
+    fn reader_logging(&self, track: bool) -> Reader<'_> {
         Reader {
             buffers: self,
             mapping: self.mapping.reader(),
             records: RefCell::new(Vec::new()),
             counts: Cell::new([0; 3]),
-            track: false,
+            track,
         }
     }
 

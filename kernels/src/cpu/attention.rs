@@ -101,16 +101,7 @@ pub fn attend_spans<'a, E: Element>(
             continue;
         }
         if gathered + rows > GATHER_ROWS {
-            let n = gathered * d;
-            attend_tiles(
-                queries,
-                scale,
-                &as_elems::<E>(gather_keys)[..n],
-                &as_elems::<E>(gather_values)[..n],
-                parts,
-                scores,
-                d,
-            );
+            attend_gathered::<E>(queries, scale, (gather_keys, gather_values), gathered * d, parts, scores, d);
             gathered = 0;
         }
         as_elems_mut::<E>(gather_keys)[gathered * d..][..keys.len()].copy_from_slice(keys);
@@ -118,16 +109,7 @@ pub fn attend_spans<'a, E: Element>(
         gathered += rows;
     }
     if gathered > 0 {
-        let n = gathered * d;
-        attend_tiles(
-            queries,
-            scale,
-            &as_elems::<E>(gather_keys)[..n],
-            &as_elems::<E>(gather_values)[..n],
-            parts,
-            scores,
-            d,
-        );
+        attend_gathered::<E>(queries, scale, (gather_keys, gather_values), gathered * d, parts, scores, d);
     }
 }
 
@@ -140,6 +122,19 @@ fn as_elems<E: Element>(buf: &[f32]) -> &[E] {
 
 fn as_elems_mut<E: Element>(buf: &mut [f32]) -> &mut [E] {
     bytemuck::cast_slice_mut(buf)
+}
+
+/// Attends the first `n` elements (whole rows) of the gather buffers.
+fn attend_gathered<E: Element>(
+    q: &[f32x8],
+    scale: f32,
+    (keys, values): (&[f32], &[f32]),
+    n: usize,
+    parts: &mut [Partial],
+    scores: &mut [f32],
+    d: usize,
+) {
+    attend_tiles(q, scale, &as_elems::<E>(keys)[..n], &as_elems::<E>(values)[..n], parts, scores, d);
 }
 
 /// The tile loop of [`attend_spans`] for one run of rows.

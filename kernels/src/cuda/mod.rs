@@ -541,7 +541,6 @@ impl GpuBackend {
 
     /// [`GpuBackend::launch`] for a job whose row lists name Gpu-tier cache slots: hits are
     /// read from `cache` (device memory), misses from `kv`, in the same kernel.
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_cached(&self, kv: KvPointers, cache: Option<&GpuCache>, job: &mut DecodeJob) -> Result<()> {
         if cache.map_or(0, |c| c.slots) < job.cache_slots {
             return Err(Error::InvalidArgument {
@@ -559,15 +558,33 @@ impl GpuBackend {
                 message: format!("{} rows per head, the job needs {}", kv.rows, job.identity_rows),
             });
         }
+        let (ck, cv) = match cache {
+            Some(c) => (device_address(&c.keys, &self.stream), device_address(&c.values, &self.stream)),
+            None => (0, 0),
+        };
+        // `kv` holds kv_heads × rows × head_dim f16 values (a DeviceKv or MappedKv the caller
+        // keeps alive until the stream is synchronized); the cache's slots were checked above.
+        self.launch_partial((kv.keys, kv.values, (kv.rows * self.head_dim) as i64), (ck, cv), job)
+    }
+
+    /// Enqueues `attn_partial` over keys/values at `k`/`v` (`head_stride` elements between
+    /// KV heads) and cache rows at `ck`/`cv` (0: none), then the merge. The callers have
+    /// checked that every row-list entry addresses memory they keep alive and unchanged until
+    /// the stream is synchronized.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_partial(
+        &self,
+        (k, v, head_stride): (u64, u64, i64),
+        (ck, cv): (u64, u64),
+        job: &mut DecodeJob,
+    ) -> Result<()> {
         let sh = job.shape;
-        let head_stride = (kv.rows * self.head_dim) as i64;
         let group = sh.group() as i32;
         let identity = job.identity_rows as i32;
         let chunk = job.chunk as i32;
-        let null = 0u64;
         let (rows_ptr, offsets_ptr) = match &job.rows {
             Some((f, o)) => (device_address(f, &self.stream), device_address(o, &self.stream)),
-            None => (null, null),
+            None => (0u64, 0u64),
         };
         let cfg = LaunchConfig {
             grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
@@ -575,17 +592,12 @@ impl GpuBackend {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.partial);
-        b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
-        let (ck, cv) = match cache {
-            Some(c) => (device_address(&c.keys, &self.stream), device_address(&c.values, &self.stream)),
-            None => (null, null),
-        };
+        b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
         b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&ck).arg(&cv);
-        // SAFETY: `kv` points at kv_heads × rows × head_dim f16 values (a DeviceKv or MappedKv
-        // the caller keeps alive until the stream is synchronized); row-list entries were
-        // checked to be < identity_rows ≤ kv.rows, or cache slots < job.cache_slots ≤ the
-        // cache's slots (checked above); q, part and out were sized in `prepare_refs` for
-        // this shape and chunk count, which match the grid.
+        // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <
+        // cache_slots, and the callers checked those against the memory at k/v and ck/cv; q,
+        // part and out were sized in `prepare_refs` for this shape and chunk count, which
+        // match the grid.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
         let lse = device_address(&job.lse, &self.stream);
         self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
@@ -621,7 +633,6 @@ impl GpuBackend {
     /// `Cache` entries `cache`'s rows, the same for every KV head): a plan's retrieved blocks
     /// read where the buffer manager keeps them — Gpu-tier hits from device memory, the rest
     /// zero-copy from the pinned arena — in one kernel, without copies.
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_shared(&self, kv: SharedRows, cache: Option<SharedRows>, job: &mut DecodeJob) -> Result<()> {
         let cache_rows = cache.map_or(0, |c| c.rows);
         if job.rows.is_none() || kv.rows < job.identity_rows || cache_rows < job.cache_slots {
@@ -633,31 +644,9 @@ impl GpuBackend {
                 ),
             });
         }
-        let sh = job.shape;
-        let head_stride = 0i64;
-        let group = sh.group() as i32;
-        let identity = job.identity_rows as i32;
-        let chunk = job.chunk as i32;
-        let (rows_ptr, offsets_ptr) = match &job.rows {
-            Some((f, o)) => (device_address(f, &self.stream), device_address(o, &self.stream)),
-            None => (0u64, 0u64),
-        };
-        let (ck, cv) = cache.map_or((0u64, 0u64), |c| (c.keys, c.values));
-        let cfg = LaunchConfig {
-            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&self.partial);
-        b.arg(&kv.keys).arg(&kv.values).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
-        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&ck).arg(&cv);
-        // SAFETY: every row-list entry was checked in `prepare_refs` to be < identity_rows ≤
-        // kv.rows (a `Kv` row) or < cache_slots ≤ cache.rows (a `Cache` row), and the caller
-        // keeps both address ranges alive and unchanged (pinned) until the stream is
-        // synchronized; q and part were sized for this shape and chunk count.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
-        let lse = device_address(&job.lse, &self.stream);
-        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
+        let (ck, cv) = cache.map_or((0, 0), |c| (c.keys, c.values));
+        // One address space for every KV head: head stride 0.
+        self.launch_partial((kv.keys, kv.values, 0), (ck, cv), job)
     }
 
     /// Waits for the stream and returns the job's unnormalized partial `(o, m, l)` per query
