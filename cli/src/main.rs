@@ -125,6 +125,17 @@ struct BudgetArgs {
     exact_threshold: f64,
 }
 
+impl BudgetArgs {
+    /// The default budget with these settings (estimation share and selection mode left to
+    /// the caller).
+    fn budget(&self) -> Budget {
+        Budget::default()
+            .with_retrieve(self.retrieve)
+            .with_retrieve_floor(self.retrieve_floor)
+            .with_exact_threshold(self.exact_threshold)
+    }
+}
+
 #[derive(Args)]
 struct BenchArgs {
     /// Context lengths, comma separated (K and M suffixes allowed).
@@ -306,14 +317,7 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         let mut bases = Vec::new();
         for &estimate in &args.estimate {
             for &mode in &args.selection {
-                bases.push(
-                    Budget::default()
-                        .with_retrieve(args.budget.retrieve)
-                        .with_retrieve_floor(args.budget.retrieve_floor)
-                        .with_estimate(estimate)
-                        .with_mode(mode)
-                        .with_exact_threshold(args.budget.exact_threshold),
-                );
+                bases.push(args.budget.budget().with_estimate(estimate).with_mode(mode));
             }
         }
         return model::bench_trace(dir, &bases, args.dense_layers, codec_of(&args.shape), args.json);
@@ -383,12 +387,7 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     let budget = if args.full {
         Budget::full()
     } else {
-        Budget::default()
-            .with_retrieve(args.budget.retrieve)
-            .with_retrieve_floor(args.budget.retrieve_floor)
-            .with_estimate(args.estimate)
-            .with_mode(args.selection)
-            .with_exact_threshold(args.budget.exact_threshold)
+        args.budget.budget().with_estimate(args.estimate).with_mode(args.selection)
     };
     budget.validate().map_err(|e| e.to_string())?;
     let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
@@ -415,10 +414,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
     if args.shape.codec.is_some_and(|c| c.hack().is_some()) {
         return Err("inspect serves plain rows: hack2 rows are not homed in the buffer manager yet".into());
     }
-    let budget = Budget::default()
-        .with_retrieve(args.budget.retrieve)
-        .with_retrieve_floor(args.budget.retrieve_floor)
-        .with_exact_threshold(args.budget.exact_threshold);
+    let budget = args.budget.budget();
     budget.validate().map_err(|e| e.to_string())?;
     let layout = attnstore::BlockLayout::new(args.block_bytes).map_err(|e| e.to_string())?;
     let block = layout.block_bytes();
