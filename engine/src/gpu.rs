@@ -1,8 +1,8 @@
 //! The GPU executor (feature `cuda`): runs a plan's exactly attended rows on the GPU, reading
 //! them where the buffer manager keeps them — Gpu-tier hits from device memory, the rest
 //! zero-copy from the pinned, device-mapped Host arena — in one decode kernel launch per
-//! request, plus one over the (uploaded) steady zone; the estimation zone's partials come
-//! from the CPU and are merged with the GPU's by log-sum-exp.
+//! request; the steady zone (a few dozen rows per head) and the estimation zone are computed
+//! on the CPU (`AccessMethod::gpu_work`) and merged with the GPU's partials by log-sum-exp.
 //!
 //! Blocks are pinned (CPU latches) from before the launch until the results are back, so the
 //! maintainer can neither evict nor overwrite a slot a kernel reads. Requests the GPU cannot
@@ -176,8 +176,6 @@ impl Engine {
             rows: capacity(Tier::Gpu) * stride,
         });
         let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
-        // Both launches go to the stream before the first wait, so the steady zone's upload
-        // overlaps the retrieved rows' kernel.
         let retrieved = if lists.iter().any(|l| !l.is_empty()) {
             let cache_rows = cache.map_or(0, |c| c.rows);
             let mut job = gpu.prepare_refs(&sh, &r.queries, host_rows, Some(&lists), cache_rows)?;
@@ -187,36 +185,19 @@ impl Engine {
             None
         };
         trace.mark("launch");
-        // The steady zone: every head has the same number of rows; uploaded per request.
-        let steady = works.first().map_or(0, |w| w.steady_keys.len() / d);
-        let steady_job = if steady > 0 {
-            let keys: Vec<u16> = works.iter().flat_map(|w| w.steady_keys.iter().copied()).collect();
-            let values: Vec<u16> = works.iter().flat_map(|w| w.steady_values.iter().copied()).collect();
-            let kv = gpu.upload(&keys, &values, sh.kv_heads)?;
-            let mut job = gpu.prepare(&sh, &r.queries, steady, None)?;
-            gpu.launch(kv.pointers(&gpu), &mut job)?;
-            Some((kv, job))
-        } else {
-            None
-        };
-        trace.mark("steady");
+
         if let Some(job) = &retrieved {
             for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(job)?) {
                 p.merge(&got);
             }
         }
-        // The kernels are done: the blocks may move again.
+        // The kernel is done: the blocks may move again.
         drop(pins);
         drop(reader);
-        if let Some((_kv, job)) = &steady_job {
-            for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(job)?) {
-                p.merge(&got);
-            }
-        }
         trace.mark("fetch");
         for (h, w) in works.iter().enumerate() {
-            for (j, e) in w.estimate.iter().enumerate() {
-                parts[h * g + j].merge(e);
+            for (j, c) in w.cpu.iter().enumerate() {
+                parts[h * g + j].merge(c);
             }
         }
         trace.mark("merge");

@@ -63,7 +63,7 @@ fn gpu_execution_of_plans_equals_the_cpu_executor() {
         assert!(cache_hits > 0, "some retrieved blocks must come from the Gpu tier");
         let (c, g) = (median(cpu_us), median(gpu_us));
         println!(
-            "{tokens} tokens, sparse plans: CPU executor {c:.0} us, GPU executor {g:.0} us (host + device, incl. the steady-zone upload): {:.2}x; Gpu-tier blocks read: {cache_hits}",
+            "{tokens} tokens, sparse plans: CPU executor {c:.0} us, GPU executor {g:.0} us (host + device, steady and estimation zones on the CPU): {:.2}x; Gpu-tier blocks read: {cache_hits}",
             c / g
         );
     }

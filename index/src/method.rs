@@ -177,17 +177,15 @@ pub struct HeadPlan {
 /// the steady zone live in the buffer manager ([`AccessMethod::gpu_work`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuHeadWork {
-    /// Steady-zone rows (sink, pending, local window), f16 bits, `n × head_dim`.
-    pub steady_keys: Vec<u16>,
-    /// Their values, same layout.
-    pub steady_values: Vec<u16>,
     /// Blocks of the other exactly attended rows and the tokens valid in each (the first
     /// `n` of the block's `R`), as the plan (or, for exact plans, a lookup now) found them.
     pub blocks: Vec<(attnstore_buffer::BlockLocation, u32)>,
     /// Tokens per block (`R`).
     pub tokens_per_block: usize,
-    /// The estimation zone's partial of each query head of the group (empty when none).
-    pub estimate: Vec<Partial>,
+    /// The partial of each query head of the group over what stays on the CPU: the steady
+    /// zone (sink, pending, local window: a few dozen rows, cheaper here than an upload and
+    /// a second launch) and the estimation zone.
+    pub cpu: Vec<Partial>,
 }
 
 /// Sizes of an access method's data.

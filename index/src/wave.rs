@@ -352,13 +352,12 @@ impl<E: Element> WaveIndex<E> {
         let d = self.head_dim;
         let g = q.len() / d;
         let head = &self.heads[kv_head];
-        let bits = |rows: &[E]| -> Vec<u16> { bytemuck::cast_slice::<E, u16>(rows).to_vec() };
-        let mut steady_keys = bits(&head.sink_keys);
-        steady_keys.extend(bits(&head.tail_keys));
-        let mut steady_values = bits(&head.sink_values);
-        steady_values.extend(bits(&head.tail_values));
         let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
-        let mut estimate = vec![Partial::empty(d); g];
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut cpu = vec![Partial::empty(d); g];
+        let mut scratch = Scratch::default();
+        attend_rows(q, scale, &head.sink_keys, &head.sink_values, &mut cpu, &mut scratch);
+        attend_rows(q, scale, &head.tail_keys, &head.tail_values, &mut cpu, &mut scratch);
         // The clusters attended exactly and their block lists.
         let (ids, found): (Vec<u32>, Vec<attnstore_buffer::BlockLocation>) = if plan.exact {
             let ids: Vec<u32> = (0..head.dir.len() as u32).collect();
@@ -378,8 +377,8 @@ impl<E: Element> WaveIndex<E> {
                 &head.dir.value_means[id * d..(id + 1) * d]
             };
             let estimated = estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads);
-            for (i, e) in estimated.into_iter().enumerate() {
-                estimate[sel.first_head + i] = e;
+            for (i, e) in estimated.iter().enumerate() {
+                cpu[sel.first_head + i].merge(e);
             }
             (sel.retrieve_ids.clone(), found)
         } else {
@@ -397,7 +396,7 @@ impl<E: Element> WaveIndex<E> {
                 at += 1;
             }
         }
-        Ok(GpuHeadWork { steady_keys, steady_values, blocks, tokens_per_block: per_block, estimate })
+        Ok(GpuHeadWork { blocks, tokens_per_block: per_block, cpu })
     }
 
     /// The index's structure (see [`WaveLayout`]).
