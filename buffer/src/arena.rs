@@ -92,6 +92,14 @@ mod pinned {
     use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
     use std::sync::Arc;
 
+    /// GPU 0's primary context, or why there is none. cudarc panics when it cannot load the
+    /// driver library; that means "no GPU here", not a crash.
+    fn open_gpu() -> Result<Arc<CudaContext>, String> {
+        std::panic::catch_unwind(|| CudaContext::new(0))
+            .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
+            .map_err(|e| format!("no usable GPU 0: {e:?}"))
+    }
+
     pub(super) struct Pinned {
         slice: PinnedHostSlice<u8>,
         device_base: u64,
@@ -100,10 +108,7 @@ mod pinned {
 
     impl Pinned {
         pub(super) fn allocate(bytes: usize) -> Result<Self, String> {
-            // cudarc panics when it cannot load the driver library; that means "no GPU here".
-            let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
-                .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
-                .map_err(|e| format!("no usable GPU 0: {e:?}"))?;
+            let ctx = open_gpu()?;
             let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
             // SAFETY: the slice's bytes are uninitialized host memory; the arena only hands out
             // slot bytes after a writer filled them (owner tags), and u8 has no invalid values.
@@ -142,9 +147,7 @@ mod pinned {
     impl Device {
         pub(super) fn allocate(bytes: usize) -> Result<Self, String> {
             use cudarc::driver::DevicePtr;
-            let ctx = std::panic::catch_unwind(|| CudaContext::new(0))
-                .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
-                .map_err(|e| format!("no usable GPU 0: {e:?}"))?;
+            let ctx = open_gpu()?;
             let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e:?}"))?;
             let slice = stream.alloc_zeros::<u8>(bytes).map_err(|e| format!("cuMemAlloc of {bytes} bytes: {e:?}"))?;
             let base = {
