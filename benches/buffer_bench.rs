@@ -409,18 +409,21 @@ fn plan_latency() {
         let (h, m) = (h - before.0, m - before.1);
         h as f64 / (h + m).max(1) as f64
     };
+    // A maintained condition: one untimed pass first (a new maintainer starts from the cache
+    // the previous phase left and has a backlog of admissions to work off; steady state is what
+    // a serving engine sees), then the timed passes; their latencies, evictions and hit ratio.
+    let steady_state = || {
+        trace[100..].iter().for_each(|s| {
+            run_plan(s);
+        });
+        let (before, counts) = (gpu_evictions(), gpu_counts());
+        let times: Vec<f64> =
+            (0..PASSES).flat_map(|_| trace[100..].iter().map(|s| run_plan(s)).collect::<Vec<_>>()).collect();
+        (times, gpu_evictions() - before, hit_ratio(counts))
+    };
     // Churn 1: the maintainer thread admits the plans' own misses and evicts while they run.
     let maintainer = Maintainer::spawn(Arc::clone(&buffers), 256, Duration::from_micros(200)).unwrap();
-    // One untimed pass first: the maintainer starts from the cache the quiet phase froze and
-    // has a backlog of admissions to work off; steady state is what a serving engine sees.
-    trace[100..].iter().for_each(|s| {
-        run_plan(s);
-    });
-    let (before, counts) = (gpu_evictions(), gpu_counts());
-    let maintained: Vec<f64> =
-        (0..PASSES).flat_map(|_| trace[100..].iter().map(|s| run_plan(s)).collect::<Vec<_>>()).collect();
-    let maintained_evictions = gpu_evictions() - before;
-    let maintained_hits = hit_ratio(counts);
+    let (maintained, maintained_evictions, maintained_hits) = steady_state();
     // Churn 2: as 1, plus a second plan stream reading random clusters (misses) on another thread.
     let stop = Arc::new(AtomicBool::new(false));
     let churn = {
@@ -456,14 +459,7 @@ fn plan_latency() {
     let paced_maintainer =
         Maintainer::spawn_paced(Arc::clone(&buffers), 256, Duration::from_micros(200), Duration::from_micros(100))
             .unwrap();
-    trace[100..].iter().for_each(|s| {
-        run_plan(s);
-    });
-    let (before, counts) = (gpu_evictions(), gpu_counts());
-    let paced: Vec<f64> =
-        (0..PASSES).flat_map(|_| trace[100..].iter().map(|s| run_plan(s)).collect::<Vec<_>>()).collect();
-    let paced_evictions = gpu_evictions() - before;
-    let paced_hits = hit_ratio(counts);
+    let (paced, paced_evictions, paced_hits) = steady_state();
     assert!(!paced_maintainer.stop());
     if std::env::var("PCTL").is_ok() {
         for (name, v) in [("quiet", &quiet), ("maintained", &maintained), ("churned", &churned), ("paced", &paced)] {

@@ -47,7 +47,7 @@ impl BlockStore {
 
     /// Tokens per block (`R`: a K row and a V row of `row_bytes` each per token), or a typed
     /// error when one token's K and V rows do not fit a block.
-    pub fn rows_per_block(&self, row_bytes: usize) -> Result<usize> {
+    pub(crate) fn rows_per_block(&self, row_bytes: usize) -> Result<usize> {
         let block = self.buffers.layout().block_bytes();
         if row_bytes == 0 || 2 * row_bytes > block {
             return Err(Error::InvalidParameter {

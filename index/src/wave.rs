@@ -242,16 +242,22 @@ impl<E: Element> WaveIndex<E> {
         result
     }
 
-    fn push_and_cut(&mut self, keys: &[f32], values: &[f32], n: usize, max_segment: usize) -> Result<()> {
+    /// Appends, per head of a batch of `n` tokens (`kv_heads × n × head_dim`), tokens
+    /// `..sink` to the sink and tokens `tail_from..` to the tail.
+    fn push_steady(&mut self, keys: &[f32], values: &[f32], n: usize, sink: usize, tail_from: usize) {
         let d = self.head_dim;
-        let to_sink = (self.params.sink_tokens - self.sink_len.min(self.params.sink_tokens)).min(n);
         for (h, store) in self.heads.iter_mut().enumerate() {
             let (k, v) = (&keys[h * n * d..(h + 1) * n * d], &values[h * n * d..(h + 1) * n * d]);
-            push_narrow(&mut store.sink_keys, &k[..to_sink * d]);
-            push_narrow(&mut store.sink_values, &v[..to_sink * d]);
-            push_narrow(&mut store.tail_keys, &k[to_sink * d..]);
-            push_narrow(&mut store.tail_values, &v[to_sink * d..]);
+            push_narrow(&mut store.sink_keys, &k[..sink * d]);
+            push_narrow(&mut store.sink_values, &v[..sink * d]);
+            push_narrow(&mut store.tail_keys, &k[tail_from * d..]);
+            push_narrow(&mut store.tail_values, &v[tail_from * d..]);
         }
+    }
+
+    fn push_and_cut(&mut self, keys: &[f32], values: &[f32], n: usize, max_segment: usize) -> Result<()> {
+        let to_sink = (self.params.sink_tokens - self.sink_len.min(self.params.sink_tokens)).min(n);
+        self.push_steady(keys, values, n, to_sink, to_sink);
         self.sink_len += to_sink;
         if self.tail_start < self.sink_len {
             self.tail_start = self.sink_len;
@@ -504,13 +510,7 @@ impl<E: Element> WaveIndex<E> {
             })
             .collect::<Result<Vec<_>>>()?;
         self.push_segments(&jobs, 0, built)?;
-        for (hh, store) in self.heads.iter_mut().enumerate() {
-            let (k, v) = (&keys[hh * n * d..(hh + 1) * n * d], &values[hh * n * d..(hh + 1) * n * d]);
-            push_narrow(&mut store.sink_keys, &k[..sink_len * d]);
-            push_narrow(&mut store.sink_values, &v[..sink_len * d]);
-            push_narrow(&mut store.tail_keys, &k[tail_start * d..]);
-            push_narrow(&mut store.tail_values, &v[tail_start * d..]);
-        }
+        self.push_steady(keys, values, n, sink_len, tail_start);
         (self.tokens, self.sink_len, self.tail_start) = (n, sink_len, tail_start);
         Ok(())
     }
