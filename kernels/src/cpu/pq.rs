@@ -183,6 +183,15 @@ pub fn scores_max_strided(lut: &Lut, codes: &[u8], stride: usize, out: &mut Vec<
     }
     let stride = stride.max(1);
     let m = lut.subspaces;
+    if lut.lanes == 4 {
+        match m {
+            1 => return quad_max_strided::<1>(&lut.values, codes, stride, out),
+            2 => return quad_max_strided::<2>(&lut.values, codes, stride, out),
+            4 => return quad_max_strided::<4>(&lut.values, codes, stride, out),
+            8 => return quad_max_strided::<8>(&lut.values, codes, stride, out),
+            _ => {}
+        }
+    }
     let sample = match m {
         1 => gather::<1>(codes, stride),
         2 => gather::<2>(codes, stride),
@@ -216,21 +225,39 @@ pub fn candidates_max(lut: &Lut, codes: &[u8], first: u32, t: f32, out: &mut Vec
     out.extend(scores.iter().enumerate().filter(|(_, &s)| s >= t).map(|(i, &s)| (first + i as u32, s)));
 }
 
+/// The candidate pass of the four-head case. Almost every token falls below the threshold,
+/// so each quad of tokens is first tested as a whole: the lane-wise maximum of the four
+/// tokens' head sums (three vector max operations) against `t`. Only a quad with some
+/// lane at or above `t` pays for the transpose that names the tokens.
 fn quad_candidates<const M: usize>(values: &[f32], codes: &[u8], t: f32x4, at: &mut u32, out: &mut Vec<(u32, f32)>) {
-    quad_tokens::<M>(values, codes, |[h0, h1, h2, h3], n| {
+    let (sum, tokens) = quad_sums::<M>(values, codes);
+    let mut emit = |sums: [f32x4; 4], n: usize, at: u32| {
+        let [h0, h1, h2, h3] = f32x4::transpose(sums);
         let best = h0.fast_max(h1).fast_max(h2.fast_max(h3));
         // Lanes past `n` hold zero sums: mask them off.
         let mut mask = best.simd_ge(t).to_bitmask() & ((1u32 << n) - 1);
-        if mask != 0 {
-            let b = best.to_array();
-            while mask != 0 {
-                let lane = mask.trailing_zeros() as usize;
-                out.push((*at + lane as u32, b[lane]));
-                mask &= mask - 1;
-            }
+        let b = best.to_array();
+        while mask != 0 {
+            let lane = mask.trailing_zeros() as usize;
+            out.push((at + lane as u32, b[lane]));
+            mask &= mask - 1;
         }
-        *at += n as u32;
-    });
+    };
+    let quads = tokens.chunks_exact(4);
+    let rest = quads.remainder();
+    for quad in quads {
+        let sums = [sum(&quad[0]), sum(&quad[1]), sum(&quad[2]), sum(&quad[3])];
+        let any = sums[0].fast_max(sums[1]).fast_max(sums[2].fast_max(sums[3]));
+        if any.simd_ge(t).to_bitmask() != 0 {
+            emit(sums, 4, *at);
+        }
+        *at += 4;
+    }
+    if !rest.is_empty() {
+        let sum_at = |i: usize| rest.get(i).map_or(f32x4::ZERO, &sum);
+        emit([sum_at(0), sum_at(1), sum_at(2), sum_at(3)], rest.len(), *at);
+        *at += rest.len() as u32;
+    }
 }
 
 /// Appends to `out[h]` the approximate score of head `h` for every token of `codes`
@@ -284,31 +311,41 @@ fn fixed_max<const M: usize, const P: usize>(values: &[f32], codes: &[u8], out: 
     }));
 }
 
-/// The four-head case (the common GQA group), four tokens at a time: each token's four
-/// head sums are one vector, and the four vectors are transposed into one vector per head
-/// holding four tokens — so the maximum over heads is three vertical max operations, and
-/// per-head scores are four plain stores.
+/// The four-head table rows of `values` per sub-space, and `codes` as tokens: the sum of a
+/// token's `M` rows is its four head scores in one vector.
 #[inline(always)]
-fn quad_tokens<const M: usize>(values: &[f32], codes: &[u8], mut emit: impl FnMut([f32x4; 4], usize)) {
+fn quad_sums<'a, const M: usize>(
+    values: &'a [f32],
+    codes: &'a [u8],
+) -> (impl Fn(&[u8; M]) -> f32x4 + 'a, &'a [[u8; M]]) {
     let rows: &[[f32; 4]] = bytemuck::cast_slice(values);
     let tables: [&[[f32; 4]; LUT_ROWS]; M] = std::array::from_fn(|j| {
         rows[j * LUT_ROWS..(j + 1) * LUT_ROWS].try_into().expect("a lookup table holds 256 rows per sub-space")
     });
-    let tokens: &[[u8; M]] = bytemuck::cast_slice(&codes[..codes.len() / M * M]);
-    let sum = |c: &[u8; M]| {
+    let sum = move |c: &[u8; M]| {
         let mut acc = f32x4::from(tables[0][c[0] as usize]);
         for j in 1..M {
             acc += f32x4::from(tables[j][c[j] as usize]);
         }
         acc
     };
+    (sum, bytemuck::cast_slice(&codes[..codes.len() / M * M]))
+}
+
+/// The four-head case (the common GQA group), four tokens at a time: each token's four
+/// head sums are one vector, and the four vectors are transposed into one vector per head
+/// holding four tokens — so the maximum over heads is three vertical max operations, and
+/// per-head scores are four plain stores.
+#[inline(always)]
+fn quad_tokens<const M: usize>(values: &[f32], codes: &[u8], mut emit: impl FnMut([f32x4; 4], usize)) {
+    let (sum, tokens) = quad_sums::<M>(values, codes);
     let quads = tokens.chunks_exact(4);
     let rest = quads.remainder();
     for quad in quads {
         emit(f32x4::transpose([sum(&quad[0]), sum(&quad[1]), sum(&quad[2]), sum(&quad[3])]), 4);
     }
     if !rest.is_empty() {
-        let at = |t: usize| rest.get(t).map_or(f32x4::ZERO, sum);
+        let at = |t: usize| rest.get(t).map_or(f32x4::ZERO, &sum);
         emit(f32x4::transpose([at(0), at(1), at(2), at(3)]), rest.len());
     }
 }
@@ -323,6 +360,22 @@ fn quad_max<const M: usize>(values: &[f32], codes: &[u8], out: &mut Vec<f32>) {
             out.extend_from_slice(&best[..n]);
         }
     });
+}
+
+/// [`quad_max`] over every `stride`-th token, read in place.
+fn quad_max_strided<const M: usize>(values: &[f32], codes: &[u8], stride: usize, out: &mut Vec<f32>) {
+    let (sum, tokens) = quad_sums::<M>(values, codes);
+    let mut picked = tokens.iter().step_by(stride);
+    out.reserve(tokens.len() / stride + 1);
+    loop {
+        let quad = [picked.next(), picked.next(), picked.next(), picked.next()];
+        let n = quad.iter().take_while(|t| t.is_some()).count();
+        if n == 0 {
+            return;
+        }
+        let [h0, h1, h2, h3] = f32x4::transpose(quad.map(|t| t.map_or(f32x4::ZERO, &sum)));
+        out.extend_from_slice(&h0.fast_max(h1).fast_max(h2.fast_max(h3)).to_array()[..n]);
+    }
 }
 
 fn quad_each<const M: usize>(values: &[f32], codes: &[u8], out: &mut [Vec<f32>]) {

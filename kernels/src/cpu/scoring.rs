@@ -93,15 +93,26 @@ pub fn rank_key(x: f32, i: u32) -> u64 {
     ((ordered_bits(x) as u64) << 32) | (u32::MAX - i) as u64
 }
 
-/// The indices of the `r` largest keys of [`rank_key`], in ascending index order.
-pub fn top_keys(mut keys: Vec<u64>, r: usize) -> Vec<u32> {
+/// The indices of the `r` largest keys of [`rank_key`], in ascending index order. Keys
+/// given in ascending index order (as every threshold pass produces them) are filtered in
+/// place by the `r`-th largest key, with no sort.
+pub fn top_keys(keys: Vec<u64>, r: usize) -> Vec<u32> {
     let r = r.min(keys.len());
-    let cut = keys.len() - r;
-    if cut > 0 && r > 0 {
-        keys.select_nth_unstable(cut);
+    if r == 0 {
+        return Vec::new();
     }
-    let mut idx: Vec<u32> = keys[cut..].iter().map(|k| u32::MAX - *k as u32).collect();
-    idx.sort_unstable();
+    let cut = keys.len() - r;
+    let least = if cut > 0 {
+        let mut scratch = keys.clone();
+        *scratch.select_nth_unstable(cut).1
+    } else {
+        0
+    };
+    // Keys are distinct (the index is in the low bits), so exactly `r` reach `least`.
+    let mut idx: Vec<u32> = keys.iter().filter(|&&k| k >= least).map(|&k| u32::MAX - k as u32).collect();
+    if !idx.is_sorted() {
+        idx.sort_unstable();
+    }
     idx
 }
 
@@ -199,6 +210,29 @@ mod tests {
             all.sort_by(|a, b| scores[*b as usize].total_cmp(&scores[*a as usize]).then(a.cmp(b)));
             all.truncate(r);
             prop_assert_eq!(got, all);
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn top_keys_is_the_ascending_top_set_in_any_input_order(
+            scores in proptest::collection::vec(-4i8..4, 0..200),
+            r in 0usize..220,
+            seed in any::<u64>(),
+        ) {
+            // Coarse scores force ties; a shuffled input order takes the sorting path.
+            let keys: Vec<u64> = scores.iter().enumerate().map(|(i, &x)| rank_key(f32::from(x), i as u32)).collect();
+            let mut all: Vec<u32> = (0..scores.len() as u32).collect();
+            all.sort_by(|a, b| scores[*b as usize].cmp(&scores[*a as usize]).then(a.cmp(b)));
+            all.truncate(r);
+            all.sort_unstable();
+            prop_assert_eq!(top_keys(keys.clone(), r), all.clone());
+            let mut shuffled = keys;
+            let mut g = crate::random::SplitMix64::new(seed);
+            for i in (1..shuffled.len()).rev() {
+                shuffled.swap(i, g.below(i + 1));
+            }
+            prop_assert_eq!(top_keys(shuffled, r), all);
         }
     }
 
