@@ -111,6 +111,36 @@ pub struct HeadLayout {
 /// value blocks, so no block is split).
 const EXACT_CHUNK: usize = 2048;
 
+/// Centroids one rayon task scores while planning.
+const SCORE_CHUNK: usize = 2048;
+
+/// Retrieved clusters one rayon task attends while executing a block-homed plan.
+const CLUSTER_CHUNK: usize = 64;
+
+/// Runs `jobs` on rayon threads, each attending into fresh partials of `heads` query heads,
+/// and merges them all into `parts`. With fewer busy threads than cores this spreads one
+/// KV head's work; when every thread is busy rayon runs the jobs in turn on the caller's.
+fn attend_jobs<J: Sync>(
+    jobs: &[J],
+    heads: usize,
+    d: usize,
+    parts: &mut [Partial],
+    run: impl Fn(&J, &mut [Partial], &mut Scratch) -> Result<()> + Sync + Send,
+) -> Result<()> {
+    let partials: Vec<Vec<Partial>> = jobs
+        .par_iter()
+        .map_init(Scratch::default, |sc, job| {
+            let mut p = vec![Partial::empty(d); heads];
+            run(job, &mut p, sc)?;
+            Ok(p)
+        })
+        .collect::<Result<_>>()?;
+    for p in &partials {
+        parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Default)]
 struct HeadStore<E> {
     sink_keys: Vec<E>,
@@ -555,6 +585,9 @@ impl<E: Element> WaveIndex<E> {
                 rest.select_nth_unstable_by(r2 - 1, |a, b| scores[*b as usize].total_cmp(&scores[*a as usize]));
             }
             rest.truncate(r2);
+            // In directory order the estimation pass reads value means and scores as a
+            // forward stream instead of at random.
+            rest.sort_unstable();
         }
         (retrieve, rest)
     }
@@ -655,8 +688,20 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         }
         let d = self.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
-        let mut scores = vec![Vec::new(); q.len() / d];
-        score_group(q, scores.len(), &dir.centroids, scale, &mut scores);
+        let g = q.len() / d;
+        // Centroid scoring in chunks on rayon threads: with more cores than KV heads the
+        // planner would otherwise leave most of them idle.
+        let chunks: Vec<Vec<Vec<f32>>> = dir
+            .centroids
+            .par_chunks(SCORE_CHUNK * d)
+            .map(|rows| {
+                let mut s = vec![Vec::new(); g];
+                score_group(q, g, rows, scale, &mut s);
+                s
+            })
+            .collect();
+        let scores: Vec<Vec<f32>> =
+            (0..g).map(|j| chunks.iter().flat_map(|c| c[j].iter().copied()).collect()).collect();
         plan.selections = match budget.mode {
             SelectionMode::PerQueryHead => scores
                 .iter()
@@ -693,25 +738,9 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                     (0..n).step_by(EXACT_CHUNK).map(move |a| (i, a..(a + EXACT_CHUNK).min(n)))
                 })
                 .collect();
-            let g = parts.len();
-            let partials: Vec<Vec<Partial>> = jobs
-                .par_iter()
-                .map_init(Scratch::default, |sc, (i, rows)| {
-                    let mut p = vec![Partial::empty(d); g];
-                    store.segments[*i].attend(
-                        blocks.map(|b| (b, kv_head)),
-                        q,
-                        scale,
-                        std::slice::from_ref(rows),
-                        &mut p,
-                        sc,
-                    )?;
-                    Ok(p)
-                })
-                .collect::<Result<_>>()?;
-            for p in &partials {
-                parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
-            }
+            attend_jobs(&jobs, g, d, &mut parts, |(i, rows), p, sc| {
+                store.segments[*i].attend(blocks.map(|b| (b, kv_head)), q, scale, std::slice::from_ref(rows), p, sc)
+            })?;
             return Ok(parts);
         }
         for sel in &plan.selections {
@@ -735,22 +764,25 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                         clusters.push(ClusterRows { locations, rows: 0..size });
                         at += n;
                     }
-                    let reader = bs.buffers().reader();
-                    attend_clusters::<E>(&reader, per_block, qs, scale, &clusters, &mut sub, scratch)?;
+                    let chunks: Vec<_> = clusters.chunks(CLUSTER_CHUNK).collect();
+                    attend_jobs(&chunks, sel.heads, d, &mut sub, |c, p, sc| {
+                        attend_clusters::<E>(&bs.buffers().reader(), per_block, qs, scale, c, p, sc)
+                    })?;
                 }
                 _ => {
-                    // Spans are sorted by segment (coalesce sorts them): one call per segment.
-                    for runs in sel.retrieve.chunk_by(|a, b| a.unit == b.unit) {
+                    // Spans are sorted by segment (coalesce sorts them): one task per segment.
+                    let runs: Vec<_> = sel.retrieve.chunk_by(|a, b| a.unit == b.unit).collect();
+                    attend_jobs(&runs, sel.heads, d, &mut sub, |runs, p, sc| {
                         let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
                         store.segments[runs[0].unit as usize].attend(
                             blocks.map(|b| (b, kv_head)),
                             qs,
                             scale,
                             &ranges,
-                            &mut sub,
-                            scratch,
-                        )?;
-                    }
+                            p,
+                            sc,
+                        )
+                    })?;
                 }
             }
             let sizes: Vec<f32> = sel.estimate.iter().map(|&id| store.dir.sizes[id as usize] as f32).collect();

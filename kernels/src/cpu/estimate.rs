@@ -50,7 +50,25 @@ pub fn estimate_group<'a, E: Element>(
         part.l = l;
     }
     if head_dim.is_multiple_of(8) {
-        super::attention::weighted_rows(&weights, stride, value_mean, n, head_dim / 8, &mut parts);
+        // The listed clusters' value means lie scattered over the directory, and the
+        // register-blocked kernel walks its rows once per 16 columns. Tiles of rows that
+        // stay in L1 across those walks, with the next tile asked for ahead, keep it from
+        // stalling on one cache miss at a time.
+        const TILE: usize = 32;
+        let tile_rows = |t0: usize| (t0..(t0 + TILE).min(n)).for_each(|c| super::prefetch::prefetch(value_mean(c)));
+        tile_rows(0);
+        for t0 in (0..n).step_by(TILE) {
+            tile_rows(t0 + TILE);
+            let rows = TILE.min(n - t0);
+            super::attention::weighted_rows(
+                &weights[t0..],
+                stride,
+                |c| value_mean(t0 + c),
+                rows,
+                head_dim / 8,
+                &mut parts,
+            );
+        }
     } else {
         let mut wide = vec![0.0f32; head_dim];
         for (j, part) in parts.iter_mut().enumerate() {
