@@ -12,6 +12,7 @@ use std::time::Duration;
 /// Handle of a running maintainer thread.
 pub struct Maintainer {
     stop: Arc<AtomicBool>,
+    paused: Arc<AtomicBool>,
     poisoned: Arc<AtomicBool>,
     processed: Arc<AtomicU64>,
     thread: Option<JoinHandle<()>>,
@@ -36,13 +37,18 @@ impl Maintainer {
         pause: Duration,
     ) -> std::io::Result<Self> {
         let stop = Arc::new(AtomicBool::new(false));
+        let paused = Arc::new(AtomicBool::new(false));
         let poisoned = Arc::new(AtomicBool::new(false));
         let processed = Arc::new(AtomicU64::new(0));
-        let (s, p, n) = (Arc::clone(&stop), Arc::clone(&poisoned), Arc::clone(&processed));
+        let (s, p, n, halt) = (Arc::clone(&stop), Arc::clone(&poisoned), Arc::clone(&processed), Arc::clone(&paused));
         let thread = std::thread::Builder::new().name("attnstore-maintainer".into()).spawn(move || {
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // Relaxed: the flag carries no data; a late stop only costs one more round.
                 while !s.load(Ordering::Relaxed) {
+                    if halt.load(Ordering::Relaxed) {
+                        std::thread::sleep(idle);
+                        continue;
+                    }
                     let done = buffers.maintain(batch);
                     n.fetch_add(done as u64, Ordering::Relaxed);
                     if done == 0 {
@@ -56,7 +62,22 @@ impl Maintainer {
                 p.store(true, Ordering::Relaxed);
             }
         })?;
-        Ok(Self { stop, poisoned, processed, thread: Some(thread) })
+        Ok(Self { stop, paused, poisoned, processed, thread: Some(thread) })
+    }
+
+    /// Pauses (`true`) or resumes (`false`) the maintenance rounds; the thread keeps
+    /// running and checks again every `idle`. While paused, plans still log their accesses:
+    /// records beyond the queue's capacity are dropped and counted, and the Gpu tier keeps
+    /// what it holds. For latency-critical phases, and for measuring what maintenance costs
+    /// the plans running beside it.
+    pub fn set_paused(&self, paused: bool) {
+        // Relaxed: the flag carries no data; a round already started finishes.
+        self.paused.store(paused, Ordering::Relaxed);
+    }
+
+    /// Whether the maintenance rounds are paused.
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::Relaxed)
     }
 
     /// Whether the thread died of a panic (the buffer manager still serves reads; nothing is

@@ -918,6 +918,9 @@ impl BufferManager {
         if records.is_empty() || self.gpu.capacity() == 0 {
             return records.len();
         }
+        // The previous round's retired mapping buckets are past every reader by now: free
+        // them here rather than in a plan thread's epoch pin.
+        self.mapping.collect_garbage();
         let Ok(mut state) = self.state() else {
             TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
             return records.len();

@@ -76,6 +76,36 @@ fn misses_are_admitted_in_the_background_and_hits_follow() {
 }
 
 #[test]
+fn a_paused_maintainer_admits_nothing_until_resumed() {
+    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
+    for c in 0..8 {
+        buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
+    }
+    let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_micros(100)).unwrap();
+    maintainer.set_paused(true);
+    assert!(maintainer.is_paused());
+    // A round that started before the pause may still finish: let it.
+    std::thread::sleep(Duration::from_millis(5));
+    let processed = maintainer.processed();
+    let tiers = || {
+        let reader = buffers.reader();
+        (0..8).map(|c| reader.pin(&reader.cluster(&key(c)).unwrap()[0]).unwrap().tier()).collect::<Vec<_>>()
+    };
+    for _ in 0..20 {
+        assert!(tiers().iter().all(|&t| t == Tier::Host), "nothing is admitted while paused");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(maintainer.processed(), processed, "no records processed while paused");
+    maintainer.set_paused(false);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while tiers().iter().any(|&t| t != Tier::Gpu) {
+        assert!(Instant::now() < deadline, "the resumed maintainer never admitted the misses");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(!maintainer.stop());
+}
+
+#[test]
 fn a_full_access_queue_drops_and_counts_records_without_blocking() {
     let mut config = BufferConfig::new(64, 4);
     config.access_queue_batches = 2;
