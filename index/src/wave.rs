@@ -13,7 +13,7 @@ use crate::method::{
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::estimate::estimate_group;
-use attnstore_kernels::cpu::scoring::{score_group, top_r};
+use attnstore_kernels::cpu::scoring::{rank_key, score_group, top_keys, top_r};
 use attnstore_kernels::{Element, HackParams, Partial};
 use rayon::prelude::*;
 
@@ -578,17 +578,16 @@ impl<E: Element> WaveIndex<E> {
         }
         let mut taken = vec![false; n];
         retrieve.iter().for_each(|&id| taken[id as usize] = true);
-        let mut rest: Vec<u32> = (0..n as u32).filter(|&id| !taken[id as usize]).collect();
-        if budget.estimate_tokens != usize::MAX {
-            let r2 = ((budget.estimate_tokens as f64 / avg).round() as usize).min(rest.len());
-            if r2 > 0 && r2 < rest.len() {
-                rest.select_nth_unstable_by(r2 - 1, |a, b| scores[*b as usize].total_cmp(&scores[*a as usize]));
-            }
-            rest.truncate(r2);
-            // In directory order the estimation pass reads value means and scores as a
-            // forward stream instead of at random.
-            rest.sort_unstable();
-        }
+        let free = (0..n as u32).filter(|&id| !taken[id as usize]);
+        let rest = if budget.estimate_tokens == usize::MAX {
+            free.collect()
+        } else {
+            let keys: Vec<u64> = free.map(|id| rank_key(scores[id as usize], id)).collect();
+            let r2 = ((budget.estimate_tokens as f64 / avg).round() as usize).min(keys.len());
+            // An integer select on (score, index) keys, returned in directory order: the
+            // estimation pass then reads value means and scores as a forward stream.
+            top_keys(keys, r2)
+        };
         (retrieve, rest)
     }
 
@@ -700,8 +699,13 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 s
             })
             .collect();
-        let scores: Vec<Vec<f32>> =
-            (0..g).map(|j| chunks.iter().flat_map(|c| c[j].iter().copied()).collect()).collect();
+        let scores: Vec<Vec<f32>> = (0..g)
+            .map(|j| {
+                let mut s = Vec::with_capacity(dir.len());
+                chunks.iter().for_each(|c| s.extend_from_slice(&c[j]));
+                s
+            })
+            .collect();
         plan.selections = match budget.mode {
             SelectionMode::PerQueryHead => scores
                 .iter()
@@ -709,8 +713,11 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 .map(|(j, s)| self.selection(kv_head, dir, j, std::slice::from_ref(s), s, budget))
                 .collect(),
             SelectionMode::PerKvHead => {
-                let best: Vec<f32> =
-                    (0..dir.len()).map(|c| scores.iter().map(|s| s[c]).fold(f32::NEG_INFINITY, f32::max)).collect();
+                let mut best = scores[0].clone();
+                for s in &scores[1..] {
+                    // A plain comparison vectorizes (scores are finite); f32::max's NaN rule does not.
+                    best.iter_mut().zip(s).for_each(|(b, &x)| *b = if x > *b { x } else { *b });
+                }
                 vec![self.selection(kv_head, dir, 0, &scores, &best, budget)]
             }
         };
