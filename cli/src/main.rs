@@ -75,6 +75,10 @@ struct BenchWalArgs {
     /// Payload bytes per WAL record.
     #[arg(long, default_value_t = 4096)]
     record_bytes: usize,
+    /// WAL records each thread keeps in flight in the pipelined group-commit condition
+    /// (submitted, then acknowledged by waiting for durability)
+    #[arg(long, default_value_t = 64)]
+    pipeline: usize,
     /// Tokens per engine append batch.
     #[arg(long, default_value_t = 16)]
     batch_tokens: usize,
@@ -493,6 +497,7 @@ fn bench_wal(args: BenchWalArgs) -> Result<(), String> {
         threads: args.threads,
         records_per_thread: args.records,
         record_bytes: args.record_bytes,
+        pipeline: args.pipeline,
         batch_tokens: args.batch_tokens,
         context_tokens: args.tokens,
         layers: args.layers,

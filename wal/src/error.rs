@@ -102,6 +102,14 @@ pub enum Error {
     /// The writer was closed.
     #[error("wal writer is closed")]
     Closed,
+    /// [`crate::LogWriter::wait_durable`] for an LSN that no record has yet.
+    #[error("wait for lsn {lsn}: no record has that lsn yet (the next record gets lsn {next})")]
+    UnknownLsn {
+        /// The LSN asked for.
+        lsn: u64,
+        /// The LSN the next record will get.
+        next: u64,
+    },
     /// A record error inside a named file (the inner error carries the offset).
     #[error("{file}: {source}")]
     InFile {

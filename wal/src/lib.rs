@@ -44,4 +44,6 @@ pub use manifest::{decode_manifest, read_manifest, write_manifest};
 pub use record::{encode_record, Record, RecordKind, RecordReader, Tail, FRAME_HEADER_BYTES, MAX_RECORD_BYTES};
 pub use replay::{list_log_files, replay_dir, LogFileSummary, LogReplay, ReplayedRecord, TornTail};
 pub use storage::{FaultyStorage, StdStorage, Storage, StorageFile};
-pub use writer::{log_file_name, parse_log_file_name, LogWriter, Lsn, SyncPolicy, WriterConfig, WriterStats};
+pub use writer::{
+    log_file_name, parse_log_file_name, LogWriter, Lsn, SyncPolicy, WriterConfig, WriterStats, SUBMIT_WRITE_BYTES,
+};

@@ -148,6 +148,9 @@ fn sync_all(files: &[Arc<dyn StorageFile>]) -> std::io::Result<()> {
     }
 }
 
+/// Queued bytes at which [`LogWriter::submit`] writes them out (without fsync) itself.
+pub const SUBMIT_WRITE_BYTES: usize = 4 << 20;
+
 /// Creates log file `first_lsn` in `dir` holding just the header, synced, directory synced.
 fn create_log_file(storage: &dyn Storage, dir: &Path, first_lsn: Lsn) -> Result<Arc<dyn StorageFile>, Error> {
     let path = dir.join(log_file_name(first_lsn));
@@ -218,6 +221,51 @@ impl LogWriter {
         payload: &[u8],
         dependency: Option<Arc<dyn StorageFile>>,
     ) -> Result<Lsn, Error> {
+        let (mut st, lsn) = self.enqueue(kind, payload, dependency)?;
+        let durable = self.shared.config.policy == SyncPolicy::EveryBatch;
+        self.shared.commit(&mut st, lsn + 1, durable)?;
+        Ok(lsn)
+    }
+
+    /// Queues one record and returns its LSN at once, without waiting for any write or
+    /// fsync: the pipelined form of [`LogWriter::append_after`], for a caller that keeps
+    /// several records in flight and is acknowledged later by [`LogWriter::wait_durable`].
+    /// A submitted record is **not acknowledged** until then: a crash may lose it (and
+    /// every later one), never an earlier acknowledged one. Queued bytes beyond
+    /// [`SUBMIT_WRITE_BYTES`] are written out (without fsync) by the submitting thread, so
+    /// memory stays bounded whoever waits.
+    pub fn submit(
+        &self,
+        kind: RecordKind,
+        payload: &[u8],
+        dependency: Option<Arc<dyn StorageFile>>,
+    ) -> Result<Lsn, Error> {
+        let (mut st, lsn) = self.enqueue(kind, payload, dependency)?;
+        if st.pending.len() >= SUBMIT_WRITE_BYTES && !st.leader {
+            self.shared.lead(&mut st, false, false);
+            st.usable()?;
+        }
+        Ok(lsn)
+    }
+
+    /// Waits until record `lsn` and every record before it are durable (written and
+    /// fsynced, with the data files they depend on), whatever the sync policy; concurrent
+    /// waiters share one group flush. An LSN not handed out yet is a typed error.
+    pub fn wait_durable(&self, lsn: Lsn) -> Result<(), Error> {
+        let mut st = self.shared.state.lock();
+        if lsn >= st.next_lsn {
+            return Err(Error::UnknownLsn { lsn, next: st.next_lsn });
+        }
+        self.shared.commit(&mut st, lsn + 1, true)
+    }
+
+    /// Frames `payload` and queues it under the lock (returned held), with its LSN.
+    fn enqueue(
+        &self,
+        kind: RecordKind,
+        payload: &[u8],
+        dependency: Option<Arc<dyn StorageFile>>,
+    ) -> Result<(MutexGuard<'_, State>, Lsn), Error> {
         let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
         encode_record(kind, payload, &mut frame)?;
         let mut st = self.shared.state.lock();
@@ -229,9 +277,7 @@ impl LogWriter {
         if let Some(dep) = dependency {
             push_dep(&mut st.pending_deps, dep);
         }
-        let durable = self.shared.config.policy == SyncPolicy::EveryBatch;
-        self.shared.commit(&mut st, lsn + 1, durable)?;
-        Ok(lsn)
+        Ok((st, lsn))
     }
 
     /// Makes every record appended so far durable (whatever the policy) and returns the LSN
@@ -483,6 +529,57 @@ mod tests {
             let mine: Vec<u8> = replay.records.iter().filter(|r| r.payload[0] == t).map(|r| r.payload[1]).collect();
             assert_eq!(mine, (0..50).collect::<Vec<u8>>());
         }
+    }
+
+    #[test]
+    fn submitted_records_are_acknowledged_by_wait_durable_in_shared_fsyncs() {
+        let dir = tempdir();
+        // `None`: only wait_durable makes anything durable.
+        let log = writer(dir.path(), SyncPolicy::None, 1 << 20);
+        let window = 16;
+        std::thread::scope(|s| {
+            for t in 0..4u8 {
+                let log = &log;
+                s.spawn(move || {
+                    let mut inflight = std::collections::VecDeque::new();
+                    for i in 0..100u8 {
+                        inflight.push_back(log.submit(RecordKind::AppendKv, &[t, i], None).unwrap());
+                        if inflight.len() > window {
+                            let lsn = inflight.pop_front().unwrap();
+                            log.wait_durable(lsn).unwrap();
+                            assert!(log.durable_end() > lsn, "acknowledged means durable");
+                        }
+                    }
+                    log.wait_durable(*inflight.back().unwrap()).unwrap();
+                });
+            }
+        });
+        assert_eq!(log.durable_end(), 401);
+        let stats = log.stats();
+        assert!(stats.syncs < 400 / 4, "a window of records shares each fsync: {stats:?}");
+        assert!(matches!(log.wait_durable(401), Err(Error::UnknownLsn { lsn: 401, next: 401 })));
+        let replay = replay_dir(dir.path(), 1).unwrap();
+        assert_eq!(replay.records.len(), 400);
+        for t in 0..4u8 {
+            let mine: Vec<u8> = replay.records.iter().filter(|r| r.payload[0] == t).map(|r| r.payload[1]).collect();
+            assert_eq!(mine, (0..100).collect::<Vec<u8>>());
+        }
+    }
+
+    #[test]
+    fn submit_writes_out_a_large_backlog_and_a_failed_wait_poisons() {
+        let dir = tempdir();
+        let storage = FaultyStorage::new();
+        let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 64 << 20 };
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, 1).unwrap();
+        let payload = vec![7u8; 64 << 10];
+        let records = SUBMIT_WRITE_BYTES / payload.len() + 2;
+        let last = (0..records).map(|_| log.submit(RecordKind::AppendKv, &payload, None).unwrap()).last().unwrap();
+        assert!(log.stats().writes >= 1, "the backlog was written out by a submitter");
+        assert!(log.durable_end() <= last, "but nothing was acknowledged");
+        storage.fail_syncs(true);
+        assert!(matches!(log.wait_durable(last), Err(Error::Poisoned { .. })));
+        assert!(matches!(log.submit(RecordKind::AppendKv, b"more", None), Err(Error::Poisoned { .. })));
     }
 
     #[test]
