@@ -521,13 +521,18 @@ mod tests {
         assert_eq!(stats.records, 400);
         assert!(stats.syncs <= 400, "{stats:?}");
         assert_eq!(log.durable_end(), 401);
-        let replay = replay_dir(dir.path(), 1).unwrap();
-        assert_eq!(replay.records.len(), 400);
+        assert_each_thread_in_order(dir.path(), 8, 50);
+    }
+
+    /// Replays `dir`: `threads` × `per_thread` records `[thread, i]`, no torn tail, and each
+    /// thread's records in its own order.
+    fn assert_each_thread_in_order(dir: &Path, threads: u8, per_thread: u8) {
+        let replay = replay_dir(dir, 1).unwrap();
+        assert_eq!(replay.records.len(), usize::from(threads) * usize::from(per_thread));
         assert!(replay.torn.is_none());
-        // Each thread's records appear in its own order.
-        for t in 0..8u8 {
+        for t in 0..threads {
             let mine: Vec<u8> = replay.records.iter().filter(|r| r.payload[0] == t).map(|r| r.payload[1]).collect();
-            assert_eq!(mine, (0..50).collect::<Vec<u8>>());
+            assert_eq!(mine, (0..per_thread).collect::<Vec<u8>>());
         }
     }
 
@@ -558,12 +563,7 @@ mod tests {
         let stats = log.stats();
         assert!(stats.syncs < 400 / 4, "a window of records shares each fsync: {stats:?}");
         assert!(matches!(log.wait_durable(401), Err(Error::UnknownLsn { lsn: 401, next: 401 })));
-        let replay = replay_dir(dir.path(), 1).unwrap();
-        assert_eq!(replay.records.len(), 400);
-        for t in 0..4u8 {
-            let mine: Vec<u8> = replay.records.iter().filter(|r| r.payload[0] == t).map(|r| r.payload[1]).collect();
-            assert_eq!(mine, (0..100).collect::<Vec<u8>>());
-        }
+        assert_each_thread_in_order(dir.path(), 4, 100);
     }
 
     #[test]

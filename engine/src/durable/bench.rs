@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use attnstore_wal::{LogWriter, RecordKind, StdStorage, SyncPolicy, WriterConfig};
+use attnstore_wal::{LogWriter, RecordKind, StdStorage, SyncPolicy, WriterConfig, WriterStats};
 
 use crate::synth::{SynthContext, SynthParams};
 use crate::{AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, Method, Request, Result};
@@ -46,6 +46,27 @@ fn fresh(dir: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).map_err(|e| attnstore_wal::Error::io("create dir", dir, &e))?;
     Ok(())
+}
+
+/// Runs `threads` appenders, each calling `work` once, on a fresh log in `dir`; returns the
+/// time until all of them are done and the writer's statistics.
+fn run_appenders(
+    dir: &Path,
+    config: WriterConfig,
+    threads: usize,
+    work: impl Fn(&LogWriter) -> Result<()> + Sync,
+) -> Result<(Duration, WriterStats)> {
+    fresh(dir)?;
+    let log = LogWriter::create(dir, Arc::new(StdStorage), config, 1)?;
+    let started = Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let handles: Vec<_> = (0..threads).map(|_| s.spawn(|| work(&log))).collect();
+        handles.into_iter().try_for_each(|h| h.join().expect("bench thread panicked"))
+    })?;
+    let took = started.elapsed();
+    let stats = log.stats();
+    log.close()?;
+    Ok((took, stats))
 }
 
 /// One sequential writer, `pieces` writes of `piece_bytes`, one fsync at the end.
@@ -95,27 +116,14 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         started.elapsed().as_secs_f64() / n as f64
     };
     let wal_dir = cfg.dir.join("wal");
-    fresh(&wal_dir)?;
     let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 64 << 20 };
-    let log = LogWriter::create(&wal_dir, Arc::new(StdStorage), config, 1)?;
     let payload = vec![0xa5_u8; cfg.record_bytes];
-    let started = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| -> Result<()> {
-                    for _ in 0..cfg.records_per_thread.max(1) {
-                        log.append(RecordKind::AppendKv, &payload)?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        handles.into_iter().try_for_each(|h| h.join().expect("bench thread panicked"))
+    let (group, stats) = run_appenders(&wal_dir, config, threads, |log| {
+        for _ in 0..cfg.records_per_thread.max(1) {
+            log.append(RecordKind::AppendKv, &payload)?;
+        }
+        Ok(())
     })?;
-    let group = started.elapsed();
-    let stats = log.stats();
-    log.close()?;
     let mb = total as f64 / 1e6;
     p(
         out,
@@ -124,16 +132,16 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             cfg.records_per_thread, cfg.record_bytes
         ),
     );
-    p(
-        out,
+    let rate = |what: &str, took: Duration, stats: WriterStats| {
         format!(
-            "  group commit        {:8.1} MB/s  {:9.0} records/s  {} fsyncs ({:.1} records per fsync)",
-            mb / secs(group),
-            records as f64 / secs(group),
+            "  {what} {:8.1} MB/s  {:9.0} records/s  {} fsyncs ({:.1} records per fsync)",
+            mb / secs(took),
+            records as f64 / secs(took),
             stats.syncs,
             records as f64 / stats.syncs.max(1) as f64
-        ),
-    );
+        )
+    };
+    p(out, rate("group commit       ", group, stats));
     p(out, format!("  baseline: 1 sequential write stream + 1 fsync of the same bytes {:8.1} MB/s", mb / secs(base)));
     p(
         out,
@@ -148,41 +156,22 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     // 1b. The same records pipelined: each thread keeps `pipeline` records in flight
     // (`submit`), and a record counts as appended only once `wait_durable` acknowledged it.
     let pipeline = cfg.pipeline.max(1);
-    fresh(&wal_dir)?;
-    let log = LogWriter::create(&wal_dir, Arc::new(StdStorage), config, 1)?;
-    let started = Instant::now();
-    std::thread::scope(|s| -> Result<()> {
-        let handles: Vec<_> = (0..threads)
-            .map(|_| {
-                s.spawn(|| -> Result<()> {
-                    let mut inflight = std::collections::VecDeque::with_capacity(pipeline + 1);
-                    for _ in 0..cfg.records_per_thread.max(1) {
-                        inflight.push_back(log.submit(RecordKind::AppendKv, &payload, None)?);
-                        if inflight.len() > pipeline {
-                            log.wait_durable(inflight.pop_front().unwrap_or_default())?;
-                        }
-                    }
-                    if let Some(&last) = inflight.back() {
-                        log.wait_durable(last)?;
-                    }
-                    Ok(())
-                })
-            })
-            .collect();
-        handles.into_iter().try_for_each(|h| h.join().expect("bench thread panicked"))
+    let (pipelined, stats) = run_appenders(&wal_dir, config, threads, |log| {
+        let mut inflight = std::collections::VecDeque::with_capacity(pipeline + 1);
+        for _ in 0..cfg.records_per_thread.max(1) {
+            inflight.push_back(log.submit(RecordKind::AppendKv, &payload, None)?);
+            if inflight.len() > pipeline {
+                log.wait_durable(inflight.pop_front().unwrap_or_default())?;
+            }
+        }
+        if let Some(&last) = inflight.back() {
+            log.wait_durable(last)?;
+        }
+        Ok(())
     })?;
-    let pipelined = started.elapsed();
-    let stats = log.stats();
-    log.close()?;
     p(
         out,
-        format!(
-            "  pipelined ({pipeline} in flight per thread, acknowledged by wait_durable) {:8.1} MB/s  {:9.0} records/s  {} fsyncs ({:.1} records per fsync)",
-            mb / secs(pipelined),
-            records as f64 / secs(pipelined),
-            stats.syncs,
-            records as f64 / stats.syncs.max(1) as f64
-        ),
+        rate(&format!("pipelined ({pipeline} in flight per thread, acknowledged by wait_durable)"), pipelined, stats),
     );
     p(out, format!("  ratio pipelined group commit / sequential write+fsync: {:.2}", secs(base) / secs(pipelined)));
 
