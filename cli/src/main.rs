@@ -432,6 +432,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         replacer: args.replacer,
         spill_dir: args.spill_dir.clone(),
         maintainer_idle: (!args.no_maintainer).then(|| Duration::from_micros(100)),
+        ..BufferSettings::new(host_blocks)
     };
     let cfg = attnstore::bench::InspectConfig {
         tokens: args.tokens,
