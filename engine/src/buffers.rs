@@ -43,9 +43,10 @@ pub struct BufferSettings {
 
 impl BufferSettings {
     /// `host_blocks` in the arena, a Gpu cache of 5% of it, CLOCK, no spill folder, a
-    /// maintainer that sleeps 100 µs when idle and pauses 100 µs after each round of work. Without a GPU the Gpu tier is host memory
-    /// and admitting into it only costs CPU (`BufferStats::gpu_on_device` says which):
-    /// set `maintainer_idle: None` there unless you are testing replacement policies.
+    /// maintainer that sleeps 100 µs when idle and pauses 100 µs after each round of work.
+    /// Without a GPU the Gpu tier is host memory and admitting into it only costs CPU
+    /// (`BufferStats::gpu_on_device` says which): set `maintainer_idle: None` there unless
+    /// you are testing replacement policies.
     pub fn new(host_blocks: usize) -> Self {
         Self {
             host_blocks,

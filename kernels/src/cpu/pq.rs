@@ -225,6 +225,13 @@ pub fn candidates_max(lut: &Lut, codes: &[u8], first: u32, t: f32, out: &mut Vec
     out.extend(scores.iter().enumerate().filter(|(_, &s)| s >= t).map(|(i, &s)| (first + i as u32, s)));
 }
 
+/// The lane-wise maximum of four vectors (three vector max operations): over heads when
+/// they hold one head each, over tokens when they hold one token each.
+#[inline(always)]
+fn lane_max([a, b, c, d]: [f32x4; 4]) -> f32x4 {
+    a.fast_max(b).fast_max(c.fast_max(d))
+}
+
 /// The candidate pass of the four-head case. Almost every token falls below the threshold,
 /// so each quad of tokens is first tested as a whole: the lane-wise maximum of the four
 /// tokens' head sums (three vector max operations) against `t`. Only a quad with some
@@ -232,8 +239,7 @@ pub fn candidates_max(lut: &Lut, codes: &[u8], first: u32, t: f32, out: &mut Vec
 fn quad_candidates<const M: usize>(values: &[f32], codes: &[u8], t: f32x4, at: &mut u32, out: &mut Vec<(u32, f32)>) {
     let (sum, tokens) = quad_sums::<M>(values, codes);
     let mut emit = |sums: [f32x4; 4], n: usize, at: u32| {
-        let [h0, h1, h2, h3] = f32x4::transpose(sums);
-        let best = h0.fast_max(h1).fast_max(h2.fast_max(h3));
+        let best = lane_max(f32x4::transpose(sums));
         // Lanes past `n` hold zero sums: mask them off.
         let mut mask = best.simd_ge(t).to_bitmask() & ((1u32 << n) - 1);
         let b = best.to_array();
@@ -247,7 +253,7 @@ fn quad_candidates<const M: usize>(values: &[f32], codes: &[u8], t: f32x4, at: &
     let rest = quads.remainder();
     for quad in quads {
         let sums = [sum(&quad[0]), sum(&quad[1]), sum(&quad[2]), sum(&quad[3])];
-        let any = sums[0].fast_max(sums[1]).fast_max(sums[2].fast_max(sums[3]));
+        let any = lane_max(sums);
         if any.simd_ge(t).to_bitmask() != 0 {
             emit(sums, 4, *at);
         }
@@ -352,8 +358,8 @@ fn quad_tokens<const M: usize>(values: &[f32], codes: &[u8], mut emit: impl FnMu
 
 fn quad_max<const M: usize>(values: &[f32], codes: &[u8], out: &mut Vec<f32>) {
     out.reserve(codes.len() / M);
-    quad_tokens::<M>(values, codes, |[h0, h1, h2, h3], n| {
-        let best = h0.fast_max(h1).fast_max(h2.fast_max(h3)).to_array();
+    quad_tokens::<M>(values, codes, |heads, n| {
+        let best = lane_max(heads).to_array();
         if n == 4 {
             out.extend_from_slice(&best);
         } else {
@@ -373,8 +379,8 @@ fn quad_max_strided<const M: usize>(values: &[f32], codes: &[u8], stride: usize,
         if n == 0 {
             return;
         }
-        let [h0, h1, h2, h3] = f32x4::transpose(quad.map(|t| t.map_or(f32x4::ZERO, &sum)));
-        out.extend_from_slice(&h0.fast_max(h1).fast_max(h2.fast_max(h3)).to_array()[..n]);
+        let heads = f32x4::transpose(quad.map(|t| t.map_or(f32x4::ZERO, &sum)));
+        out.extend_from_slice(&lane_max(heads).to_array()[..n]);
     }
 }
 
