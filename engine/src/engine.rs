@@ -178,14 +178,24 @@ impl Engine {
     /// Waits up to `timeout` for a layer's background index build (PQ codebooks) and says
     /// whether the index is ready: `Ok(true)` at once for methods without a background
     /// build, `Ok(false)` if it is still running at the deadline. Plans made before then
-    /// attend those tokens exactly (EXPLAIN says so). The layer is not locked while waiting.
+    /// attend those tokens exactly (EXPLAIN says so). The layer is not locked while waiting;
+    /// once the build is ready, the tokens appended while it ran are encoded (a short write
+    /// lock), so the index is the same as if the build had finished before those appends.
     pub fn wait_index(&self, id: ContextId, layer: usize, timeout: Duration) -> Result<bool> {
         let ctx = self.context(id)?;
-        let handle = layer_of(&ctx, id, layer)?.read().method.build_handle();
-        match handle {
-            Some(h) => Ok(h.wait(timeout)?),
-            None => Ok(true),
+        let state = layer_of(&ctx, id, layer)?;
+        let handle = state.read().method.build_handle();
+        let ready = match handle {
+            Some(h) => h.wait(timeout)?,
+            None => return Ok(true),
+        };
+        if ready {
+            let mut guard = state.write();
+            if guard.method.catch_up()? {
+                guard.version += 1;
+            }
         }
+        Ok(ready)
     }
 
     /// What a layer's background index build did (iteration limit, iterations run, time),
@@ -274,7 +284,7 @@ impl Engine {
         &self,
         id: ContextId,
         layer: usize,
-        layout: &attnstore_index::WaveLayout,
+        layout: &attnstore_index::IndexLayout,
         keys: &[f32],
         values: &[f32],
     ) -> Result<()> {

@@ -22,9 +22,12 @@ pub use blocks::{blocks_per_tier, BlockStore};
 pub use directory::Directory;
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
-pub use method::{AccessMethod, GpuHeadWork, HeadPlan, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget};
+pub use method::{
+    AccessMethod, GpuHeadWork, HeadPlan, IndexLayout, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget,
+};
 pub use pq::{
     BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,
+    PqSnapshot,
 };
 pub use wave::{HeadLayout, SegmentLayout, WaveIndex, WaveLayout, WaveParams};
 pub use window::WindowIndex;

@@ -241,6 +241,13 @@ pub trait AccessMethod: Send + Sync {
     fn build_handle(&self) -> Option<crate::pq::BuildHandle> {
         None
     }
+    /// Brings the index up to date with a background build that has finished: PQ encodes
+    /// the tokens that left the local window while its codebooks trained (until then they
+    /// are attended exactly in the steady zone, and the next append would encode them).
+    /// `Ok(true)` when that changed what plans see; a no-op for other methods.
+    fn catch_up(&mut self) -> Result<bool> {
+        Ok(false)
+    }
     /// The GPU executor's inputs for `kv_head` under `plan` (`q`: the group's queries), or
     /// `None` when this method cannot serve the plan from the buffer manager on the GPU
     /// (rows not homed there, not f16, or one selection per query head): the caller then
@@ -250,15 +257,69 @@ pub trait AccessMethod: Send + Sync {
         None
     }
     /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:
-    /// nothing worth keeping; recovery rebuilds from the KV).
-    fn layout(&self) -> Option<crate::WaveLayout> {
+    /// nothing worth keeping, or not built yet; recovery rebuilds from the KV).
+    fn layout(&self) -> Option<IndexLayout> {
         None
     }
-    /// Rebuilds this empty method from a checkpointed `layout` and the KV it covers (same
-    /// layout as [`AccessMethod::append`]). `Ok(false)` when the method keeps no layout (the
-    /// caller then ingests the KV normally).
-    fn restore(&mut self, layout: &crate::WaveLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
+    /// Rebuilds this empty method from a checkpointed `layout` and the KV of the first
+    /// [`IndexLayout::tokens`] tokens (same layout as [`AccessMethod::append`]). `Ok(false)`
+    /// when the method keeps no layout (the caller then ingests the KV normally); a layout
+    /// of another method, or one that does not fit, is a typed error that changes nothing.
+    fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
         let _ = (layout, keys, values);
         Ok(false)
+    }
+}
+
+/// What a checkpoint keeps of an access method's index, so that recovery restores it from
+/// the KV without training or clustering again.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IndexLayout {
+    /// A wave index's segments and clusters.
+    Wave(crate::WaveLayout),
+    /// A PQ index's codebooks and base codes.
+    Pq(crate::PqSnapshot),
+}
+
+impl IndexLayout {
+    /// The access method it belongs to (`"wave"`, `"pq"`).
+    pub fn method(&self) -> &'static str {
+        match self {
+            IndexLayout::Wave(_) => "wave",
+            IndexLayout::Pq(_) => "pq",
+        }
+    }
+
+    /// Tokens whose KV a restore takes (a batch boundary of the KV the index was given).
+    pub fn tokens(&self) -> u64 {
+        match self {
+            IndexLayout::Wave(l) => l.tokens,
+            IndexLayout::Pq(s) => s.tokens,
+        }
+    }
+
+    /// The end of the indexed range: it moves exactly when the kept structure changes, so
+    /// a checkpoint rewrites a layout only when this differs from the one on disk.
+    pub fn indexed_end(&self) -> u64 {
+        match self {
+            IndexLayout::Wave(l) => l.tail_start,
+            IndexLayout::Pq(s) => s.end,
+        }
+    }
+
+    /// True when it holds nothing a restore would save (a wave index without segments).
+    pub fn is_empty(&self) -> bool {
+        match self {
+            IndexLayout::Wave(l) => l.segments.is_empty(),
+            IndexLayout::Pq(_) => false,
+        }
+    }
+
+    /// The error of restoring this layout into an access method `into` of another kind.
+    pub(crate) fn wrong_method(&self, into: &'static str) -> Error {
+        Error::InvalidParameter {
+            what: "index layout",
+            message: format!("a {} layout cannot restore a {into} index", self.method()),
+        }
     }
 }

@@ -7,8 +7,8 @@ use crate::blocks::{attend_clusters, BlockStore, ClusterRows};
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, GpuHeadWork, HeadPlan, IndexStats,
-    Selection, SelectionMode, ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, GpuHeadWork, HeadPlan, IndexLayout,
+    IndexStats, Selection, SelectionMode, ZoneBudget,
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
@@ -806,8 +806,8 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         Ok(parts)
     }
 
-    fn layout(&self) -> Option<WaveLayout> {
-        Some(WaveIndex::layout(self))
+    fn layout(&self) -> Option<IndexLayout> {
+        Some(IndexLayout::Wave(WaveIndex::layout(self)))
     }
 
     fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
@@ -818,7 +818,8 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         Some(self.gpu_work_f16(store, kv_head, q, plan))
     }
 
-    fn restore(&mut self, layout: &WaveLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
+    fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
+        let IndexLayout::Wave(layout) = layout else { return Err(layout.wrong_method("wave")) };
         WaveIndex::restore(self, layout, keys, values)?;
         Ok(true)
     }

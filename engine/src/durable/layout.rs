@@ -1,16 +1,21 @@
-//! Checkpointed index layouts: at a checkpoint, the structure of every wave layer (which
-//! tokens form each segment, each cluster's size and its token positions; `WaveLayout`) is
-//! written to `DIR/index/ctx-<id>-layer-<l>.layout` (framed and checksummed like the
-//! manifest, replaced atomically). Recovery then restores those layers from the KV it reads
-//! back without running k-means, and clusters only the tokens the layout does not cover.
-//! A layout file is an optimization: one that is missing, corrupt or does not fit the data
-//! is reported and the layer is rebuilt from its KV, never served wrong.
+//! Checkpointed index layouts: at a checkpoint, what recovery needs to restore each indexed
+//! layer without training it again is written to `DIR/index/`, framed and checksummed like
+//! the manifest and replaced atomically:
+//! - wave layers, `ctx-<id>-layer-<l>.layout`: which tokens form each segment, each
+//!   cluster's size and its token positions ([`WaveLayout`]); no k-means on reopen;
+//! - PQ layers, `ctx-<id>-layer-<l>.pq`: the codebooks and the base region's codes
+//!   ([`PqSnapshot`]); no codebook training on reopen.
+//!
+//! Recovery restores those layers from the KV it reads back and indexes only the tokens
+//! the file does not cover. A layout file is an optimization: one that is missing, corrupt
+//! or does not fit the data is reported and the layer is rebuilt from its KV, never served
+//! wrong.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use attnstore_index::{HeadLayout, SegmentLayout, WaveLayout};
-use attnstore_wal::{read_manifest, write_manifest, Storage};
+use attnstore_index::{HeadLayout, IndexLayout, PqSnapshot, SegmentLayout, WaveLayout};
+use attnstore_wal::{read_manifest, write_manifest, Storage, MAX_RECORD_BYTES};
 use serde::{Deserialize, Serialize};
 
 use super::records::{decode, encode};
@@ -19,9 +24,14 @@ use crate::error::Result;
 /// Sub-directory of the layout files.
 pub const INDEX_DIR: &str = "index";
 
-/// File name of the layout of (`context`, `layer`).
-pub(crate) fn layout_name(context: u64, layer: usize) -> String {
-    format!("ctx-{context}-layer-{layer}.layout")
+/// Access methods with layout files, and the suffix of each one's files.
+const SUFFIXES: [(&str, &str); 2] = [("wave", "layout"), ("pq", "pq")];
+
+/// File name of the layout of (`context`, `layer`) for access method `method` (`"wave"`,
+/// `"pq"`); `None` for methods without layout files.
+pub(crate) fn layout_name(context: u64, layer: usize, method: &str) -> Option<String> {
+    let (_, suffix) = SUFFIXES.iter().find(|(m, _)| *m == method)?;
+    Some(format!("ctx-{context}-layer-{layer}.{suffix}"))
 }
 
 /// A [`WaveLayout`] on disk, with the (context, layer) it belongs to.
@@ -74,44 +84,126 @@ impl LayoutRecord {
     }
 }
 
+/// A [`PqSnapshot`] on disk, with the (context, layer) it belongs to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct PqRecord {
+    context: u64,
+    layer: u32,
+    tokens: u64,
+    subspaces: u32,
+    bits: u32,
+    codes: u32,
+    start: u64,
+    end: u64,
+    train_rows: u64,
+    iters_limit: u32,
+    iters_run: u32,
+    converged_jobs: u32,
+    codebooks: Vec<Vec<f32>>,
+    packed: Vec<Vec<u8>>,
+}
+
+impl PqRecord {
+    fn new(context: u64, layer: usize, s: &PqSnapshot) -> Self {
+        Self {
+            context,
+            layer: layer as u32,
+            tokens: s.tokens,
+            subspaces: s.subspaces,
+            bits: s.bits,
+            codes: s.codes,
+            start: s.start,
+            end: s.end,
+            train_rows: s.train_rows,
+            iters_limit: s.iters_limit,
+            iters_run: s.iters_run,
+            converged_jobs: s.converged_jobs,
+            codebooks: s.codebooks.clone(),
+            packed: s.packed.clone(),
+        }
+    }
+
+    fn snapshot(self) -> PqSnapshot {
+        PqSnapshot {
+            tokens: self.tokens,
+            subspaces: self.subspaces,
+            bits: self.bits,
+            codes: self.codes,
+            start: self.start,
+            end: self.end,
+            train_rows: self.train_rows,
+            iters_limit: self.iters_limit,
+            iters_run: self.iters_run,
+            converged_jobs: self.converged_jobs,
+            codebooks: self.codebooks,
+            packed: self.packed,
+        }
+    }
+}
+
 /// Writes the layout of (`context`, `layer`) atomically (write new, fsync, rename, fsync
-/// dir); returns its payload size.
+/// dir); returns its payload size, or `None` when the payload is larger than one record may
+/// be (the layer is then rebuilt from its KV on reopen, as without a checkpoint).
 pub(crate) fn write_layout(
     storage: &dyn Storage,
     dir: &Path,
     context: u64,
     layer: usize,
-    layout: &WaveLayout,
-) -> Result<usize> {
-    let payload = encode(&LayoutRecord::new(context, layer, layout));
-    write_manifest(storage, &dir.join(INDEX_DIR), &layout_name(context, layer), &payload)?;
-    Ok(payload.len())
+    layout: &IndexLayout,
+) -> Result<Option<usize>> {
+    let payload = match layout {
+        IndexLayout::Wave(l) => encode(&LayoutRecord::new(context, layer, l)),
+        IndexLayout::Pq(s) => encode(&PqRecord::new(context, layer, s)),
+    };
+    if payload.len() > MAX_RECORD_BYTES as usize {
+        return Ok(None);
+    }
+    let name = layout_name(context, layer, layout.method()).expect("every IndexLayout kind has a suffix");
+    write_manifest(storage, &dir.join(INDEX_DIR), &name, &payload)?;
+    Ok(Some(payload.len()))
 }
 
-/// The layout of (`context`, `layer`): `Ok(None)` when there is none, `Err(why)` when the
-/// file is unusable (bad frame or checksum, does not decode, belongs to another layer).
-pub(crate) fn read_layout(dir: &Path, context: u64, layer: usize) -> std::result::Result<Option<WaveLayout>, String> {
+/// The layout of (`context`, `layer`) of access method `method`: `Ok(None)` when there is
+/// none, `Err(why)` when the file is unusable (bad frame or checksum, does not decode,
+/// belongs to another layer).
+pub(crate) fn read_layout(
+    dir: &Path,
+    context: u64,
+    layer: usize,
+    method: &str,
+) -> std::result::Result<Option<IndexLayout>, String> {
+    let Some(name) = layout_name(context, layer, method) else { return Ok(None) };
     let index_dir = dir.join(INDEX_DIR);
-    let name = layout_name(context, layer);
     let path = index_dir.join(&name);
     let payload = match read_manifest(&index_dir, &name) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
     };
-    let record: LayoutRecord = decode(&payload).map_err(|e| format!("{}: does not decode: {e}", path.display()))?;
-    if record.context != context || record.layer as usize != layer {
+    let undecodable = |e: String| format!("{}: does not decode: {e}", path.display());
+    let (owner, layout) = match method {
+        "pq" => {
+            let r: PqRecord = decode(&payload).map_err(undecodable)?;
+            ((r.context, r.layer), IndexLayout::Pq(r.snapshot()))
+        }
+        _ => {
+            let r: LayoutRecord = decode(&payload).map_err(undecodable)?;
+            ((r.context, r.layer), IndexLayout::Wave(r.layout()))
+        }
+    };
+    if owner != (context, layer as u32) {
         return Err(format!(
             "{}: holds the layout of context {} layer {}, not context {context} layer {layer}",
             path.display(),
-            record.context,
-            record.layer
+            owner.0,
+            owner.1
         ));
     }
-    Ok(Some(record.layout()))
+    Ok(Some(layout))
 }
 
-/// Deletes layout files of (context, layer) pairs not in `live`; returns their paths.
+/// Deletes layout files of (context, layer) pairs not in `live`, and leftover `.tmp` files;
+/// returns their paths.
 pub(crate) fn remove_stale(dir: &Path, live: &BTreeSet<(u64, usize)>) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir.join(INDEX_DIR)) else { return removed };
@@ -119,8 +211,9 @@ pub(crate) fn remove_stale(dir: &Path, live: &BTreeSet<(u64, usize)>) -> Vec<Pat
         let name = entry.file_name().to_string_lossy().into_owned();
         let parsed = name
             .strip_prefix("ctx-")
-            .and_then(|r| r.strip_suffix(".layout"))
-            .and_then(|r| r.split_once("-layer-"))
+            .and_then(|r| r.rsplit_once('.'))
+            .filter(|(_, suffix)| SUFFIXES.iter().any(|(_, s)| s == suffix))
+            .and_then(|(r, _)| r.split_once("-layer-"))
             .and_then(|(c, l)| Some((c.parse::<u64>().ok()?, l.parse::<usize>().ok()?)));
         let stale = match parsed {
             Some(key) => !live.contains(&key),
@@ -176,11 +269,28 @@ mod tests {
     use super::*;
     use attnstore_wal::StdStorage;
 
+    fn pq_snapshot() -> PqSnapshot {
+        PqSnapshot {
+            tokens: 40,
+            subspaces: 2,
+            bits: 4,
+            codes: 3,
+            start: 4,
+            end: 30,
+            train_rows: 26,
+            iters_limit: 25,
+            iters_run: 4,
+            converged_jobs: 4,
+            codebooks: vec![vec![0.5; 2 * 3 * 4]],
+            packed: vec![vec![0x21; 26]],
+        }
+    }
+
     #[test]
     fn a_layout_round_trips_and_a_flipped_bit_or_a_foreign_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join(INDEX_DIR)).unwrap();
-        let layout = WaveLayout {
+        let layout = IndexLayout::Wave(WaveLayout {
             tokens: 30,
             sink_len: 4,
             tail_start: 10,
@@ -189,23 +299,35 @@ mod tests {
                 len: 6,
                 heads: vec![HeadLayout { sizes: vec![2, 4], positions: vec![5, 9, 4, 6, 7, 8] }],
             }],
-        };
-        write_layout(&StdStorage, dir.path(), 3, 1, &layout).unwrap();
-        assert_eq!(read_layout(dir.path(), 3, 1).unwrap(), Some(layout.clone()));
-        assert_eq!(read_layout(dir.path(), 3, 2).unwrap(), None);
+        });
+        let pq = IndexLayout::Pq(pq_snapshot());
+        write_layout(&StdStorage, dir.path(), 3, 1, &layout).unwrap().unwrap();
+        write_layout(&StdStorage, dir.path(), 3, 2, &pq).unwrap().unwrap();
+        assert_eq!(read_layout(dir.path(), 3, 1, "wave").unwrap(), Some(layout.clone()));
+        assert_eq!(read_layout(dir.path(), 3, 2, "pq").unwrap(), Some(pq.clone()));
+        assert_eq!(read_layout(dir.path(), 3, 2, "wave").unwrap(), None);
+        assert_eq!(read_layout(dir.path(), 3, 1, "flat").unwrap(), None);
         // Another layer's file under this name is refused.
         let index = dir.path().join(INDEX_DIR);
-        std::fs::copy(index.join(layout_name(3, 1)), index.join(layout_name(4, 0))).unwrap();
-        assert!(read_layout(dir.path(), 4, 0).unwrap_err().contains("not context 4"));
+        let name = |c, l, m| layout_name(c, l, m).unwrap();
+        std::fs::copy(index.join(name(3, 1, "wave")), index.join(name(4, 0, "wave"))).unwrap();
+        assert!(read_layout(dir.path(), 4, 0, "wave").unwrap_err().contains("not context 4"));
+        std::fs::copy(index.join(name(3, 2, "pq")), index.join(name(4, 0, "pq"))).unwrap();
+        assert!(read_layout(dir.path(), 4, 0, "pq").unwrap_err().contains("not context 4"));
         // A flipped bit is refused.
-        let path = index.join(layout_name(3, 1));
-        let mut bytes = std::fs::read(&path).unwrap();
-        let last = bytes.len() - 3;
-        bytes[last] ^= 1;
-        std::fs::write(&path, bytes).unwrap();
-        assert!(read_layout(dir.path(), 3, 1).is_err());
-        // Stale files go.
-        let removed = remove_stale(dir.path(), &BTreeSet::from([(3, 1)]));
-        assert_eq!(removed, vec![index.join(layout_name(4, 0))]);
+        for (layer, method) in [(1, "wave"), (2, "pq")] {
+            let path = index.join(name(3, layer, method));
+            let mut bytes = std::fs::read(&path).unwrap();
+            let last = bytes.len() - 3;
+            bytes[last] ^= 1;
+            std::fs::write(&path, bytes).unwrap();
+            assert!(read_layout(dir.path(), 3, layer, method).is_err(), "{method}");
+        }
+        // Stale files go, of both kinds; files that are not layouts stay.
+        std::fs::write(index.join("notes.txt"), b"keep").unwrap();
+        let mut removed = remove_stale(dir.path(), &BTreeSet::from([(3, 1), (3, 2)]));
+        removed.sort();
+        assert_eq!(removed, vec![index.join(name(4, 0, "wave")), index.join(name(4, 0, "pq"))]);
+        assert!(index.join("notes.txt").exists());
     }
 }

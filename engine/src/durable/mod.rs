@@ -80,10 +80,16 @@ pub struct CheckpointReport {
     pub contexts: usize,
     /// Size of the manifest's payload.
     pub manifest_bytes: usize,
-    /// Index layouts written (wave layers whose segments changed since the last checkpoint).
+    /// Index layouts written: wave layers whose segments changed since the last checkpoint,
+    /// PQ layers whose codebooks are not on disk yet.
     pub layouts_written: usize,
     /// Bytes of those layouts' payloads.
     pub layout_bytes: usize,
+    /// PQ layers whose codebook build was still running: nothing to keep yet (a later
+    /// checkpoint writes them; `Engine::wait_index` waits for a build).
+    pub layouts_pending: usize,
+    /// Layouts larger than one record may be (64 MiB): not written, rebuilt on reopen.
+    pub layouts_oversized: usize,
 }
 
 /// The durable state attached to an [`Engine`] made by [`Engine::open`].
@@ -101,8 +107,8 @@ pub(crate) struct Durable {
     _lock: std::fs::File,
     report: RecoveryReport,
     rebuild: rebuild::RebuildProgress,
-    /// Per (context, layer): the indexed end (`tail_start`) of the layout file on disk, so a
-    /// checkpoint rewrites only layouts whose segments changed.
+    /// Per (context, layer): the indexed end ([`attnstore_index::IndexLayout::indexed_end`])
+    /// of the layout file on disk, so a checkpoint rewrites only layouts that changed.
     layouts: Mutex<BTreeMap<(u64, usize), u64>>,
 }
 
@@ -235,19 +241,25 @@ impl Durable {
     fn checkpoint(
         &self,
         next_context_id: u64,
-        layouts: Vec<(u64, usize, attnstore_index::WaveLayout)>,
+        layouts: Vec<(u64, usize, attnstore_index::IndexLayout)>,
+        layouts_pending: usize,
     ) -> Result<CheckpointReport> {
         // Index layouts first: each is valid on its own (it covers tokens that are already
         // committed and never change), so no ordering with the manifest is needed.
-        let (mut layouts_written, mut layout_bytes) = (0, 0);
+        let (mut layouts_written, mut layout_bytes, mut layouts_oversized) = (0, 0, 0);
         for (context, layer, l) in &layouts {
             let key = (*context, *layer);
-            if self.layouts.lock().get(&key) == Some(&l.tail_start) || l.segments.is_empty() {
+            if self.layouts.lock().get(&key) == Some(&l.indexed_end()) || l.is_empty() {
                 continue;
             }
-            layout_bytes += layout::write_layout(&*self.storage, &self.dir, *context, *layer, l)?;
-            layouts_written += 1;
-            self.layouts.lock().insert(key, l.tail_start);
+            match layout::write_layout(&*self.storage, &self.dir, *context, *layer, l)? {
+                Some(bytes) => {
+                    layout_bytes += bytes;
+                    layouts_written += 1;
+                    self.layouts.lock().insert(key, l.indexed_end());
+                }
+                None => layouts_oversized += 1,
+            }
         }
         let _gate = self.gate.write();
         // Everything logged so far becomes durable (data files included) and lies in older files.
@@ -285,6 +297,8 @@ impl Durable {
             manifest_bytes: payload.len(),
             layouts_written,
             layout_bytes,
+            layouts_pending,
+            layouts_oversized,
         })
     }
 
@@ -350,7 +364,7 @@ impl Engine {
     /// covers; appends wait while it runs.
     pub fn checkpoint(&self) -> Result<CheckpointReport> {
         let durable = self.durable("checkpoint")?;
-        let mut layouts = Vec::new();
+        let (mut layouts, mut pending) = (Vec::new(), 0);
         for id in self.contexts() {
             let Ok(ctx) = self.context(id) else { continue }; // dropped meanwhile
             for (layer, state) in ctx.layers.iter().enumerate() {
@@ -358,12 +372,13 @@ impl Engine {
                 if guard.rebuilding {
                     continue;
                 }
-                if let Some(l) = guard.method.layout() {
-                    layouts.push((id.0, layer, l));
+                match guard.method.layout() {
+                    Some(l) => layouts.push((id.0, layer, l)),
+                    None => pending += usize::from(guard.method.build_handle().is_some_and(|h| !h.is_ready())),
                 }
             }
         }
-        durable.checkpoint(self.next_context_id(), layouts)
+        durable.checkpoint(self.next_context_id(), layouts, pending)
     }
 
     /// Makes everything acknowledged so far durable, whatever the sync policy.

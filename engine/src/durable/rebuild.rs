@@ -70,17 +70,18 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
     let row = spec.shape.kv_heads * spec.shape.head_dim;
     let mut method = make_method(spec, spec.layers[job.layer], job.blocks.clone())?;
     let mut reader = ChunkReader::open(&path, job.loaded_bytes, spec.dtype, row)?;
-    // A checkpointed layout (wave layers) restores the tokens it covers without clustering;
-    // one that is missing or does not fit leaves the plain rebuild.
-    let layout = super::layout::read_layout(&durable.dir, job.id.0, job.layer).ok().flatten();
+    // A checkpointed layout (wave and PQ layers) restores the tokens it covers without
+    // clustering or training; one that is missing or does not fit leaves the plain rebuild.
+    let layout = super::layout::read_layout(&durable.dir, job.id.0, job.layer, method.name()).ok().flatten();
     match layout {
-        Some(layout) if method.layout().is_some() => {
+        Some(layout) => {
             let mut batches = Vec::new();
             while let Some(batch) = reader.next_chunk()? {
                 batches.push(batch);
             }
-            let cut = super::layout::split_at(&batches, layout.tokens, spec.shape.kv_heads)
-                .and_then(|(keys, values, cut)| method.restore(&layout, &keys, &values).ok().map(|_| cut));
+            let cut = super::layout::split_at(&batches, layout.tokens(), spec.shape.kv_heads).and_then(
+                |(keys, values, cut)| method.restore(&layout, &keys, &values).ok().filter(|&r| r).map(|_| cut),
+            );
             // A failed restore changes nothing: then every batch is applied.
             for batch in &batches[cut.unwrap_or(0)..] {
                 apply(&mut *method, batch)?;

@@ -66,7 +66,8 @@ pub struct RecoveryReport {
     pub total_time: Duration,
     /// Layers loaded exactly whose index is being rebuilt in the background.
     pub background_rebuild_layers: usize,
-    /// Wave layers restored from a checkpointed layout (no clustering of the tokens it covers).
+    /// Wave and PQ layers restored from a checkpointed layout (no clustering or codebook
+    /// training of the tokens it covers).
     pub layouts_restored: usize,
     /// Layout files that could not be used (why, naming the file); those layers were rebuilt
     /// from their KV.
@@ -130,7 +131,7 @@ impl fmt::Display for RecoveryReport {
         if self.layouts_restored > 0 || !self.layout_errors.is_empty() || !self.stale_layout_files.is_empty() {
             writeln!(
                 f,
-                "index layouts: {} layers restored without clustering; {} unusable (rebuilt from KV); {} stale files removed",
+                "index layouts: {} layers restored without clustering or codebook training; {} unusable (rebuilt from KV); {} stale files removed",
                 self.layouts_restored,
                 self.layout_errors.len(),
                 self.stale_layout_files.len()
@@ -445,10 +446,11 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             let mut read_time = Duration::ZERO;
             let mut rebuild_time = Duration::ZERO;
             let mut last = Instant::now();
-            // A wave layer with a checkpointed layout is restored without clustering: collect
-            // its batches first. Others (and background rebuilds) ingest batch by batch.
-            let layout = match (ctx.spec.layers[layer], ctx.spec.method, background) {
-                (LayerKind::Global, Method::Wave(_), false) => super::layout::read_layout(dir, context, layer)
+            // A wave or PQ layer with a checkpointed layout is restored without clustering or
+            // training: collect its batches first. Others (and background rebuilds) ingest
+            // batch by batch.
+            let layout = match (ctx.spec.layers[layer], background) {
+                (LayerKind::Global, false) => super::layout::read_layout(dir, context, layer, ctx.spec.method.name())
                     .unwrap_or_else(|why| {
                         report.layout_errors.push(why);
                         None
@@ -470,8 +472,8 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             })?;
             if let Some(layout) = layout {
                 let rebuild = Instant::now();
-                let file = super::layout::layout_name(context, layer);
-                let restored = match super::layout::split_at(&held, layout.tokens, ctx.spec.shape.kv_heads) {
+                let file = super::layout::layout_name(context, layer, layout.method()).unwrap_or_default();
+                let restored = match super::layout::split_at(&held, layout.tokens(), ctx.spec.shape.kv_heads) {
                     Some((keys, values, cut)) => match engine.restore_layer(id, layer, &layout, &keys, &values) {
                         Ok(()) => Some(cut),
                         Err(e) => {
@@ -482,7 +484,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                     None => {
                         report.layout_errors.push(format!(
                             "{file}: covers {} tokens, which does not end on a committed batch",
-                            layout.tokens
+                            layout.tokens()
                         ));
                         None
                     }

@@ -69,6 +69,13 @@ impl BuildSlot {
         self.built.get()
     }
 
+    /// A slot whose build is already done (an index restored from a snapshot).
+    pub fn ready(built: Built) -> Arc<Self> {
+        let slot = Arc::new(Self::default());
+        slot.finish(Ok(built));
+        slot
+    }
+
     fn finish(&self, result: Result<Built>) {
         match result {
             Ok(b) => {

@@ -67,6 +67,47 @@ impl PackedCodes {
         Ok(())
     }
 
+    /// The packed stream itself (what a checkpoint stores).
+    pub fn packed_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// Codes of `tokens` tokens from a packed stream (`bytes`, as [`PackedCodes::packed_bytes`]
+    /// gave it), checked: the length must be `⌈tokens·m·b/8⌉`, the bits past the last code
+    /// zero, and every code below `codes` (the centroids a codebook has). A stream that does
+    /// not fit is a typed error, never an index that reads past its codebook.
+    pub fn from_packed(layout: PqLayout, tokens: usize, bytes: Vec<u8>, codes: usize) -> Result<Self> {
+        let (m, b) = (layout.subspaces, layout.bits);
+        let bits = tokens * m * b;
+        if bytes.len() != bits.div_ceil(8) {
+            return Err(Error::ShapeMismatch {
+                what: "packed codes (bytes)",
+                expected: bits.div_ceil(8),
+                got: bytes.len(),
+            });
+        }
+        if !bits.is_multiple_of(8) && bytes.last().is_some_and(|&last| last >> (bits % 8) != 0) {
+            return Err(Error::InvalidParameter {
+                what: "packed codes",
+                message: "bits set past the last code".into(),
+            });
+        }
+        let packed = Self { layout, tokens, bytes };
+        const TILE: usize = 4096;
+        let mut tile = Vec::with_capacity(TILE * m);
+        for s in (0..tokens).step_by(TILE) {
+            tile.clear();
+            packed.unpack(s, TILE.min(tokens - s), &mut tile);
+            if let Some(&c) = tile.iter().find(|&&c| c as usize >= codes) {
+                return Err(Error::InvalidParameter {
+                    what: "packed codes",
+                    message: format!("code {c} names no centroid: the codebook has {codes}"),
+                });
+            }
+        }
+        Ok(packed)
+    }
+
     /// The codes as token-major bytes without unpacking, when `b = 8` (one byte per code).
     pub fn as_bytes(&self) -> Option<&[u8]> {
         (self.layout.bits == 8).then_some(&self.bytes[..])
@@ -137,6 +178,23 @@ mod tests {
             p.unpack(s, n, &mut part);
             prop_assert_eq!(&part[..], &codes[s * m..]);
         }
+    }
+
+    #[test]
+    fn a_packed_stream_round_trips_and_a_bad_one_is_refused() {
+        let layout = PqLayout { subspaces: 2, bits: 6 };
+        let codes: Vec<u8> = (0..2 * 9).map(|i| (i * 7 % 40) as u8).collect();
+        let mut p = PackedCodes::new(layout);
+        p.push(&codes).unwrap();
+        let back = PackedCodes::from_packed(layout, 9, p.packed_bytes().to_vec(), 40).unwrap();
+        assert_eq!(back, p);
+        // Wrong length, a code beyond the codebook, bits past the end.
+        assert!(PackedCodes::from_packed(layout, 10, p.packed_bytes().to_vec(), 40).is_err());
+        let err = PackedCodes::from_packed(layout, 9, p.packed_bytes().to_vec(), 30).unwrap_err();
+        assert!(err.to_string().contains("names no centroid"), "{err}");
+        let mut bytes = p.packed_bytes().to_vec();
+        *bytes.last_mut().unwrap() |= 0x80;
+        assert!(PackedCodes::from_packed(layout, 9, bytes, 40).is_err());
     }
 
     #[test]

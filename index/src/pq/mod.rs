@@ -13,16 +13,18 @@ mod adaptive;
 mod build;
 mod codes;
 mod params;
+mod snapshot;
 
 pub use adaptive::{BuildShape, IterationChoice, IterationModel};
 pub use build::{BuildHandle, BuildReport};
 pub use codes::PackedCodes;
 pub use params::{PqLayout, PqParams};
+pub use snapshot::PqSnapshot;
 
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan,
-    Selection, SelectionMode, ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexLayout, IndexStats,
+    RowSpan, Selection, SelectionMode, ZoneBudget,
 };
 use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
@@ -223,12 +225,26 @@ impl<E: Element> PqIndex<E> {
     /// Starts the codebook build once enough tokens lie outside the steady zone: all tokens
     /// so far become the base region, shared with the build.
     fn start_build_if_due(&mut self) -> Result<()> {
+        let Some((start, end)) = self.build_range(self.tokens) else { return Ok(()) };
+        let layout = self.params.layout(self.tokens);
+        let keys = self.make_base(start, layout)?;
+        let job = BuildJob { keys, head_dim: self.head_dim, start, end, layout, params: self.params };
+        self.build = Some(job.launch(self.params.background));
+        Ok(())
+    }
+
+    /// The positions a build at `tokens` tokens encodes (`start..end`: past the sink, before
+    /// the local window), or `None` when they are fewer than `min_build_tokens`.
+    fn build_range(&self, tokens: usize) -> Option<(usize, usize)> {
         let p = &self.params;
-        let start = p.sink_tokens.min(self.tokens);
-        let end = self.tokens.saturating_sub(p.local_tokens).max(start);
-        if end - start < p.min_build_tokens {
-            return Ok(());
-        }
+        let start = p.sink_tokens.min(tokens);
+        let end = tokens.saturating_sub(p.local_tokens).max(start);
+        (end - start >= p.min_build_tokens).then_some((start, end))
+    }
+
+    /// Makes every token so far the base region (coded from `start` on under `layout`) and
+    /// returns each head's plain keys for the codebook build.
+    fn make_base(&mut self, start: usize, layout: PqLayout) -> Result<Vec<Arc<Vec<E>>>> {
         let d = self.head_dim;
         let mut jobs = Vec::with_capacity(self.kv_heads);
         for (h, kv) in self.heads.iter_mut().enumerate() {
@@ -254,11 +270,8 @@ impl<E: Element> PqIndex<E> {
         }
         self.base_sink = start;
         self.base_len = self.tokens;
-        let layout = p.layout(self.tokens);
-        let job = BuildJob { keys: jobs, head_dim: self.head_dim, start, end, layout, params: self.params };
         self.extra = vec![PackedCodes::new(layout); self.kv_heads];
-        self.build = Some(job.launch(self.params.background));
-        Ok(())
+        Ok(jobs)
     }
 
     /// Key row of position `p` of head `h`, widened (decoded from 2 bits for coded base rows).
@@ -570,5 +583,21 @@ impl<E: Element> AccessMethod for PqIndex<E> {
 
     fn build_handle(&self) -> Option<BuildHandle> {
         self.handle()
+    }
+
+    fn layout(&self) -> Option<IndexLayout> {
+        self.snapshot().map(IndexLayout::Pq)
+    }
+
+    fn catch_up(&mut self) -> Result<bool> {
+        let before = self.coded_end();
+        self.encode_pending()?;
+        Ok(self.coded_end() != before)
+    }
+
+    fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
+        let IndexLayout::Pq(snapshot) = layout else { return Err(layout.wrong_method("pq")) };
+        PqIndex::restore(self, snapshot, keys, values)?;
+        Ok(true)
     }
 }

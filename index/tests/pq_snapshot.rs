@@ -1,0 +1,146 @@
+//! A PQ index restored from its snapshot and the KV of its base region (a checkpoint's PQ
+//! meta data) is the index it came from: same codebooks, codes, plans and answers, with no
+//! training; decoding goes on from it the same way; a snapshot that does not fit is a typed
+//! error that changes nothing.
+
+#[allow(dead_code, reason = "helpers shared by the test files; this one uses some")]
+mod common;
+
+use attnstore_index::{
+    AccessMethod, IndexLayout, PqIndex, PqParams, PqSnapshot, SelectionMode, WaveLayout, ZoneBudget,
+};
+use attnstore_kernels::{AttnShape, HackParams};
+use common::{randn, run};
+use half::f16;
+
+const HEADS: usize = 2;
+const D: usize = 32;
+
+fn params() -> PqParams {
+    PqParams { min_build_tokens: 256, local_tokens: 32, background: false, ..PqParams::default() }
+}
+
+/// Tokens `from..to` of `all` (`HEADS × total × D`) as one batch (`HEADS × n × D`).
+fn slice(all: &[f32], total: usize, from: usize, to: usize) -> Vec<f32> {
+    (0..HEADS).flat_map(|h| all[(h * total + from) * D..(h * total + to) * D].iter().copied()).collect()
+}
+
+fn empty(hack: Option<HackParams>) -> PqIndex<f16> {
+    PqIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap()
+}
+
+/// Prefill `prefill` tokens, then append the rest in batches of 37.
+fn build(hack: Option<HackParams>, k: &[f32], v: &[f32], total: usize, prefill: usize) -> PqIndex<f16> {
+    let mut pq = empty(hack);
+    pq.prefill(&slice(k, total, 0, prefill), &slice(v, total, 0, prefill)).unwrap();
+    let mut at = prefill;
+    while at < total {
+        let to = (at + 37).min(total);
+        pq.append(&slice(k, total, at, to), &slice(v, total, at, to)).unwrap();
+        at = to;
+    }
+    pq
+}
+
+/// Restores from `snapshot` and the KV of its base region, then ingests the rest as the
+/// original did.
+fn restore(hack: Option<HackParams>, snapshot: &PqSnapshot, k: &[f32], v: &[f32], total: usize) -> PqIndex<f16> {
+    let base = snapshot.tokens as usize;
+    let mut pq = empty(hack);
+    let layout = IndexLayout::Pq(snapshot.clone());
+    assert!(AccessMethod::restore(&mut pq, &layout, &slice(k, total, 0, base), &slice(v, total, 0, base)).unwrap());
+    let mut at = base;
+    while at < total {
+        let to = (at + 37).min(total);
+        pq.append(&slice(k, total, at, to), &slice(v, total, at, to)).unwrap();
+        at = to;
+    }
+    pq
+}
+
+#[test]
+fn a_restored_pq_index_is_the_index_it_came_from() {
+    let shape = AttnShape::new(8, HEADS, D).unwrap();
+    let total = 3000;
+    let (k, v) = (randn(shape.kv_len(total), 1, 1.0), randn(shape.kv_len(total), 2, 1.0));
+    for hack in [None, Some(HackParams::default())] {
+        let original = build(hack, &k, &v, total, 2000);
+        let snapshot = original.snapshot().expect("built synchronously");
+        assert_eq!(snapshot.tokens, 2000, "the base region is the prefill");
+        let restored = restore(hack, &snapshot, &k, &v, total);
+        assert_eq!(restored.snapshot(), Some(snapshot), "{hack:?}");
+        assert_eq!(restored.stats(), original.stats(), "{hack:?}");
+        for h in 0..HEADS {
+            assert_eq!(restored.codebook(h), original.codebook(h));
+            for p in [4, 1000, 1999, 2500, total - 40] {
+                assert_eq!(restored.codes_of(h, p), original.codes_of(h, p), "head {h} position {p}");
+            }
+        }
+        let report = restored.handle().and_then(|b| b.report()).expect("ready at once");
+        assert_eq!(report.tokens, original.handle().unwrap().report().unwrap().tokens);
+        for seed in 0..3 {
+            let q = randn(shape.query_len(), 10 + seed, 2.0);
+            assert_eq!(run(&restored, &shape, &q, None), run(&original, &shape, &q, None), "exact, {hack:?}");
+            for mode in [SelectionMode::PerKvHead, SelectionMode::PerQueryHead] {
+                let zone = ZoneBudget { retrieve_tokens: 100, estimate_tokens: 0, mode };
+                for h in 0..HEADS {
+                    let qh = &q[h * 4 * D..(h + 1) * 4 * D];
+                    assert_eq!(restored.plan_head(h, qh, &zone), original.plan_head(h, qh, &zone));
+                }
+                assert_eq!(run(&restored, &shape, &q, Some(&zone)), run(&original, &shape, &q, Some(&zone)));
+            }
+        }
+    }
+}
+
+#[test]
+fn a_snapshot_that_does_not_fit_is_a_typed_error_and_changes_nothing() {
+    let shape = AttnShape::new(8, HEADS, D).unwrap();
+    let total = 1500;
+    let (k, v) = (randn(shape.kv_len(total), 3, 1.0), randn(shape.kv_len(total), 4, 1.0));
+    let good = build(None, &k, &v, total, total).snapshot().unwrap();
+    let mut broken: Vec<(&str, PqSnapshot)> = Vec::new();
+    let mut s = good.clone();
+    s.tokens += 1;
+    broken.push(("more tokens than the KV", s));
+    let mut s = good.clone();
+    s.bits = 8;
+    broken.push(("another layout", s));
+    let mut s = good.clone();
+    s.end -= 1;
+    broken.push(("another coded range", s));
+    let mut s = good.clone();
+    s.codes = 0;
+    broken.push(("no centroids", s));
+    let mut s = good.clone();
+    s.codebooks.pop();
+    broken.push(("a missing head", s));
+    let mut s = good.clone();
+    s.codebooks[1].pop();
+    broken.push(("a short codebook", s));
+    let mut s = good.clone();
+    s.codebooks[0][5] = f32::NAN;
+    broken.push(("a NaN centroid", s));
+    let mut s = good.clone();
+    s.packed[1].pop();
+    broken.push(("short codes", s));
+    let mut s = good.clone();
+    let (m, sub) = (s.subspaces as usize, D / s.subspaces as usize);
+    s.codes = 3;
+    s.codebooks.iter_mut().for_each(|b| b.truncate(m * 3 * sub));
+    broken.push(("codes naming centroids the codebook lacks", s));
+    for (what, snapshot) in broken {
+        let mut pq = empty(None);
+        let err = pq.restore(&snapshot, &k, &v).unwrap_err();
+        let text = err.to_string();
+        assert!(["pq snapshot", "expected", "packed codes"].iter().any(|w| text.contains(w)), "{what}: {text}");
+        assert_eq!(pq.stats().tokens, 0, "{what}");
+        assert!(pq.snapshot().is_none(), "{what}");
+    }
+    // A wave layout is refused by a PQ index, and a non-empty index is not restored over.
+    let mut pq = empty(None);
+    let err = AccessMethod::restore(&mut pq, &IndexLayout::Wave(WaveLayout::default()), &k, &v).unwrap_err();
+    assert!(err.to_string().contains("a wave layout cannot restore a pq index"), "{err}");
+    let mut pq = build(None, &k, &v, total, total);
+    assert!(pq.restore(&good, &k, &v).is_err());
+}
