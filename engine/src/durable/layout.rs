@@ -11,6 +11,7 @@
 //! or does not fit the data is reported and the layer is rebuilt from its KV, never served
 //! wrong.
 
+use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
@@ -229,12 +230,12 @@ pub(crate) fn remove_stale(dir: &Path, live: &BTreeSet<(u64, usize)>) -> Vec<Pat
 /// The KV of the first `tokens` tokens of `batches` (each `kv_heads × n × head_dim`) as one
 /// `kv_heads × tokens × head_dim` pair, and how many batches that is; `None` when `tokens`
 /// does not end on a batch boundary (a layout is taken between batches, so that layout does
-/// not belong to this data).
+/// not belong to this data). A single batch (a prefill, the usual case) is lent, not copied.
 pub(crate) fn split_at(
     batches: &[super::StoredBatch],
     tokens: u64,
     kv_heads: usize,
-) -> Option<(Vec<f32>, Vec<f32>, usize)> {
+) -> Option<(Cow<'_, [f32]>, Cow<'_, [f32]>, usize)> {
     let mut covered = 0u64;
     let mut cut = None;
     for (i, b) in batches.iter().enumerate() {
@@ -249,6 +250,9 @@ pub(crate) fn split_at(
     }
     let cut = cut?;
     let batches = &batches[..cut];
+    if let [one] = batches {
+        return Some((Cow::Borrowed(&one.keys[..]), Cow::Borrowed(&one.values[..]), 1));
+    }
     let head = |pick: &dyn Fn(&super::StoredBatch) -> &[f32]| -> Vec<f32> {
         let mut out = Vec::with_capacity(batches.iter().map(|b| pick(b).len()).sum());
         for h in 0..kv_heads {
@@ -261,7 +265,7 @@ pub(crate) fn split_at(
     };
     let keys = head(&|b| &b.keys);
     let values = head(&|b| &b.values);
-    Some((keys, values, cut))
+    Some((Cow::Owned(keys), Cow::Owned(values), cut))
 }
 
 #[cfg(test)]
