@@ -36,6 +36,22 @@ impl Default for EngineConfig {
     }
 }
 
+/// A batch given to [`Engine::submit_append`]: visible at once, acknowledged as committed
+/// once [`Engine::wait_durable`] returns for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a submitted append is acknowledged only by Engine::wait_durable"]
+pub struct AppendTicket {
+    /// LSN of its log record; `None` on an in-memory engine (nothing to wait for).
+    lsn: Option<attnstore_wal::Lsn>,
+}
+
+impl AppendTicket {
+    /// The log sequence number of the batch's record (`None` on an in-memory engine).
+    pub fn lsn(&self) -> Option<u64> {
+        self.lsn
+    }
+}
+
 /// An attnstore engine: owns contexts and plans and executes attention over them.
 ///
 /// ```
@@ -214,11 +230,38 @@ impl Engine {
         self.ingest(id, layer, keys, values, true)
     }
 
-    /// Appends decode tokens to one layer (same layout as [`Engine::prefill`]).
+    /// Appends decode tokens to one layer (same layout as [`Engine::prefill`]). On a durable
+    /// engine it returns once the batch is committed (its log record fsynced under the sync
+    /// policy, shared with concurrent appends by group commit).
     pub fn append(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         self.ingest(id, layer, keys, values, false)
     }
 
+    /// Appends decode tokens like [`Engine::append`] without waiting for the commit: the
+    /// batch is written to its data file, its log record is queued, and it is visible to
+    /// plans at once. It is **acknowledged** only when [`Engine::wait_durable`] returns for
+    /// its ticket (or a later one, or [`Engine::sync`]): a crash before that may lose it, and
+    /// every batch submitted after it, but never an acknowledged one. Keeping many batches
+    /// in flight lets one fsync commit all of them (`attnstore bench-wal`). If the log fails
+    /// before the commit, `wait_durable` returns the error and the engine refuses further
+    /// durable writes; the batch stays visible in this process only. On an in-memory engine
+    /// this is `append`, and the ticket is acknowledged at once.
+    pub fn submit_append(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<AppendTicket> {
+        let lsn = self.ingest_with(id, layer, keys, values, false, false)?;
+        Ok(AppendTicket { lsn })
+    }
+
+    /// Waits until the batch of `ticket`, and every batch submitted or appended before it on
+    /// this engine, is committed (data files and log record fsynced, whatever the sync
+    /// policy). A ticket of another engine, newer than anything logged here, is an error.
+    pub fn wait_durable(&self, ticket: AppendTicket) -> Result<()> {
+        match (&self.durable, ticket.lsn) {
+            (Some(durable), Some(lsn)) => durable.wait_durable(lsn),
+            _ => Ok(()),
+        }
+    }
+
+    /// Stores a batch, waiting for its commit on a durable engine (prefill, append, recovery).
     pub(crate) fn ingest(
         &self,
         id: ContextId,
@@ -227,6 +270,20 @@ impl Engine {
         values: &[f32],
         prefill: bool,
     ) -> Result<()> {
+        self.ingest_with(id, layer, keys, values, prefill, true).map(|_| ())
+    }
+
+    /// Stores a batch; on a durable engine returns the LSN of its log record, committed when
+    /// `wait`, queued otherwise.
+    fn ingest_with(
+        &self,
+        id: ContextId,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        prefill: bool,
+        wait: bool,
+    ) -> Result<Option<attnstore_wal::Lsn>> {
         let ctx = self.context(id)?;
         let shape = ctx.spec.shape;
         let row = shape.kv_heads * shape.head_dim;
@@ -258,9 +315,11 @@ impl Engine {
         };
         let added_bytes = kept_after.saturating_sub(before) * 2 * row * ctx.spec.dtype.size_bytes();
         let batch = self.host.reserve(added_bytes)?;
+        let mut lsn = None;
         if let Some(durable) = &self.durable {
-            // Data file, then the WAL record (group commit); only then is it visible here.
-            durable.log_ingest(id, layer, prefill, &ctx.spec, tokens, keys, values)?;
+            // Data file, then the WAL record (group commit, or queued when not waiting);
+            // only then is it visible here.
+            lsn = Some(durable.log_ingest(id, layer, prefill, &ctx.spec, (tokens, keys, values), wait)?);
         }
         let layer_state: &mut Layer = &mut guard;
         if prefill {
@@ -274,7 +333,7 @@ impl Engine {
         }
         layer_state.prefilled = true;
         layer_state.version += 1;
-        Ok(())
+        Ok(lsn)
     }
 
     /// Restores an empty layer from a checkpointed index layout and the KV it covers

@@ -32,7 +32,7 @@ pub use budget::{Budget, EstimateShare};
 pub use buffers::BufferSettings;
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
-pub use engine::{Engine, EngineConfig};
+pub use engine::{AppendTicket, Engine, EngineConfig};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;

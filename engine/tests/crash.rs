@@ -1,6 +1,7 @@
 //! Crash test: a child process (this test binary re-run on the ignored `crash_child` test)
 //! opens a durable engine and appends from several threads, printing each batch before it
-//! submits it (`S`) and after the append returned (`A`, acknowledged); the parent kills it
+//! submits it (`S`) and once it is acknowledged (`A`: `append` returned, or for the threads
+//! that keep appends in flight, `wait_durable` of its ticket returned); the parent kills it
 //! with SIGKILL at a random moment, reopens the directory and checks that every acknowledged
 //! batch is there byte-exact, that nothing beyond what was submitted is there, and that
 //! attention over the recovered context equals attention over the same batches in memory.
@@ -21,6 +22,10 @@ use attnstore_kernels::random::SplitMix64;
 const CHILD_DIR_ENV: &str = "ATTNSTORE_CRASH_CHILD_DIR";
 const CHILD_BACKGROUND_ENV: &str = "ATTNSTORE_CRASH_CHILD_BACKGROUND_REBUILD";
 const THREADS: usize = 4;
+/// Threads from this one on append pipelined (`Engine::submit_append`).
+const PIPELINED_FROM: usize = 2;
+/// Appends a pipelined thread keeps in flight.
+const IN_FLIGHT: usize = 4;
 /// A fresh directory every this many rounds keeps the verification cost flat.
 const ROUNDS_PER_DIR: usize = 10;
 
@@ -84,10 +89,23 @@ fn crash_child() {
             let engine = &engine;
             s.spawn(move || {
                 let start = engine.stats(ctx, 0).map(|_| engine.stored_batches(ctx, 0).unwrap().len()).unwrap();
+                // Threads from PIPELINED_FROM on keep appends in flight (`submit_append`) and
+                // print `A` only once `wait_durable` acknowledged them.
+                let mut inflight = std::collections::VecDeque::new();
                 for i in start.. {
                     say(&format!("S {t} {i}"));
-                    ingest(engine, ctx, t, i).unwrap();
-                    say(&format!("A {t} {i}"));
+                    if t < PIPELINED_FROM || i == 0 {
+                        ingest(engine, ctx, t, i).unwrap();
+                        say(&format!("A {t} {i}"));
+                    } else {
+                        let (k, v) = batch(t, i);
+                        inflight.push_back((i, engine.submit_append(ctx, 0, &k, &v).unwrap()));
+                        if inflight.len() > IN_FLIGHT {
+                            let (acked, ticket) = inflight.pop_front().unwrap();
+                            engine.wait_durable(ticket).unwrap();
+                            say(&format!("A {t} {acked}"));
+                        }
+                    }
                     if t == 0 && i % 10 == 9 {
                         engine.checkpoint().unwrap();
                         say("C");

@@ -227,6 +227,10 @@ pub(crate) fn remove_stale(dir: &Path, live: &BTreeSet<(u64, usize)>) -> Vec<Pat
     removed
 }
 
+/// Keys and values of a layout's tokens (`kv_heads × tokens × head_dim` each) and the number
+/// of batches they span.
+pub(crate) type Prefix<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>, usize);
+
 /// The KV of the first `tokens` tokens of `batches` (each `kv_heads × n × head_dim`) as one
 /// `kv_heads × tokens × head_dim` pair, and how many batches that is; `None` when `tokens`
 /// does not end on a batch boundary (a layout is taken between batches, so that layout does
@@ -235,7 +239,7 @@ pub(crate) fn split_at(
     batches: &[super::StoredBatch],
     tokens: u64,
     kv_heads: usize,
-) -> Option<(Cow<'_, [f32]>, Cow<'_, [f32]>, usize)> {
+) -> Option<Prefix<'_>> {
     let mut covered = 0u64;
     let mut cut = None;
     for (i, b) in batches.iter().enumerate() {

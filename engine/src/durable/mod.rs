@@ -128,6 +128,8 @@ pub(crate) struct CatalogContext {
 pub(crate) struct CatalogLayer {
     /// Open handle of the data file, once written to in this process.
     pub file: Option<Arc<dyn StorageFile>>,
+    /// End of the chunks whose log records are committed or queued (submitted appends are
+    /// in the data file before their record is queued; a checkpoint commits them first).
     pub committed_bytes: u64,
     pub tokens: u64,
     pub chunks: u64,
@@ -179,20 +181,20 @@ impl Durable {
         Ok(())
     }
 
-    /// Makes one ingest batch durable: chunk to the data file, then the `AppendKv` record
-    /// through group commit. The caller holds the layer's write lock, so batches of one
-    /// layer are written in the order they become visible.
-    #[allow(clippy::too_many_arguments)]
+    /// Makes one ingest batch (`tokens`, keys, values) durable: chunk to the data file, then
+    /// the `AppendKv` record through group commit (`wait`), or queued for the next group
+    /// commit (not `wait`: acknowledged by `LogWriter::wait_durable` of the returned LSN).
+    /// The caller holds the layer's write lock, so batches of one layer are written in the
+    /// order they become visible.
     pub(crate) fn log_ingest(
         &self,
         id: ContextId,
         layer: usize,
         prefill: bool,
         spec: &ContextSpec,
-        tokens: usize,
-        keys: &[f32],
-        values: &[f32],
-    ) -> Result<()> {
+        (tokens, keys, values): (usize, &[f32], &[f32]),
+        wait: bool,
+    ) -> Result<Lsn> {
         let _gate = self.gate.read();
         let path = data_path(&self.dir, id.0, layer);
         let (file, offset) = {
@@ -227,7 +229,10 @@ impl Durable {
             tokens: tokens as u64,
             payload_crc: chunk.payload_crc,
         };
-        self.wal.append_after(RecordKind::AppendKv, &encode(&record), Some(file))?;
+        let lsn = match wait {
+            true => self.wal.append_after(RecordKind::AppendKv, &encode(&record), Some(file))?,
+            false => self.wal.submit(RecordKind::AppendKv, &encode(&record), Some(file))?,
+        };
         let mut catalog = self.catalog.lock();
         if let Some(entry) = catalog.contexts.get_mut(&id.0) {
             let state = &mut entry.layers[layer];
@@ -235,7 +240,12 @@ impl Durable {
             state.tokens += tokens as u64;
             state.chunks += 1;
         }
-        Ok(())
+        Ok(lsn)
+    }
+
+    /// Waits until the record at `lsn` and every earlier one are committed.
+    pub(crate) fn wait_durable(&self, lsn: Lsn) -> Result<()> {
+        Ok(self.wal.wait_durable(lsn)?)
     }
 
     fn checkpoint(
