@@ -1,8 +1,8 @@
 //! Body of the `manifest_decode` fuzz target, kept in the crate so the checked-in corpus
 //! replays on stable (`tests/fuzz_manifest_replay.rs`) and libFuzzer runs it on nightly.
 //!
-//! Arbitrary bytes go through the manifest framing and then through the catalog and record
-//! decoders: they must never panic, never allocate beyond the input's size (bincode's read
+//! Arbitrary bytes go through the manifest framing and then through the catalog, record and
+//! index-layout decoders: they must never panic, never allocate beyond the input's size (bincode's read
 //! limit is the payload length), and anything accepted must survive a round trip: encoding
 //! it and decoding again gives the same value. (Byte equality is too strict: the varint
 //! decoder accepts non-minimal integers, e.g. 0 written in three bytes, which our writer
@@ -10,6 +10,7 @@
 
 use std::path::Path;
 
+use super::layout::{LayoutRecord, PqRecord};
 use super::records::{
     decode, encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest,
 };
@@ -26,6 +27,14 @@ pub fn fuzz_decode_catalog(data: &[u8]) {
     round_trips::<AppendRecord>(data);
     round_trips::<DropContextRecord>(data);
     round_trips::<CheckpointRecord>(data);
+    round_trips::<LayoutRecord>(data);
+    // Codebooks are floats: NaN is never equal to itself, so a PQ layout must instead
+    // re-encode to the very bytes it was encoded to.
+    if let Ok(record) = decode::<PqRecord>(data) {
+        let once = encode(&record);
+        let again = decode::<PqRecord>(&once).expect("a re-encoded pq layout decodes");
+        assert!(encode(&again) == once, "an accepted pq layout survives a round trip");
+    }
 }
 
 fn check_catalog(payload: &[u8]) {
@@ -47,7 +56,7 @@ fn round_trips<T: serde::Serialize + serde::de::DeserializeOwned + PartialEq>(pa
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::durable::records::{ManifestContext, ManifestLayer, SpecRecord};
     use crate::{AttnShape, ContextSpec, Method, PqParams};
@@ -93,7 +102,41 @@ mod tests {
             ("catalog_truncated", catalog[..catalog.len() / 2].to_vec()),
             ("append_record", encode(&append)),
             ("create_record", encode(&CreateContextRecord { context: 9, spec: manifest.contexts[1].spec.clone() })),
+            ("wave_layout", encode(&LayoutRecord::new(1, 0, &wave_layout()))),
+            ("pq_layout", encode(&PqRecord::new(3, 0, &pq_snapshot()))),
         ]
+    }
+
+    /// A small wave layout (one segment of one head), shared with the layout-file tests.
+    pub(crate) fn wave_layout() -> attnstore_index::WaveLayout {
+        attnstore_index::WaveLayout {
+            tokens: 30,
+            sink_len: 4,
+            tail_start: 10,
+            segments: vec![attnstore_index::SegmentLayout {
+                first: 4,
+                len: 6,
+                heads: vec![attnstore_index::HeadLayout { sizes: vec![2, 4], positions: vec![5, 9, 4, 6, 7, 8] }],
+            }],
+        }
+    }
+
+    /// A small PQ snapshot (one head, m = 2, b = 4), shared with the layout-file tests.
+    pub(crate) fn pq_snapshot() -> attnstore_index::PqSnapshot {
+        attnstore_index::PqSnapshot {
+            tokens: 40,
+            subspaces: 2,
+            bits: 4,
+            codes: 3,
+            start: 4,
+            end: 30,
+            train_rows: 26,
+            iters_limit: 25,
+            iters_run: 4,
+            converged_jobs: 4,
+            codebooks: vec![vec![0.5; 2 * 3 * 4]],
+            packed: vec![vec![0x21; 26]],
+        }
     }
 
     #[test]

@@ -37,7 +37,7 @@ pub(crate) fn layout_name(context: u64, layer: usize, method: &str) -> Option<St
 
 /// A [`WaveLayout`] on disk, with the (context, layer) it belongs to.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct LayoutRecord {
+pub(crate) struct LayoutRecord {
     context: u64,
     layer: u32,
     tokens: u64,
@@ -52,7 +52,7 @@ type HeadRecord = (Vec<u32>, Vec<u32>);
 type SegmentRecord = (u64, u64, Vec<HeadRecord>);
 
 impl LayoutRecord {
-    fn new(context: u64, layer: usize, l: &WaveLayout) -> Self {
+    pub(crate) fn new(context: u64, layer: usize, l: &WaveLayout) -> Self {
         Self {
             context,
             layer: layer as u32,
@@ -87,7 +87,7 @@ impl LayoutRecord {
 
 /// A [`PqSnapshot`] on disk, with the (context, layer) it belongs to.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-struct PqRecord {
+pub(crate) struct PqRecord {
     context: u64,
     layer: u32,
     tokens: u64,
@@ -105,7 +105,7 @@ struct PqRecord {
 }
 
 impl PqRecord {
-    fn new(context: u64, layer: usize, s: &PqSnapshot) -> Self {
+    pub(crate) fn new(context: u64, layer: usize, s: &PqSnapshot) -> Self {
         Self {
             context,
             layer: layer as u32,
@@ -235,11 +235,7 @@ pub(crate) type Prefix<'a> = (Cow<'a, [f32]>, Cow<'a, [f32]>, usize);
 /// `kv_heads × tokens × head_dim` pair, and how many batches that is; `None` when `tokens`
 /// does not end on a batch boundary (a layout is taken between batches, so that layout does
 /// not belong to this data). A single batch (a prefill, the usual case) is lent, not copied.
-pub(crate) fn split_at(
-    batches: &[super::StoredBatch],
-    tokens: u64,
-    kv_heads: usize,
-) -> Option<Prefix<'_>> {
+pub(crate) fn split_at(batches: &[super::StoredBatch], tokens: u64, kv_heads: usize) -> Option<Prefix<'_>> {
     let mut covered = 0u64;
     let mut cut = None;
     for (i, b) in batches.iter().enumerate() {
@@ -275,39 +271,14 @@ pub(crate) fn split_at(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::durable::fuzz::tests::{pq_snapshot, wave_layout};
     use attnstore_wal::StdStorage;
-
-    fn pq_snapshot() -> PqSnapshot {
-        PqSnapshot {
-            tokens: 40,
-            subspaces: 2,
-            bits: 4,
-            codes: 3,
-            start: 4,
-            end: 30,
-            train_rows: 26,
-            iters_limit: 25,
-            iters_run: 4,
-            converged_jobs: 4,
-            codebooks: vec![vec![0.5; 2 * 3 * 4]],
-            packed: vec![vec![0x21; 26]],
-        }
-    }
 
     #[test]
     fn a_layout_round_trips_and_a_flipped_bit_or_a_foreign_file_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join(INDEX_DIR)).unwrap();
-        let layout = IndexLayout::Wave(WaveLayout {
-            tokens: 30,
-            sink_len: 4,
-            tail_start: 10,
-            segments: vec![SegmentLayout {
-                first: 4,
-                len: 6,
-                heads: vec![HeadLayout { sizes: vec![2, 4], positions: vec![5, 9, 4, 6, 7, 8] }],
-            }],
-        });
+        let layout = IndexLayout::Wave(wave_layout());
         let pq = IndexLayout::Pq(pq_snapshot());
         write_layout(&StdStorage, dir.path(), 3, 1, &layout).unwrap().unwrap();
         write_layout(&StdStorage, dir.path(), 3, 2, &pq).unwrap().unwrap();
