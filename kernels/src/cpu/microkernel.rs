@@ -10,6 +10,9 @@
 use crate::element::Element;
 use wide::f32x8;
 
+/// Head dimensions up to `8 × MAX_D8` (256) take the score kernel's chunk-major query path.
+const MAX_D8: usize = 32;
+
 /// `out[i·stride + t] = scale · q_i·k_t` for `G` query rows `q` (`G × d8` vectors) and `n`
 /// key rows `k` (`n × 8·d8` elements). While it scores rows `t, t+1` it prefetches rows
 /// `t, t+1` of both `ahead` slices (the caller passes keys a few rows further on and this
@@ -28,6 +31,16 @@ pub(crate) fn scores<const G: usize, E: Element>(
 ) {
     let q = &q[..G * d8];
     let d = d8 * 8;
+    // The queries chunk-major (`qt[c·G + i]` = chunk c of head i), so the inner loop walks
+    // them in step with the key chunks and indexes nothing (no bounds checks in the loop).
+    let mut qt = [f32x8::ZERO; 4 * MAX_D8];
+    let qt = &mut qt[..G * d8.min(MAX_D8)];
+    for (c, chunk) in qt.chunks_exact_mut(G).enumerate() {
+        for (i, x) in chunk.iter_mut().enumerate() {
+            *x = q[i * d8 + c];
+        }
+    }
+    let qt = &*qt;
     let mut t = 0;
     while t + 2 <= n {
         for rows in ahead {
@@ -37,12 +50,22 @@ pub(crate) fn scores<const G: usize, E: Element>(
         }
         let (k0, k1) = (&k[t * d..(t + 1) * d], &k[(t + 1) * d..(t + 2) * d]);
         let mut acc = [[f32x8::ZERO; 2]; G];
-        for (c, (c0, c1)) in k0.chunks_exact(8).zip(k1.chunks_exact(8)).enumerate() {
-            let (a0, a1) = (E::load8(c0), E::load8(c1));
-            for (i, acc_i) in acc.iter_mut().enumerate() {
-                let qv = q[i * d8 + c];
-                acc_i[0] = qv.mul_add(a0, acc_i[0]);
-                acc_i[1] = qv.mul_add(a1, acc_i[1]);
+        if d8 <= MAX_D8 {
+            for ((c0, c1), qc) in k0.chunks_exact(8).zip(k1.chunks_exact(8)).zip(qt.chunks_exact(G)) {
+                let (a0, a1) = (E::load8(c0), E::load8(c1));
+                for (acc_i, &qv) in acc.iter_mut().zip(qc) {
+                    acc_i[0] = qv.mul_add(a0, acc_i[0]);
+                    acc_i[1] = qv.mul_add(a1, acc_i[1]);
+                }
+            }
+        } else {
+            for (c, (c0, c1)) in k0.chunks_exact(8).zip(k1.chunks_exact(8)).enumerate() {
+                let (a0, a1) = (E::load8(c0), E::load8(c1));
+                for (i, acc_i) in acc.iter_mut().enumerate() {
+                    let qv = q[i * d8 + c];
+                    acc_i[0] = qv.mul_add(a0, acc_i[0]);
+                    acc_i[1] = qv.mul_add(a1, acc_i[1]);
+                }
             }
         }
         for (i, acc_i) in acc.iter().enumerate() {
@@ -79,6 +102,9 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
 ) {
     debug_assert!(d8.is_multiple_of(V));
     let d = d8 * 8;
+    // Each head's weights as a slice of exactly `n`: indexing them by `t < n` needs no
+    // bounds check inside the row loop.
+    let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
     for blk in (0..d).step_by(V * 8) {
         let mut acc = [[f32x8::ZERO; V]; G];
         for (a, oi) in acc.iter_mut().zip(o.iter()) {
@@ -87,12 +113,10 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
             }
         }
         for t in 0..n {
-            let mut vrow = [f32x8::ZERO; V];
-            for (r, lanes) in vrow.iter_mut().zip(row(t)[blk..blk + V * 8].chunks_exact(8)) {
-                *r = E::load8(lanes);
-            }
-            for (i, a) in acc.iter_mut().enumerate() {
-                let pi = f32x8::splat(p[i * stride + t]);
+            let lanes = &row(t)[blk..blk + V * 8];
+            let vrow: [f32x8; V] = std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]));
+            for (a, pi) in acc.iter_mut().zip(&ps) {
+                let pi = f32x8::splat(pi[t]);
                 for (x, &vv) in a.iter_mut().zip(&vrow) {
                     *x = pi.mul_add(vv, *x);
                 }
