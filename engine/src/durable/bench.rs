@@ -69,6 +69,18 @@ fn run_appenders(
     Ok((took, stats))
 }
 
+/// One throughput line: `mb` megabytes in `count` records (or batches, `unit`) acknowledged
+/// within `took`, with the log's fsyncs.
+fn rate_line(what: &str, unit: &str, mb: f64, count: usize, took: Duration, stats: WriterStats) -> String {
+    format!(
+        "  {what} {:8.1} MB/s  {:9.0} {unit}/s  {} log fsyncs ({:.1} {unit} per fsync)",
+        mb / secs(took),
+        count as f64 / secs(took),
+        stats.syncs,
+        count as f64 / stats.syncs.max(1) as f64
+    )
+}
+
 /// One sequential writer, `pieces` writes of `piece_bytes`, one fsync at the end.
 fn sequential_write_then_fsync(path: &Path, pieces: usize, piece_bytes: usize) -> Result<Duration> {
     let io = |e: std::io::Error| crate::Error::from(attnstore_wal::Error::io("bench write", path, &e));
@@ -178,15 +190,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             cfg.records_per_thread, cfg.record_bytes
         ),
     );
-    let rate = |what: &str, took: Duration, stats: WriterStats| {
-        format!(
-            "  {what} {:8.1} MB/s  {:9.0} records/s  {} fsyncs ({:.1} records per fsync)",
-            mb / secs(took),
-            records as f64 / secs(took),
-            stats.syncs,
-            records as f64 / stats.syncs.max(1) as f64
-        )
-    };
+    let rate = |what: &str, took: Duration, stats: WriterStats| rate_line(what, "records", mb, records, took, stats);
     p(out, rate("group commit       ", group, stats));
     p(out, format!("  baseline: 1 sequential write stream + 1 fsync of the same bytes {:8.1} MB/s", mb / secs(base)));
     p(
@@ -235,15 +239,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         "engine append: {threads} threads x {} batches of {batch_tokens} tokens ({} B chunks, {mb:.1} MB), flat f16, sync every batch",
         cfg.records_per_thread, chunk
     ));
-    let rate = |what: &str, took: Duration, stats: WriterStats| {
-        format!(
-            "  {what} {:8.1} MB/s  {:9.0} batches/s  {} log fsyncs ({:.1} batches per fsync)",
-            mb / secs(took),
-            records as f64 / secs(took),
-            stats.syncs,
-            records as f64 / stats.syncs.max(1) as f64
-        )
-    };
+    let rate = |what: &str, took: Duration, stats: WriterStats| rate_line(what, "batches", mb, records, took, stats);
     p(out, rate("durable append     ", appended, wal_stats));
     p(
         out,
