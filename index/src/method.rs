@@ -261,6 +261,11 @@ pub trait AccessMethod: Send + Sync {
     fn layout(&self) -> Option<IndexLayout> {
         None
     }
+    /// The [`IndexLayout::indexed_end`] that [`AccessMethod::layout`] would report, without
+    /// copying the layout: a checkpoint asks first and copies only layouts that changed.
+    fn layout_end(&self) -> Option<u64> {
+        self.layout().map(|l| l.indexed_end())
+    }
     /// Rebuilds this empty method from a checkpointed `layout` and the KV of the first
     /// [`IndexLayout::tokens`] tokens (same layout as [`AccessMethod::append`]). `Ok(false)`
     /// when the method keeps no layout (the caller then ingests the KV normally); a layout

@@ -810,6 +810,10 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         Some(IndexLayout::Wave(WaveIndex::layout(self)))
     }
 
+    fn layout_end(&self) -> Option<u64> {
+        Some(self.tail_start as u64)
+    }
+
     fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
         let store = self.blocks.as_ref()?;
         if E::DTYPE != attnstore_kernels::DType::F16 || (!plan.exact && plan.selections.len() > 1) {

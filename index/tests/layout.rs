@@ -43,6 +43,8 @@ fn a_restored_index_is_the_index_it_came_from() {
     for hack in [None, Some(HackParams::default())] {
         let original = build(hack, &k, &v, total, 1200);
         let layout = original.layout();
+        // What a checkpoint compares before it copies a layout.
+        assert_eq!(AccessMethod::layout_end(&original), Some(layout.tail_start));
         assert!(layout.segments.len() >= 3, "prefill and decode segments: {}", layout.segments.len());
         let mut restored = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
         restored.restore(&layout, &k, &v).unwrap();

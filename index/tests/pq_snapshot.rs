@@ -66,6 +66,9 @@ fn a_restored_pq_index_is_the_index_it_came_from() {
     for hack in [None, Some(HackParams::default())] {
         let original = build(hack, &k, &v, total, 2000);
         let snapshot = original.snapshot().expect("built synchronously");
+        // What a checkpoint compares before it copies a layout.
+        assert_eq!(original.layout_end(), original.layout().map(|l| l.indexed_end()));
+        assert_eq!(empty(hack).layout_end(), None, "nothing built, nothing to keep");
         assert_eq!(snapshot.tokens, 2000, "the base region is the prefill");
         let restored = restore(hack, &snapshot, &k, &v, total);
         assert_eq!(restored.snapshot(), Some(snapshot), "{hack:?}");

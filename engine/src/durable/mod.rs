@@ -382,8 +382,10 @@ impl Engine {
                 if guard.rebuilding {
                     continue;
                 }
-                match guard.method.layout() {
-                    Some(l) => layouts.push((id.0, layer, l)),
+                match guard.method.layout_end() {
+                    // Already on disk as it is: no copy.
+                    Some(end) if durable.layouts.lock().get(&(id.0, layer)) == Some(&end) => {}
+                    Some(_) => layouts.extend(guard.method.layout().map(|l| (id.0, layer, l))),
                     None => pending += usize::from(guard.method.build_handle().is_some_and(|h| !h.is_ready())),
                 }
             }

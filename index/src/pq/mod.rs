@@ -589,6 +589,10 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         self.snapshot().map(IndexLayout::Pq)
     }
 
+    fn layout_end(&self) -> Option<u64> {
+        self.built().map(|b| b.end as u64)
+    }
+
     fn catch_up(&mut self) -> Result<bool> {
         let before = self.coded_end();
         self.encode_pending()?;
