@@ -39,7 +39,10 @@ pub fn score_group<E: Element>(q: &[f32], g: usize, rows: &[E], scale: f32, out:
     let mut buf = vec![0.0f32; TILE * g];
     for (t, tile) in rows.chunks(TILE * d).enumerate() {
         let m = tile.len() / d;
-        super::attention::tile_scores(&qv, g, d / 8, tile, m, scale, &mut buf, TILE, [&[], &[]]);
+        // Centroids are a cold stream (a decode step touches them once): ask for rows 32
+        // ahead while scoring, as the exact kernel does for keys.
+        let ahead = &rows[((t * TILE + 32) * d).min(rows.len())..];
+        super::attention::tile_scores(&qv, g, d / 8, tile, m, scale, &mut buf, TILE, [ahead, &[]]);
         for (j, o) in out.iter_mut().enumerate() {
             o[t * TILE..t * TILE + m].copy_from_slice(&buf[j * TILE..j * TILE + m]);
         }
