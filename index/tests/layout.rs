@@ -7,7 +7,7 @@ mod common;
 
 use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveLayout, WaveParams, ZoneBudget};
 use attnstore_kernels::{AttnShape, HackParams};
-use common::{randn, run};
+use common::{append_in_batches, randn, run, token_slice};
 use half::f16;
 
 const HEADS: usize = 2;
@@ -19,19 +19,14 @@ fn params() -> WaveParams {
 
 /// Tokens `from..to` of `all` (`HEADS × total × D`) as one batch (`HEADS × n × D`).
 fn slice(all: &[f32], total: usize, from: usize, to: usize) -> Vec<f32> {
-    (0..HEADS).flat_map(|h| all[(h * total + from) * D..(h * total + to) * D].iter().copied()).collect()
+    token_slice(all, (HEADS, D), total, from, to)
 }
 
 /// Prefill `prefill` tokens, then append the rest in batches of 37.
 fn build(hack: Option<HackParams>, k: &[f32], v: &[f32], total: usize, prefill: usize) -> WaveIndex<f16> {
     let mut w = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
     w.prefill(&slice(k, total, 0, prefill), &slice(v, total, 0, prefill)).unwrap();
-    let mut at = prefill;
-    while at < total {
-        let to = (at + 37).min(total);
-        w.append(&slice(k, total, at, to), &slice(v, total, at, to)).unwrap();
-        at = to;
-    }
+    append_in_batches(&mut w, (k, v), (HEADS, D), total, prefill);
     w
 }
 

@@ -10,7 +10,7 @@ use attnstore_index::{
     AccessMethod, IndexLayout, PqIndex, PqParams, PqSnapshot, SelectionMode, WaveLayout, ZoneBudget,
 };
 use attnstore_kernels::{AttnShape, HackParams};
-use common::{randn, run};
+use common::{append_in_batches, randn, run, token_slice};
 use half::f16;
 
 const HEADS: usize = 2;
@@ -22,7 +22,7 @@ fn params() -> PqParams {
 
 /// Tokens `from..to` of `all` (`HEADS × total × D`) as one batch (`HEADS × n × D`).
 fn slice(all: &[f32], total: usize, from: usize, to: usize) -> Vec<f32> {
-    (0..HEADS).flat_map(|h| all[(h * total + from) * D..(h * total + to) * D].iter().copied()).collect()
+    token_slice(all, (HEADS, D), total, from, to)
 }
 
 fn empty(hack: Option<HackParams>) -> PqIndex<f16> {
@@ -33,12 +33,7 @@ fn empty(hack: Option<HackParams>) -> PqIndex<f16> {
 fn build(hack: Option<HackParams>, k: &[f32], v: &[f32], total: usize, prefill: usize) -> PqIndex<f16> {
     let mut pq = empty(hack);
     pq.prefill(&slice(k, total, 0, prefill), &slice(v, total, 0, prefill)).unwrap();
-    let mut at = prefill;
-    while at < total {
-        let to = (at + 37).min(total);
-        pq.append(&slice(k, total, at, to), &slice(v, total, at, to)).unwrap();
-        at = to;
-    }
+    append_in_batches(&mut pq, (k, v), (HEADS, D), total, prefill);
     pq
 }
 
@@ -49,12 +44,7 @@ fn restore(hack: Option<HackParams>, snapshot: &PqSnapshot, k: &[f32], v: &[f32]
     let mut pq = empty(hack);
     let layout = IndexLayout::Pq(snapshot.clone());
     assert!(AccessMethod::restore(&mut pq, &layout, &slice(k, total, 0, base), &slice(v, total, 0, base)).unwrap());
-    let mut at = base;
-    while at < total {
-        let to = (at + 37).min(total);
-        pq.append(&slice(k, total, at, to), &slice(v, total, at, to)).unwrap();
-        at = to;
-    }
+    append_in_batches(&mut pq, (k, v), (HEADS, D), total, base);
     pq
 }
 

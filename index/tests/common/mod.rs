@@ -38,3 +38,27 @@ pub fn reference<E: Element>(shape: &AttnShape, q: &[f32], k: &[f32], v: &[f32],
     let vv = HeadsView::new(&vn, shape.kv_heads, tokens, d).unwrap();
     reference_attention(shape, q, kv, vv, None)
 }
+
+/// Tokens `from..to` of `all` (`heads × total × d`) as one batch (`heads × (to − from) × d`).
+#[allow(dead_code, reason = "used by the restore tests only")]
+pub fn token_slice(all: &[f32], (heads, d): (usize, usize), total: usize, from: usize, to: usize) -> Vec<f32> {
+    (0..heads).flat_map(|h| all[(h * total + from) * d..(h * total + to) * d].iter().copied()).collect()
+}
+
+/// Appends tokens `from..total` of `k`/`v` (`heads × total × d`) to `index` in batches of 37
+/// tokens, as a decode loop with uneven steps would.
+#[allow(dead_code, reason = "used by the restore tests only")]
+pub fn append_in_batches(
+    index: &mut dyn AccessMethod,
+    (k, v): (&[f32], &[f32]),
+    shape: (usize, usize),
+    total: usize,
+    from: usize,
+) {
+    let mut at = from;
+    while at < total {
+        let to = (at + 37).min(total);
+        index.append(&token_slice(k, shape, total, at, to), &token_slice(v, shape, total, at, to)).unwrap();
+        at = to;
+    }
+}
