@@ -257,9 +257,10 @@ impl Durable {
         // Index layouts first: each is valid on its own (it covers tokens that are already
         // committed and never change), so no ordering with the manifest is needed.
         let (mut layouts_written, mut layout_bytes, mut layouts_oversized) = (0, 0, 0);
+        // `layouts` holds only those that changed since the file on disk (`Engine::checkpoint`).
         for (context, layer, l) in &layouts {
             let key = (*context, *layer);
-            if self.layouts.lock().get(&key) == Some(&l.indexed_end()) || l.is_empty() {
+            if l.is_empty() {
                 continue;
             }
             match layout::write_layout(&*self.storage, &self.dir, *context, *layer, l)? {

@@ -82,7 +82,7 @@ impl<E: Element> PqIndex<E> {
             return Err(bad(format!("the snapshot covers {} tokens, the KV given has {n}", snapshot.tokens)));
         }
         let layout = self.params.layout(n);
-        if (snapshot.subspaces as usize, snapshot.bits as usize) != (layout.subspaces, layout.bits) {
+        if snapshot.layout() != layout {
             return Err(bad(format!(
                 "m = {}, b = {} does not match this index's layout at {n} tokens (m = {}, b = {})",
                 snapshot.subspaces, snapshot.bits, layout.subspaces, layout.bits
