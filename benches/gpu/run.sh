@@ -10,6 +10,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 "$here/gpu_decode" "$tokens" | tee "$out/attnstore_gpu.jsonl"
 for t in ${tokens//,/ }; do
   if [ "$t" -le 524288 ]; then "$here/gpu_tiered" "$t" | tee -a "$out/attnstore_gpu.jsonl"; fi
+  "$here/gpu_wave" "$t" | tee -a "$out/attnstore_gpu.jsonl"
 done
 python3 "$here/sdpa.py" "$tokens" | tee "$out/sdpa.jsonl"
 python3 "$here/compare.py" "$out/attnstore_gpu.jsonl" "$out/sdpa.jsonl" | tee "$out/gpu_compare.txt"

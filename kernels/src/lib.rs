@@ -12,6 +12,7 @@ pub mod cpu;
 pub mod cuda;
 mod element;
 mod error;
+pub mod layout;
 pub mod random;
 mod shape;
 mod view;

@@ -151,7 +151,7 @@ fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
     for r in [1, 148, 2000] {
         let mut job = gpu.prepare_select(&shape, &q, &dev, r).unwrap();
         gpu.launch_select(&dev, &mut job).unwrap();
-        let chosen = gpu.fetch_select(&dev, &mut job).unwrap();
+        let chosen = gpu.fetch_select(&job).unwrap();
         let scores = gpu.select_scores(&dev, &mut job).unwrap();
         for h in 0..8 {
             let mut cpu = vec![Vec::new(); 4];
@@ -242,4 +242,146 @@ fn homomorphic_decode_on_the_gpu_equals_the_cpu_kernel_and_dequantize_then_atten
         let homomorphic = rel_l2(&got, &reference);
         assert!(homomorphic <= 0.05, "homomorphic vs dequantized attention: {homomorphic}");
     }
+}
+
+/// The CPU's tripartite attention over one step of a [`ClusteredLayer`] with the GPU's
+/// selection: exact over the steady zone and the selected clusters, estimation over every
+/// other non-empty cluster.
+fn cpu_wave_step(
+    layer: &attnstore_kernels::layout::ClusteredLayer,
+    shape: &AttnShape,
+    q: &[f32],
+    selection: &[Vec<u32>],
+) -> Vec<f32> {
+    use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
+    use attnstore_kernels::cpu::estimate::{estimate_partial, EstimateItem};
+    use attnstore_kernels::Partial;
+    let (d, g, n, rows) = (shape.head_dim, shape.group(), layer.clusters, layer.rows);
+    let scale = shape.scale();
+    let mut out = Vec::new();
+    for (h, chosen) in selection.iter().enumerate() {
+        let qg = &q[h * g * d..(h + 1) * g * d];
+        let (hk, hv) = (&layer.keys[h * rows * d..(h + 1) * rows * d], &layer.values[h * rows * d..(h + 1) * rows * d]);
+        let mut spans: Vec<(&[f16], &[f16])> = vec![(&hk[layer.indexed * d..], &hv[layer.indexed * d..])];
+        for &c in chosen {
+            let r = layer.cluster_rows(h, c as usize);
+            spans.push((&hk[r.start * d..r.end * d], &hv[r.start * d..r.end * d]));
+        }
+        let mut parts = vec![Partial::empty(d); g];
+        attend_spans(qg, scale, spans, &mut parts, &mut Scratch::default());
+        let chosen: std::collections::HashSet<u32> = chosen.iter().copied().collect();
+        for (j, part) in parts.iter_mut().enumerate() {
+            let qj = &qg[j * d..(j + 1) * d];
+            let items = (0..n).filter(|&c| !chosen.contains(&(c as u32)) && layer.size(h, c) > 0).map(|c| {
+                let cent = &layer.centroids[(h * n + c) * d..(h * n + c + 1) * d];
+                EstimateItem {
+                    score: scale * cent.iter().zip(qj).map(|(x, y)| x.to_f32() * y).sum::<f32>(),
+                    size: layer.size(h, c) as f32,
+                    value_mean: &layer.value_means[(h * n + c) * d..(h * n + c + 1) * d],
+                }
+            });
+            part.merge(&estimate_partial(d, items));
+            out.extend(part.finish());
+        }
+    }
+    out
+}
+
+#[test]
+fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_without_cache() {
+    use attnstore_kernels::cpu::scoring::{score_group, top_r};
+    use attnstore_kernels::layout::{ClusteredLayer, LayoutParams};
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let (d, kvh, tokens) = (128, 8, 8192 + 68);
+    let mut g = SplitMix64::new(21);
+    // Keys near 32 topic directions per head (cluster structure), values random.
+    let topics: Vec<f32> = (0..kvh * 32 * d).map(|_| g.normal()).collect();
+    let mut keys = Vec::with_capacity(kvh * tokens * d);
+    for h in 0..kvh {
+        for _ in 0..tokens {
+            let t = g.below(32);
+            keys.extend((0..d).map(|j| 2.0 * topics[(h * 32 + t) * d + j] + g.normal()));
+        }
+    }
+    let values: Vec<f32> = (0..kvh * tokens * d).map(|_| g.normal()).collect();
+    let q: Vec<f32> = (0..shape.query_len())
+        .map(|i| 0.3 * topics[(i / 512 * 32 + i / 128 % 4) * d + i % d] + 0.1 * g.normal())
+        .collect();
+    let layer =
+        ClusteredLayer::build(&keys, &values, kvh, d, LayoutParams { segment_tokens: 2048, ..Default::default() })
+            .unwrap();
+    let mapped = gpu.pin(&bits(&layer.keys), &bits(&layer.values), kvh).unwrap();
+    let wave = gpu.upload_wave(&layer).unwrap();
+    assert_eq!(wave.clusters(), 512);
+    let r = 24;
+    let mut job = gpu.prepare_wave(&shape, &wave, r).unwrap();
+    gpu.set_wave_query(&mut job, &q).unwrap();
+    gpu.launch_wave(&wave, mapped.pointers(), None, &mut job).unwrap();
+    let got = gpu.fetch_wave(&job).unwrap();
+    let (selection, _) = gpu.wave_selection(&job).unwrap();
+    // The selection is a top-r of the group's best centroid scores.
+    for (h, chosen) in selection.iter().enumerate() {
+        let mut s = vec![Vec::new(); 4];
+        let cent: Vec<f16> = layer.centroids[h * 512 * d..(h + 1) * 512 * d].to_vec();
+        score_group(&q[h * 512..(h + 1) * 512], 4, &cent, shape.scale(), &mut s);
+        let best: Vec<f32> = (0..512).map(|c| s.iter().map(|x| x[c]).fold(f32::NEG_INFINITY, f32::max)).collect();
+        let kth = best[top_r(&best, r)[r - 1] as usize];
+        let mut distinct = chosen.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert_eq!(distinct.len(), r, "head {h}: r distinct clusters");
+        assert!(chosen.iter().all(|&c| best[c as usize] >= kth - 1e-3), "head {h}: a cluster below the r-th score");
+    }
+    let want = cpu_wave_step(&layer, &shape, &q, &selection);
+    for qh in 0..shape.q_heads {
+        let wide: Vec<f64> = want[qh * d..(qh + 1) * d].iter().map(|&x| f64::from(x)).collect();
+        let err = rel_l2(&got[qh * d..(qh + 1) * d], &wide);
+        assert!(err <= 2e-3, "query head {qh}: {err}");
+    }
+    // The same step with part of the retrieved clusters and the steady zone in the Gpu tier:
+    // hits come from the cache, the rest from pinned memory, and the output is unchanged.
+    let mut cache = gpu.cache(4096).unwrap();
+    let mut table = gpu.wave_table(&wave, 16).unwrap();
+    let mut entries = Vec::new();
+    let mut next = 0u32;
+    for (h, chosen) in selection.iter().enumerate() {
+        let mut blocks: Vec<usize> =
+            chosen.iter().step_by(2).flat_map(|&c| layer.cluster_rows(h, c as usize)).map(|t| t / 16).collect();
+        blocks.push(layer.rows / 16);
+        blocks.dedup();
+        for b in blocks {
+            if next as usize + 16 > cache.slots() || table.get(h, b).is_some() {
+                continue;
+            }
+            let rows = b * 16..((b + 1) * 16).min(layer.rows);
+            entries.extend(rows.enumerate().map(|(i, t)| (h as u32, t as u32, next + i as u32)));
+            table.set(h, b, Some(next)).unwrap();
+            next += 16;
+        }
+    }
+    assert!(next > 0);
+    gpu.admit(mapped.pointers(), &mut cache, &entries).unwrap();
+    gpu.upload_table(&mut table).unwrap();
+    gpu.launch_wave(&wave, mapped.pointers(), Some((&cache, &table)), &mut job).unwrap();
+    let cached = gpu.fetch_wave(&job).unwrap();
+    let sorted = |mut x: Vec<Vec<u32>>| {
+        x.iter_mut().for_each(|h| h.sort_unstable());
+        x
+    };
+    assert_eq!(sorted(gpu.wave_selection(&job).unwrap().0), sorted(selection.clone()), "same query, same clusters");
+    // Rows may be listed in another order (the selection's order is not fixed), so the sums
+    // may round differently; the rows and their values are the same.
+    let err = rel_l2(&cached, &got.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>());
+    assert!(err <= 1e-5, "cache hits change the output: {err}");
+    // Bad inputs are typed errors, before any launch.
+    let small = gpu.cache(16).unwrap();
+    assert!(gpu.launch_wave(&wave, mapped.pointers(), Some((&small, &table)), &mut job).is_err());
+    assert!(gpu.set_wave_query(&mut job, &q[1..]).is_err());
+    let mut nan = q.clone();
+    nan[7] = f32::NAN;
+    assert!(gpu.set_wave_query(&mut job, &nan).is_err());
+    assert!(table.set(kvh, 0, Some(0)).is_err());
+    assert!(gpu.prepare_wave(&shape, &wave, 0).is_err());
+    assert!(gpu.prepare_wave(&AttnShape::new(8, 2, 128).unwrap(), &wave, 4).is_err());
 }

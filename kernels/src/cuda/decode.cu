@@ -38,13 +38,67 @@ __device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, f
 }
 
 // part layout: [kv_head][chunk][g][PART] with PART = HEAD_DIM outputs, then m, then l.
+// The WARPS warps of a CTA each hold a partial (o, m, l) per query head of the group
+// (lanes split the head dimension); this combines them through shared memory and writes
+// the CTA's partial at `out` (group × PART floats).
+__device__ __forceinline__ void write_partial(const float (&o)[MAX_GROUP][PER_LANE], const float (&m)[MAX_GROUP],
+                                              const float (&l)[MAX_GROUP], int group, float* __restrict__ out) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ float sm[WARPS][MAX_GROUP][PART];
+  for (int g = 0; g < group; g++) {
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) sm[warp][g][lane * PER_LANE + i] = o[g][i];
+    if (lane == 0) { sm[warp][g][HEAD_DIM] = m[g]; sm[warp][g][HEAD_DIM + 1] = l[g]; }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += blockDim.x) {
+    const int g = idx / HEAD_DIM, i = idx % HEAD_DIM;
+    float mx = NEG_INF;
+    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm[w][g][HEAD_DIM]);
+    float acc = 0.f, lsum = 0.f;
+    if (mx != NEG_INF) {
+      for (int w = 0; w < WARPS; w++) {
+        const float e = __expf(sm[w][g][HEAD_DIM] - mx);
+        acc += e * sm[w][g][i];
+        lsum += e * sm[w][g][HEAD_DIM + 1];
+      }
+    }
+    out[g * PART + i] = acc;
+    if (i == 0) { out[g * PART + HEAD_DIM] = mx; out[g * PART + HEAD_DIM + 1] = lsum; }
+  }
+}
+
+// Folds one row into the online-softmax partial of every query head of the group: score
+// s = q·k (+ bias, the log of the mass the row stands for), warp-reduced over the lanes.
+__device__ __forceinline__ void fold_row(const float (&qr)[MAX_GROUP][PER_LANE], const float* kf, const float* vf,
+                                         float bias, int group, float (&o)[MAX_GROUP][PER_LANE],
+                                         float (&m)[MAX_GROUP], float (&l)[MAX_GROUP]) {
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; g++) {
+    if (g >= group) break;
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) s = fmaf(qr[g][i], kf[i], s);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+    s += bias;  // after the reduction: every lane holds the whole dot product
+    const float mn = fmaxf(m[g], s);
+    const float corr = __expf(m[g] - mn);
+    const float p = __expf(s - mn);
+    l[g] = l[g] * corr + p;
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) o[g][i] = fmaf(p, vf[i], o[g][i] * corr);
+    m[g] = mn;
+  }
+}
+
 // A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 is slot −r−1 of the Gpu-tier
 // cache ck/cv (device memory, one row per slot): hits and misses of one plan in one pass.
 extern "C" __global__ void attn_partial(
     const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
     const float* __restrict__ q, float scale, int group,
     const int* __restrict__ rows, const int* __restrict__ row_offsets, int identity_rows,
-    int chunk, float* __restrict__ part,
+    int chunk, float* __restrict__ part, int chunk_stride,
     const unsigned short* __restrict__ ck, const unsigned short* __restrict__ cv) {
   const int h = blockIdx.y, c = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -54,7 +108,6 @@ extern "C" __global__ void attn_partial(
     list = rows + row_offsets[h];
     count = row_offsets[h + 1] - row_offsets[h];
   }
-  const int lo = c * chunk, hi = min(count, lo + chunk);
   float qr[MAX_GROUP][PER_LANE], o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
 #pragma unroll
   for (int g = 0; g < MAX_GROUP; g++) {
@@ -68,9 +121,13 @@ extern "C" __global__ void attn_partial(
   }
   const unsigned short* kh = k + h * head_stride + lane * PER_LANE;
   const unsigned short* vh = v + h * head_stride + lane * PER_LANE;
-  // Each warp takes UNROLL rows per step and issues all their loads before any math, so
-  // several rows are in flight per warp (the loop is latency-bound otherwise).
-  for (int t0 = lo + warp * UNROLL; t0 < hi; t0 += WARPS * UNROLL) {
+  // The CTA takes chunks c, c + gridDim.x, … of the list (one chunk when the grid covers
+  // it, as it does for exact and host-built lists; a wave step's device-built list may be
+  // longer than its grid). Each warp takes UNROLL rows per step and issues all their loads
+  // before any math, so several rows are in flight per warp (the loop is latency-bound
+  // otherwise).
+  for (int cc = c; cc * chunk < count; cc += gridDim.x)
+  for (int t0 = cc * chunk + warp * UNROLL, hi = min(count, (cc + 1) * chunk); t0 < hi; t0 += WARPS * UNROLL) {
     float kf[UNROLL][PER_LANE], vf[UNROLL][PER_LANE];
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
@@ -90,48 +147,10 @@ extern "C" __global__ void attn_partial(
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       if (t0 + u >= hi) break;
-#pragma unroll
-      for (int g = 0; g < MAX_GROUP; g++) {
-        if (g >= group) break;
-        float s = 0.f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++) s = fmaf(qr[g][i], kf[u][i], s);
-#pragma unroll
-        for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        const float mn = fmaxf(m[g], s);
-        const float corr = __expf(m[g] - mn);
-        const float p = __expf(s - mn);
-        l[g] = l[g] * corr + p;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; i++) o[g][i] = fmaf(p, vf[u][i], o[g][i] * corr);
-        m[g] = mn;
-      }
+      fold_row(qr, kf[u], vf[u], 0.f, group, o, m, l);
     }
   }
-  // Combine the four warps of this CTA through shared memory.
-  __shared__ float sm[WARPS][MAX_GROUP][PART];
-  for (int g = 0; g < group; g++) {
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) sm[warp][g][lane * PER_LANE + i] = o[g][i];
-    if (lane == 0) { sm[warp][g][HEAD_DIM] = m[g]; sm[warp][g][HEAD_DIM + 1] = l[g]; }
-  }
-  __syncthreads();
-  float* out = part + ((long long)(h * gridDim.x + c) * group) * PART;
-  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += blockDim.x) {
-    const int g = idx / HEAD_DIM, i = idx % HEAD_DIM;
-    float mx = NEG_INF;
-    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm[w][g][HEAD_DIM]);
-    float acc = 0.f, lsum = 0.f;
-    if (mx != NEG_INF) {
-      for (int w = 0; w < WARPS; w++) {
-        const float e = __expf(sm[w][g][HEAD_DIM] - mx);
-        acc += e * sm[w][g][i];
-        lsum += e * sm[w][g][HEAD_DIM + 1];
-      }
-    }
-    out[g * PART + i] = acc;
-    if (i == 0) { out[g * PART + HEAD_DIM] = mx; out[g * PART + HEAD_DIM + 1] = lsum; }
-  }
+  write_partial(o, m, l, group, part + ((long long)(h * chunk_stride + c) * group) * PART);
 }
 
 // One CTA per query head, MERGE_WARPS warps: the maximum m over chunks by a block
@@ -165,6 +184,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
   if (mx != NEG_INF) {
     for (int c = warp; c < chunks; c += MERGE_WARPS) {
       const float* p = base + c * stride;
+      if (p[HEAD_DIM] == NEG_INF) continue;  // a chunk with no rows (e.g. past a row list's end)
       const float e = __expf(p[HEAD_DIM] - mx);
 #pragma unroll
       for (int i = 0; i < PER_LANE; i++) acc[i] = fmaf(e, p[lane * PER_LANE + i], acc[i]);
@@ -323,8 +343,8 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
 // 2. score_filter: every centroid is scored (one warp each); those at or above the
 //    threshold are appended (index, score) to a per-head candidate buffer.
 // 3. select_candidates: per head one CTA runs the exact radix select over the candidates.
-// If fewer than r candidates survive (the sample misjudged), `fallback` is set and the
-// host runs the full selection instead.
+// score_filter also writes every score, so if fewer than r candidates survive (the sample
+// misjudged) select_candidates selects over all of them instead and sets `fallback`.
 #define SAMPLE_MAX 1024
 #define FILTER_UNROLL 4
 
@@ -364,7 +384,8 @@ extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ c
 
 extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                         float scale, int group, const float* __restrict__ thresh, int cap,
-                                        int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score) {
+                                        int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score,
+                                        float* __restrict__ scores) {
   // Each warp scores FILTER_UNROLL consecutive centroids, loading them all before the math
   // so several rows are in flight (the pass is latency-bound otherwise).
   const int h = blockIdx.y, lane = threadIdx.x % 32;
@@ -388,6 +409,7 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
       for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
       best = fmaxf(best, s * scale);
     }
+    if (lane == 0 && scores != nullptr) scores[(long long)h * n + c0 + u] = best;
     if (lane == 0 && best >= t) {
       const int at = atomicAdd(&counts[h], 1);
       if (at < cap) { cand_idx[(long long)h * cap + at] = c0 + u; cand_score[(long long)h * cap + at] = best; }
@@ -397,11 +419,13 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
 
 extern "C" __global__ void select_candidates(const int* __restrict__ counts, const int* __restrict__ cand_idx,
                                              const float* __restrict__ cand_score, int cap, int r,
+                                             const float* __restrict__ scores, int total,
                                              int* __restrict__ out, int* __restrict__ fallback) {
   const int h = blockIdx.x;
   const int n = counts[h];
-  if (n < r || n > cap) {  // the sample misjudged: the host selects over all scores
+  if (n < r || n > cap) {  // the sample misjudged: select over all of the head's scores
     if (threadIdx.x == 0) fallback[h] = 1;
+    radix_top_r(scores + (long long)h * total, nullptr, total, r, out + (long long)h * r);
     return;
   }
   if (threadIdx.x == 0) fallback[h] = 0;

@@ -4,9 +4,10 @@
 //! CUDA and a machine without a GPU gets a typed error, not a crash.
 //!
 //! What is here: exact and row-list (sparse plan) decode attention, flash-decoding style
-//! (`decode.cu`), over KV in device memory or in mapped pinned host memory (zero-copy).
-//! The rest of the GPU plan path (centroid scoring and top-r, estimation, the Gpu-tier
-//! block cache) is future work, see `docs/architecture.md`.
+//! (`decode.cu`), over KV in device memory or in mapped pinned host memory (zero-copy), with
+//! Gpu-tier cache rows; centroid scoring and top-r selection; the HACK 2-bit kernels
+//! (`hack.cu`); and a whole wave-index decode step with no host work between its kernels
+//! (`wave.cu`, [`GpuBackend::launch_wave`]).
 
 use crate::error::{Error, Result};
 use crate::shape::AttnShape;
@@ -17,9 +18,11 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
 
 mod hack;
+mod wave;
 pub use hack::{DeviceHack, HackJob};
+pub use wave::{DeviceWave, WaveJob, WaveTable};
 
-const SOURCE: &str = concat!(include_str!("decode.cu"), include_str!("hack.cu"));
+const SOURCE: &str = concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"));
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
 /// has not too many chunks to fold.
@@ -48,6 +51,8 @@ pub struct GpuBackend {
     sample: CudaFunction,
     filter: CudaFunction,
     pick: CudaFunction,
+    expand: CudaFunction,
+    est: CudaFunction,
     /// The hack2 kernels (compiled for head dimensions that are a multiple of 64).
     hack_partial: Option<CudaFunction>,
     hack_dequant: Option<CudaFunction>,
@@ -151,7 +156,11 @@ pub struct DecodeJob {
     out: CudaSlice<f32>,
     /// Per query head, `m + ln l` of the merged partial (see `attn_merge`).
     lse: CudaSlice<f32>,
+    /// Partials per KV head in `part` (what the merge folds).
     chunks: usize,
+    /// CTAs per KV head of the attention launch (≤ `chunks`; a wave job's estimation
+    /// partials take the chunks after them).
+    grid_chunks: usize,
     chunk: usize,
     identity_rows: usize,
     cache_slots: usize,
@@ -182,6 +191,8 @@ impl GpuBackend {
         let sample = module.load_function("sample_threshold").map_err(gpu_err("sample_threshold"))?;
         let filter = module.load_function("score_filter").map_err(gpu_err("score_filter"))?;
         let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
+        let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
+        let est = module.load_function("est_partial").map_err(gpu_err("est_partial"))?;
         let (hack_partial, hack_dequant) = if head_dim.is_multiple_of(64) {
             (
                 Some(module.load_function("hack_partial").map_err(gpu_err("hack_partial"))?),
@@ -201,6 +212,8 @@ impl GpuBackend {
             sample,
             filter,
             pick,
+            expand,
+            est,
             hack_partial,
             hack_dequant,
             head_dim,
@@ -350,6 +363,7 @@ impl GpuBackend {
             out: s.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
             lse: s.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
             chunks,
+            grid_chunks: chunks,
             chunk,
             identity_rows,
             cache_slots,
@@ -429,9 +443,9 @@ impl GpuBackend {
         };
         let mut b = self.stream.launch_builder(&self.filter);
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&job.thresh).arg(&cap);
-        b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score);
+        b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score).arg(&mut job.scores);
         // SAFETY: one warp per centroid (< n); appends past `cap` per head are counted but
-        // not written; the candidate buffers hold kv_heads × cap entries.
+        // not written; the candidate buffers hold kv_heads × cap entries, scores kv_heads × n.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_filter"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.pick);
@@ -440,10 +454,12 @@ impl GpuBackend {
             .arg(&job.cand_score)
             .arg(&cap)
             .arg(&r)
+            .arg(&job.scores)
+            .arg(&n)
             .arg(&mut job.out)
             .arg(&mut job.fallback);
-        // SAFETY: reads min(count, cap) candidates per head (a head with count > cap or < r
-        // only sets its fallback flag) and writes exactly r indices per head into out.
+        // SAFETY: reads min(count, cap) candidates per head, or (a head with count > cap or
+        // < r) all n scores that score_filter wrote, and writes exactly r indices per head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching select_candidates"))?;
         Ok(())
     }
@@ -474,13 +490,9 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// The selected centroid indices per KV head (unordered). Heads whose sampled
-    /// threshold kept fewer than r candidates are selected again over all scores.
-    pub fn fetch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<Vec<Vec<u32>>> {
-        let fallback = self.stream.clone_dtoh(&job.fallback).map_err(gpu_err("copying flags back"))?;
-        if fallback.iter().any(|&f| f != 0) {
-            self.launch_full_select(cent, job)?;
-        }
+    /// The selected centroid indices per KV head (unordered). (Heads whose sampled
+    /// threshold kept fewer than r candidates were selected over all scores on the device.)
+    pub fn fetch_select(&self, job: &SelectJob) -> Result<Vec<Vec<u32>>> {
         let out = self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the selection back"))?;
         Ok(out.chunks(job.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect())
     }
@@ -578,6 +590,21 @@ impl GpuBackend {
         (ck, cv): (u64, u64),
         job: &mut DecodeJob,
     ) -> Result<()> {
+        self.launch_attn((k, v, head_stride), (ck, cv), job)?;
+        let lse = device_address(&job.lse, &self.stream);
+        let sh = job.shape;
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
+    }
+
+    /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `grid_chunks`
+    /// CTAs per KV head writing the first partials of each head's `chunks`.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_attn(
+        &self,
+        (k, v, head_stride): (u64, u64, i64),
+        (ck, cv): (u64, u64),
+        job: &mut DecodeJob,
+    ) -> Result<()> {
         let sh = job.shape;
         let group = sh.group() as i32;
         let identity = job.identity_rows as i32;
@@ -586,21 +613,22 @@ impl GpuBackend {
             Some((f, o)) => (device_address(f, &self.stream), device_address(o, &self.stream)),
             None => (0u64, 0u64),
         };
+        let stride = job.chunks as i32;
         let cfg = LaunchConfig {
-            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
+            grid_dim: (job.grid_chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.partial);
         b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
-        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&ck).arg(&cv);
+        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&stride);
+        b.arg(&ck).arg(&cv);
         // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <
-        // cache_slots, and the callers checked those against the memory at k/v and ck/cv; q,
-        // part and out were sized in `prepare_refs` for this shape and chunk count, which
-        // match the grid.
+        // cache_slots (a wave job's lists are written on the device from checked cluster
+        // bounds and cache table), and the callers checked those against the memory at k/v
+        // and ck/cv; q and part were sized for this shape and `chunks` ≥ `grid_chunks`.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
-        let lse = device_address(&job.lse, &self.stream);
-        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
+        Ok(())
     }
 
     /// Enqueues the log-sum-exp merge of `chunks` partials per query head (`part`, laid out

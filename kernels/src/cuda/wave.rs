@@ -1,0 +1,364 @@
+//! A whole wave-index decode step on the GPU (`wave.cu`): centroid scoring and top-r, the
+//! retrieved clusters expanded into a row list (Gpu-tier hits as cache rows), attention over
+//! those rows and the steady zone, the estimation partial of every other cluster, and the
+//! merge — six launches on one stream and no host work between them. The host only reads
+//! the selection back afterwards, to keep the Gpu tier (admissions are the maintainer's
+//! work, off the decode path).
+
+use super::{
+    chunk_rows, device_address, gpu_err, DecodeJob, DeviceCentroids, GpuBackend, GpuCache, KvPointers, SelectJob,
+};
+use super::{MAX_GROUP, TARGET_CTAS};
+use crate::error::{Error, Result};
+use crate::layout::ClusteredLayer;
+use crate::shape::AttnShape;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// A [`ClusteredLayer`]'s meta index in device memory: centroids, mean values, log sizes and
+/// row ranges of every cluster of every KV head (the KV rows themselves stay where the
+/// caller put them, e.g. [`GpuBackend::pin`]ned host memory).
+pub struct DeviceWave {
+    cent: DeviceCentroids,
+    value_means: CudaSlice<u16>,
+    log_size: CudaSlice<f32>,
+    offsets: CudaSlice<i32>,
+    kv_heads: usize,
+    clusters: usize,
+    indexed: usize,
+    rows: usize,
+    largest: usize,
+}
+
+impl DeviceWave {
+    /// Clusters per KV head.
+    pub fn clusters(&self) -> usize {
+        self.clusters
+    }
+
+    /// Rows per KV head (the KV a launch reads must hold at least these).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+/// Which row blocks of a [`DeviceWave`]'s layer sit in a [`GpuCache`]: per KV head and block
+/// of `block_rows` rows, the cache row of the block's first row. Kept on the host by the
+/// caller's replacement policy and copied to the device with [`GpuBackend::upload_table`].
+pub struct WaveTable {
+    host: Vec<i32>,
+    dev: CudaSlice<i32>,
+    block_rows: usize,
+    blocks_per_head: usize,
+    kv_heads: usize,
+    /// Cache rows the table names (one past the highest).
+    needs: usize,
+}
+
+impl WaveTable {
+    /// Rows per block.
+    pub fn block_rows(&self) -> usize {
+        self.block_rows
+    }
+
+    /// Blocks per KV head.
+    pub fn blocks_per_head(&self) -> usize {
+        self.blocks_per_head
+    }
+
+    /// The first cache row of block `block` of head `h`, when cached.
+    pub fn get(&self, h: usize, block: usize) -> Option<u32> {
+        let s = *self.host.get(h * self.blocks_per_head + block)?;
+        u32::try_from(s).ok()
+    }
+
+    /// Records that block `block` of head `h` is (`Some(first cache row)`) or is not cached.
+    pub fn set(&mut self, h: usize, block: usize, slot: Option<u32>) -> Result<()> {
+        if h >= self.kv_heads || block >= self.blocks_per_head {
+            return Err(Error::InvalidArgument {
+                what: "wave table",
+                message: format!(
+                    "block ({h}, {block}) is outside {} heads × {} blocks",
+                    self.kv_heads, self.blocks_per_head
+                ),
+            });
+        }
+        let value = match slot {
+            Some(s) if s <= i32::MAX as u32 - self.block_rows as u32 => {
+                self.needs = self.needs.max(s as usize + self.block_rows);
+                s as i32
+            }
+            Some(s) => {
+                return Err(Error::InvalidArgument {
+                    what: "wave table",
+                    message: format!("cache row {s} is too large"),
+                })
+            }
+            None => -1,
+        };
+        self.host[h * self.blocks_per_head + block] = value;
+        Ok(())
+    }
+}
+
+/// The buffers of one wave decode step (reused step after step): the selection, the row
+/// lists, the partials of attention and estimation, the output.
+pub struct WaveJob {
+    select: SelectJob,
+    decode: DecodeJob,
+    scan: CudaSlice<i32>,
+    mark: CudaSlice<i32>,
+    stamp: i32,
+    est_chunks: usize,
+    per_cta: usize,
+}
+
+impl WaveJob {}
+
+impl GpuBackend {
+    /// Copies `layer`'s meta index to device memory.
+    pub fn upload_wave(&self, layer: &ClusteredLayer) -> Result<DeviceWave> {
+        if layer.head_dim != self.head_dim {
+            return Err(Error::ShapeMismatch { what: "layer head_dim", expected: self.head_dim, got: layer.head_dim });
+        }
+        if layer.rows > i32::MAX as usize || layer.clusters == 0 {
+            return Err(Error::InvalidArgument {
+                what: "layer",
+                message: format!("needs 1..2^31 clusters and rows, got {} and {}", layer.clusters, layer.rows),
+            });
+        }
+        let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+        let cent = self.upload_centroids(&bits(&layer.centroids), layer.kv_heads)?;
+        let s = &self.stream;
+        let log_size: Vec<f32> = (0..layer.kv_heads)
+            .flat_map(|h| (0..layer.clusters).map(move |c| (h, c)))
+            .map(|(h, c)| match layer.size(h, c) {
+                0 => f32::NEG_INFINITY,
+                n => (n as f32).ln(),
+            })
+            .collect();
+        let offsets: Vec<i32> = layer.offsets.iter().map(|&o| o as i32).collect();
+        Ok(DeviceWave {
+            cent,
+            value_means: s.clone_htod(&bits(&layer.value_means)).map_err(gpu_err("copying mean values"))?,
+            log_size: s.clone_htod(&log_size).map_err(gpu_err("copying cluster sizes"))?,
+            offsets: s.clone_htod(&offsets).map_err(gpu_err("copying cluster offsets"))?,
+            kv_heads: layer.kv_heads,
+            clusters: layer.clusters,
+            indexed: layer.indexed,
+            rows: layer.rows,
+            largest: layer.largest_cluster(),
+        })
+    }
+
+    /// An empty table of `block_rows`-row blocks over `wave`'s rows (nothing cached).
+    pub fn wave_table(&self, wave: &DeviceWave, block_rows: usize) -> Result<WaveTable> {
+        if block_rows == 0 {
+            return Err(Error::InvalidArgument { what: "block_rows", message: "must be positive".into() });
+        }
+        let blocks_per_head = wave.rows.div_ceil(block_rows);
+        let host = vec![-1i32; wave.kv_heads * blocks_per_head];
+        let dev = self.stream.clone_htod(&host).map_err(gpu_err("copying the wave table"))?;
+        Ok(WaveTable { host, dev, block_rows, blocks_per_head, kv_heads: wave.kv_heads, needs: 0 })
+    }
+
+    /// Enqueues a copy of the table's host side to the device (the next launch sees it).
+    pub fn upload_table(&self, table: &mut WaveTable) -> Result<()> {
+        self.stream.memcpy_htod(&table.host, &mut table.dev).map_err(gpu_err("copying the wave table"))
+    }
+
+    /// Buffers for decode steps of `shape` over `wave` retrieving `r` clusters per KV head.
+    pub fn prepare_wave(&self, shape: &AttnShape, wave: &DeviceWave, r: usize) -> Result<WaveJob> {
+        if shape.kv_heads != wave.kv_heads || shape.head_dim != self.head_dim || shape.group() > MAX_GROUP {
+            return Err(Error::InvalidArgument {
+                what: "shape",
+                message: format!(
+                    "the layer has {} KV heads and the kernels head_dim {} (groups ≤ {MAX_GROUP}); got {shape:?}",
+                    wave.kv_heads, self.head_dim
+                ),
+            });
+        }
+        let zeros = vec![0.0f32; shape.query_len()];
+        let select = self.prepare_select(shape, &zeros, &wave.cent, r)?;
+        let steady = wave.rows - wave.indexed;
+        // Room per head for the steady zone and the r largest clusters.
+        let capacity = steady + r * wave.largest;
+        // Chunks sized for a typical list (r average clusters) and a grid for twice that: a
+        // longer list is covered by CTAs taking several chunks (attn_partial's chunk loop).
+        let typical = steady + r * wave.indexed.div_ceil(wave.clusters);
+        let chunk = chunk_rows(typical, shape.kv_heads);
+        let grid_chunks = capacity.min(2 * typical).div_ceil(chunk).max(1);
+        let per_cta = wave.clusters.div_ceil(TARGET_CTAS / 8).max(128);
+        let est_chunks = wave.clusters.div_ceil(per_cta);
+        let chunks = grid_chunks + est_chunks;
+        let s = &self.stream;
+        let alloc_i = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(gpu_err("allocating wave buffers"));
+        let alloc_f = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(gpu_err("allocating wave buffers"));
+        let decode = DecodeJob {
+            q: s.clone_htod(&zeros).map_err(gpu_err("copying queries"))?,
+            rows: Some((alloc_i(shape.kv_heads * capacity)?, alloc_i(shape.kv_heads + 1)?)),
+            part: alloc_f(shape.kv_heads * chunks * shape.group() * (self.head_dim + 2))?,
+            out: alloc_f(shape.query_len())?,
+            lse: alloc_f(shape.q_heads)?,
+            chunks,
+            grid_chunks,
+            chunk,
+            identity_rows: wave.rows,
+            cache_slots: 0,
+            shape: *shape,
+            scale: shape.scale(),
+        };
+        Ok(WaveJob {
+            select,
+            decode,
+            scan: alloc_i(shape.kv_heads * (r + 1))?,
+            mark: alloc_i(shape.kv_heads * wave.clusters)?,
+            stamp: 0,
+            est_chunks,
+            per_cta,
+        })
+    }
+
+    /// Enqueues a copy of the step's queries (`q_heads × head_dim`) into `job`.
+    pub fn set_wave_query(&self, job: &mut WaveJob, q: &[f32]) -> Result<()> {
+        let want = job.decode.shape.query_len();
+        if q.len() != want {
+            return Err(Error::ShapeMismatch { what: "queries (q_heads × head_dim)", expected: want, got: q.len() });
+        }
+        if let Some(bad) = q.iter().position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument { what: "queries", message: format!("element {bad} is not finite") });
+        }
+        self.stream.memcpy_htod(q, &mut job.select.q).map_err(gpu_err("copying queries"))?;
+        self.stream.memcpy_htod(q, &mut job.decode.q).map_err(gpu_err("copying queries"))
+    }
+
+    /// Enqueues one decode step of `job` over `wave`, whose KV rows are at `kv` (device or
+    /// mapped host memory, `kv_heads × rows × head_dim`), with the blocks `table` names read
+    /// from `cache` instead. Returns before the kernels finish; [`GpuBackend::fetch_wave`]
+    /// waits and returns the output.
+    pub fn launch_wave(
+        &self,
+        wave: &DeviceWave,
+        kv: KvPointers,
+        cache: Option<(&GpuCache, &WaveTable)>,
+        job: &mut WaveJob,
+    ) -> Result<()> {
+        self.wave_step(wave, kv, cache, job, &mut |_| Ok(()))
+    }
+
+    /// Runs one step like [`GpuBackend::launch_wave`] and returns the milliseconds of its
+    /// phases, measured with events: selection (scoring + top-r), row list, attention,
+    /// estimation, merge.
+    pub fn wave_phases(
+        &self,
+        wave: &DeviceWave,
+        kv: KvPointers,
+        cache: Option<(&GpuCache, &WaveTable)>,
+        job: &mut WaveJob,
+    ) -> Result<Vec<f64>> {
+        let new_event = || {
+            self.ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(gpu_err("creating an event"))
+        };
+        let mut events = vec![new_event()?];
+        events[0].record(&self.stream).map_err(gpu_err("recording an event"))?;
+        self.wave_step(wave, kv, cache, job, &mut |_| {
+            let e = new_event()?;
+            e.record(&self.stream).map_err(gpu_err("recording an event"))?;
+            events.push(e);
+            Ok(())
+        })?;
+        let last = events.last().expect("one event per phase");
+        last.synchronize().map_err(gpu_err("waiting for an event"))?;
+        events.windows(2).map(|w| Ok(f64::from(w[0].elapsed_ms(&w[1]).map_err(gpu_err("reading an event"))?))).collect()
+    }
+
+    /// The launches of one step; `phase_done` runs after each phase's launches are enqueued.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn wave_step(
+        &self,
+        wave: &DeviceWave,
+        kv: KvPointers,
+        cache: Option<(&GpuCache, &WaveTable)>,
+        job: &mut WaveJob,
+        phase_done: &mut dyn FnMut(&'static str) -> Result<()>,
+    ) -> Result<()> {
+        if kv.rows < wave.rows
+            || job.mark.len() < wave.kv_heads * wave.clusters
+            || job.decode.identity_rows != wave.rows
+        {
+            return Err(Error::InvalidArgument {
+                what: "wave launch",
+                message: format!(
+                    "the job or the KV ({} rows) does not belong to this layer ({} rows, {} clusters per head)",
+                    kv.rows, wave.rows, wave.clusters
+                ),
+            });
+        }
+        if let Some((c, t)) = cache {
+            if t.needs > c.slots || t.host.len() != wave.kv_heads * wave.rows.div_ceil(t.block_rows) {
+                return Err(Error::InvalidArgument {
+                    what: "wave cache",
+                    message: format!("the table names {} cache rows, the cache has {}", t.needs, c.slots),
+                });
+            }
+        }
+        self.launch_select(&wave.cent, &mut job.select)?;
+        phase_done("select")?;
+        job.stamp = job.stamp.wrapping_add(1).max(1);
+        let sh = job.decode.shape;
+        let (r, n, kvh) = (job.select.r as i32, wave.clusters as i32, wave.kv_heads as i32);
+        let (indexed, rows) = (wave.indexed as i32, wave.rows as i32);
+        let (table, block_rows, per_head) = match cache {
+            Some((_, t)) => (device_address(&t.dev, &self.stream), t.block_rows as i32, t.blocks_per_head as i32),
+            None => (0u64, 1, 0),
+        };
+        let (list, list_offsets) = job.decode.rows.as_mut().expect("a wave job has row lists");
+        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let mut b = self.stream.launch_builder(&self.expand);
+        b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
+        b.arg(&table).arg(&block_rows).arg(&per_head).arg(&mut job.mark).arg(&job.stamp);
+        b.arg(&mut job.scan).arg(list).arg(list_offsets);
+        // SAFETY: out holds r distinct cluster ids < n per head (select_candidates), offsets
+        // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
+        // steady + r × largest entries = the capacity allocated per head; the table (checked
+        // above) names cache rows < cache.slots; mark holds kv_heads × n, scan kv_heads × (r+1).
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
+        phase_done("row list")?;
+        let ck = cache.map_or(0, |(c, _)| device_address(&c.keys, &self.stream));
+        let cv = cache.map_or(0, |(c, _)| device_address(&c.values, &self.stream));
+        self.launch_attn((kv.keys, kv.values, (kv.rows * self.head_dim) as i64), (ck, cv), &mut job.decode)?;
+        phase_done("attention")?;
+        let group = sh.group() as i32;
+        let (per_cta, stride, first) = (job.per_cta as i32, job.decode.chunks as i32, job.decode.grid_chunks as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (job.est_chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.stream.launch_builder(&self.est);
+        b.arg(&wave.cent.data).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&job.mark).arg(&job.stamp);
+        b.arg(&job.decode.q).arg(&job.decode.scale).arg(&group).arg(&per_cta).arg(&mut job.decode.part);
+        b.arg(&stride).arg(&first);
+        // SAFETY: centroids and mean values hold kv_heads × n × head_dim f16, log sizes and
+        // mark kv_heads × n; the CTAs write chunks grid_chunks..grid_chunks + est_chunks =
+        // chunks of each head's partials, which part was sized for.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
+        phase_done("estimation")?;
+        let lse = device_address(&job.decode.lse, &self.stream);
+        self.launch_merge(&sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse)?;
+        phase_done("merge")
+    }
+
+    /// Waits for the step and returns its output (`q_heads × head_dim`).
+    pub fn fetch_wave(&self, job: &WaveJob) -> Result<Vec<f32>> {
+        self.fetch(&job.decode)
+    }
+
+    /// The clusters the last step retrieved per KV head (unordered) and how many heads had
+    /// to select over all their scores because the sampled threshold misjudged.
+    pub fn wave_selection(&self, job: &WaveJob) -> Result<(Vec<Vec<u32>>, usize)> {
+        let fallback = self.stream.clone_dtoh(&job.select.fallback).map_err(gpu_err("copying flags back"))?;
+        Ok((self.fetch_select(&job.select)?, fallback.iter().filter(|&&f| f != 0).count()))
+    }
+}
