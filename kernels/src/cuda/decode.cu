@@ -336,6 +336,39 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
   radix_top_r(scores + (long long)blockIdx.x * n, nullptr, n, r, out + (long long)blockIdx.x * r);
 }
 
+// Scores of one f16 row against the group's queries (qs: group × HEAD_DIM floats in shared
+// memory, already scaled), computed by one thread: 16-byte loads of the row, no warp
+// reductions (a warp scores 32 rows at once). out[g] for g < group.
+__device__ __forceinline__ void thread_scores(const unsigned short* __restrict__ row, const float* qs, int group,
+                                              float* out) {
+  float acc[MAX_GROUP];
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; g++) acc[g] = 0.f;
+#pragma unroll 4
+  for (int i = 0; i < HEAD_DIM; i += 8) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + i);
+    const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+    float k[8];
+#pragma unroll
+    for (int j = 0; j < 4; j++) { k[2 * j] = h2f(w[j] & 0xffff); k[2 * j + 1] = h2f(w[j] >> 16); }
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++) {
+      if (g >= group) break;
+#pragma unroll
+      for (int j = 0; j < 8; j++) acc[g] = fmaf(qs[g * HEAD_DIM + i + j], k[j], acc[g]);
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < MAX_GROUP; g++) out[g] = acc[g];
+}
+
+// The group's queries of KV head h, scaled, into shared memory (call with the whole CTA).
+__device__ __forceinline__ void load_group_queries(const float* __restrict__ q, int h, int group, float scale,
+                                                   float* qs) {
+  for (int i = threadIdx.x; i < group * HEAD_DIM; i += blockDim.x) qs[i] = q[h * group * HEAD_DIM + i] * scale;
+  __syncthreads();
+}
+
 // ---- top-r by a sampled threshold (the CPU planner's method, on the GPU) ----
 // 1. sample_threshold: per head one CTA scores every `stride`-th centroid into shared
 //    memory, sorts the sample (bitonic, descending) and keeps the score at sample rank
@@ -346,20 +379,27 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
 // score_filter also writes every score, so if fewer than r candidates survive (the sample
 // misjudged) select_candidates selects over all of them instead and sets `fallback`.
 #define SAMPLE_MAX 1024
-#define FILTER_UNROLL 4
 
 
 extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                             float scale, int group, int stride, int r, float* __restrict__ thresh) {
   __shared__ float smp[SAMPLE_MAX];
-  const int h = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+  __shared__ float qs[MAX_GROUP * HEAD_DIM];
+  const int h = blockIdx.x;
   const int m = min(SAMPLE_MAX, (n + stride - 1) / stride);
   int size = 1;
   while (size < m) size <<= 1;
-  for (int i = warp; i < size; i += warps) {
+  load_group_queries(q, h, group, scale, qs);
+  // One thread per sampled centroid (all samples in flight at once).
+  for (int i = threadIdx.x; i < size; i += blockDim.x) {
     float v = NEG_INF;
-    if (i < m) v = group_score(cent + ((long long)h * n + (long long)i * stride) * HEAD_DIM, q + h * group * HEAD_DIM, group, scale, lane);
-    if (lane == 0) smp[i] = v;
+    if (i < m) {
+      float s[MAX_GROUP];
+      thread_scores(cent + ((long long)h * n + (long long)i * stride) * HEAD_DIM, qs, group, s);
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; g++) v = g < group ? fmaxf(v, s[g]) : v;
+    }
+    smp[i] = v;
   }
   __syncthreads();
   // Bitonic sort, descending.
@@ -382,38 +422,26 @@ extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ c
   }
 }
 
+// One thread per centroid: the group's best score; written to `scores`, and appended to the
+// head's candidates when at or above the sampled threshold.
 extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                         float scale, int group, const float* __restrict__ thresh, int cap,
                                         int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score,
                                         float* __restrict__ scores) {
-  // Each warp scores FILTER_UNROLL consecutive centroids, loading them all before the math
-  // so several rows are in flight (the pass is latency-bound otherwise).
-  const int h = blockIdx.y, lane = threadIdx.x % 32;
-  const int c0 = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * FILTER_UNROLL;
-  if (c0 >= n) return;
-  const float* qh = q + h * group * HEAD_DIM + lane * PER_LANE;
-  const float t = thresh[h];
-  float kf[FILTER_UNROLL][PER_LANE];
-#pragma unroll
-  for (int u = 0; u < FILTER_UNROLL; u++)
-    if (c0 + u < n) load_row(cent + ((long long)h * n + c0 + u) * HEAD_DIM + lane * PER_LANE, kf[u]);
-#pragma unroll
-  for (int u = 0; u < FILTER_UNROLL; u++) {
-    if (c0 + u >= n) break;
-    float best = NEG_INF;
-    for (int g = 0; g < group; g++) {
-      float s = 0.f;
-#pragma unroll
-      for (int i = 0; i < PER_LANE; i++) s = fmaf(qh[g * HEAD_DIM + i], kf[u][i], s);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      best = fmaxf(best, s * scale);
-    }
-    if (lane == 0 && scores != nullptr) scores[(long long)h * n + c0 + u] = best;
-    if (lane == 0 && best >= t) {
-      const int at = atomicAdd(&counts[h], 1);
-      if (at < cap) { cand_idx[(long long)h * cap + at] = c0 + u; cand_score[(long long)h * cap + at] = best; }
-    }
+  __shared__ float qs[MAX_GROUP * HEAD_DIM];
+  const int h = blockIdx.y;
+  load_group_queries(q, h, group, scale, qs);
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= n) return;
+  float s[MAX_GROUP];
+  thread_scores(cent + ((long long)h * n + c) * HEAD_DIM, qs, group, s);
+  float best = NEG_INF;
+  #pragma unroll
+  for (int g = 0; g < MAX_GROUP; g++) best = g < group ? fmaxf(best, s[g]) : best;
+  if (scores != nullptr) scores[(long long)h * n + c] = best;
+  if (best >= thresh[h]) {
+    const int at = atomicAdd(&counts[h], 1);
+    if (at < cap) { cand_idx[(long long)h * cap + at] = c; cand_score[(long long)h * cap + at] = best; }
   }
 }
 

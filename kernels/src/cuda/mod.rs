@@ -435,16 +435,16 @@ impl GpuBackend {
         // every head (checked in prepare_select); one CTA per head writes thresh[head]; the
         // sample (≤ 4096 scores) lives in the kernel's shared memory.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching sample_threshold"))?;
-        // 8 warps per CTA, FILTER_UNROLL = 4 centroids per warp.
+        // One thread per centroid.
         let cfg = LaunchConfig {
-            grid_dim: (cent.per_head.div_ceil(32) as u32, sh.kv_heads as u32, 1),
+            grid_dim: (cent.per_head.div_ceil(256) as u32, sh.kv_heads as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.filter);
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&job.thresh).arg(&cap);
         b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score).arg(&mut job.scores);
-        // SAFETY: one warp per centroid (< n); appends past `cap` per head are counted but
+        // SAFETY: one thread per centroid (< n); appends past `cap` per head are counted but
         // not written; the candidate buffers hold kv_heads × cap entries, scores kv_heads × n.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_filter"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };

@@ -7,17 +7,15 @@
 // cache rows), attn_partial over those rows, est_partial over every cluster not retrieved,
 // and attn_merge over both kinds of partials. No step needs the host.
 
-#define EXPAND_THREADS 1024
-
-// Exclusive prefix sum of v[0..n) in place by one CTA of EXPAND_THREADS threads; returns
-// the total to every thread.
+// Exclusive prefix sum of v[0..n) in place by the whole CTA (blockDim.x a multiple of 32,
+// at most 1024); returns the total to every thread.
 __device__ int block_exclusive_scan(int* v, int n) {
-  __shared__ int warp_sums[EXPAND_THREADS / 32];
+  __shared__ int warp_sums[32];
   __shared__ int carry;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   if (threadIdx.x == 0) carry = 0;
   __syncthreads();
-  for (int base = 0; base < n; base += EXPAND_THREADS) {
+  for (int base = 0; base < n; base += blockDim.x) {
     const int i = base + threadIdx.x;
     const int x = i < n ? v[i] : 0;
     int incl = x;
@@ -29,22 +27,40 @@ __device__ int block_exclusive_scan(int* v, int n) {
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-      int w = warp_sums[lane];
+      int w = lane < warps ? warp_sums[lane] : 0;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
         const int y = __shfl_up_sync(0xffffffffu, w, off);
         if (lane >= off) w += y;
       }
-      warp_sums[lane] = w;  // inclusive over warps
+      if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
     }
     __syncthreads();
     const int before = carry + (warp > 0 ? warp_sums[warp - 1] : 0);
     if (i < n) v[i] = before + incl - x;
     __syncthreads();
-    if (threadIdx.x == 0) carry += warp_sums[EXPAND_THREADS / 32 - 1];
+    if (threadIdx.x == 0) carry += warp_sums[warps - 1];
     __syncthreads();
   }
   return carry;
+}
+
+// Sum of x over the CTA (every thread gets it).
+__device__ int block_sum(int x) {
+  __shared__ int part[32];
+  __shared__ int total;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  if (lane == 0) part[warp] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int t = 0;
+    for (int w = 0; w < warps; w++) t += part[w];
+    total = t;
+  }
+  __syncthreads();
+  return total;
 }
 
 // Row list entry of row t of head h: a cache row (−slot−1) when t's block is in the Gpu
@@ -58,31 +74,42 @@ __device__ __forceinline__ int row_ref(const int* __restrict__ block_slot, int h
   return t;
 }
 
-// One CTA. Per head the elements are [steady zone, retrieved cluster 0, …, r−1]; `scan`
-// (kv_heads × (r + 1) ints) receives their lengths, then their start positions in `list`.
-// Marks every retrieved cluster with `stamp` (est_partial skips it), writes list_offsets
-// (kv_heads + 1) and the row list.
+__device__ __forceinline__ int cluster_len(const int* __restrict__ offsets, int n, int h, int c) {
+  const int* off = offsets + (long long)h * (n + 1);
+  return off[c + 1] - off[c];
+}
+
+// One CTA per KV head. The head's elements are [steady zone, retrieved cluster 0, …, r−1];
+// heads' lists follow each other in `list` (head h starts after every row of heads < h, which
+// each CTA sums itself). `scan` (kv_heads × (r + 1) ints) receives the elements' lengths, then
+// their start positions. Marks every retrieved cluster with `stamp` (est_partial skips it),
+// writes list_offsets (kv_heads + 1) and the rows, one warp per element.
 extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const int* __restrict__ offsets, int n,
                                        int kv_heads, int indexed, int rows, const int* __restrict__ block_slot,
                                        int block_rows, int blocks_per_head, int* __restrict__ mark, int stamp,
                                        int* __restrict__ scan, int* __restrict__ list, int* __restrict__ list_offsets) {
-  const int per = r + 1, total = kv_heads * per;
-  for (int e = threadIdx.x; e < total; e += blockDim.x) {
-    const int h = e / per, i = e % per;
-    int len = rows - indexed;
+  const int h = blockIdx.x, per = r + 1, steady = rows - indexed;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  int before = 0;
+  for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);
+  const int start = block_sum(before) + h * steady;
+  int* mine = scan + h * per;
+  for (int i = threadIdx.x; i < per; i += blockDim.x) {
+    int len = steady;
     if (i > 0) {
       const int c = sel[h * r + i - 1];
-      const int* off = offsets + (long long)h * (n + 1);
-      len = off[c + 1] - off[c];
+      len = cluster_len(offsets, n, h, c);
       mark[(long long)h * n + c] = stamp;
     }
-    scan[e] = len;
+    mine[i] = len;
   }
   __syncthreads();
-  const int all = block_exclusive_scan(scan, total);
-  for (int h = threadIdx.x; h <= kv_heads; h += blockDim.x) list_offsets[h] = h < kv_heads ? scan[h * per] : all;
-  for (int e = threadIdx.x; e < total; e += blockDim.x) {
-    const int h = e / per, i = e % per;
+  const int total = block_exclusive_scan(mine, per);
+  if (threadIdx.x == 0) {
+    list_offsets[h] = start;
+    if (h == kv_heads - 1) list_offsets[kv_heads] = start + total;
+  }
+  for (int i = warp; i < per; i += warps) {
     int lo = indexed, hi = rows;
     if (i > 0) {
       const int c = sel[h * r + i - 1];
@@ -90,51 +117,119 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
       lo = off[c];
       hi = off[c + 1];
     }
-    int* out = list + scan[e];
-    for (int t = lo; t < hi; t++) out[t - lo] = row_ref(block_slot, h, blocks_per_head, block_rows, t);
+    int* out = list + start + mine[i];
+    for (int t = lo + lane; t < hi; t += 32) out[t - lo] = row_ref(block_slot, h, blocks_per_head, block_rows, t);
   }
 }
 
-// The estimation zone: one CTA per (chunk of clusters, KV head) folds every cluster not
-// marked with `stamp` as one row whose key is the centroid, whose value is the mean value
-// and whose weight is its size (score bias ln size): size · e^{q·c} mass, size · e^{q·c} ·
-// mean value. Writes the CTA's partial as chunk `first_chunk + blockIdx.x` of `part`.
+#define EST_ROWS 128
+
+// The estimation zone: one CTA (WARPS warps) per (chunk of `per_cta` clusters, KV head) folds
+// every cluster not marked with `stamp` as one row whose key is the centroid, whose value is
+// the mean value and whose weight is its size: mass size·e^{q·c}, value size·e^{q·c}·mean.
+// Tiles of EST_ROWS clusters: every thread scores a whole centroid (no warp reductions), the
+// weights go through shared memory, then the warps fold mean values with lanes splitting the
+// head dimension. Writes the CTA's partial as chunk `first_chunk + blockIdx.x` of `part`.
 extern "C" __global__ void est_partial(const unsigned short* __restrict__ cent,
                                        const unsigned short* __restrict__ vmean, const float* __restrict__ log_size,
                                        int n, const int* __restrict__ mark, int stamp, const float* __restrict__ q,
                                        float scale, int group, int per_cta, float* __restrict__ part, int chunk_stride,
                                        int first_chunk) {
+  __shared__ float qs[MAX_GROUP * HEAD_DIM];
+  __shared__ float w[MAX_GROUP][EST_ROWS];
+  __shared__ float tile_max[MAX_GROUP][WARPS];
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lo = blockIdx.x * per_cta, hi = min(n, lo + per_cta);
-  float qr[MAX_GROUP][PER_LANE], o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
+  const long long head = (long long)h * n;
+  load_group_queries(q, h, group, scale, qs);
+  float o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
 #pragma unroll
   for (int g = 0; g < MAX_GROUP; g++) {
     m[g] = NEG_INF;
     l[g] = 0.f;
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-      qr[g][i] = g < group ? q[(h * group + g) * HEAD_DIM + lane * PER_LANE + i] * scale : 0.f;
-      o[g][i] = 0.f;
-    }
+    for (int i = 0; i < PER_LANE; i++) o[g][i] = 0.f;
   }
-  const long long head = (long long)h * n;
-  for (int c0 = lo + warp * UNROLL; c0 < hi; c0 += WARPS * UNROLL) {
-    float kf[UNROLL][PER_LANE], vf[UNROLL][PER_LANE], bias[UNROLL];
-    bool live[UNROLL];
+  for (int t0 = lo; t0 < hi; t0 += EST_ROWS) {
+    float local_max[MAX_GROUP];
 #pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      const int c = c0 + u;
-      live[u] = c < hi && mark[head + c] != stamp;
-      if (live[u]) {
-        load_row(cent + (head + c) * HEAD_DIM + lane * PER_LANE, kf[u]);
-        load_row(vmean + (head + c) * HEAD_DIM + lane * PER_LANE, vf[u]);
-        bias[u] = log_size[head + c];
-        live[u] = bias[u] != NEG_INF;  // an empty cluster stands for nothing
+    for (int g = 0; g < MAX_GROUP; g++) local_max[g] = NEG_INF;
+    for (int i = threadIdx.x; i < EST_ROWS; i += blockDim.x) {
+      const int c = t0 + i;
+      float s[MAX_GROUP];
+      const float bias = c < hi && mark[head + c] != stamp ? log_size[head + c] : NEG_INF;
+      if (bias != NEG_INF) {
+        thread_scores(cent + (head + c) * HEAD_DIM, qs, group, s);
+      }
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; g++) {
+        if (g >= group) break;
+        const float x = bias != NEG_INF ? s[g] + bias : NEG_INF;
+        w[g][i] = x;
+        local_max[g] = fmaxf(local_max[g], x);
       }
     }
 #pragma unroll
-    for (int u = 0; u < UNROLL; u++)
-      if (live[u]) fold_row(qr, kf[u], vf[u], bias[u], group, o, m, l);
+    for (int g = 0; g < MAX_GROUP; g++) {
+      if (g >= group) break;
+      float x = local_max[g];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
+      if (lane == 0) tile_max[g][warp] = x;
+    }
+    __syncthreads();
+    float mnew[MAX_GROUP];
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++) {
+      if (g >= group) break;
+      float x = m[g];
+      for (int v = 0; v < WARPS; v++) x = fmaxf(x, tile_max[g][v]);
+      mnew[g] = x;
+    }
+    // Weights e^{s − M} in place (0 for skipped clusters).
+    for (int i = threadIdx.x; i < EST_ROWS; i += blockDim.x)
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; g++)
+        if (g < group) w[g][i] = mnew[g] == NEG_INF ? 0.f : __expf(w[g][i] - mnew[g]);
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++) {
+      if (g >= group) break;
+      const float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mnew[g]);
+      l[g] *= corr;
+#pragma unroll
+      for (int k = 0; k < PER_LANE; k++) o[g][k] *= corr;
+      m[g] = mnew[g];
+    }
+    __syncthreads();
+    // Warp v folds clusters v, v + WARPS, …, UNROLL at a time with all their loads issued
+    // first (the loop is latency-bound otherwise): lanes split the mean value row.
+    for (int i0 = warp; i0 < EST_ROWS && t0 + i0 < hi; i0 += WARPS * UNROLL) {
+      float vf[UNROLL][PER_LANE];
+      bool live[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        const int i = i0 + u * WARPS;
+        float mass = 0.f;
+        if (i < EST_ROWS && t0 + i < hi)
+          for (int g = 0; g < group; g++) mass += w[g][i];
+        live[u] = mass > 0.f;
+        if (live[u]) load_row(vmean + (head + t0 + i) * HEAD_DIM + lane * PER_LANE, vf[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < UNROLL; u++) {
+        if (!live[u]) continue;
+        const int i = i0 + u * WARPS;
+#pragma unroll
+        for (int g = 0; g < MAX_GROUP; g++) {
+          if (g >= group) break;
+          const float p = w[g][i];
+          l[g] += p;
+#pragma unroll
+          for (int k = 0; k < PER_LANE; k++) o[g][k] = fmaf(p, vf[u][k], o[g][k]);
+        }
+      }
+    }
+    __syncthreads();
   }
   write_partial(o, m, l, group, part + ((long long)(h * chunk_stride + first_chunk + blockIdx.x) * group) * PART);
 }

@@ -5,10 +5,10 @@
 //! the selection back afterwards, to keep the Gpu tier (admissions are the maintainer's
 //! work, off the decode path).
 
+use super::MAX_GROUP;
 use super::{
     chunk_rows, device_address, gpu_err, DecodeJob, DeviceCentroids, GpuBackend, GpuCache, KvPointers, SelectJob,
 };
-use super::{MAX_GROUP, TARGET_CTAS};
 use crate::error::{Error, Result};
 use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
@@ -187,7 +187,8 @@ impl GpuBackend {
         let typical = steady + r * wave.indexed.div_ceil(wave.clusters);
         let chunk = chunk_rows(typical, shape.kv_heads);
         let grid_chunks = capacity.min(2 * typical).div_ceil(chunk).max(1);
-        let per_cta = wave.clusters.div_ceil(TARGET_CTAS / 8).max(128);
+        // Tiles of 128 clusters (EST_ROWS in wave.cu, one per thread), at most ~64 CTAs per head.
+        let per_cta = wave.clusters.div_ceil(64).next_multiple_of(128);
         let est_chunks = wave.clusters.div_ceil(per_cta);
         let chunks = grid_chunks + est_chunks;
         let s = &self.stream;
@@ -314,7 +315,7 @@ impl GpuBackend {
             None => (0u64, 1, 0),
         };
         let (list, list_offsets) = job.decode.rows.as_mut().expect("a wave job has row lists");
-        let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: (wave.kv_heads as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.expand);
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
         b.arg(&table).arg(&block_rows).arg(&per_head).arg(&mut job.mark).arg(&job.stamp);
