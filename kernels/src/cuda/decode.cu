@@ -158,6 +158,7 @@ extern "C" __global__ void attn_partial(
 // dimension, so each chunk's partial is one coalesced read), then the warps' sums are
 // combined: out[qh] = Σ_c e^{m_c−M} o_c / Σ_c e^{m_c−M} l_c.
 #define MERGE_WARPS 8
+#define MERGE_UNROLL 4
 // `lse` (may be null): per query head, the log of the softmax denominator m + ln l, so the
 // normalized output and it form a partial (o = out, m = lse, l = 1) the host can merge.
 extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
@@ -182,13 +183,29 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
   for (int i = 0; i < PER_LANE; i++) acc[i] = 0.f;
   float lsum = 0.f;
   if (mx != NEG_INF) {
-    for (int c = warp; c < chunks; c += MERGE_WARPS) {
-      const float* p = base + c * stride;
-      if (p[HEAD_DIM] == NEG_INF) continue;  // a chunk with no rows (e.g. past a row list's end)
-      const float e = __expf(p[HEAD_DIM] - mx);
+    // MERGE_UNROLL chunks per warp step, their loads issued before the math.
+    for (int c0 = warp; c0 < chunks; c0 += MERGE_WARPS * MERGE_UNROLL) {
+      float pm[MERGE_UNROLL], pl[MERGE_UNROLL], po[MERGE_UNROLL][PER_LANE];
 #pragma unroll
-      for (int i = 0; i < PER_LANE; i++) acc[i] = fmaf(e, p[lane * PER_LANE + i], acc[i]);
-      lsum = fmaf(e, p[HEAD_DIM + 1], lsum);
+      for (int u = 0; u < MERGE_UNROLL; u++) {
+        const int c = c0 + u * MERGE_WARPS;
+        pm[u] = c < chunks ? base[c * stride + HEAD_DIM] : NEG_INF;
+        // A chunk with no rows (e.g. past a row list's end) has m = −inf: nothing to read.
+        if (pm[u] != NEG_INF) {
+          const float* p = base + c * stride;
+          pl[u] = p[HEAD_DIM + 1];
+#pragma unroll
+          for (int i = 0; i < PER_LANE; i++) po[u][i] = p[lane * PER_LANE + i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < MERGE_UNROLL; u++) {
+        if (pm[u] == NEG_INF) continue;
+        const float e = __expf(pm[u] - mx);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) acc[i] = fmaf(e, po[u][i], acc[i]);
+        lsum = fmaf(e, pl[u], lsum);
+      }
     }
   }
 #pragma unroll
@@ -380,29 +397,27 @@ __device__ __forceinline__ void load_group_queries(const float* __restrict__ q, 
 // misjudged) select_candidates selects over all of them instead and sets `fallback`.
 #define SAMPLE_MAX 1024
 
-
 extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                             float scale, int group, int stride, int r, float* __restrict__ thresh) {
   __shared__ float smp[SAMPLE_MAX];
   __shared__ float qs[MAX_GROUP * HEAD_DIM];
   const int h = blockIdx.x;
   const int m = min(SAMPLE_MAX, (n + stride - 1) / stride);
-  int size = 1;
-  while (size < m) size <<= 1;
   load_group_queries(q, h, group, scale, qs);
   // One thread per sampled centroid (all samples in flight at once).
-  for (int i = threadIdx.x; i < size; i += blockDim.x) {
-    float v = NEG_INF;
-    if (i < m) {
-      float s[MAX_GROUP];
-      thread_scores(cent + ((long long)h * n + (long long)i * stride) * HEAD_DIM, qs, group, s);
+  for (int i = threadIdx.x; i < m; i += blockDim.x) {
+    float s[MAX_GROUP], v = NEG_INF;
+    thread_scores(cent + ((long long)h * n + (long long)i * stride) * HEAD_DIM, qs, group, s);
 #pragma unroll
-      for (int g = 0; g < MAX_GROUP; g++) v = g < group ? fmaxf(v, s[g]) : v;
-    }
+    for (int g = 0; g < MAX_GROUP; g++) v = g < group ? fmaxf(v, s[g]) : v;
     smp[i] = v;
   }
   __syncthreads();
-  // Bitonic sort, descending.
+  // Pad to a power of two with −inf, then bitonic sort, descending.
+  int size = 1;
+  while (size < m) size <<= 1;
+  for (int i = m + threadIdx.x; i < size; i += blockDim.x) smp[i] = NEG_INF;
+  __syncthreads();
   for (int k = 2; k <= size; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
       for (int i = threadIdx.x; i < size; i += blockDim.x) {
@@ -416,18 +431,16 @@ extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ c
       __syncthreads();
     }
   }
-  if (threadIdx.x == 0) {
-    const int rank = min(m - 1, (int)(1.25f * r / stride) + 8);
-    thresh[h] = smp[rank];
-  }
+  if (threadIdx.x == 0) thresh[h] = smp[min(m - 1, (int)(1.25f * r / stride) + 8)];
 }
 
 // One thread per centroid: the group's best score; written to `scores`, and appended to the
-// head's candidates when at or above the sampled threshold.
+// head's candidates when at or above the sampled threshold. With `group_scores` (a wave
+// step's estimation needs them) every query head's score is kept too: [h][g][n].
 extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                         float scale, int group, const float* __restrict__ thresh, int cap,
                                         int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score,
-                                        float* __restrict__ scores) {
+                                        float* __restrict__ scores, float* __restrict__ group_scores) {
   __shared__ float qs[MAX_GROUP * HEAD_DIM];
   const int h = blockIdx.y;
   load_group_queries(q, h, group, scale, qs);
@@ -439,6 +452,11 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
   #pragma unroll
   for (int g = 0; g < MAX_GROUP; g++) best = g < group ? fmaxf(best, s[g]) : best;
   if (scores != nullptr) scores[(long long)h * n + c] = best;
+  if (group_scores != nullptr) {
+#pragma unroll
+    for (int g = 0; g < MAX_GROUP; g++)
+      if (g < group) group_scores[((long long)h * group + g) * n + c] = s[g];
+  }
   if (best >= thresh[h]) {
     const int at = atomicAdd(&counts[h], 1);
     if (at < cap) { cand_idx[(long long)h * cap + at] = c; cand_score[(long long)h * cap + at] = best; }

@@ -75,6 +75,9 @@ pub struct SelectJob {
     cand_idx: CudaSlice<i32>,
     cand_score: CudaSlice<f32>,
     fallback: CudaSlice<i32>,
+    /// Every query head's score of every centroid (`[h][g][n]`), kept for a wave step's
+    /// estimation zone.
+    group_scores: Option<CudaSlice<f32>>,
     cap: usize,
     stride: usize,
     r: usize,
@@ -411,6 +414,7 @@ impl GpuBackend {
             cand_idx: alloc_i(h * cap)?,
             cand_score: alloc_f(h * cap)?,
             fallback: alloc_i(h)?,
+            group_scores: None,
             cap,
             stride,
             r,
@@ -443,9 +447,12 @@ impl GpuBackend {
         };
         let mut b = self.stream.launch_builder(&self.filter);
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&job.thresh).arg(&cap);
+        let group_scores = job.group_scores.as_ref().map_or(0, |g| device_address(g, &self.stream));
         b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score).arg(&mut job.scores);
+        b.arg(&group_scores);
         // SAFETY: one thread per centroid (< n); appends past `cap` per head are counted but
-        // not written; the candidate buffers hold kv_heads × cap entries, scores kv_heads × n.
+        // not written; the candidate buffers hold kv_heads × cap entries, scores kv_heads × n,
+        // group scores (when kept) kv_heads × group × n.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_filter"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.pick);

@@ -79,10 +79,10 @@ __device__ __forceinline__ int cluster_len(const int* __restrict__ offsets, int 
   return off[c + 1] - off[c];
 }
 
-// One CTA per KV head. The head's elements are [steady zone, retrieved cluster 0, …, r−1];
+// CTAs (h, ·) serve KV head h. The head's elements are [steady zone, retrieved cluster 0, …, r−1];
 // heads' lists follow each other in `list` (head h starts after every row of heads < h, which
-// each CTA sums itself). `scan` (kv_heads × (r + 1) ints) receives the elements' lengths, then
-// their start positions. Marks every retrieved cluster with `stamp` (est_partial skips it),
+// each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × (r + 1) ints)
+// receives the elements' lengths, then their start positions. Marks every retrieved cluster with `stamp` (est_partial skips it),
 // writes list_offsets (kv_heads + 1) and the rows, one warp per element.
 extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const int* __restrict__ offsets, int n,
                                        int kv_heads, int indexed, int rows, const int* __restrict__ block_slot,
@@ -90,26 +90,29 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
                                        int* __restrict__ scan, int* __restrict__ list, int* __restrict__ list_offsets) {
   const int h = blockIdx.x, per = r + 1, steady = rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  // gridDim.y CTAs share a head: each computes the head's offsets (cheap) and writes the
+  // rows of every gridDim.y-th element; the first also marks clusters and writes offsets.
+  const bool first = blockIdx.y == 0;
   int before = 0;
   for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);
   const int start = block_sum(before) + h * steady;
-  int* mine = scan + h * per;
+  int* mine = scan + (long long)(h * gridDim.y + blockIdx.y) * per;  // this CTA's own scratch
   for (int i = threadIdx.x; i < per; i += blockDim.x) {
     int len = steady;
     if (i > 0) {
       const int c = sel[h * r + i - 1];
       len = cluster_len(offsets, n, h, c);
-      mark[(long long)h * n + c] = stamp;
+      if (first) mark[(long long)h * n + c] = stamp;
     }
     mine[i] = len;
   }
   __syncthreads();
   const int total = block_exclusive_scan(mine, per);
-  if (threadIdx.x == 0) {
+  if (first && threadIdx.x == 0) {
     list_offsets[h] = start;
     if (h == kv_heads - 1) list_offsets[kv_heads] = start + total;
   }
-  for (int i = warp; i < per; i += warps) {
+  for (int i = blockIdx.y + gridDim.y * warp; i < per; i += gridDim.y * warps) {
     int lo = indexed, hi = rows;
     if (i > 0) {
       const int c = sel[h * r + i - 1];
@@ -125,23 +128,21 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
 #define EST_ROWS 128
 
 // The estimation zone: one CTA (WARPS warps) per (chunk of `per_cta` clusters, KV head) folds
-// every cluster not marked with `stamp` as one row whose key is the centroid, whose value is
-// the mean value and whose weight is its size: mass size·e^{q·c}, value size·e^{q·c}·mean.
-// Tiles of EST_ROWS clusters: every thread scores a whole centroid (no warp reductions), the
-// weights go through shared memory, then the warps fold mean values with lanes splitting the
-// head dimension. Writes the CTA's partial as chunk `first_chunk + blockIdx.x` of `part`.
-extern "C" __global__ void est_partial(const unsigned short* __restrict__ cent,
+// every cluster not marked with `stamp` as one row whose score is its centroid's (kept by
+// score_filter in `group_scores`, [h][g][n], scaled), whose value is the mean value and whose
+// weight is its size: mass size·e^{q·c}, value size·e^{q·c}·mean. Tiles of EST_ROWS
+// clusters, one per thread, weights through shared memory, then the warps fold mean values
+// with lanes splitting the head dimension. Writes the CTA's partial as chunk
+// `first_chunk + blockIdx.x` of `part`.
+extern "C" __global__ void est_partial(const float* __restrict__ group_scores,
                                        const unsigned short* __restrict__ vmean, const float* __restrict__ log_size,
-                                       int n, const int* __restrict__ mark, int stamp, const float* __restrict__ q,
-                                       float scale, int group, int per_cta, float* __restrict__ part, int chunk_stride,
-                                       int first_chunk) {
-  __shared__ float qs[MAX_GROUP * HEAD_DIM];
+                                       int n, const int* __restrict__ mark, int stamp, int group, int per_cta,
+                                       float* __restrict__ part, int chunk_stride, int first_chunk) {
   __shared__ float w[MAX_GROUP][EST_ROWS];
   __shared__ float tile_max[MAX_GROUP][WARPS];
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lo = blockIdx.x * per_cta, hi = min(n, lo + per_cta);
   const long long head = (long long)h * n;
-  load_group_queries(q, h, group, scale, qs);
   float o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
 #pragma unroll
   for (int g = 0; g < MAX_GROUP; g++) {
@@ -156,15 +157,11 @@ extern "C" __global__ void est_partial(const unsigned short* __restrict__ cent,
     for (int g = 0; g < MAX_GROUP; g++) local_max[g] = NEG_INF;
     for (int i = threadIdx.x; i < EST_ROWS; i += blockDim.x) {
       const int c = t0 + i;
-      float s[MAX_GROUP];
       const float bias = c < hi && mark[head + c] != stamp ? log_size[head + c] : NEG_INF;
-      if (bias != NEG_INF) {
-        thread_scores(cent + (head + c) * HEAD_DIM, qs, group, s);
-      }
 #pragma unroll
       for (int g = 0; g < MAX_GROUP; g++) {
         if (g >= group) break;
-        const float x = bias != NEG_INF ? s[g] + bias : NEG_INF;
+        const float x = bias != NEG_INF ? group_scores[((long long)h * group + g) * n + c] + bias : NEG_INF;
         w[g][i] = x;
         local_max[g] = fmaxf(local_max[g], x);
       }

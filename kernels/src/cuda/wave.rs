@@ -14,6 +14,9 @@ use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+/// CTAs per KV head that share writing its row list (`wave_expand`).
+const EXPAND_SPLIT: usize = 8;
+
 /// A [`ClusteredLayer`]'s meta index in device memory: centroids, mean values, log sizes and
 /// row ranges of every cluster of every KV head (the KV rows themselves stay where the
 /// caller put them, e.g. [`GpuBackend::pin`]ned host memory).
@@ -178,15 +181,20 @@ impl GpuBackend {
             });
         }
         let zeros = vec![0.0f32; shape.query_len()];
-        let select = self.prepare_select(shape, &zeros, &wave.cent, r)?;
+        let mut select = self.prepare_select(shape, &zeros, &wave.cent, r)?;
+        select.group_scores = Some(
+            self.stream
+                .alloc_zeros::<f32>(shape.q_heads * wave.clusters)
+                .map_err(gpu_err("allocating wave buffers"))?,
+        );
         let steady = wave.rows - wave.indexed;
         // Room per head for the steady zone and the r largest clusters.
         let capacity = steady + r * wave.largest;
-        // Chunks sized for a typical list (r average clusters) and a grid for twice that: a
+        // Chunks sized for a typical list (r average clusters) and a grid for 1.25 times that: a
         // longer list is covered by CTAs taking several chunks (attn_partial's chunk loop).
         let typical = steady + r * wave.indexed.div_ceil(wave.clusters);
         let chunk = chunk_rows(typical, shape.kv_heads);
-        let grid_chunks = capacity.min(2 * typical).div_ceil(chunk).max(1);
+        let grid_chunks = capacity.min(typical + typical / 4).div_ceil(chunk).max(1);
         // Tiles of 128 clusters (EST_ROWS in wave.cu, one per thread), at most ~64 CTAs per head.
         let per_cta = wave.clusters.div_ceil(64).next_multiple_of(128);
         let est_chunks = wave.clusters.div_ceil(per_cta);
@@ -211,7 +219,7 @@ impl GpuBackend {
         Ok(WaveJob {
             select,
             decode,
-            scan: alloc_i(shape.kv_heads * (r + 1))?,
+            scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
             mark: alloc_i(shape.kv_heads * wave.clusters)?,
             stamp: 0,
             est_chunks,
@@ -315,7 +323,11 @@ impl GpuBackend {
             None => (0u64, 1, 0),
         };
         let (list, list_offsets) = job.decode.rows.as_mut().expect("a wave job has row lists");
-        let cfg = LaunchConfig { grid_dim: (wave.kv_heads as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (wave.kv_heads as u32, EXPAND_SPLIT as u32, 1),
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(&self.expand);
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
         b.arg(&table).arg(&block_rows).arg(&per_head).arg(&mut job.mark).arg(&job.stamp);
@@ -323,7 +335,8 @@ impl GpuBackend {
         // SAFETY: out holds r distinct cluster ids < n per head (select_candidates), offsets
         // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
         // steady + r × largest entries = the capacity allocated per head; the table (checked
-        // above) names cache rows < cache.slots; mark holds kv_heads × n, scan kv_heads × (r+1).
+        // above) names cache rows < cache.slots; mark holds kv_heads × n, scan kv_heads ×
+        // EXPAND_SPLIT × (r + 1) (one slice per CTA).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
         phase_done("row list")?;
         let ck = cache.map_or(0, |(c, _)| device_address(&c.keys, &self.stream));
@@ -338,12 +351,13 @@ impl GpuBackend {
             shared_mem_bytes: 0,
         };
         let mut b = self.stream.launch_builder(&self.est);
-        b.arg(&wave.cent.data).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&job.mark).arg(&job.stamp);
-        b.arg(&job.decode.q).arg(&job.decode.scale).arg(&group).arg(&per_cta).arg(&mut job.decode.part);
-        b.arg(&stride).arg(&first);
-        // SAFETY: centroids and mean values hold kv_heads × n × head_dim f16, log sizes and
-        // mark kv_heads × n; the CTAs write chunks grid_chunks..grid_chunks + est_chunks =
-        // chunks of each head's partials, which part was sized for.
+        let scores = job.select.group_scores.as_ref().expect("a wave job keeps group scores");
+        b.arg(scores).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&job.mark).arg(&job.stamp);
+        b.arg(&group).arg(&per_cta).arg(&mut job.decode.part).arg(&stride).arg(&first);
+        // SAFETY: group scores hold q_heads × n floats (written by this step's score_filter),
+        // mean values kv_heads × n × head_dim f16, log sizes and mark kv_heads × n; the CTAs
+        // write chunks grid_chunks..grid_chunks + est_chunks = chunks of each head's
+        // partials, which part was sized for.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
         phase_done("estimation")?;
         let lse = device_address(&job.decode.lse, &self.stream);
