@@ -5,7 +5,8 @@ import sys
 
 rows = [json.loads(line) for path in sys.argv[1:] for line in open(path) if line.startswith("{")]
 selects = [r for r in rows if r.get("bench") == "select"]
-rows = [r for r in rows if r.get("bench") != "select"]
+builds = [r for r in rows if r.get("bench") == "index_build"]
+rows = [r for r in rows if r.get("bench") not in ("select", "index_build")]
 by = {}
 for r in rows:
     by.setdefault(r["tokens"], {})[r["method"]] = r
@@ -52,6 +53,10 @@ for method in ("sparse_host_gpu_tier", "wave_step_host_gpu_tier"):
     rows.append({"bench": "throughput", "device": "cuda", "tokens": 131072, "method": method,
                  "batch": ours_b, "tokens_per_s_layer": round(ours_tps), "baseline": "sdpa", "baseline_batch": sdpa_b,
                  "baseline_tokens_per_s_layer": round(sdpa_tps), "speedup": round(ours_tps / sdpa_tps, 3)})
+for r in builds:
+    print(f"\nindex build at {r['tokens']} tokens: GPU k-means {r['time_us'] / 1e6:.2f} s vs {r['cpu_threads']} CPU threads "
+          f"{r['baseline_time_us'] / 1e6:.2f} s ({r['speedup']:.1f}x)")
+rows += builds
 print("JSON lines:")
 for r in rows:
     print(json.dumps(r))

@@ -65,113 +65,65 @@ pub struct ClusteredLayer {
 impl ClusteredLayer {
     /// Lays out `tokens` rows per head of `keys`/`values` (`kv_heads × tokens × head_dim`,
     /// f32), clustering the tokens between the sinks and the local window segment by segment
-    /// (heads and segments in parallel).
+    /// on the CPU (heads and segments in parallel).
     pub fn build(keys: &[f32], values: &[f32], kv_heads: usize, head_dim: usize, params: LayoutParams) -> Result<Self> {
-        let per_head = kv_heads * head_dim;
-        if kv_heads == 0 || head_dim == 0 || keys.len() != values.len() || !keys.len().is_multiple_of(per_head) {
-            return Err(Error::ShapeMismatch {
-                what: "keys/values (kv_heads × tokens × head_dim, equal lengths)",
-                expected: keys.len() / per_head.max(1) * per_head.max(1),
-                got: values.len(),
-            });
-        }
-        if params.segment_tokens == 0 || params.tokens_per_cluster == 0 {
-            return Err(Error::InvalidArgument {
-                what: "layout params",
-                message: format!(
-                    "segment_tokens and tokens_per_cluster must be positive, got {} and {}",
-                    params.segment_tokens, params.tokens_per_cluster
-                ),
-            });
-        }
-        if let Some(bad) = keys.iter().chain(values).position(|x| !x.is_finite()) {
-            return Err(Error::InvalidArgument {
-                what: "keys/values",
-                message: format!("element {bad} is not finite"),
-            });
-        }
-        let (d, tokens) = (head_dim, keys.len() / per_head);
-        let steady = (params.sink_tokens + params.local_tokens).min(tokens);
-        let sink = params.sink_tokens.min(steady);
-        let indexed = tokens - steady;
-        let segments: Vec<std::ops::Range<usize>> = (0..indexed)
-            .step_by(params.segment_tokens)
-            .map(|s| sink + s..sink + (s + params.segment_tokens).min(indexed))
-            .collect();
-        let clusters: usize = segments.iter().map(|s| s.len().div_ceil(params.tokens_per_cluster)).sum();
-        // One job per (head, segment): its rows in cluster order and its clusters' bounds.
-        let jobs: Vec<(usize, usize)> = (0..kv_heads).flat_map(|h| (0..segments.len()).map(move |s| (h, s))).collect();
-        let built: Vec<(Vec<u32>, Vec<u32>)> = jobs
+        let cut = Cut::new(keys, values, kv_heads, head_dim, params)?;
+        let orders = cut
+            .jobs()
             .par_iter()
             .map(|&(h, s)| {
-                let range = segments[s].clone();
-                let head_keys = &keys[h * tokens * d..(h + 1) * tokens * d];
-                let mut unit = head_keys[range.start * d..range.end * d].to_vec();
-                center_and_normalize(&mut unit, d);
-                let k = range.len().div_ceil(params.tokens_per_cluster);
-                let seed = params.seed ^ ((h as u64) << 32 | s as u64);
-                let km = spherical_kmeans(&unit, d, KMeansParams { clusters: k, max_iters: params.max_iters, seed })?;
-                let mut counts = vec![0u32; k + 1];
-                for &a in &km.assignment {
-                    counts[a as usize + 1] += 1;
-                }
-                for c in 0..k {
-                    counts[c + 1] += counts[c];
-                }
-                let starts = counts.clone();
-                let mut order = vec![0u32; range.len()];
-                for (i, &a) in km.assignment.iter().enumerate() {
-                    order[counts[a as usize] as usize] = (range.start + i) as u32;
-                    counts[a as usize] += 1;
-                }
-                Ok((order, starts))
+                let unit = cut.unit_rows(keys, h, s);
+                let km = spherical_kmeans(
+                    &unit,
+                    head_dim,
+                    KMeansParams { clusters: cut.clusters_of(s), max_iters: params.max_iters, seed: cut.seed(h, s) },
+                )?;
+                Ok(cluster_order(&km.assignment, cut.clusters_of(s), cut.segments[s].start))
             })
-            .collect::<Result<_>>()?;
-        let mut layer = Self {
-            kv_heads,
-            head_dim,
-            rows: tokens,
-            indexed,
-            clusters,
-            keys: Vec::with_capacity(keys.len()),
-            values: Vec::with_capacity(keys.len()),
-            positions: Vec::with_capacity(kv_heads * tokens),
-            offsets: Vec::with_capacity(kv_heads * (clusters + 1)),
-            centroids: Vec::with_capacity(kv_heads * clusters * d),
-            value_means: Vec::with_capacity(kv_heads * clusters * d),
-        };
-        let mut sum_k = vec![0.0f32; d];
-        let mut sum_v = vec![0.0f32; d];
-        for (h, per_segment) in built.chunks(segments.len().max(1)).enumerate().take(kv_heads) {
-            let (hk, hv) = (&keys[h * tokens * d..(h + 1) * tokens * d], &values[h * tokens * d..(h + 1) * tokens * d]);
-            let mut base = 0u32;
-            for (order, starts) in per_segment {
-                for w in starts.windows(2) {
-                    layer.offsets.push(base + w[0]);
-                    sum_k.fill(0.0);
-                    sum_v.fill(0.0);
-                    for &t in &order[w[0] as usize..w[1] as usize] {
-                        let t = t as usize;
-                        sum_k.iter_mut().zip(&hk[t * d..(t + 1) * d]).for_each(|(s, x)| *s += x);
-                        sum_v.iter_mut().zip(&hv[t * d..(t + 1) * d]).for_each(|(s, x)| *s += x);
-                    }
-                    let inv = 1.0 / (w[1] - w[0]).max(1) as f32;
-                    layer.centroids.extend(sum_k.iter().map(|&x| f16::from_f32(x * inv)));
-                    layer.value_means.extend(sum_v.iter().map(|&x| f16::from_f32(x * inv)));
-                }
-                base += order.len() as u32;
-            }
-            layer.offsets.push(indexed as u32);
-            let steady_rows = (0..sink).chain(tokens - (steady - sink)..tokens);
-            let all_rows =
-                per_segment.iter().flat_map(|(order, _)| order.iter().map(|&t| t as usize)).chain(steady_rows);
-            for t in all_rows {
-                layer.keys.extend(hk[t * d..(t + 1) * d].iter().map(|&x| f16::from_f32(x)));
-                layer.values.extend(hv[t * d..(t + 1) * d].iter().map(|&x| f16::from_f32(x)));
-                layer.positions.push(t as u32);
-            }
-        }
-        Ok(layer)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(cut.assemble(keys, values, &orders))
+    }
+
+    /// [`ClusteredLayer::build`] with the k-means of every (head, segment) on the GPU, in one
+    /// launch per step (same initial centroids as the CPU's; see
+    /// [`crate::cuda::GpuBackend::segmented_kmeans`] for where results can differ).
+    #[cfg(feature = "cuda")]
+    pub fn build_on_gpu(
+        gpu: &crate::cuda::GpuBackend,
+        keys: &[f32],
+        values: &[f32],
+        kv_heads: usize,
+        head_dim: usize,
+        params: LayoutParams,
+    ) -> Result<Self> {
+        use crate::cpu::kmeans::initial_centroids;
+        let cut = Cut::new(keys, values, kv_heads, head_dim, params)?;
+        let jobs = cut.jobs();
+        let prepared: Vec<(Vec<f32>, Vec<f32>)> = jobs
+            .par_iter()
+            .map(|&(h, s)| {
+                let unit = cut.unit_rows(keys, h, s);
+                let init = initial_centroids(&unit, head_dim, cut.clusters_of(s), cut.seed(h, s));
+                (unit, init)
+            })
+            .collect();
+        let rows: Vec<usize> = jobs.iter().map(|&(_, s)| cut.segments[s].len()).collect();
+        let clusters: Vec<usize> = jobs.iter().map(|&(_, s)| cut.clusters_of(s)).collect();
+        let x: Vec<f32> = prepared.iter().flat_map(|(u, _)| u.iter().copied()).collect();
+        let init: Vec<f32> = prepared.iter().flat_map(|(_, i)| i.iter().copied()).collect();
+        drop(prepared);
+        let km = gpu.segmented_kmeans(&x, &rows, &clusters, &init, params.max_iters)?;
+        let mut at = 0;
+        let orders: Vec<(Vec<u32>, Vec<u32>)> = jobs
+            .iter()
+            .map(|&(_, s)| {
+                let n = cut.segments[s].len();
+                let order = cluster_order(&km.assignment[at..at + n], cut.clusters_of(s), cut.segments[s].start);
+                at += n;
+                order
+            })
+            .collect();
+        Ok(cut.assemble(keys, values, &orders))
     }
 
     /// Rows of cluster `c` of head `h` (within the head).
@@ -193,6 +145,183 @@ impl ClusteredLayer {
             .max()
             .unwrap_or(0)
     }
+}
+
+/// How a layer is cut: validated shape, the segments of the indexed tokens, their clusters.
+struct Cut {
+    kv_heads: usize,
+    d: usize,
+    tokens: usize,
+    sink: usize,
+    steady: usize,
+    segments: Vec<std::ops::Range<usize>>,
+    params: LayoutParams,
+}
+
+impl Cut {
+    fn new(keys: &[f32], values: &[f32], kv_heads: usize, d: usize, params: LayoutParams) -> Result<Self> {
+        let per_head = kv_heads * d;
+        if kv_heads == 0 || d == 0 || keys.len() != values.len() || !keys.len().is_multiple_of(per_head) {
+            return Err(Error::ShapeMismatch {
+                what: "keys/values (kv_heads × tokens × head_dim, equal lengths)",
+                expected: keys.len() / per_head.max(1) * per_head.max(1),
+                got: values.len(),
+            });
+        }
+        if params.segment_tokens == 0 || params.tokens_per_cluster == 0 {
+            return Err(Error::InvalidArgument {
+                what: "layout params",
+                message: format!(
+                    "segment_tokens and tokens_per_cluster must be positive, got {} and {}",
+                    params.segment_tokens, params.tokens_per_cluster
+                ),
+            });
+        }
+        if let Some(bad) = keys.iter().chain(values).position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument {
+                what: "keys/values",
+                message: format!("element {bad} is not finite"),
+            });
+        }
+        let tokens = keys.len() / per_head;
+        let steady = (params.sink_tokens + params.local_tokens).min(tokens);
+        let sink = params.sink_tokens.min(steady);
+        let indexed = tokens - steady;
+        let segments = (0..indexed)
+            .step_by(params.segment_tokens)
+            .map(|s| sink + s..sink + (s + params.segment_tokens).min(indexed))
+            .collect();
+        Ok(Self { kv_heads, d, tokens, sink, steady, segments, params })
+    }
+
+    /// Every (head, segment), heads outer.
+    fn jobs(&self) -> Vec<(usize, usize)> {
+        (0..self.kv_heads).flat_map(|h| (0..self.segments.len()).map(move |s| (h, s))).collect()
+    }
+
+    fn clusters_of(&self, s: usize) -> usize {
+        self.segments[s].len().div_ceil(self.params.tokens_per_cluster)
+    }
+
+    fn seed(&self, h: usize, s: usize) -> u64 {
+        self.params.seed ^ ((h as u64) << 32 | s as u64)
+    }
+
+    /// Segment `s`'s keys of head `h`, centred and normalized (what k-means clusters).
+    fn unit_rows(&self, keys: &[f32], h: usize, s: usize) -> Vec<f32> {
+        let (d, r) = (self.d, &self.segments[s]);
+        let mut unit = keys[(h * self.tokens + r.start) * d..(h * self.tokens + r.end) * d].to_vec();
+        center_and_normalize(&mut unit, d);
+        unit
+    }
+
+    /// The layer from each job's rows in cluster order and its clusters' bounds (heads in
+    /// parallel, then concatenated in order).
+    fn assemble(&self, keys: &[f32], values: &[f32], orders: &[(Vec<u32>, Vec<u32>)]) -> ClusteredLayer {
+        let (d, tokens, kv_heads) = (self.d, self.tokens, self.kv_heads);
+        let indexed = tokens - self.steady;
+        let clusters: usize = (0..self.segments.len()).map(|s| self.clusters_of(s)).sum();
+        let heads: Vec<ClusteredLayer> = orders
+            .par_chunks(self.segments.len().max(1))
+            .take(kv_heads)
+            .enumerate()
+            .map(|(h, per_segment)| {
+                self.assemble_head(
+                    &keys[h * tokens * d..(h + 1) * tokens * d],
+                    &values[h * tokens * d..(h + 1) * tokens * d],
+                    per_segment,
+                )
+            })
+            .collect();
+        let mut layer = ClusteredLayer {
+            kv_heads,
+            head_dim: d,
+            rows: tokens,
+            indexed,
+            clusters,
+            keys: Vec::with_capacity(keys.len()),
+            values: Vec::with_capacity(keys.len()),
+            positions: Vec::with_capacity(kv_heads * tokens),
+            offsets: Vec::with_capacity(kv_heads * (clusters + 1)),
+            centroids: Vec::with_capacity(kv_heads * clusters * d),
+            value_means: Vec::with_capacity(kv_heads * clusters * d),
+        };
+        for head in heads {
+            layer.keys.extend_from_slice(&head.keys);
+            layer.values.extend_from_slice(&head.values);
+            layer.positions.extend_from_slice(&head.positions);
+            layer.offsets.extend_from_slice(&head.offsets);
+            layer.centroids.extend_from_slice(&head.centroids);
+            layer.value_means.extend_from_slice(&head.value_means);
+        }
+        layer
+    }
+
+    /// One head's part of [`Cut::assemble`] (a one-head layer).
+    fn assemble_head(&self, hk: &[f32], hv: &[f32], per_segment: &[(Vec<u32>, Vec<u32>)]) -> ClusteredLayer {
+        let (d, tokens) = (self.d, self.tokens);
+        let indexed = tokens - self.steady;
+        let mut head = ClusteredLayer {
+            kv_heads: 1,
+            head_dim: d,
+            rows: tokens,
+            indexed,
+            clusters: 0,
+            keys: Vec::with_capacity(tokens * d),
+            values: Vec::with_capacity(tokens * d),
+            positions: Vec::with_capacity(tokens),
+            offsets: Vec::new(),
+            centroids: Vec::new(),
+            value_means: Vec::new(),
+        };
+        let mut sum_k = vec![0.0f32; d];
+        let mut sum_v = vec![0.0f32; d];
+        let mut base = 0u32;
+        for (order, starts) in per_segment {
+            for w in starts.windows(2) {
+                head.offsets.push(base + w[0]);
+                sum_k.fill(0.0);
+                sum_v.fill(0.0);
+                for &t in &order[w[0] as usize..w[1] as usize] {
+                    let t = t as usize;
+                    sum_k.iter_mut().zip(&hk[t * d..(t + 1) * d]).for_each(|(s, x)| *s += x);
+                    sum_v.iter_mut().zip(&hv[t * d..(t + 1) * d]).for_each(|(s, x)| *s += x);
+                }
+                let inv = 1.0 / (w[1] - w[0]).max(1) as f32;
+                head.centroids.extend(sum_k.iter().map(|&x| f16::from_f32(x * inv)));
+                head.value_means.extend(sum_v.iter().map(|&x| f16::from_f32(x * inv)));
+            }
+            base += order.len() as u32;
+        }
+        head.offsets.push(indexed as u32);
+        let steady_rows = (0..self.sink).chain(tokens - (self.steady - self.sink)..tokens);
+        let all_rows = per_segment.iter().flat_map(|(order, _)| order.iter().map(|&t| t as usize)).chain(steady_rows);
+        for t in all_rows {
+            head.keys.extend(hk[t * d..(t + 1) * d].iter().map(|&x| f16::from_f32(x)));
+            head.values.extend(hv[t * d..(t + 1) * d].iter().map(|&x| f16::from_f32(x)));
+            head.positions.push(t as u32);
+        }
+        head
+    }
+}
+
+/// A segment's token positions (`first + row`) in cluster order, and each of its `k`
+/// clusters' first row in that order, then the row count (a counting sort of `assignment`).
+fn cluster_order(assignment: &[u32], k: usize, first: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut counts = vec![0u32; k + 1];
+    for &a in assignment {
+        counts[a as usize + 1] += 1;
+    }
+    for c in 0..k {
+        counts[c + 1] += counts[c];
+    }
+    let starts = counts.clone();
+    let mut order = vec![0u32; assignment.len()];
+    for (i, &a) in assignment.iter().enumerate() {
+        order[counts[a as usize] as usize] = (first + i) as u32;
+        counts[a as usize] += 1;
+    }
+    (order, starts)
 }
 
 #[cfg(test)]

@@ -385,3 +385,82 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     assert!(gpu.prepare_wave(&shape, &wave, 0).is_err());
     assert!(gpu.prepare_wave(&AttnShape::new(8, 2, 128).unwrap(), &wave, 4).is_err());
 }
+
+#[test]
+fn segmented_kmeans_on_the_gpu_matches_the_cpu_from_the_same_start() {
+    use attnstore_kernels::cpu::kmeans::{
+        center_and_normalize, initial_centroids, nearest_centroids, spherical_kmeans, KMeansParams,
+    };
+    use attnstore_kernels::layout::{ClusteredLayer, LayoutParams};
+    let Some(gpu) = gpu() else { return };
+    let d = 128;
+    let mut g = SplitMix64::new(33);
+    let topics: Vec<f32> = (0..48 * d).map(|_| g.normal()).collect();
+    let sizes = [2048usize, 1000, 512];
+    let ks: Vec<usize> = sizes.iter().map(|n| n.div_ceil(16)).collect();
+    let (mut x_all, mut init_all, mut segs) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, &n) in sizes.iter().enumerate() {
+        let mut x: Vec<f32> = (0..n)
+            .flat_map(|_| {
+                let t = g.below(48);
+                (0..d).map(|j| topics[t * d + j] + 0.7 * g.normal()).collect::<Vec<_>>()
+            })
+            .collect();
+        center_and_normalize(&mut x, d);
+        let init = initial_centroids(&x, d, ks[s], 100 + s as u64);
+        x_all.extend_from_slice(&x);
+        init_all.extend_from_slice(&init);
+        segs.push((x, init));
+    }
+    // No update step: the assignment to the initial centroids is the CPU's nearest centroid.
+    let first = gpu.segmented_kmeans(&x_all, &sizes, &ks, &init_all, 0).unwrap();
+    assert_eq!((first.iterations, first.assignment.len()), (0, x_all.len() / d));
+    let mut at = 0;
+    for (s, (x, init)) in segs.iter().enumerate() {
+        let mut cpu = Vec::new();
+        nearest_centroids(x, init, d, &mut cpu).unwrap();
+        let same = cpu.iter().zip(&first.assignment[at..at + sizes[s]]).filter(|(a, b)| a == b).count();
+        assert!(same * 1000 >= sizes[s] * 998, "segment {s}: {same} of {} agree", sizes[s]);
+        at += sizes[s];
+    }
+    // A full run reaches the CPU's objective (mean cosine to the own centroid) within 1%.
+    let full = gpu.segmented_kmeans(&x_all, &sizes, &ks, &init_all, 10).unwrap();
+    let (mut at, mut cent_at) = (0, 0);
+    for (s, (x, _)) in segs.iter().enumerate() {
+        let cpu =
+            spherical_kmeans(x, d, KMeansParams { clusters: ks[s], max_iters: 10, seed: 100 + s as u64 }).unwrap();
+        let objective = |assign: &[u32], cent: &[f32]| {
+            x.chunks_exact(d)
+                .zip(assign)
+                .map(|(r, &a)| r.iter().zip(&cent[a as usize * d..]).map(|(p, q)| p * q).sum::<f32>())
+                .sum::<f32>()
+                / sizes[s] as f32
+        };
+        let gpu_obj =
+            objective(&full.assignment[at..at + sizes[s]], &full.centroids[cent_at * d..(cent_at + ks[s]) * d]);
+        let cpu_obj = objective(&cpu.assignment, &cpu.centroids);
+        assert!((gpu_obj - cpu_obj).abs() <= 0.01 * cpu_obj.abs(), "segment {s}: GPU {gpu_obj} vs CPU {cpu_obj}");
+        at += sizes[s];
+        cent_at += ks[s];
+    }
+    // The layout built with it is a permutation of the tokens with the CPU layout's shape.
+    let (kvh, tokens) = (2, 3000);
+    let keys: Vec<f32> = (0..kvh * tokens * d).map(|_| g.normal()).collect();
+    let values: Vec<f32> = (0..kvh * tokens * d).map(|_| g.normal()).collect();
+    let p = LayoutParams { segment_tokens: 1024, ..LayoutParams::default() };
+    let on_gpu = ClusteredLayer::build_on_gpu(&gpu, &keys, &values, kvh, d, p).unwrap();
+    let on_cpu = ClusteredLayer::build(&keys, &values, kvh, d, p).unwrap();
+    assert_eq!((on_gpu.clusters, on_gpu.indexed, on_gpu.rows), (on_cpu.clusters, on_cpu.indexed, on_cpu.rows));
+    for h in 0..kvh {
+        let mut pos = on_gpu.positions[h * tokens..(h + 1) * tokens].to_vec();
+        pos.sort_unstable();
+        assert_eq!(pos, (0..tokens as u32).collect::<Vec<_>>());
+    }
+    // Bad inputs are typed errors.
+    assert!(gpu.segmented_kmeans(&x_all, &sizes, &[0, 1, 1], &init_all[..2 * d], 3).is_err());
+    assert!(gpu.segmented_kmeans(&x_all, &[2048, 1000, 100], &[128, 63, 200], &init_all, 3).is_err());
+    let mut nan = x_all.clone();
+    nan[5] = f32::NAN;
+    assert!(gpu.segmented_kmeans(&nan, &sizes, &ks, &init_all, 3).is_err());
+    assert!(gpu.segmented_kmeans(&x_all[d..], &sizes, &ks, &init_all, 3).is_err());
+}

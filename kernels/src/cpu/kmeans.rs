@@ -96,6 +96,21 @@ pub fn nearest_centroids(x: &[f32], centroids: &[f32], d: usize, out: &mut Vec<u
     Ok(())
 }
 
+/// The `k` rows of `x` (`n × d`, `k ≤ n`) a k-means run seeded with `seed` starts from:
+/// distinct rows drawn by a seeded partial Fisher–Yates shuffle. Shared with the GPU k-means
+/// so that both start alike.
+pub fn initial_centroids(x: &[f32], d: usize, k: usize, seed: u64) -> Vec<f32> {
+    let n = x.len() / d.max(1);
+    let k = k.min(n);
+    let mut rng = SplitMix64::new(seed);
+    let mut order: Vec<usize> = (0..n).collect();
+    for i in 0..k {
+        let j = i + rng.below(n - i);
+        order.swap(i, j);
+    }
+    order[..k].iter().flat_map(|&i| x[i * d..(i + 1) * d].to_vec()).collect()
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Metric {
     Cosine,
@@ -160,14 +175,7 @@ fn kmeans(x: &[f32], d: usize, params: KMeansParams, metric: Metric) -> Result<K
     }
     let n = x.len() / d;
     let k = params.clusters.min(n);
-    let mut rng = SplitMix64::new(params.seed);
-    // Initial centroids: k distinct rows (partial Fisher–Yates).
-    let mut order: Vec<usize> = (0..n).collect();
-    for i in 0..k {
-        let j = i + rng.below(n - i);
-        order.swap(i, j);
-    }
-    let mut centroids: Vec<f32> = order[..k].iter().flat_map(|&i| x[i * d..(i + 1) * d].to_vec()).collect();
+    let mut centroids = initial_centroids(x, d, k, params.seed);
     let mut assignment = vec![u32::MAX; n];
     let mut best = vec![0.0f32; n];
     let mut sims = vec![0.0f32; ROW_BLOCK.min(n) * k];

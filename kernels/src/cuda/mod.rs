@@ -7,7 +7,8 @@
 //! (`decode.cu`), over KV in device memory or in mapped pinned host memory (zero-copy), with
 //! Gpu-tier cache rows; centroid scoring and top-r selection; the HACK 2-bit kernels
 //! (`hack.cu`); and a whole wave-index decode step with no host work between its kernels
-//! (`wave.cu`, [`GpuBackend::launch_wave`]).
+//! (`wave.cu`, [`GpuBackend::launch_wave`]); segmented spherical k-means for the index build
+//! (`kmeans.cu`, [`GpuBackend::segmented_kmeans`]).
 
 use crate::error::{Error, Result};
 use crate::shape::AttnShape;
@@ -18,11 +19,14 @@ use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
 
 mod hack;
+mod kmeans;
 mod wave;
 pub use hack::{DeviceHack, HackJob};
+pub use kmeans::SegmentKMeans;
 pub use wave::{DeviceWave, WaveJob, WaveTable};
 
-const SOURCE: &str = concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"));
+const SOURCE: &str =
+    concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("kmeans.cu"));
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
 /// has not too many chunks to fold.
@@ -53,6 +57,9 @@ pub struct GpuBackend {
     pick: CudaFunction,
     expand: CudaFunction,
     est: CudaFunction,
+    km_assign: CudaFunction,
+    km_accumulate: CudaFunction,
+    km_normalize: CudaFunction,
     /// The hack2 kernels (compiled for head dimensions that are a multiple of 64).
     hack_partial: Option<CudaFunction>,
     hack_dequant: Option<CudaFunction>,
@@ -196,6 +203,9 @@ impl GpuBackend {
         let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
         let est = module.load_function("est_partial").map_err(gpu_err("est_partial"))?;
+        let km_assign = module.load_function("kmeans_assign").map_err(gpu_err("kmeans_assign"))?;
+        let km_accumulate = module.load_function("kmeans_accumulate").map_err(gpu_err("kmeans_accumulate"))?;
+        let km_normalize = module.load_function("kmeans_normalize").map_err(gpu_err("kmeans_normalize"))?;
         let (hack_partial, hack_dequant) = if head_dim.is_multiple_of(64) {
             (
                 Some(module.load_function("hack_partial").map_err(gpu_err("hack_partial"))?),
@@ -217,6 +227,9 @@ impl GpuBackend {
             pick,
             expand,
             est,
+            km_assign,
+            km_accumulate,
+            km_normalize,
             hack_partial,
             hack_dequant,
             head_dim,
