@@ -53,6 +53,12 @@ for method in ("sparse_host_gpu_tier", "wave_step_host_gpu_tier"):
     rows.append({"bench": "throughput", "device": "cuda", "tokens": 131072, "method": method,
                  "batch": ours_b, "tokens_per_s_layer": round(ours_tps), "baseline": "sdpa", "baseline_batch": sdpa_b,
                  "baseline_tokens_per_s_layer": round(sdpa_tps), "speedup": round(ours_tps / sdpa_tps, 3)})
+for tokens in sorted(by):
+    for ours, theirs in (("wave_step_host_gpu_tier", "torch_tripartite_host"), ("wave_step_hbm", "torch_tripartite_hbm")):
+        a, b = by[tokens].get(ours), by[tokens].get(theirs)
+        if a and b:
+            print(f"{tokens:>8} {ours} {a['time_us']:.1f} us vs plain PyTorch {theirs} {b['time_us']:.1f} us: "
+                  f"{b['time_us'] / a['time_us']:.2f}x")
 for r in builds:
     print(f"\nindex build at {r['tokens']} tokens: GPU k-means {r['time_us'] / 1e6:.2f} s vs {r['cpu_threads']} CPU threads "
           f"{r['baseline_time_us'] / 1e6:.2f} s ({r['speedup']:.1f}x)")

@@ -1,7 +1,8 @@
 """PyTorch baselines on the GPU machine, same shapes as gpu_decode: SDPA decode (batch 1,
 32 q heads / 8 kv heads, d=128, f16, all KV in HBM) and the sparse plan written in plain
-PyTorch (gather the plan's rows, then SDPA over them), timed with CUDA events (median of 30).
-Prints JSON lines like gpu_decode."""
+PyTorch (gather the plan's rows, then SDPA over them), and the whole tripartite wave step in
+plain PyTorch (`tripartite`), timed with CUDA events (median of 30). Prints JSON lines like
+gpu_decode."""
 import json
 import sys
 
@@ -25,6 +26,55 @@ def timed(fn, reps=30):
     return out[len(out) // 2]
 
 
+def tripartite(q, k, v, tokens, g):
+    """The wave plan of `gpu_wave` written in plain PyTorch, what a user would write instead:
+    score every cluster's centroid (group max), top-r clusters per KV head (1.8% of the
+    tokens), gather their rows and the steady zone (sink 4 + local 64), attend them exactly,
+    estimate every other cluster from (centroid, size, mean value), merge by log-sum-exp.
+    Clusters are 16 consecutive rows of a cluster-ordered layout. With KV in HBM, and with KV
+    in pinned host memory (rows gathered on the CPU, then copied)."""
+    dev, per = "cuda", 16
+    n = (tokens - 68) // per
+    r = -(-int(tokens * 0.018) // per)
+    scale = 128 ** -0.5
+    qg = q.view(8, 4, 128).float()
+    cent = torch.randn(8, n, 128, device=dev, dtype=torch.float16, generator=g)
+    vmean = torch.randn(8, n, 128, device=dev, dtype=torch.float16, generator=g)
+    log_size = torch.full((8, 1, n), float(per), device=dev).log()
+    steady = torch.cat([torch.arange(4), torch.arange(tokens - 64, tokens)]).to(dev)
+    offs = torch.arange(per, device=dev)
+    kk, vv = k[0], v[0]
+    kh, vh = kk.cpu().pin_memory(), vv.cpu().pin_memory()
+
+    def step(host):
+        s = torch.einsum("hgd,hnd->hgn", qg, cent.float()) * scale
+        top = s.amax(1).topk(r, dim=-1).indices
+        rows = torch.cat([(top[:, :, None] * per + offs).reshape(8, -1), steady.expand(8, -1)], dim=1)
+        if host:
+            ix = rows.cpu()[..., None].expand(-1, -1, 128)
+            ks = torch.gather(kh, 1, ix).to(dev, non_blocking=True)
+            vs = torch.gather(vh, 1, ix).to(dev, non_blocking=True)
+        else:
+            ix = rows[..., None].expand(-1, -1, 128)
+            ks, vs = torch.gather(kk, 1, ix), torch.gather(vv, 1, ix)
+        sc = torch.einsum("hgd,hrd->hgr", qg, ks.float()) * scale
+        m1 = sc.amax(-1, keepdim=True)
+        p1 = (sc - m1).exp()
+        l1, o1 = p1.sum(-1, keepdim=True), torch.einsum("hgr,hrd->hgd", p1, vs.float())
+        keep = torch.ones(8, n, dtype=torch.bool, device=dev).scatter_(1, top, False)
+        se = (s + log_size).masked_fill(~keep[:, None, :], float("-inf"))
+        m2 = se.amax(-1, keepdim=True)
+        p2 = (se - m2).exp()
+        l2, o2 = p2.sum(-1, keepdim=True), torch.einsum("hgn,hnd->hgd", p2, vmean.float())
+        m = torch.maximum(m1, m2)
+        a, b = (m1 - m).exp(), (m2 - m).exp()
+        return (o1 * a + o2 * b) / (l1 * a + l2 * b)
+
+    out = [("torch_tripartite_hbm", timed(lambda: step(False)), 1), ("torch_tripartite_host", timed(lambda: step(True)), 1)]
+    del cent, vmean, kh, vh
+    return out
+
+
 def main():
     tokens_list = [int(t) for t in (sys.argv[1] if len(sys.argv) > 1 else "32768,131072,524288").split(",")]
     dev = "cuda"
@@ -44,6 +94,7 @@ def main():
 
         torch_sparse = timed(sparse)
         rows = [("sdpa", sdpa, 1), ("torch_sparse_hbm", torch_sparse, 1)]
+        rows += tripartite(q, k, v, tokens, g)
         if tokens == 131072:
             # The throughput comparison: SDPA at the largest batch HBM admits (see compare.py).
             kb = torch.randn(4, 8, tokens, 128, device=dev, dtype=torch.float16, generator=g)
