@@ -16,51 +16,10 @@ use attnstore_kernels::cpu::scoring::{score_group, top_r};
 use attnstore_kernels::cuda::{GpuBackend, RowRef};
 use attnstore_kernels::AttnShape;
 use serde_json::json;
-use std::collections::{HashMap, VecDeque};
 
-const BLOCK: usize = 16;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// LRU over (kv head, block) → first cache slot of the block.
-struct Lru {
-    slot_of: HashMap<(usize, usize), u32>,
-    order: VecDeque<(usize, usize)>,
-    free: Vec<u32>,
-}
-
-impl Lru {
-    fn new(blocks: usize, first_slot: u32) -> Self {
-        Self {
-            slot_of: HashMap::new(),
-            order: VecDeque::new(),
-            free: (0..blocks as u32).rev().map(|b| first_slot + b * BLOCK as u32).collect(),
-        }
-    }
-    fn touch(&mut self, key: (usize, usize)) {
-        if let Some(i) = self.order.iter().position(|k| *k == key) {
-            self.order.remove(i);
-        }
-        self.order.push_back(key);
-    }
-    /// A slot for `key`, evicting the least recently used block (never one of `pinned`).
-    fn admit(&mut self, key: (usize, usize), pinned: &std::collections::HashSet<(usize, usize)>) -> Option<u32> {
-        let slot = match self.free.pop() {
-            Some(s) => s,
-            None => {
-                let i = self.order.iter().position(|k| !pinned.contains(k))?;
-                let victim = self.order.remove(i)?;
-                self.slot_of.remove(&victim)?
-            }
-        };
-        self.slot_of.insert(key, slot);
-        self.order.push_back(key);
-        Some(slot)
-    }
-}
+#[path = "common.rs"]
+mod common;
+use common::{median, Lru, BLOCK};
 
 fn main() {
     let tokens: usize = std::env::args().nth(1).and_then(|t| t.parse().ok()).unwrap_or(131_072);
@@ -138,7 +97,7 @@ fn main() {
         // Admission of the missed blocks (after the decode on the same stream).
         let mut entries = Vec::new();
         for &(h, b) in &misses {
-            if let Some(slot) = lru.admit((h, b), &used) {
+            if let Some((slot, _)) = lru.admit((h, b), &used) {
                 entries.extend((0..BLOCK as u32).map(|i| (h as u32, (b * BLOCK) as u32 + i, slot + i)));
             }
         }

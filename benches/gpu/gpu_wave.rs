@@ -22,47 +22,12 @@ use attnstore_kernels::cuda::{GpuBackend, WaveTable};
 use attnstore_kernels::layout::{ClusteredLayer, LayoutParams};
 use attnstore_kernels::{AttnShape, HeadsView};
 use serde_json::json;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashSet;
 use std::time::Instant;
 
-const BLOCK: usize = 16;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
-/// LRU over (kv head, block) → first cache row of the block; `pinned` blocks never leave.
-struct Lru {
-    slot_of: HashMap<(usize, usize), u32>,
-    order: VecDeque<(usize, usize)>,
-    free: Vec<u32>,
-}
-
-impl Lru {
-    fn touch(&mut self, key: (usize, usize)) {
-        if let Some(i) = self.order.iter().position(|k| *k == key) {
-            self.order.remove(i);
-            self.order.push_back(key);
-        }
-    }
-
-    /// A cache block for `key`, evicting the least recently used one not in `busy`; the
-    /// evicted block (if any) is returned so the table can forget it.
-    fn admit(&mut self, key: (usize, usize), busy: &HashSet<(usize, usize)>) -> Option<(u32, Option<(usize, usize)>)> {
-        let (slot, victim) = match self.free.pop() {
-            Some(s) => (s, None),
-            None => {
-                let i = self.order.iter().position(|k| !busy.contains(k))?;
-                let victim = self.order.remove(i)?;
-                (self.slot_of.remove(&victim)?, Some(victim))
-            }
-        };
-        self.slot_of.insert(key, slot);
-        self.order.push_back(key);
-        Some((slot, victim))
-    }
-}
+#[path = "common.rs"]
+mod common;
+use common::{median, Lru, BLOCK};
 
 fn main() {
     let tokens: usize = std::env::args().nth(1).and_then(|t| t.parse().ok()).unwrap_or(131_072);
@@ -103,7 +68,6 @@ fn main() {
     let cache_rows = (layer.rows * kvh / 20).next_multiple_of(BLOCK);
     let mut cache = gpu.cache(cache_rows).expect("cache");
     let mut table: WaveTable = gpu.wave_table(&wave, BLOCK).expect("table");
-    let mut lru = Lru { slot_of: HashMap::new(), order: VecDeque::new(), free: Vec::new() };
     let mut next = 0u32;
     let mut resident = Vec::new();
     for h in 0..kvh {
@@ -114,7 +78,7 @@ fn main() {
             next += BLOCK as u32;
         }
     }
-    lru.free = (next..cache_rows as u32).step_by(BLOCK).rev().collect();
+    let mut lru = Lru::new((cache_rows - next as usize) / BLOCK, next);
     gpu.admit(host.pointers(), &mut cache, &resident).expect("admit steady");
     gpu.upload_table(&mut table).expect("table");
     let (qa, qb) = (synth.queries(0), synth.queries(1));

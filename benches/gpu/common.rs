@@ -1,0 +1,60 @@
+//! Pieces the tiered GPU benches share (`gpu_tiered`, `gpu_wave`): the median of samples
+//! and the Gpu tier's LRU over 16-row blocks, kept by the bench on the host.
+
+use std::collections::{HashMap, HashSet, VecDeque};
+
+/// Rows per cached block.
+pub const BLOCK: usize = 16;
+
+/// The median of `v` (upper median for an even count).
+pub fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// LRU over (kv head, block) → first cache row of the block.
+pub struct Lru {
+    /// Where each cached block starts in the cache.
+    pub slot_of: HashMap<(usize, usize), u32>,
+    order: VecDeque<(usize, usize)>,
+    free: Vec<u32>,
+}
+
+impl Lru {
+    /// An empty LRU over `blocks` cache blocks starting at cache row `first_row`.
+    pub fn new(blocks: usize, first_row: u32) -> Self {
+        Self {
+            slot_of: HashMap::new(),
+            order: VecDeque::new(),
+            free: (0..blocks as u32).rev().map(|b| first_row + b * BLOCK as u32).collect(),
+        }
+    }
+
+    /// Marks a cached block as just used.
+    pub fn touch(&mut self, key: (usize, usize)) {
+        if let Some(i) = self.order.iter().position(|k| *k == key) {
+            self.order.remove(i);
+            self.order.push_back(key);
+        }
+    }
+
+    /// A cache block for `key`, evicting the least recently used one not in `busy`; returns
+    /// its first cache row and the evicted block, if any.
+    pub fn admit(
+        &mut self,
+        key: (usize, usize),
+        busy: &HashSet<(usize, usize)>,
+    ) -> Option<(u32, Option<(usize, usize)>)> {
+        let (slot, victim) = match self.free.pop() {
+            Some(s) => (s, None),
+            None => {
+                let i = self.order.iter().position(|k| !busy.contains(k))?;
+                let victim = self.order.remove(i)?;
+                (self.slot_of.remove(&victim)?, Some(victim))
+            }
+        };
+        self.slot_of.insert(key, slot);
+        self.order.push_back(key);
+        Some((slot, victim))
+    }
+}
