@@ -1,7 +1,21 @@
 //! Pieces the tiered GPU benches share (`gpu_tiered`, `gpu_wave`): the median of samples
 //! and the Gpu tier's LRU over 16-row blocks, kept by the bench on the host.
 
+use attnstore_kernels::cuda::GpuBackend;
 use std::collections::{HashMap, HashSet, VecDeque};
+
+/// The context length from the first argument (default 128K).
+pub fn tokens_arg() -> usize {
+    std::env::args().nth(1).and_then(|t| t.parse().ok()).unwrap_or(131_072)
+}
+
+/// The GPU with kernels for head_dim 128; without one, says why and exits with 2.
+pub fn gpu_or_exit() -> GpuBackend {
+    GpuBackend::new(128).unwrap_or_else(|e| {
+        eprintln!("no GPU: {e}");
+        std::process::exit(2)
+    })
+}
 
 /// Rows per cached block.
 pub const BLOCK: usize = 16;

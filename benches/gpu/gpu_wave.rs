@@ -18,7 +18,7 @@
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::rel_l2;
-use attnstore_kernels::cuda::{GpuBackend, WaveTable};
+use attnstore_kernels::cuda::WaveTable;
 use attnstore_kernels::layout::{ClusteredLayer, LayoutParams};
 use attnstore_kernels::{AttnShape, HeadsView};
 use serde_json::json;
@@ -27,14 +27,10 @@ use std::time::Instant;
 
 #[path = "common.rs"]
 mod common;
-use common::{median, Lru, BLOCK};
+use common::{gpu_or_exit, median, tokens_arg, Lru, BLOCK};
 
 fn main() {
-    let tokens: usize = std::env::args().nth(1).and_then(|t| t.parse().ok()).unwrap_or(131_072);
-    let gpu = GpuBackend::new(128).unwrap_or_else(|e| {
-        eprintln!("no GPU: {e}");
-        std::process::exit(2)
-    });
+    let (tokens, gpu) = (tokens_arg(), gpu_or_exit());
     let shape = AttnShape::new(32, 8, 128).expect("shape");
     let (kvh, d) = (shape.kv_heads, shape.head_dim);
     let synth = SynthContext::generate(SynthParams::new(shape, tokens, 42));
