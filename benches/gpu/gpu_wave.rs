@@ -146,7 +146,7 @@ fn main() {
         }
     }
     // Where a step's time goes (one more step, events between its phases; median of 20).
-    let names = ["select_us", "row_list_us", "attention_us", "estimation_us", "merge_us"];
+    let names = ["select_us", "estimation_us", "row_list_us", "attention_us", "merge_us"];
     let mut phases = vec![Vec::new(); names.len()];
     for _ in 0..20 {
         let ms = gpu.wave_phases(&wave, host.pointers(), Some((&cache, &table)), &mut job).expect("phases");

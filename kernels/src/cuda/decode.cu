@@ -161,17 +161,24 @@ extern "C" __global__ void attn_partial(
 #define MERGE_UNROLL 4
 // `lse` (may be null): per query head, the log of the softmax denominator m + ln l, so the
 // normalized output and it form a partial (o = out, m = lse, l = 1) the host can merge.
+// `part2` (may be null): `chunks2` more partials per KV head in a second buffer, same layout
+// (a wave step's estimation partials, written on another stream).
 extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
-                                      float* __restrict__ lse) {
+                                      float* __restrict__ lse, const float* __restrict__ part2, int chunks2) {
   const int qh = blockIdx.x;
   const int h = qh / group, g = qh % group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long stride = (long long)group * PART;
-  const float* base = part + (long long)h * chunks * stride + g * PART;
+  const float* base1 = part + (long long)h * chunks * stride + g * PART;
+  const float* base2 = part2 == nullptr ? nullptr : part2 + (long long)h * chunks2 * stride + g * PART;
+  if (part2 == nullptr) chunks2 = 0;
+  // Chunk c of the merge: c < chunks from the first buffer, the rest from the second.
+#define CHUNK_AT(c) ((c) < chunks ? base1 + (long long)(c) * stride : base2 + (long long)((c) - chunks) * stride)
+  const int all = chunks + chunks2;
   __shared__ float red[MERGE_WARPS];
   __shared__ float acc_s[MERGE_WARPS][HEAD_DIM + 1];
   float mx = NEG_INF;
-  for (int c = threadIdx.x; c < chunks; c += blockDim.x) mx = fmaxf(mx, base[c * stride + HEAD_DIM]);
+  for (int c = threadIdx.x; c < all; c += blockDim.x) mx = fmaxf(mx, CHUNK_AT(c)[HEAD_DIM]);
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if (lane == 0) red[warp] = mx;
@@ -184,15 +191,15 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
   float lsum = 0.f;
   if (mx != NEG_INF) {
     // MERGE_UNROLL chunks per warp step, their loads issued before the math.
-    for (int c0 = warp; c0 < chunks; c0 += MERGE_WARPS * MERGE_UNROLL) {
+    for (int c0 = warp; c0 < all; c0 += MERGE_WARPS * MERGE_UNROLL) {
       float pm[MERGE_UNROLL], pl[MERGE_UNROLL], po[MERGE_UNROLL][PER_LANE];
 #pragma unroll
       for (int u = 0; u < MERGE_UNROLL; u++) {
         const int c = c0 + u * MERGE_WARPS;
-        pm[u] = c < chunks ? base[c * stride + HEAD_DIM] : NEG_INF;
+        pm[u] = c < all ? CHUNK_AT(c)[HEAD_DIM] : NEG_INF;
         // A chunk with no rows (e.g. past a row list's end) has m = −inf: nothing to read.
         if (pm[u] != NEG_INF) {
-          const float* p = base + c * stride;
+          const float* p = CHUNK_AT(c);
           pl[u] = p[HEAD_DIM + 1];
 #pragma unroll
           for (int i = 0; i < PER_LANE; i++) po[u][i] = p[lane * PER_LANE + i];
@@ -223,6 +230,7 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
     lse[qh] = l > 0.f ? mx + __logf(l) : NEG_INF;
   }
 }
+#undef CHUNK_AT
 
 // Copies rows (head, row) of k/v (device or mapped host memory) into cache slots: the Gpu
 // tier's admission, one warp per row, off the decode path.
@@ -466,14 +474,21 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
 extern "C" __global__ void select_candidates(const int* __restrict__ counts, const int* __restrict__ cand_idx,
                                              const float* __restrict__ cand_score, int cap, int r,
                                              const float* __restrict__ scores, int total,
-                                             int* __restrict__ out, int* __restrict__ fallback) {
+                                             int* __restrict__ out, int* __restrict__ fallback,
+                                             int* __restrict__ mark, int stamp) {
   const int h = blockIdx.x;
   const int n = counts[h];
+  int* o = out + (long long)h * r;
   if (n < r || n > cap) {  // the sample misjudged: select over all of the head's scores
     if (threadIdx.x == 0) fallback[h] = 1;
-    radix_top_r(scores + (long long)h * total, nullptr, total, r, out + (long long)h * r);
-    return;
+    radix_top_r(scores + (long long)h * total, nullptr, total, r, o);
+  } else {
+    if (threadIdx.x == 0) fallback[h] = 0;
+    radix_top_r(cand_score + (long long)h * cap, cand_idx + (long long)h * cap, n, r, o);
   }
-  if (threadIdx.x == 0) fallback[h] = 0;
-  radix_top_r(cand_score + (long long)h * cap, cand_idx + (long long)h * cap, n, r, out + (long long)h * r);
+  // A wave step's estimation skips the selected clusters: mark them with the step's stamp.
+  if (mark != nullptr) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * total + o[i]] = stamp;
+  }
 }

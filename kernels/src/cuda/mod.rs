@@ -47,6 +47,9 @@ fn gpu_err(what: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error 
 pub struct GpuBackend {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
+    /// A second stream: a wave step's estimation runs on it beside the row list and the
+    /// attention.
+    side: Arc<CudaStream>,
     partial: CudaFunction,
     merge: CudaFunction,
     admit: CudaFunction,
@@ -190,6 +193,7 @@ impl GpuBackend {
         }
         let ctx = CudaContext::new(0).map_err(gpu_err("opening GPU 0"))?;
         let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
+        let side = stream.fork().map_err(gpu_err("creating a stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(gpu_err("reading the compute capability"))?;
         let ptx = compiled(head_dim, major, minor)?;
         let module = ctx.load_module(ptx).map_err(gpu_err("loading the decode module"))?;
@@ -217,6 +221,7 @@ impl GpuBackend {
         Ok(Self {
             ctx,
             stream,
+            side,
             partial,
             merge,
             admit,
@@ -438,8 +443,14 @@ impl GpuBackend {
     /// Enqueues centroid scoring and the per-head top-r selection: a threshold from a
     /// strided sample, a scoring pass that keeps only centroids at or above it, and an exact
     /// radix select over those candidates (no sort of all scores).
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
+        self.launch_select_marking(cent, job, 0, 0)
+    }
+
+    /// [`GpuBackend::launch_select`] that also sets `mark[h][c] = stamp` for every selected
+    /// cluster `c` of head `h` (`mark`: a device address of kv_heads × n ints, or 0: none).
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_select_marking(&self, cent: &DeviceCentroids, job: &mut SelectJob, mark: u64, stamp: i32) -> Result<()> {
         let sh = job.shape;
         let (n, r, cap, stride) = (cent.per_head as i32, job.r as i32, job.cap as i32, job.stride as i32);
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
@@ -477,9 +488,12 @@ impl GpuBackend {
             .arg(&job.scores)
             .arg(&n)
             .arg(&mut job.out)
-            .arg(&mut job.fallback);
+            .arg(&mut job.fallback)
+            .arg(&mark)
+            .arg(&stamp);
         // SAFETY: reads min(count, cap) candidates per head, or (a head with count > cap or
-        // < r) all n scores that score_filter wrote, and writes exactly r indices per head.
+        // < r) all n scores that score_filter wrote, and writes exactly r indices per head;
+        // mark (when given) holds kv_heads × n ints and each index is < n.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching select_candidates"))?;
         Ok(())
     }
@@ -613,7 +627,7 @@ impl GpuBackend {
         self.launch_attn((k, v, head_stride), (ck, cv), job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
-        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse)
+        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse, (0, 0))
     }
 
     /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `grid_chunks`
@@ -661,18 +675,20 @@ impl GpuBackend {
         chunks: usize,
         out: &mut CudaSlice<f32>,
         lse: u64,
+        (part2, chunks2): (u64, usize),
     ) -> Result<()> {
         let need = sh.kv_heads * chunks * sh.group() * (self.head_dim + 2);
         if part.len() < need || out.len() < sh.query_len() {
             return Err(Error::ShapeMismatch { what: "merge partials", expected: need, got: part.len() });
         }
-        let (chunks, group) = (chunks as i32, sh.group() as i32);
+        let (chunks, group, chunks2) = (chunks as i32, sh.group() as i32, chunks2 as i32);
         // 8 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let mut b = self.stream.launch_builder(&self.merge);
-        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse);
+        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
-        // floats (both checked above); one CTA per query head.
+        // floats (both checked above); part2 (when not 0) kv_heads × chunks2 × group partials
+        // (the caller's wave job allocated it so); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
         Ok(())
     }

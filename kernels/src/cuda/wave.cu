@@ -82,16 +82,16 @@ __device__ __forceinline__ int cluster_len(const int* __restrict__ offsets, int 
 // CTAs (h, ·) serve KV head h. The head's elements are [steady zone, retrieved cluster 0, …, r−1];
 // heads' lists follow each other in `list` (head h starts after every row of heads < h, which
 // each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × (r + 1) ints)
-// receives the elements' lengths, then their start positions. Marks every retrieved cluster with `stamp` (est_partial skips it),
-// writes list_offsets (kv_heads + 1) and the rows, one warp per element.
+// receives the elements' lengths, then their start positions. Writes list_offsets
+// (kv_heads + 1) and the rows, one warp per element.
 extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const int* __restrict__ offsets, int n,
                                        int kv_heads, int indexed, int rows, const int* __restrict__ block_slot,
-                                       int block_rows, int blocks_per_head, int* __restrict__ mark, int stamp,
+                                       int block_rows, int blocks_per_head,
                                        int* __restrict__ scan, int* __restrict__ list, int* __restrict__ list_offsets) {
   const int h = blockIdx.x, per = r + 1, steady = rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   // gridDim.y CTAs share a head: each computes the head's offsets (cheap) and writes the
-  // rows of every gridDim.y-th element; the first also marks clusters and writes offsets.
+  // rows of every gridDim.y-th element; the first also writes the list offsets.
   const bool first = blockIdx.y == 0;
   int before = 0;
   for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);
@@ -102,7 +102,6 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
     if (i > 0) {
       const int c = sel[h * r + i - 1];
       len = cluster_len(offsets, n, h, c);
-      if (first) mark[(long long)h * n + c] = stamp;
     }
     mine[i] = len;
   }

@@ -12,7 +12,7 @@ use super::{
 use crate::error::{Error, Result};
 use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 /// CTAs per KV head that share writing its row list (`wave_expand`).
 const EXPAND_SPLIT: usize = 8;
@@ -110,6 +110,9 @@ pub struct WaveJob {
     decode: DecodeJob,
     scan: CudaSlice<i32>,
     mark: CudaSlice<i32>,
+    /// The estimation's partials (`kv_heads × est_chunks × group × (head_dim + 2)`), written
+    /// on the side stream while the row list and the attention run on the main one.
+    est_part: CudaSlice<f32>,
     stamp: i32,
     est_chunks: usize,
     per_cta: usize,
@@ -198,7 +201,7 @@ impl GpuBackend {
         // Tiles of 128 clusters (EST_ROWS in wave.cu, one per thread), at most ~64 CTAs per head.
         let per_cta = wave.clusters.div_ceil(64).next_multiple_of(128);
         let est_chunks = wave.clusters.div_ceil(per_cta);
-        let chunks = grid_chunks + est_chunks;
+        let chunks = grid_chunks;
         let s = &self.stream;
         let alloc_i = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(gpu_err("allocating wave buffers"));
         let alloc_f = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(gpu_err("allocating wave buffers"));
@@ -221,6 +224,7 @@ impl GpuBackend {
             decode,
             scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
             mark: alloc_i(shape.kv_heads * wave.clusters)?,
+            est_part: alloc_f(shape.kv_heads * est_chunks * shape.group() * (self.head_dim + 2))?,
             stamp: 0,
             est_chunks,
             per_cta,
@@ -251,12 +255,13 @@ impl GpuBackend {
         cache: Option<(&GpuCache, &WaveTable)>,
         job: &mut WaveJob,
     ) -> Result<()> {
-        self.wave_step(wave, kv, cache, job, &mut |_| Ok(()))
+        self.wave_step(wave, kv, cache, job, &mut |_, _| Ok(()))
     }
 
     /// Runs one step like [`GpuBackend::launch_wave`] and returns the milliseconds of its
-    /// phases, measured with events: selection (scoring + top-r), row list, attention,
-    /// estimation, merge.
+    /// phases, measured with events: selection (scoring + top-r), estimation (on the side
+    /// stream, from the end of the selection), row list, attention, merge (which waits for the
+    /// estimation first).
     pub fn wave_phases(
         &self,
         wave: &DeviceWave,
@@ -264,22 +269,37 @@ impl GpuBackend {
         cache: Option<(&GpuCache, &WaveTable)>,
         job: &mut WaveJob,
     ) -> Result<Vec<f64>> {
-        let new_event = || {
-            self.ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(gpu_err("creating an event"))
+        let record = |stream: &CudaStream| {
+            stream
+                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(gpu_err("recording an event"))
         };
-        let mut events = vec![new_event()?];
-        events[0].record(&self.stream).map_err(gpu_err("recording an event"))?;
-        self.wave_step(wave, kv, cache, job, &mut |_| {
-            let e = new_event()?;
-            e.record(&self.stream).map_err(gpu_err("recording an event"))?;
-            events.push(e);
+        let start = record(&self.stream)?;
+        let mut events: Vec<(&'static str, bool, CudaEvent)> = Vec::new();
+        self.wave_step(wave, kv, cache, job, &mut |name, stream| {
+            events.push((name, std::ptr::eq(stream, &*self.side), record(stream)?));
             Ok(())
         })?;
-        let last = events.last().expect("one event per phase");
-        last.synchronize().map_err(gpu_err("waiting for an event"))?;
-        events.windows(2).map(|w| Ok(f64::from(w[0].elapsed_ms(&w[1]).map_err(gpu_err("reading an event"))?))).collect()
+        self.stream.synchronize().map_err(gpu_err("synchronizing"))?;
+        // Each phase runs from the previous event on its stream; the side stream's first
+        // phase starts when the selection ends.
+        let elapsed =
+            |a: &CudaEvent, b: &CudaEvent| Ok(f64::from(a.elapsed_ms(b).map_err(gpu_err("reading an event"))?));
+        let mut out = Vec::new();
+        let (mut main_prev, mut side_prev): (&CudaEvent, Option<&CudaEvent>) = (&start, None);
+        for (name, side, e) in &events {
+            if *side {
+                out.push(elapsed(side_prev.unwrap_or(main_prev), e)?);
+                side_prev = Some(e);
+            } else {
+                out.push(elapsed(main_prev, e)?);
+                main_prev = e;
+                if *name == "select" {
+                    side_prev = Some(e);
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// The launches of one step; `phase_done` runs after each phase's launches are enqueued.
@@ -290,7 +310,7 @@ impl GpuBackend {
         kv: KvPointers,
         cache: Option<(&GpuCache, &WaveTable)>,
         job: &mut WaveJob,
-        phase_done: &mut dyn FnMut(&'static str) -> Result<()>,
+        phase_done: &mut dyn FnMut(&'static str, &CudaStream) -> Result<()>,
     ) -> Result<()> {
         if kv.rows < wave.rows
             || job.mark.len() < wave.kv_heads * wave.clusters
@@ -312,11 +332,33 @@ impl GpuBackend {
                 });
             }
         }
-        self.launch_select(&wave.cent, &mut job.select)?;
-        phase_done("select")?;
         job.stamp = job.stamp.wrapping_add(1).max(1);
+        let mark = device_address(&job.mark, &self.stream);
+        self.launch_select_marking(&wave.cent, &mut job.select, mark, job.stamp)?;
+        phase_done("select", &self.stream)?;
         let sh = job.decode.shape;
         let (r, n, kvh) = (job.select.r as i32, wave.clusters as i32, wave.kv_heads as i32);
+        // The estimation needs only the selection: it runs on the side stream, beside the
+        // row list and the attention.
+        self.side.join(&self.stream).map_err(gpu_err("ordering the streams"))?;
+        let group = sh.group() as i32;
+        let (per_cta, stride) = (job.per_cta as i32, job.est_chunks as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (job.est_chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = self.side.launch_builder(&self.est);
+        let scores = job.select.group_scores.as_ref().expect("a wave job keeps group scores");
+        b.arg(scores).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&job.mark).arg(&job.stamp);
+        b.arg(&group).arg(&per_cta).arg(&mut job.est_part).arg(&stride).arg(&0i32);
+        // SAFETY: group scores hold q_heads × n floats and mark kv_heads × n ints, both written
+        // by this step's selection, which the side stream waits for; mean values hold kv_heads
+        // × n × head_dim f16, log sizes kv_heads × n; the CTAs write est_part's est_chunks
+        // chunks per head, which it was sized for. The previous step's merge read est_part
+        // on the main stream before this step's selection, so it is not overwritten early.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
+        phase_done("estimation", &self.side)?;
         let (indexed, rows) = (wave.indexed as i32, wave.rows as i32);
         let (table, block_rows, per_head) = match cache {
             Some((_, t)) => (device_address(&t.dev, &self.stream), t.block_rows as i32, t.blocks_per_head as i32),
@@ -330,39 +372,24 @@ impl GpuBackend {
         };
         let mut b = self.stream.launch_builder(&self.expand);
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
-        b.arg(&table).arg(&block_rows).arg(&per_head).arg(&mut job.mark).arg(&job.stamp);
+        b.arg(&table).arg(&block_rows).arg(&per_head);
         b.arg(&mut job.scan).arg(list).arg(list_offsets);
         // SAFETY: out holds r distinct cluster ids < n per head (select_candidates), offsets
         // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
         // steady + r × largest entries = the capacity allocated per head; the table (checked
-        // above) names cache rows < cache.slots; mark holds kv_heads × n, scan kv_heads ×
-        // EXPAND_SPLIT × (r + 1) (one slice per CTA).
+        // above) names cache rows < cache.slots; scan holds kv_heads × EXPAND_SPLIT × (r + 1)
+        // (one slice per CTA).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
-        phase_done("row list")?;
+        phase_done("row list", &self.stream)?;
         let ck = cache.map_or(0, |(c, _)| device_address(&c.keys, &self.stream));
         let cv = cache.map_or(0, |(c, _)| device_address(&c.values, &self.stream));
         self.launch_attn((kv.keys, kv.values, (kv.rows * self.head_dim) as i64), (ck, cv), &mut job.decode)?;
-        phase_done("attention")?;
-        let group = sh.group() as i32;
-        let (per_cta, stride, first) = (job.per_cta as i32, job.decode.chunks as i32, job.decode.grid_chunks as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (job.est_chunks as u32, sh.kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&self.est);
-        let scores = job.select.group_scores.as_ref().expect("a wave job keeps group scores");
-        b.arg(scores).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&job.mark).arg(&job.stamp);
-        b.arg(&group).arg(&per_cta).arg(&mut job.decode.part).arg(&stride).arg(&first);
-        // SAFETY: group scores hold q_heads × n floats (written by this step's score_filter),
-        // mean values kv_heads × n × head_dim f16, log sizes and mark kv_heads × n; the CTAs
-        // write chunks grid_chunks..grid_chunks + est_chunks = chunks of each head's
-        // partials, which part was sized for.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
-        phase_done("estimation")?;
+        phase_done("attention", &self.stream)?;
+        self.stream.join(&self.side).map_err(gpu_err("ordering the streams"))?;
         let lse = device_address(&job.decode.lse, &self.stream);
-        self.launch_merge(&sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse)?;
-        phase_done("merge")
+        let est = (device_address(&job.est_part, &self.stream), job.est_chunks);
+        self.launch_merge(&sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est)?;
+        phase_done("merge", &self.stream)
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`).
