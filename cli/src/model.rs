@@ -33,8 +33,9 @@ pub struct ModelBudgetArgs {
     /// Fraction of tokens attended exactly in the retrieval zone.
     #[arg(long, default_value_t = Budget::default().retrieve_frac)]
     retrieve: f64,
-    /// Minimum tokens in the retrieval zone.
-    #[arg(long, default_value_t = Budget::default().retrieve_floor_tokens)]
+    /// Minimum tokens in the retrieval zone (the runtime's default, twice the engine's: see
+    /// docs/realmodel.md).
+    #[arg(long, default_value_t = attnstore_runtime::default_budget().retrieve_floor_tokens)]
     retrieve_floor: usize,
     /// Estimation share: a fraction of tokens, or `rest` (every cluster not retrieved; the
     /// runtime's default, measured in docs/realmodel.md).
@@ -118,6 +119,9 @@ pub struct EvalArgs {
     /// Skip the passkey test.
     #[arg(long)]
     skip_passkey: bool,
+    /// Summarize this text file instead of the built-in paper (rows name it by file stem).
+    #[arg(long)]
+    summary_text: Option<std::path::PathBuf>,
     /// Passkey prompt lengths.
     #[arg(long, default_value = "1K,2K,4K,8K", value_delimiter = ',', value_parser = crate::parse_tokens)]
     passkey_lengths: Vec<usize>,
@@ -375,6 +379,14 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
         passkey_depths: args.passkey_depths,
         seed: args.seed,
         chunk: args.model.chunk,
+        summary_text: match &args.summary_text {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+                let name = path.file_stem().map_or_else(|| "text".into(), |s| s.to_string_lossy().into_owned());
+                Some((name, text))
+            }
+            None => None,
+        },
     };
     let json_file = match &args.json_out {
         Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),

@@ -38,11 +38,16 @@ pub struct EvalConfig {
     pub seed: u64,
     /// Prefill chunk in tokens.
     pub chunk: usize,
+    /// The summarization prompts' source text and its name in the rows (`None`: the built-in
+    /// [`SUMMARY_TEXT`], named `retroinfer`).
+    pub summary_text: Option<(String, String)>,
 }
 
 /// Results of one method and budget at one length.
 #[derive(Debug, Clone, Serialize)]
 pub struct EvalRow {
+    /// Name of the summarized text.
+    pub text: String,
     /// Prompt tokens.
     pub length: usize,
     /// Method.
@@ -97,10 +102,15 @@ pub struct PasskeyRow {
 
 /// Token ids of a summarization prompt of exactly `length` tokens over [`SUMMARY_TEXT`].
 pub fn summary_prompt(model: &Model, length: usize) -> Result<Vec<u32>> {
+    summary_prompt_over(model, SUMMARY_TEXT, length)
+}
+
+/// [`summary_prompt`] over another text (an error when it is too short for `length`).
+pub fn summary_prompt_over(model: &Model, text: &str, length: usize) -> Result<Vec<u32>> {
     let tok = model.tokenizer();
     let prefix = tok.encode(&format!("{SYSTEM}Summarize the following text in a few sentences.\n\n"))?;
     let suffix = tok.encode("<|im_end|>\n<|im_start|>assistant\n")?;
-    let body = tok.encode(SUMMARY_TEXT)?;
+    let body = tok.encode(text)?;
     fill(prefix, &body, &[], 0.0, suffix, length)
 }
 
@@ -161,7 +171,10 @@ pub fn run(
         // The continuation must fit in the model's context too.
         let length = asked.min(context.saturating_sub(config.gen_tokens));
         progress(&format!("{length} tokens: prefill"));
-        let prompt = summary_prompt(model, length)?;
+        let prompt = match &config.summary_text {
+            Some((_, text)) => summary_prompt_over(model, text, length)?,
+            None => summary_prompt(model, length)?,
+        };
         let prefill = model.prefill(&prompt, config.chunk, &mut |_| {})?;
         // The exact continuation and its logits at every position.
         let mut session = Session::new(model, &engine, exact, &prefill, false)?;
@@ -169,7 +182,8 @@ pub fn run(
         session.close()?;
         for &(variant, scale) in &config.variants {
             progress(&format!("{length} tokens: {} x{scale}", variant.method.name()));
-            let row = compare(model, &engine, &prefill, variant, scale, &reference, &ref_logits)?;
+            let mut row = compare(model, &engine, &prefill, variant, scale, &reference, &ref_logits)?;
+            row.text = config.summary_text.as_ref().map_or_else(|| "retroinfer".into(), |(name, _)| name.clone());
             on_row(&row);
             rows.push(row);
         }
@@ -279,6 +293,7 @@ fn compare(
     let attn_error =
         if layer_error.is_empty() { 0.0 } else { layer_error.iter().sum::<f64>() / layer_error.len() as f64 };
     Ok(EvalRow {
+        text: String::new(),
         length: prefill.tokens.len(),
         method: variant.method.name(),
         codec: variant.codec.to_string(),

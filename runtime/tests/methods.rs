@@ -43,7 +43,7 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
         println!("{method:?} at a full sparse budget vs exact: {worst:.2e}");
         assert!(worst < 1e-4, "{method:?}: {worst}");
 
-        // The default budget's 512-token floor would read over half of 1200 tokens: the
+        // The default budget's 1024-token floor would read most of 1200 tokens: the
         // planner picks exact attention instead.
         let (_, stats) = run(AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) });
         // (The oracle top-k is a measuring device: it is never replaced by exact attention.)
