@@ -69,9 +69,9 @@ __device__ __forceinline__ void write_partial(const float (&o)[MAX_GROUP][PER_LA
 }
 
 // Folds one row into the online-softmax partial of every query head of the group: score
-// s = q·k (+ bias, the log of the mass the row stands for), warp-reduced over the lanes.
+// s = q·k, warp-reduced over the lanes.
 __device__ __forceinline__ void fold_row(const float (&qr)[MAX_GROUP][PER_LANE], const float* kf, const float* vf,
-                                         float bias, int group, float (&o)[MAX_GROUP][PER_LANE],
+                                         int group, float (&o)[MAX_GROUP][PER_LANE],
                                          float (&m)[MAX_GROUP], float (&l)[MAX_GROUP]) {
 #pragma unroll
   for (int g = 0; g < MAX_GROUP; g++) {
@@ -81,7 +81,6 @@ __device__ __forceinline__ void fold_row(const float (&qr)[MAX_GROUP][PER_LANE],
     for (int i = 0; i < PER_LANE; i++) s = fmaf(qr[g][i], kf[i], s);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    s += bias;  // after the reduction: every lane holds the whole dot product
     const float mn = fmaxf(m[g], s);
     const float corr = __expf(m[g] - mn);
     const float p = __expf(s - mn);
@@ -147,7 +146,7 @@ extern "C" __global__ void attn_partial(
 #pragma unroll
     for (int u = 0; u < UNROLL; u++) {
       if (t0 + u >= hi) break;
-      fold_row(qr, kf[u], vf[u], 0.f, group, o, m, l);
+      fold_row(qr, kf[u], vf[u], group, o, m, l);
     }
   }
   write_partial(o, m, l, group, part + ((long long)(h * chunk_stride + c) * group) * PART);
@@ -457,7 +456,7 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
   float s[MAX_GROUP];
   thread_scores(cent + ((long long)h * n + c) * HEAD_DIM, qs, group, s);
   float best = NEG_INF;
-  #pragma unroll
+#pragma unroll
   for (int g = 0; g < MAX_GROUP; g++) best = g < group ? fmaxf(best, s[g]) : best;
   if (scores != nullptr) scores[(long long)h * n + c] = best;
   if (group_scores != nullptr) {

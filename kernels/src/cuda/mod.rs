@@ -169,11 +169,9 @@ pub struct DecodeJob {
     out: CudaSlice<f32>,
     /// Per query head, `m + ln l` of the merged partial (see `attn_merge`).
     lse: CudaSlice<f32>,
-    /// Partials per KV head in `part` (what the merge folds).
+    /// Partials per KV head in `part`: the attention launch's CTAs per KV head, and what the
+    /// merge folds.
     chunks: usize,
-    /// CTAs per KV head of the attention launch (≤ `chunks`; a wave job's estimation
-    /// partials take the chunks after them).
-    grid_chunks: usize,
     chunk: usize,
     identity_rows: usize,
     cache_slots: usize,
@@ -384,7 +382,6 @@ impl GpuBackend {
             out: s.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
             lse: s.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
             chunks,
-            grid_chunks: chunks,
             chunk,
             identity_rows,
             cache_slots,
@@ -630,8 +627,8 @@ impl GpuBackend {
         self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse, (0, 0))
     }
 
-    /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `grid_chunks`
-    /// CTAs per KV head writing the first partials of each head's `chunks`.
+    /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `chunks` CTAs per
+    /// KV head, one partial each.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     fn launch_attn(
         &self,
@@ -649,7 +646,7 @@ impl GpuBackend {
         };
         let stride = job.chunks as i32;
         let cfg = LaunchConfig {
-            grid_dim: (job.grid_chunks as u32, sh.kv_heads as u32, 1),
+            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -660,7 +657,7 @@ impl GpuBackend {
         // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <
         // cache_slots (a wave job's lists are written on the device from checked cluster
         // bounds and cache table), and the callers checked those against the memory at k/v
-        // and ck/cv; q and part were sized for this shape and `chunks` ≥ `grid_chunks`.
+        // and ck/cv; q and part were sized for this shape and `chunks`, the grid's width.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
         Ok(())
     }

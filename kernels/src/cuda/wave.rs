@@ -1,7 +1,8 @@
 //! A whole wave-index decode step on the GPU (`wave.cu`): centroid scoring and top-r, the
 //! retrieved clusters expanded into a row list (Gpu-tier hits as cache rows), attention over
-//! those rows and the steady zone, the estimation partial of every other cluster, and the
-//! merge — six launches on one stream and no host work between them. The host only reads
+//! those rows and the steady zone, the estimation partial of every other cluster (on a
+//! second stream, beside the row list and the attention), and the merge — no host work
+//! between the launches. The host only reads
 //! the selection back afterwards, to keep the Gpu tier (admissions are the maintainer's
 //! work, off the decode path).
 
@@ -118,8 +119,6 @@ pub struct WaveJob {
     per_cta: usize,
 }
 
-impl WaveJob {}
-
 impl GpuBackend {
     /// Copies `layer`'s meta index to device memory.
     pub fn upload_wave(&self, layer: &ClusteredLayer) -> Result<DeviceWave> {
@@ -197,11 +196,10 @@ impl GpuBackend {
         // longer list is covered by CTAs taking several chunks (attn_partial's chunk loop).
         let typical = steady + r * wave.indexed.div_ceil(wave.clusters);
         let chunk = chunk_rows(typical, shape.kv_heads);
-        let grid_chunks = capacity.min(typical + typical / 4).div_ceil(chunk).max(1);
+        let chunks = capacity.min(typical + typical / 4).div_ceil(chunk).max(1);
         // Tiles of 128 clusters (EST_ROWS in wave.cu, one per thread), at most ~64 CTAs per head.
         let per_cta = wave.clusters.div_ceil(64).next_multiple_of(128);
         let est_chunks = wave.clusters.div_ceil(per_cta);
-        let chunks = grid_chunks;
         let s = &self.stream;
         let alloc_i = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(gpu_err("allocating wave buffers"));
         let alloc_f = |n: usize| s.alloc_zeros::<f32>(n.max(1)).map_err(gpu_err("allocating wave buffers"));
@@ -212,7 +210,6 @@ impl GpuBackend {
             out: alloc_f(shape.query_len())?,
             lse: alloc_f(shape.q_heads)?,
             chunks,
-            grid_chunks,
             chunk,
             identity_rows: wave.rows,
             cache_slots: 0,
