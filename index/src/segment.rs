@@ -4,7 +4,7 @@
 use crate::blocks::{attend_clusters, missing, BlockStore, ClusterRows};
 use crate::error::Result;
 use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
-use attnstore_kernels::cpu::kmeans::{center_and_normalize, spherical_kmeans, KMeansParams};
+use attnstore_kernels::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
 use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::{Element, HackParams, HackRows, Partial};
 use std::ops::Range;
@@ -166,20 +166,7 @@ pub(crate) fn build_head_segment<E: Element>(
     center_and_normalize(&mut unit, d);
     let clusters = n.div_ceil(params.tokens_per_cluster).max(1);
     let km = spherical_kmeans(&unit, d, KMeansParams { clusters, max_iters: params.max_iters, seed: params.seed })?;
-    // Counting sort of rows by cluster.
-    let mut counts = vec![0u32; km.clusters + 1];
-    for &a in &km.assignment {
-        counts[a as usize + 1] += 1;
-    }
-    for c in 0..km.clusters {
-        counts[c + 1] += counts[c];
-    }
-    let offsets = counts.clone();
-    let mut order = vec![0u32; n];
-    for (row, &a) in km.assignment.iter().enumerate() {
-        order[counts[a as usize] as usize] = row as u32;
-        counts[a as usize] += 1;
-    }
+    let (order, offsets) = cluster_order(&km.assignment, km.clusters, 0);
     let sizes: Vec<u32> = offsets.windows(2).map(|w| w[1] - w[0]).filter(|&n| n > 0).collect();
     Ok(assemble_segment(keys, values, &wide_keys, first_position, d, &order, &sizes))
 }

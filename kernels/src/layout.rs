@@ -5,7 +5,7 @@
 //! every cluster) and each cluster's row range. The GPU path (`cuda::GpuBackend::upload_wave`)
 //! takes it as it is; it is built on the CPU, so it is checked everywhere.
 
-use crate::cpu::kmeans::{center_and_normalize, spherical_kmeans, KMeansParams};
+use crate::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
 use crate::error::{Error, Result};
 use half::f16;
 use rayon::prelude::*;
@@ -303,25 +303,6 @@ impl Cut {
         }
         head
     }
-}
-
-/// A segment's token positions (`first + row`) in cluster order, and each of its `k`
-/// clusters' first row in that order, then the row count (a counting sort of `assignment`).
-fn cluster_order(assignment: &[u32], k: usize, first: usize) -> (Vec<u32>, Vec<u32>) {
-    let mut counts = vec![0u32; k + 1];
-    for &a in assignment {
-        counts[a as usize + 1] += 1;
-    }
-    for c in 0..k {
-        counts[c + 1] += counts[c];
-    }
-    let starts = counts.clone();
-    let mut order = vec![0u32; assignment.len()];
-    for (i, &a) in assignment.iter().enumerate() {
-        order[counts[a as usize] as usize] = (first + i) as u32;
-        counts[a as usize] += 1;
-    }
-    (order, starts)
 }
 
 #[cfg(test)]

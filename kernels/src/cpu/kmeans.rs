@@ -111,6 +111,26 @@ pub fn initial_centroids(x: &[f32], d: usize, k: usize, seed: u64) -> Vec<f32> {
     order[..k].iter().flat_map(|&i| x[i * d..(i + 1) * d].to_vec()).collect()
 }
 
+/// Rows grouped by cluster (a counting sort of `assignment`, `k` clusters): the row numbers
+/// plus `first`, cluster after cluster in row order, and each cluster's first index in that
+/// order, then the row count (`k + 1` bounds; an empty cluster has an empty range).
+pub fn cluster_order(assignment: &[u32], k: usize, first: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut counts = vec![0u32; k + 1];
+    for &a in assignment {
+        counts[a as usize + 1] += 1;
+    }
+    for c in 0..k {
+        counts[c + 1] += counts[c];
+    }
+    let starts = counts.clone();
+    let mut order = vec![0u32; assignment.len()];
+    for (i, &a) in assignment.iter().enumerate() {
+        order[counts[a as usize] as usize] = (first + i) as u32;
+        counts[a as usize] += 1;
+    }
+    (order, starts)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Metric {
     Cosine,
