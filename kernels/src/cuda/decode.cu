@@ -97,7 +97,7 @@ extern "C" __global__ void attn_partial(
     const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
     const float* __restrict__ q, float scale, int group,
     const int* __restrict__ rows, const int* __restrict__ row_offsets, int identity_rows,
-    int chunk, float* __restrict__ part, int chunk_stride,
+    int chunk, float* __restrict__ part,
     const unsigned short* __restrict__ ck, const unsigned short* __restrict__ cv) {
   const int h = blockIdx.y, c = blockIdx.x;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -149,7 +149,7 @@ extern "C" __global__ void attn_partial(
       fold_row(qr, kf[u], vf[u], group, o, m, l);
     }
   }
-  write_partial(o, m, l, group, part + ((long long)(h * chunk_stride + c) * group) * PART);
+  write_partial(o, m, l, group, part + ((long long)(h * gridDim.x + c) * group) * PART);
 }
 
 // One CTA per query head, MERGE_WARPS warps: the maximum m over chunks by a block
@@ -474,7 +474,7 @@ extern "C" __global__ void select_candidates(const int* __restrict__ counts, con
                                              const float* __restrict__ cand_score, int cap, int r,
                                              const float* __restrict__ scores, int total,
                                              int* __restrict__ out, int* __restrict__ fallback,
-                                             int* __restrict__ mark, int stamp) {
+                                             int* __restrict__ mark) {
   const int h = blockIdx.x;
   const int n = counts[h];
   int* o = out + (long long)h * r;
@@ -485,9 +485,9 @@ extern "C" __global__ void select_candidates(const int* __restrict__ counts, con
     if (threadIdx.x == 0) fallback[h] = 0;
     radix_top_r(cand_score + (long long)h * cap, cand_idx + (long long)h * cap, n, r, o);
   }
-  // A wave step's estimation skips the selected clusters: mark them with the step's stamp.
+  // A wave step's estimation skips the selected clusters (and clears their marks).
   if (mark != nullptr) {
     __syncthreads();
-    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * total + o[i]] = stamp;
+    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * total + o[i]] = 1;
   }
 }

@@ -23,7 +23,7 @@ mod kmeans;
 mod wave;
 pub use hack::{DeviceHack, HackJob};
 pub use kmeans::SegmentKMeans;
-pub use wave::{DeviceWave, WaveJob, WaveTable};
+pub use wave::{DeviceWave, WaveBatch, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
     concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("kmeans.cu"));
@@ -182,6 +182,7 @@ pub struct DecodeJob {
 impl GpuBackend {
     /// Opens GPU 0 and compiles (or loads from the on-disk cache) the kernels for
     /// `head_dim`, which must be a multiple of 32 up to 256.
+    #[allow(unsafe_code, reason = "cudarc's event tracking is turned off by an unsafe call")]
     pub fn new(head_dim: usize) -> Result<Self> {
         if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
             return Err(Error::InvalidArgument {
@@ -190,6 +191,13 @@ impl GpuBackend {
             });
         }
         let ctx = CudaContext::new(0).map_err(gpu_err("opening GPU 0"))?;
+        // SAFETY: called before this context allocates anything. Every buffer of this backend
+        // is allocated on `stream`, used on it or on streams that `stream` joins before the
+        // launch that used them returns (the wave step's side stream and batch lanes), and
+        // freed stream-ordered on it, so cudarc's per-buffer events add nothing but host
+        // calls (a wait and a record per kernel argument) — and they would forbid capturing a
+        // step into a graph.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(gpu_err("creating a stream"))?;
         let side = stream.fork().map_err(gpu_err("creating a stream"))?;
         let (major, minor) = ctx.compute_capability().map_err(gpu_err("reading the compute capability"))?;
@@ -441,20 +449,26 @@ impl GpuBackend {
     /// strided sample, a scoring pass that keeps only centroids at or above it, and an exact
     /// radix select over those candidates (no sort of all scores).
     pub fn launch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
-        self.launch_select_marking(cent, job, 0, 0)
+        self.launch_select_marking(&self.stream, cent, job, 0)
     }
 
-    /// [`GpuBackend::launch_select`] that also sets `mark[h][c] = stamp` for every selected
+    /// [`GpuBackend::launch_select`] that also sets `mark[h][c] = 1` for every selected
     /// cluster `c` of head `h` (`mark`: a device address of kv_heads × n ints, or 0: none).
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
-    fn launch_select_marking(&self, cent: &DeviceCentroids, job: &mut SelectJob, mark: u64, stamp: i32) -> Result<()> {
+    fn launch_select_marking(
+        &self,
+        stream: &Arc<CudaStream>,
+        cent: &DeviceCentroids,
+        job: &mut SelectJob,
+        mark: u64,
+    ) -> Result<()> {
         let sh = job.shape;
         let (n, r, cap, stride) = (cent.per_head as i32, job.r as i32, job.cap as i32, job.stride as i32);
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let group = sh.group() as i32;
-        self.stream.memset_zeros(&mut job.counts).map_err(gpu_err("clearing counts"))?;
+        stream.memset_zeros(&mut job.counts).map_err(gpu_err("clearing counts"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.sample);
+        let mut b = stream.launch_builder(&self.sample);
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&stride).arg(&r).arg(&mut job.thresh);
         // SAFETY: cent holds kv_heads × n × head_dim f16 values and q the group queries of
         // every head (checked in prepare_select); one CTA per head writes thresh[head]; the
@@ -466,9 +480,9 @@ impl GpuBackend {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.filter);
+        let mut b = stream.launch_builder(&self.filter);
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&job.thresh).arg(&cap);
-        let group_scores = job.group_scores.as_ref().map_or(0, |g| device_address(g, &self.stream));
+        let group_scores = job.group_scores.as_ref().map_or(0, |g| device_address(g, stream));
         b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score).arg(&mut job.scores);
         b.arg(&group_scores);
         // SAFETY: one thread per centroid (< n); appends past `cap` per head are counted but
@@ -476,7 +490,7 @@ impl GpuBackend {
         // group scores (when kept) kv_heads × group × n.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_filter"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.pick);
+        let mut b = stream.launch_builder(&self.pick);
         b.arg(&job.counts)
             .arg(&job.cand_idx)
             .arg(&job.cand_score)
@@ -486,8 +500,7 @@ impl GpuBackend {
             .arg(&n)
             .arg(&mut job.out)
             .arg(&mut job.fallback)
-            .arg(&mark)
-            .arg(&stamp);
+            .arg(&mark);
         // SAFETY: reads min(count, cap) candidates per head, or (a head with count > cap or
         // < r) all n scores that score_filter wrote, and writes exactly r indices per head;
         // mark (when given) holds kv_heads × n ints and each index is < n.
@@ -621,10 +634,10 @@ impl GpuBackend {
         (ck, cv): (u64, u64),
         job: &mut DecodeJob,
     ) -> Result<()> {
-        self.launch_attn((k, v, head_stride), (ck, cv), job)?;
+        self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
-        self.launch_merge(&sh, &job.part, job.chunks, &mut job.out, lse, (0, 0))
+        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0))
     }
 
     /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `chunks` CTAs per
@@ -632,6 +645,7 @@ impl GpuBackend {
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     fn launch_attn(
         &self,
+        stream: &Arc<CudaStream>,
         (k, v, head_stride): (u64, u64, i64),
         (ck, cv): (u64, u64),
         job: &mut DecodeJob,
@@ -641,18 +655,17 @@ impl GpuBackend {
         let identity = job.identity_rows as i32;
         let chunk = job.chunk as i32;
         let (rows_ptr, offsets_ptr) = match &job.rows {
-            Some((f, o)) => (device_address(f, &self.stream), device_address(o, &self.stream)),
+            Some((f, o)) => (device_address(f, stream), device_address(o, stream)),
             None => (0u64, 0u64),
         };
-        let stride = job.chunks as i32;
         let cfg = LaunchConfig {
             grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.partial);
+        let mut b = stream.launch_builder(&self.partial);
         b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
-        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part).arg(&stride);
+        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part);
         b.arg(&ck).arg(&cv);
         // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <
         // cache_slots (a wave job's lists are written on the device from checked cluster
@@ -665,8 +678,10 @@ impl GpuBackend {
     /// Enqueues the log-sum-exp merge of `chunks` partials per query head (`part`, laid out
     /// `[kv_head][chunk][group][head_dim + 2]`) into `out` (`q_heads × head_dim`).
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    #[allow(clippy::too_many_arguments, reason = "the stream, the shape and three buffers with their sizes")]
     fn launch_merge(
         &self,
+        stream: &Arc<CudaStream>,
         sh: &AttnShape,
         part: &CudaSlice<f32>,
         chunks: usize,
@@ -681,7 +696,7 @@ impl GpuBackend {
         let (chunks, group, chunks2) = (chunks as i32, sh.group() as i32, chunks2 as i32);
         // 8 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.merge);
+        let mut b = stream.launch_builder(&self.merge);
         b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
         // floats (both checked above); part2 (when not 0) kv_heads × chunks2 × group partials

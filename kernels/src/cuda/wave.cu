@@ -127,16 +127,17 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
 #define EST_ROWS 128
 
 // The estimation zone: one CTA (WARPS warps) per (chunk of `per_cta` clusters, KV head) folds
-// every cluster not marked with `stamp` as one row whose score is its centroid's (kept by
+// every cluster not marked (mark ≠ 0: retrieved this step) as one row whose score is its centroid's (kept by
 // score_filter in `group_scores`, [h][g][n], scaled), whose value is the mean value and whose
 // weight is its size: mass size·e^{q·c}, value size·e^{q·c}·mean. Tiles of EST_ROWS
 // clusters, one per thread, weights through shared memory, then the warps fold mean values
-// with lanes splitting the head dimension. Writes the CTA's partial as chunk
-// `first_chunk + blockIdx.x` of `part`.
+// with lanes splitting the head dimension. Writes the CTA's partial as chunk blockIdx.x of
+// `part`. Each mark is read by exactly one thread, which clears it for the next step (so a
+// step's launches take no per-step argument and can be replayed from a graph).
 extern "C" __global__ void est_partial(const float* __restrict__ group_scores,
                                        const unsigned short* __restrict__ vmean, const float* __restrict__ log_size,
-                                       int n, const int* __restrict__ mark, int stamp, int group, int per_cta,
-                                       float* __restrict__ part, int chunk_stride, int first_chunk) {
+                                       int n, int* __restrict__ mark, int group, int per_cta,
+                                       float* __restrict__ part) {
   __shared__ float w[MAX_GROUP][EST_ROWS];
   __shared__ float tile_max[MAX_GROUP][WARPS];
   const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -156,7 +157,12 @@ extern "C" __global__ void est_partial(const float* __restrict__ group_scores,
     for (int g = 0; g < MAX_GROUP; g++) local_max[g] = NEG_INF;
     for (int i = threadIdx.x; i < EST_ROWS; i += blockDim.x) {
       const int c = t0 + i;
-      const float bias = c < hi && mark[head + c] != stamp ? log_size[head + c] : NEG_INF;
+      bool skip = true;
+      if (c < hi) {
+        skip = mark[head + c] != 0;
+        if (skip) mark[head + c] = 0;
+      }
+      const float bias = skip ? NEG_INF : log_size[head + c];
 #pragma unroll
       for (int g = 0; g < MAX_GROUP; g++) {
         if (g >= group) break;
@@ -227,5 +233,5 @@ extern "C" __global__ void est_partial(const float* __restrict__ group_scores,
     }
     __syncthreads();
   }
-  write_partial(o, m, l, group, part + ((long long)(h * chunk_stride + first_chunk + blockIdx.x) * group) * PART);
+  write_partial(o, m, l, group, part + ((long long)(h * gridDim.x + blockIdx.x) * group) * PART);
 }

@@ -13,7 +13,8 @@ use super::{
 use crate::error::{Error, Result};
 use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
-use cudarc::driver::{CudaEvent, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// CTAs per KV head that share writing its row list (`wave_expand`).
 const EXPAND_SPLIT: usize = 8;
@@ -114,9 +115,62 @@ pub struct WaveJob {
     /// The estimation's partials (`kv_heads × est_chunks × group × (head_dim + 2)`), written
     /// on the side stream while the row list and the attention run on the main one.
     est_part: CudaSlice<f32>,
-    stamp: i32,
     est_chunks: usize,
     per_cta: usize,
+    graphs: Graphs,
+}
+
+impl WaveJob {
+    /// Whether steps of this job are captured into CUDA graphs and replayed (the default), or
+    /// launched kernel by kernel (to compare the two; results are the same).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs.off = !on;
+    }
+}
+
+/// Graphs kept per job or batch: a job alternating between a few sets of buffers (e.g. with
+/// and without a cache) replays each set's graph.
+const GRAPHS_KEPT: usize = 4;
+
+/// Captured steps, newest last, each under the key of the buffers it launches over.
+#[derive(Default)]
+struct Graphs {
+    cached: Vec<(Vec<u64>, CudaGraph)>,
+    off: bool,
+}
+
+/// A request's main and side streams in a batch.
+type Lane = (Arc<CudaStream>, Arc<CudaStream>);
+
+/// One request of a batched step ([`GpuBackend::launch_wave_batch`]): what
+/// [`GpuBackend::launch_wave`] takes.
+pub struct WaveStep<'a> {
+    /// The request's layer (meta index).
+    pub wave: &'a DeviceWave,
+    /// Where its KV rows are.
+    pub kv: KvPointers,
+    /// Its Gpu-tier cache and block table, if any.
+    pub cache: Option<(&'a GpuCache, &'a WaveTable)>,
+    /// Its buffers (queries set with [`GpuBackend::set_wave_query`]).
+    pub job: &'a mut WaveJob,
+}
+
+/// Streams (two per request) and captured graphs for batched wave steps.
+pub struct WaveBatch {
+    lanes: Vec<Lane>,
+    graphs: Graphs,
+}
+
+impl WaveBatch {
+    /// Requests a step of this batch can hold.
+    pub fn capacity(&self) -> usize {
+        self.lanes.len()
+    }
+
+    /// Whether steps are captured into graphs (the default) or launched kernel by kernel.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.graphs.off = !on;
+    }
 }
 
 impl GpuBackend {
@@ -222,9 +276,9 @@ impl GpuBackend {
             scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
             mark: alloc_i(shape.kv_heads * wave.clusters)?,
             est_part: alloc_f(shape.kv_heads * est_chunks * shape.group() * (self.head_dim + 2))?,
-            stamp: 0,
             est_chunks,
             per_cta,
+            graphs: Graphs::default(),
         })
     }
 
@@ -244,7 +298,9 @@ impl GpuBackend {
     /// Enqueues one decode step of `job` over `wave`, whose KV rows are at `kv` (device or
     /// mapped host memory, `kv_heads × rows × head_dim`), with the blocks `table` names read
     /// from `cache` instead. Returns before the kernels finish; [`GpuBackend::fetch_wave`]
-    /// waits and returns the output.
+    /// waits and returns the output. The step's launches are captured into a CUDA graph the
+    /// first time this job runs over these buffers and replayed after that (one host call
+    /// per step instead of about ten; see [`WaveJob::set_graphs`]).
     pub fn launch_wave(
         &self,
         wave: &DeviceWave,
@@ -252,13 +308,138 @@ impl GpuBackend {
         cache: Option<(&GpuCache, &WaveTable)>,
         job: &mut WaveJob,
     ) -> Result<()> {
-        self.wave_step(wave, kv, cache, job, &mut |_, _| Ok(()))
+        let mut steps = [WaveStep { wave, kv, cache, job }];
+        self.check_steps(&steps)?;
+        let mut graphs = std::mem::take(&mut steps[0].job.graphs);
+        let done = self.launch_steps(&mut graphs, &[], &mut steps);
+        steps[0].job.graphs = graphs;
+        done
     }
 
-    /// Runs one step like [`GpuBackend::launch_wave`] and returns the milliseconds of its
-    /// phases, measured with events: selection (scoring + top-r), estimation (on the side
-    /// stream, from the end of the selection), row list, attention, merge (which waits for the
-    /// estimation first).
+    /// Streams for batches of up to `requests` wave steps ([`GpuBackend::launch_wave_batch`]).
+    pub fn wave_batch(&self, requests: usize) -> Result<WaveBatch> {
+        let lanes = (0..requests)
+            .map(|_| Ok((self.stream.fork()?, self.stream.fork()?)))
+            .collect::<std::result::Result<Vec<_>, cudarc::driver::DriverError>>()
+            .map_err(gpu_err("creating streams"))?;
+        Ok(WaveBatch { lanes, graphs: Graphs::default() })
+    }
+
+    /// Enqueues one decode step of every request in `steps` (each its own layer, KV, cache
+    /// and job), all running at once on the batch's streams: one request alone leaves most
+    /// of the GPU idle (its selection and row list are a few CTAs per head), a batch fills
+    /// it. Captured into a graph per set of buffers like [`GpuBackend::launch_wave`]; the
+    /// backend's stream waits for every request, so [`GpuBackend::fetch_wave`] of any job
+    /// returns its output.
+    pub fn launch_wave_batch(&self, batch: &mut WaveBatch, steps: &mut [WaveStep<'_>]) -> Result<()> {
+        if steps.is_empty() || steps.len() > batch.lanes.len() {
+            return Err(Error::InvalidArgument {
+                what: "wave batch",
+                message: format!("1..={} requests (the batch's streams), got {}", batch.lanes.len(), steps.len()),
+            });
+        }
+        self.check_steps(steps)?;
+        let jobs: Vec<*const WaveJob> = steps.iter().map(|s| &*s.job as *const WaveJob).collect();
+        if (1..jobs.len()).any(|i| jobs[..i].contains(&jobs[i])) {
+            return Err(Error::InvalidArgument { what: "wave batch", message: "a job appears twice".into() });
+        }
+        self.launch_steps(&mut batch.graphs, &batch.lanes, steps)
+    }
+
+    /// Replays the graph of these steps' buffers (capturing it first when new), or launches
+    /// them eagerly when graphs are off. `lanes` empty: one step on the backend's streams.
+    fn launch_steps(&self, graphs: &mut Graphs, lanes: &[Lane], steps: &mut [WaveStep<'_>]) -> Result<()> {
+        if !graphs.off {
+            let key: Vec<u64> = steps.iter().flat_map(|s| self.step_key(s)).collect();
+            if let Some(i) = graphs.cached.iter().position(|(k, _)| *k == key) {
+                let entry = graphs.cached.remove(i);
+                entry.1.launch().map_err(gpu_err("launching a wave graph"))?;
+                graphs.cached.push(entry);
+                return Ok(());
+            }
+            self.stream
+                .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(gpu_err("capturing a wave step"))?;
+            let enqueued = self.enqueue_steps(lanes, steps);
+            let graph = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            enqueued?;
+            let graph = graph
+                .map_err(gpu_err("capturing a wave step"))?
+                .ok_or(Error::Gpu { what: "capturing a wave step", message: "the capture was empty".into() })?;
+            graph.launch().map_err(gpu_err("launching a wave graph"))?;
+            if graphs.cached.len() == GRAPHS_KEPT {
+                graphs.cached.remove(0);
+            }
+            graphs.cached.push((key, graph));
+            return Ok(());
+        }
+        self.enqueue_steps(lanes, steps)
+    }
+
+    /// The launches of `steps`: on the backend's two streams (no lanes), or each step on its
+    /// lane, forked from and joined back into the backend's stream.
+    fn enqueue_steps(&self, lanes: &[Lane], steps: &mut [WaveStep<'_>]) -> Result<()> {
+        let nothing = &mut |_: &'static str, _: &CudaStream| Ok(());
+        if lanes.is_empty() {
+            let s = &mut steps[0];
+            return self.wave_step(&self.stream, &self.side, s.wave, s.kv, s.cache, s.job, nothing);
+        }
+        for (s, (main, side)) in steps.iter_mut().zip(lanes) {
+            main.join(&self.stream).map_err(gpu_err("ordering the streams"))?;
+            self.wave_step(main, side, s.wave, s.kv, s.cache, s.job, nothing)?;
+        }
+        for (main, _) in &lanes[..steps.len()] {
+            self.stream.join(main).map_err(gpu_err("ordering the streams"))?;
+        }
+        Ok(())
+    }
+
+    /// Everything a step's launches depend on besides the job's own buffers (fixed from
+    /// `prepare_wave` on): equal keys mean identical launches, so a graph captured under one
+    /// key replays exactly what launching eagerly would enqueue.
+    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 20] {
+        let (w, j) = (s.wave, &*s.job);
+        let at = |x: &CudaSlice<u16>| device_address(x, &self.stream);
+        let (ck, cv, slots, table, block_rows, per_head) = match s.cache {
+            Some((c, t)) => (
+                at(&c.keys),
+                at(&c.values),
+                c.slots,
+                device_address(&t.dev, &self.stream),
+                t.block_rows,
+                t.blocks_per_head,
+            ),
+            None => (0, 0, 0, 0, 0, 0),
+        };
+        let size = |x: usize| x as u64;
+        [
+            device_address(&j.mark, &self.stream),
+            at(&w.cent.data),
+            at(&w.value_means),
+            device_address(&w.log_size, &self.stream),
+            device_address(&w.offsets, &self.stream),
+            size(w.clusters),
+            size(w.indexed),
+            size(w.rows),
+            s.kv.keys,
+            s.kv.values,
+            size(s.kv.rows),
+            ck,
+            cv,
+            size(slots),
+            table,
+            size(block_rows),
+            size(per_head),
+            size(j.select.r),
+            size(j.decode.chunks),
+            size(j.est_chunks),
+        ]
+    }
+
+    /// Runs one step like [`GpuBackend::launch_wave`] (eagerly, not from a graph) and returns
+    /// the milliseconds of its phases, measured with events: selection (scoring + top-r),
+    /// estimation (on the side stream, from the end of the selection), row list, attention,
+    /// merge (which waits for the estimation first).
     pub fn wave_phases(
         &self,
         wave: &DeviceWave,
@@ -271,9 +452,10 @@ impl GpuBackend {
                 .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
                 .map_err(gpu_err("recording an event"))
         };
+        self.check_steps(&[WaveStep { wave, kv, cache, job: &mut *job }])?;
         let start = record(&self.stream)?;
         let mut events: Vec<(&'static str, bool, CudaEvent)> = Vec::new();
-        self.wave_step(wave, kv, cache, job, &mut |name, stream| {
+        self.wave_step(&self.stream, &self.side, wave, kv, cache, job, &mut |name, stream| {
             events.push((name, std::ptr::eq(stream, &*self.side), record(stream)?));
             Ok(())
         })?;
@@ -299,66 +481,78 @@ impl GpuBackend {
         Ok(out)
     }
 
-    /// The launches of one step; `phase_done` runs after each phase's launches are enqueued.
+    /// The checks every launch of a step makes before it enqueues anything.
+    fn check_steps(&self, steps: &[WaveStep<'_>]) -> Result<()> {
+        for s in steps {
+            let (wave, kv, job) = (s.wave, s.kv, &*s.job);
+            if kv.rows < wave.rows
+                || job.mark.len() < wave.kv_heads * wave.clusters
+                || job.decode.identity_rows != wave.rows
+            {
+                return Err(Error::InvalidArgument {
+                    what: "wave launch",
+                    message: format!(
+                        "the job or the KV ({} rows) does not belong to this layer ({} rows, {} clusters per head)",
+                        kv.rows, wave.rows, wave.clusters
+                    ),
+                });
+            }
+            if let Some((c, t)) = s.cache {
+                if t.needs > c.slots || t.host.len() != wave.kv_heads * wave.rows.div_ceil(t.block_rows) {
+                    return Err(Error::InvalidArgument {
+                        what: "wave cache",
+                        message: format!("the table names {} cache rows, the cache has {}", t.needs, c.slots),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The launches of one step on `main` and `side` (the estimation), checked by
+    /// [`GpuBackend::check_steps`]; `phase_done` runs after each phase's launches are enqueued.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    #[allow(clippy::too_many_arguments, reason = "a step's streams and its four parts")]
     fn wave_step(
         &self,
+        main: &Arc<CudaStream>,
+        side: &Arc<CudaStream>,
         wave: &DeviceWave,
         kv: KvPointers,
         cache: Option<(&GpuCache, &WaveTable)>,
         job: &mut WaveJob,
         phase_done: &mut dyn FnMut(&'static str, &CudaStream) -> Result<()>,
     ) -> Result<()> {
-        if kv.rows < wave.rows
-            || job.mark.len() < wave.kv_heads * wave.clusters
-            || job.decode.identity_rows != wave.rows
-        {
-            return Err(Error::InvalidArgument {
-                what: "wave launch",
-                message: format!(
-                    "the job or the KV ({} rows) does not belong to this layer ({} rows, {} clusters per head)",
-                    kv.rows, wave.rows, wave.clusters
-                ),
-            });
-        }
-        if let Some((c, t)) = cache {
-            if t.needs > c.slots || t.host.len() != wave.kv_heads * wave.rows.div_ceil(t.block_rows) {
-                return Err(Error::InvalidArgument {
-                    what: "wave cache",
-                    message: format!("the table names {} cache rows, the cache has {}", t.needs, c.slots),
-                });
-            }
-        }
-        job.stamp = job.stamp.wrapping_add(1).max(1);
-        let mark = device_address(&job.mark, &self.stream);
-        self.launch_select_marking(&wave.cent, &mut job.select, mark, job.stamp)?;
-        phase_done("select", &self.stream)?;
+        let mark = device_address(&job.mark, main);
+        self.launch_select_marking(main, &wave.cent, &mut job.select, mark)?;
+        phase_done("select", main)?;
         let sh = job.decode.shape;
         let (r, n, kvh) = (job.select.r as i32, wave.clusters as i32, wave.kv_heads as i32);
         // The estimation needs only the selection: it runs on the side stream, beside the
         // row list and the attention.
-        self.side.join(&self.stream).map_err(gpu_err("ordering the streams"))?;
+        side.join(main).map_err(gpu_err("ordering the streams"))?;
         let group = sh.group() as i32;
-        let (per_cta, stride) = (job.per_cta as i32, job.est_chunks as i32);
+        let per_cta = job.per_cta as i32;
         let cfg = LaunchConfig {
             grid_dim: (job.est_chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.side.launch_builder(&self.est);
+        let mut b = side.launch_builder(&self.est);
         let scores = job.select.group_scores.as_ref().expect("a wave job keeps group scores");
-        b.arg(scores).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&job.mark).arg(&job.stamp);
-        b.arg(&group).arg(&per_cta).arg(&mut job.est_part).arg(&stride).arg(&0i32);
+        b.arg(scores).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&mut job.mark);
+        b.arg(&group).arg(&per_cta).arg(&mut job.est_part);
         // SAFETY: group scores hold q_heads × n floats and mark kv_heads × n ints, both written
-        // by this step's selection, which the side stream waits for; mean values hold kv_heads
-        // × n × head_dim f16, log sizes kv_heads × n; the CTAs write est_part's est_chunks
-        // chunks per head, which it was sized for. The previous step's merge read est_part
-        // on the main stream before this step's selection, so it is not overwritten early.
+        // by this step's selection, which the side stream waits for (each mark is read and
+        // cleared by one thread); mean values hold kv_heads × n × head_dim f16, log sizes
+        // kv_heads × n; the CTAs write est_part's est_chunks chunks per head, which it was
+        // sized for. The previous step's merge read est_part on the main stream before this
+        // step's selection, so it is not overwritten early.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
-        phase_done("estimation", &self.side)?;
+        phase_done("estimation", side)?;
         let (indexed, rows) = (wave.indexed as i32, wave.rows as i32);
         let (table, block_rows, per_head) = match cache {
-            Some((_, t)) => (device_address(&t.dev, &self.stream), t.block_rows as i32, t.blocks_per_head as i32),
+            Some((_, t)) => (device_address(&t.dev, main), t.block_rows as i32, t.blocks_per_head as i32),
             None => (0u64, 1, 0),
         };
         let (list, list_offsets) = job.decode.rows.as_mut().expect("a wave job has row lists");
@@ -367,7 +561,7 @@ impl GpuBackend {
             block_dim: (512, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = self.stream.launch_builder(&self.expand);
+        let mut b = main.launch_builder(&self.expand);
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
         b.arg(&table).arg(&block_rows).arg(&per_head);
         b.arg(&mut job.scan).arg(list).arg(list_offsets);
@@ -377,16 +571,16 @@ impl GpuBackend {
         // above) names cache rows < cache.slots; scan holds kv_heads × EXPAND_SPLIT × (r + 1)
         // (one slice per CTA).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
-        phase_done("row list", &self.stream)?;
-        let ck = cache.map_or(0, |(c, _)| device_address(&c.keys, &self.stream));
-        let cv = cache.map_or(0, |(c, _)| device_address(&c.values, &self.stream));
-        self.launch_attn((kv.keys, kv.values, (kv.rows * self.head_dim) as i64), (ck, cv), &mut job.decode)?;
-        phase_done("attention", &self.stream)?;
-        self.stream.join(&self.side).map_err(gpu_err("ordering the streams"))?;
-        let lse = device_address(&job.decode.lse, &self.stream);
-        let est = (device_address(&job.est_part, &self.stream), job.est_chunks);
-        self.launch_merge(&sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est)?;
-        phase_done("merge", &self.stream)
+        phase_done("row list", main)?;
+        let ck = cache.map_or(0, |(c, _)| device_address(&c.keys, main));
+        let cv = cache.map_or(0, |(c, _)| device_address(&c.values, main));
+        self.launch_attn(main, (kv.keys, kv.values, (kv.rows * self.head_dim) as i64), (ck, cv), &mut job.decode)?;
+        phase_done("attention", main)?;
+        main.join(side).map_err(gpu_err("ordering the streams"))?;
+        let lse = device_address(&job.decode.lse, main);
+        let est = (device_address(&job.est_part, main), job.est_chunks);
+        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est)?;
+        phase_done("merge", main)
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`).
