@@ -38,119 +38,229 @@ __device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, f
 }
 
 // part layout: [kv_head][chunk][g][PART] with PART = HEAD_DIM outputs, then m, then l.
-// The WARPS warps of a CTA each hold a partial (o, m, l) per query head of the group
-// (lanes split the head dimension); this combines them through shared memory and writes
-// the CTA's partial at `out` (group × PART floats).
-__device__ __forceinline__ void write_partial(const float (&o)[MAX_GROUP][PER_LANE], const float (&m)[MAX_GROUP],
-                                              const float (&l)[MAX_GROUP], int group, float* __restrict__ out) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __shared__ float sm[WARPS][MAX_GROUP][PART];
-  for (int g = 0; g < group; g++) {
+//
+// Partials are computed a tile of TILE rows at a time by a CTA of TILE_THREADS threads,
+// templated on the GQA group G (one kernel per group size, so every loop over the group is
+// unrolled and no register is spent on heads that do not exist):
+// 1. the tile's K and V rows are staged in shared memory with 16-byte loads, all issued
+//    before any is used (rows of a row list come from anywhere: KV rows, cache slots);
+// 2. each thread computes whole dot products of (row, query head) pairs against K in
+//    shared memory — no warp reductions;
+// 3. the warp holding a query head's 32 scores updates its running max and sum once per
+//    tile and writes the probabilities to shared memory;
+// 4. each thread accumulates two output dimensions of one query head over the tile's rows.
+#define TILE 32
+#define TILE_THREADS 128
+#define KPITCH (HEAD_DIM + 8)  // halves per staged K row: 16-byte aligned, quarter-warps hit distinct banks
+#define VEC (HEAD_DIM / 8)     // 16-byte vectors per row
+#define STAGE (TILE * VEC / TILE_THREADS)  // vectors of K (and of V) each thread stages
+#define PAIRS(G) ((G * TILE + TILE_THREADS - 1) / TILE_THREADS)      // scores per thread
+#define OUT2(G) ((G * HEAD_DIM / 2 + TILE_THREADS - 1) / TILE_THREADS)  // output pairs per thread
+
+// A CTA's online-softmax state for G query heads, and a tile's probabilities.
+template <int G>
+struct TileState {
+  float m[G], l[G], corr[G];
+  float p[G][TILE];
+};
+
+template <int G>
+__device__ __forceinline__ void tile_init(TileState<G>& st, float (&o)[OUT2(G)][2]) {
+  if (threadIdx.x < G) { st.m[threadIdx.x] = NEG_INF; st.l[threadIdx.x] = 0.f; }
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) sm[warp][g][lane * PER_LANE + i] = o[g][i];
-    if (lane == 0) { sm[warp][g][HEAD_DIM] = m[g]; sm[warp][g][HEAD_DIM + 1] = l[g]; }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += blockDim.x) {
-    const int g = idx / HEAD_DIM, i = idx % HEAD_DIM;
-    float mx = NEG_INF;
-    for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, sm[w][g][HEAD_DIM]);
-    float acc = 0.f, lsum = 0.f;
-    if (mx != NEG_INF) {
-      for (int w = 0; w < WARPS; w++) {
-        const float e = __expf(sm[w][g][HEAD_DIM] - mx);
-        acc += e * sm[w][g][i];
-        lsum += e * sm[w][g][HEAD_DIM + 1];
-      }
+  for (int j = 0; j < OUT2(G); j++) o[j][0] = o[j][1] = 0.f;
+}
+
+__device__ __forceinline__ void unpack8(uint4 raw, float* k) {
+  const unsigned int w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int j = 0; j < 4; j++) { k[2 * j] = h2f(w[j] & 0xffff); k[2 * j + 1] = h2f(w[j] >> 16); }
+}
+
+// Score pair j of this thread: row (threadIdx.x + TILE_THREADS·j) % TILE of query head
+// (threadIdx.x + TILE_THREADS·j) / TILE — a warp's pairs share one query head.
+template <int G>
+__device__ __forceinline__ void tile_scores(const unsigned short* ks, const float* qs, int valid,
+                                            float (&s)[PAIRS(G)]) {
+#pragma unroll
+  for (int j = 0; j < PAIRS(G); j++) {
+    const int pi = threadIdx.x + TILE_THREADS * j, r = pi % TILE, g = pi / TILE;
+    s[j] = NEG_INF;
+    if (g >= G) continue;
+    float acc = 0.f;
+#pragma unroll 4
+    for (int d = 0; d < HEAD_DIM; d += 8) {
+      float k[8];
+      unpack8(*reinterpret_cast<const uint4*>(ks + r * KPITCH + d), k);
+      const float4 q0 = *reinterpret_cast<const float4*>(qs + g * HEAD_DIM + d);
+      const float4 q1 = *reinterpret_cast<const float4*>(qs + g * HEAD_DIM + d + 4);
+      acc = fmaf(q0.x, k[0], acc); acc = fmaf(q0.y, k[1], acc); acc = fmaf(q0.z, k[2], acc); acc = fmaf(q0.w, k[3], acc);
+      acc = fmaf(q1.x, k[4], acc); acc = fmaf(q1.y, k[5], acc); acc = fmaf(q1.z, k[6], acc); acc = fmaf(q1.w, k[7], acc);
     }
-    out[g * PART + i] = acc;
-    if (i == 0) { out[g * PART + HEAD_DIM] = mx; out[g * PART + HEAD_DIM + 1] = lsum; }
+    if (r < valid) s[j] = acc;
   }
 }
 
-// Folds one row into the online-softmax partial of every query head of the group: score
-// s = q·k, warp-reduced over the lanes.
-__device__ __forceinline__ void fold_row(const float (&qr)[MAX_GROUP][PER_LANE], const float* kf, const float* vf,
-                                         int group, float (&o)[MAX_GROUP][PER_LANE],
-                                         float (&m)[MAX_GROUP], float (&l)[MAX_GROUP]) {
+// Steps 3 and 4 for one tile whose scores are in s (−inf: not a row) and whose value rows are
+// staged in vs (zeros where s is −inf for every head).
+template <int G>
+__device__ __forceinline__ void tile_fold(const float (&s)[PAIRS(G)], const unsigned short* vs, TileState<G>& st,
+                                          float (&o)[OUT2(G)][2]) {
+  const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int g = 0; g < MAX_GROUP; g++) {
-    if (g >= group) break;
-    float s = 0.f;
+  for (int j = 0; j < PAIRS(G); j++) {
+    const int pi = threadIdx.x + TILE_THREADS * j, g = pi / TILE;
+    if (g >= G) continue;  // uniform per warp
+    float mx = s[j];
 #pragma unroll
-    for (int i = 0; i < PER_LANE; i++) s = fmaf(qr[g][i], kf[i], s);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float mold = st.m[g], mnew = fmaxf(mold, mx);
+    const float p = mnew == NEG_INF ? 0.f : __expf(s[j] - mnew);
+    float sum = p;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    const float mn = fmaxf(m[g], s);
-    const float corr = __expf(m[g] - mn);
-    const float p = __expf(s - mn);
-    l[g] = l[g] * corr + p;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) o[g][i] = fmaf(p, vf[i], o[g][i] * corr);
-    m[g] = mn;
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    st.p[g][pi % TILE] = p;
+    if (lane == 0) {
+      const float corr = mold == NEG_INF ? 0.f : __expf(mold - mnew);
+      st.l[g] = st.l[g] * corr + sum;
+      st.m[g] = mnew;
+      st.corr[g] = corr;
+    }
   }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < OUT2(G); j++) {
+    const int idx = threadIdx.x + TILE_THREADS * j;
+    if (idx >= G * HEAD_DIM / 2) break;
+    const int g = idx / (HEAD_DIM / 2), d = 2 * (idx % (HEAD_DIM / 2));
+    const float corr = st.corr[g];
+    float a0 = o[j][0] * corr, a1 = o[j][1] * corr;
+#pragma unroll 8
+    for (int r = 0; r < TILE; r++) {
+      const unsigned int w = *reinterpret_cast<const unsigned int*>(vs + r * HEAD_DIM + d);
+      const float p = st.p[g][r];
+      a0 = fmaf(p, h2f(w & 0xffff), a0);
+      a1 = fmaf(p, h2f(w >> 16), a1);
+    }
+    o[j][0] = a0;
+    o[j][1] = a1;
+  }
+  __syncthreads();
+}
+
+// The CTA's partial (o, m, l) of every query head into out (G × PART floats).
+template <int G>
+__device__ __forceinline__ void tile_write(const TileState<G>& st, const float (&o)[OUT2(G)][2],
+                                           float* __restrict__ out) {
+#pragma unroll
+  for (int j = 0; j < OUT2(G); j++) {
+    const int idx = threadIdx.x + TILE_THREADS * j;
+    if (idx >= G * HEAD_DIM / 2) break;
+    const int g = idx / (HEAD_DIM / 2), d = 2 * (idx % (HEAD_DIM / 2));
+    out[g * PART + d] = o[j][0];
+    out[g * PART + d + 1] = o[j][1];
+  }
+  if (threadIdx.x < G) {
+    out[threadIdx.x * PART + HEAD_DIM] = st.m[threadIdx.x];
+    out[threadIdx.x * PART + HEAD_DIM + 1] = st.l[threadIdx.x];
+  }
+}
+
+// Stages a tile's rows: row r's K and V start at kr[r] / vr[r] (null: not a row, zeros).
+__device__ __forceinline__ void tile_stage(const unsigned short* const* kr, const unsigned short* const* vr,
+                                           unsigned short* ks, unsigned short* vs) {
+  uint4 kx[STAGE], vx[STAGE];
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int u = 0; u < STAGE; u++) {
+    const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
+    kx[u] = kr[r] ? reinterpret_cast<const uint4*>(kr[r])[c] : zero;
+    vx[u] = vr[r] ? reinterpret_cast<const uint4*>(vr[r])[c] : zero;
+  }
+#pragma unroll
+  for (int u = 0; u < STAGE; u++) {
+    const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
+    *reinterpret_cast<uint4*>(ks + r * KPITCH + c * 8) = kx[u];
+    *reinterpret_cast<uint4*>(vs + r * HEAD_DIM + c * 8) = vx[u];
+  }
+  __syncthreads();
 }
 
 // A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 is slot −r−1 of the Gpu-tier
 // cache ck/cv (device memory, one row per slot): hits and misses of one plan in one pass.
-extern "C" __global__ void attn_partial(
-    const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,
-    const float* __restrict__ q, float scale, int group,
-    const int* __restrict__ rows, const int* __restrict__ row_offsets, int identity_rows,
-    int chunk, float* __restrict__ part,
-    const unsigned short* __restrict__ ck, const unsigned short* __restrict__ cv) {
+// The CTA takes chunks c, c + gridDim.x, … of the head's rows (one chunk when the grid
+// covers the list, as it does for exact and host-built lists; a wave step's device-built
+// list may be longer than its grid) and writes one partial.
+template <int G>
+__device__ __forceinline__ void attn_tiles(const unsigned short* __restrict__ k, const unsigned short* __restrict__ v,
+                                           long long head_stride, const float* __restrict__ q, float scale,
+                                           const int* __restrict__ rows, const int* __restrict__ row_offsets,
+                                           int identity_rows, int chunk, float* __restrict__ part,
+                                           const unsigned short* __restrict__ ck,
+                                           const unsigned short* __restrict__ cv) {
+  __shared__ __align__(16) unsigned short ks[TILE * KPITCH];
+  __shared__ __align__(16) unsigned short vs[TILE * HEAD_DIM];
+  __shared__ __align__(16) float qs[G * HEAD_DIM];
+  __shared__ const unsigned short* kr[TILE];
+  __shared__ const unsigned short* vr[TILE];
+  __shared__ TileState<G> st;
   const int h = blockIdx.y, c = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int* list = nullptr;
   int count = identity_rows;
   if (rows != nullptr) {
     list = rows + row_offsets[h];
     count = row_offsets[h + 1] - row_offsets[h];
   }
-  float qr[MAX_GROUP][PER_LANE], o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
-#pragma unroll
-  for (int g = 0; g < MAX_GROUP; g++) {
-    m[g] = NEG_INF;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) {
-      qr[g][i] = g < group ? q[(h * group + g) * HEAD_DIM + lane * PER_LANE + i] * scale : 0.f;
-      o[g][i] = 0.f;
-    }
-  }
-  const unsigned short* kh = k + h * head_stride + lane * PER_LANE;
-  const unsigned short* vh = v + h * head_stride + lane * PER_LANE;
-  // The CTA takes chunks c, c + gridDim.x, … of the list (one chunk when the grid covers
-  // it, as it does for exact and host-built lists; a wave step's device-built list may be
-  // longer than its grid). Each warp takes UNROLL rows per step and issues all their loads
-  // before any math, so several rows are in flight per warp (the loop is latency-bound
-  // otherwise).
-  for (int cc = c; cc * chunk < count; cc += gridDim.x)
-  for (int t0 = cc * chunk + warp * UNROLL, hi = min(count, (cc + 1) * chunk); t0 < hi; t0 += WARPS * UNROLL) {
-    float kf[UNROLL][PER_LANE], vf[UNROLL][PER_LANE];
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      const int t = t0 + u;
-      if (t < hi) {
-        const long long row = list ? (long long)list[t] : (long long)t;
-        if (row >= 0) {
-          load_row(kh + row * HEAD_DIM, kf[u]);
-          load_row(vh + row * HEAD_DIM, vf[u]);
-        } else {
-          const long long slot = -row - 1;
-          load_row(ck + slot * HEAD_DIM + lane * PER_LANE, kf[u]);
-          load_row(cv + slot * HEAD_DIM + lane * PER_LANE, vf[u]);
+  for (int i = threadIdx.x; i < G * HEAD_DIM; i += TILE_THREADS) qs[i] = q[h * G * HEAD_DIM + i] * scale;
+  float o[OUT2(G)][2];
+  tile_init<G>(st, o);
+  const unsigned short* kh = k + h * head_stride;
+  const unsigned short* vh = v + h * head_stride;
+  for (int cc = c; cc * chunk < count; cc += gridDim.x) {
+    const int hi = min(count, (cc + 1) * chunk);
+    for (int t0 = cc * chunk; t0 < hi; t0 += TILE) {
+      const int valid = min(TILE, hi - t0);
+      if (threadIdx.x < TILE) {
+        const unsigned short *kp = nullptr, *vp = nullptr;
+        if (threadIdx.x < valid) {
+          const long long row = list ? (long long)list[t0 + threadIdx.x] : (long long)(t0 + threadIdx.x);
+          if (row >= 0) {
+            kp = kh + row * HEAD_DIM;
+            vp = vh + row * HEAD_DIM;
+          } else {
+            kp = ck + (-row - 1) * HEAD_DIM;
+            vp = cv + (-row - 1) * HEAD_DIM;
+          }
         }
+        kr[threadIdx.x] = kp;
+        vr[threadIdx.x] = vp;
       }
-    }
-#pragma unroll
-    for (int u = 0; u < UNROLL; u++) {
-      if (t0 + u >= hi) break;
-      fold_row(qr, kf[u], vf[u], group, o, m, l);
+      __syncthreads();
+      tile_stage(kr, vr, ks, vs);
+      float s[PAIRS(G)];
+      tile_scores<G>(ks, qs, valid, s);
+      tile_fold<G>(s, vs, st, o);
     }
   }
-  write_partial(o, m, l, group, part + ((long long)(h * gridDim.x + c) * group) * PART);
+  tile_write<G>(st, o, part + ((long long)(h * gridDim.x + c) * G) * PART);
 }
+
+#define ATTN_PARTIAL(G)                                                                                           \
+  extern "C" __global__ void __launch_bounds__(TILE_THREADS) attn_partial_g##G(                                  \
+      const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,          \
+      const float* __restrict__ q, float scale, const int* __restrict__ rows, const int* __restrict__ row_offsets, \
+      int identity_rows, int chunk, float* __restrict__ part, const unsigned short* __restrict__ ck,              \
+      const unsigned short* __restrict__ cv) {                                                                    \
+    attn_tiles<G>(k, v, head_stride, q, scale, rows, row_offsets, identity_rows, chunk, part, ck, cv);           \
+  }
+ATTN_PARTIAL(1)
+ATTN_PARTIAL(2)
+ATTN_PARTIAL(3)
+ATTN_PARTIAL(4)
+ATTN_PARTIAL(5)
+ATTN_PARTIAL(6)
+ATTN_PARTIAL(7)
+ATTN_PARTIAL(8)
 
 // One CTA per query head, MERGE_WARPS warps: the maximum m over chunks by a block
 // reduction, then warp w folds chunks w, w + MERGE_WARPS, … (lanes split the head

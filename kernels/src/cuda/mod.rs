@@ -50,7 +50,8 @@ pub struct GpuBackend {
     /// A second stream: a wave step's estimation runs on it beside the row list and the
     /// attention.
     side: Arc<CudaStream>,
-    partial: CudaFunction,
+    /// `attn_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
+    partial: Vec<CudaFunction>,
     merge: CudaFunction,
     admit: CudaFunction,
     score: CudaFunction,
@@ -59,7 +60,8 @@ pub struct GpuBackend {
     filter: CudaFunction,
     pick: CudaFunction,
     expand: CudaFunction,
-    est: CudaFunction,
+    /// `est_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
+    est: Vec<CudaFunction>,
     km_assign: CudaFunction,
     km_accumulate: CudaFunction,
     km_normalize: CudaFunction,
@@ -203,7 +205,13 @@ impl GpuBackend {
         let (major, minor) = ctx.compute_capability().map_err(gpu_err("reading the compute capability"))?;
         let ptx = compiled(head_dim, major, minor)?;
         let module = ctx.load_module(ptx).map_err(gpu_err("loading the decode module"))?;
-        let partial = module.load_function("attn_partial").map_err(gpu_err("attn_partial"))?;
+        let per_group = |name: &str| {
+            (1..=MAX_GROUP)
+                .map(|g| module.load_function(&format!("{name}_g{g}")))
+                .collect::<std::result::Result<Vec<_>, _>>()
+                .map_err(gpu_err("loading a per-group kernel"))
+        };
+        let partial = per_group("attn_partial")?;
         let merge = module.load_function("attn_merge").map_err(gpu_err("attn_merge"))?;
         let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
         let score = module.load_function("centroid_scores").map_err(gpu_err("centroid_scores"))?;
@@ -212,7 +220,7 @@ impl GpuBackend {
         let filter = module.load_function("score_filter").map_err(gpu_err("score_filter"))?;
         let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
-        let est = module.load_function("est_partial").map_err(gpu_err("est_partial"))?;
+        let est = per_group("est_partial")?;
         let km_assign = module.load_function("kmeans_assign").map_err(gpu_err("kmeans_assign"))?;
         let km_accumulate = module.load_function("kmeans_accumulate").map_err(gpu_err("kmeans_accumulate"))?;
         let km_normalize = module.load_function("kmeans_normalize").map_err(gpu_err("kmeans_normalize"))?;
@@ -651,7 +659,6 @@ impl GpuBackend {
         job: &mut DecodeJob,
     ) -> Result<()> {
         let sh = job.shape;
-        let group = sh.group() as i32;
         let identity = job.identity_rows as i32;
         let chunk = job.chunk as i32;
         let (rows_ptr, offsets_ptr) = match &job.rows {
@@ -663,8 +670,8 @@ impl GpuBackend {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.launch_builder(&self.partial);
-        b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale).arg(&group);
+        let mut b = stream.launch_builder(&self.partial[sh.group() - 1]);
+        b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale);
         b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part);
         b.arg(&ck).arg(&cv);
         // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <

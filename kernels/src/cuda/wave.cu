@@ -124,114 +124,76 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   }
 }
 
-#define EST_ROWS 128
-
-// The estimation zone: one CTA (WARPS warps) per (chunk of `per_cta` clusters, KV head) folds
-// every cluster not marked (mark ≠ 0: retrieved this step) as one row whose score is its centroid's (kept by
-// score_filter in `group_scores`, [h][g][n], scaled), whose value is the mean value and whose
-// weight is its size: mass size·e^{q·c}, value size·e^{q·c}·mean. Tiles of EST_ROWS
-// clusters, one per thread, weights through shared memory, then the warps fold mean values
-// with lanes splitting the head dimension. Writes the CTA's partial as chunk blockIdx.x of
-// `part`. Each mark is read by exactly one thread, which clears it for the next step (so a
-// step's launches take no per-step argument and can be replayed from a graph).
-extern "C" __global__ void est_partial(const float* __restrict__ group_scores,
-                                       const unsigned short* __restrict__ vmean, const float* __restrict__ log_size,
-                                       int n, int* __restrict__ mark, int group, int per_cta,
-                                       float* __restrict__ part) {
-  __shared__ float w[MAX_GROUP][EST_ROWS];
-  __shared__ float tile_max[MAX_GROUP][WARPS];
-  const int h = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+// The estimation zone: one CTA per (chunk of `per_cta` clusters, KV head) folds every cluster
+// not marked (mark ≠ 0: retrieved this step) as one row whose score is its centroid's (kept
+// by score_filter in `group_scores`, [h][g][n], scaled), whose value is the mean value and
+// whose weight is its size: mass size·e^{q·c}, value size·e^{q·c}·mean. The same tiles as
+// attention (decode.cu), with the scores read instead of computed. Writes the CTA's partial
+// as chunk blockIdx.x of `part`. Each mark is read by exactly one thread, which clears it for
+// the next step (so a step's launches take no per-step argument and can be replayed from a
+// graph).
+template <int G>
+__device__ __forceinline__ void est_tiles(const float* __restrict__ group_scores,
+                                          const unsigned short* __restrict__ vmean,
+                                          const float* __restrict__ log_size, int n, int* __restrict__ mark,
+                                          int per_cta, float* __restrict__ part) {
+  __shared__ __align__(16) unsigned short vs[TILE * HEAD_DIM];
+  __shared__ const unsigned short* vr[TILE];
+  __shared__ float bias[TILE];
+  __shared__ TileState<G> st;
+  const int h = blockIdx.y;
   const int lo = blockIdx.x * per_cta, hi = min(n, lo + per_cta);
   const long long head = (long long)h * n;
-  float o[MAX_GROUP][PER_LANE], m[MAX_GROUP], l[MAX_GROUP];
-#pragma unroll
-  for (int g = 0; g < MAX_GROUP; g++) {
-    m[g] = NEG_INF;
-    l[g] = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) o[g][i] = 0.f;
-  }
-  for (int t0 = lo; t0 < hi; t0 += EST_ROWS) {
-    float local_max[MAX_GROUP];
-#pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) local_max[g] = NEG_INF;
-    for (int i = threadIdx.x; i < EST_ROWS; i += blockDim.x) {
-      const int c = t0 + i;
-      bool skip = true;
+  float o[OUT2(G)][2];
+  tile_init<G>(st, o);
+  for (int t0 = lo; t0 < hi; t0 += TILE) {
+    if (threadIdx.x < TILE) {
+      const int c = t0 + threadIdx.x;
+      float b = NEG_INF;
       if (c < hi) {
-        skip = mark[head + c] != 0;
-        if (skip) mark[head + c] = 0;
+        if (mark[head + c] != 0) mark[head + c] = 0;
+        else b = log_size[head + c];  // −inf for an empty cluster
       }
-      const float bias = skip ? NEG_INF : log_size[head + c];
-#pragma unroll
-      for (int g = 0; g < MAX_GROUP; g++) {
-        if (g >= group) break;
-        const float x = bias != NEG_INF ? group_scores[((long long)h * group + g) * n + c] + bias : NEG_INF;
-        w[g][i] = x;
-        local_max[g] = fmaxf(local_max[g], x);
-      }
-    }
-#pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) {
-      if (g >= group) break;
-      float x = local_max[g];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, off));
-      if (lane == 0) tile_max[g][warp] = x;
+      bias[threadIdx.x] = b;
+      vr[threadIdx.x] = b == NEG_INF ? nullptr : vmean + (head + c) * HEAD_DIM;
     }
     __syncthreads();
-    float mnew[MAX_GROUP];
+    // Mean values only: no keys to stage (vr stands in for both; the K copy is unused).
+    uint4 vx[STAGE];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) {
-      if (g >= group) break;
-      float x = m[g];
-      for (int v = 0; v < WARPS; v++) x = fmaxf(x, tile_max[g][v]);
-      mnew[g] = x;
+    for (int u = 0; u < STAGE; u++) {
+      const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
+      vx[u] = vr[r] ? reinterpret_cast<const uint4*>(vr[r])[c] : make_uint4(0, 0, 0, 0);
     }
-    // Weights e^{s − M} in place (0 for skipped clusters).
-    for (int i = threadIdx.x; i < EST_ROWS; i += blockDim.x)
 #pragma unroll
-      for (int g = 0; g < MAX_GROUP; g++)
-        if (g < group) w[g][i] = mnew[g] == NEG_INF ? 0.f : __expf(w[g][i] - mnew[g]);
+    for (int u = 0; u < STAGE; u++) {
+      const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
+      *reinterpret_cast<uint4*>(vs + r * HEAD_DIM + c * 8) = vx[u];
+    }
+    float s[PAIRS(G)];
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) {
-      if (g >= group) break;
-      const float corr = m[g] == NEG_INF ? 0.f : __expf(m[g] - mnew[g]);
-      l[g] *= corr;
-#pragma unroll
-      for (int k = 0; k < PER_LANE; k++) o[g][k] *= corr;
-      m[g] = mnew[g];
+    for (int j = 0; j < PAIRS(G); j++) {
+      const int pi = threadIdx.x + TILE_THREADS * j, r = pi % TILE, g = pi / TILE;
+      s[j] = NEG_INF;
+      if (g < G && bias[r] != NEG_INF) s[j] = group_scores[((long long)h * G + g) * n + t0 + r] + bias[r];
     }
     __syncthreads();
-    // Warp v folds clusters v, v + WARPS, …, UNROLL at a time with all their loads issued
-    // first (the loop is latency-bound otherwise): lanes split the mean value row.
-    for (int i0 = warp; i0 < EST_ROWS && t0 + i0 < hi; i0 += WARPS * UNROLL) {
-      float vf[UNROLL][PER_LANE];
-      bool live[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; u++) {
-        const int i = i0 + u * WARPS;
-        float mass = 0.f;
-        if (i < EST_ROWS && t0 + i < hi)
-          for (int g = 0; g < group; g++) mass += w[g][i];
-        live[u] = mass > 0.f;
-        if (live[u]) load_row(vmean + (head + t0 + i) * HEAD_DIM + lane * PER_LANE, vf[u]);
-      }
-#pragma unroll
-      for (int u = 0; u < UNROLL; u++) {
-        if (!live[u]) continue;
-        const int i = i0 + u * WARPS;
-#pragma unroll
-        for (int g = 0; g < MAX_GROUP; g++) {
-          if (g >= group) break;
-          const float p = w[g][i];
-          l[g] += p;
-#pragma unroll
-          for (int k = 0; k < PER_LANE; k++) o[g][k] = fmaf(p, vf[u][k], o[g][k]);
-        }
-      }
-    }
-    __syncthreads();
+    tile_fold<G>(s, vs, st, o);
   }
-  write_partial(o, m, l, group, part + ((long long)(h * gridDim.x + blockIdx.x) * group) * PART);
+  tile_write<G>(st, o, part + ((long long)(h * gridDim.x + blockIdx.x) * G) * PART);
 }
+
+#define EST_PARTIAL(G)                                                                                         \
+  extern "C" __global__ void __launch_bounds__(TILE_THREADS) est_partial_g##G(                                \
+      const float* __restrict__ group_scores, const unsigned short* __restrict__ vmean,                       \
+      const float* __restrict__ log_size, int n, int* __restrict__ mark, int per_cta, float* __restrict__ part) { \
+    est_tiles<G>(group_scores, vmean, log_size, n, mark, per_cta, part);                                      \
+  }
+EST_PARTIAL(1)
+EST_PARTIAL(2)
+EST_PARTIAL(3)
+EST_PARTIAL(4)
+EST_PARTIAL(5)
+EST_PARTIAL(6)
+EST_PARTIAL(7)
+EST_PARTIAL(8)

@@ -251,7 +251,7 @@ impl GpuBackend {
         let typical = steady + r * wave.indexed.div_ceil(wave.clusters);
         let chunk = chunk_rows(typical, shape.kv_heads);
         let chunks = capacity.min(typical + typical / 4).div_ceil(chunk).max(1);
-        // Tiles of 128 clusters (EST_ROWS in wave.cu, one per thread), at most ~64 CTAs per head.
+        // Chunks of a multiple of 128 clusters (four 32-cluster tiles), at most ~64 CTAs per head.
         let per_cta = wave.clusters.div_ceil(64).next_multiple_of(128);
         let est_chunks = wave.clusters.div_ceil(per_cta);
         let s = &self.stream;
@@ -531,17 +531,16 @@ impl GpuBackend {
         // The estimation needs only the selection: it runs on the side stream, beside the
         // row list and the attention.
         side.join(main).map_err(gpu_err("ordering the streams"))?;
-        let group = sh.group() as i32;
         let per_cta = job.per_cta as i32;
         let cfg = LaunchConfig {
             grid_dim: (job.est_chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = side.launch_builder(&self.est);
+        let mut b = side.launch_builder(&self.est[sh.group() - 1]);
         let scores = job.select.group_scores.as_ref().expect("a wave job keeps group scores");
         b.arg(scores).arg(&wave.value_means).arg(&wave.log_size).arg(&n).arg(&mut job.mark);
-        b.arg(&group).arg(&per_cta).arg(&mut job.est_part);
+        b.arg(&per_cta).arg(&mut job.est_part);
         // SAFETY: group scores hold q_heads × n floats and mark kv_heads × n ints, both written
         // by this step's selection, which the side stream waits for (each mark is read and
         // cleared by one thread); mean values hold kv_heads × n × head_dim f16, log sizes
