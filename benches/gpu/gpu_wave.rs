@@ -74,17 +74,7 @@ fn main() {
     for step in 0..steps {
         let q = req.query(step, steps);
         gpu.set_wave_query(&mut req.job, &q).expect("query");
-        let mut enqueue = 0.0;
-        let us = gpu
-            .time_ms(|| {
-                let t0 = Instant::now();
-                let done =
-                    gpu.launch_wave(&req.wave, req.host.pointers(), Some((&req.cache, &req.table)), &mut req.job);
-                enqueue = t0.elapsed().as_secs_f64() * 1e6;
-                done
-            })
-            .expect("step")
-            * 1e3;
+        let (us, enqueue) = req.timed_step(&gpu);
         let out = gpu.fetch_wave(&req.job).expect("output");
         let (selection, fell_back) = gpu.wave_selection(&req.job).expect("selection");
         let a_us = req.keep_tier(&gpu, &selection, &mut tally);
@@ -95,17 +85,9 @@ fn main() {
             fallbacks += fell_back;
             // The same step launched kernel by kernel (cache as of after the admissions).
             req.job.set_graphs(false);
-            let e = gpu
-                .time_ms(|| {
-                    let t0 = Instant::now();
-                    let done =
-                        gpu.launch_wave(&req.wave, req.host.pointers(), Some((&req.cache, &req.table)), &mut req.job);
-                    enqueue = t0.elapsed().as_secs_f64() * 1e6;
-                    done
-                })
-                .expect("eager");
-            eager_us.push(e * 1e3);
-            enqueue_eager_us.push(enqueue);
+            let (e, e_enqueue) = req.timed_step(&gpu);
+            eager_us.push(e);
+            enqueue_eager_us.push(e_enqueue);
             req.job.set_graphs(true);
             host_us.push(
                 gpu.time_ms(|| gpu.launch_wave(&req.wave, req.host.pointers(), None, &mut req.job)).expect("host")
@@ -288,6 +270,22 @@ impl Request {
         gpu.admit(host.pointers(), &mut cache, &resident).expect("admit steady");
         gpu.upload_table(&mut table).expect("table");
         Self { layer, queries, host, wave, job, cache, table, lru }
+    }
+
+    /// One step over the host KV and the Gpu tier: its GPU microseconds (events) and the
+    /// host's microseconds to enqueue it.
+    fn timed_step(&mut self, gpu: &GpuBackend) -> (f64, f64) {
+        let mut enqueue = 0.0;
+        let ms = gpu
+            .time_ms(|| {
+                let t0 = Instant::now();
+                let done =
+                    gpu.launch_wave(&self.wave, self.host.pointers(), Some((&self.cache, &self.table)), &mut self.job);
+                enqueue = t0.elapsed().as_secs_f64() * 1e6;
+                done
+            })
+            .expect("step");
+        (ms * 1e3, enqueue)
     }
 
     /// Step `step` of `steps`'s query: a path between two synthetic queries.

@@ -37,6 +37,10 @@ pub struct ModelBudgetArgs {
     /// docs/realmodel.md).
     #[arg(long, default_value_t = attnstore_runtime::default_budget().retrieve_floor_tokens)]
     retrieve_floor: usize,
+    /// Contexts up to this many tokens are planned exact (the runtime's default, see
+    /// docs/realmodel.md; 0 turns the rule off).
+    #[arg(long, default_value_t = attnstore_runtime::default_budget().short_context_tokens)]
+    short_context: usize,
     /// Estimation share: a fraction of tokens, or `rest` (every cluster not retrieved; the
     /// runtime's default, measured in docs/realmodel.md).
     #[arg(long, default_value = "rest", value_parser = crate::parse_share)]
@@ -52,6 +56,7 @@ impl ModelBudgetArgs {
         let b = Budget::default()
             .with_retrieve(self.retrieve)
             .with_retrieve_floor(self.retrieve_floor)
+            .with_short_context(self.short_context)
             .with_estimate(self.estimate);
         b.validate().map_err(|e| e.to_string())?;
         Ok(b)

@@ -32,6 +32,12 @@ pub struct Budget {
     /// The planner picks exact attention when the sparse plan would read at least this
     /// fraction of the bytes exact attention reads (it would not be faster).
     pub exact_threshold: f64,
+    /// Contexts of at most this many tokens are attended exactly: below some length a sparse
+    /// plan's fixed costs (scoring every centroid, the estimation zone, dispatch) are the
+    /// order of exact attention itself, so it saves little and still costs accuracy. 0 (the
+    /// engine's default) turns the rule off; the engine cannot know the model's other costs,
+    /// a runtime can (`attnstore_runtime::SHORT_CONTEXT_TOKENS`).
+    pub short_context_tokens: usize,
 }
 
 impl Default for Budget {
@@ -46,6 +52,7 @@ impl Default for Budget {
             // speed goal, per-query-head stays one flag away.
             mode: SelectionMode::PerKvHead,
             exact_threshold: 0.5,
+            short_context_tokens: 0,
         }
     }
 }
@@ -78,6 +85,12 @@ impl Budget {
     /// exact one (0.5 by default; above 1, sparse plans are always kept).
     pub fn with_exact_threshold(mut self, share: f64) -> Self {
         self.exact_threshold = share;
+        self
+    }
+
+    /// Sets the context length up to which plans are exact (0: off).
+    pub fn with_short_context(mut self, tokens: usize) -> Self {
+        self.short_context_tokens = tokens;
         self
     }
 

@@ -192,6 +192,10 @@ pub(crate) fn plan_request(
         (_, Method::Wave(_) | Method::Pq(_)) if stats.indexed_tokens == 0 => {
             Some(format!("nothing indexed yet: all {tokens} tokens are in the steady zone"))
         }
+        (_, Method::Wave(_) | Method::Pq(_)) if tokens <= budget.short_context_tokens => Some(format!(
+            "short context: {tokens} tokens, at most the budget's {} (a sparse plan would save little here)",
+            budget.short_context_tokens
+        )),
         (_, Method::Wave(_) | Method::Pq(_)) => {
             let sparse = estimated_sparse_bytes(&shape, &stats, &zone, rows, spec.method);
             (sparse as f64 >= budget.exact_threshold * exact_bytes as f64).then(|| {

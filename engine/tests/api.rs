@@ -98,6 +98,25 @@ fn short_contexts_are_planned_exact_and_explain_says_why() {
 }
 
 #[test]
+fn a_short_context_rule_plans_exact_up_to_its_length_only() {
+    let (engine, ctx, synth) = setup(8000, DType::F16);
+    let q = synth.queries(0);
+    let budget = Budget::default().with_retrieve_floor(64);
+    let plan_with = |b: &Budget| engine.plan(&[Request::new(ctx, 0, q.clone())], b).unwrap();
+    // Off by default, and below the context's length: sparse.
+    for b in [budget, budget.with_short_context(7999)] {
+        assert!(matches!(plan_with(&b).requests[0].strategy, Strategy::Sparse { .. }), "{}", plan_with(&b).explain());
+    }
+    // At or above it: exact, and EXPLAIN says why; the output is exact attention's.
+    let short = budget.with_short_context(8000);
+    let plan = plan_with(&short);
+    assert!(matches!(plan.requests[0].strategy, Strategy::Exact { .. }));
+    assert!(plan.explain().contains("short context: 8000 tokens"), "{}", plan.explain());
+    let exact = engine.execute(&plan_with(&Budget::full())).unwrap().remove(0);
+    assert_eq!(engine.execute(&plan).unwrap().remove(0), exact);
+}
+
+#[test]
 fn explain_lists_every_zone_with_bytes_and_cost() {
     let (engine, ctx, synth) = setup(8000, DType::F16);
     let budget = Budget::default().with_retrieve_floor(64);

@@ -15,7 +15,10 @@ pub mod trace;
 
 pub use error::{Error, Result};
 pub use model::{argmax, kl_divergence, log_softmax, AttentionBackend, Model, ModelConfig, Prefill, Weights};
-pub use session::{default_budget, relative_l2, AttnConfig, AttnMethod, Session, SessionStats};
+pub use session::{
+    default_budget, relative_l2, AttnConfig, AttnMethod, Session, SessionStats, RETRIEVE_FLOOR_TOKENS,
+    SHORT_CONTEXT_TOKENS,
+};
 pub use tokenizer::Tokenizer;
 
 /// Where the model is looked for: `$ATTNSTORE_MODEL`, else `models/SmolLM2-135M-Instruct.Q4_1.gguf`

@@ -62,13 +62,25 @@ impl AttnMethod {
 /// 1024 / 1.8% ≈ 57K tokens are not affected.
 pub const RETRIEVE_FLOOR_TOKENS: usize = 1024;
 
+/// Contexts up to this many tokens are attended exactly by the runtime's default budget
+/// (`Budget::short_context_tokens`). On SmolLM2 at 3.7K tokens a wave plan made generation
+/// only ~5% faster than exact attention (the model's matmuls are 75% of a step, and a plan's
+/// fixed costs are the order of exact attention over 3 KV heads), while at 4K over three
+/// texts the default sparse plan agreed with exact on 96.3% of the next tokens
+/// (`docs/realmodel.md`): below this length the trade is not worth it.
+pub const SHORT_CONTEXT_TOKENS: usize = 6144;
+
 /// The runtime's default budget: the engine's (1.8% retrieved, clusters chosen per KV head)
-/// with a [`RETRIEVE_FLOOR_TOKENS`] floor, estimating every cluster that is not retrieved.
+/// with a [`RETRIEVE_FLOOR_TOKENS`] floor, estimating every cluster that is not retrieved,
+/// and exact plans up to [`SHORT_CONTEXT_TOKENS`].
 /// On a real 3.6K-token SmolLM2 trace estimating all clusters cut the wave plans' attention
 /// error from 0.068 to 0.058 for 2% more bytes (`docs/realmodel.md`); at these lengths the
 /// value sums of all clusters are cheap.
 pub fn default_budget() -> Budget {
-    Budget::default().with_estimate(EstimateShare::Rest).with_retrieve_floor(RETRIEVE_FLOOR_TOKENS)
+    Budget::default()
+        .with_estimate(EstimateShare::Rest)
+        .with_retrieve_floor(RETRIEVE_FLOOR_TOKENS)
+        .with_short_context(SHORT_CONTEXT_TOKENS)
 }
 
 /// A method and the budget its plans run under.
