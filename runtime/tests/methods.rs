@@ -37,14 +37,15 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
         full.budget.retrieve_frac = 1.0;
         full.budget.estimate = EstimateShare::Fraction(0.0);
         full.budget.exact_threshold = f64::MAX;
+        full.budget.short_context_tokens = 0;
         let (logits, stats) = run(full);
         assert_eq!(stats.exact_plans, 0, "{method:?}: the sparse executor must run");
         let worst = logits.iter().zip(&exact).map(|(a, b)| max_rel(a, b)).fold(0f32, f32::max);
         println!("{method:?} at a full sparse budget vs exact: {worst:.2e}");
         assert!(worst < 1e-4, "{method:?}: {worst}");
 
-        // The default budget's 1024-token floor would read most of 1200 tokens: the
-        // planner picks exact attention instead.
+        // The default budget plans 1200 tokens exact: a short context (and its 1024-token
+        // floor would read most of them anyway).
         let (_, stats) = run(AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) });
         // (The oracle top-k is a measuring device: it is never replaced by exact attention.)
         if method != AttnMethod::TopK {
@@ -53,6 +54,7 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
         // A smaller floor makes it sparse, and it stays close.
         let mut small = AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) };
         small.budget.retrieve_floor_tokens = 128;
+        small.budget.short_context_tokens = 0;
         let (logits, stats) = run(small);
         let kl = logits.iter().zip(&exact).map(|(a, b)| kl_divergence(b, a)).sum::<f64>() / 4.0;
         println!(
