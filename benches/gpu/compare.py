@@ -14,8 +14,7 @@ print(f"{'tokens':>8} {'method':>22} {'time_us':>9} {'vs sdpa':>8} {'GB/s':>7} {
 for tokens in sorted(by):
     sdpa1 = by[tokens].get("sdpa", {}).get("time_us")
     for method, r in by[tokens].items():
-        base = sdpa1
-        base = base if r.get("batch", 1) == 1 else None  # batched rows: see the throughput lines
+        base = sdpa1 if r.get("batch", 1) == 1 else None  # batched rows: see the throughput lines
         ratio = f"{base / r['time_us']:.2f}x" if base else "-"
         print(f"{tokens:>8} {method:>22} {r['time_us']:>9.1f} {ratio:>8} {r.get('gbps', '-'):>7} {r.get('hit_ratio', '-'):>6}")
         r["baseline"], r["baseline_time_us"] = "sdpa", base

@@ -64,7 +64,6 @@ fn main() {
     drop(synth);
     let mut req = Request::new(&gpu, &shape, layer, (qa, qb), r);
     let layer = &req.layer;
-    let bits = |x: &[half::f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
     let hbm = gpu.upload(&bits(&layer.keys), &bits(&layer.values), kvh).expect("upload");
     let steps = 200;
     let (mut step_us, mut host_us, mut hbm_us, mut admit_us, mut eager_us) = (vec![], vec![], vec![], vec![], vec![]);
@@ -226,6 +225,11 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
     );
 }
 
+/// f16 values as the bits the GPU backend takes.
+fn bits(x: &[half::f16]) -> Vec<u16> {
+    x.iter().map(|h| h.to_bits()).collect()
+}
+
 /// One context of the bench: its layer, KV in mapped pinned memory, meta index, step
 /// buffers, and its Gpu tier (5% of its KV rows in 16-row blocks, the steady zone resident,
 /// the rest under LRU).
@@ -249,7 +253,6 @@ impl Request {
         r: usize,
     ) -> Self {
         let kvh = shape.kv_heads;
-        let bits = |x: &[half::f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
         let host = gpu.pin(&bits(&layer.keys), &bits(&layer.values), kvh).expect("pin");
         let wave = gpu.upload_wave(&layer).expect("meta index");
         let job = gpu.prepare_wave(shape, &wave, r).expect("prepare");

@@ -14,8 +14,6 @@
 #define MAX_GROUP 8
 #endif
 #define PER_LANE (HEAD_DIM / 32)
-#define WARPS 4
-#define UNROLL 4
 #define PART (HEAD_DIM + 2)
 // NVRTC has no math headers: -inf spelled out.
 #define NEG_INF (-__int_as_float(0x7f800000))
@@ -166,7 +164,9 @@ __device__ __forceinline__ void tile_write(const TileState<G>& st, const float (
   }
 }
 
-// Stages a tile's rows: row r's K and V start at kr[r] / vr[r] (null: not a row, zeros).
+// Stages a tile's rows: row r's K and V start at kr[r] / vr[r] (null: not a row, zeros);
+// without KEYS only the values (the estimation's mean values; kr and ks unused).
+template <bool KEYS>
 __device__ __forceinline__ void tile_stage(const unsigned short* const* kr, const unsigned short* const* vr,
                                            unsigned short* ks, unsigned short* vs) {
   uint4 kx[STAGE], vx[STAGE];
@@ -174,13 +174,13 @@ __device__ __forceinline__ void tile_stage(const unsigned short* const* kr, cons
 #pragma unroll
   for (int u = 0; u < STAGE; u++) {
     const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
-    kx[u] = kr[r] ? reinterpret_cast<const uint4*>(kr[r])[c] : zero;
+    if (KEYS) kx[u] = kr[r] ? reinterpret_cast<const uint4*>(kr[r])[c] : zero;
     vx[u] = vr[r] ? reinterpret_cast<const uint4*>(vr[r])[c] : zero;
   }
 #pragma unroll
   for (int u = 0; u < STAGE; u++) {
     const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
-    *reinterpret_cast<uint4*>(ks + r * KPITCH + c * 8) = kx[u];
+    if (KEYS) *reinterpret_cast<uint4*>(ks + r * KPITCH + c * 8) = kx[u];
     *reinterpret_cast<uint4*>(vs + r * HEAD_DIM + c * 8) = vx[u];
   }
   __syncthreads();
@@ -236,7 +236,7 @@ __device__ __forceinline__ void attn_tiles(const unsigned short* __restrict__ k,
         vr[threadIdx.x] = vp;
       }
       __syncthreads();
-      tile_stage(kr, vr, ks, vs);
+      tile_stage<true>(kr, vr, ks, vs);
       float s[PAIRS(G)];
       tile_scores<G>(ks, qs, valid, s);
       tile_fold<G>(s, vs, st, o);

@@ -158,18 +158,7 @@ __device__ __forceinline__ void est_tiles(const float* __restrict__ group_scores
       vr[threadIdx.x] = b == NEG_INF ? nullptr : vmean + (head + c) * HEAD_DIM;
     }
     __syncthreads();
-    // Mean values only: no keys to stage (vr stands in for both; the K copy is unused).
-    uint4 vx[STAGE];
-#pragma unroll
-    for (int u = 0; u < STAGE; u++) {
-      const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
-      vx[u] = vr[r] ? reinterpret_cast<const uint4*>(vr[r])[c] : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < STAGE; u++) {
-      const int i = threadIdx.x + TILE_THREADS * u, r = i / VEC, c = i % VEC;
-      *reinterpret_cast<uint4*>(vs + r * HEAD_DIM + c * 8) = vx[u];
-    }
+    tile_stage<false>(nullptr, vr, nullptr, vs);  // mean values only
     float s[PAIRS(G)];
 #pragma unroll
     for (int j = 0; j < PAIRS(G); j++) {
@@ -177,7 +166,6 @@ __device__ __forceinline__ void est_tiles(const float* __restrict__ group_scores
       s[j] = NEG_INF;
       if (g < G && bias[r] != NEG_INF) s[j] = group_scores[((long long)h * G + g) * n + t0 + r] + bias[r];
     }
-    __syncthreads();
     tile_fold<G>(s, vs, st, o);
   }
   tile_write<G>(st, o, part + ((long long)(h * gridDim.x + blockIdx.x) * G) * PART);
