@@ -24,7 +24,7 @@
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::rel_l2;
-use attnstore_kernels::cuda::{DeviceWave, GpuBackend, GpuCache, MappedKv, WaveJob, WaveStep, WaveTable};
+use attnstore_kernels::cuda::{DeviceWave, GpuBackend, GpuCache, MappedKv, WaveCache, WaveJob, WaveStep, WaveTable};
 use attnstore_kernels::layout::{ClusteredLayer, LayoutParams};
 use attnstore_kernels::{AttnShape, HeadsView};
 use serde_json::json;
@@ -105,7 +105,7 @@ fn main() {
     let mut phases = vec![Vec::new(); names.len()];
     for _ in 0..20 {
         let ms = gpu
-            .wave_phases(&req.wave, req.host.pointers(), Some((&req.cache, &req.table)), &mut req.job)
+            .wave_phases(&req.wave, req.host.pointers(), Some(WaveCache::Layer(&req.cache, &req.table)), &mut req.job)
             .expect("phases");
         phases.iter_mut().zip(ms).for_each(|(p, t)| p.push(t * 1e3));
     }
@@ -192,7 +192,7 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
                 .map(|q| WaveStep {
                     wave: &q.wave,
                     kv: q.host.pointers(),
-                    cache: Some((&q.cache, &q.table)),
+                    cache: Some(WaveCache::Layer(&q.cache, &q.table)),
                     job: &mut q.job,
                 })
                 .collect();
@@ -282,8 +282,12 @@ impl Request {
         let ms = gpu
             .time_ms(|| {
                 let t0 = Instant::now();
-                let done =
-                    gpu.launch_wave(&self.wave, self.host.pointers(), Some((&self.cache, &self.table)), &mut self.job);
+                let done = gpu.launch_wave(
+                    &self.wave,
+                    self.host.pointers(),
+                    Some(WaveCache::Layer(&self.cache, &self.table)),
+                    &mut self.job,
+                );
                 enqueue = t0.elapsed().as_secs_f64() * 1e6;
                 done
             })

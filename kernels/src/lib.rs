@@ -6,6 +6,7 @@
 
 #![deny(unsafe_code)]
 
+pub mod arena_wave;
 mod codec;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -17,6 +18,7 @@ pub mod random;
 mod shape;
 mod view;
 
+pub use arena_wave::{ArenaWave, HeadClusters};
 pub use codec::Codec;
 pub use cpu::hack::HackParams;
 pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch};

@@ -4,7 +4,7 @@
 
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
-use attnstore_kernels::cuda::{GpuBackend, WaveStep};
+use attnstore_kernels::cuda::{ArenaCache, GpuBackend, SharedRows, WaveCache, WaveStep};
 use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::{narrow_vec, AttnShape, HeadsView};
 use half::f16;
@@ -287,11 +287,10 @@ fn cpu_wave_step(
     out
 }
 
-#[test]
-fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_without_cache() {
-    use attnstore_kernels::cpu::scoring::{score_group, top_r};
+/// A layer of 8192 + 68 tokens per head (keys near 32 topic directions per head, values
+/// random) clustered like the wave index, and a query near a few topics per head.
+fn clustered_layer() -> (AttnShape, attnstore_kernels::layout::ClusteredLayer, Vec<f32>) {
     use attnstore_kernels::layout::{ClusteredLayer, LayoutParams};
-    let Some(gpu) = gpu() else { return };
     let shape = AttnShape::new(32, 8, 128).unwrap();
     let (d, kvh, tokens) = (128, 8, 8192 + 68);
     let mut g = SplitMix64::new(21);
@@ -311,6 +310,161 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     let layer =
         ClusteredLayer::build(&keys, &values, kvh, d, LayoutParams { segment_tokens: 2048, ..Default::default() })
             .unwrap();
+    (shape, layer, q)
+}
+
+#[test]
+fn an_arena_layer_step_equals_the_same_layer_read_from_its_own_rows() {
+    use attnstore_kernels::{ArenaWave, HeadClusters};
+    let Some(gpu) = gpu() else { return };
+    let (shape, layer, q) = clustered_layer();
+    let (d, kvh, per_block) = (128, 8, 4);
+    let block_rows = 2 * per_block;
+    // Scatter every head's clusters into blocks of 4 tokens ([K × 4][V × 4]) at shuffled
+    // places of one arena, the way the buffer manager homes them.
+    let blocks: usize =
+        (0..kvh).map(|h| (0..layer.clusters).map(|c| layer.size(h, c).div_ceil(per_block)).sum::<usize>()).sum();
+    let mut places: Vec<usize> = (0..blocks + 7).collect();
+    let mut g = SplitMix64::new(5);
+    for i in (1..places.len()).rev() {
+        places.swap(i, g.below(i + 1));
+    }
+    let mut arena = vec![0u16; places.len() * block_rows * d];
+    let (kb, vb) = (bits(&layer.keys), bits(&layer.values));
+    let mut maps: Vec<Vec<u32>> = vec![Vec::new(); kvh];
+    let mut block_of: Vec<Vec<usize>> = vec![Vec::new(); kvh]; // arena block of every cluster row
+    let mut next = 0;
+    for h in 0..kvh {
+        for c in 0..layer.clusters {
+            let rows: Vec<usize> = layer.cluster_rows(h, c).collect();
+            for chunk in rows.chunks(per_block) {
+                let at = places[next];
+                next += 1;
+                for (i, &t) in chunk.iter().enumerate() {
+                    let src = (h * layer.rows + t) * d;
+                    let k = (at * block_rows + i) * d;
+                    arena[k..k + d].copy_from_slice(&kb[src..src + d]);
+                    arena[k + per_block * d..k + per_block * d + d].copy_from_slice(&vb[src..src + d]);
+                    maps[h].push((at * block_rows + i) as u32);
+                    block_of[h].push(at);
+                }
+            }
+        }
+    }
+    let sizes: Vec<Vec<u32>> =
+        (0..kvh).map(|h| (0..layer.clusters).map(|c| layer.size(h, c) as u32).collect()).collect();
+    let n = layer.clusters;
+    let heads: Vec<HeadClusters<'_>> = (0..kvh)
+        .map(|h| HeadClusters {
+            sizes: &sizes[h],
+            centroids: &layer.centroids[h * n * d..(h + 1) * n * d],
+            value_means: &layer.value_means[h * n * d..(h + 1) * n * d],
+            rows: &maps[h],
+        })
+        .collect();
+    let arena_layer = ArenaWave::new(d, &heads).unwrap();
+    let mut wave = gpu.upload_arena_wave(&arena_layer, 128).unwrap();
+    // The steady zone (rows indexed..rows of each head), row-major over heads, in two writes.
+    let steady = layer.rows - layer.indexed;
+    let steady_rows = |src: &[u16], from: usize, to: usize| -> Vec<u16> {
+        (from..to)
+            .flat_map(|i| (0..kvh).flat_map(move |h| (0..d).map(move |j| (h, i, j))))
+            .map(|(h, i, j)| src[(h * layer.rows + layer.indexed + i) * d + j])
+            .collect()
+    };
+    gpu.set_steady(&mut wave, 0, &steady_rows(&kb, 0, 40), &steady_rows(&vb, 0, 40)).unwrap();
+    gpu.set_steady(&mut wave, 40, &steady_rows(&kb, 40, steady), &steady_rows(&vb, 40, steady)).unwrap();
+    assert_eq!(wave.steady_rows(), steady);
+    // A gap, an overflow and a ragged row are typed errors.
+    assert!(gpu.set_steady(&mut wave, steady + 1, &steady_rows(&kb, 0, 1), &steady_rows(&vb, 0, 1)).is_err());
+    let too_many = steady_rows(&kb, 0, 60);
+    assert!(gpu.set_steady(&mut wave, 100, &too_many[..], &too_many[..]).is_err());
+    assert!(gpu.set_steady(&mut wave, steady, &kb[..d], &vb[..d]).is_err());
+    let pinned = gpu.pin(&arena, &arena, 1).unwrap().pointers();
+    let row_bytes = (d * 2) as u64;
+    let kv = attnstore_kernels::cuda::KvPointers {
+        keys: pinned.keys,
+        values: pinned.keys + per_block as u64 * row_bytes,
+        rows: places.len() * block_rows,
+    };
+    // The reference: the same layer read from its own rows.
+    let own = gpu.pin(&kb, &vb, kvh).unwrap();
+    let own_wave = gpu.upload_wave(&layer).unwrap();
+    let r = 24;
+    let mut own_job = gpu.prepare_wave(&shape, &own_wave, r).unwrap();
+    gpu.set_wave_query(&mut own_job, &q).unwrap();
+    gpu.launch_wave(&own_wave, own.pointers(), None, &mut own_job).unwrap();
+    let want: Vec<f64> = gpu.fetch_wave(&own_job).unwrap().iter().map(|&x| f64::from(x)).collect();
+    let mut job = gpu.prepare_wave(&shape, &wave, r).unwrap();
+    gpu.set_wave_query(&mut job, &q).unwrap();
+    gpu.launch_wave(&wave, kv, None, &mut job).unwrap();
+    let got = gpu.fetch_wave(&job).unwrap();
+    let sorted = |mut x: Vec<Vec<u32>>| {
+        x.iter_mut().for_each(|h| h.sort_unstable());
+        x
+    };
+    let selection = sorted(gpu.wave_selection(&job).unwrap().0);
+    assert_eq!(selection, sorted(gpu.wave_selection(&own_job).unwrap().0), "same meta index, same clusters");
+    assert!(rel_l2(&got, &want) <= 1e-5, "arena rows: {}", rel_l2(&got, &want));
+    // A shared Gpu-tier pool holding copies of every other block of the retrieved clusters:
+    // hits come from it, and the output is unchanged.
+    let mut table = vec![-1i32; places.len()];
+    let mut pool = Vec::new();
+    for (h, chosen) in selection.iter().enumerate() {
+        let offsets = arena_layer.offsets();
+        for &c in chosen.iter().step_by(2) {
+            let (lo, hi) = (offsets[h * (n + 1) + c as usize], offsets[h * (n + 1) + c as usize + 1]);
+            for t in lo..hi {
+                let at = block_of[h][t as usize];
+                if table[at] < 0 {
+                    table[at] = (pool.len() / (block_rows * d)) as i32;
+                    pool.extend_from_slice(&arena[at * block_rows * d..(at + 1) * block_rows * d]);
+                }
+            }
+        }
+    }
+    let slots = pool.len() / (block_rows * d);
+    assert!(slots > 0);
+    let device_pool = gpu.upload(&pool, &pool, 1).unwrap().pointers(&gpu);
+    let device_table = gpu.upload_ints(&table).unwrap();
+    let cache = ArenaCache {
+        rows: SharedRows {
+            keys: device_pool.keys,
+            values: device_pool.keys + per_block as u64 * row_bytes,
+            rows: slots * block_rows,
+        },
+        table: device_table.address(),
+        block_rows,
+    };
+    gpu.launch_wave(&wave, kv, Some(WaveCache::Arena(cache)), &mut job).unwrap();
+    let cached = gpu.fetch_wave(&job).unwrap();
+    assert!(rel_l2(&cached, &want) <= 1e-5, "arena rows with cache hits: {}", rel_l2(&cached, &want));
+    // One more steady row (the next decode token) is attended at once, graph or not.
+    let extra_k: Vec<u16> =
+        (0..kvh * d).map(|i| f16::from_f32(if i % d == 0 { 30.0 } else { 0.0 }).to_bits()).collect();
+    let extra_v: Vec<u16> = (0..kvh * d).map(|_| f16::from_f32(5.0).to_bits()).collect();
+    gpu.set_steady(&mut wave, steady, &extra_k, &extra_v).unwrap();
+    gpu.launch_wave(&wave, kv, Some(WaveCache::Arena(cache)), &mut job).unwrap();
+    let appended = gpu.fetch_wave(&job).unwrap();
+    let moved = rel_l2(&appended, &want);
+    assert!(moved > 1e-2, "an appended steady row must change the output ({moved})");
+    job.set_graphs(false);
+    gpu.launch_wave(&wave, kv, Some(WaveCache::Arena(cache)), &mut job).unwrap();
+    let eager = gpu.fetch_wave(&job).unwrap();
+    assert!(rel_l2(&eager, &appended.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) <= 1e-6);
+    // A layer of its own rows with an arena cache, or an arena layer with a layer table, is
+    // refused before any launch.
+    assert!(gpu.launch_wave(&own_wave, own.pointers(), Some(WaveCache::Arena(cache)), &mut own_job).is_err());
+    let short = attnstore_kernels::cuda::KvPointers { rows: 10, ..kv };
+    assert!(gpu.launch_wave(&wave, short, None, &mut job).is_err(), "an arena smaller than the row map");
+}
+
+#[test]
+fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_without_cache() {
+    use attnstore_kernels::cpu::scoring::{score_group, top_r};
+    let Some(gpu) = gpu() else { return };
+    let (shape, layer, q) = clustered_layer();
+    let (d, kvh) = (128, 8);
     let mapped = gpu.pin(&bits(&layer.keys), &bits(&layer.values), kvh).unwrap();
     let wave = gpu.upload_wave(&layer).unwrap();
     assert_eq!(wave.clusters(), 512);
@@ -363,7 +517,7 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     assert!(next > 0);
     gpu.admit(mapped.pointers(), &mut cache, &entries).unwrap();
     gpu.upload_table(&mut table).unwrap();
-    gpu.launch_wave(&wave, mapped.pointers(), Some((&cache, &table)), &mut job).unwrap();
+    gpu.launch_wave(&wave, mapped.pointers(), Some(WaveCache::Layer(&cache, &table)), &mut job).unwrap();
     let cached = gpu.fetch_wave(&job).unwrap();
     let sorted = |mut x: Vec<Vec<u32>>| {
         x.iter_mut().for_each(|h| h.sort_unstable());
@@ -379,14 +533,14 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     // gives what the replayed graph gives.
     let q2: Vec<f32> = q.iter().enumerate().map(|(i, x)| if i % 3 == 0 { -x } else { x * 1.5 }).collect();
     gpu.set_wave_query(&mut job, &q2).unwrap();
-    gpu.launch_wave(&wave, mapped.pointers(), Some((&cache, &table)), &mut job).unwrap();
+    gpu.launch_wave(&wave, mapped.pointers(), Some(WaveCache::Layer(&cache, &table)), &mut job).unwrap();
     let second = gpu.fetch_wave(&job).unwrap();
     let (selection2, _) = gpu.wave_selection(&job).unwrap();
     assert_ne!(sorted(selection2.clone()), sorted(selection.clone()), "the second query retrieves other clusters");
     let want2: Vec<f64> = cpu_wave_step(&layer, &shape, &q2, &selection2).iter().map(|&x| f64::from(x)).collect();
     assert!(rel_l2(&second, &want2) <= 2e-3, "second step: {}", rel_l2(&second, &want2));
     job.set_graphs(false);
-    gpu.launch_wave(&wave, mapped.pointers(), Some((&cache, &table)), &mut job).unwrap();
+    gpu.launch_wave(&wave, mapped.pointers(), Some(WaveCache::Layer(&cache, &table)), &mut job).unwrap();
     let eager = gpu.fetch_wave(&job).unwrap();
     assert!(rel_l2(&eager, &second.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>()) <= 1e-6);
     job.set_graphs(true);
@@ -398,7 +552,12 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     let mut batch = gpu.wave_batch(2).unwrap();
     for _ in 0..2 {
         let mut steps = [
-            WaveStep { wave: &wave, kv: mapped.pointers(), cache: Some((&cache, &table)), job: &mut job },
+            WaveStep {
+                wave: &wave,
+                kv: mapped.pointers(),
+                cache: Some(WaveCache::Layer(&cache, &table)),
+                job: &mut job,
+            },
             WaveStep { wave: &wave, kv: mapped.pointers(), cache: None, job: &mut other },
         ];
         gpu.launch_wave_batch(&mut batch, &mut steps).unwrap();
@@ -410,7 +569,7 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     assert!(gpu.launch_wave_batch(&mut gpu.wave_batch(0).unwrap(), &mut one).is_err(), "more requests than streams");
     // Bad inputs are typed errors, before any launch.
     let small = gpu.cache(16).unwrap();
-    assert!(gpu.launch_wave(&wave, mapped.pointers(), Some((&small, &table)), &mut job).is_err());
+    assert!(gpu.launch_wave(&wave, mapped.pointers(), Some(WaveCache::Layer(&small, &table)), &mut job).is_err());
     assert!(gpu.set_wave_query(&mut job, &q[1..]).is_err());
     let mut nan = q.clone();
     nan[7] = f32::NAN;

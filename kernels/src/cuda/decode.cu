@@ -186,8 +186,10 @@ __device__ __forceinline__ void tile_stage(const unsigned short* const* kr, cons
   __syncthreads();
 }
 
-// A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 is slot −r−1 of the Gpu-tier
-// cache ck/cv (device memory, one row per slot): hits and misses of one plan in one pass.
+// A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 names row i = −r−1 of the
+// Gpu-tier cache ck/cv (device memory) when i < cache_rows, else row i − cache_rows of the
+// steady buffer sk/sv (a device-resident steady zone): hits, misses and the steady zone of
+// one plan in one pass.
 // The CTA takes chunks c, c + gridDim.x, … of the head's rows (one chunk when the grid
 // covers the list, as it does for exact and host-built lists; a wave step's device-built
 // list may be longer than its grid) and writes one partial.
@@ -197,7 +199,9 @@ __device__ __forceinline__ void attn_tiles(const unsigned short* __restrict__ k,
                                            const int* __restrict__ rows, const int* __restrict__ row_offsets,
                                            int identity_rows, int chunk, float* __restrict__ part,
                                            const unsigned short* __restrict__ ck,
-                                           const unsigned short* __restrict__ cv) {
+                                           const unsigned short* __restrict__ cv, int cache_rows,
+                                           const unsigned short* __restrict__ sk,
+                                           const unsigned short* __restrict__ sv) {
   __shared__ __align__(16) unsigned short ks[TILE * KPITCH];
   __shared__ __align__(16) unsigned short vs[TILE * HEAD_DIM];
   __shared__ __align__(16) float qs[G * HEAD_DIM];
@@ -227,9 +231,12 @@ __device__ __forceinline__ void attn_tiles(const unsigned short* __restrict__ k,
           if (row >= 0) {
             kp = kh + row * HEAD_DIM;
             vp = vh + row * HEAD_DIM;
-          } else {
+          } else if (-row - 1 < cache_rows) {
             kp = ck + (-row - 1) * HEAD_DIM;
             vp = cv + (-row - 1) * HEAD_DIM;
+          } else {
+            kp = sk + (-row - 1 - cache_rows) * HEAD_DIM;
+            vp = sv + (-row - 1 - cache_rows) * HEAD_DIM;
           }
         }
         kr[threadIdx.x] = kp;
@@ -250,8 +257,10 @@ __device__ __forceinline__ void attn_tiles(const unsigned short* __restrict__ k,
       const unsigned short* __restrict__ k, const unsigned short* __restrict__ v, long long head_stride,          \
       const float* __restrict__ q, float scale, const int* __restrict__ rows, const int* __restrict__ row_offsets, \
       int identity_rows, int chunk, float* __restrict__ part, const unsigned short* __restrict__ ck,              \
-      const unsigned short* __restrict__ cv) {                                                                    \
-    attn_tiles<G>(k, v, head_stride, q, scale, rows, row_offsets, identity_rows, chunk, part, ck, cv);           \
+      const unsigned short* __restrict__ cv, int cache_rows, const unsigned short* __restrict__ sk,               \
+      const unsigned short* __restrict__ sv) {                                                                    \
+    attn_tiles<G>(k, v, head_stride, q, scale, rows, row_offsets, identity_rows, chunk, part, ck, cv, cache_rows, \
+                  sk, sv);                                                                                        \
   }
 ATTN_PARTIAL(1)
 ATTN_PARTIAL(2)

@@ -23,7 +23,7 @@ mod kmeans;
 mod wave;
 pub use hack::{DeviceHack, HackJob};
 pub use kmeans::SegmentKMeans;
-pub use wave::{DeviceWave, WaveBatch, WaveJob, WaveStep, WaveTable};
+pub use wave::{ArenaCache, DeviceWave, WaveBatch, WaveCache, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
     concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("kmeans.cu"));
@@ -36,6 +36,10 @@ const TARGET_CTAS: usize = 1024;
 fn chunk_rows(longest: usize, kv_heads: usize) -> usize {
     (longest * kv_heads).div_ceil(TARGET_CTAS).next_power_of_two().clamp(16, 1024)
 }
+/// `attn_partial`'s steady-buffer arguments when there is none: every cache row is below
+/// `cache_rows`.
+const NO_STEADY: (i32, u64, u64) = (i32::MAX, 0, 0);
+
 /// The largest GQA group the compiled kernels hold in registers.
 pub const MAX_GROUP: usize = 8;
 
@@ -642,7 +646,7 @@ impl GpuBackend {
         (ck, cv): (u64, u64),
         job: &mut DecodeJob,
     ) -> Result<()> {
-        self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), job)?;
+        self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), NO_STEADY, job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
         self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0))
@@ -656,6 +660,7 @@ impl GpuBackend {
         stream: &Arc<CudaStream>,
         (k, v, head_stride): (u64, u64, i64),
         (ck, cv): (u64, u64),
+        (cache_rows, sk, sv): (i32, u64, u64),
         job: &mut DecodeJob,
     ) -> Result<()> {
         let sh = job.shape;
@@ -673,11 +678,12 @@ impl GpuBackend {
         let mut b = stream.launch_builder(&self.partial[sh.group() - 1]);
         b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale);
         b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part);
-        b.arg(&ck).arg(&cv);
+        b.arg(&ck).arg(&cv).arg(&cache_rows).arg(&sk).arg(&sv);
         // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <
         // cache_slots (a wave job's lists are written on the device from checked cluster
-        // bounds and cache table), and the callers checked those against the memory at k/v
-        // and ck/cv; q and part were sized for this shape and `chunks`, the grid's width.
+        // bounds and cache table, and name steady rows past cache_rows only when sk/sv hold
+        // them), and the callers checked those against the memory at k/v, ck/cv and sk/sv;
+        // q and part were sized for this shape and `chunks`, the grid's width.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
         Ok(())
     }
@@ -775,6 +781,39 @@ impl GpuBackend {
         e1.record(&self.stream).map_err(gpu_err("recording an event"))?;
         e1.synchronize().map_err(gpu_err("waiting for an event"))?;
         Ok(e0.elapsed_ms(&e1).map_err(gpu_err("reading an event"))? as f64)
+    }
+}
+
+/// `i32`s in device memory (e.g. the block table of an [`ArenaCache`]).
+pub struct DeviceInts {
+    data: CudaSlice<i32>,
+    address: u64,
+}
+
+impl DeviceInts {
+    /// Device address of the first element.
+    pub fn address(&self) -> u64 {
+        self.address
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// True when there are none.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+}
+
+impl GpuBackend {
+    /// Copies `values` to device memory (synchronized: usable by any stream's next launch).
+    pub fn upload_ints(&self, values: &[i32]) -> Result<DeviceInts> {
+        let data = self.stream.clone_htod(values).map_err(gpu_err("copying ints"))?;
+        self.stream.synchronize().map_err(gpu_err("synchronizing"))?;
+        let address = device_address(&data, &self.stream);
+        Ok(DeviceInts { data, address })
     }
 }
 

@@ -63,13 +63,16 @@ __device__ int block_sum(int x) {
   return total;
 }
 
-// Row list entry of row t of head h: a cache row (−slot−1) when t's block is in the Gpu
-// tier (block_slot[h][t / block_rows] = first cache row of the block, or −1), else t.
+// Row list entry of row t of head h: a cache row when t's block is in the Gpu tier
+// (block_slot[h][t / block_rows] = s ≥ 0: cache row s·slot_rows + t % block_rows, encoded
+// −row−1), else t. A layer's own table names first cache rows (slot_rows 1); the buffer
+// manager's table names Gpu slots of whole blocks (slot_rows = rows per block) and is shared
+// by every head (blocks_per_head 0).
 __device__ __forceinline__ int row_ref(const int* __restrict__ block_slot, int h, int blocks_per_head,
-                                       int block_rows, int t) {
+                                       int block_rows, int slot_rows, int t) {
   if (block_slot != nullptr) {
     const int s = block_slot[h * blocks_per_head + t / block_rows];
-    if (s >= 0) return -(s + t % block_rows) - 1;
+    if (s >= 0) return -(s * slot_rows + t % block_rows) - 1;
   }
   return t;
 }
@@ -84,11 +87,19 @@ __device__ __forceinline__ int cluster_len(const int* __restrict__ offsets, int 
 // each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × (r + 1) ints)
 // receives the elements' lengths, then their start positions. Writes list_offsets
 // (kv_heads + 1) and the rows, one warp per element.
+// Two layouts: rows of the head's KV (clusters at offsets, the steady zone at indexed..rows),
+// or, with `row_map` and `steady_len` (an engine layer homed in the buffer manager), cluster
+// row t of head h at KV row row_map[h·indexed + t] (a shared arena, head stride 0) and a
+// device steady zone of *steady_len rows, row i of head h at steady row i·kv_heads + h after
+// the cache's cache_rows rows (so the launch's row count does not change as tokens append).
 extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const int* __restrict__ offsets, int n,
                                        int kv_heads, int indexed, int rows, const int* __restrict__ block_slot,
-                                       int block_rows, int blocks_per_head,
-                                       int* __restrict__ scan, int* __restrict__ list, int* __restrict__ list_offsets) {
-  const int h = blockIdx.x, per = r + 1, steady = rows - indexed;
+                                       int block_rows, int blocks_per_head, int slot_rows,
+                                       const int* __restrict__ row_map, const int* __restrict__ steady_len,
+                                       int cache_rows, int* __restrict__ scan, int* __restrict__ list,
+                                       int* __restrict__ list_offsets) {
+  const int h = blockIdx.x, per = r + 1;
+  const int steady = steady_len != nullptr ? *steady_len : rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   // gridDim.y CTAs share a head: each computes the head's offsets (cheap) and writes the
   // rows of every gridDim.y-th element; the first also writes the list offsets.
@@ -112,15 +123,22 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
     if (h == kv_heads - 1) list_offsets[kv_heads] = start + total;
   }
   for (int i = blockIdx.y + gridDim.y * warp; i < per; i += gridDim.y * warps) {
-    int lo = indexed, hi = rows;
+    int* out = list + start + mine[i];
+    if (i == 0 && steady_len != nullptr) {
+      for (int t = lane; t < steady; t += 32) out[t] = -(cache_rows + t * kv_heads + h) - 1;
+      continue;
+    }
+    int lo = indexed, hi = indexed + steady;
     if (i > 0) {
       const int c = sel[h * r + i - 1];
       const int* off = offsets + (long long)h * (n + 1);
       lo = off[c];
       hi = off[c + 1];
     }
-    int* out = list + start + mine[i];
-    for (int t = lo + lane; t < hi; t += 32) out[t - lo] = row_ref(block_slot, h, blocks_per_head, block_rows, t);
+    const int* map = row_map != nullptr ? row_map + (long long)h * indexed : nullptr;
+    for (int t = lo + lane; t < hi; t += 32) {
+      out[t - lo] = row_ref(block_slot, h, blocks_per_head, block_rows, slot_rows, map ? map[t] : t);
+    }
   }
 }
 

@@ -7,9 +7,12 @@
 //! work, off the decode path).
 
 use super::MAX_GROUP;
+use super::NO_STEADY;
 use super::{
     chunk_rows, device_address, gpu_err, DecodeJob, DeviceCentroids, GpuBackend, GpuCache, KvPointers, SelectJob,
+    SharedRows,
 };
+use crate::arena_wave::ArenaWave;
 use crate::error::{Error, Result};
 use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
@@ -32,9 +35,38 @@ pub struct DeviceWave {
     indexed: usize,
     rows: usize,
     largest: usize,
+    /// Set for a layer whose indexed rows live in a shared arena ([`GpuBackend::upload_arena_wave`]).
+    arena: Option<ArenaRows>,
+}
+
+/// The parts of an arena layer ([`ArenaWave`]) besides its meta index: where each indexed
+/// row is in the arena, and the steady zone in device memory.
+struct ArenaRows {
+    /// `kv_heads × indexed` arena rows.
+    row_map: CudaSlice<i32>,
+    /// Steady rows, `capacity × kv_heads × head_dim` (row `i` of head `h` at `i·kv_heads + h`).
+    keys: CudaSlice<u16>,
+    values: CudaSlice<u16>,
+    /// The steady zone's length (one int the row list reads, so graphs outlive appends).
+    len: CudaSlice<i32>,
+    capacity: usize,
+    /// Rows written so far.
+    synced: usize,
+    /// One past the highest arena row the map names.
+    arena_rows: usize,
 }
 
 impl DeviceWave {
+    /// Steady-zone rows written to the device (an arena layer; 0 otherwise).
+    pub fn steady_rows(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.synced)
+    }
+
+    /// Steady-zone rows an arena layer holds at most.
+    pub fn steady_capacity(&self) -> usize {
+        self.arena.as_ref().map_or(0, |a| a.capacity)
+    }
+
     /// Clusters per KV head.
     pub fn clusters(&self) -> usize {
         self.clusters
@@ -44,6 +76,14 @@ impl DeviceWave {
     pub fn rows(&self) -> usize {
         self.rows
     }
+}
+
+/// A layer's meta index on the host, for [`GpuBackend::upload_meta`].
+struct MetaParts<'a> {
+    centroids: &'a [half::f16],
+    value_means: &'a [half::f16],
+    sizes: &'a [u32],
+    offsets: &'a [u32],
 }
 
 /// Which row blocks of a [`DeviceWave`]'s layer sit in a [`GpuCache`]: per KV head and block
@@ -128,6 +168,17 @@ impl WaveJob {
     }
 }
 
+/// A step's Gpu-tier cache as the kernels take it (zeros: none).
+struct CacheArgs {
+    keys: u64,
+    values: u64,
+    rows: i32,
+    table: u64,
+    block_rows: i32,
+    blocks_per_head: i32,
+    slot_rows: i32,
+}
+
 /// Graphs kept per job or batch: a job alternating between a few sets of buffers (e.g. with
 /// and without a cache) replays each set's graph.
 const GRAPHS_KEPT: usize = 4;
@@ -142,15 +193,38 @@ struct Graphs {
 /// A request's main and side streams in a batch.
 type Lane = (Arc<CudaStream>, Arc<CudaStream>);
 
+/// The Gpu-tier cache a step reads hits from.
+#[derive(Clone, Copy)]
+pub enum WaveCache<'a> {
+    /// A layer's own cache and block table ([`GpuBackend::wave_table`]).
+    Layer(&'a GpuCache, &'a WaveTable),
+    /// A cache shared by many layers (the buffer manager's Gpu tier), for an arena layer.
+    Arena(ArenaCache),
+}
+
+/// A Gpu-tier block pool in device memory shared by every layer, with its table: per arena
+/// block (`block_rows` arena rows), the pool slot holding a copy, or −1. Slot `s` holds cache
+/// rows `s·block_rows..(s + 1)·block_rows`, laid out like the arena block.
+#[derive(Debug, Clone, Copy)]
+pub struct ArenaCache {
+    /// The pool's rows (`rows` = slots × `block_rows`).
+    pub rows: SharedRows,
+    /// Device address of the table (`i32` per arena block).
+    pub table: u64,
+    /// Arena rows per block (and cache rows per slot).
+    pub block_rows: usize,
+}
+
 /// One request of a batched step ([`GpuBackend::launch_wave_batch`]): what
 /// [`GpuBackend::launch_wave`] takes.
 pub struct WaveStep<'a> {
     /// The request's layer (meta index).
     pub wave: &'a DeviceWave,
-    /// Where its KV rows are.
+    /// Where its KV rows are: a layer's `kv_heads × rows` array, or the shared arena (head
+    /// stride 0) of an arena layer.
     pub kv: KvPointers,
-    /// Its Gpu-tier cache and block table, if any.
-    pub cache: Option<(&'a GpuCache, &'a WaveTable)>,
+    /// Its Gpu-tier cache, if any.
+    pub cache: Option<WaveCache<'a>>,
     /// Its buffers (queries set with [`GpuBackend::set_wave_query`]).
     pub job: &'a mut WaveJob,
 }
@@ -179,33 +253,135 @@ impl GpuBackend {
         if layer.head_dim != self.head_dim {
             return Err(Error::ShapeMismatch { what: "layer head_dim", expected: self.head_dim, got: layer.head_dim });
         }
-        if layer.rows > i32::MAX as usize || layer.clusters == 0 {
+        let sizes: Vec<u32> = (0..layer.kv_heads)
+            .flat_map(|h| (0..layer.clusters).map(move |c| (h, c)))
+            .map(|(h, c)| layer.size(h, c) as u32)
+            .collect();
+        let meta = MetaParts {
+            centroids: &layer.centroids,
+            value_means: &layer.value_means,
+            sizes: &sizes,
+            offsets: &layer.offsets,
+        };
+        self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, layer.rows, None)
+    }
+
+    /// Copies an arena layer to device memory: its meta index and row map, and room for
+    /// `steady_capacity` steady-zone rows per head (written with [`GpuBackend::set_steady`]).
+    /// Steps over it read indexed rows from the arena (head stride 0) and Gpu-tier hits from
+    /// an [`ArenaCache`].
+    pub fn upload_arena_wave(&self, layer: &ArenaWave, steady_capacity: usize) -> Result<DeviceWave> {
+        if layer.head_dim != self.head_dim {
+            return Err(Error::ShapeMismatch { what: "layer head_dim", expected: self.head_dim, got: layer.head_dim });
+        }
+        let rows = layer.indexed + steady_capacity;
+        if steady_capacity == 0 || rows > i32::MAX as usize || steady_capacity * layer.kv_heads > i32::MAX as usize / 2
+        {
+            return Err(Error::InvalidArgument {
+                what: "arena layer",
+                message: format!("needs 1..2^30 steady rows and < 2^31 rows, got {steady_capacity} and {rows}"),
+            });
+        }
+        let arena_rows = layer.arena_rows_needed();
+        if arena_rows > i32::MAX as usize {
+            return Err(Error::InvalidArgument {
+                what: "arena layer",
+                message: format!("arena row {arena_rows} ≥ 2^31"),
+            });
+        }
+        let s = &self.stream;
+        let row_map: Vec<i32> = layer.row_map.iter().map(|&r| r as i32).collect();
+        let steady = steady_capacity * layer.kv_heads * self.head_dim;
+        let alloc = |n: usize| s.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the steady zone"));
+        let arena = ArenaRows {
+            row_map: s.clone_htod(&row_map).map_err(gpu_err("copying the row map"))?,
+            keys: alloc(steady)?,
+            values: alloc(steady)?,
+            len: s.alloc_zeros::<i32>(1).map_err(gpu_err("allocating the steady zone"))?,
+            capacity: steady_capacity,
+            synced: 0,
+            arena_rows,
+        };
+        let offsets = layer.offsets();
+        let meta = MetaParts {
+            centroids: &layer.centroids,
+            value_means: &layer.value_means,
+            sizes: &layer.sizes,
+            offsets: &offsets,
+        };
+        self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, rows, Some(arena))
+    }
+
+    /// Writes steady-zone rows `from..from + n` of an arena layer (`keys`, `values`: f16 bits,
+    /// `n × kv_heads × head_dim`, row-major over heads) and sets its length to `from + n`:
+    /// `from` 0 rewrites the zone, `from` = [`DeviceWave::steady_rows`] appends. Enqueued on
+    /// the backend's stream, so the next launch sees them.
+    pub fn set_steady(&self, wave: &mut DeviceWave, from: usize, keys: &[u16], values: &[u16]) -> Result<()> {
+        let per_row = wave.kv_heads * self.head_dim;
+        let Some(a) = wave.arena.as_mut() else {
+            return Err(Error::InvalidArgument {
+                what: "steady rows",
+                message: "the layer is not an arena layer".into(),
+            });
+        };
+        let n = keys.len() / per_row;
+        if keys.len() != n * per_row || values.len() != keys.len() || from > a.synced || from + n > a.capacity {
+            return Err(Error::InvalidArgument {
+                what: "steady rows",
+                message: format!(
+                    "rows {from}..{} of {per_row} values each (keys {}, values {}) must follow the {} written and fit {}",
+                    from + n,
+                    keys.len(),
+                    values.len(),
+                    a.synced,
+                    a.capacity
+                ),
+            });
+        }
+        let s = &self.stream;
+        let span = from * per_row..(from + n) * per_row;
+        if n > 0 {
+            s.memcpy_htod(keys, &mut a.keys.slice_mut(span.clone())).map_err(gpu_err("copying steady rows"))?;
+            s.memcpy_htod(values, &mut a.values.slice_mut(span)).map_err(gpu_err("copying steady rows"))?;
+        }
+        s.memcpy_htod(&[(from + n) as i32], &mut a.len).map_err(gpu_err("copying the steady length"))?;
+        a.synced = from + n;
+        Ok(())
+    }
+
+    /// The meta index of a layer in device memory.
+    fn upload_meta(
+        &self,
+        meta: MetaParts<'_>,
+        kv_heads: usize,
+        clusters: usize,
+        indexed: usize,
+        rows: usize,
+        arena: Option<ArenaRows>,
+    ) -> Result<DeviceWave> {
+        if rows > i32::MAX as usize || clusters == 0 {
             return Err(Error::InvalidArgument {
                 what: "layer",
-                message: format!("needs 1..2^31 clusters and rows, got {} and {}", layer.clusters, layer.rows),
+                message: format!("needs 1..2^31 clusters and rows, got {clusters} and {rows}"),
             });
         }
         let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
-        let cent = self.upload_centroids(&bits(&layer.centroids), layer.kv_heads)?;
+        let cent = self.upload_centroids(&bits(meta.centroids), kv_heads)?;
         let s = &self.stream;
-        let log_size: Vec<f32> = (0..layer.kv_heads)
-            .flat_map(|h| (0..layer.clusters).map(move |c| (h, c)))
-            .map(|(h, c)| match layer.size(h, c) {
-                0 => f32::NEG_INFINITY,
-                n => (n as f32).ln(),
-            })
-            .collect();
-        let offsets: Vec<i32> = layer.offsets.iter().map(|&o| o as i32).collect();
+        let log_size: Vec<f32> =
+            meta.sizes.iter().map(|&n| if n == 0 { f32::NEG_INFINITY } else { (n as f32).ln() }).collect();
+        let offsets: Vec<i32> = meta.offsets.iter().map(|&o| o as i32).collect();
         Ok(DeviceWave {
             cent,
-            value_means: s.clone_htod(&bits(&layer.value_means)).map_err(gpu_err("copying mean values"))?,
+            value_means: s.clone_htod(&bits(meta.value_means)).map_err(gpu_err("copying mean values"))?,
             log_size: s.clone_htod(&log_size).map_err(gpu_err("copying cluster sizes"))?,
             offsets: s.clone_htod(&offsets).map_err(gpu_err("copying cluster offsets"))?,
-            kv_heads: layer.kv_heads,
-            clusters: layer.clusters,
-            indexed: layer.indexed,
-            rows: layer.rows,
-            largest: layer.largest_cluster(),
+            kv_heads,
+            clusters,
+            indexed,
+            rows,
+            largest: meta.sizes.iter().copied().max().unwrap_or(0) as usize,
+            arena,
         })
     }
 
@@ -305,7 +481,7 @@ impl GpuBackend {
         &self,
         wave: &DeviceWave,
         kv: KvPointers,
-        cache: Option<(&GpuCache, &WaveTable)>,
+        cache: Option<WaveCache<'_>>,
         job: &mut WaveJob,
     ) -> Result<()> {
         let mut steps = [WaveStep { wave, kv, cache, job }];
@@ -393,21 +569,20 @@ impl GpuBackend {
     /// Everything a step's launches depend on besides the job's own buffers (fixed from
     /// `prepare_wave` on): equal keys mean identical launches, so a graph captured under one
     /// key replays exactly what launching eagerly would enqueue.
-    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 20] {
+    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 27] {
         let (w, j) = (s.wave, &*s.job);
-        let at = |x: &CudaSlice<u16>| device_address(x, &self.stream);
-        let (ck, cv, slots, table, block_rows, per_head) = match s.cache {
-            Some((c, t)) => (
-                at(&c.keys),
-                at(&c.values),
-                c.slots,
-                device_address(&t.dev, &self.stream),
-                t.block_rows,
-                t.blocks_per_head,
-            ),
-            None => (0, 0, 0, 0, 0, 0),
-        };
+        let c = self.cache_args(s.cache);
         let size = |x: usize| x as u64;
+        let at = |x: &CudaSlice<u16>| device_address(x, &self.stream);
+        let (map, steady_k, steady_v, steady_len) = match &w.arena {
+            Some(a) => (
+                device_address(&a.row_map, &self.stream),
+                at(&a.keys),
+                at(&a.values),
+                device_address(&a.len, &self.stream),
+            ),
+            None => (0, 0, 0, 0),
+        };
         [
             device_address(&j.mark, &self.stream),
             at(&w.cent.data),
@@ -420,16 +595,50 @@ impl GpuBackend {
             s.kv.keys,
             s.kv.values,
             size(s.kv.rows),
-            ck,
-            cv,
-            size(slots),
-            table,
-            size(block_rows),
-            size(per_head),
+            c.keys,
+            c.values,
+            c.rows as u64,
+            c.table,
+            c.block_rows as u64,
+            c.blocks_per_head as u64,
+            c.slot_rows as u64,
+            map,
+            steady_k,
+            steady_v,
+            steady_len,
             size(j.select.r),
             size(j.decode.chunks),
             size(j.est_chunks),
+            u64::from(s.wave.arena.is_some()),
+            0,
         ]
+    }
+
+    /// A step's cache as the kernels take it.
+    fn cache_args(&self, cache: Option<WaveCache<'_>>) -> CacheArgs {
+        match cache {
+            Some(WaveCache::Layer(c, t)) => CacheArgs {
+                keys: device_address(&c.keys, &self.stream),
+                values: device_address(&c.values, &self.stream),
+                rows: c.slots as i32,
+                table: device_address(&t.dev, &self.stream),
+                block_rows: t.block_rows as i32,
+                blocks_per_head: t.blocks_per_head as i32,
+                slot_rows: 1,
+            },
+            Some(WaveCache::Arena(a)) => CacheArgs {
+                keys: a.rows.keys,
+                values: a.rows.values,
+                rows: a.rows.rows as i32,
+                table: a.table,
+                block_rows: a.block_rows as i32,
+                blocks_per_head: 0,
+                slot_rows: a.block_rows as i32,
+            },
+            None => {
+                CacheArgs { keys: 0, values: 0, rows: 0, table: 0, block_rows: 1, blocks_per_head: 0, slot_rows: 1 }
+            }
+        }
     }
 
     /// Runs one step like [`GpuBackend::launch_wave`] (eagerly, not from a graph) and returns
@@ -440,7 +649,7 @@ impl GpuBackend {
         &self,
         wave: &DeviceWave,
         kv: KvPointers,
-        cache: Option<(&GpuCache, &WaveTable)>,
+        cache: Option<WaveCache<'_>>,
         job: &mut WaveJob,
     ) -> Result<Vec<f64>> {
         let record = |stream: &CudaStream| {
@@ -481,24 +690,45 @@ impl GpuBackend {
     fn check_steps(&self, steps: &[WaveStep<'_>]) -> Result<()> {
         for s in steps {
             let (wave, kv, job) = (s.wave, s.kv, &*s.job);
-            if kv.rows < wave.rows
+            let kv_needs = wave.arena.as_ref().map_or(wave.rows, |a| a.arena_rows);
+            if kv.rows < kv_needs
                 || job.mark.len() < wave.kv_heads * wave.clusters
                 || job.decode.identity_rows != wave.rows
             {
                 return Err(Error::InvalidArgument {
                     what: "wave launch",
                     message: format!(
-                        "the job or the KV ({} rows) does not belong to this layer ({} rows, {} clusters per head)",
-                        kv.rows, wave.rows, wave.clusters
+                        "the job or the KV ({} rows) does not belong to this layer ({kv_needs} rows, {} clusters per head)",
+                        kv.rows, wave.clusters
                     ),
                 });
             }
-            if let Some((c, t)) = s.cache {
-                if t.needs > c.slots || t.host.len() != wave.kv_heads * wave.rows.div_ceil(t.block_rows) {
+            match (s.cache, &wave.arena) {
+                (Some(WaveCache::Layer(c, t)), None) => {
+                    if t.needs > c.slots || t.host.len() != wave.kv_heads * wave.rows.div_ceil(t.block_rows) {
+                        return Err(Error::InvalidArgument {
+                            what: "wave cache",
+                            message: format!("the table names {} cache rows, the cache has {}", t.needs, c.slots),
+                        });
+                    }
+                }
+                (Some(WaveCache::Arena(a)), Some(_)) => {
+                    let steady = wave.steady_capacity() * wave.kv_heads;
+                    if a.block_rows == 0 || a.rows.rows + steady > i32::MAX as usize || a.table == 0 {
+                        return Err(Error::InvalidArgument {
+                            what: "wave cache",
+                            message: format!(
+                                "an arena cache needs a table, rows per block and < 2^31 rows with the steady zone; got {a:?}"
+                            ),
+                        });
+                    }
+                }
+                (None, _) => {}
+                (Some(_), _) => {
                     return Err(Error::InvalidArgument {
                         what: "wave cache",
-                        message: format!("the table names {} cache rows, the cache has {}", t.needs, c.slots),
-                    });
+                        message: "an arena layer takes an arena cache, a layer of its own rows its own table".into(),
+                    })
                 }
             }
         }
@@ -515,7 +745,7 @@ impl GpuBackend {
         side: &Arc<CudaStream>,
         wave: &DeviceWave,
         kv: KvPointers,
-        cache: Option<(&GpuCache, &WaveTable)>,
+        cache: Option<WaveCache<'_>>,
         job: &mut WaveJob,
         phase_done: &mut dyn FnMut(&'static str, &CudaStream) -> Result<()>,
     ) -> Result<()> {
@@ -546,9 +776,10 @@ impl GpuBackend {
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
         phase_done("estimation", side)?;
         let (indexed, rows) = (wave.indexed as i32, wave.rows as i32);
-        let (table, block_rows, per_head) = match cache {
-            Some((_, t)) => (device_address(&t.dev, main), t.block_rows as i32, t.blocks_per_head as i32),
-            None => (0u64, 1, 0),
+        let c = self.cache_args(cache);
+        let (map, steady_len) = match &wave.arena {
+            Some(a) => (device_address(&a.row_map, main), device_address(&a.len, main)),
+            None => (0u64, 0u64),
         };
         let (list, list_offsets) = job.decode.rows.as_mut().expect("a wave job has row lists");
         let cfg = LaunchConfig {
@@ -558,18 +789,24 @@ impl GpuBackend {
         };
         let mut b = main.launch_builder(&self.expand);
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
-        b.arg(&table).arg(&block_rows).arg(&per_head);
+        b.arg(&c.table).arg(&c.block_rows).arg(&c.blocks_per_head).arg(&c.slot_rows);
+        b.arg(&map).arg(&steady_len).arg(&c.rows);
         b.arg(&mut job.scan).arg(list).arg(list_offsets);
         // SAFETY: out holds r distinct cluster ids < n per head (select_candidates), offsets
         // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
-        // steady + r × largest entries = the capacity allocated per head; the table (checked
-        // above) names cache rows < cache.slots; scan holds kv_heads × EXPAND_SPLIT × (r + 1)
-        // (one slice per CTA).
+        // steady + r × largest entries = the capacity allocated per head (an arena layer's
+        // steady length ≤ its capacity, set_steady); the table (checked above, or the arena
+        // cache's owner's claim) names cache rows < the cache's rows; an arena layer's row map
+        // holds kv_heads × indexed rows < the arena's (check_steps); scan holds kv_heads ×
+        // EXPAND_SPLIT × (r + 1) (one slice per CTA).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
         phase_done("row list", main)?;
-        let ck = cache.map_or(0, |(c, _)| device_address(&c.keys, main));
-        let cv = cache.map_or(0, |(c, _)| device_address(&c.values, main));
-        self.launch_attn(main, (kv.keys, kv.values, (kv.rows * self.head_dim) as i64), (ck, cv), &mut job.decode)?;
+        let steady = match &wave.arena {
+            Some(a) => (c.rows, device_address(&a.keys, main), device_address(&a.values, main)),
+            None => NO_STEADY,
+        };
+        let head_stride = if wave.arena.is_some() { 0 } else { (kv.rows * self.head_dim) as i64 };
+        self.launch_attn(main, (kv.keys, kv.values, head_stride), (c.keys, c.values), steady, &mut job.decode)?;
         phase_done("attention", main)?;
         main.join(side).map_err(gpu_err("ordering the streams"))?;
         let lse = device_address(&job.decode.lse, main);
