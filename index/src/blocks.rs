@@ -41,6 +41,16 @@ impl BlockStore {
         &self.buffers
     }
 
+    /// The context of its cluster keys.
+    pub fn context(&self) -> u64 {
+        self.context
+    }
+
+    /// The layer of its cluster keys.
+    pub fn layer(&self) -> u32 {
+        self.layer
+    }
+
     pub(crate) fn key(&self, head: usize, cluster: u32) -> ClusterKey {
         ClusterKey { context: self.context, layer: self.layer, head: head as u32, cluster }
     }

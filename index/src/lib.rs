@@ -23,7 +23,8 @@ pub use directory::Directory;
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
 pub use method::{
-    AccessMethod, GpuHeadWork, HeadPlan, IndexLayout, IndexStats, RowSpan, Selection, SelectionMode, ZoneBudget,
+    AccessMethod, ArenaLayer, GpuHeadWork, HeadPlan, IndexLayout, IndexStats, RowSpan, Selection, SelectionMode,
+    SteadyRows, ZoneBudget,
 };
 pub use pq::{
     BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,

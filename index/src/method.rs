@@ -188,6 +188,38 @@ pub struct GpuHeadWork {
     pub cpu: Vec<Partial>,
 }
 
+/// A wave layer as a GPU step over the buffer manager's Host arena reads it
+/// ([`AccessMethod::arena_layer`]).
+#[derive(Debug, Clone)]
+pub struct ArenaLayer {
+    /// Meta index and the arena row of every indexed row: row `i` of a cluster sits in its
+    /// block `i / R` at arena row `host slot × 2R + i mod R` (V rows `R` rows later).
+    pub wave: attnstore_kernels::ArenaWave,
+    /// Tokens per block (`R`).
+    pub tokens_per_block: usize,
+    /// The first token after the last segment: it moves exactly when the indexed part
+    /// changes, so a device copy is current while it is equal.
+    pub indexed_end: usize,
+    /// Real clusters of each head (the device's ids past them are padding).
+    pub real_clusters: Vec<usize>,
+    /// Context of the buffer manager's cluster keys (`ClusterKey { context, layer, head,
+    /// cluster: directory id }`).
+    pub context: u64,
+    /// Layer of those keys.
+    pub layer: u32,
+}
+
+/// Steady-zone rows for a device copy ([`AccessMethod::steady_rows_from`]).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SteadyRows {
+    /// Rows in the whole zone.
+    pub len: usize,
+    /// Keys of the rows asked for, f16 bits, `rows × kv_heads × head_dim`.
+    pub keys: Vec<u16>,
+    /// Their values, same layout.
+    pub values: Vec<u16>,
+}
+
 /// Sizes of an access method's data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct IndexStats {
@@ -254,6 +286,28 @@ pub trait AccessMethod: Send + Sync {
     /// runs [`AccessMethod::execute_head`] on the CPU.
     fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
         let _ = (kv_head, q, plan);
+        None
+    }
+    /// The layer as a GPU decode step that selects its clusters on the device reads it
+    /// ([`ArenaLayer`]), or `None` when this method cannot be served that way (not a wave
+    /// index, rows not homed in the buffer manager, not f16, hack2 rows, nothing indexed).
+    /// An error when a block is not in the Host arena (spilled or lost): run on the CPU.
+    fn arena_layer(&self) -> Option<Result<ArenaLayer>> {
+        None
+    }
+    /// Steady-zone rows (sink, then pending and local tokens) from row `from` on, as f16 bits
+    /// row-major over KV heads (`rows × kv_heads × head_dim` keys, then values), with the
+    /// zone's length; `None` where [`AccessMethod::arena_layer`] is.
+    fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
+        let _ = from;
+        None
+    }
+    /// The plan of `kv_head` that retrieves exactly the directory clusters `retrieve` for the
+    /// whole group and estimates every other cluster (what a device-selected step computed),
+    /// or `None` where [`AccessMethod::arena_layer`] is. Ids past the directory are ignored
+    /// (the device's padding).
+    fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> Option<HeadPlan> {
+        let _ = (kv_head, q, retrieve);
         None
     }
     /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:

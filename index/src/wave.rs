@@ -7,14 +7,14 @@ use crate::blocks::{attend_clusters, BlockStore, ClusterRows};
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, GpuHeadWork, HeadPlan, IndexLayout,
-    IndexStats, Selection, SelectionMode, ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHeadWork, HeadPlan,
+    IndexLayout, IndexStats, Selection, SelectionMode, SteadyRows, ZoneBudget,
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::estimate::estimate_group;
 use attnstore_kernels::cpu::scoring::{rank_key, score_group, top_keys, top_r};
-use attnstore_kernels::{Element, HackParams, Partial};
+use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
 use rayon::prelude::*;
 
 /// Structure of a wave index. The defaults are RetroInfer's.
@@ -601,7 +601,20 @@ impl<E: Element> WaveIndex<E> {
         choice: &[f32],
         budget: &ZoneBudget,
     ) -> Selection {
-        let (mut retrieve, estimate) = self.select(dir, choice, budget);
+        let (retrieve, estimate) = self.select(dir, choice, budget);
+        self.selection_of(kv_head, dir, first_head, scores, retrieve, estimate)
+    }
+
+    /// The selection that retrieves `retrieve` and estimates `estimate` (directory ids).
+    fn selection_of(
+        &self,
+        kv_head: usize,
+        dir: &Directory<E>,
+        first_head: usize,
+        scores: &[Vec<f32>],
+        mut retrieve: Vec<u32>,
+        estimate: Vec<u32>,
+    ) -> Selection {
         retrieve.sort_unstable();
         let mut spans: Vec<_> = retrieve.iter().map(|&id| dir.spans[id as usize]).collect();
         let retrieve_tokens = spans.iter().map(|s| s.len()).sum::<usize>();
@@ -633,6 +646,90 @@ impl<E: Element> WaveIndex<E> {
             scored_bytes: dir.len() * self.head_dim * E::DTYPE.size_bytes(),
             retrieve_ids: retrieve,
         }
+    }
+
+    /// Every query head's scaled score of every centroid of `dir` (`q`: the group's queries).
+    fn group_scores(&self, dir: &Directory<E>, q: &[f32]) -> Vec<Vec<f32>> {
+        let d = self.head_dim;
+        let scale = 1.0 / (d as f32).sqrt();
+        let g = q.len() / d;
+        // Centroid scoring in chunks on rayon threads: with more cores than KV heads the
+        // planner would otherwise leave most of them idle.
+        let chunks: Vec<Vec<Vec<f32>>> = dir
+            .centroids
+            .par_chunks(SCORE_CHUNK * d)
+            .map(|rows| {
+                let mut s = vec![Vec::new(); g];
+                score_group(q, g, rows, scale, &mut s);
+                s
+            })
+            .collect();
+        (0..g)
+            .map(|j| {
+                let mut s = Vec::with_capacity(dir.len());
+                chunks.iter().for_each(|c| s.extend_from_slice(&c[j]));
+                s
+            })
+            .collect()
+    }
+
+    /// [`AccessMethod::arena_layer`] of an f16 index homed in `store`.
+    fn arena_layer_f16(&self, store: &BlockStore) -> Result<ArenaLayer> {
+        let d = self.head_dim;
+        let row_bytes = d * E::DTYPE.size_bytes();
+        let per_block = store.rows_per_block(row_bytes)?;
+        if 2 * per_block * row_bytes != store.buffers().layout().block_bytes() {
+            return Err(Error::InvalidParameter {
+                what: "block size",
+                message: format!(
+                    "a device step addresses arena rows as slot × 2R + row: blocks of {} bytes are not 2 × {per_block} rows of {row_bytes} bytes",
+                    store.buffers().layout().block_bytes()
+                ),
+            });
+        }
+        let stride = 2 * per_block;
+        let bits = |x: &[E]| -> Vec<half::f16> { x.iter().map(|v| half::f16::from_f32(v.to_f32())).collect() };
+        let mut rows: Vec<Vec<u32>> = Vec::with_capacity(self.kv_heads);
+        let mut metas = Vec::with_capacity(self.kv_heads);
+        for (h, head) in self.heads.iter().enumerate() {
+            let keys: Vec<_> = (0..head.dir.len() as u32).map(|id| store.key(h, id)).collect();
+            let found = store.lookup(&keys)?;
+            let mut map = Vec::with_capacity(self.indexed_tokens());
+            let mut at = 0;
+            for (id, &size) in head.dir.sizes.iter().enumerate() {
+                for b in 0..(size as usize).div_ceil(per_block) {
+                    let location = found.get(at).ok_or_else(|| {
+                        Error::MissingRows(format!("the block list ends before cluster {id} of head {h}"))
+                    })?;
+                    at += 1;
+                    let (tier, slot) = location.home();
+                    if tier != attnstore_buffer::Tier::Host {
+                        return Err(Error::MissingRows(format!(
+                            "cluster {id} of head {h} has a block homed on {tier:?}, not in the Host arena"
+                        )));
+                    }
+                    let n = (size as usize - b * per_block).min(per_block);
+                    map.extend((0..n).map(|i| (slot as usize * stride + i) as u32));
+                }
+            }
+            rows.push(map);
+            metas.push((bits(&head.dir.centroids), bits(&head.dir.value_means)));
+        }
+        let heads: Vec<HeadClusters<'_>> = self
+            .heads
+            .iter()
+            .zip(&metas)
+            .zip(&rows)
+            .map(|((head, (c, v)), r)| HeadClusters { sizes: &head.dir.sizes, centroids: c, value_means: v, rows: r })
+            .collect();
+        Ok(ArenaLayer {
+            wave: ArenaWave::new(d, &heads)?,
+            tokens_per_block: per_block,
+            indexed_end: self.tail_start,
+            real_clusters: self.heads.iter().map(|h| h.dir.len()).collect(),
+            context: store.context(),
+            layer: store.layer(),
+        })
     }
 
     fn steady_plan(&self) -> HeadPlan {
@@ -685,27 +782,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         if dir.is_empty() {
             return plan;
         }
-        let d = self.head_dim;
-        let scale = 1.0 / (d as f32).sqrt();
-        let g = q.len() / d;
-        // Centroid scoring in chunks on rayon threads: with more cores than KV heads the
-        // planner would otherwise leave most of them idle.
-        let chunks: Vec<Vec<Vec<f32>>> = dir
-            .centroids
-            .par_chunks(SCORE_CHUNK * d)
-            .map(|rows| {
-                let mut s = vec![Vec::new(); g];
-                score_group(q, g, rows, scale, &mut s);
-                s
-            })
-            .collect();
-        let scores: Vec<Vec<f32>> = (0..g)
-            .map(|j| {
-                let mut s = Vec::with_capacity(dir.len());
-                chunks.iter().for_each(|c| s.extend_from_slice(&c[j]));
-                s
-            })
-            .collect();
+        let scores = self.group_scores(dir, q);
         plan.selections = match budget.mode {
             SelectionMode::PerQueryHead => scores
                 .iter()
@@ -820,6 +897,59 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
             return None;
         }
         Some(self.gpu_work_f16(store, kv_head, q, plan))
+    }
+
+    fn arena_layer(&self) -> Option<Result<ArenaLayer>> {
+        let store = self.blocks.as_ref()?;
+        if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() || self.indexed_tokens() == 0 {
+            return None;
+        }
+        Some(self.arena_layer_f16(store))
+    }
+
+    fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
+        self.blocks.as_ref()?;
+        if E::DTYPE != attnstore_kernels::DType::F16 {
+            return None;
+        }
+        let (d, sink) = (self.head_dim, self.sink_len);
+        let len = sink + self.tail_len();
+        let n = len.saturating_sub(from);
+        let mut out = SteadyRows {
+            len,
+            keys: Vec::with_capacity(n * self.kv_heads * d),
+            values: Vec::with_capacity(n * self.kv_heads * d),
+        };
+        let bits = |x: &[E], to: &mut Vec<u16>| to.extend(x.iter().map(|v| half::f16::from_f32(v.to_f32()).to_bits()));
+        for i in from..len {
+            for head in &self.heads {
+                let (k, v, at) = if i < sink {
+                    (&head.sink_keys, &head.sink_values, i)
+                } else {
+                    (&head.tail_keys, &head.tail_values, i - sink)
+                };
+                bits(&k[at * d..(at + 1) * d], &mut out.keys);
+                bits(&v[at * d..(at + 1) * d], &mut out.values);
+            }
+        }
+        Some(out)
+    }
+
+    fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> Option<HeadPlan> {
+        self.blocks.as_ref()?;
+        let mut plan = self.steady_plan();
+        let dir = &self.heads[kv_head].dir;
+        if dir.is_empty() {
+            return Some(plan);
+        }
+        let mut chosen = vec![false; dir.len()];
+        retrieve.iter().filter(|&&id| (id as usize) < dir.len()).for_each(|&id| chosen[id as usize] = true);
+        let retrieve: Vec<u32> = (0..dir.len() as u32).filter(|&id| chosen[id as usize]).collect();
+        let estimate: Vec<u32> =
+            (0..dir.len() as u32).filter(|&id| !chosen[id as usize] && dir.sizes[id as usize] > 0).collect();
+        let scores = self.group_scores(dir, q);
+        plan.selections = vec![self.selection_of(kv_head, dir, 0, &scores, retrieve, estimate)];
+        Some(plan)
     }
 
     fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
