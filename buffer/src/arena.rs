@@ -176,8 +176,64 @@ mod pinned {
             .map_err(|e| format!("cuMemcpyHtoDAsync: {e:?}"))?;
             self.stream.synchronize().map_err(|e| format!("synchronizing the copy: {e:?}"))
         }
+
+        /// An array of `entries` `i32`s in device memory, all -1, written on this pool's stream.
+        pub(super) fn table(&self, entries: usize) -> Result<Table, String> {
+            use cudarc::driver::DevicePtr;
+            self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e:?}"))?;
+            let slice = self
+                .stream
+                .clone_htod(&vec![-1i32; entries.max(1)])
+                .map_err(|e| format!("allocating a {entries}-entry table: {e:?}"))?;
+            self.stream.synchronize().map_err(|e| format!("synchronizing the table's upload: {e:?}"))?;
+            let base = {
+                let (ptr, _sync) = slice.device_ptr(&self.stream);
+                ptr
+            };
+            Ok(Table { slice, base, stream: Arc::clone(&self.stream), ctx: Arc::clone(&self.ctx) })
+        }
+    }
+
+    /// An `i32` array in device memory beside a [`Device`] pool, written entry by entry on the
+    /// pool's stream (so a write is ordered after every copy into the pool issued before it).
+    pub(crate) struct Table {
+        slice: cudarc::driver::CudaSlice<i32>,
+        base: u64,
+        stream: Arc<cudarc::driver::CudaStream>,
+        ctx: Arc<CudaContext>,
+    }
+
+    impl Table {
+        pub(crate) fn base(&self) -> u64 {
+            self.base
+        }
+
+        /// Writes `value` at `index` on the pool's stream and waits until it is in device memory.
+        pub(crate) fn write(&self, index: usize, value: i32) -> Result<(), String> {
+            if index >= self.slice.len() {
+                return Err(format!("entry {index} of a {}-entry table", self.slice.len()));
+            }
+            self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e:?}"))?;
+            let src = [value];
+            // SAFETY: the destination (4 bytes at entry `index`, checked above) lies inside the
+            // live i32 allocation, which was made on this stream; `src` lives on this frame until
+            // the stream is synchronized below, so the copy never reads a dead buffer.
+            unsafe {
+                cudarc::driver::result::memcpy_htod_async(
+                    self.base + (index * std::mem::size_of::<i32>()) as u64,
+                    &src,
+                    self.stream.cu_stream(),
+                )
+            }
+            .map_err(|e| format!("cuMemcpyHtoDAsync: {e:?}"))?;
+            self.stream.synchronize().map_err(|e| format!("synchronizing the entry: {e:?}"))
+        }
     }
 }
+
+/// A device-resident `i32` array written on the Gpu pool's stream (the slot table's device copy).
+#[cfg(feature = "cuda")]
+pub(crate) use pinned::Table as DeviceTable;
 
 /// A fixed number of block slots in one arena, with latches and a free list.
 pub(crate) struct FramePool {
@@ -256,6 +312,13 @@ impl FramePool {
             return Some(d.base());
         }
         None
+    }
+
+    /// A device array of `entries` `i32`s (all -1) beside the pool's device mirror, written on
+    /// the same stream; `None` when the pool has no device mirror.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn device_table(&self, entries: usize) -> Option<std::result::Result<DeviceTable, String>> {
+        self.device.as_ref().map(|d| d.table(entries))
     }
 
     /// What backs the arena.

@@ -81,6 +81,14 @@ pub enum Error {
         /// Checksum of the bytes read back.
         got_crc: u32,
     },
+    /// No Gpu slot can be reused now: the free ones (and the victim just evicted) are held
+    /// back for device reads in flight ([`crate::DeviceRead`]), which may still read them. Not
+    /// a failure: they come back when those reads end; retry then.
+    #[error("no Gpu slot can be reused now: {quarantined_blocks} slots wait for device reads in flight")]
+    DeviceReadsInFlight {
+        /// Gpu slots held back.
+        quarantined_blocks: usize,
+    },
     /// A block lost earlier (corrupt or failed write): its bytes are gone; the caller must
     /// recompute or rewrite it.
     #[error("block {block} is missing: its bytes were lost ({reason})")]

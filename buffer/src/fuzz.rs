@@ -5,7 +5,8 @@
 //! admit, evict, spill, reload, free, store and look up a cluster, maintain, flip a bit on
 //! disk, inject an I/O fault, bad ids) run against a small buffer manager and a model
 //! (block → bytes last written). It panics when a read returns other bytes than the model's,
-//! when a pinned block changes, or when an operation succeeds or fails against the rules.
+//! when a pinned block changes, when the slot table of device-planned reads disagrees with the
+//! blocks' tiers, or when an operation succeeds or fails against the rules.
 
 use crate::{
     BlockId, BlockKey, BufferConfig, BufferManager, ClusterKey, DiskConfig, Error, FaultPlan, FaultyIo, IoChoice,
@@ -321,6 +322,10 @@ fn run_ops(buffers: &BufferManager, faults: &FaultyIo, input: &mut Input<'_>) {
                     }
                 }
             }
+        }
+        // The slot table stays exact under every operation, faults included.
+        if let Err(why) = buffers.check_slot_table() {
+            panic!("slot table out of step after operation {}: {why}", op % 16);
         }
         // Pinned bytes never change.
         for (guard, expected) in &pins {

@@ -11,12 +11,16 @@
 //!   them asynchronously from the plans' access records.
 //! - [`BufferManager`] joins them; [`Reader`] and [`PinGuard`] are the plan path;
 //!   [`BufferStats`] is what `attnstore inspect` prints. `docs/buffer-manager.md` explains why.
+//! - Device-planned reads (a GPU step that picks its clusters on the device, without pins):
+//!   [`DeviceSlotTable`] (Host slot → Gpu slot), [`DeviceRead`] (keeps the Gpu slots it may
+//!   read from reuse), [`BufferManager::log_cluster_reads`] (what it read, for the maintainer).
 
 #![deny(unsafe_code)]
 
 mod arena;
 mod block;
 mod budget;
+mod device_read;
 pub mod disk;
 mod error;
 pub mod fuzz;
@@ -24,17 +28,20 @@ mod maintainer;
 mod manager;
 mod mapping;
 pub mod replacer;
+mod slot_table;
 mod stats;
 mod tier;
 
 pub use arena::HostMemoryKind;
 pub use block::{BlockId, BlockKey, BlockLayout, ClusterKey};
 pub use budget::{MemoryBudget, Reservation};
+pub use device_read::DeviceRead;
 pub use disk::{DiskConfig, DiskTier, FaultPlan, FaultyIo, IoBackend, IoChoice};
 pub use error::{Error, Result};
 pub use maintainer::Maintainer;
 pub use manager::{BufferConfig, BufferManager, PinGuard, Reader};
 pub use mapping::{BlockLocation, MappingReader, MappingTable};
 pub use replacer::{Replacer, ReplacerKind};
+pub use slot_table::DeviceSlotTable;
 pub use stats::{BufferStats, TierStats};
 pub use tier::Tier;

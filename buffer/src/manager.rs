@@ -9,9 +9,11 @@
 //! overwritten, moved or evicted: the operation fails with [`Error::Pinned`] or picks another victim.
 
 use crate::arena::{FramePool, HostMemoryKind, PinFailure, SlotRead, SlotWrite, NO_OWNER};
+use crate::device_read::{DeviceRead, Epochs};
 use crate::disk::{DiskConfig, DiskTier};
 use crate::mapping::{BlockLocation, MappingReader, MappingTable};
 use crate::replacer::{ReplacerKind, SanityReplacer};
+use crate::slot_table::{DeviceSlotTable, SlotTable};
 use crate::stats::{BufferStats, TierCounters};
 use crate::{BlockId, BlockKey, BlockLayout, ClusterKey, Error, MemoryBudget, Replacer, Reservation, Result, Tier};
 use crossbeam_queue::ArrayQueue;
@@ -37,7 +39,8 @@ pub struct BufferConfig {
     /// The Disk tier (`None`: a full Host tier is an error instead of a spill).
     pub disk: Option<DiskConfig>,
     /// Capacity of the access-record queue, in batches (a [`Reader`] logs its records as one
-    /// batch when dropped); batches beyond it are dropped and their records counted.
+    /// batch when dropped); batches beyond it are dropped and their records counted. The
+    /// queue of cluster reads ([`BufferManager::log_cluster_reads`]) has the same capacity.
     pub access_queue_batches: usize,
     /// Bound on waiting for the state lock (write path and the readers' slow path).
     pub lock_timeout: Duration,
@@ -175,6 +178,12 @@ pub struct BufferManager {
     mapping: MappingTable,
     state: Mutex<State>,
     queue: ArrayQueue<Vec<AccessRecord>>,
+    /// Clusters read by device-planned steps (no pins, so no access records).
+    cluster_reads: ArrayQueue<Vec<ClusterKey>>,
+    /// Host slot → Gpu slot of the block homed there, for device-planned steps.
+    slot_table: SlotTable,
+    /// Device reads in flight and the Gpu slots they keep from reuse.
+    epochs: Epochs,
     queued_records: AtomicU64,
     dropped: AtomicU64,
     counters: [TierCounters; 3],
@@ -204,21 +213,31 @@ impl BufferManager {
             }
             None => None,
         };
+        if i32::try_from(config.gpu_blocks).is_err() {
+            // The slot table stores Gpu slots as i32 (-1: not cached) for the kernels.
+            return Err(Error::BadConfig { what: "gpu_blocks", expected: "< 2^31", got: config.gpu_blocks as u64 });
+        }
         let mut replacer = config.replacer.build(config.gpu_blocks)?;
         if config.check_replacer {
             replacer = Box::new(SanityReplacer::new(replacer));
         }
+        let host = FramePool::new(Tier::Host, config.host_blocks, block_bytes, config.pinned_host)?;
+        let gpu = FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes, config.pinned_host)?;
+        let slot_table = SlotTable::new(host.capacity(), &gpu);
         Ok(Self {
             layout: config.layout,
             replacer_name: replacer.name(),
             _host_reservation: host_reservation,
             lock_timeout: config.lock_timeout,
-            host: FramePool::new(Tier::Host, config.host_blocks, block_bytes, config.pinned_host)?,
-            gpu: FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes, config.pinned_host)?,
+            host,
+            gpu,
             disk,
             mapping: MappingTable::new(),
             state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
             queue: ArrayQueue::new(config.access_queue_batches),
+            cluster_reads: ArrayQueue::new(config.access_queue_batches),
+            slot_table,
+            epochs: Epochs::new(),
             queued_records: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             counters: Default::default(),
@@ -290,6 +309,35 @@ impl BufferManager {
         if let Some((key, index)) = meta.cluster {
             let location = meta.location(block);
             self.mapping.update_block(&key, index as usize, block, |_| location);
+        }
+    }
+
+    /// Publishes in the slot table that the block homed at `home` is cached in `gpu_slot`:
+    /// only once the slot's bytes are on the device.
+    fn publish(&self, home: Home, gpu_slot: u32) {
+        if let Home::Host(host_slot) = home {
+            if self.slot_table.set(host_slot, gpu_slot).is_err() {
+                TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+            }
+        }
+    }
+
+    /// Clears the slot-table entry of the block homed at `home` (its Gpu copy goes, or it
+    /// leaves the Host slot): before the Gpu slot can be overwritten.
+    fn unpublish(&self, home: Home) {
+        if let Home::Host(host_slot) = home {
+            if self.slot_table.clear(host_slot).is_err() {
+                TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+            }
+        }
+    }
+
+    /// Gives up an emptied Gpu slot (owner cleared, untracked by the replacer, no table entry
+    /// names it): back to the free list, or into the quarantine while an older device read is
+    /// in flight.
+    fn retire_gpu_slot(&self, slot: u32) {
+        if self.epochs.retire(slot) {
+            self.gpu.release_slot(slot);
         }
     }
 
@@ -391,10 +439,11 @@ impl BufferManager {
     fn uncache_locked(&self, state: &mut State, block: BlockId, op: &'static str) -> Result<()> {
         let Some(slot) = state.meta(block)?.gpu_slot else { return Ok(()) };
         let mut w = self.lock_slot(&self.gpu, slot, block, op)?;
+        self.unpublish(state.meta(block)?.home);
         w.set_owner(NO_OWNER);
         drop(w);
         state.replacer.remove(slot);
-        self.gpu.release_slot(slot);
+        self.retire_gpu_slot(slot);
         state.meta_mut(block)?.gpu_slot = None;
         self.remap(block, state.meta(block)?);
         Ok(())
@@ -430,10 +479,11 @@ impl BufferManager {
             self.detach_locked(state, key, index as usize);
         }
         if let Some((slot, mut w)) = gpu_latch {
+            self.unpublish(home);
             w.set_owner(NO_OWNER);
             drop(w);
             state.replacer.remove(slot);
-            self.gpu.release_slot(slot);
+            self.retire_gpu_slot(slot);
         }
         if let (Some(mut w), Home::Host(slot)) = (host_latch, home) {
             w.set_owner(NO_OWNER);
@@ -573,6 +623,10 @@ impl BufferManager {
             return Err(e); // the block stays on Host, intact
         }
         self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+        if state.meta(block)?.gpu_slot.is_some() {
+            // The Gpu copy stays, but the Host slot will hold another block.
+            self.unpublish(home);
+        }
         w.set_owner(NO_OWNER);
         drop(w);
         let meta = state.meta_mut(block)?;
@@ -619,6 +673,9 @@ impl BufferManager {
         disk.free_slot(disk_slot);
         let meta = state.meta_mut(block)?;
         meta.home = Home::Host(slot);
+        if let Some(gpu_slot) = meta.gpu_slot {
+            self.publish(Home::Host(slot), gpu_slot);
+        }
         self.remap(block, state.meta(block)?);
         Ok(())
     }
@@ -675,16 +732,29 @@ impl BufferManager {
                     }
                     Err(_) => false, // pinned by a reader: never evicted
                 });
-                let (Some(slot), Some(w)) = (victim, taken) else {
+                let (Some(slot), Some(mut w)) = (victim, taken) else {
+                    let quarantined_blocks = self.epochs.quarantined();
+                    if quarantined_blocks > 0 {
+                        // Not a failure: slots come back when the device reads in flight end.
+                        return Err(Error::DeviceReadsInFlight { quarantined_blocks });
+                    }
                     TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
                     return Err(Error::TierFull { tier: Tier::Gpu, capacity_blocks: self.gpu.capacity() });
                 };
                 let old = BlockId(w.owner());
                 if let Some(old_meta) = state.blocks.get_mut(&old) {
+                    self.unpublish(old_meta.home);
                     old_meta.gpu_slot = None;
                     self.remap(old, &state.blocks[&old]);
                 }
                 TierCounters::add(&self.counters(Tier::Gpu).evictions, 1);
+                w.set_owner(NO_OWNER);
+                if !self.epochs.retire(slot) {
+                    // An older device read may still read the victim's bytes: it stays
+                    // quarantined, and this block waits for a later round.
+                    drop(w);
+                    return Err(Error::DeviceReadsInFlight { quarantined_blocks: self.epochs.quarantined() });
+                }
                 (slot, w)
             }
         };
@@ -728,6 +798,8 @@ impl BufferManager {
         state.replacer.insert(slot);
         let meta = state.meta_mut(block)?;
         meta.gpu_slot = Some(slot);
+        // The bytes are on the device (the mirror waited for its copy): publish the slot.
+        self.publish(home, slot);
         self.remap(block, state.meta(block)?);
         self.counters(Tier::Gpu).moved(self.layout.block_bytes(), started);
         Ok(slot)
@@ -877,6 +949,106 @@ impl BufferManager {
         })
     }
 
+    /// The slot table's entry for Host slot `host_slot` (host mirror): the Gpu slot of the
+    /// block homed there when it is cached in the Gpu tier, else `None` (also for a slot out
+    /// of range). For tests and tools; exact when no write is in progress, a hint otherwise.
+    /// Kept on machines without a GPU too.
+    pub fn slot_table_entry(&self, host_slot: u32) -> Option<u32> {
+        self.slot_table.get(host_slot)
+    }
+
+    /// Checks the slot table against the blocks' metadata (every Host-homed cached block's
+    /// entry names its Gpu slot, every other entry is empty) and that every Gpu slot is cached,
+    /// free or quarantined; for the fuzz driver. Takes the state lock.
+    pub(crate) fn check_slot_table(&self) -> std::result::Result<(), String> {
+        let state = self.state().map_err(|e| e.to_string())?;
+        let mut expected = vec![None; self.slot_table.len()];
+        let mut cached = 0;
+        for (block, meta) in &state.blocks {
+            cached += usize::from(meta.gpu_slot.is_some());
+            if let Home::Host(host_slot) = meta.home {
+                expected[host_slot as usize] = meta.gpu_slot.map(|g| (g, *block));
+            }
+        }
+        for (host_slot, want) in expected.into_iter().enumerate() {
+            let got = self.slot_table.get(host_slot as u32);
+            if got != want.map(|(g, _)| g) {
+                return Err(format!("slot table entry of Host slot {host_slot} is {got:?}, expected {want:?}"));
+            }
+        }
+        let (free, quarantined) = (self.gpu.free_slots(), self.epochs.quarantined());
+        if cached + free + quarantined != self.gpu.capacity() {
+            return Err(format!(
+                "{cached} cached + {free} free + {quarantined} quarantined Gpu slots, capacity {}",
+                self.gpu.capacity()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The Gpu tier's pool, for unit tests that look at slot bytes no block owns.
+    #[cfg(test)]
+    pub(crate) fn gpu_pool(&self) -> &FramePool {
+        &self.gpu
+    }
+
+    /// The device copy of the slot table, for a kernel that chooses its clusters on the
+    /// device: an `i32` per Host slot, the Gpu slot of the block homed there (read at
+    /// [`Self::gpu_device_base`]) or -1 (read the row from the Host arena,
+    /// [`Self::host_memory`]). A kernel reads it only inside a [`DeviceRead`]
+    /// ([`Self::device_read`]) taken before its launch. `None` without a Gpu tier in device
+    /// memory (no feature `cuda`, no GPU, `gpu_blocks == 0`) or after a failed write to it.
+    ///
+    /// An entry is cleared on the device before its Gpu slot can be overwritten, and set only
+    /// after the slot's new bytes are on the device (both synchronously, on the Gpu pool's
+    /// stream), so a kernel never follows an entry to a half-written slot.
+    pub fn device_slot_table(&self) -> Option<DeviceSlotTable> {
+        self.slot_table.device()
+    }
+
+    /// Starts a device read: hold the guard from before launching a GPU step that reads the
+    /// slot table and the Gpu tier until its results are back. While it lives, a Gpu slot whose
+    /// table entry is cleared after this call is not reused for another block (it waits in a
+    /// quarantine; admissions that would need it fail with [`Error::DeviceReadsInFlight`]).
+    /// Without live guards nothing changes: an evicted slot is reused at once. Cheap (one
+    /// short lock), meant once per GPU step.
+    ///
+    /// ```
+    /// use attnstore_buffer::{BufferConfig, BufferManager, ClusterKey};
+    ///
+    /// let buffers = BufferManager::new(BufferConfig::new(64, 8))?;
+    /// let key = ClusterKey { context: 1, layer: 0, head: 0, cluster: 0 };
+    /// buffers.store_cluster(key, &[1u8; 2048])?;
+    /// let step = buffers.device_read(); // before the launch
+    /// // ... launch the kernel with buffers.device_slot_table(), wait for its results ...
+    /// drop(step);
+    /// buffers.log_cluster_reads(vec![key]); // what the step read, for the maintainer
+    /// buffers.maintain(usize::MAX);
+    /// # Ok::<(), attnstore_buffer::Error>(())
+    /// ```
+    pub fn device_read(&self) -> DeviceRead<'_> {
+        DeviceRead::new(&self.epochs, &self.gpu)
+    }
+
+    /// Logs the clusters a device-planned step read (it takes no pins, so it logs no access
+    /// records), for the maintainer: [`Self::maintain`] counts a hit for each block cached in
+    /// the Gpu tier (and tells the replacer), and admits each block homed on Host that is not
+    /// (a Gpu miss and a Host hit). Disk-homed or lost blocks count nothing (a device step
+    /// reads only the Gpu tier and the Host arena); clusters freed since are skipped. Never
+    /// blocks: when the queue is full the keys are dropped and counted with the dropped
+    /// access records. A cluster counts as one record.
+    pub fn log_cluster_reads(&self, keys: Vec<ClusterKey>) {
+        let n = keys.len() as u64;
+        if n == 0 {
+            return;
+        }
+        // Relaxed: statistics.
+        match self.cluster_reads.push(keys) {
+            Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
+            Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
+        };
+    }
+
     /// A reader for one plan: lock-free cluster lookups and pins.
     pub fn reader(&self) -> Reader<'_> {
         self.reader_logging(true)
@@ -900,23 +1072,36 @@ impl BufferManager {
         }
     }
 
-    /// Processes queued access records (whole batches, until at least `max_records` or the
-    /// queue is empty): hits update the replacer, misses are admitted into the Gpu tier
-    /// (evicting by policy). Returns the records processed.
+    /// Processes queued access records and cluster reads (whole batches, taken from both
+    /// queues in turn until at least `max_records` or both are empty): hits update the
+    /// replacer, misses are admitted into the Gpu tier (evicting by policy). Returns the
+    /// records processed (a logged cluster counts as one).
     /// The [`Maintainer`](crate::Maintainer) thread calls this; tests may call it directly.
     pub fn maintain(&self, max_records: usize) -> usize {
         let mut records = Vec::new();
-        while records.len() < max_records.min(1 << 16) {
-            match self.queue.pop() {
-                Some(batch) => {
-                    self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
-                    records.extend(batch);
+        let mut clusters = Vec::new();
+        let limit = max_records.min(1 << 16);
+        while records.len() + clusters.len() < limit {
+            let mut took = false;
+            if let Some(batch) = self.queue.pop() {
+                self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
+                records.extend(batch);
+                took = true;
+            }
+            if records.len() + clusters.len() < limit {
+                if let Some(keys) = self.cluster_reads.pop() {
+                    self.queued_records.fetch_sub(keys.len() as u64, Ordering::Relaxed);
+                    clusters.extend(keys);
+                    took = true;
                 }
-                None => break,
+            }
+            if !took {
+                break;
             }
         }
-        if records.is_empty() || self.gpu.capacity() == 0 {
-            return records.len();
+        let processed = records.len() + clusters.len();
+        if processed == 0 || self.gpu.capacity() == 0 {
+            return processed;
         }
         // The previous round's retired mapping buckets are past every reader by now: free
         // them here rather than in a plan thread's epoch pin.
@@ -939,9 +1124,37 @@ impl BufferManager {
                 }
             }
         }
+        for key in &clusters {
+            self.resolve_cluster_read(&mut state, key);
+        }
         drop(state);
         self.mapping.collect_garbage();
-        records.len()
+        processed
+    }
+
+    /// Applies one cluster read of a device-planned step (see [`Self::log_cluster_reads`]).
+    fn resolve_cluster_read(&self, state: &mut State, key: &ClusterKey) {
+        // Freed since the step: nothing to keep warm.
+        let Some(locations) = self.mapping.get(key) else { return };
+        for location in locations {
+            let block = location.block();
+            let Some(meta) = state.blocks.get(&block) else { continue };
+            match (meta.gpu_slot, meta.home) {
+                (Some(slot), _) => {
+                    state.replacer.access(slot);
+                    TierCounters::add(&self.counters(Tier::Gpu).hits, 1);
+                }
+                (None, Home::Host(_)) => {
+                    TierCounters::add(&self.counters(Tier::Gpu).misses, 1);
+                    TierCounters::add(&self.counters(Tier::Host).hits, 1);
+                    // Refusals for pins or copy errors count as failures where they happen;
+                    // waiting for device reads in flight does not.
+                    let _ = self.admit_locked(state, block);
+                }
+                // A device step does not read Disk: nothing was served, nothing to admit.
+                (None, Home::Disk(_) | Home::Lost(_)) => {}
+            }
+        }
     }
 
     /// A snapshot of the counters of every tier.
@@ -967,6 +1180,7 @@ impl BufferManager {
             disk_backend: self.disk.as_ref().map(DiskTier::backend_name),
             host_memory: self.host.memory_kind(),
             gpu_on_device: self.gpu.device_base().is_some(),
+            gpu_quarantined_blocks: self.epochs.quarantined(),
         }
     }
 }

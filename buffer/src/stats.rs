@@ -103,6 +103,8 @@ pub struct BufferStats {
     pub host_memory: crate::HostMemoryKind,
     /// The Gpu tier is mirrored in device memory (a GPU is present).
     pub gpu_on_device: bool,
+    /// Gpu slots held back (counted as used) for device reads in flight.
+    pub gpu_quarantined_blocks: usize,
 }
 
 impl BufferStats {
@@ -150,13 +152,14 @@ impl fmt::Display for BufferStats {
         }
         write!(
             f,
-            "block {} B, host memory {}, gpu tier in {}, replacer {}, disk I/O {}, access records: {} queued, {} dropped",
+            "block {} B, host memory {}, gpu tier in {} ({} slots quarantined), replacer {}, disk I/O {}, access records: {} queued, {} dropped",
             self.block_bytes,
             match self.host_memory {
                 crate::HostMemoryKind::Anonymous => "anonymous",
                 crate::HostMemoryKind::Pinned { .. } => "pinned (device-mapped)",
             },
             if self.gpu_on_device { "device memory" } else { "host memory" },
+            self.gpu_quarantined_blocks,
             self.replacer,
             self.disk_backend.unwrap_or("-"),
             self.queued_access_records,
