@@ -8,7 +8,7 @@ use crate::error::{check_finite, Error, Result};
 use crate::plan::{Plan, Request};
 use crate::spec::{ContextSpec, LayerKind};
 use attnstore_buffer::{BlockLayout, MemoryBudget, Tier};
-use attnstore_index::{BuildReport, IndexStats};
+use attnstore_index::{BuildReport, HeadPlan, IndexStats, ZoneBudget};
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -169,7 +169,10 @@ impl Engine {
             self.context(id)?;
             durable.log_drop(id)?;
         }
-        self.contexts.write().remove(&id).map(|_| ()).ok_or(Error::UnknownContext(id))
+        self.contexts.write().remove(&id).ok_or(Error::UnknownContext(id))?;
+        #[cfg(feature = "cuda")]
+        self.gpu.forget(id);
+        Ok(())
     }
 
     /// Ids of all contexts, ascending.
@@ -368,13 +371,26 @@ impl Engine {
     /// Plans attention for a batch of requests under one budget. Plans are data: inspect
     /// them with [`Plan::explain`], run them with [`Engine::execute`].
     pub fn plan(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {
+        self.plan_on(requests, budget, false)
+    }
+
+    /// Like [`Engine::plan`], but sparse wave plans whose rows the GPU can read in place
+    /// (f16 rows homed in the buffer manager, one selection per KV head) leave the choice
+    /// of clusters to the GPU ([`crate::DeviceSelection`]): planning reads no meta data, and
+    /// [`Engine::execute_gpu`] runs the whole step on the device. Other requests are planned
+    /// as by [`Engine::plan`]. [`Engine::execute`] runs such a plan on the CPU too.
+    pub fn plan_gpu(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {
+        self.plan_on(requests, budget, true)
+    }
+
+    fn plan_on(&self, requests: &[Request], budget: &Budget, on_device: bool) -> Result<Plan> {
         budget.validate()?;
         let plans = requests
             .iter()
             .map(|r| {
                 let ctx = self.context(r.context)?;
                 let guard = layer_of(&ctx, r.context, r.layer)?.read_recursive();
-                crate::plan::plan_request(&ctx.spec, &guard, r, budget, &self.config)
+                crate::plan::plan_request(&ctx.spec, &guard, r, budget, &self.config, on_device)
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Plan { budget: *budget, requests: plans, host_read_gbps: self.config.host_read_gbps })
@@ -398,6 +414,24 @@ impl Engine {
         crate::execute::run(plan, &layers)
     }
 
+    /// The per-KV-head plans the CPU executor runs for `r`: its own, or for a device-selected
+    /// plan the same zones chosen on the CPU (the retrieval zone's tokens, every other
+    /// cluster estimated).
+    pub(crate) fn cpu_heads<'p>(r: &'p crate::plan::RequestPlan, layer: &Layer) -> std::borrow::Cow<'p, [HeadPlan]> {
+        let Some(dev) = &r.device else { return std::borrow::Cow::Borrowed(&r.heads) };
+        let zone = ZoneBudget {
+            retrieve_tokens: dev.retrieve_tokens,
+            estimate_tokens: usize::MAX,
+            mode: attnstore_index::SelectionMode::PerKvHead,
+        };
+        let (g, d) = (r.shape.group(), r.shape.head_dim);
+        std::borrow::Cow::Owned(
+            (0..r.shape.kv_heads)
+                .map(|h| layer.method.plan_head(h, &r.queries[h * g * d..(h + 1) * g * d], &zone))
+                .collect(),
+        )
+    }
+
     /// Token positions that query head `q_head` of request `request` attends exactly under
     /// `plan` (steady plus retrieved; for recall measurements).
     pub fn exact_positions(&self, plan: &Plan, request: usize, q_head: usize) -> Result<Vec<u32>> {
@@ -413,7 +447,8 @@ impl Engine {
         let guard = layer_of(&ctx, r.context, r.layer)?.read_recursive();
         check_fresh(r, &guard)?;
         let g = r.shape.group();
-        Ok(guard.method.exact_positions(q_head / g, &r.heads[q_head / g], q_head % g))
+        let heads = Engine::cpu_heads(r, &guard);
+        Ok(guard.method.exact_positions(q_head / g, &heads[q_head / g], q_head % g))
     }
 
     pub(crate) fn context(&self, id: ContextId) -> Result<Arc<Context>> {

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 /// Runs `plan` over the read-locked `layers` (one per request, same order).
 pub(crate) fn run(plan: &Plan, layers: &[&Layer]) -> Result<Vec<Vec<f32>>> {
+    let heads: Vec<_> = plan.requests.iter().zip(layers).map(|(r, l)| crate::Engine::cpu_heads(r, l)).collect();
     let jobs: Vec<(usize, usize)> =
         plan.requests.iter().enumerate().flat_map(|(i, r)| (0..r.shape.kv_heads).map(move |h| (i, h))).collect();
     let pieces: Vec<Vec<f32>> = jobs
@@ -17,7 +18,7 @@ pub(crate) fn run(plan: &Plan, layers: &[&Layer]) -> Result<Vec<Vec<f32>>> {
             let r = &plan.requests[i];
             let (g, d) = (r.shape.group(), r.shape.head_dim);
             let q = &r.queries[h * g * d..(h + 1) * g * d];
-            let parts = layers[i].method.execute_head(h, q, &r.heads[h], scratch)?;
+            let parts = layers[i].method.execute_head(h, q, &heads[i][h], scratch)?;
             Ok(parts.iter().flat_map(|p| p.finish()).collect())
         })
         .collect::<Result<_>>()?;

@@ -44,6 +44,7 @@ impl Plan {
                     human_bytes(c.kv_bytes)
                 );
             }
+            Strategy::Sparse { .. } if r.device.is_some() => render_device(s, r),
             Strategy::Sparse { zone } => {
                 let q = sh.q_heads as f64;
                 let per_q = |f: &dyn Fn(&attnstore_index::Selection) -> usize| -> f64 {
@@ -120,6 +121,11 @@ impl Plan {
                 }
             }
         }
+        self.render_cost(s, r);
+    }
+
+    fn render_cost(&self, s: &mut String, r: &RequestPlan) {
+        let c = &r.cost;
         let total = c.total_bytes();
         let _ = writeln!(
             s,
@@ -134,6 +140,49 @@ impl Plan {
             self.host_read_gbps
         );
     }
+}
+
+/// The zones of a device-selected plan (`Engine::plan_gpu`), per KV head.
+fn render_device(s: &mut String, r: &RequestPlan) {
+    let Some(dev) = &r.device else { return };
+    let (sh, c) = (&r.shape, &r.cost);
+    let row = sh.head_dim * r.dtype.size_bytes();
+    let pct = |t: usize| 100.0 * t as f64 / r.tokens.max(1) as f64;
+    let _ = writeln!(
+        s,
+        "  strategy: sparse, tripartite, clusters chosen on the GPU at execution: top {} of {} per kv head by the group's best centroid score, every other cluster estimated",
+        dev.clusters_per_head, dev.clusters
+    );
+    let _ = writeln!(
+        s,
+        "  ├─ Steady    exact  {:>9} tokens per kv head ({} pending), in device memory   bytes {}",
+        c.steady_tokens,
+        c.pending_tokens,
+        human_bytes(sh.kv_heads * c.steady_tokens * 2 * row)
+    );
+    let _ = writeln!(
+        s,
+        "  ├─ Retrieve  exact  {:>9} clusters, ~{} tokens ({:.2}%) per kv head: Gpu-tier hits from device memory, misses zero-copy from the Host arena   bytes ~{}",
+        dev.clusters_per_head,
+        dev.retrieve_tokens,
+        pct(dev.retrieve_tokens),
+        human_bytes(c.retrieve_bytes)
+    );
+    let rest = dev.indexed_tokens - dev.retrieve_tokens;
+    let _ = writeln!(
+        s,
+        "  ├─ Estimate  meta   {:>9} clusters, ~{} tokens ({:.2}%) per kv head   bytes {}",
+        dev.clusters - dev.clusters_per_head,
+        rest,
+        pct(rest),
+        human_bytes(c.estimate_clusters * row)
+    );
+    let _ = writeln!(
+        s,
+        "  ├─ Scoring   meta   {:>9} centroids per kv head, on the GPU                 bytes {}",
+        dev.clusters,
+        human_bytes(dev.clusters * sh.kv_heads * row)
+    );
 }
 
 fn render_head(s: &mut String, h: usize, head: &HeadPlan) {

@@ -8,24 +8,107 @@
 //! maintainer can neither evict nor overwrite a slot a kernel reads. Requests the GPU cannot
 //! serve — rows not homed in the buffer manager, not f16, one selection per query head, a
 //! block only on Disk, no GPU — run on the CPU executor; the result says how many ran where.
+//!
+//! Plans made by [`Engine::plan_gpu`] go further: the whole step runs on the device
+//! (`GpuBackend::launch_wave_batch`: one graph for every such request of the plan). Each
+//! layer keeps a device copy of its meta index, of the Host-arena row of every indexed row
+//! and of its steady zone (`DeviceLayer`), made again when a segment is added (decode tokens
+//! are appended to the steady zone step by step). The kernels read Gpu-tier hits through the
+//! buffer manager's device slot table, under a `DeviceRead` that keeps the maintainer from
+//! overwriting any slot the table named; afterwards the step's selection is read back and
+//! logged as cluster reads, so the maintainer keeps the Gpu tier warm.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use attnstore_buffer::ClusterKey;
 use attnstore_buffer::{HostMemoryKind, Tier};
-use attnstore_kernels::cuda::{GpuBackend, RowRef, SharedRows};
+use attnstore_kernels::cuda::{
+    ArenaCache, DeviceWave, GpuBackend, KvPointers, RowRef, SharedRows, WaveBatch, WaveCache, WaveJob, WaveStep,
+};
 use attnstore_kernels::Partial;
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
+use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::plan::{Plan, RequestPlan};
 
-/// GPU backends per head dimension (each compiles its kernels once).
+/// Steady-zone rows a device copy holds beyond the zone's length when it is made (decode
+/// tokens append there until the next segment is built; past it the copy is made again).
+const STEADY_SLACK: usize = 2048;
+
+/// GPU backends per head dimension (each compiles its kernels once), and the device copies
+/// of layers that device-selected plans ran over.
 #[derive(Default)]
 pub(crate) struct GpuExec {
     backends: Mutex<HashMap<usize, Arc<GpuBackend>>>,
+    device: Mutex<DeviceState>,
+}
+
+#[derive(Default)]
+struct DeviceState {
+    layers: HashMap<(ContextId, usize), DeviceLayer>,
+    /// Streams for batched steps, per head dimension.
+    batches: HashMap<usize, WaveBatch>,
+}
+
+/// A layer's device copy for device-selected steps.
+struct DeviceLayer {
+    wave: DeviceWave,
+    /// The index's indexed tokens when copied: a new segment changes it (and the copy).
+    indexed: usize,
+    /// Buffers per retrieved-cluster count.
+    jobs: Vec<(usize, WaveJob)>,
+    /// Real clusters per head (ids past them are the device's padding).
+    real_clusters: Vec<usize>,
+    /// Buffer-manager key prefix of its clusters.
+    keys: (u64, u32),
+    tokens_per_block: usize,
+    /// The clusters the last step retrieved per KV head (for [`Engine::analyze_gpu`]).
+    selection: Vec<Vec<u32>>,
+}
+
+impl GpuExec {
+    /// Forgets the device copies of `context`'s layers (it was dropped).
+    pub(crate) fn forget(&self, context: ContextId) {
+        self.device.lock().layers.retain(|(c, _), _| *c != context);
+    }
+}
+
+/// `layer`'s device copy: `cached` brought up to date (steady rows appended), or made anew
+/// when there is none, a segment was added or the steady zone outgrew it. `None` when the
+/// layer cannot run on the device (see `AccessMethod::arena_layer`; e.g. a block spilled).
+fn device_layer(gpu: &GpuBackend, cached: Option<DeviceLayer>, layer: &Layer) -> Result<Option<DeviceLayer>> {
+    let indexed = layer.method.stats().indexed_tokens;
+    if let Some(mut dl) = cached.filter(|dl| dl.indexed == indexed) {
+        let synced = dl.wave.steady_rows();
+        let Some(rows) = layer.method.steady_rows_from(synced) else { return Ok(None) };
+        if rows.len >= synced && rows.len <= dl.wave.steady_capacity() {
+            if rows.len > synced {
+                gpu.set_steady(&mut dl.wave, synced, &rows.keys, &rows.values)?;
+            }
+            return Ok(Some(dl));
+        }
+    }
+    let arena = match layer.method.arena_layer() {
+        Some(Ok(arena)) => arena,
+        // Not servable here (or a block not in the Host arena): the CPU runs it.
+        None | Some(Err(_)) => return Ok(None),
+    };
+    let Some(steady) = layer.method.steady_rows_from(0) else { return Ok(None) };
+    let mut wave = gpu.upload_arena_wave(&arena.wave, steady.len + STEADY_SLACK)?;
+    gpu.set_steady(&mut wave, 0, &steady.keys, &steady.values)?;
+    Ok(Some(DeviceLayer {
+        wave,
+        indexed,
+        jobs: Vec::new(),
+        real_clusters: arena.real_clusters,
+        keys: (arena.context, arena.layer),
+        tokens_per_block: arena.tokens_per_block,
+        selection: Vec::new(),
+    }))
 }
 
 impl GpuExec {
@@ -71,6 +154,36 @@ impl PhaseTrace {
     }
 }
 
+/// Where a device step reads rows: the pinned Host arena (every block's home) and the Gpu
+/// tier's pool with its slot table, both addressed in rows of `per_block` K rows then
+/// `per_block` V rows per block.
+struct ArenaRows {
+    host_base: u64,
+    host_blocks: usize,
+    /// Device address of the pool and of its slot table.
+    gpu: Option<(u64, u64)>,
+    gpu_blocks: usize,
+    per_block: usize,
+    row_bytes: usize,
+}
+
+impl ArenaRows {
+    fn pointers(&self) -> (KvPointers, Option<WaveCache<'static>>) {
+        let block_rows = 2 * self.per_block;
+        let shift = (self.per_block * self.row_bytes) as u64;
+        let kv =
+            KvPointers { keys: self.host_base, values: self.host_base + shift, rows: self.host_blocks * block_rows };
+        let cache = self.gpu.map(|(base, table)| {
+            WaveCache::Arena(ArenaCache {
+                rows: SharedRows { keys: base, values: base + shift, rows: self.gpu_blocks * block_rows },
+                table,
+                block_rows,
+            })
+        });
+        (kv, cache)
+    }
+}
+
 /// What [`Engine::execute_gpu`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GpuRun {
@@ -82,6 +195,10 @@ pub struct GpuRun {
     pub gpu_blocks: usize,
     /// Retrieved blocks read zero-copy from the pinned Host arena.
     pub host_blocks: usize,
+    /// Of the requests on the GPU, those whose clusters the GPU chose (plans of
+    /// [`Engine::plan_gpu`]). Their blocks are not counted above: the buffer manager's tier
+    /// statistics count them when the maintainer processes the step's cluster reads.
+    pub device_selected: usize,
 }
 
 impl Engine {
@@ -91,9 +208,20 @@ impl Engine {
     /// buffer manager got pinned host memory; otherwise every request runs on the CPU.
     pub fn execute_gpu(&self, plan: &Plan) -> Result<(Vec<Vec<f32>>, GpuRun)> {
         let mut run = GpuRun::default();
+        let mut done: Vec<Option<Vec<f32>>> = vec![None; plan.requests.len()];
+        let device: Vec<usize> = (0..plan.requests.len()).filter(|&i| plan.requests[i].device.is_some()).collect();
+        if !device.is_empty() {
+            self.execute_device(plan, &device, &mut done, &mut run)?;
+        }
         let mut outputs = Vec::with_capacity(plan.requests.len());
-        for r in &plan.requests {
-            match self.execute_request_gpu(r, &mut run)? {
+        for (r, done) in plan.requests.iter().zip(done) {
+            if let Some(out) = done {
+                outputs.push(out);
+                continue;
+            }
+            // A device-selected plan the device could not serve runs on the CPU.
+            let on_gpu = if r.device.is_some() { None } else { self.execute_request_gpu(r, &mut run)? };
+            match on_gpu {
                 Some(out) => {
                     run.on_gpu += 1;
                     outputs.push(out);
@@ -107,6 +235,200 @@ impl Engine {
             }
         }
         Ok((outputs, run))
+    }
+
+    /// Runs the device-selected requests `which` of `plan` as one batched device step per
+    /// head dimension, filling their outputs; requests it cannot serve are left `None`.
+    fn execute_device(
+        &self,
+        plan: &Plan,
+        which: &[usize],
+        outputs: &mut [Option<Vec<f32>>],
+        run: &mut GpuRun,
+    ) -> Result<()> {
+        let Some(manager) = self.buffer_manager() else { return Ok(()) };
+        let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(()) };
+        let Some(settings) = self.config().buffers.as_ref() else { return Ok(()) };
+        let mut trace = PhaseTrace::new();
+        let ctxs = which.iter().map(|&i| self.context(plan.requests[i].context)).collect::<Result<Vec<_>>>()?;
+        // Layers stay read-locked until the results are back: their rows cannot move.
+        let guards = which
+            .iter()
+            .zip(&ctxs)
+            .map(|(&i, ctx)| {
+                let r = &plan.requests[i];
+                let layer = ctx.layers.get(r.layer).ok_or(Error::UnknownLayer {
+                    context: r.context,
+                    layer: r.layer,
+                    layers: ctx.layers.len(),
+                })?;
+                let g = layer.read_recursive();
+                crate::engine::check_fresh(r, &g)?;
+                Ok(g)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut state = self.gpu.device.lock();
+        let mut taken: Vec<(usize, (ContextId, usize), DeviceLayer)> = Vec::new();
+        let mut result = Ok(());
+        for (&i, layer) in which.iter().zip(&guards) {
+            let r = &plan.requests[i];
+            let key = (r.context, r.layer);
+            if taken.iter().any(|t| t.1 == key) {
+                continue; // the same layer twice in one batch: the second runs on the CPU
+            }
+            let cached = state.layers.remove(&key);
+            match self.gpu.backend(r.shape.head_dim).and_then(|gpu| device_layer(&gpu, cached, layer)) {
+                Ok(Some(dl)) => taken.push((i, key, dl)),
+                Ok(None) => {}
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        trace.mark("device copies");
+        let mut head_dims: Vec<usize> = taken.iter().map(|t| plan.requests[t.0].shape.head_dim).collect();
+        head_dims.sort_unstable();
+        head_dims.dedup();
+        for d in head_dims {
+            if result.is_err() {
+                break;
+            }
+            let mut group: Vec<&mut (usize, (ContextId, usize), DeviceLayer)> =
+                taken.iter_mut().filter(|t| plan.requests[t.0].shape.head_dim == d).collect();
+            let per_block = group[0].2.tokens_per_block;
+            let arena = ArenaRows {
+                host_base,
+                host_blocks: settings.host_blocks,
+                gpu: manager.gpu_device_base().zip(manager.device_slot_table()).map(|(b, t)| (b, t.address)),
+                gpu_blocks: settings.gpu_blocks,
+                per_block,
+                row_bytes: d * 2,
+            };
+            result = self.device_step(&mut state, d, arena, plan, &mut group, outputs, run, &mut trace);
+        }
+        trace.print();
+        for (_, key, dl) in taken {
+            state.layers.insert(key, dl);
+        }
+        drop(guards);
+        result
+    }
+
+    /// One batched device step over `group` (requests of head dimension `d`): queries in,
+    /// launch, outputs back, selections logged as cluster reads.
+    #[allow(clippy::too_many_arguments, reason = "the executor's state, the arena and the plan's parts")]
+    fn device_step(
+        &self,
+        state: &mut DeviceState,
+        d: usize,
+        arena: ArenaRows,
+        plan: &Plan,
+        group: &mut [&mut (usize, (ContextId, usize), DeviceLayer)],
+        outputs: &mut [Option<Vec<f32>>],
+        run: &mut GpuRun,
+        trace: &mut PhaseTrace,
+    ) -> Result<()> {
+        let manager = self.buffer_manager().expect("checked by the caller");
+        let gpu = self.gpu.backend(d)?;
+        let (kv, cache) = arena.pointers();
+        // Per request: its index in the plan, real clusters per head, cluster key prefix.
+        let served: Vec<(usize, Vec<usize>, (u64, u32))> =
+            group.iter().map(|t| (t.0, t.2.real_clusters.clone(), t.2.keys)).collect();
+        let mut steps = Vec::with_capacity(group.len());
+        for t in group.iter_mut() {
+            let r = &plan.requests[t.0];
+            let dev = r.device.as_ref().expect("a device-selected request");
+            let DeviceLayer { wave, jobs, .. } = &mut t.2;
+            let at = match jobs.iter().position(|(n, _)| *n == dev.clusters_per_head) {
+                Some(at) => at,
+                None => {
+                    let n = dev.clusters_per_head.min(wave.clusters());
+                    jobs.push((dev.clusters_per_head, gpu.prepare_wave(&r.shape, wave, n)?));
+                    jobs.len() - 1
+                }
+            };
+            let job = &mut jobs[at].1;
+            gpu.set_wave_query(job, &r.queries)?;
+            steps.push(WaveStep { wave, kv, cache, job });
+        }
+        trace.mark("queries");
+        let mut batch = match state.batches.remove(&d) {
+            Some(b) if b.capacity() >= steps.len() => b,
+            _ => gpu.wave_batch(steps.len().max(4))?,
+        };
+        let reads = manager.device_read();
+        let launched = gpu.launch_wave_batch(&mut batch, &mut steps);
+        // Wait for the step (also on failure: nothing may still read the slots).
+        trace.mark("launch");
+        let fetched: Vec<_> = steps.iter_mut().map(|s| gpu.fetch_wave_selected(s.job)).collect();
+        drop(reads);
+        trace.mark("step + fetch");
+        state.batches.insert(d, batch);
+        launched?;
+        let mut keys = Vec::new();
+        let mut selections = Vec::with_capacity(steps.len());
+        for ((i, real_clusters, prefix), got) in served.iter().zip(fetched) {
+            let (out, selection) = got?;
+            outputs[*i] = Some(out);
+            run.on_gpu += 1;
+            run.device_selected += 1;
+            // What the step read, for the maintainer (admissions and recency).
+            selections.push(selection.clone());
+            for (h, ids) in selection.iter().enumerate() {
+                let real = real_clusters.get(h).copied().unwrap_or(0) as u32;
+                keys.extend(ids.iter().filter(|&&c| c < real).map(|&cluster| ClusterKey {
+                    context: prefix.0,
+                    layer: prefix.1,
+                    head: h as u32,
+                    cluster,
+                }));
+            }
+        }
+        trace.mark("selection");
+        manager.log_cluster_reads(keys);
+        trace.mark("log");
+        drop(steps);
+        for (t, selection) in group.iter_mut().zip(selections) {
+            t.2.selection = selection;
+        }
+        Ok(())
+    }
+
+    /// EXPLAIN ANALYZE for device-selected plans: `plan` with every device-selected request
+    /// turned into an ordinary sparse plan retrieving the clusters the GPU chose the last
+    /// time it ran that request's layer (every other cluster estimated), its blocks' tiers
+    /// looked up now. [`Engine::execute`] of the result attends exactly what the GPU did.
+    /// A request whose layer has not run on the device is an [`Error::InvalidSpec`].
+    pub fn analyze_gpu(&self, plan: &Plan) -> Result<Plan> {
+        let state = self.gpu.device.lock();
+        let mut out = plan.clone();
+        for r in out.requests.iter_mut().filter(|r| r.device.is_some()) {
+            let ctx = self.context(r.context)?;
+            let layer = ctx.layers.get(r.layer).ok_or(Error::UnknownLayer {
+                context: r.context,
+                layer: r.layer,
+                layers: ctx.layers.len(),
+            })?;
+            let guard = layer.read_recursive();
+            crate::engine::check_fresh(r, &guard)?;
+            let selection = match state.layers.get(&(r.context, r.layer)) {
+                Some(dl) if dl.selection.len() == r.shape.kv_heads => &dl.selection,
+                _ => {
+                    return Err(Error::InvalidSpec(format!(
+                        "{} layer {} has not run on the device: nothing to analyze",
+                        r.context, r.layer
+                    )))
+                }
+            };
+            let (g, d) = (r.shape.group(), r.shape.head_dim);
+            let heads = (0..r.shape.kv_heads)
+                .map(|h| guard.method.plan_head_retrieving(h, &r.queries[h * g * d..(h + 1) * g * d], &selection[h]))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Error::InvalidSpec(format!("{} layer {} cannot be analyzed", r.context, r.layer)))?;
+            *r = r.chosen(heads, self.config());
+        }
+        Ok(out)
     }
 
     /// One request on the GPU, or `None` when it must run on the CPU.

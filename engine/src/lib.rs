@@ -36,5 +36,5 @@ pub use engine::{AppendTicket, Engine, EngineConfig};
 pub use error::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;
-pub use plan::{Plan, PlanCost, Request, RequestPlan, Strategy};
+pub use plan::{DeviceSelection, Plan, PlanCost, Request, RequestPlan, Strategy};
 pub use spec::{ContextSpec, LayerKind, Method};

@@ -118,10 +118,31 @@ pub struct RequestPlan {
     pub queries: Vec<f32>,
     /// Exact or sparse, and why.
     pub strategy: Strategy,
-    /// One plan per KV head.
+    /// One plan per KV head (a device-selected plan's hold only the steady zone: its
+    /// clusters are chosen at execution).
     pub heads: Vec<HeadPlan>,
+    /// Set when the clusters are chosen on the GPU at execution ([`crate::Engine::plan_gpu`]).
+    pub device: Option<DeviceSelection>,
     /// What the plan touches.
     pub cost: PlanCost,
+}
+
+/// A sparse wave plan whose clusters the GPU chooses when it runs: per KV head the top
+/// `clusters_per_head` clusters by the group's best centroid score are attended exactly and
+/// every other cluster is estimated. Planning then reads no meta data at all; the Gpu-tier
+/// hits and Host-arena misses are known only after execution (`GpuRun`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceSelection {
+    /// Clusters retrieved per KV head.
+    pub clusters_per_head: usize,
+    /// Clusters per KV head.
+    pub clusters: usize,
+    /// Tokens indexed per KV head.
+    pub indexed_tokens: usize,
+    /// Tokens the retrieved clusters hold on average per KV head (the budget's retrieval
+    /// zone in clusters of the average size). The CPU executor runs a device-selected plan
+    /// by retrieving this many tokens.
+    pub retrieve_tokens: usize,
 }
 
 impl RequestPlan {
@@ -143,6 +164,18 @@ impl RequestPlan {
     }
 }
 
+impl RequestPlan {
+    /// This plan with its clusters chosen as `heads` (a device-selected plan, analyzed after
+    /// the GPU chose them): an ordinary sparse plan, its cost counted from `heads`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "used by the GPU executor"))]
+    pub(crate) fn chosen(&self, heads: Vec<HeadPlan>, config: &EngineConfig) -> RequestPlan {
+        let row_bytes = self.shape.head_dim * self.dtype.size_bytes();
+        let rows = RowBytes { plain: 2 * row_bytes, indexed: self.codec.kv_row_bytes(self.shape.head_dim) };
+        let cost = cost_of(&heads, self.tokens, rows, self.cost.exact_bytes, config);
+        RequestPlan { heads, device: None, cost, ..self.clone() }
+    }
+}
+
 /// A physical plan for a batch of requests.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Plan {
@@ -160,6 +193,7 @@ pub(crate) fn plan_request(
     request: &Request,
     budget: &Budget,
     config: &EngineConfig,
+    on_device: bool,
 ) -> Result<RequestPlan> {
     let shape = spec.shape;
     if request.queries.len() != shape.query_len() {
@@ -212,8 +246,39 @@ pub(crate) fn plan_request(
     let g = shape.group();
     let d = shape.head_dim;
     let q = &request.queries;
+    let device = match exact_reason {
+        None if on_device
+            && matches!(spec.method, Method::Wave(_))
+            && spec.dtype == DType::F16
+            && spec.codec == Codec::F16
+            && zone.mode == attnstore_index::SelectionMode::PerKvHead
+            && config.buffers.is_some()
+            && stats.clusters > 0 =>
+        {
+            let indexed = stats.indexed_tokens;
+            let avg = indexed as f64 / stats.clusters as f64;
+            let r = ((zone.retrieve_tokens.min(indexed) as f64 / avg).ceil() as usize).clamp(1, stats.clusters);
+            let retrieve_tokens = ((r as f64 * avg).round() as usize).min(indexed);
+            Some(DeviceSelection {
+                clusters_per_head: r,
+                clusters: stats.clusters,
+                indexed_tokens: indexed,
+                retrieve_tokens,
+            })
+        }
+        _ => None,
+    };
     let (strategy, heads): (Strategy, Vec<HeadPlan>) = match exact_reason {
         Some(reason) => (Strategy::Exact { reason }, (0..shape.kv_heads).map(|_| layer.method.plan_exact()).collect()),
+        None if device.is_some() => {
+            let steady = HeadPlan {
+                exact: false,
+                steady_tokens: tokens - stats.indexed_tokens,
+                pending_tokens: stats.pending_tokens,
+                selections: Vec::new(),
+            };
+            (Strategy::Sparse { zone }, vec![steady; shape.kv_heads])
+        }
         None => (
             Strategy::Sparse { zone },
             (0..shape.kv_heads)
@@ -222,7 +287,10 @@ pub(crate) fn plan_request(
                 .collect(),
         ),
     };
-    let cost = cost_of(&heads, tokens, rows, exact_bytes, config);
+    let mut cost = cost_of(&heads, tokens, rows, exact_bytes, config);
+    if let Some(dev) = &device {
+        device_cost(&mut cost, dev, shape.kv_heads, row_bytes, rows);
+    }
     Ok(RequestPlan {
         context: request.context,
         layer: request.layer,
@@ -236,8 +304,25 @@ pub(crate) fn plan_request(
         queries: request.queries.clone(),
         strategy,
         heads,
+        device,
         cost,
     })
+}
+
+/// Adds what a device-selected plan reads besides its steady zone: the centroids it scores,
+/// the retrieved clusters' rows (average sizes) and the estimated clusters' mean values. The
+/// tier of the retrieved rows is decided on the GPU; they are counted as host reads.
+fn device_cost(c: &mut PlanCost, dev: &DeviceSelection, kv_heads: usize, row_bytes: usize, rows: RowBytes) {
+    let (r, n) = (dev.clusters_per_head, dev.clusters);
+    c.retrieve_clusters = r * kv_heads;
+    c.retrieve_tokens = dev.retrieve_tokens * kv_heads;
+    c.retrieve_bytes = rows.indexed_bytes(c.retrieve_tokens);
+    c.kv_bytes += c.retrieve_bytes;
+    c.estimate_clusters = (n - r) * kv_heads;
+    c.estimate_tokens = (dev.indexed_tokens - dev.retrieve_tokens) * kv_heads;
+    c.scored = n * kv_heads;
+    c.meta_bytes = (n + n - r) * row_bytes * kv_heads;
+    c.tier_bytes = [0, c.kv_bytes + c.meta_bytes, 0];
 }
 
 /// Bytes a sparse plan would read, before planning it: scoring meta data (centroids, or PQ

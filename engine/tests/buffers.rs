@@ -231,3 +231,43 @@ fn inspect_serves_one_context_from_both_stores_with_the_same_answers() {
     };
     assert_eq!((steps("sparse decode"), steps("exact decode")), (vec![4, 4], vec![2, 2]));
 }
+
+#[test]
+fn device_selected_plans_leave_the_choice_to_the_gpu_and_run_on_the_cpu_as_the_same_zones() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), 4000, 9));
+    let buffered = engine(Some(settings(4096)));
+    let ctx = load(&buffered, &synth, DType::F16);
+    let q = synth.queries(1);
+    let request = [Request::new(ctx, 0, q.clone())];
+    let plan = buffered.plan_gpu(&request, &sparse()).unwrap();
+    let r = &plan.requests[0];
+    let dev = r.device.expect("an f16 wave context homed in the buffer manager is planned for the device");
+    let stats = buffered.stats(ctx, 0).unwrap();
+    assert_eq!((dev.clusters, dev.indexed_tokens), (stats.clusters, stats.indexed_tokens));
+    assert!(dev.clusters_per_head >= 1 && dev.clusters_per_head < dev.clusters, "{dev:?}");
+    assert!(r.heads.iter().all(|h| h.selections.is_empty()), "nothing is selected at planning time");
+    let text = plan.explain();
+    assert!(text.contains("chosen on the GPU"), "{text}");
+    assert!(text.contains(&format!("top {} of {}", dev.clusters_per_head, dev.clusters)), "{text}");
+    // The CPU executor runs it as the same zones chosen on the CPU: the retrieval zone's
+    // tokens attended exactly and every other cluster estimated.
+    let same = Budget::default()
+        .with_retrieve(1e-9)
+        .with_retrieve_floor(dev.retrieve_tokens)
+        .with_estimate(attnstore::EstimateShare::Rest);
+    let want = run(&buffered, ctx, &q, &same).unwrap();
+    let got = buffered.execute(&plan).unwrap().remove(0);
+    assert_eq!(got, want);
+    let exact = run(&buffered, ctx, &q, &Budget::full()).unwrap();
+    let err = rel_l2(&got, &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    assert!(err < 0.5, "a sparse answer near exact: {err}");
+    // Where the device cannot read rows in place, plan_gpu plans like plan.
+    for (e, dtype) in [(engine(None), DType::F16), (engine(Some(settings(4096))), DType::F32)] {
+        let c = load(&e, &synth, dtype);
+        let p = e.plan_gpu(&[Request::new(c, 0, q.clone())], &sparse()).unwrap();
+        assert!(p.requests[0].device.is_none());
+        assert_eq!(p, e.plan(&[Request::new(c, 0, q.clone())], &sparse()).unwrap());
+    }
+    // So does a full budget.
+    assert!(buffered.plan_gpu(&request, &Budget::full()).unwrap().requests[0].device.is_none());
+}

@@ -68,3 +68,66 @@ fn gpu_execution_of_plans_equals_the_cpu_executor() {
         );
     }
 }
+
+#[test]
+fn device_selected_steps_equal_the_cpu_over_the_gpus_selection_as_tokens_append() {
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the engine's device-selected steps");
+        return;
+    }
+    for tokens in [32 * 1024, 128 * 1024] {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let total = tokens + 1200;
+        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
+        let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
+        let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
+        let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+        let synth = SynthContext::generate(SynthParams::new(shape, total, 7));
+        let (k, v) = synth.slice(0, tokens);
+        engine.prefill(ctx, 0, &k, &v).unwrap();
+        let manager = engine.buffer_manager().unwrap().clone();
+        let mut at = tokens;
+        let (mut device_us, mut cpu_us) = (Vec::new(), Vec::new());
+        for step in 0..24u64 {
+            // Decode tokens append to the device's steady zone; at step 12 a batch of 1100
+            // completes a decode segment, so the device copy of the layer is made again.
+            let n = if step == 12 { 1100 } else { 1 };
+            if step > 0 {
+                let (k, v) = synth.slice(at, at + n);
+                engine.append(ctx, 0, &k, &v).unwrap();
+                at += n;
+            }
+            let q = synth.queries(step % 4);
+            let request = [Request::new(ctx, 0, q.clone())];
+            let t = Instant::now();
+            let plan = engine.plan_gpu(&request, &Budget::default()).unwrap();
+            let (mut got, run) = engine.execute_gpu(&plan).unwrap();
+            let device = t.elapsed().as_secs_f64() * 1e6;
+            assert!(plan.requests[0].device.is_some(), "step {step}: {}", plan.explain());
+            assert_eq!((run.on_gpu, run.device_selected, run.on_cpu), (1, 1, 0), "{run:?}");
+            // The CPU over exactly the clusters the GPU chose.
+            let analyzed = engine.analyze_gpu(&plan).unwrap();
+            assert!(analyzed.requests[0].device.is_none() && !analyzed.requests[0].heads[0].selections.is_empty());
+            let want = engine.execute(&analyzed).unwrap().remove(0);
+            let err = rel_l2(&got.remove(0), &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+            assert!(err <= 2e-3, "{tokens} tokens, step {step}: {err}\n{}", analyzed.explain());
+            if step >= 2 && step != 12 {
+                device_us.push(device);
+                let t = Instant::now();
+                let cpu_plan = engine.plan(&request, &Budget::default()).unwrap();
+                engine.execute(&cpu_plan).unwrap();
+                cpu_us.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            // The maintainer admits what the step read (logged as cluster reads).
+            manager.maintain(usize::MAX);
+        }
+        let stats = manager.stats();
+        let gpu_tier = stats.tier(attnstore::Tier::Gpu).unwrap();
+        assert!(gpu_tier.hits > 0, "device steps' reads must reach the Gpu tier: {gpu_tier:?}");
+        let (c, g) = (median(cpu_us), median(device_us));
+        println!(
+            "{tokens} tokens, device-selected steps: plan + execute {g:.0} us on the GPU vs {c:.0} us on the CPU ({:.1}x); Gpu tier: {gpu_tier:?}",
+            c / g
+        );
+    }
+}

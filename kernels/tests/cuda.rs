@@ -380,7 +380,8 @@ fn an_arena_layer_step_equals_the_same_layer_read_from_its_own_rows() {
     let too_many = steady_rows(&kb, 0, 60);
     assert!(gpu.set_steady(&mut wave, 100, &too_many[..], &too_many[..]).is_err());
     assert!(gpu.set_steady(&mut wave, steady, &kb[..d], &vb[..d]).is_err());
-    let pinned = gpu.pin(&arena, &arena, 1).unwrap().pointers();
+    let pinned_arena = gpu.pin(&arena, &arena, 1).unwrap();
+    let pinned = pinned_arena.pointers();
     let row_bytes = (d * 2) as u64;
     let kv = attnstore_kernels::cuda::KvPointers {
         keys: pinned.keys,
@@ -425,7 +426,8 @@ fn an_arena_layer_step_equals_the_same_layer_read_from_its_own_rows() {
     }
     let slots = pool.len() / (block_rows * d);
     assert!(slots > 0);
-    let device_pool = gpu.upload(&pool, &pool, 1).unwrap().pointers(&gpu);
+    let pool_kv = gpu.upload(&pool, &pool, 1).unwrap();
+    let device_pool = pool_kv.pointers(&gpu);
     let device_table = gpu.upload_ints(&table).unwrap();
     let cache = ArenaCache {
         rows: SharedRows {
@@ -440,8 +442,8 @@ fn an_arena_layer_step_equals_the_same_layer_read_from_its_own_rows() {
     let cached = gpu.fetch_wave(&job).unwrap();
     assert!(rel_l2(&cached, &want) <= 1e-5, "arena rows with cache hits: {}", rel_l2(&cached, &want));
     // One more steady row (the next decode token) is attended at once, graph or not.
-    let extra_k: Vec<u16> =
-        (0..kvh * d).map(|i| f16::from_f32(if i % d == 0 { 30.0 } else { 0.0 }).to_bits()).collect();
+    // Its key is 20 times the first query of each group: it outscores every stored key.
+    let extra_k: Vec<u16> = (0..kvh * d).map(|i| f16::from_f32(20.0 * q[(i / d) * 4 * d + i % d]).to_bits()).collect();
     let extra_v: Vec<u16> = (0..kvh * d).map(|_| f16::from_f32(5.0).to_bits()).collect();
     gpu.set_steady(&mut wave, steady, &extra_k, &extra_v).unwrap();
     gpu.launch_wave(&wave, kv, Some(WaveCache::Arena(cache)), &mut job).unwrap();

@@ -16,7 +16,7 @@ use crate::arena_wave::ArenaWave;
 use crate::error::{Error, Result};
 use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
-use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use std::sync::Arc;
 
 /// CTAs per KV head that share writing its row list (`wave_expand`).
@@ -49,11 +49,26 @@ struct ArenaRows {
     values: CudaSlice<u16>,
     /// The steady zone's length (one int the row list reads, so graphs outlive appends).
     len: CudaSlice<i32>,
+    /// Pinned staging of the steady rows (keys, then values, laid out as on the device) and
+    /// of every length (`i` at `i`): appends are asynchronous copies of rows and a length
+    /// staged at places no later append writes.
+    stage: PinnedHostSlice<u16>,
+    stage_len: PinnedHostSlice<i32>,
+    /// Recorded after the last staged copies (a rewrite from row 0 waits for them).
+    staged: CudaEvent,
     capacity: usize,
     /// Rows written so far.
     synced: usize,
     /// One past the highest arena row the map names.
     arena_rows: usize,
+}
+
+impl Drop for ArenaRows {
+    fn drop(&mut self) {
+        // The staging is freed with this: its copies must be done (a failure here means the
+        // context is broken and nothing runs any more).
+        let _ = self.staged.synchronize();
+    }
 }
 
 impl DeviceWave {
@@ -158,6 +173,19 @@ pub struct WaveJob {
     est_chunks: usize,
     per_cta: usize,
     graphs: Graphs,
+    /// Pinned host buffers for the step's queries, output and selection: copies from and to
+    /// them are asynchronous (pageable memory makes each copy a wait of its own).
+    io: JobIo,
+}
+
+/// See [`WaveJob::io`].
+struct JobIo {
+    q: PinnedHostSlice<f32>,
+    /// Recorded after the last copy out of `q` (cudarc's own event on pinned slices is not
+    /// recorded while its event tracking is off).
+    q_read: CudaEvent,
+    out: PinnedHostSlice<f32>,
+    sel: PinnedHostSlice<i32>,
 }
 
 impl WaveJob {
@@ -189,6 +217,14 @@ struct Graphs {
     cached: Vec<(Vec<u64>, CudaGraph)>,
     off: bool,
 }
+
+// SAFETY: a CudaGraph holds driver handles of an instantiated graph (and an Arc of the
+// stream it launches on). The driver API may be called on them from any thread once the
+// context is current, which cudarc's launch does; `Graphs` is only used through `&mut` (a
+// job's or batch's exclusive borrow), so moving it between threads never makes two threads
+// use one graph at once.
+#[allow(unsafe_code, reason = "cudarc's graph type carries raw driver handles and is not Send")]
+unsafe impl Send for Graphs {}
 
 /// A request's main and side streams in a batch.
 type Lane = (Arc<CudaStream>, Arc<CudaStream>);
@@ -298,6 +334,17 @@ impl GpuBackend {
             keys: alloc(steady)?,
             values: alloc(steady)?,
             len: s.alloc_zeros::<i32>(1).map_err(gpu_err("allocating the steady zone"))?,
+            stage: self.pinned(2 * steady)?,
+            stage_len: {
+                let mut l = self.pinned::<i32>(steady_capacity + 1)?;
+                let at = l.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?;
+                at.iter_mut().enumerate().for_each(|(i, x)| *x = i as i32);
+                l
+            },
+            staged: self
+                .ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                .map_err(gpu_err("creating an event"))?,
             capacity: steady_capacity,
             synced: 0,
             arena_rows,
@@ -316,6 +363,7 @@ impl GpuBackend {
     /// `n × kv_heads × head_dim`, row-major over heads) and sets its length to `from + n`:
     /// `from` 0 rewrites the zone, `from` = [`DeviceWave::steady_rows`] appends. Enqueued on
     /// the backend's stream, so the next launch sees them.
+    #[allow(unsafe_code, reason = "asynchronous copies out of pinned staging take raw pointers")]
     pub fn set_steady(&self, wave: &mut DeviceWave, from: usize, keys: &[u16], values: &[u16]) -> Result<()> {
         let per_row = wave.kv_heads * self.head_dim;
         let Some(a) = wave.arena.as_mut() else {
@@ -338,13 +386,37 @@ impl GpuBackend {
                 ),
             });
         }
+        if from < a.synced {
+            // Staged rows are about to be rewritten: their last copies must be done.
+            a.staged.synchronize().map_err(gpu_err("waiting for staged rows"))?;
+        }
         let s = &self.stream;
         let span = from * per_row..(from + n) * per_row;
-        if n > 0 {
-            s.memcpy_htod(keys, &mut a.keys.slice_mut(span.clone())).map_err(gpu_err("copying steady rows"))?;
-            s.memcpy_htod(values, &mut a.values.slice_mut(span)).map_err(gpu_err("copying steady rows"))?;
+        let half = a.capacity * per_row;
+        let stage = a.stage.as_mut_slice().map_err(gpu_err("staging steady rows"))?;
+        stage[span.clone()].copy_from_slice(keys);
+        stage[half + span.start..half + span.end].copy_from_slice(values);
+        let stage = &stage[..];
+        let lens = a.stage_len.as_slice().map_err(gpu_err("staging steady rows"))?;
+        let at = |x: &CudaSlice<u16>| device_address(x, s) + (span.start * 2) as u64;
+        let copies: [(u64, &[u8]); 3] = [
+            (at(&a.keys), bytemuck::cast_slice::<u16, u8>(&stage[span.clone()])),
+            (at(&a.values), bytemuck::cast_slice::<u16, u8>(&stage[half + span.start..half + span.end])),
+            (device_address(&a.len, s), bytemuck::cast_slice::<i32, u8>(&lens[from + n..from + n + 1])),
+        ];
+        for (dst, src) in copies {
+            if src.is_empty() {
+                continue;
+            }
+            // SAFETY: `src` lies in this layer's pinned staging, which lives as long as the
+            // layer and past the copy (dropping the layer first waits for `staged`); a staged place is written
+            // again only after `staged` shows its copy done (above), or never (appends and
+            // lengths go to new places). `dst` is inside the device buffer of the same span
+            // (checked bounds: from + n ≤ capacity).
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, s.cu_stream()) }
+                .map_err(gpu_err("copying steady rows"))?;
         }
-        s.memcpy_htod(&[(from + n) as i32], &mut a.len).map_err(gpu_err("copying the steady length"))?;
+        a.staged.record(s).map_err(gpu_err("recording an event"))?;
         a.synced = from + n;
         Ok(())
     }
@@ -455,10 +527,20 @@ impl GpuBackend {
             est_chunks,
             per_cta,
             graphs: Graphs::default(),
+            io: JobIo {
+                q: self.pinned(shape.query_len())?,
+                q_read: self
+                    .ctx
+                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+                    .map_err(gpu_err("creating an event"))?,
+                out: self.pinned(shape.query_len())?,
+                sel: self.pinned(shape.kv_heads * r)?,
+            },
         })
     }
 
-    /// Enqueues a copy of the step's queries (`q_heads × head_dim`) into `job`.
+    /// Enqueues a copy of the step's queries (`q_heads × head_dim`) into `job` (through the
+    /// job's pinned buffer: the copy does not wait).
     pub fn set_wave_query(&self, job: &mut WaveJob, q: &[f32]) -> Result<()> {
         let want = job.decode.shape.query_len();
         if q.len() != want {
@@ -467,8 +549,43 @@ impl GpuBackend {
         if let Some(bad) = q.iter().position(|x| !x.is_finite()) {
             return Err(Error::InvalidArgument { what: "queries", message: format!("element {bad} is not finite") });
         }
-        self.stream.memcpy_htod(q, &mut job.select.q).map_err(gpu_err("copying queries"))?;
-        self.stream.memcpy_htod(q, &mut job.decode.q).map_err(gpu_err("copying queries"))
+        // The buffer's previous copy must be done before it is overwritten (it long is when
+        // the last step was fetched).
+        job.io.q_read.synchronize().map_err(gpu_err("waiting for a query copy"))?;
+        job.io.q.as_mut_slice().map_err(gpu_err("writing queries"))?.copy_from_slice(q);
+        let s = &self.stream;
+        s.memcpy_htod(&job.io.q, &mut job.select.q).map_err(gpu_err("copying queries"))?;
+        job.io.q_read.record(s).map_err(gpu_err("recording an event"))?;
+        s.memcpy_dtod(&job.select.q, &mut job.decode.q).map_err(gpu_err("copying queries"))
+    }
+
+    /// Waits for the step and returns its output (`q_heads × head_dim`) and the clusters it
+    /// retrieved per KV head (unordered): [`GpuBackend::fetch_wave`] and the selection of
+    /// [`GpuBackend::wave_selection`] with one wait.
+    pub fn fetch_wave_selected(&self, job: &mut WaveJob) -> Result<(Vec<f32>, Vec<Vec<u32>>)> {
+        let s = &self.stream;
+        s.memcpy_dtoh(&job.decode.out, &mut job.io.out).map_err(gpu_err("copying the output back"))?;
+        s.memcpy_dtoh(&job.select.out, &mut job.io.sel).map_err(gpu_err("copying the selection back"))?;
+        // One wait for both copies (the pinned slices' own events are not recorded while
+        // cudarc's event tracking is off).
+        s.synchronize().map_err(gpu_err("synchronizing"))?;
+        let sel = job.io.sel.as_slice().map_err(gpu_err("copying the selection back"))?;
+        let selection = sel.chunks(job.select.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect();
+        let out = job.io.out.as_slice().map_err(gpu_err("copying the output back"))?.to_vec();
+        Ok((out, selection))
+    }
+
+    /// Pinned host memory of `len` elements, zeroed.
+    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
+    fn pinned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>> {
+        // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
+        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }
+            .map_err(gpu_err("allocating pinned memory"))?;
+        p.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
+        Ok(p)
     }
 
     /// Enqueues one decode step of `job` over `wave`, whose KV rows are at `kv` (device or
