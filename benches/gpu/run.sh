@@ -11,6 +11,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 for t in ${tokens//,/ }; do
   if [ "$t" -le 524288 ]; then "$here/gpu_tiered" "$t" | tee -a "$out/attnstore_gpu.jsonl"; fi
   "$here/gpu_wave" "$t" | tee -a "$out/attnstore_gpu.jsonl"
+  if [ "$t" -le 131072 ]; then "$here/gpu_engine" "$t" | tee -a "$out/attnstore_gpu.jsonl"; fi
 done
 python3 "$here/sdpa.py" "$tokens" | tee "$out/sdpa.jsonl"
 python3 "$here/compare.py" "$out/attnstore_gpu.jsonl" "$out/sdpa.jsonl" | tee "$out/gpu_compare.txt"

@@ -4,9 +4,9 @@
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-cargo build --release -p attnstore-benches --features cuda --bin gpu_decode --bin gpu_tiered --bin gpu_wave --bin gpu_hack
+cargo build --release -p attnstore-benches --features cuda --bin gpu_decode --bin gpu_tiered --bin gpu_wave --bin gpu_hack --bin gpu_engine
 mkdir -p .gpu
-for b in gpu_decode gpu_tiered gpu_wave gpu_hack; do cp "target/release/$b" .gpu/ && strip ".gpu/$b"; done
+for b in gpu_decode gpu_tiered gpu_wave gpu_hack gpu_engine; do cp "target/release/$b" .gpu/ && strip ".gpu/$b"; done
 cp benches/gpu/sdpa.py benches/gpu/compare.py .gpu/
 cp benches/gpu/run.sh .gpu/bench.sh
 cp benches/gpu/hack.sh .gpu/hack.sh

@@ -920,7 +920,8 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
             keys: Vec::with_capacity(n * self.kv_heads * d),
             values: Vec::with_capacity(n * self.kv_heads * d),
         };
-        let bits = |x: &[E], to: &mut Vec<u16>| to.extend(x.iter().map(|v| half::f16::from_f32(v.to_f32()).to_bits()));
+        // E is f16 here: its bits as they are.
+        let bits = |x: &[E], to: &mut Vec<u16>| to.extend_from_slice(bytemuck::cast_slice::<E, u16>(x));
         for i in from..len {
             for head in &self.heads {
                 let (k, v, at) = if i < sink {

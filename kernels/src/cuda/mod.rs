@@ -64,6 +64,7 @@ pub struct GpuBackend {
     filter: CudaFunction,
     pick: CudaFunction,
     expand: CudaFunction,
+    ingest: CudaFunction,
     /// `est_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
     est: Vec<CudaFunction>,
     km_assign: CudaFunction,
@@ -224,6 +225,7 @@ impl GpuBackend {
         let filter = module.load_function("score_filter").map_err(gpu_err("score_filter"))?;
         let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
+        let ingest = module.load_function("steady_ingest").map_err(gpu_err("steady_ingest"))?;
         let est = per_group("est_partial")?;
         let km_assign = module.load_function("kmeans_assign").map_err(gpu_err("kmeans_assign"))?;
         let km_accumulate = module.load_function("kmeans_accumulate").map_err(gpu_err("kmeans_accumulate"))?;
@@ -249,6 +251,7 @@ impl GpuBackend {
             filter,
             pick,
             expand,
+            ingest,
             est,
             km_assign,
             km_accumulate,
@@ -846,7 +849,10 @@ fn device_address<T>(s: &CudaSlice<T>, stream: &CudaStream) -> u64 {
 }
 
 #[allow(unsafe_code, reason = "cuMemHostGetDevicePointer is a raw driver call")]
-fn mapped_device_pointer(host: &mut PinnedHostSlice<u16>) -> Result<u64> {
+fn mapped_device_pointer<T>(host: &mut PinnedHostSlice<T>) -> Result<u64>
+where
+    T: cudarc::driver::ValidAsZeroBits,
+{
     let p = host.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))?;
     let mut dptr: sys::CUdeviceptr = 0;
     // SAFETY: `p` is the start of a live allocation made with CU_MEMHOSTALLOC_DEVICEMAP in

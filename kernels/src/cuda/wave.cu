@@ -203,3 +203,31 @@ EST_PARTIAL(5)
 EST_PARTIAL(6)
 EST_PARTIAL(7)
 EST_PARTIAL(8)
+
+// An arena layer's steady zone arrives through mapped pinned staging laid out like the device
+// zone (row i of every head at i·row_words 16-byte words, keys then values): the host writes
+// rows and then marks[0] = its length and marks[1] = min(marks[1], the first row it
+// changed). One CTA at the head of each step copies rows [min(*dev_len, marks[1]), marks[0])
+// to the device zone, sets *dev_len = marks[0] and marks[1] = INT_MAX: a step's launches take
+// no per-step argument and the host no copy call, whatever was appended.
+extern "C" __global__ void steady_ingest(const uint4* __restrict__ stage_k, const uint4* __restrict__ stage_v,
+                                         int* marks, uint4* __restrict__ k, uint4* __restrict__ v,
+                                         int* __restrict__ dev_len, int row_words) {
+  __shared__ int bounds[2];
+  if (threadIdx.x == 0) {
+    const int len = ((volatile int*)marks)[0], first = ((volatile int*)marks)[1];
+    bounds[0] = min(*dev_len, first);
+    bounds[1] = len;
+  }
+  __syncthreads();
+  const long long lo = (long long)bounds[0] * row_words, hi = (long long)bounds[1] * row_words;
+  for (long long i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    k[i] = stage_k[i];
+    v[i] = stage_v[i];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *dev_len = bounds[1];
+    ((volatile int*)marks)[1] = 0x7fffffff;
+  }
+}

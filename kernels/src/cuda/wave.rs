@@ -16,7 +16,7 @@ use crate::arena_wave::ArenaWave;
 use crate::error::{Error, Result};
 use crate::layout::ClusteredLayer;
 use crate::shape::AttnShape;
-use cudarc::driver::{CudaEvent, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg};
+use cudarc::driver::{sys, CudaEvent, CudaGraph, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg};
 use std::sync::Arc;
 
 /// CTAs per KV head that share writing its row list (`wave_expand`).
@@ -49,13 +49,16 @@ struct ArenaRows {
     values: CudaSlice<u16>,
     /// The steady zone's length (one int the row list reads, so graphs outlive appends).
     len: CudaSlice<i32>,
-    /// Pinned staging of the steady rows (keys, then values, laid out as on the device) and
-    /// of every length (`i` at `i`): appends are asynchronous copies of rows and a length
-    /// staged at places no later append writes.
-    stage: PinnedHostSlice<u16>,
-    stage_len: PinnedHostSlice<i32>,
-    /// Recorded after the last staged copies (a rewrite from row 0 waits for them).
-    staged: CudaEvent,
+    /// Mapped pinned staging of the steady rows (keys, then values, laid out like the device
+    /// zone) and its device address: [`GpuBackend::set_steady`] writes rows there, the
+    /// step's `steady_ingest` copies what changed (no copy call on the host).
+    stage: Mailbox<u16>,
+    stage_dev: u64,
+    /// Mapped pinned `[length, first row changed since the last step]`, and its device address.
+    marks: Mailbox<i32>,
+    marks_dev: u64,
+    /// The backend's stream: dropping the staging waits for the steps that read it.
+    stream: Arc<CudaStream>,
     capacity: usize,
     /// Rows written so far.
     synced: usize,
@@ -65,9 +68,9 @@ struct ArenaRows {
 
 impl Drop for ArenaRows {
     fn drop(&mut self) {
-        // The staging is freed with this: its copies must be done (a failure here means the
-        // context is broken and nothing runs any more).
-        let _ = self.staged.synchronize();
+        // The staging is freed with this: the steps reading it must be done (a failure here
+        // means the context is broken and nothing runs any more).
+        let _ = self.stream.synchronize();
     }
 }
 
@@ -90,6 +93,50 @@ impl DeviceWave {
     /// Rows per KV head (the KV a launch reads must hold at least these).
     pub fn rows(&self) -> usize {
         self.rows
+    }
+}
+
+/// Pinned host memory read and written by the host without a driver call (cudarc's own
+/// accessors synchronize on an event first: a driver call each, which on a slow host costs
+/// more than the step's small copies). Whoever launches work reading or writing it must wait
+/// for that work before touching it from the host (a job's `done` event, a layer's next step
+/// only after its fetch): that is what the accessors rely on.
+struct Mailbox<T> {
+    memory: PinnedHostSlice<T>,
+    /// Host address of the first element (taken once at allocation).
+    addr: usize,
+}
+
+impl<T: cudarc::driver::ValidAsZeroBits> Mailbox<T> {
+    fn new(mut memory: PinnedHostSlice<T>) -> Result<Self> {
+        let addr = memory.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))? as usize;
+        Ok(Self { memory, addr })
+    }
+
+    fn len(&self) -> usize {
+        self.memory.len()
+    }
+
+    #[allow(unsafe_code, reason = "reads pinned memory without cudarc's synchronizing accessor")]
+    fn as_slice(&self) -> &[T] {
+        // SAFETY: `addr` is the start of the live allocation `memory` owns, of `len` elements,
+        // initialized at allocation (zero-filled); no device work touches it now (the type's
+        // contract above), and `&self` excludes host writers.
+        unsafe { std::slice::from_raw_parts(self.addr as *const T, self.len()) }
+    }
+
+    #[allow(unsafe_code, reason = "writes pinned memory without cudarc's synchronizing accessor")]
+    fn as_mut(&mut self) -> &mut [T] {
+        // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut T, self.len()) }
+    }
+}
+
+/// A driver call's result as this crate's error.
+fn check(r: sys::CUresult) -> Result<()> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(()),
+        e => Err(Error::Gpu { what: "an asynchronous copy", message: format!("{e:?}") }),
     }
 }
 
@@ -180,12 +227,26 @@ pub struct WaveJob {
 
 /// See [`WaveJob::io`].
 struct JobIo {
-    q: PinnedHostSlice<f32>,
-    /// Recorded after the last copy out of `q` (cudarc's own event on pinned slices is not
-    /// recorded while its event tracking is off).
-    q_read: CudaEvent,
-    out: PinnedHostSlice<f32>,
-    sel: PinnedHostSlice<i32>,
+    q: Mailbox<f32>,
+    out: Mailbox<f32>,
+    sel: Mailbox<i32>,
+    /// Host addresses of `q`, `out` and `sel` (what the step's copies take).
+    addr: [usize; 3],
+    /// Recorded after each launch of the job: the step, with its copies in and out, is done.
+    done: CudaEvent,
+    /// No launch since the last wait for `done`.
+    idle: bool,
+}
+
+impl JobIo {
+    /// Waits for the job's last step unless that was already done.
+    fn wait(&mut self) -> Result<()> {
+        if !self.idle {
+            self.done.synchronize().map_err(gpu_err("waiting for the step"))?;
+            self.idle = true;
+        }
+        Ok(())
+    }
 }
 
 impl WaveJob {
@@ -329,22 +390,23 @@ impl GpuBackend {
         let row_map: Vec<i32> = layer.row_map.iter().map(|&r| r as i32).collect();
         let steady = steady_capacity * layer.kv_heads * self.head_dim;
         let alloc = |n: usize| s.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the steady zone"));
+        let mut stage = self.pinned_mapped::<u16>(2 * steady)?;
+        let stage_dev = super::mapped_device_pointer(&mut stage)?;
+        let stage = Mailbox::new(stage)?;
+        let mut marks = self.pinned_mapped::<i32>(2)?;
+        let marks_dev = super::mapped_device_pointer(&mut marks)?;
+        let mut marks = Mailbox::new(marks)?;
+        marks.as_mut().copy_from_slice(&[0, i32::MAX]);
         let arena = ArenaRows {
             row_map: s.clone_htod(&row_map).map_err(gpu_err("copying the row map"))?,
             keys: alloc(steady)?,
             values: alloc(steady)?,
             len: s.alloc_zeros::<i32>(1).map_err(gpu_err("allocating the steady zone"))?,
-            stage: self.pinned(2 * steady)?,
-            stage_len: {
-                let mut l = self.pinned::<i32>(steady_capacity + 1)?;
-                let at = l.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?;
-                at.iter_mut().enumerate().for_each(|(i, x)| *x = i as i32);
-                l
-            },
-            staged: self
-                .ctx
-                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(gpu_err("creating an event"))?,
+            stage,
+            stage_dev,
+            marks,
+            marks_dev,
+            stream: Arc::clone(&self.stream),
             capacity: steady_capacity,
             synced: 0,
             arena_rows,
@@ -361,9 +423,10 @@ impl GpuBackend {
 
     /// Writes steady-zone rows `from..from + n` of an arena layer (`keys`, `values`: f16 bits,
     /// `n × kv_heads × head_dim`, row-major over heads) and sets its length to `from + n`:
-    /// `from` 0 rewrites the zone, `from` = [`DeviceWave::steady_rows`] appends. Enqueued on
-    /// the backend's stream, so the next launch sees them.
-    #[allow(unsafe_code, reason = "asynchronous copies out of pinned staging take raw pointers")]
+    /// `from` 0 rewrites the zone, `from` = [`DeviceWave::steady_rows`] appends. The rows go
+    /// to the layer's mapped staging; the next step copies what changed to the device before
+    /// it reads the zone. Call it only while no step over this layer is in flight (after its
+    /// fetch).
     pub fn set_steady(&self, wave: &mut DeviceWave, from: usize, keys: &[u16], values: &[u16]) -> Result<()> {
         let per_row = wave.kv_heads * self.head_dim;
         let Some(a) = wave.arena.as_mut() else {
@@ -386,37 +449,15 @@ impl GpuBackend {
                 ),
             });
         }
-        if from < a.synced {
-            // Staged rows are about to be rewritten: their last copies must be done.
-            a.staged.synchronize().map_err(gpu_err("waiting for staged rows"))?;
-        }
-        let s = &self.stream;
         let span = from * per_row..(from + n) * per_row;
         let half = a.capacity * per_row;
-        let stage = a.stage.as_mut_slice().map_err(gpu_err("staging steady rows"))?;
+        let stage = a.stage.as_mut();
         stage[span.clone()].copy_from_slice(keys);
         stage[half + span.start..half + span.end].copy_from_slice(values);
-        let stage = &stage[..];
-        let lens = a.stage_len.as_slice().map_err(gpu_err("staging steady rows"))?;
-        let at = |x: &CudaSlice<u16>| device_address(x, s) + (span.start * 2) as u64;
-        let copies: [(u64, &[u8]); 3] = [
-            (at(&a.keys), bytemuck::cast_slice::<u16, u8>(&stage[span.clone()])),
-            (at(&a.values), bytemuck::cast_slice::<u16, u8>(&stage[half + span.start..half + span.end])),
-            (device_address(&a.len, s), bytemuck::cast_slice::<i32, u8>(&lens[from + n..from + n + 1])),
-        ];
-        for (dst, src) in copies {
-            if src.is_empty() {
-                continue;
-            }
-            // SAFETY: `src` lies in this layer's pinned staging, which lives as long as the
-            // layer and past the copy (dropping the layer first waits for `staged`); a staged place is written
-            // again only after `staged` shows its copy done (above), or never (appends and
-            // lengths go to new places). `dst` is inside the device buffer of the same span
-            // (checked bounds: from + n ≤ capacity).
-            unsafe { cudarc::driver::result::memcpy_htod_async(dst, src, s.cu_stream()) }
-                .map_err(gpu_err("copying steady rows"))?;
-        }
-        a.staged.record(s).map_err(gpu_err("recording an event"))?;
+        // Rows first, then the marks (the next step reads the marks, then the rows).
+        let marks = a.marks.as_mut();
+        marks[1] = marks[1].min(from as i32);
+        marks[0] = (from + n) as i32;
         a.synced = from + n;
         Ok(())
     }
@@ -527,20 +568,13 @@ impl GpuBackend {
             est_chunks,
             per_cta,
             graphs: Graphs::default(),
-            io: JobIo {
-                q: self.pinned(shape.query_len())?,
-                q_read: self
-                    .ctx
-                    .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                    .map_err(gpu_err("creating an event"))?,
-                out: self.pinned(shape.query_len())?,
-                sel: self.pinned(shape.kv_heads * r)?,
-            },
+            io: self.job_io(shape, r)?,
         })
     }
 
-    /// Enqueues a copy of the step's queries (`q_heads × head_dim`) into `job` (through the
-    /// job's pinned buffer: the copy does not wait).
+    /// Sets the queries (`q_heads × head_dim`) of `job`'s next step: written to the job's
+    /// pinned buffer, which the step copies to the device as it starts (so a replayed graph
+    /// takes them with no copy call). Waits for the job's previous step first.
     pub fn set_wave_query(&self, job: &mut WaveJob, q: &[f32]) -> Result<()> {
         let want = job.decode.shape.query_len();
         if q.len() != want {
@@ -549,30 +583,49 @@ impl GpuBackend {
         if let Some(bad) = q.iter().position(|x| !x.is_finite()) {
             return Err(Error::InvalidArgument { what: "queries", message: format!("element {bad} is not finite") });
         }
-        // The buffer's previous copy must be done before it is overwritten (it long is when
-        // the last step was fetched).
-        job.io.q_read.synchronize().map_err(gpu_err("waiting for a query copy"))?;
-        job.io.q.as_mut_slice().map_err(gpu_err("writing queries"))?.copy_from_slice(q);
-        let s = &self.stream;
-        s.memcpy_htod(&job.io.q, &mut job.select.q).map_err(gpu_err("copying queries"))?;
-        job.io.q_read.record(s).map_err(gpu_err("recording an event"))?;
-        s.memcpy_dtod(&job.select.q, &mut job.decode.q).map_err(gpu_err("copying queries"))
+        // The job's last step must be done with the buffer (it long is when it was fetched).
+        job.io.wait()?;
+        job.io.q.as_mut().copy_from_slice(q);
+        Ok(())
+    }
+
+    /// A job's pinned buffers.
+    fn job_io(&self, shape: &AttnShape, r: usize) -> Result<JobIo> {
+        let q = Mailbox::new(self.pinned::<f32>(shape.query_len())?)?;
+        let out = Mailbox::new(self.pinned::<f32>(shape.query_len())?)?;
+        let sel = Mailbox::new(self.pinned::<i32>(shape.kv_heads * r)?)?;
+        let addr = [q.addr, out.addr, sel.addr];
+        let done = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(gpu_err("creating an event"))?;
+        Ok(JobIo { q, out, sel, addr, done, idle: true })
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`) and the clusters it
     /// retrieved per KV head (unordered): [`GpuBackend::fetch_wave`] and the selection of
     /// [`GpuBackend::wave_selection`] with one wait.
     pub fn fetch_wave_selected(&self, job: &mut WaveJob) -> Result<(Vec<f32>, Vec<Vec<u32>>)> {
-        let s = &self.stream;
-        s.memcpy_dtoh(&job.decode.out, &mut job.io.out).map_err(gpu_err("copying the output back"))?;
-        s.memcpy_dtoh(&job.select.out, &mut job.io.sel).map_err(gpu_err("copying the selection back"))?;
-        // One wait for both copies (the pinned slices' own events are not recorded while
-        // cudarc's event tracking is off).
-        s.synchronize().map_err(gpu_err("synchronizing"))?;
-        let sel = job.io.sel.as_slice().map_err(gpu_err("copying the selection back"))?;
+        // The step ends with copies of both into the job's pinned buffers.
+        job.io.wait()?;
+        let sel = job.io.sel.as_slice();
         let selection = sel.chunks(job.select.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect();
-        let out = job.io.out.as_slice().map_err(gpu_err("copying the output back"))?.to_vec();
+        let out = job.io.out.as_slice().to_vec();
         Ok((out, selection))
+    }
+
+    /// Pinned host memory of `len` elements, zeroed, mapped into the device's address space.
+    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
+    fn pinned_mapped<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
+        &self,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>> {
+        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP | cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
+        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
+            .map_err(gpu_err("allocating pinned memory"))?;
+        p.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
+        Ok(p)
     }
 
     /// Pinned host memory of `len` elements, zeroed.
@@ -644,7 +697,7 @@ impl GpuBackend {
                 let entry = graphs.cached.remove(i);
                 entry.1.launch().map_err(gpu_err("launching a wave graph"))?;
                 graphs.cached.push(entry);
-                return Ok(());
+                return self.record_done(steps);
             }
             self.stream
                 .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -660,9 +713,20 @@ impl GpuBackend {
                 graphs.cached.remove(0);
             }
             graphs.cached.push((key, graph));
-            return Ok(());
+            return self.record_done(steps);
         }
-        self.enqueue_steps(lanes, steps)
+        self.enqueue_steps(lanes, steps)?;
+        self.record_done(steps)
+    }
+
+    /// Marks each step's job done once the backend's stream (which waits for every lane)
+    /// reaches this point.
+    fn record_done(&self, steps: &mut [WaveStep<'_>]) -> Result<()> {
+        for s in steps {
+            s.job.io.done.record(&self.stream).map_err(gpu_err("recording an event"))?;
+            s.job.io.idle = false;
+        }
+        Ok(())
     }
 
     /// The launches of `steps`: on the backend's two streams (no lanes), or each step on its
@@ -686,7 +750,7 @@ impl GpuBackend {
     /// Everything a step's launches depend on besides the job's own buffers (fixed from
     /// `prepare_wave` on): equal keys mean identical launches, so a graph captured under one
     /// key replays exactly what launching eagerly would enqueue.
-    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 27] {
+    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 31] {
         let (w, j) = (s.wave, &*s.job);
         let c = self.cache_args(s.cache);
         let size = |x: usize| x as u64;
@@ -727,7 +791,11 @@ impl GpuBackend {
             size(j.decode.chunks),
             size(j.est_chunks),
             u64::from(s.wave.arena.is_some()),
-            0,
+            j.io.addr[0] as u64,
+            j.io.addr[1] as u64,
+            j.io.addr[2] as u64,
+            s.wave.arena.as_ref().map_or(0, |a| a.stage_dev),
+            s.wave.arena.as_ref().map_or(0, |a| a.marks_dev),
         ]
     }
 
@@ -866,6 +934,7 @@ impl GpuBackend {
         job: &mut WaveJob,
         phase_done: &mut dyn FnMut(&'static str, &CudaStream) -> Result<()>,
     ) -> Result<()> {
+        self.step_inputs(main, wave, job)?;
         let mark = device_address(&job.mark, main);
         self.launch_select_marking(main, &wave.cent, &mut job.select, mark)?;
         phase_done("select", main)?;
@@ -929,7 +998,52 @@ impl GpuBackend {
         let lse = device_address(&job.decode.lse, main);
         let est = (device_address(&job.est_part, main), job.est_chunks);
         self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est)?;
+        self.step_outputs(main, job)?;
         phase_done("merge", main)
+    }
+
+    /// A step's first launches: an arena layer's steady rows staged since the last step, and
+    /// the job's queries from its pinned buffer.
+    #[allow(unsafe_code, reason = "kernel launches and copies take raw addresses")]
+    fn step_inputs(&self, main: &Arc<CudaStream>, wave: &DeviceWave, job: &mut WaveJob) -> Result<()> {
+        if let Some(a) = &wave.arena {
+            let half = (a.capacity * wave.kv_heads * self.head_dim * 2) as u64;
+            let row_words = (wave.kv_heads * self.head_dim * 2 / 16) as i32;
+            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            let (sk, sv) = (a.stage_dev, a.stage_dev + half);
+            let mut b = main.launch_builder(&self.ingest);
+            b.arg(&sk).arg(&sv).arg(&a.marks_dev).arg(&a.keys).arg(&a.values).arg(&a.len).arg(&row_words);
+            // SAFETY: the staging (mapped, 2 × capacity rows of kv_heads × head_dim f16, whose
+            // row size is a multiple of 16 bytes: head_dim is) and the device zone have the same
+            // layout; the marks hold [length ≤ capacity, first changed row] (set_steady checks
+            // both), so every copied word is inside both; the length int is the zone's.
+            unsafe { b.launch(cfg) }.map_err(gpu_err("launching steady_ingest"))?;
+        }
+        let bytes = job.decode.shape.query_len() * 4;
+        let (q_select, q_decode) = (device_address(&job.select.q, main), device_address(&job.decode.q, main));
+        // SAFETY: the source is the job's pinned query buffer of query_len floats (alive as long
+        // as the job, and a graph that replays this copy is kept by the job or by a batch whose
+        // key holds its address); both device buffers hold query_len floats.
+        unsafe {
+            check(sys::cuMemcpyHtoDAsync_v2(q_select, job.io.addr[0] as *const _, bytes, main.cu_stream()))?;
+            check(sys::cuMemcpyDtoDAsync_v2(q_decode, q_select, bytes, main.cu_stream()))?;
+        }
+        Ok(())
+    }
+
+    /// A step's last launches: its output and selection copied to the job's pinned buffers.
+    #[allow(unsafe_code, reason = "copies to pinned memory take raw addresses")]
+    fn step_outputs(&self, main: &Arc<CudaStream>, job: &WaveJob) -> Result<()> {
+        let out = (device_address(&job.decode.out, main), job.decode.shape.query_len() * 4);
+        let sel = (device_address(&job.select.out, main), job.io.sel.len() * 4);
+        // SAFETY: the destinations are the job's pinned buffers of query_len floats and
+        // kv_heads × r ints (alive as long as the job, like the source buffers); the copies
+        // are as long as the device buffers' used parts.
+        unsafe {
+            check(sys::cuMemcpyDtoHAsync_v2(job.io.addr[1] as *mut _, out.0, out.1, main.cu_stream()))?;
+            check(sys::cuMemcpyDtoHAsync_v2(job.io.addr[2] as *mut _, sel.0, sel.1, main.cu_stream()))?;
+        }
+        Ok(())
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`).

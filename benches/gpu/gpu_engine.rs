@@ -1,0 +1,132 @@
+//! Engine plans as whole device steps (feature `cuda`; run by `benches/gpu/run.sh` beside
+//! PyTorch SDPA): what an inference runtime embedding attnstore gets per layer and decode
+//! step, host work included. One layer, 32 q / 8 kv heads, d = 128, f16.
+//!
+//! Each context's indexed rows live in the engine's buffer manager: blocks homed in the
+//! pinned Host arena, a Gpu tier of 5% of them in device memory kept by the background
+//! maintainer (CLOCK), fed by the cluster reads each device step logs. A timed step is
+//! `Engine::plan_gpu` + `Engine::execute_gpu` for the step's requests, after one decode
+//! token was appended to each context (untimed: the steady zone grows by a row per step and
+//! the device copy takes it), with a slowly moving query. 100 warm-up steps, then 100
+//! measured; a batch of as many contexts as a 100 GiB pinned host budget holds for a
+//! 32-layer 8B model at this length (6 at 128K), stepped by one plan; and, for comparison,
+//! the engine's older GPU path (`Engine::plan` on the CPU, then `execute_gpu`).
+
+use attnstore::synth::{SynthContext, SynthParams};
+use attnstore::{AttnShape, Budget, BufferSettings, ContextId, ContextSpec, Engine, EngineConfig, Request, Tier};
+use serde_json::json;
+use std::time::Instant;
+
+#[path = "common.rs"]
+#[allow(dead_code, reason = "shared with the other GPU benches; this one needs two of its pieces")]
+mod common;
+use common::{median, tokens_arg};
+
+/// Warm-up and measured steps.
+const STEPS: usize = 100;
+
+fn main() {
+    let tokens = tokens_arg();
+    let shape = AttnShape::new(32, 8, 128).expect("shape");
+    let kv_per_seq = 32 * tokens * 8 * 128 * 2 * 2;
+    let batch = ((100usize << 30) / kv_per_seq).clamp(1, 8);
+    // Context 0 takes part in all three runs, a token appended per step.
+    let total = tokens + 6 * STEPS + 8;
+    let host_blocks = batch * attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
+    let engine =
+        Engine::in_memory(EngineConfig { buffers: Some(BufferSettings::new(host_blocks)), ..EngineConfig::default() })
+            .expect("engine");
+    if engine.buffer_stats().is_none_or(|s| !s.gpu_on_device) {
+        eprintln!("no GPU-backed buffer manager (needs a GPU and pinned memory)");
+        std::process::exit(2);
+    }
+    let mut ctxs = Vec::new();
+    for i in 0..batch {
+        eprintln!("context {} of {batch}: generating and prefilling {tokens} tokens", i + 1);
+        let synth = SynthContext::generate(SynthParams::new(shape, total, 42 + i as u64));
+        let ctx = engine.create_context(ContextSpec::new(shape, 1)).expect("context");
+        let (k, v) = synth.slice(0, tokens);
+        engine.prefill(ctx, 0, &k, &v).expect("prefill");
+        ctxs.push(Context { ctx, synth, at: tokens });
+    }
+    let budget = Budget::default();
+    let round = |x: f64| (x * 100.0).round() / 100.0;
+    let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
+        "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS});
+    let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
+        let mut v = common.clone();
+        v["method"] = json!(method);
+        v["batch"] = json!(n);
+        v["time_us"] = json!(round(t));
+        v["tokens_per_s_layer"] = json!((n as f64 / (t * 1e-6)).round());
+        extra.as_object().into_iter().flatten().for_each(|(k, x)| v[k] = x.clone());
+        println!("{v}");
+    };
+    // Batch 1 through the device path, then the CPU-planned GPU path, then the batch.
+    let (t, plan_us, hit) = steps(&engine, &mut ctxs[..1], &budget, true);
+    let explain = engine.plan_gpu(&[ctxs[0].request(0)], &budget).expect("plan").explain();
+    eprintln!("{explain}");
+    row("engine_device_step", 1, t, json!({"plan_us": round(plan_us), "hit_ratio": hit, "plan": "plan_gpu"}));
+    let (t, plan_us, hit) = steps(&engine, &mut ctxs[..1], &budget, false);
+    row("engine_cpu_planned_gpu_step", 1, t, json!({"plan_us": round(plan_us), "hit_ratio": hit, "plan": "plan"}));
+    if batch > 1 {
+        let (t, plan_us, hit) = steps(&engine, &mut ctxs, &budget, true);
+        row(
+            "engine_device_batch",
+            batch,
+            t,
+            json!({"plan_us": round(plan_us), "hit_ratio": hit,
+            "us_per_request": round(t / batch as f64), "host_budget_gib": 100}),
+        );
+    }
+}
+
+/// One context and the next token to append.
+struct Context {
+    ctx: ContextId,
+    synth: SynthContext,
+    at: usize,
+}
+
+impl Context {
+    /// A request with the query of step `step` (a path between two synthetic queries).
+    fn request(&self, step: usize) -> Request {
+        let (a, b) = (self.synth.queries(0), self.synth.queries(1));
+        let w = (step % (2 * STEPS)) as f32 / (2 * STEPS) as f32;
+        Request::new(self.ctx, 0, a.iter().zip(&b).map(|(x, y)| (1.0 - w) * x + w * y).collect())
+    }
+}
+
+/// Warm-up and measured steps over `ctxs` (one plan for all of them): the median step
+/// time and planning time (µs), and the Gpu tier's hit ratio over the measured steps.
+fn steps(engine: &Engine, ctxs: &mut [Context], budget: &Budget, on_device: bool) -> (f64, f64, f64) {
+    let (mut times, mut plans) = (Vec::new(), Vec::new());
+    let mut before = None;
+    for step in 0..2 * STEPS {
+        for c in ctxs.iter_mut() {
+            let (k, v) = c.synth.slice(c.at, c.at + 1);
+            engine.append(c.ctx, 0, &k, &v).expect("append");
+            c.at += 1;
+        }
+        let requests: Vec<Request> = ctxs.iter().map(|c| c.request(step)).collect();
+        let t0 = Instant::now();
+        let plan =
+            if on_device { engine.plan_gpu(&requests, budget) } else { engine.plan(&requests, budget) }.expect("plan");
+        let planned = t0.elapsed().as_secs_f64() * 1e6;
+        let (_, run) = engine.execute_gpu(&plan).expect("execute");
+        let t = t0.elapsed().as_secs_f64() * 1e6;
+        assert_eq!(run.on_cpu, 0, "every request on the GPU: {run:?}");
+        if step == STEPS {
+            before = engine.buffer_stats();
+        }
+        if step >= STEPS {
+            times.push(t);
+            plans.push(planned);
+        }
+    }
+    let gpu = |s: &attnstore::BufferStats| s.tier(Tier::Gpu).map_or((0, 0), |t| (t.hits, t.misses));
+    let (h0, m0) = before.as_ref().map_or((0, 0), gpu);
+    let (h1, m1) = engine.buffer_stats().as_ref().map_or((0, 0), gpu);
+    let hit = (h1 - h0) as f64 / ((h1 - h0) + (m1 - m0)).max(1) as f64;
+    (median(times), median(plans), (hit * 1000.0).round() / 1000.0)
+}
