@@ -44,12 +44,12 @@ sdpa_b = (64 << 30) // kv_per_seq
 ours_b = (100 << 30) // kv_per_seq
 sb = by.get(131072, {}).get("sdpa_batch4")
 for method in ("sparse_host_gpu_tier", "wave_step_host_gpu_tier", "wave_batch_host_gpu_tier", "engine_device_step",
-               "engine_device_batch"):
+               "engine_device_step_maintained", "engine_device_batch", "engine_device_batch_maintained"):
     tier = by.get(131072, {}).get(method)
     if not (sb and tier and sdpa_b == 4):
         continue
     sdpa_tps = sdpa_b / (sb["time_us"] * 1e-6)
-    if method in ("wave_batch_host_gpu_tier", "engine_device_batch"):
+    if method in ("wave_batch_host_gpu_tier", "engine_device_batch", "engine_device_batch_maintained"):
         batch, step_us = tier["batch"], tier["time_us"]
         how = f"{step_us:.1f} us per batched step"
     else:

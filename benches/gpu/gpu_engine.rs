@@ -8,7 +8,8 @@
 //! `Engine::plan_gpu` + `Engine::execute_gpu` for the step's requests, after one decode
 //! token was appended to each context (untimed: the steady zone grows by a row per step and
 //! the device copy takes it), with a slowly moving query. 100 warm-up steps, then 100
-//! measured; a batch of as many contexts as a 100 GiB pinned host budget holds for a
+//! measured (also with a maintenance round after each step, untimed and reported apart, as
+//! `gpu_wave` keeps its tier); a batch of as many contexts as a 100 GiB pinned host budget holds for a
 //! 32-layer 8B model at this length (6 at 128K), stepped by one plan; and, for comparison,
 //! the engine's older GPU path (`Engine::plan` on the CPU, then `execute_gpu`).
 
@@ -31,7 +32,7 @@ fn main() {
     let kv_per_seq = 32 * tokens * 8 * 128 * 2 * 2;
     let batch = ((100usize << 30) / kv_per_seq).clamp(1, 8);
     // Context 0 takes part in all three runs, a token appended per step.
-    let total = tokens + 6 * STEPS + 8;
+    let total = tokens + 12 * STEPS + 8;
     let host_blocks = batch * attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
     let engine =
         Engine::in_memory(EngineConfig { buffers: Some(BufferSettings::new(host_blocks)), ..EngineConfig::default() })
@@ -62,23 +63,41 @@ fn main() {
         extra.as_object().into_iter().flatten().for_each(|(k, x)| v[k] = x.clone());
         println!("{v}");
     };
-    // Batch 1 through the device path, then the CPU-planned GPU path, then the batch.
-    let (t, plan_us, hit) = steps(&engine, &mut ctxs[..1], &budget, true);
+    // Batch 1 through the device path (the maintainer in the background; then also a
+    // maintenance round after each step, untimed, as gpu_wave keeps its tier), the
+    // CPU-planned GPU path, then the batch.
+    for (method, between) in [("engine_device_step", false), ("engine_device_step_maintained", true)] {
+        let r = steps(&engine, &mut ctxs[..1], &budget, true, between);
+        let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit, "plan": "plan_gpu",
+            "maintain_us": round(r.maintain_us)});
+        row(method, 1, r.step_us, extra);
+    }
     let explain = engine.plan_gpu(&[ctxs[0].request(0)], &budget).expect("plan").explain();
     eprintln!("{explain}");
-    row("engine_device_step", 1, t, json!({"plan_us": round(plan_us), "hit_ratio": hit, "plan": "plan_gpu"}));
-    let (t, plan_us, hit) = steps(&engine, &mut ctxs[..1], &budget, false);
-    row("engine_cpu_planned_gpu_step", 1, t, json!({"plan_us": round(plan_us), "hit_ratio": hit, "plan": "plan"}));
+    let r = steps(&engine, &mut ctxs[..1], &budget, false, true);
+    let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit, "plan": "plan"});
+    row("engine_cpu_planned_gpu_step", 1, r.step_us, extra);
     if batch > 1 {
-        let (t, plan_us, hit) = steps(&engine, &mut ctxs, &budget, true);
-        row(
-            "engine_device_batch",
-            batch,
-            t,
-            json!({"plan_us": round(plan_us), "hit_ratio": hit,
-            "us_per_request": round(t / batch as f64), "host_budget_gib": 100}),
-        );
+        for (method, between) in [("engine_device_batch", false), ("engine_device_batch_maintained", true)] {
+            let r = steps(&engine, &mut ctxs, &budget, true, between);
+            let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit,
+                "us_per_request": round(r.step_us / batch as f64), "host_budget_gib": 100,
+                "maintain_us": round(r.maintain_us)});
+            row(method, batch, r.step_us, extra);
+        }
     }
+}
+
+/// What [`steps`] measured.
+struct Measured {
+    /// Median time of a step (plan + execute), µs.
+    step_us: f64,
+    /// Median planning time, µs.
+    plan_us: f64,
+    /// Median time of the maintenance round after a step (0 without), µs.
+    maintain_us: f64,
+    /// The Gpu tier's hit ratio over the measured steps.
+    hit: f64,
 }
 
 /// One context and the next token to append.
@@ -97,10 +116,10 @@ impl Context {
     }
 }
 
-/// Warm-up and measured steps over `ctxs` (one plan for all of them): the median step
-/// time and planning time (µs), and the Gpu tier's hit ratio over the measured steps.
-fn steps(engine: &Engine, ctxs: &mut [Context], budget: &Budget, on_device: bool) -> (f64, f64, f64) {
-    let (mut times, mut plans) = (Vec::new(), Vec::new());
+/// Warm-up and measured steps over `ctxs` (one plan for all of them), with a maintenance
+/// round after each step when `between`.
+fn steps(engine: &Engine, ctxs: &mut [Context], budget: &Budget, on_device: bool, between: bool) -> Measured {
+    let (mut times, mut plans, mut maintains) = (Vec::new(), Vec::new(), Vec::new());
     let mut before = None;
     for step in 0..2 * STEPS {
         for c in ctxs.iter_mut() {
@@ -123,10 +142,22 @@ fn steps(engine: &Engine, ctxs: &mut [Context], budget: &Budget, on_device: bool
             times.push(t);
             plans.push(planned);
         }
+        if between {
+            let t0 = Instant::now();
+            engine.buffer_manager().expect("buffers").maintain(usize::MAX);
+            if step >= STEPS {
+                maintains.push(t0.elapsed().as_secs_f64() * 1e6);
+            }
+        }
     }
     let gpu = |s: &attnstore::BufferStats| s.tier(Tier::Gpu).map_or((0, 0), |t| (t.hits, t.misses));
     let (h0, m0) = before.as_ref().map_or((0, 0), gpu);
     let (h1, m1) = engine.buffer_stats().as_ref().map_or((0, 0), gpu);
     let hit = (h1 - h0) as f64 / ((h1 - h0) + (m1 - m0)).max(1) as f64;
-    (median(times), median(plans), (hit * 1000.0).round() / 1000.0)
+    Measured {
+        step_us: median(times),
+        plan_us: median(plans),
+        maintain_us: if maintains.is_empty() { 0.0 } else { median(maintains) },
+        hit: (hit * 1000.0).round() / 1000.0,
+    }
 }
