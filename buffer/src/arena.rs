@@ -1,6 +1,7 @@
 //! Frames: a pool of block slots in one arena of host memory, each slot with a latch (an
 //! atomic pin count, or "exclusive" while a writer fills it) and an owner tag (the id of the
-//! block it holds). The Host tier and the Gpu tier's CPU stand-in are both a `FramePool`.
+//! block it holds). The Host tier and the Gpu tier's host side are both a `FramePool`; with a
+//! GPU the Gpu tier's pool also has a device mirror its slots are copied to (`crate::cuda`).
 //!
 //! Readers pin a slot and then check its owner, so a reader holding a stale location either
 //! finds its block or learns it moved; writers only ever *try* the exclusive latch, so a
@@ -26,13 +27,14 @@ struct Frame {
     owner: AtomicU64,
 }
 
-/// The arena's memory: anonymous memory, or (feature `cuda`, Host tier, a GPU present)
-/// pinned host memory mapped into the device's address space, so GPU kernels read blocks
-/// in place (zero-copy) and copies to the device run at full PCIe speed.
+/// The arena's memory: anonymous memory, or (feature `cuda`, a GPU present; the Host tier, and
+/// the Gpu tier's host side when it has a device mirror) pinned host memory mapped into the
+/// device's address space, so GPU kernels read Host blocks in place (zero-copy) and copies to
+/// the device run asynchronously at full PCIe speed.
 enum HostMemory {
     Anonymous(#[expect(dead_code, reason = "held only to keep the mapping alive")] MmapMut),
     #[cfg(feature = "cuda")]
-    Pinned(pinned::Pinned),
+    Pinned(crate::cuda::Pinned),
 }
 
 /// What backs a [`FramePool`]'s arena.
@@ -49,22 +51,27 @@ pub enum HostMemoryKind {
 }
 
 impl HostMemory {
-    fn allocate(tier: Tier, bytes: usize, want_pinned: bool) -> Result<(Self, *mut u8)> {
+    /// `pinned`: try pinned memory first (feature `cuda`); a failure is said once per tier.
+    fn allocate(tier: Tier, bytes: usize, pinned: bool) -> Result<(Self, *mut u8)> {
         #[cfg(feature = "cuda")]
-        if want_pinned && tier == Tier::Host {
-            match pinned::Pinned::allocate(bytes.max(1)) {
+        if pinned {
+            match crate::cuda::Pinned::allocate(bytes.max(1)) {
                 Ok(mut p) => {
                     let base = p.host_ptr();
                     return Ok((HostMemory::Pinned(p), base));
                 }
                 Err(why) => {
-                    static ONCE: std::sync::Once = std::sync::Once::new();
-                    ONCE.call_once(|| eprintln!("attnstore-buffer: no pinned host memory ({why}); using mmap"));
+                    static HOST: std::sync::Once = std::sync::Once::new();
+                    static GPU: std::sync::Once = std::sync::Once::new();
+                    let once = if tier == Tier::Host { &HOST } else { &GPU };
+                    once.call_once(|| {
+                        eprintln!("attnstore-buffer: no pinned host memory for the {tier} tier ({why}); using mmap")
+                    });
                 }
             }
         }
         #[cfg(not(feature = "cuda"))]
-        let _ = (tier, want_pinned);
+        let _ = (tier, pinned);
         // An mmap failure is the kernel refusing memory: a typed error, never an abort.
         let mut map = MmapMut::map_anon(bytes.max(1)).map_err(|_| Error::OutOfMemory {
             tier: Tier::Host,
@@ -85,162 +92,12 @@ impl HostMemory {
     }
 }
 
-/// Pinned, device-mapped host memory through cudarc (dynamic loading: a machine without the
-/// CUDA driver gets an error here, never a crash).
-#[cfg(feature = "cuda")]
-mod pinned {
-    use cudarc::driver::{sys, CudaContext, PinnedHostSlice};
-    use std::sync::Arc;
-
-    /// GPU 0's primary context, or why there is none. cudarc panics when it cannot load the
-    /// driver library; that means "no GPU here", not a crash.
-    fn open_gpu() -> Result<Arc<CudaContext>, String> {
-        std::panic::catch_unwind(|| CudaContext::new(0))
-            .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
-            .map_err(|e| format!("no usable GPU 0: {e:?}"))
-    }
-
-    pub(super) struct Pinned {
-        slice: PinnedHostSlice<u8>,
-        device_base: u64,
-        _ctx: Arc<CudaContext>,
-    }
-
-    impl Pinned {
-        pub(super) fn allocate(bytes: usize) -> Result<Self, String> {
-            let ctx = open_gpu()?;
-            let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-            // SAFETY: the slice's bytes are uninitialized host memory; the arena only hands out
-            // slot bytes after a writer filled them (owner tags), and u8 has no invalid values.
-            let mut slice = unsafe { ctx.alloc_pinned_with_flags::<u8>(bytes, flags) }
-                .map_err(|e| format!("cuMemHostAlloc of {bytes} bytes failed: {e:?}"))?;
-            let host = slice.as_mut_ptr().map_err(|e| format!("pinned pointer: {e:?}"))?;
-            let mut device: sys::CUdeviceptr = 0;
-            // SAFETY: `host` is the start of a live DEVICEMAP allocation of this context, and
-            // `device` is a valid out-pointer; flags must be 0.
-            let status = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut device, host.cast(), 0) };
-            if status != sys::CUresult::CUDA_SUCCESS {
-                return Err(format!("cuMemHostGetDevicePointer failed: {status:?}"));
-            }
-            Ok(Self { slice, device_base: device, _ctx: ctx })
-        }
-
-        pub(super) fn host_ptr(&mut self) -> *mut u8 {
-            // Checked in `allocate`; the slice never moves.
-            self.slice.as_mut_ptr().expect("pinned pointer checked at allocation")
-        }
-
-        pub(super) fn device_base(&self) -> u64 {
-            self.device_base
-        }
-    }
-
-    /// The Gpu tier's slots in device memory: a mirror of the pool's host-side slots that
-    /// kernels read at `base + slot × block_bytes`, written on the pool's own stream.
-    pub(super) struct Device {
-        slice: cudarc::driver::CudaSlice<u8>,
-        base: u64,
-        stream: Arc<cudarc::driver::CudaStream>,
-        ctx: Arc<CudaContext>,
-    }
-
-    impl Device {
-        pub(super) fn allocate(bytes: usize) -> Result<Self, String> {
-            use cudarc::driver::DevicePtr;
-            let ctx = open_gpu()?;
-            let stream = ctx.new_stream().map_err(|e| format!("creating a stream: {e:?}"))?;
-            let slice = stream.alloc_zeros::<u8>(bytes).map_err(|e| format!("cuMemAlloc of {bytes} bytes: {e:?}"))?;
-            let base = {
-                let (ptr, _sync) = slice.device_ptr(&stream);
-                ptr
-            };
-            Ok(Self { slice, base, stream, ctx })
-        }
-
-        pub(super) fn base(&self) -> u64 {
-            self.base
-        }
-
-        /// Copies `src` to device offset `offset` on the pool's stream and waits for it.
-        pub(super) fn copy_in(&self, offset: usize, src: &[u8]) -> Result<(), String> {
-            if offset + src.len() > self.slice.len() {
-                return Err(format!("{} bytes at {offset} overrun the {}-byte pool", src.len(), self.slice.len()));
-            }
-            self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e:?}"))?;
-            // SAFETY: the destination range lies inside the live allocation (checked above);
-            // `src` is a host slice that outlives the copy, because the stream is synchronized
-            // before returning.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(self.base + offset as u64, src, self.stream.cu_stream())
-            }
-            .map_err(|e| format!("cuMemcpyHtoDAsync: {e:?}"))?;
-            self.stream.synchronize().map_err(|e| format!("synchronizing the copy: {e:?}"))
-        }
-
-        /// An array of `entries` `i32`s in device memory, all -1, written on this pool's stream.
-        pub(super) fn table(&self, entries: usize) -> Result<Table, String> {
-            use cudarc::driver::DevicePtr;
-            self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e:?}"))?;
-            let slice = self
-                .stream
-                .clone_htod(&vec![-1i32; entries.max(1)])
-                .map_err(|e| format!("allocating a {entries}-entry table: {e:?}"))?;
-            self.stream.synchronize().map_err(|e| format!("synchronizing the table's upload: {e:?}"))?;
-            let base = {
-                let (ptr, _sync) = slice.device_ptr(&self.stream);
-                ptr
-            };
-            Ok(Table { slice, base, stream: Arc::clone(&self.stream), ctx: Arc::clone(&self.ctx) })
-        }
-    }
-
-    /// An `i32` array in device memory beside a [`Device`] pool, written entry by entry on the
-    /// pool's stream (so a write is ordered after every copy into the pool issued before it).
-    pub(crate) struct Table {
-        slice: cudarc::driver::CudaSlice<i32>,
-        base: u64,
-        stream: Arc<cudarc::driver::CudaStream>,
-        ctx: Arc<CudaContext>,
-    }
-
-    impl Table {
-        pub(crate) fn base(&self) -> u64 {
-            self.base
-        }
-
-        /// Writes `value` at `index` on the pool's stream and waits until it is in device memory.
-        pub(crate) fn write(&self, index: usize, value: i32) -> Result<(), String> {
-            if index >= self.slice.len() {
-                return Err(format!("entry {index} of a {}-entry table", self.slice.len()));
-            }
-            self.ctx.bind_to_thread().map_err(|e| format!("binding the context: {e:?}"))?;
-            let src = [value];
-            // SAFETY: the destination (4 bytes at entry `index`, checked above) lies inside the
-            // live i32 allocation, which was made on this stream; `src` lives on this frame until
-            // the stream is synchronized below, so the copy never reads a dead buffer.
-            unsafe {
-                cudarc::driver::result::memcpy_htod_async(
-                    self.base + (index * std::mem::size_of::<i32>()) as u64,
-                    &src,
-                    self.stream.cu_stream(),
-                )
-            }
-            .map_err(|e| format!("cuMemcpyHtoDAsync: {e:?}"))?;
-            self.stream.synchronize().map_err(|e| format!("synchronizing the entry: {e:?}"))
-        }
-    }
-}
-
-/// A device-resident `i32` array written on the Gpu pool's stream (the slot table's device copy).
-#[cfg(feature = "cuda")]
-pub(crate) use pinned::Table as DeviceTable;
-
 /// A fixed number of block slots in one arena, with latches and a free list.
 pub(crate) struct FramePool {
     block_bytes: usize,
     /// The Gpu tier on a machine with a GPU: every slot mirrored in device memory.
     #[cfg(feature = "cuda")]
-    device: Option<pinned::Device>,
+    device: Option<crate::cuda::Device>,
     /// Keeps the mapping alive; never touched after `base` was taken from it.
     _memory: HostMemory,
     base: *mut u8,
@@ -265,8 +122,9 @@ pub(crate) enum PinFailure {
 }
 
 impl FramePool {
-    /// A pool of `slots` slots of `block_bytes` each, all free. `want_pinned`: a Host
-    /// arena in pinned, device-mapped memory when the `cuda` feature is on and a GPU answers.
+    /// A pool of `slots` slots of `block_bytes` each, all free. `want_pinned` (feature `cuda`,
+    /// a GPU answering): a Host arena in pinned, device-mapped memory; a Gpu pool with a device
+    /// mirror, and its host side in pinned memory (the source of asynchronous copies).
     pub(crate) fn new(tier: Tier, slots: usize, block_bytes: usize, want_pinned: bool) -> Result<Self> {
         let slots_u32 = u32::try_from(slots).map_err(|_| Error::BadConfig {
             what: "slots",
@@ -279,12 +137,9 @@ impl FramePool {
             available_bytes: 0,
             limit_bytes: 0,
         })?;
-        let (memory, base) = HostMemory::allocate(tier, bytes, want_pinned)?;
-        let frames = (0..slots).map(|_| Frame { latch: AtomicU32::new(0), owner: AtomicU64::new(NO_OWNER) }).collect();
-        // Lowest slot first out: pop() from the end of a reversed list.
-        let free = Mutex::new((0..slots_u32).rev().collect());
         #[cfg(feature = "cuda")]
-        let device = match (want_pinned && tier == Tier::Gpu && bytes > 0).then(|| pinned::Device::allocate(bytes)) {
+        let device = match (want_pinned && tier == Tier::Gpu && bytes > 0).then(|| crate::cuda::Device::allocate(bytes))
+        {
             Some(Ok(d)) => Some(d),
             Some(Err(why)) => {
                 static ONCE: std::sync::Once = std::sync::Once::new();
@@ -293,6 +148,14 @@ impl FramePool {
             }
             None => None,
         };
+        #[cfg(feature = "cuda")]
+        let pinned = want_pinned && (tier == Tier::Host || device.is_some());
+        #[cfg(not(feature = "cuda"))]
+        let pinned = want_pinned && tier == Tier::Host;
+        let (memory, base) = HostMemory::allocate(tier, bytes, pinned)?;
+        let frames = (0..slots).map(|_| Frame { latch: AtomicU32::new(0), owner: AtomicU64::new(NO_OWNER) }).collect();
+        // Lowest slot first out: pop() from the end of a reversed list.
+        let free = Mutex::new((0..slots_u32).rev().collect());
         Ok(Self {
             block_bytes,
             #[cfg(feature = "cuda")]
@@ -317,7 +180,7 @@ impl FramePool {
     /// A device array of `entries` `i32`s (all -1) beside the pool's device mirror, written on
     /// the same stream; `None` when the pool has no device mirror.
     #[cfg(feature = "cuda")]
-    pub(crate) fn device_table(&self, entries: usize) -> Option<std::result::Result<DeviceTable, String>> {
+    pub(crate) fn device_table(&self, entries: usize) -> Option<std::result::Result<crate::cuda::Table, String>> {
         self.device.as_ref().map(|d| d.table(entries))
     }
 
@@ -387,6 +250,91 @@ impl FramePool {
         // wrapping_add: pointer arithmetic without dereference; in bounds since slot < capacity.
         self.base.wrapping_add(slot as usize * self.block_bytes)
     }
+
+    /// One batch of device writes: enqueues the copy of every slot in `latched` to the device
+    /// mirror on the pool's stream without waiting (neighbouring slots as one copy), then runs
+    /// `then` (which may enqueue more writes on the same stream, ordered after these copies:
+    /// the slot table's entries), then waits for all of it once. The caller holds the latches
+    /// through the call, so no slot changes before its copy ran. Without a device mirror it
+    /// only runs `then`. An error (a failed enqueue, or the wait) leaves the device copies of
+    /// the batch's slots unknown; `then` runs only if every copy was enqueued, and the wait
+    /// happens in every case.
+    pub(crate) fn mirror_batch(
+        &self,
+        latched: &[&SlotWrite<'_>],
+        then: impl FnOnce(&DeviceBatch),
+    ) -> std::result::Result<(), String> {
+        let batch = DeviceBatch { _private: () };
+        #[cfg(feature = "cuda")]
+        if let Some(device) = &self.device {
+            let mut slots: Vec<u32> = latched
+                .iter()
+                .map(|w| {
+                    assert!(std::ptr::eq(w.pool, self), "mirror_batch: a latch of another pool");
+                    w.slot
+                })
+                .collect();
+            slots.sort_unstable();
+            // Waits on every exit, unwinding included: no copy outlives the latches.
+            let wait = WaitOnDrop { device, waited: false };
+            let mut enqueued = Ok(());
+            let mut i = 0;
+            while i < slots.len() && enqueued.is_ok() {
+                let first = slots[i];
+                let mut n = 1;
+                while i + n < slots.len() && slots[i + n] == first + n as u32 {
+                    n += 1;
+                }
+                // SAFETY: slots `first..first + n` are each exclusively latched by a guard the
+                // caller holds until this call returns (latches are exclusive, so the sorted
+                // slots are distinct), and `wait` synchronizes the stream before that: no CPU
+                // write reaches these bytes before the copy ran, and the arena outlives it.
+                // In bounds: every slot < capacity.
+                enqueued = unsafe {
+                    device.enqueue_copy(first as usize * self.block_bytes, self.slot_ptr(first), n * self.block_bytes)
+                };
+                i += n;
+            }
+            if enqueued.is_ok() {
+                then(&batch);
+            }
+            return enqueued.and(wait.wait());
+        }
+        let _ = latched;
+        then(&batch);
+        Ok(())
+    }
+}
+
+/// Proof, for writes to the pool's stream enqueued without waiting (the slot table's entries),
+/// that they are waited for before the batch's call returns: only [`FramePool::mirror_batch`]
+/// makes one, and it synchronizes the stream after its closure.
+pub(crate) struct DeviceBatch {
+    _private: (),
+}
+
+/// Synchronizes the pool's stream when dropped, unless waited for already.
+#[cfg(feature = "cuda")]
+struct WaitOnDrop<'d> {
+    device: &'d crate::cuda::Device,
+    waited: bool,
+}
+
+#[cfg(feature = "cuda")]
+impl WaitOnDrop<'_> {
+    fn wait(mut self) -> std::result::Result<(), String> {
+        self.waited = true;
+        self.device.synchronize()
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Drop for WaitOnDrop<'_> {
+    fn drop(&mut self) {
+        if !self.waited {
+            let _ = self.device.synchronize();
+        }
+    }
 }
 
 /// A pinned slot: shared read access to its bytes until dropped.
@@ -422,6 +370,10 @@ pub(crate) struct SlotWrite<'a> {
 }
 
 impl SlotWrite<'_> {
+    pub(crate) fn slot(&self) -> u32 {
+        self.slot
+    }
+
     pub(crate) fn owner(&self) -> u64 {
         self.pool.frames[self.slot as usize].owner.load(Ordering::Relaxed)
     }

@@ -4,9 +4,11 @@
 //! Input bytes are decoded into a sequence of operations (allocate, write, pin, unpin, read,
 //! admit, evict, spill, reload, free, store and look up a cluster, maintain, flip a bit on
 //! disk, inject an I/O fault, bad ids) run against a small buffer manager and a model
-//! (block → bytes last written). It panics when a read returns other bytes than the model's,
-//! when a pinned block changes, when the slot table of device-planned reads disagrees with the
-//! blocks' tiers, or when an operation succeeds or fails against the rules.
+//! (block → bytes last written). The first byte picks the replacer, and whether `maintain`
+//! batches its rounds as with a Gpu tier in device memory (admissions published at the end of
+//! the round). It panics when a read returns other bytes than the model's, when a pinned block
+//! changes, when the slot table of device-planned reads disagrees with the blocks' tiers, or
+//! when an operation succeeds or fails against the rules.
 
 use crate::{
     BlockId, BlockKey, BufferConfig, BufferManager, ClusterKey, DiskConfig, Error, FaultPlan, FaultyIo, IoChoice,
@@ -117,7 +119,10 @@ pub fn fuzz_buffer_ops(data: &[u8]) {
     config.disk = Some(disk);
     config.access_queue_batches = 2;
     config.check_replacer = true;
-    let buffers = BufferManager::new(config).expect("small config");
+    let mut buffers = BufferManager::new(config).expect("small config");
+    if first & 4 != 0 {
+        buffers.force_batched_rounds();
+    }
     run_ops(&buffers, &faults, &mut input);
     drop(buffers);
     let _ = std::fs::remove_dir_all(&dir);

@@ -20,6 +20,8 @@
 mod arena;
 mod block;
 mod budget;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod device_read;
 pub mod disk;
 mod error;

@@ -8,6 +8,8 @@
 //! with a bound; it only ever *tries* a slot's exclusive latch, so a pinned block is never
 //! overwritten, moved or evicted: the operation fails with [`Error::Pinned`] or picks another victim.
 
+mod round;
+
 use crate::arena::{FramePool, HostMemoryKind, PinFailure, SlotRead, SlotWrite, NO_OWNER};
 use crate::device_read::{DeviceRead, Epochs};
 use crate::disk::{DiskConfig, DiskTier};
@@ -18,6 +20,7 @@ use crate::stats::{BufferStats, TierCounters};
 use crate::{BlockId, BlockKey, BlockLayout, ClusterKey, Error, MemoryBudget, Replacer, Reservation, Result, Tier};
 use crossbeam_queue::ArrayQueue;
 use parking_lot::{Mutex, MutexGuard};
+use round::Round;
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -51,9 +54,10 @@ pub struct BufferConfig {
     pub host_budget: Option<Arc<MemoryBudget>>,
     /// Use the GPU when the `cuda` feature is on and GPU 0 answers: the Host arena in pinned,
     /// device-mapped memory (`cuMemHostAlloc`), and the Gpu tier mirrored in device memory
-    /// (CPU readers use its host side; kernels read `gpu_device_base`). Otherwise (and on any
-    /// failure, said once) anonymous host memory. [`BufferManager::host_memory`] and
-    /// [`BufferManager::gpu_device_base`] say what it got.
+    /// (CPU readers use its host side, pinned too as the source of asynchronous copies;
+    /// kernels read `gpu_device_base`). Otherwise (and on any failure, said once) anonymous
+    /// host memory. [`BufferManager::host_memory`] and [`BufferManager::gpu_device_base`] say
+    /// what it got.
     pub pinned_host: bool,
 }
 
@@ -184,6 +188,9 @@ pub struct BufferManager {
     slot_table: SlotTable,
     /// Device reads in flight and the Gpu slots they keep from reuse.
     epochs: Epochs,
+    /// `maintain` batches a round's device writes and publishes its admissions at the end (the
+    /// Gpu tier has a device mirror; forced on in tests and the fuzz driver).
+    batched_rounds: bool,
     queued_records: AtomicU64,
     dropped: AtomicU64,
     counters: [TierCounters; 3],
@@ -224,6 +231,7 @@ impl BufferManager {
         let host = FramePool::new(Tier::Host, config.host_blocks, block_bytes, config.pinned_host)?;
         let gpu = FramePool::new(Tier::Gpu, config.gpu_blocks, block_bytes, config.pinned_host)?;
         let slot_table = SlotTable::new(host.capacity(), &gpu);
+        let batched_rounds = gpu.device_base().is_some();
         Ok(Self {
             layout: config.layout,
             replacer_name: replacer.name(),
@@ -238,10 +246,17 @@ impl BufferManager {
             cluster_reads: ArrayQueue::new(config.access_queue_batches),
             slot_table,
             epochs: Epochs::new(),
+            batched_rounds,
             queued_records: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             counters: Default::default(),
         })
+    }
+
+    /// Makes `maintain` batch its rounds as with a Gpu tier in device memory, on a machine
+    /// without one too (tests and the fuzz driver check the batched path on the CPU).
+    pub(crate) fn force_batched_rounds(&mut self) {
+        self.batched_rounds = true;
     }
 
     /// The block layout.
@@ -714,69 +729,31 @@ impl BufferManager {
             return Err(Error::Missing { block, reason });
         }
         let started = Instant::now();
-        let (slot, mut w) = match self.gpu.alloc_slot() {
+        let mut w = match self.gpu.alloc_slot() {
             Some(slot) => match self.lock_slot(&self.gpu, slot, BlockId(NO_OWNER), "admit") {
-                Ok(w) => (slot, w),
+                Ok(w) => w,
                 Err(e) => {
                     self.gpu.release_slot(slot);
                     return Err(e);
                 }
             },
             None => {
-                let mut taken = None;
-                let gpu = &self.gpu;
-                let victim = state.replacer.evict(&mut |slot| match gpu.lock(slot) {
-                    Ok(w) => {
-                        taken = Some(w);
-                        true
+                let w = self.take_victim(state, None).inspect_err(|e| {
+                    if matches!(e, Error::TierFull { .. }) {
+                        TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
                     }
-                    Err(_) => false, // pinned by a reader: never evicted
-                });
-                let (Some(slot), Some(mut w)) = (victim, taken) else {
-                    let quarantined_blocks = self.epochs.quarantined();
-                    if quarantined_blocks > 0 {
-                        // Not a failure: slots come back when the device reads in flight end.
-                        return Err(Error::DeviceReadsInFlight { quarantined_blocks });
-                    }
-                    TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
-                    return Err(Error::TierFull { tier: Tier::Gpu, capacity_blocks: self.gpu.capacity() });
-                };
-                let old = BlockId(w.owner());
-                if let Some(old_meta) = state.blocks.get_mut(&old) {
-                    self.unpublish(old_meta.home);
-                    old_meta.gpu_slot = None;
-                    self.remap(old, &state.blocks[&old]);
-                }
-                TierCounters::add(&self.counters(Tier::Gpu).evictions, 1);
-                w.set_owner(NO_OWNER);
-                if !self.epochs.retire(slot) {
+                })?;
+                if !self.epochs.retire(w.slot()) {
                     // An older device read may still read the victim's bytes: it stays
                     // quarantined, and this block waits for a later round.
                     drop(w);
                     return Err(Error::DeviceReadsInFlight { quarantined_blocks: self.epochs.quarantined() });
                 }
-                (slot, w)
+                w
             }
         };
-        let copied = match home {
-            Home::Host(host_slot) => match self.host.pin(host_slot, block.0) {
-                Ok(read) => {
-                    w.bytes_mut().copy_from_slice(read.bytes());
-                    Ok(())
-                }
-                // Only state-lock holders latch Host slots: a failure is a broken invariant.
-                Err(failure) => panic!("admit: host slot {host_slot} of {block} unreadable ({failure:?})"),
-            },
-            Home::Disk(disk_slot) => {
-                let disk = self.disk.as_ref().expect("a Disk home implies a Disk tier");
-                let result = disk.read_blocks(&[(disk_slot, block)], |_, bytes| w.bytes_mut().copy_from_slice(bytes));
-                result.into_iter().next().expect("one result").inspect_err(|e| {
-                    self.disk_failure(state, block, disk_slot, e);
-                })
-            }
-            Home::Lost(_) => unreachable!("checked above"),
-        };
-        let copied = copied.and_then(|()| {
+        let slot = w.slot();
+        let copied = self.fill_from_home(state, block, home, &mut w).and_then(|()| {
             w.mirror().map_err(|message| Error::Io {
                 op: "copy to gpu",
                 block: Some(block),
@@ -803,6 +780,71 @@ impl BufferManager {
         self.remap(block, state.meta(block)?);
         self.counters(Tier::Gpu).moved(self.layout.block_bytes(), started);
         Ok(slot)
+    }
+
+    /// Takes the replacer's victim out of the Gpu tier: clears the slot-table entry of its
+    /// block (at once, or in the host mirror only, noting the Host slot in `staged` for a
+    /// round's batch), empties and untracks the slot, and returns it latched; the caller gives
+    /// it up. [`Error::DeviceReadsInFlight`] when nothing is evictable but slots are
+    /// quarantined, [`Error::TierFull`] when every tracked slot is pinned (the caller counts
+    /// the failure: a round's own unpublished admissions are untracked, which is none).
+    fn take_victim(&self, state: &mut State, staged: Option<&mut Vec<u32>>) -> Result<SlotWrite<'_>> {
+        let mut taken = None;
+        let gpu = &self.gpu;
+        let victim = state.replacer.evict(&mut |slot| match gpu.lock(slot) {
+            Ok(w) => {
+                taken = Some(w);
+                true
+            }
+            Err(_) => false, // pinned by a reader: never evicted
+        });
+        let (Some(_), Some(mut w)) = (victim, taken) else {
+            let quarantined_blocks = self.epochs.quarantined();
+            if quarantined_blocks > 0 {
+                // Not a failure: slots come back when the device reads in flight end.
+                return Err(Error::DeviceReadsInFlight { quarantined_blocks });
+            }
+            return Err(Error::TierFull { tier: Tier::Gpu, capacity_blocks: self.gpu.capacity() });
+        };
+        let old = BlockId(w.owner());
+        if let Some(old_meta) = state.blocks.get_mut(&old) {
+            match (staged, old_meta.home) {
+                (Some(staged), Home::Host(host_slot)) => {
+                    self.slot_table.stage(host_slot, None);
+                    staged.push(host_slot);
+                }
+                (Some(_), _) => {}
+                (None, home) => self.unpublish(home),
+            }
+            old_meta.gpu_slot = None;
+            self.remap(old, &state.blocks[&old]);
+        }
+        TierCounters::add(&self.counters(Tier::Gpu).evictions, 1);
+        w.set_owner(NO_OWNER);
+        Ok(w)
+    }
+
+    /// Copies `block`'s bytes from its home into the host side of a latched Gpu slot. A failed
+    /// Disk read is counted (and a corrupt block lost) here.
+    fn fill_from_home(&self, state: &mut State, block: BlockId, home: Home, w: &mut SlotWrite<'_>) -> Result<()> {
+        match home {
+            Home::Host(host_slot) => match self.host.pin(host_slot, block.0) {
+                Ok(read) => {
+                    w.bytes_mut().copy_from_slice(read.bytes());
+                    Ok(())
+                }
+                // Only state-lock holders latch Host slots: a failure is a broken invariant.
+                Err(failure) => panic!("admit: host slot {host_slot} of {block} unreadable ({failure:?})"),
+            },
+            Home::Disk(disk_slot) => {
+                let disk = self.disk.as_ref().expect("a Disk home implies a Disk tier");
+                let result = disk.read_blocks(&[(disk_slot, block)], |_, bytes| w.bytes_mut().copy_from_slice(bytes));
+                result.into_iter().next().expect("one result").inspect_err(|e| {
+                    self.disk_failure(state, block, disk_slot, e);
+                })
+            }
+            Home::Lost(reason) => Err(Error::Missing { block, reason }),
+        }
     }
 
     /// Drops `block`'s Gpu copy. [`Error::WrongTier`] if not cached, [`Error::Pinned`] if pinned.
@@ -1000,8 +1042,10 @@ impl BufferManager {
     /// memory (no feature `cuda`, no GPU, `gpu_blocks == 0`) or after a failed write to it.
     ///
     /// An entry is cleared on the device before its Gpu slot can be overwritten, and set only
-    /// after the slot's new bytes are on the device (both synchronously, on the Gpu pool's
-    /// stream), so a kernel never follows an entry to a half-written slot.
+    /// after the slot's new bytes are on the device or ordered before it on the Gpu pool's
+    /// stream (the one stream that writes both: standalone operations wait for each write, a
+    /// [`Self::maintain`] round enqueues its bytes, then its entries, and waits once), so a
+    /// kernel never follows an entry to a half-written slot.
     pub fn device_slot_table(&self) -> Option<DeviceSlotTable> {
         self.slot_table.device()
     }
@@ -1077,6 +1121,15 @@ impl BufferManager {
     /// replacer, misses are admitted into the Gpu tier (evicting by policy). Returns the
     /// records processed (a logged cluster counts as one).
     /// The [`Maintainer`](crate::Maintainer) thread calls this; tests may call it directly.
+    ///
+    /// With the Gpu tier in device memory a round is *batched*: its device writes (admitted
+    /// slots' bytes, then the slot-table entries it changed) go asynchronously on the Gpu
+    /// pool's stream, it waits once at the end, and only then publishes its admissions (owner
+    /// tags, mapping table) and gives up its victims' slots. So a victim's slot is reused by a
+    /// later round, never the round that evicted it: an admission that finds no free slot
+    /// evicts for itself and waits, and a round evicts no more victims than it has admissions
+    /// waiting beyond the slots already quarantined. A block is admitted once per round. Without
+    /// a device mirror each admission is made and published at once, as by [`Self::admit`].
     pub fn maintain(&self, max_records: usize) -> usize {
         let mut records = Vec::new();
         let mut clusters = Vec::new();
@@ -1110,12 +1163,15 @@ impl BufferManager {
             TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
             return records.len();
         };
+        let mut round = self.batched_rounds.then(Round::default);
         for record in &records {
             if record.gpu_slot != MISS {
                 let cached = state.blocks.get(&record.block).and_then(|m| m.gpu_slot);
                 if cached == Some(record.gpu_slot) {
                     state.replacer.access(record.gpu_slot);
                 }
+            } else if let Some(round) = round.as_mut() {
+                self.admit_batched(&mut state, record.block, round);
             } else {
                 match self.admit_locked(&mut state, record.block) {
                     // Freed or lost since the access: nothing to admit.
@@ -1125,7 +1181,10 @@ impl BufferManager {
             }
         }
         for key in &clusters {
-            self.resolve_cluster_read(&mut state, key);
+            self.resolve_cluster_read(&mut state, key, round.as_mut());
+        }
+        if let Some(round) = round {
+            self.finish_round(&mut state, round);
         }
         drop(state);
         self.mapping.collect_garbage();
@@ -1133,7 +1192,7 @@ impl BufferManager {
     }
 
     /// Applies one cluster read of a device-planned step (see [`Self::log_cluster_reads`]).
-    fn resolve_cluster_read(&self, state: &mut State, key: &ClusterKey) {
+    fn resolve_cluster_read<'s>(&'s self, state: &mut State, key: &ClusterKey, mut round: Option<&mut Round<'s>>) {
         // Freed since the step: nothing to keep warm.
         let Some(locations) = self.mapping.get(key) else { return };
         for location in locations {
@@ -1149,7 +1208,12 @@ impl BufferManager {
                     TierCounters::add(&self.counters(Tier::Host).hits, 1);
                     // Refusals for pins or copy errors count as failures where they happen;
                     // waiting for device reads in flight does not.
-                    let _ = self.admit_locked(state, block);
+                    match round.as_deref_mut() {
+                        Some(round) => self.admit_batched(state, block, round),
+                        None => {
+                            let _ = self.admit_locked(state, block);
+                        }
+                    }
                 }
                 // A device step does not read Disk: nothing was served, nothing to admit.
                 (None, Home::Disk(_) | Home::Lost(_)) => {}

@@ -38,8 +38,11 @@ fn pinned_blocks_are_never_evicted_by_any_policy() {
             assert_eq!(buffers.tier_of(hot.block()).unwrap(), Tier::Gpu, "{} round {round}", kind.name());
             assert!(pin.iter().all(|&b| b == 0), "pinned bytes unchanged");
         }
+        // Synchronous rounds churn the 3 slots many times each round; batched rounds (a Gpu
+        // tier in device memory) give their victims up at the end, so every other round evicts
+        // 3 and the next admits into them.
         let stats = buffers.stats();
-        assert!(stats.tier(Tier::Gpu).unwrap().evictions > 50, "{}: {stats}", kind.name());
+        assert!(stats.tier(Tier::Gpu).unwrap().evictions >= 20, "{}: {stats}", kind.name());
         drop(pin);
         drop(reader);
     }
