@@ -464,6 +464,7 @@ pub(crate) fn check_fresh(r: &crate::plan::RequestPlan, layer: &Layer) -> Result
     Err(Error::StalePlan { context: r.context, layer: r.layer, planned: r.tokens, now: layer.method.stats().tokens })
 }
 
-fn layer_of(ctx: &Context, id: ContextId, layer: usize) -> Result<&RwLock<Layer>> {
+/// Layer `layer` of context `ctx` (id `id`), or [`Error::UnknownLayer`].
+pub(crate) fn layer_of(ctx: &Context, id: ContextId, layer: usize) -> Result<&RwLock<Layer>> {
     ctx.layers.get(layer).ok_or(Error::UnknownLayer { context: id, layer, layers: ctx.layers.len() })
 }

@@ -257,11 +257,7 @@ impl Engine {
             .zip(&ctxs)
             .map(|(&i, ctx)| {
                 let r = &plan.requests[i];
-                let layer = ctx.layers.get(r.layer).ok_or(Error::UnknownLayer {
-                    context: r.context,
-                    layer: r.layer,
-                    layers: ctx.layers.len(),
-                })?;
+                let layer = crate::engine::layer_of(ctx, r.context, r.layer)?;
                 let g = layer.read_recursive();
                 crate::engine::check_fresh(r, &g)?;
                 Ok(g)
@@ -405,11 +401,7 @@ impl Engine {
         let mut out = plan.clone();
         for r in out.requests.iter_mut().filter(|r| r.device.is_some()) {
             let ctx = self.context(r.context)?;
-            let layer = ctx.layers.get(r.layer).ok_or(Error::UnknownLayer {
-                context: r.context,
-                layer: r.layer,
-                layers: ctx.layers.len(),
-            })?;
+            let layer = crate::engine::layer_of(&ctx, r.context, r.layer)?;
             let guard = layer.read_recursive();
             crate::engine::check_fresh(r, &guard)?;
             let selection = match state.layers.get(&(r.context, r.layer)) {
@@ -437,11 +429,7 @@ impl Engine {
         let Some(manager) = self.buffer_manager() else { return Ok(None) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
         let ctx = self.context(r.context)?;
-        let layer = ctx.layers.get(r.layer).ok_or(Error::UnknownLayer {
-            context: r.context,
-            layer: r.layer,
-            layers: ctx.layers.len(),
-        })?;
+        let layer = crate::engine::layer_of(&ctx, r.context, r.layer)?;
         let guard = layer.read_recursive();
         crate::engine::check_fresh(r, &guard)?;
         let sh = r.shape;
