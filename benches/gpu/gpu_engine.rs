@@ -34,9 +34,14 @@ fn main() {
     // Context 0 takes part in all three runs, a token appended per step.
     let total = tokens + 12 * STEPS + 8;
     let host_blocks = batch * attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
+    // The maintainer's pause after a round of work (default 100 µs): `ATTNSTORE_MAINTAINER_PAUSE_US`.
+    let mut settings = BufferSettings::new(host_blocks);
+    if let Some(us) = std::env::var("ATTNSTORE_MAINTAINER_PAUSE_US").ok().and_then(|v| v.parse().ok()) {
+        settings.maintainer_pause = std::time::Duration::from_micros(us);
+    }
+    let pause_us = settings.maintainer_pause.as_micros() as u64;
     let engine =
-        Engine::in_memory(EngineConfig { buffers: Some(BufferSettings::new(host_blocks)), ..EngineConfig::default() })
-            .expect("engine");
+        Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).expect("engine");
     if engine.buffer_stats().is_none_or(|s| !s.gpu_on_device) {
         eprintln!("no GPU-backed buffer manager (needs a GPU and pinned memory)");
         std::process::exit(2);
@@ -53,7 +58,8 @@ fn main() {
     let budget = Budget::default();
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
-        "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS});
+        "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS,
+        "maintainer_pause_us": pause_us});
     let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();
         v["method"] = json!(method);
