@@ -160,26 +160,54 @@ impl PhaseTrace {
 struct ArenaRows {
     host_base: u64,
     host_blocks: usize,
-    /// Device address of the pool and of its slot table.
-    gpu: Option<(u64, u64)>,
+    /// Device address of the Gpu tier's pool, when it lives in device memory.
+    gpu_base: Option<u64>,
+    /// Device address of the slot table, when there is one.
+    table: Option<u64>,
     gpu_blocks: usize,
     per_block: usize,
     row_bytes: usize,
 }
 
 impl ArenaRows {
-    fn pointers(&self) -> (KvPointers, Option<WaveCache<'static>>) {
+    /// The rows of `manager` (whose Host arena is pinned at `host_base`, sized by `settings`)
+    /// for blocks of `per_block` tokens of head dimension `head_dim` (f16).
+    fn of(
+        manager: &attnstore_buffer::BufferManager,
+        settings: &crate::BufferSettings,
+        host_base: u64,
+        per_block: usize,
+        head_dim: usize,
+    ) -> Self {
+        Self {
+            host_base,
+            host_blocks: settings.host_blocks,
+            gpu_base: manager.gpu_device_base(),
+            table: manager.device_slot_table().map(|t| t.address),
+            gpu_blocks: settings.gpu_blocks,
+            per_block,
+            row_bytes: head_dim * 2,
+        }
+    }
+
+    /// The Host arena's rows and the Gpu tier's, one index for every KV head.
+    fn shared(&self) -> (SharedRows, Option<SharedRows>) {
         let block_rows = 2 * self.per_block;
         let shift = (self.per_block * self.row_bytes) as u64;
-        let kv =
-            KvPointers { keys: self.host_base, values: self.host_base + shift, rows: self.host_blocks * block_rows };
-        let cache = self.gpu.map(|(base, table)| {
-            WaveCache::Arena(ArenaCache {
-                rows: SharedRows { keys: base, values: base + shift, rows: self.gpu_blocks * block_rows },
-                table,
-                block_rows,
-            })
-        });
+        let host =
+            SharedRows { keys: self.host_base, values: self.host_base + shift, rows: self.host_blocks * block_rows };
+        let cache =
+            self.gpu_base.map(|b| SharedRows { keys: b, values: b + shift, rows: self.gpu_blocks * block_rows });
+        (host, cache)
+    }
+
+    /// The same as a wave step takes them (the cache only with its slot table).
+    fn pointers(&self) -> (KvPointers, Option<WaveCache<'static>>) {
+        let (host, cache) = self.shared();
+        let kv = KvPointers { keys: host.keys, values: host.values, rows: host.rows };
+        let cache = cache
+            .zip(self.table)
+            .map(|(rows, table)| WaveCache::Arena(ArenaCache { rows, table, block_rows: 2 * self.per_block }));
         (kv, cache)
     }
 }
@@ -292,15 +320,7 @@ impl Engine {
             }
             let mut group: Vec<&mut (usize, (ContextId, usize), DeviceLayer)> =
                 taken.iter_mut().filter(|t| plan.requests[t.0].shape.head_dim == d).collect();
-            let per_block = group[0].2.tokens_per_block;
-            let arena = ArenaRows {
-                host_base,
-                host_blocks: settings.host_blocks,
-                gpu: manager.gpu_device_base().zip(manager.device_slot_table()).map(|(b, t)| (b, t.address)),
-                gpu_blocks: settings.gpu_blocks,
-                per_block,
-                row_bytes: d * 2,
-            };
+            let arena = ArenaRows::of(manager, settings, host_base, group[0].2.tokens_per_block, d);
             result = self.device_step(&mut state, d, arena, plan, &mut group, outputs, run, &mut trace);
         }
         trace.print();
@@ -328,9 +348,6 @@ impl Engine {
         let manager = self.buffer_manager().expect("checked by the caller");
         let gpu = self.gpu.backend(d)?;
         let (kv, cache) = arena.pointers();
-        // Per request: its index in the plan, real clusters per head, cluster key prefix.
-        let served: Vec<(usize, Vec<usize>, (u64, u32))> =
-            group.iter().map(|t| (t.0, t.2.real_clusters.clone(), t.2.keys)).collect();
         let mut steps = Vec::with_capacity(group.len());
         for t in group.iter_mut() {
             let r = &plan.requests[t.0];
@@ -359,35 +376,32 @@ impl Engine {
         trace.mark("launch");
         let fetched: Vec<_> = steps.iter_mut().map(|s| gpu.fetch_wave_selected(s.job)).collect();
         drop(reads);
+        drop(steps);
         trace.mark("step + fetch");
         state.batches.insert(d, batch);
         launched?;
         let mut keys = Vec::new();
-        let mut selections = Vec::with_capacity(steps.len());
-        for ((i, real_clusters, prefix), got) in served.iter().zip(fetched) {
+        for (t, got) in group.iter_mut().zip(fetched) {
             let (out, selection) = got?;
-            outputs[*i] = Some(out);
+            outputs[t.0] = Some(out);
             run.on_gpu += 1;
             run.device_selected += 1;
             // What the step read, for the maintainer (admissions and recency).
-            selections.push(selection.clone());
+            let dl = &mut t.2;
             for (h, ids) in selection.iter().enumerate() {
-                let real = real_clusters.get(h).copied().unwrap_or(0) as u32;
+                let real = dl.real_clusters.get(h).copied().unwrap_or(0) as u32;
                 keys.extend(ids.iter().filter(|&&c| c < real).map(|&cluster| ClusterKey {
-                    context: prefix.0,
-                    layer: prefix.1,
+                    context: dl.keys.0,
+                    layer: dl.keys.1,
                     head: h as u32,
                     cluster,
                 }));
             }
+            dl.selection = selection;
         }
         trace.mark("selection");
         manager.log_cluster_reads(keys);
         trace.mark("log");
-        drop(steps);
-        for (t, selection) in group.iter_mut().zip(selections) {
-            t.2.selection = selection;
-        }
         Ok(())
     }
 
@@ -473,18 +487,10 @@ impl Engine {
         }
         trace.mark("pins+lists");
         let gpu = self.gpu.backend(d)?;
-        let stats = manager.stats();
-        trace.mark("backend+stats");
-        let capacity = |t: Tier| stats.tier(t).map_or(0, |s| s.capacity_blocks);
-        let row_bytes = (d * 2) as u64;
-        let shift = per_block as u64 * row_bytes;
-        let host_rows = capacity(Tier::Host) * stride;
-        let host = SharedRows { keys: host_base, values: host_base + shift, rows: host_rows };
-        let cache = manager.gpu_device_base().map(|b| SharedRows {
-            keys: b,
-            values: b + shift,
-            rows: capacity(Tier::Gpu) * stride,
-        });
+        let Some(settings) = self.config().buffers.as_ref() else { return Ok(None) };
+        let (host, cache) = ArenaRows::of(manager, settings, host_base, per_block, d).shared();
+        let host_rows = host.rows;
+        trace.mark("backend");
         let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
         let retrieved = if lists.iter().any(|l| !l.is_empty()) {
             let cache_rows = cache.map_or(0, |c| c.rows);

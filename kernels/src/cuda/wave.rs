@@ -230,8 +230,6 @@ struct JobIo {
     q: Mailbox<f32>,
     out: Mailbox<f32>,
     sel: Mailbox<i32>,
-    /// Host addresses of `q`, `out` and `sel` (what the step's copies take).
-    addr: [usize; 3],
     /// Recorded after each launch of the job: the step, with its copies in and out, is done.
     done: CudaEvent,
     /// No launch since the last wait for `done`.
@@ -594,12 +592,11 @@ impl GpuBackend {
         let q = Mailbox::new(self.pinned::<f32>(shape.query_len())?)?;
         let out = Mailbox::new(self.pinned::<f32>(shape.query_len())?)?;
         let sel = Mailbox::new(self.pinned::<i32>(shape.kv_heads * r)?)?;
-        let addr = [q.addr, out.addr, sel.addr];
         let done = self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(gpu_err("creating an event"))?;
-        Ok(JobIo { q, out, sel, addr, done, idle: true })
+        Ok(JobIo { q, out, sel, done, idle: true })
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`) and the clusters it
@@ -615,27 +612,30 @@ impl GpuBackend {
     }
 
     /// Pinned host memory of `len` elements, zeroed, mapped into the device's address space.
-    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
     fn pinned_mapped<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
         &self,
         len: usize,
     ) -> Result<PinnedHostSlice<T>> {
-        let flags = cudarc::driver::sys::CU_MEMHOSTALLOC_DEVICEMAP | cudarc::driver::sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
-        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
-            .map_err(gpu_err("allocating pinned memory"))?;
-        p.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
-        Ok(p)
+        self.pinned_with(len, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
     }
 
     /// Pinned host memory of `len` elements, zeroed.
-    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
     fn pinned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
         &self,
         len: usize,
     ) -> Result<PinnedHostSlice<T>> {
+        self.pinned_with(len, 0)
+    }
+
+    /// Pinned host memory of `len` elements allocated with `flags`, zeroed.
+    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
+    fn pinned_with<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
+        &self,
+        len: usize,
+        flags: u32,
+    ) -> Result<PinnedHostSlice<T>> {
         // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
-        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }
+        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
             .map_err(gpu_err("allocating pinned memory"))?;
         p.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
         Ok(p)
@@ -791,9 +791,9 @@ impl GpuBackend {
             size(j.decode.chunks),
             size(j.est_chunks),
             u64::from(s.wave.arena.is_some()),
-            j.io.addr[0] as u64,
-            j.io.addr[1] as u64,
-            j.io.addr[2] as u64,
+            j.io.q.addr as u64,
+            j.io.out.addr as u64,
+            j.io.sel.addr as u64,
             s.wave.arena.as_ref().map_or(0, |a| a.stage_dev),
             s.wave.arena.as_ref().map_or(0, |a| a.marks_dev),
         ]
@@ -1025,7 +1025,7 @@ impl GpuBackend {
         // as the job, and a graph that replays this copy is kept by the job or by a batch whose
         // key holds its address); both device buffers hold query_len floats.
         unsafe {
-            check(sys::cuMemcpyHtoDAsync_v2(q_select, job.io.addr[0] as *const _, bytes, main.cu_stream()))?;
+            check(sys::cuMemcpyHtoDAsync_v2(q_select, job.io.q.addr as *const _, bytes, main.cu_stream()))?;
             check(sys::cuMemcpyDtoDAsync_v2(q_decode, q_select, bytes, main.cu_stream()))?;
         }
         Ok(())
@@ -1040,8 +1040,8 @@ impl GpuBackend {
         // kv_heads × r ints (alive as long as the job, like the source buffers); the copies
         // are as long as the device buffers' used parts.
         unsafe {
-            check(sys::cuMemcpyDtoHAsync_v2(job.io.addr[1] as *mut _, out.0, out.1, main.cu_stream()))?;
-            check(sys::cuMemcpyDtoHAsync_v2(job.io.addr[2] as *mut _, sel.0, sel.1, main.cu_stream()))?;
+            check(sys::cuMemcpyDtoHAsync_v2(job.io.out.addr as *mut _, out.0, out.1, main.cu_stream()))?;
+            check(sys::cuMemcpyDtoHAsync_v2(job.io.sel.addr as *mut _, sel.0, sel.1, main.cu_stream()))?;
         }
         Ok(())
     }
