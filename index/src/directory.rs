@@ -1,9 +1,10 @@
 //! The meta index of one head: every cluster of every segment in one flat array, so a
 //! query scores all centroids with one pass over contiguous memory.
 
-use crate::method::RowSpan;
+use crate::method::{RowSpan, Selection};
 use crate::segment::ClusterMeta;
-use attnstore_kernels::Element;
+use attnstore_kernels::cpu::estimate::estimate_group;
+use attnstore_kernels::{Element, Partial};
 
 /// Per-cluster meta data of one head across all its segments (RetroInfer's meta index):
 /// mean key (the centroid used for scoring and estimation), mean value, size, and where the
@@ -44,6 +45,34 @@ impl<E: Element> Directory<E> {
             self.sizes.push(m.end - m.start);
             self.spans.push(RowSpan { unit, start: m.start, end: m.end });
         }
+    }
+
+    /// The estimation partials of `sel`'s query heads (`d`: head dimension).
+    ///
+    /// When every cluster is either retrieved or estimated (the `rest` share), the pass runs
+    /// over the whole directory in order with the retrieved clusters' weights at zero: the
+    /// value means then stream from contiguous memory instead of being gathered through the
+    /// id list (at 128K tokens, 8K clusters per head, the step's execution went from about
+    /// 5.1 to 4.6 ms on a 2-core VM; the pass is bound by memory bandwidth either way).
+    pub(crate) fn estimate(&self, sel: &Selection, d: usize) -> Vec<Partial> {
+        let n = sel.estimate.len();
+        if n > 0 && n + sel.retrieve_ids.len() == self.len() {
+            let all = self.len();
+            let mut scores = vec![f32::NEG_INFINITY; sel.heads * all];
+            for (dense, listed) in scores.chunks_exact_mut(all).zip(sel.estimate_scores.chunks_exact(n)) {
+                for (&id, &s) in sel.estimate.iter().zip(listed) {
+                    dense[id as usize] = s;
+                }
+            }
+            let sizes: Vec<f32> = self.sizes.iter().map(|&s| s as f32).collect();
+            return estimate_group(&scores, &sizes, |c| &self.value_means[c * d..(c + 1) * d], d, sel.heads);
+        }
+        let sizes: Vec<f32> = sel.estimate.iter().map(|&id| self.sizes[id as usize] as f32).collect();
+        let value_mean = |c: usize| {
+            let id = sel.estimate[c] as usize;
+            &self.value_means[id * d..(id + 1) * d]
+        };
+        estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads)
     }
 
     /// Bytes of the meta data.

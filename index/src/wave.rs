@@ -12,7 +12,6 @@ use crate::method::{
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
-use attnstore_kernels::cpu::estimate::estimate_group;
 use attnstore_kernels::cpu::scoring::{rank_key, score_group, top_keys, top_r};
 use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
 use rayon::prelude::*;
@@ -407,12 +406,7 @@ impl<E: Element> WaveIndex<E> {
             } else {
                 sel.blocks.clone()
             };
-            let sizes: Vec<f32> = sel.estimate.iter().map(|&id| head.dir.sizes[id as usize] as f32).collect();
-            let value_mean = |c: usize| {
-                let id = sel.estimate[c] as usize;
-                &head.dir.value_means[id * d..(id + 1) * d]
-            };
-            let estimated = estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads);
+            let estimated = head.dir.estimate(sel, d);
             for (i, e) in estimated.iter().enumerate() {
                 cpu[sel.first_head + i].merge(e);
             }
@@ -869,12 +863,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                     })?;
                 }
             }
-            let sizes: Vec<f32> = sel.estimate.iter().map(|&id| store.dir.sizes[id as usize] as f32).collect();
-            let value_mean = |c: usize| {
-                let id = sel.estimate[c] as usize;
-                &store.dir.value_means[id * d..(id + 1) * d]
-            };
-            let estimated = estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads);
+            let estimated = store.dir.estimate(sel, d);
             for (i, (part, est)) in sub.iter_mut().zip(&estimated).enumerate() {
                 part.merge(est);
                 parts[sel.first_head + i].merge(part);

@@ -23,6 +23,8 @@ pub struct EstimateItem<'a, E> {
 /// the mean value row of the `c`-th listed cluster (`head_dim` elements). The weights
 /// `size·exp(s − m)` are computed with vector exp and folded in with the same register-
 /// blocked kernel as exact values, so one read of a value mean serves every head.
+/// A score of `-inf` leaves its cluster out (weight zero); if a head's every score is
+/// `-inf`, its partial is empty.
 pub fn estimate_group<'a, E: Element>(
     scores: &[f32],
     sizes: &[f32],
@@ -41,6 +43,12 @@ pub fn estimate_group<'a, E: Element>(
         let w = &mut weights[j * stride..(j + 1) * stride];
         w[..n].copy_from_slice(&scores[j * n..(j + 1) * n]);
         part.m = w[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        if part.m == f32::NEG_INFINITY {
+            // Every listed weight is zero (`-inf` scores mark clusters left out): an empty
+            // partial, not `exp(-inf + inf)`.
+            w.fill(0.0);
+            continue;
+        }
         super::microkernel::exp_shifted_sum(w, part.m);
         let mut l = 0.0;
         for (x, s) in w.iter_mut().zip(sizes) {
@@ -108,6 +116,34 @@ mod tests {
     use super::super::attention::{attend_ranges, Scratch};
     use super::*;
     use crate::random::SplitMix64;
+
+    #[test]
+    fn minus_infinity_scores_leave_clusters_out() {
+        let (d, heads, n) = (16, 4, 67);
+        let mut g = SplitMix64::new(9);
+        let v: Vec<f32> = (0..n * d).map(|_| g.normal()).collect();
+        let sizes: Vec<f32> = (0..n).map(|i| (1 + i % 7) as f32).collect();
+        let scores: Vec<f32> = (0..heads * n).map(|_| g.normal() * 2.0).collect();
+        let kept: Vec<usize> = (0..n).filter(|i| i % 3 != 0).collect();
+        let masked: Vec<f32> =
+            (0..heads * n).map(|i| if (i % n) % 3 == 0 { f32::NEG_INFINITY } else { scores[i] }).collect();
+        let dense = estimate_group(&masked, &sizes, |c| &v[c * d..(c + 1) * d], d, heads);
+        let listed_scores: Vec<f32> =
+            (0..heads).flat_map(|j| kept.iter().map(move |&c| j * n + c)).map(|i| scores[i]).collect();
+        let listed_sizes: Vec<f32> = kept.iter().map(|&c| sizes[c]).collect();
+        let listed = estimate_group(&listed_scores, &listed_sizes, |c| &v[kept[c] * d..(kept[c] + 1) * d], d, heads);
+        for (a, b) in dense.iter().zip(&listed) {
+            for (x, y) in a.finish().iter().zip(&b.finish()) {
+                assert!((x - y).abs() < 1e-5, "{x} vs {y}");
+            }
+            assert!((a.lse() - b.lse()).abs() < 1e-4, "{} vs {}", a.lse(), b.lse());
+        }
+        let none = estimate_group(&vec![f32::NEG_INFINITY; heads * n], &sizes, |c| &v[c * d..(c + 1) * d], d, heads);
+        for p in &none {
+            assert_eq!(p.l, 0.0);
+            assert!(p.o.iter().all(|&x| x == 0.0));
+        }
+    }
 
     #[test]
     fn group_estimation_equals_per_item_estimation() {
