@@ -1163,7 +1163,8 @@ impl BufferManager {
             TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
             return records.len();
         };
-        let mut round = self.batched_rounds.then(Round::default);
+        let trace = trace_rounds().then(Instant::now);
+        let mut round = self.batched_rounds.then(|| Round::new(trace.is_some()));
         for record in &records {
             if record.gpu_slot != MISS {
                 let cached = state.blocks.get(&record.block).and_then(|m| m.gpu_slot);
@@ -1183,11 +1184,32 @@ impl BufferManager {
         for key in &clusters {
             self.resolve_cluster_read(&mut state, key, round.as_mut());
         }
+        let admitted = round.as_ref().map_or(0, Round::admitted);
+        let steps = round.as_ref().and_then(Round::times);
+        let chosen = trace.map(|t| t.elapsed());
         if let Some(round) = round {
             self.finish_round(&mut state, round);
         }
         drop(state);
         self.mapping.collect_garbage();
+        if let (Some(t), Some(chosen)) = (trace, chosen) {
+            eprintln!(
+                "attnstore-buffer: round of {} records and {} cluster reads: {admitted} batched admissions; {:.2} ms choosing, {:.2} ms in all",
+                records.len(),
+                clusters.len(),
+                chosen.as_secs_f64() * 1e3,
+                t.elapsed().as_secs_f64() * 1e3
+            );
+            if let Some(steps) = steps {
+                let names = ["victims", "latches", "fills", "-"];
+                let parts: Vec<String> = names
+                    .iter()
+                    .zip(steps)
+                    .map(|(n, (d, c))| format!("{n} {c} in {:.2} ms", d.as_secs_f64() * 1e3))
+                    .collect();
+                eprintln!("attnstore-buffer:   {}", parts.join(", "));
+            }
+        }
         processed
     }
 
@@ -1410,4 +1432,11 @@ impl std::fmt::Debug for PinGuard<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinGuard").field("block", &self.block).field("tier", &self.tier).finish()
     }
+}
+
+/// Whether `ATTNSTORE_BUFFER_TRACE` asks for a line per maintenance round on stderr (records,
+/// admissions, time), read once.
+fn trace_rounds() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("ATTNSTORE_BUFFER_TRACE").is_some())
 }

@@ -56,9 +56,12 @@ fn gpu_execution_of_plans_equals_the_cpu_executor() {
                     cpu_us.push(cpu);
                     gpu_us.push(gpu);
                 }
+                eprintln!("{tokens} tokens, step {step}, exact={}: CPU {cpu:.0} us, GPU {gpu:.0} us", budget.exact);
             }
             // Admit what the plans read, so later plans find Gpu-tier hits.
+            let t = Instant::now();
             manager.maintain(usize::MAX);
+            eprintln!("{tokens} tokens, step {step}: maintenance {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
         }
         assert!(cache_hits > 0, "some retrieved blocks must come from the Gpu tier");
         let (c, g) = (median(cpu_us), median(gpu_us));

@@ -23,10 +23,16 @@ pub(super) struct Round<'p> {
     handled: HashSet<BlockId>,
     /// Admissions that found no free Gpu slot: they wait for a later round.
     waiting: usize,
+    /// Set once the replacer had no victim to give: the round holds the state lock, so none
+    /// appears before it ends, and asking again for each later miss would sweep the replacer
+    /// every time (a CLOCK sweep of the whole tier per miss made a 300K-miss round take 100 s).
+    out_of_victims: bool,
     /// Gpu slots of this round's victims, given up once their cleared entries are on the device.
     victims: Vec<u32>,
     /// Host slots whose slot-table entries the round changed in the host mirror.
     table_writes: Vec<u32>,
+    /// Time per step of the admissions, kept only when rounds are traced.
+    times: Option<[(std::time::Duration, usize); 4]>,
 }
 
 struct Admitted<'p> {
@@ -35,6 +41,30 @@ struct Admitted<'p> {
     /// The Gpu slot, latched (its owner still empty) until published.
     write: SlotWrite<'p>,
     started: Instant,
+}
+
+impl Round<'_> {
+    /// An empty round; `traced` keeps the time of each step of its admissions.
+    pub(super) fn new(traced: bool) -> Self {
+        Self { times: traced.then(Default::default), ..Self::default() }
+    }
+
+    /// Admissions made so far (published at the round's end).
+    pub(super) fn admitted(&self) -> usize {
+        self.admitted.len()
+    }
+
+    /// Time and count of each step of the admissions (victims, latches, fills), if traced.
+    pub(super) fn times(&self) -> Option<[(std::time::Duration, usize); 4]> {
+        self.times
+    }
+
+    fn time(&mut self, step: usize, since: Instant) {
+        if let Some(times) = &mut self.times {
+            times[step].0 += since.elapsed();
+            times[step].1 += 1;
+        }
+    }
 }
 
 impl BufferManager {
@@ -58,26 +88,39 @@ impl BufferManager {
         let started = Instant::now();
         let Some(slot) = self.gpu.alloc_slot() else {
             round.waiting += 1;
-            if self.epochs.quarantined() + round.victims.len() < round.waiting {
-                match self.take_victim(state, Some(&mut round.table_writes)) {
+            if !round.out_of_victims && self.epochs.quarantined() + round.victims.len() < round.waiting {
+                let t = Instant::now();
+                let taken = self.take_victim(state, Some(&mut round.table_writes));
+                round.time(0, t);
+                match taken {
                     Ok(w) => round.victims.push(w.slot()),
-                    // Every tracked slot pinned, and none held by this round's admissions.
-                    Err(Error::TierFull { .. }) if round.admitted.is_empty() && round.victims.is_empty() => {
-                        TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                    Err(e) => {
+                        round.out_of_victims = true;
+                        // Every tracked slot pinned, and none held by this round's admissions.
+                        // Otherwise the round's admissions and victims hold the rest: waiting.
+                        if matches!(e, Error::TierFull { .. }) && round.admitted.is_empty() && round.victims.is_empty()
+                        {
+                            TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                        }
                     }
-                    Err(_) => {} // the round's admissions and victims hold the rest: waiting
                 }
             }
             return;
         };
-        let mut w = match self.lock_slot(&self.gpu, slot, BlockId(NO_OWNER), "admit") {
+        let t = Instant::now();
+        let locked = self.lock_slot(&self.gpu, slot, BlockId(NO_OWNER), "admit");
+        round.time(1, t);
+        let mut w = match locked {
             Ok(w) => w,
             Err(_) => {
                 self.gpu.release_slot(slot);
                 return;
             }
         };
-        if self.fill_from_home(state, block, home, &mut w).is_err() {
+        let t = Instant::now();
+        let filled = self.fill_from_home(state, block, home, &mut w);
+        round.time(2, t);
+        if filled.is_err() {
             drop(w);
             self.gpu.release_slot(slot);
             return;
