@@ -72,20 +72,24 @@ fn main() {
     // Batch 1 through the device path (the maintainer in the background; then also a
     // maintenance round after each step, untimed, as gpu_wave keeps its tier), the
     // CPU-planned GPU path, then the batch.
-    for (method, between) in [("engine_device_step", false), ("engine_device_step_maintained", true)] {
-        let r = steps(&engine, &mut ctxs[..1], &budget, true, between);
+    for (path, (method, between)) in
+        [("engine_device_step", false), ("engine_device_step_maintained", true)].into_iter().enumerate()
+    {
+        let r = steps(&engine, &mut ctxs[..1], &budget, true, between, path as u64);
         let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit, "plan": "plan_gpu",
             "maintain_us": round(r.maintain_us)});
         row(method, 1, r.step_us, extra);
     }
-    let explain = engine.plan_gpu(&[ctxs[0].request(0)], &budget).expect("plan").explain();
+    let explain = engine.plan_gpu(&[ctxs[0].request(0, 0)], &budget).expect("plan").explain();
     eprintln!("{explain}");
-    let r = steps(&engine, &mut ctxs[..1], &budget, false, true);
+    let r = steps(&engine, &mut ctxs[..1], &budget, false, true, 2);
     let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit, "plan": "plan"});
     row("engine_cpu_planned_gpu_step", 1, r.step_us, extra);
     if batch > 1 {
-        for (method, between) in [("engine_device_batch", false), ("engine_device_batch_maintained", true)] {
-            let r = steps(&engine, &mut ctxs, &budget, true, between);
+        for (path, (method, between)) in
+            [("engine_device_batch", false), ("engine_device_batch_maintained", true)].into_iter().enumerate()
+        {
+            let r = steps(&engine, &mut ctxs, &budget, true, between, 3 + path as u64);
             let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit,
                 "us_per_request": round(r.step_us / batch as f64), "host_budget_gib": 100,
                 "maintain_us": round(r.maintain_us)});
@@ -114,9 +118,11 @@ struct Context {
 }
 
 impl Context {
-    /// A request with the query of step `step` (a path between two synthetic queries).
-    fn request(&self, step: usize) -> Request {
-        let (a, b) = (self.synth.queries(0), self.synth.queries(1));
+    /// A request with the query of step `step` on path `path` (from synthetic query 2·path
+    /// to query 2·path + 1: each measured run walks a path of its own, so no run finds the
+    /// Gpu tier warmed by an earlier run over the same queries).
+    fn request(&self, step: usize, path: u64) -> Request {
+        let (a, b) = (self.synth.queries(2 * path), self.synth.queries(2 * path + 1));
         let w = (step % (2 * STEPS)) as f32 / (2 * STEPS) as f32;
         Request::new(self.ctx, 0, a.iter().zip(&b).map(|(x, y)| (1.0 - w) * x + w * y).collect())
     }
@@ -124,7 +130,14 @@ impl Context {
 
 /// Warm-up and measured steps over `ctxs` (one plan for all of them), with a maintenance
 /// round after each step when `between`.
-fn steps(engine: &Engine, ctxs: &mut [Context], budget: &Budget, on_device: bool, between: bool) -> Measured {
+fn steps(
+    engine: &Engine,
+    ctxs: &mut [Context],
+    budget: &Budget,
+    on_device: bool,
+    between: bool,
+    path: u64,
+) -> Measured {
     let (mut times, mut plans, mut maintains) = (Vec::new(), Vec::new(), Vec::new());
     let mut before = None;
     for step in 0..2 * STEPS {
@@ -133,7 +146,7 @@ fn steps(engine: &Engine, ctxs: &mut [Context], budget: &Budget, on_device: bool
             engine.append(c.ctx, 0, &k, &v).expect("append");
             c.at += 1;
         }
-        let requests: Vec<Request> = ctxs.iter().map(|c| c.request(step)).collect();
+        let requests: Vec<Request> = ctxs.iter().map(|c| c.request(step, path)).collect();
         let t0 = Instant::now();
         let plan =
             if on_device { engine.plan_gpu(&requests, budget) } else { engine.plan(&requests, budget) }.expect("plan");

@@ -1181,9 +1181,19 @@ impl BufferManager {
                 }
             }
         }
-        for key in &clusters {
-            self.resolve_cluster_read(&mut state, key, round.as_mut());
+        let mut counts = ClusterReadCounts::default();
+        if !clusters.is_empty() {
+            // One epoch pin and overlapping lookups for the round's clusters (those freed since
+            // the step are skipped: nothing to keep warm). The lists are snapshots, kept alive
+            // by the pin while the round remaps blocks.
+            let reader = self.mapping.reader();
+            let mut lists = Vec::with_capacity(clusters.len());
+            reader.get_many(&clusters, &mut lists);
+            for locations in lists.into_iter().flatten() {
+                self.resolve_cluster_read(&mut state, locations, round.as_mut(), &mut counts);
+            }
         }
+        counts.add_to(self);
         let admitted = round.as_ref().map_or(0, Round::admitted);
         let steps = round.as_ref().and_then(Round::times);
         let chosen = trace.map(|t| t.elapsed());
@@ -1213,32 +1223,46 @@ impl BufferManager {
         processed
     }
 
-    /// Applies one cluster read of a device-planned step (see [`Self::log_cluster_reads`]).
-    fn resolve_cluster_read<'s>(&'s self, state: &mut State, key: &ClusterKey, mut round: Option<&mut Round<'s>>) {
-        // Freed since the step: nothing to keep warm.
-        let Some(locations) = self.mapping.get(key) else { return };
+    /// Applies one cluster read of a device-planned step (see [`Self::log_cluster_reads`]):
+    /// the cluster's blocks as the mapping table listed them at the round's lookup, counting
+    /// their Gpu hits and misses in `counts`.
+    ///
+    /// Under the state lock the mapping table says what the blocks' metadata says (every
+    /// change of a block's tier or Gpu slot is remapped before the lock is released; a round's
+    /// own admissions are published only at its end, and `admit_batched` admits a block once
+    /// per round), so a hit costs one replacer touch and an owner-tag read, no metadata
+    /// lookup: rounds stay short and the blocks a step missed reach the Gpu tier sooner.
+    fn resolve_cluster_read<'s>(
+        &'s self,
+        state: &mut State,
+        locations: &[BlockLocation],
+        mut round: Option<&mut Round<'s>>,
+        counts: &mut ClusterReadCounts,
+    ) {
         for location in locations {
-            let block = location.block();
-            let Some(meta) = state.blocks.get(&block) else { continue };
-            match (meta.gpu_slot, meta.home) {
+            // `locations` is the list as of the lookup: an admission below may have evicted a
+            // later block of it, so a cached location counts only while its slot's owner tag
+            // still names the block (set when an admission is published, cleared on eviction).
+            let cached = location.gpu_slot().filter(|&slot| self.gpu.owner(slot) == location.block().0);
+            match (cached, location.home().0) {
                 (Some(slot), _) => {
+                    debug_assert_eq!(state.blocks.get(&location.block()).and_then(|m| m.gpu_slot), Some(slot));
                     state.replacer.access(slot);
-                    TierCounters::add(&self.counters(Tier::Gpu).hits, 1);
+                    counts.gpu_hits += 1;
                 }
-                (None, Home::Host(_)) => {
-                    TierCounters::add(&self.counters(Tier::Gpu).misses, 1);
-                    TierCounters::add(&self.counters(Tier::Host).hits, 1);
+                (None, Tier::Host) => {
+                    counts.gpu_misses += 1;
                     // Refusals for pins or copy errors count as failures where they happen;
                     // waiting for device reads in flight does not.
                     match round.as_deref_mut() {
-                        Some(round) => self.admit_batched(state, block, round),
+                        Some(round) => self.admit_batched(state, location.block(), round),
                         None => {
-                            let _ = self.admit_locked(state, block);
+                            let _ = self.admit_locked(state, location.block());
                         }
                     }
                 }
                 // A device step does not read Disk: nothing was served, nothing to admit.
-                (None, Home::Disk(_) | Home::Lost(_)) => {}
+                (None, _) => {}
             }
         }
     }
@@ -1431,6 +1455,26 @@ impl std::ops::Deref for PinGuard<'_> {
 impl std::fmt::Debug for PinGuard<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinGuard").field("block", &self.block).field("tier", &self.tier).finish()
+    }
+}
+
+/// Gpu hits and misses of a round's cluster reads, added to the tier counters once per round
+/// (a Gpu miss of a device step is a Host hit: it read the Host arena).
+#[derive(Default)]
+struct ClusterReadCounts {
+    gpu_hits: u64,
+    gpu_misses: u64,
+}
+
+impl ClusterReadCounts {
+    fn add_to(&self, buffers: &BufferManager) {
+        let (gpu, host) = (buffers.counters(Tier::Gpu), buffers.counters(Tier::Host));
+        for (counter, n) in [(&gpu.hits, self.gpu_hits), (&gpu.misses, self.gpu_misses), (&host.hits, self.gpu_misses)]
+        {
+            if n > 0 {
+                TierCounters::add(counter, n);
+            }
+        }
     }
 }
 

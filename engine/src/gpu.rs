@@ -128,6 +128,8 @@ struct PhaseTrace {
     on: bool,
     last: std::time::Instant,
     phases: Vec<(&'static str, f64)>,
+    /// Milliseconds of a traced single device step's phases.
+    device_ms: Vec<f64>,
 }
 
 impl PhaseTrace {
@@ -136,6 +138,7 @@ impl PhaseTrace {
             on: std::env::var_os("ATTNSTORE_GPU_TRACE").is_some(),
             last: std::time::Instant::now(),
             phases: Vec::new(),
+            device_ms: Vec::new(),
         }
     }
 
@@ -149,7 +152,8 @@ impl PhaseTrace {
     fn print(&self) {
         if self.on {
             let parts: Vec<String> = self.phases.iter().map(|(p, us)| format!("{p} {us:.0}")).collect();
-            eprintln!("gpu request (us): {}", parts.join(", "));
+            let device: Vec<String> = self.device_ms.iter().map(|ms| format!("{:.0}", ms * 1e3)).collect();
+            eprintln!("gpu request (us): {}; device phases (us): {}", parts.join(", "), device.join(" "));
         }
     }
 }
@@ -371,7 +375,12 @@ impl Engine {
             _ => gpu.wave_batch(steps.len().max(4))?,
         };
         let reads = manager.device_read();
-        let launched = gpu.launch_wave_batch(&mut batch, &mut steps);
+        let launched = match steps.as_mut_slice() {
+            // Traced single steps run eagerly with an event per phase (select, estimate, row
+            // list, attention, merge), to see where device time goes.
+            [s] if trace.on => gpu.wave_phases(s.wave, s.kv, s.cache, s.job).map(|ms| trace.device_ms = ms),
+            _ => gpu.launch_wave_batch(&mut batch, &mut steps),
+        };
         // Wait for the step (also on failure: nothing may still read the slots).
         trace.mark("launch");
         let fetched: Vec<_> = steps.iter_mut().map(|s| gpu.fetch_wave_selected(s.job)).collect();
