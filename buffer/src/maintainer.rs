@@ -19,13 +19,15 @@ pub struct Maintainer {
 }
 
 impl Maintainer {
-    /// Starts the thread. It processes up to `batch` records per round and sleeps `idle`
-    /// when the queue is empty.
+    /// Starts the thread. It processes up to `batch` records per round and waits `idle`
+    /// when the queue is empty (cut short when a device step logs its cluster reads, see
+    /// [`BufferManager::log_cluster_reads`]).
     pub fn spawn(buffers: Arc<BufferManager>, batch: usize, idle: Duration) -> std::io::Result<Self> {
         Self::spawn_paced(buffers, batch, idle, Duration::ZERO)
     }
 
-    /// [`Maintainer::spawn`] that also sleeps `pause` after every round that did work, which
+    /// [`Maintainer::spawn`] that also waits `pause` after every round that did work (cut short
+    /// like the idle wait), which
     /// bounds the thread's share of the CPU and of the memory system (like a database's
     /// background writer with a delay per round): plans that run back to back then lose less
     /// to it, at the price of admitting misses later (records beyond what it keeps up with
@@ -42,6 +44,7 @@ impl Maintainer {
         let processed = Arc::new(AtomicU64::new(0));
         let (s, p, n, halt) = (Arc::clone(&stop), Arc::clone(&poisoned), Arc::clone(&processed), Arc::clone(&paused));
         let thread = std::thread::Builder::new().name("attnstore-maintainer".into()).spawn(move || {
+            buffers.set_waker(Some(std::thread::current()));
             let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                 // Relaxed: the flag carries no data; a late stop only costs one more round.
                 while !s.load(Ordering::Relaxed) {
@@ -51,13 +54,15 @@ impl Maintainer {
                     }
                     let done = buffers.maintain(batch);
                     n.fetch_add(done as u64, Ordering::Relaxed);
+                    // Parked rather than asleep: a device step's cluster reads end the wait.
                     if done == 0 {
-                        std::thread::sleep(idle);
+                        std::thread::park_timeout(idle);
                     } else if !pause.is_zero() {
-                        std::thread::sleep(pause);
+                        std::thread::park_timeout(pause);
                     }
                 }
             }));
+            buffers.set_waker(None);
             if run.is_err() {
                 p.store(true, Ordering::Relaxed);
             }
@@ -100,6 +105,8 @@ impl Maintainer {
     fn shutdown(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(thread) = self.thread.take() {
+            // End a wait in progress now rather than after its idle period.
+            thread.thread().unpark();
             if thread.join().is_err() {
                 self.poisoned.store(true, Ordering::Relaxed);
             }

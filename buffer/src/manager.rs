@@ -184,6 +184,9 @@ pub struct BufferManager {
     queue: ArrayQueue<Vec<AccessRecord>>,
     /// Clusters read by device-planned steps (no pins, so no access records).
     cluster_reads: ArrayQueue<Vec<ClusterKey>>,
+    /// The background maintainer's thread, woken when a device step logs its cluster reads
+    /// (see [`BufferManager::set_waker`]).
+    waker: Mutex<Option<std::thread::Thread>>,
     /// Host slot → Gpu slot of the block homed there, for device-planned steps.
     slot_table: SlotTable,
     /// Device reads in flight and the Gpu slots they keep from reuse.
@@ -244,6 +247,7 @@ impl BufferManager {
             state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
             queue: ArrayQueue::new(config.access_queue_batches),
             cluster_reads: ArrayQueue::new(config.access_queue_batches),
+            waker: Mutex::new(None),
             slot_table,
             epochs: Epochs::new(),
             batched_rounds,
@@ -1091,6 +1095,19 @@ impl BufferManager {
             Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
             Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
         };
+        // A device step's misses are read from the Host arena until they are admitted: wake
+        // the maintainer now rather than at the end of its idle sleep or pause (one futex
+        // wake per step when it is parked, nothing when it is busy).
+        if let Some(thread) = self.waker.lock().as_ref() {
+            thread.unpark();
+        }
+    }
+
+    /// Names the thread that runs [`Self::maintain`] in the background (a parked maintainer
+    /// is unparked when a device step logs its cluster reads); `None` stops the wake-ups.
+    /// [`crate::Maintainer`] registers itself.
+    pub fn set_waker(&self, thread: Option<std::thread::Thread>) {
+        *self.waker.lock() = thread;
     }
 
     /// A reader for one plan: lock-free cluster lookups and pins.

@@ -160,3 +160,32 @@ fn a_scan_reader_counts_its_reads_but_admits_and_evicts_nothing() {
     assert_eq!(stats.tier(Tier::Host).unwrap().hits, hits_before + 12, "{stats}");
     assert_eq!(stats.tier(Tier::Gpu).unwrap().hits, 4, "{stats}");
 }
+
+#[test]
+fn a_device_steps_cluster_reads_wake_a_waiting_maintainer() {
+    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
+    for c in 0..4 {
+        buffers.store_cluster(key(c), &[c as u8; 4096]).unwrap();
+    }
+    // An idle wait longer than the deadlines below: only the wake-ups can meet them.
+    let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
+    // Let the thread reach its first wait (an empty queue).
+    std::thread::sleep(Duration::from_millis(50));
+    buffers.log_cluster_reads((0..4).map(key).collect());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while maintainer.processed() < 4 {
+        assert!(Instant::now() < deadline, "the maintainer slept through the cluster reads");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let reader = buffers.reader();
+    let tiers: Vec<Tier> = (0..4)
+        .flat_map(|c| reader.cluster(&key(c)).unwrap().to_vec())
+        .map(|l| reader.pin(&l).unwrap().tier())
+        .collect();
+    assert_eq!(tiers, vec![Tier::Gpu; 8], "every block of the read clusters admitted");
+    drop(reader);
+    // Stopping ends the wait too.
+    let stopping = Instant::now();
+    assert!(!maintainer.stop());
+    assert!(stopping.elapsed() < Duration::from_secs(10), "stop waited out the idle period");
+}
