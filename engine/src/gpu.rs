@@ -389,7 +389,8 @@ impl Engine {
         trace.mark("step + fetch");
         state.batches.insert(d, batch);
         launched?;
-        let mut keys = Vec::new();
+        let chosen: usize = fetched.iter().flatten().map(|(_, sel)| sel.iter().map(Vec::len).sum::<usize>()).sum();
+        let mut keys = Vec::with_capacity(chosen);
         for (t, got) in group.iter_mut().zip(fetched) {
             let (out, selection) = got?;
             outputs[t.0] = Some(out);
