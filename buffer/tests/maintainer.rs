@@ -10,6 +10,15 @@ fn key(cluster: u32) -> ClusterKey {
     ClusterKey { context: 3, layer: 1, head: 0, cluster }
 }
 
+/// Which tier serves each block of clusters `0..clusters`, read now (plans that log).
+fn tiers_now(buffers: &BufferManager, clusters: u32) -> Vec<Tier> {
+    let reader = buffers.reader();
+    (0..clusters)
+        .flat_map(|c| reader.cluster(&key(c)).unwrap().to_vec())
+        .map(|l| reader.pin(&l).unwrap().tier())
+        .collect()
+}
+
 #[test]
 fn pinned_blocks_are_never_evicted_by_any_policy() {
     for kind in ReplacerKind::ALL {
@@ -55,13 +64,7 @@ fn misses_are_admitted_in_the_background_and_hits_follow() {
         buffers.store_cluster(key(c), &[c as u8; 4096]).unwrap();
     }
     let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_micros(100)).unwrap();
-    let read_all = || {
-        let reader = buffers.reader();
-        (0..8)
-            .flat_map(|c| reader.cluster(&key(c)).unwrap().to_vec())
-            .map(|l| reader.pin(&l).unwrap().tier())
-            .collect::<Vec<_>>()
-    };
+    let read_all = || tiers_now(&buffers, 8);
     assert!(read_all().iter().all(|&t| t == Tier::Host), "first reads miss");
     let deadline = Instant::now() + Duration::from_secs(10);
     while read_all().iter().any(|&t| t != Tier::Gpu) {
@@ -177,13 +180,7 @@ fn a_device_steps_cluster_reads_wake_a_waiting_maintainer() {
         assert!(Instant::now() < deadline, "the maintainer slept through the cluster reads");
         std::thread::sleep(Duration::from_millis(1));
     }
-    let reader = buffers.reader();
-    let tiers: Vec<Tier> = (0..4)
-        .flat_map(|c| reader.cluster(&key(c)).unwrap().to_vec())
-        .map(|l| reader.pin(&l).unwrap().tier())
-        .collect();
-    assert_eq!(tiers, vec![Tier::Gpu; 8], "every block of the read clusters admitted");
-    drop(reader);
+    assert_eq!(tiers_now(&buffers, 4), vec![Tier::Gpu; 8], "every block of the read clusters admitted");
     // Stopping ends the wait too.
     let stopping = Instant::now();
     assert!(!maintainer.stop());
