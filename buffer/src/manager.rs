@@ -183,7 +183,7 @@ pub struct BufferManager {
     state: Mutex<State>,
     queue: ArrayQueue<Vec<AccessRecord>>,
     /// Clusters read by device-planned steps (no pins, so no access records).
-    cluster_reads: ArrayQueue<Vec<ClusterKey>>,
+    cluster_reads: ArrayQueue<ClusterReads>,
     /// The background maintainer's thread, woken when a device step logs its cluster reads
     /// (see [`BufferManager::set_waker`]).
     waker: Mutex<Option<std::thread::Thread>>,
@@ -1086,12 +1086,24 @@ impl BufferManager {
     /// blocks: when the queue is full the keys are dropped and counted with the dropped
     /// access records. A cluster counts as one record.
     pub fn log_cluster_reads(&self, keys: Vec<ClusterKey>) {
-        let n = keys.len() as u64;
+        self.push_cluster_reads(ClusterReads::Keys(keys));
+    }
+
+    /// [`Self::log_cluster_reads`] for the clusters a device step read, layer by layer (one
+    /// entry per request of the step, so one round handles the whole step): the maintainer
+    /// makes the keys, so the step's thread hands over its selections as it got them. Ids
+    /// without a mapped cluster (padding) are skipped like clusters freed since.
+    pub fn log_layer_reads(&self, layers: Vec<LayerReads>) {
+        self.push_cluster_reads(ClusterReads::Layers(layers));
+    }
+
+    fn push_cluster_reads(&self, reads: ClusterReads) {
+        let n = reads.len() as u64;
         if n == 0 {
             return;
         }
         // Relaxed: statistics.
-        match self.cluster_reads.push(keys) {
+        match self.cluster_reads.push(reads) {
             Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
             Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
         };
@@ -1159,9 +1171,9 @@ impl BufferManager {
                 took = true;
             }
             if records.len() + clusters.len() < limit {
-                if let Some(keys) = self.cluster_reads.pop() {
-                    self.queued_records.fetch_sub(keys.len() as u64, Ordering::Relaxed);
-                    clusters.extend(keys);
+                if let Some(reads) = self.cluster_reads.pop() {
+                    self.queued_records.fetch_sub(reads.len() as u64, Ordering::Relaxed);
+                    reads.append_to(&mut clusters);
                     took = true;
                 }
             }
@@ -1472,6 +1484,52 @@ impl std::ops::Deref for PinGuard<'_> {
 impl std::fmt::Debug for PinGuard<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinGuard").field("block", &self.block).field("tier", &self.tier).finish()
+    }
+}
+
+/// The clusters a device step read in one layer of one context, for
+/// [`BufferManager::log_layer_reads`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayerReads {
+    /// Context id.
+    pub context: u64,
+    /// Layer index.
+    pub layer: u32,
+    /// Cluster ids read, per KV head (`per_head[h]` for head `h`).
+    pub per_head: Vec<Vec<u32>>,
+}
+
+/// A batch of cluster reads in the maintainer's queue.
+enum ClusterReads {
+    /// Keys as logged ([`BufferManager::log_cluster_reads`]).
+    Keys(Vec<ClusterKey>),
+    /// Cluster ids per layer and KV head ([`BufferManager::log_layer_reads`]).
+    Layers(Vec<LayerReads>),
+}
+
+impl ClusterReads {
+    /// Clusters read (each counts as one record).
+    fn len(&self) -> usize {
+        match self {
+            ClusterReads::Keys(keys) => keys.len(),
+            ClusterReads::Layers(layers) => layers.iter().flat_map(|l| &l.per_head).map(Vec::len).sum(),
+        }
+    }
+
+    /// Appends the reads as keys.
+    fn append_to(self, out: &mut Vec<ClusterKey>) {
+        out.reserve(self.len());
+        match self {
+            ClusterReads::Keys(keys) => out.extend(keys),
+            ClusterReads::Layers(layers) => {
+                for LayerReads { context, layer, per_head } in layers {
+                    for (head, ids) in per_head.into_iter().enumerate() {
+                        let head = head as u32;
+                        out.extend(ids.into_iter().map(|cluster| ClusterKey { context, layer, head, cluster }));
+                    }
+                }
+            }
+        }
     }
 }
 

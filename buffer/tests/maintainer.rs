@@ -2,7 +2,7 @@
 //! are never evicted however hard the queue pushes, and a full queue drops (and counts)
 //! records instead of blocking the plan.
 
-use attnstore_buffer::{BufferConfig, BufferManager, ClusterKey, Maintainer, ReplacerKind, Tier};
+use attnstore_buffer::{BufferConfig, BufferManager, ClusterKey, LayerReads, Maintainer, ReplacerKind, Tier};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -185,4 +185,43 @@ fn a_device_steps_cluster_reads_wake_a_waiting_maintainer() {
     let stopping = Instant::now();
     assert!(!maintainer.stop());
     assert!(stopping.elapsed() < Duration::from_secs(10), "stop waited out the idle period");
+}
+
+#[test]
+fn a_layers_reads_per_head_act_like_their_cluster_keys() {
+    let heads_key = |head: u32, cluster: u32| ClusterKey { context: 3, layer: 1, head, cluster };
+    let make = || {
+        let buffers = BufferManager::new(BufferConfig::new(64, 8)).unwrap();
+        for head in 0..2 {
+            for c in 0..4 {
+                buffers.store_cluster(heads_key(head, c), &[(head * 4 + c) as u8; 4096]).unwrap();
+            }
+        }
+        buffers
+    };
+    let (by_keys, by_layer) = (make(), make());
+    // Head 0 reads clusters 2 and 0, head 1 reads cluster 3 and an unmapped id (padding).
+    by_keys.log_cluster_reads(vec![heads_key(0, 2), heads_key(0, 0), heads_key(1, 3), heads_key(1, 9)]);
+    by_layer.log_layer_reads(vec![LayerReads { context: 3, layer: 1, per_head: vec![vec![2, 0], vec![3, 9]] }]);
+    assert_eq!(by_keys.maintain(usize::MAX), 4);
+    assert_eq!(by_layer.maintain(usize::MAX), 4);
+    let tiers = |b: &BufferManager| {
+        let reader = b.reader();
+        (0..2)
+            .flat_map(|h| (0..4).map(move |c| heads_key(h, c)))
+            .map(|k| reader.cluster(&k).unwrap().iter().map(|l| l.tier()).collect::<Vec<_>>())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(tiers(&by_layer), tiers(&by_keys));
+    let gpu = |b: &BufferManager| {
+        let stats = b.stats();
+        let t = stats.tier(Tier::Gpu).unwrap().clone();
+        (t.hits, t.misses, t.used_blocks)
+    };
+    assert_eq!(gpu(&by_layer), gpu(&by_keys));
+    assert_eq!(gpu(&by_layer), (0, 6, 6), "three clusters of two blocks admitted");
+    // Read again: all hits now, the same way.
+    by_layer.log_layer_reads(vec![LayerReads { context: 3, layer: 1, per_head: vec![vec![2, 0], vec![3]] }]);
+    assert_eq!(by_layer.maintain(usize::MAX), 3);
+    assert_eq!(gpu(&by_layer), (6, 6, 6));
 }

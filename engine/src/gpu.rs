@@ -21,8 +21,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use attnstore_buffer::ClusterKey;
-use attnstore_buffer::{HostMemoryKind, Tier};
+use attnstore_buffer::{HostMemoryKind, LayerReads, Tier};
 use attnstore_kernels::cuda::{
     ArenaCache, DeviceWave, GpuBackend, KvPointers, RowRef, SharedRows, WaveBatch, WaveCache, WaveJob, WaveStep,
 };
@@ -389,28 +388,25 @@ impl Engine {
         trace.mark("step + fetch");
         state.batches.insert(d, batch);
         launched?;
-        let chosen: usize = fetched.iter().flatten().map(|(_, sel)| sel.iter().map(Vec::len).sum::<usize>()).sum();
-        let mut keys = Vec::with_capacity(chosen);
+        let mut logged = Vec::with_capacity(group.len());
         for (t, got) in group.iter_mut().zip(fetched) {
             let (out, selection) = got?;
             outputs[t.0] = Some(out);
             run.on_gpu += 1;
             run.device_selected += 1;
-            // What the step read, for the maintainer (admissions and recency).
+            // What the step read, for the maintainer (admissions and recency; it makes the
+            // keys): the real clusters, not the padding of heads with fewer clusters.
             let dl = &mut t.2;
-            for (h, ids) in selection.iter().enumerate() {
+            let mut read = selection.clone();
+            for (h, ids) in read.iter_mut().enumerate() {
                 let real = dl.real_clusters.get(h).copied().unwrap_or(0) as u32;
-                keys.extend(ids.iter().filter(|&&c| c < real).map(|&cluster| ClusterKey {
-                    context: dl.keys.0,
-                    layer: dl.keys.1,
-                    head: h as u32,
-                    cluster,
-                }));
+                ids.retain(|&c| c < real);
             }
+            logged.push(LayerReads { context: dl.keys.0, layer: dl.keys.1, per_head: read });
             dl.selection = selection;
         }
         trace.mark("selection");
-        manager.log_cluster_reads(keys);
+        manager.log_layer_reads(logged);
         trace.mark("log");
         Ok(())
     }
