@@ -31,9 +31,11 @@ pub struct BufferSettings {
     /// (io_uring, `O_DIRECT`, crc32c per block). `None`: a full arena is a typed error.
     pub spill_dir: Option<PathBuf>,
     /// Run the asynchronous maintainer (admits missed blocks into the Gpu tier, evicts by
-    /// policy) with this idle sleep; `None` leaves the Gpu tier as it is.
+    /// policy) with this idle wait (cut short when a device step logs what it read);
+    /// `None` leaves the Gpu tier as it is.
     pub maintainer_idle: Option<Duration>,
-    /// Pause of the maintainer after every round that did work (zero: none). Bounds its
+    /// Pause of the maintainer after every round that did work (zero: none; a device step's
+    /// reads end it early, so device steps' misses are admitted about a step later). Bounds its
     /// share of the CPU and of the memory system, like a database background writer's
     /// delay: on the 16-core device host, 100 µs took the plans' p50 cost of a busy
     /// maintainer from 1.27–1.29× to 1.03–1.07× at the same Gpu hit ratio
@@ -43,7 +45,7 @@ pub struct BufferSettings {
 
 impl BufferSettings {
     /// `host_blocks` in the arena, a Gpu cache of 5% of it, CLOCK, no spill folder, a
-    /// maintainer that sleeps 100 µs when idle and pauses 100 µs after each round of work.
+    /// maintainer that waits 100 µs when idle and pauses 100 µs after each round of work.
     /// Without a GPU the Gpu tier is host memory and admitting into it only costs CPU
     /// (`BufferStats::gpu_on_device` says which): set `maintainer_idle: None` there unless
     /// you are testing replacement policies.
