@@ -2,8 +2,9 @@
 //! replays on stable (`tests/fuzz_corpus_replay.rs`) and libFuzzer runs it on nightly.
 //!
 //! Input bytes are decoded into a sequence of operations (allocate, write, pin, unpin, read,
-//! admit, evict, spill, reload, free, store and look up a cluster, maintain, flip a bit on
-//! disk, inject an I/O fault, bad ids) run against a small buffer manager and a model
+//! admit, evict, spill, reload, free, store and look up a cluster and log it as a device
+//! step's read, maintain, flip a bit on disk, inject an I/O fault, bad ids) run against a
+//! small buffer manager and a model
 //! (block → bytes last written). The first byte picks the replacer, and whether `maintain`
 //! batches its rounds as with a Gpu tier in device memory (admissions published at the end of
 //! the round). It panics when a read returns other bytes than the model's, when a pinned block
@@ -12,7 +13,7 @@
 
 use crate::{
     BlockId, BlockKey, BufferConfig, BufferManager, ClusterKey, DiskConfig, Error, FaultPlan, FaultyIo, IoChoice,
-    PinGuard, ReplacerKind, Tier,
+    LayerReads, PinGuard, ReplacerKind, Tier,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -281,6 +282,12 @@ fn run_ops(buffers: &BufferManager, faults: &FaultyIo, input: &mut Input<'_>) {
                     }
                 }
                 drop(reader);
+                if arg & 4 != 0 {
+                    // A device step's reads too (no pins): every other cluster and an
+                    // unmapped id, as a layer's selection; the round admits and counts them.
+                    let ids = (0..clusters).filter(|c| c % 2 == u32::from(arg) % 2).chain([clusters + 7]).collect();
+                    buffers.log_layer_reads(vec![LayerReads { context: 2, layer: 0, per_head: vec![ids] }]);
+                }
                 buffers.maintain(usize::MAX);
             }
             14 => {
