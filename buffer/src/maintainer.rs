@@ -62,7 +62,7 @@ impl Maintainer {
                     }
                 }
             }));
-            buffers.set_waker(None);
+            buffers.clear_waker(std::thread::current().id());
             if run.is_err() {
                 p.store(true, Ordering::Relaxed);
             }

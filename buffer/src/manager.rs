@@ -1122,6 +1122,15 @@ impl BufferManager {
         *self.waker.lock() = thread;
     }
 
+    /// Stops the wake-ups if `thread` is the one registered (a maintainer leaving does not
+    /// unregister a newer one).
+    pub(crate) fn clear_waker(&self, thread: std::thread::ThreadId) {
+        let mut waker = self.waker.lock();
+        if waker.as_ref().is_some_and(|t| t.id() == thread) {
+            *waker = None;
+        }
+    }
+
     /// A reader for one plan: lock-free cluster lookups and pins.
     pub fn reader(&self) -> Reader<'_> {
         self.reader_logging(true)

@@ -225,3 +225,24 @@ fn a_layers_reads_per_head_act_like_their_cluster_keys() {
     assert_eq!(by_layer.maintain(usize::MAX), 3);
     assert_eq!(gpu(&by_layer), (6, 6, 6));
 }
+
+#[test]
+fn a_maintainer_that_stops_leaves_a_newer_ones_wake_ups_in_place() {
+    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
+    for c in 0..2 {
+        buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
+    }
+    let older = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let newer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!older.stop());
+    buffers.log_cluster_reads(vec![key(0), key(1)]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while newer.processed() < 2 {
+        assert!(Instant::now() < deadline, "the newer maintainer was not woken");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(tiers_now(&buffers, 2), vec![Tier::Gpu; 2]);
+    assert!(!newer.stop());
+}
