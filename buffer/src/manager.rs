@@ -282,6 +282,17 @@ impl BufferManager {
         &self.counters[tier_index(tier)]
     }
 
+    /// Adds a batch of reads to the shared counters (Gpu hits, Gpu misses, Host hits): once
+    /// per plan or per round, not per block, so plan threads share no counter line per pin.
+    fn count_reads(&self, [gpu_hits, gpu_misses, host_hits]: [u64; 3]) {
+        let (gpu, host) = (self.counters(Tier::Gpu), self.counters(Tier::Host));
+        for (counter, n) in [(&gpu.hits, gpu_hits), (&gpu.misses, gpu_misses), (&host.hits, host_hits)] {
+            if n > 0 {
+                TierCounters::add(counter, n);
+            }
+        }
+    }
+
     fn state(&self) -> Result<MutexGuard<'_, State>> {
         self.state
             .try_lock_for(self.lock_timeout)
@@ -1249,7 +1260,7 @@ impl BufferManager {
                 t.elapsed().as_secs_f64() * 1e3
             );
             if let Some(steps) = steps {
-                let names = ["victims", "latches", "fills", "-"];
+                let names = ["victims", "latches", "fills"];
                 let parts: Vec<String> = names
                     .iter()
                     .zip(steps)
@@ -1358,13 +1369,7 @@ impl<'a> Reader<'a> {
     pub fn flush(&self) {
         let records = std::mem::take(&mut *self.records.borrow_mut());
         self.buffers.log(records);
-        let [gpu_hits, gpu_misses, host_hits] = self.counts.take();
-        let (gpu, host) = (self.buffers.counters(Tier::Gpu), self.buffers.counters(Tier::Host));
-        for (counter, n) in [(&gpu.hits, gpu_hits), (&gpu.misses, gpu_misses), (&host.hits, host_hits)] {
-            if n > 0 {
-                TierCounters::add(counter, n);
-            }
-        }
+        self.buffers.count_reads(self.counts.take());
     }
 
     fn note(&self, block: BlockId, gpu_slot: u32, tier: Tier) {
@@ -1552,13 +1557,7 @@ struct ClusterReadCounts {
 
 impl ClusterReadCounts {
     fn add_to(&self, buffers: &BufferManager) {
-        let (gpu, host) = (buffers.counters(Tier::Gpu), buffers.counters(Tier::Host));
-        for (counter, n) in [(&gpu.hits, self.gpu_hits), (&gpu.misses, self.gpu_misses), (&host.hits, self.gpu_misses)]
-        {
-            if n > 0 {
-                TierCounters::add(counter, n);
-            }
-        }
+        buffers.count_reads([self.gpu_hits, self.gpu_misses, self.gpu_misses]);
     }
 }
 

@@ -32,7 +32,7 @@ pub(super) struct Round<'p> {
     /// Host slots whose slot-table entries the round changed in the host mirror.
     table_writes: Vec<u32>,
     /// Time per step of the admissions, kept only when rounds are traced.
-    times: Option<[(std::time::Duration, usize); 4]>,
+    times: Option<[(std::time::Duration, usize); 3]>,
 }
 
 struct Admitted<'p> {
@@ -55,7 +55,7 @@ impl Round<'_> {
     }
 
     /// Time and count of each step of the admissions (victims, latches, fills), if traced.
-    pub(super) fn times(&self) -> Option<[(std::time::Duration, usize); 4]> {
+    pub(super) fn times(&self) -> Option<[(std::time::Duration, usize); 3]> {
         self.times
     }
 
