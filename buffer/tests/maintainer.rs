@@ -10,6 +10,25 @@ fn key(cluster: u32) -> ClusterKey {
     ClusterKey { context: 3, layer: 1, head: 0, cluster }
 }
 
+/// A manager (64 Host slots, 16 Gpu) holding clusters `0..clusters` of `bytes` each, every
+/// byte of cluster `c` equal to `c`.
+fn stored(clusters: u32, bytes: usize) -> Arc<BufferManager> {
+    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
+    for c in 0..clusters {
+        buffers.store_cluster(key(c), &vec![c as u8; bytes]).unwrap();
+    }
+    buffers
+}
+
+/// Polls `done` every millisecond; fails with `what` if it is not true within 10 s.
+fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Which tier serves each block of clusters `0..clusters`, read now (plans that log).
 fn tiers_now(buffers: &BufferManager, clusters: u32) -> Vec<Tier> {
     let reader = buffers.reader();
@@ -59,18 +78,11 @@ fn pinned_blocks_are_never_evicted_by_any_policy() {
 
 #[test]
 fn misses_are_admitted_in_the_background_and_hits_follow() {
-    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
-    for c in 0..8 {
-        buffers.store_cluster(key(c), &[c as u8; 4096]).unwrap();
-    }
+    let buffers = stored(8, 4096);
     let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_micros(100)).unwrap();
     let read_all = || tiers_now(&buffers, 8);
     assert!(read_all().iter().all(|&t| t == Tier::Host), "first reads miss");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while read_all().iter().any(|&t| t != Tier::Gpu) {
-        assert!(Instant::now() < deadline, "the maintainer never admitted the missed blocks");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until("the maintainer never admitted the missed blocks", || read_all().iter().all(|&t| t == Tier::Gpu));
     assert!(maintainer.processed() >= 16);
     assert!(!maintainer.stop());
     let stats = buffers.stats();
@@ -83,31 +95,22 @@ fn misses_are_admitted_in_the_background_and_hits_follow() {
 
 #[test]
 fn a_paused_maintainer_admits_nothing_until_resumed() {
-    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
-    for c in 0..8 {
-        buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
-    }
+    let buffers = stored(8, 2048);
     let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_micros(100)).unwrap();
     maintainer.set_paused(true);
     assert!(maintainer.is_paused());
     // A round that started before the pause may still finish: let it.
     std::thread::sleep(Duration::from_millis(5));
     let processed = maintainer.processed();
-    let tiers = || {
-        let reader = buffers.reader();
-        (0..8).map(|c| reader.pin(&reader.cluster(&key(c)).unwrap()[0]).unwrap().tier()).collect::<Vec<_>>()
-    };
+    // One block per cluster.
+    let tiers = || tiers_now(&buffers, 8);
     for _ in 0..20 {
         assert!(tiers().iter().all(|&t| t == Tier::Host), "nothing is admitted while paused");
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(maintainer.processed(), processed, "no records processed while paused");
     maintainer.set_paused(false);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while tiers().iter().any(|&t| t != Tier::Gpu) {
-        assert!(Instant::now() < deadline, "the resumed maintainer never admitted the misses");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until("the resumed maintainer never admitted the misses", || tiers().iter().all(|&t| t == Tier::Gpu));
     assert!(!maintainer.stop());
 }
 
@@ -166,20 +169,13 @@ fn a_scan_reader_counts_its_reads_but_admits_and_evicts_nothing() {
 
 #[test]
 fn a_device_steps_cluster_reads_wake_a_waiting_maintainer() {
-    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
-    for c in 0..4 {
-        buffers.store_cluster(key(c), &[c as u8; 4096]).unwrap();
-    }
+    let buffers = stored(4, 4096);
     // An idle wait longer than the deadlines below: only the wake-ups can meet them.
     let maintainer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
     // Let the thread reach its first wait (an empty queue).
     std::thread::sleep(Duration::from_millis(50));
     buffers.log_cluster_reads((0..4).map(key).collect());
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while maintainer.processed() < 4 {
-        assert!(Instant::now() < deadline, "the maintainer slept through the cluster reads");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until("the maintainer slept through the cluster reads", || maintainer.processed() >= 4);
     assert_eq!(tiers_now(&buffers, 4), vec![Tier::Gpu; 8], "every block of the read clusters admitted");
     // Stopping ends the wait too.
     let stopping = Instant::now();
@@ -228,21 +224,14 @@ fn a_layers_reads_per_head_act_like_their_cluster_keys() {
 
 #[test]
 fn a_maintainer_that_stops_leaves_a_newer_ones_wake_ups_in_place() {
-    let buffers = Arc::new(BufferManager::new(BufferConfig::new(64, 16)).unwrap());
-    for c in 0..2 {
-        buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
-    }
+    let buffers = stored(2, 2048);
     let older = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     let newer = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
     std::thread::sleep(Duration::from_millis(50));
     assert!(!older.stop());
     buffers.log_cluster_reads(vec![key(0), key(1)]);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while newer.processed() < 2 {
-        assert!(Instant::now() < deadline, "the newer maintainer was not woken");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    wait_until("the newer maintainer was not woken", || newer.processed() >= 2);
     assert_eq!(tiers_now(&buffers, 2), vec![Tier::Gpu; 2]);
     assert!(!newer.stop());
 }
