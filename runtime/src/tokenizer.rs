@@ -80,7 +80,7 @@ impl Tokenizer {
             .filter(|(_, &t)| t == CONTROL)
             .map(|(s, _)| AddedToken::from(s.clone(), true))
             .collect();
-        inner.add_special_tokens(&specials);
+        inner.add_special_tokens(specials).map_err(|e| Error::Tokenizer(e.to_string()))?;
         Ok(Self { inner, eos })
     }
 

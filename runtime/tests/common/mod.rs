@@ -2,10 +2,7 @@
 //! attention backend.
 #![allow(dead_code)]
 
-use attnstore::{Codec, DType, Engine, EngineConfig};
-use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
-use candle_core::{Device, Tensor};
-use candle_transformers::models::quantized_llama::ModelWeights;
+use attnstore_runtime::{default_model_path, Model, Weights};
 
 pub const PROMPTS: [&str; 3] = [
     "Write a short poem about the sea.",
@@ -29,52 +26,76 @@ pub fn max_rel(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs())) / scale
 }
 
-/// What the comparison with candle-transformers' llama found.
-#[derive(Debug, Default)]
-pub struct Agreement {
-    /// Largest relative logit difference at the prompt's last token.
-    pub prefill: f32,
-    /// Largest relative logit difference over the decode steps.
-    pub decode: f32,
-    /// Positions whose argmax agreed, of all compared.
-    pub argmax: (usize, usize),
+/// Says why a comparison with candle-transformers' llama skipped: that crate is compiled in
+/// only with the feature `candle-reference`.
+pub fn reference_skipped() {
+    eprintln!(
+        "SKIPPED: the candle-transformers reference is not compiled in \
+         (cargo test -p attnstore-runtime --features candle-reference; .ci/run does)"
+    );
 }
 
-/// Runs every prompt through candle-transformers' quantized llama (whole prompt at once, then
-/// its greedy continuation token by token) and through the runtime (prefill in `chunk`-token
-/// pieces, decode attention by attnstore's exact method with `dtype` storage), feeding both
-/// the reference's argmax, and compares the logits at every position.
-pub fn compare_with_reference(model: &Model, dtype: DType, chunk: usize, steps: usize) -> Agreement {
-    let path = default_model_path();
-    let mut a = Agreement::default();
-    for prompt in PROMPTS {
-        let ids = model.tokenizer().encode(&Tokenizer::chat_prompt(prompt)).unwrap();
-        let mut file = std::fs::File::open(&path).unwrap();
-        let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
-        let mut reference = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
-        let logits = |r: &mut ModelWeights, ids: &[u32], pos: usize| -> Vec<f32> {
-            let input = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-            r.forward(&input, pos).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
-        };
-        let mut want = logits(&mut reference, &ids, 0);
-        let prefill = model.prefill(&ids, chunk, &mut |_| {}).unwrap();
-        let engine = Engine::in_memory(EngineConfig::default()).unwrap();
-        let config = AttnConfig { codec: Codec::from(dtype), ..AttnConfig::new(AttnMethod::Exact) };
-        let mut session = Session::new(model, &engine, config, &prefill, false).unwrap();
-        let mut got = prefill.logits.clone();
-        a.prefill = a.prefill.max(max_rel(&got, &want));
-        for step in 0..steps {
-            if step > 0 {
-                a.decode = a.decode.max(max_rel(&got, &want));
-            }
-            a.argmax.0 += usize::from(argmax(&got) == argmax(&want));
-            a.argmax.1 += 1;
-            let next = argmax(&want);
-            want = logits(&mut reference, &[next], ids.len() + step);
-            got = session.step(next).unwrap();
-        }
+// Not every test file that shares this module compares with the reference.
+#[cfg(feature = "candle-reference")]
+#[allow(unused_imports)]
+pub use reference::compare_with_reference;
+
+/// The comparison with candle-transformers' own llama forward.
+#[cfg(feature = "candle-reference")]
+mod reference {
+    use super::{max_rel, PROMPTS};
+    use attnstore::{Codec, DType, Engine, EngineConfig};
+    use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer};
+    use candle_core::{Device, Tensor};
+    use candle_transformers::models::quantized_llama::ModelWeights;
+
+    /// What the comparison with candle-transformers' llama found.
+    #[derive(Debug, Default)]
+    pub struct Agreement {
+        /// Largest relative logit difference at the prompt's last token.
+        pub prefill: f32,
+        /// Largest relative logit difference over the decode steps.
+        pub decode: f32,
+        /// Positions whose argmax agreed, of all compared.
+        pub argmax: (usize, usize),
     }
-    a
+
+    /// Runs every prompt through candle-transformers' quantized llama (whole prompt at once, then
+    /// its greedy continuation token by token) and through the runtime (prefill in `chunk`-token
+    /// pieces, decode attention by attnstore's exact method with `dtype` storage), feeding both
+    /// the reference's argmax, and compares the logits at every position.
+    pub fn compare_with_reference(model: &Model, dtype: DType, chunk: usize, steps: usize) -> Agreement {
+        let path = default_model_path();
+        let mut a = Agreement::default();
+        for prompt in PROMPTS {
+            let ids = model.tokenizer().encode(&Tokenizer::chat_prompt(prompt)).unwrap();
+            let mut file = std::fs::File::open(&path).unwrap();
+            let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
+            let mut reference = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
+            let logits = |r: &mut ModelWeights, ids: &[u32], pos: usize| -> Vec<f32> {
+                let input = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+                r.forward(&input, pos).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            let mut want = logits(&mut reference, &ids, 0);
+            let prefill = model.prefill(&ids, chunk, &mut |_| {}).unwrap();
+            let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+            let config = AttnConfig { codec: Codec::from(dtype), ..AttnConfig::new(AttnMethod::Exact) };
+            let mut session = Session::new(model, &engine, config, &prefill, false).unwrap();
+            let mut got = prefill.logits.clone();
+            a.prefill = a.prefill.max(max_rel(&got, &want));
+            for step in 0..steps {
+                if step > 0 {
+                    a.decode = a.decode.max(max_rel(&got, &want));
+                }
+                a.argmax.0 += usize::from(argmax(&got) == argmax(&want));
+                a.argmax.1 += 1;
+                let next = argmax(&want);
+                want = logits(&mut reference, &[next], ids.len() + step);
+                got = session.step(next).unwrap();
+            }
+        }
+        a
+    }
 }
 
 /// Plain f64 attention over every stored token: the runtime's decode path with no engine.
