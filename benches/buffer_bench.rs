@@ -66,7 +66,7 @@ fn lookup() {
         for batch in order.chunks(256) {
             let reader = table.reader(); // one epoch pin per plan-sized batch
             for &i in batch {
-                sum += reader.get(&keys[i]).map_or(0, |b| b[0].block().get());
+                sum += reader.get(&keys[i]).map_or(0, |b| b.first().map_or(0, |l| l.block().get()));
             }
         }
         sum
@@ -80,7 +80,7 @@ fn lookup() {
             batch_keys.extend(batch.iter().map(|&i| keys[i]));
             let mut out = Vec::with_capacity(256);
             reader.get_many(&batch_keys, &mut out);
-            sum += out.iter().map(|b| b.map_or(0, |b| b[0].block().get())).sum::<u64>();
+            sum += out.iter().map(|b| b.map_or(0, |b| b.first().map_or(0, |l| l.block().get()))).sum::<u64>();
         }
         sum
     };
@@ -212,7 +212,7 @@ fn hit_ratio() {
             let reader = buffers.reader();
             for key in step {
                 for location in reader.cluster(key).unwrap() {
-                    let pin = reader.pin(location).unwrap();
+                    let pin = reader.pin(&location).unwrap();
                     hits += u64::from(pin.tier() == Tier::Gpu);
                     reads += 1;
                 }
@@ -372,7 +372,7 @@ fn plan_latency() {
         let mut pins = Vec::with_capacity(step.len() * BLOCKS_PER_CLUSTER);
         for key in step {
             for location in reader.cluster(key).unwrap() {
-                pins.push(reader.pin(location).unwrap());
+                pins.push(reader.pin(&location).unwrap());
             }
         }
         let sum: u64 = pins.iter().map(|p| u64::from(p[0]) + u64::from(p[2047])).sum();
@@ -430,7 +430,7 @@ fn plan_latency() {
                             cluster: rng.below(CLUSTERS as usize) as u32,
                         };
                         for location in reader.cluster(&key).unwrap() {
-                            black_box(reader.pin(location).unwrap()[0]);
+                            black_box(reader.pin(&location).unwrap().first().unwrap());
                         }
                     }
                 }

@@ -266,17 +266,17 @@ fn run_ops(buffers: &BufferManager, faults: &FaultyIo, input: &mut Input<'_>) {
                 let reader = buffers.reader();
                 for cluster in 0..clusters {
                     let key = ClusterKey { context: 2, layer: 0, head: 0, cluster };
-                    let locations = reader.cluster(&key).unwrap_or(&[]);
-                    for location in locations {
+                    let locations = reader.cluster(&key).map(|l| l.to_vec()).unwrap_or_default();
+                    for location in &locations {
                         let block = location.block();
                         assert!(model.blocks.contains_key(&block), "the mapping table lists freed block {block}");
                     }
                     if arg % 2 == 0 {
-                        for location in locations {
+                        for location in &locations {
                             check_read(&mut model, location.block(), &reader.pin(location));
                         }
                     } else {
-                        for (location, result) in locations.iter().zip(reader.pin_all(locations)) {
+                        for (location, result) in locations.iter().zip(reader.pin_all(&locations)) {
                             check_read(&mut model, location.block(), &result);
                         }
                     }

@@ -42,7 +42,7 @@ pub use disk::{DiskConfig, DiskTier, FaultPlan, FaultyIo, IoBackend, IoChoice};
 pub use error::{Error, Result};
 pub use maintainer::Maintainer;
 pub use manager::{BufferConfig, BufferManager, LayerReads, PinGuard, Reader};
-pub use mapping::{BlockLocation, MappingReader, MappingTable};
+pub use mapping::{BlockLocation, Locations, LocationsIter, MappingReader, MappingTable};
 pub use replacer::{Replacer, ReplacerKind};
 pub use slot_table::DeviceSlotTable;
 pub use stats::{BufferStats, TierStats};

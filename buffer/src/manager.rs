@@ -13,7 +13,7 @@ mod round;
 use crate::arena::{FramePool, HostMemoryKind, PinFailure, SlotRead, SlotWrite, NO_OWNER};
 use crate::device_read::{DeviceRead, Epochs};
 use crate::disk::{DiskConfig, DiskTier};
-use crate::mapping::{BlockLocation, MappingReader, MappingTable};
+use crate::mapping::{BlockLocation, Locations, MappingReader, MappingTable};
 use crate::replacer::{ReplacerKind, SanityReplacer};
 use crate::slot_table::{DeviceSlotTable, SlotTable};
 use crate::stats::{BufferStats, TierCounters};
@@ -161,9 +161,9 @@ fn tier_index(tier: Tier) -> usize {
 /// let key = ClusterKey { context: 1, layer: 0, head: 0, cluster: 3 };
 /// let blocks = buffers.store_cluster(key, &[7u8; 3000])?; // two 2 KiB blocks
 /// let reader = buffers.reader();
-/// let locations = reader.cluster(&key).expect("mapped");
-/// assert_eq!(locations[0].tier(), Tier::Host);
-/// let pinned = reader.pin(&locations[0])?; // never evicted or overwritten while held
+/// let first = reader.cluster(&key).expect("mapped").first().expect("two blocks");
+/// assert_eq!(first.tier(), Tier::Host);
+/// let pinned = reader.pin(&first)?; // never evicted or overwritten while held
 /// assert_eq!(pinned[0], 7);
 /// drop((pinned, reader));
 /// buffers.maintain(usize::MAX); // admits the missed block into the Gpu tier
@@ -1233,8 +1233,8 @@ impl BufferManager {
         let mut counts = ClusterReadCounts::default();
         if !clusters.is_empty() {
             // One epoch pin and overlapping lookups for the round's clusters (those freed since
-            // the step are skipped: nothing to keep warm). The lists are snapshots, kept alive
-            // by the pin while the round remaps blocks.
+            // the step are skipped: nothing to keep warm). The lists stay readable under the
+            // pin while the round remaps blocks; Gpu slots are read as the round goes.
             let reader = self.mapping.reader();
             let mut lists = Vec::with_capacity(clusters.len());
             reader.get_many(&clusters, &mut lists);
@@ -1284,14 +1284,14 @@ impl BufferManager {
     fn resolve_cluster_read<'s>(
         &'s self,
         state: &mut State,
-        locations: &[BlockLocation],
+        locations: Locations<'_>,
         mut round: Option<&mut Round<'s>>,
         counts: &mut ClusterReadCounts,
     ) {
-        for location in locations {
-            // `locations` is the list as of the lookup: an admission below may have evicted a
-            // later block of it, so a cached location counts only while its slot's owner tag
-            // still names the block (set when an admission is published, cleared on eviction).
+        for location in locations.iter() {
+            // Each location is read now, but the slot it names may be mid-move: a cached
+            // location counts only while its slot's owner tag still names the block (set when
+            // an admission is published, cleared on eviction).
             let cached = location.gpu_slot().filter(|&slot| self.gpu.owner(slot) == location.block().0);
             match (cached, location.home().0) {
                 (Some(slot), _) => {
@@ -1389,13 +1389,13 @@ impl<'a> Reader<'a> {
 
     /// The blocks of cluster `key` with their locations as of now, or `None` if unmapped.
     #[inline]
-    pub fn cluster(&self, key: &ClusterKey) -> Option<&[BlockLocation]> {
+    pub fn cluster(&self, key: &ClusterKey) -> Option<Locations<'_>> {
         self.mapping.get(key)
     }
 
     /// The blocks of each cluster of `keys` (a plan's retrieval set), appended to `out` in
     /// order; faster than [`Reader::cluster`] per key because the lookups' cache misses overlap.
-    pub fn clusters<'r>(&'r self, keys: &[ClusterKey], out: &mut Vec<Option<&'r [BlockLocation]>>) {
+    pub fn clusters<'r>(&'r self, keys: &[ClusterKey], out: &mut Vec<Option<Locations<'r>>>) {
         self.mapping.get_many(keys, out);
     }
 

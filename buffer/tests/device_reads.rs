@@ -310,7 +310,7 @@ fn maintain_takes_access_records_and_cluster_reads_in_turn() {
     let blocks = store(&buffers, 4);
     buffers.log_cluster_reads(vec![key(0)]);
     let reader = buffers.reader();
-    let location = reader.cluster(&key(1)).unwrap()[0];
+    let location = reader.cluster(&key(1)).unwrap().first().unwrap();
     assert_eq!(reader.pin(&location).unwrap()[0], 1);
     drop(reader);
     buffers.log_cluster_reads(vec![key(2)]);

@@ -48,17 +48,17 @@ fn pinned_blocks_are_never_evicted_by_any_policy() {
             buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap();
         }
         let reader = buffers.reader();
-        let hot = reader.cluster(&key(0)).unwrap()[0];
+        let hot = reader.cluster(&key(0)).unwrap().first().unwrap();
         drop(reader);
         buffers.admit(hot.block()).unwrap();
         let reader = buffers.reader();
-        let location = reader.cluster(&key(0)).unwrap()[0];
+        let location = reader.cluster(&key(0)).unwrap().first().unwrap();
         let pin = reader.pin(&location).unwrap();
         assert_eq!(pin.tier(), Tier::Gpu, "{}", kind.name());
         // Every other cluster misses, many times over: the maintainer must evict 3 slots only.
         for round in 0..20 {
             for c in 1..32 {
-                let location = reader.cluster(&key(c)).unwrap()[0];
+                let location = reader.cluster(&key(c)).unwrap().first().unwrap();
                 assert_eq!(reader.pin(&location).unwrap()[0], c as u8);
             }
             reader.flush(); // hand this round's records to the queue
@@ -125,7 +125,7 @@ fn a_full_access_queue_drops_and_counts_records_without_blocking() {
         // One plan: 20 pins, logged as one batch when the reader drops.
         let reader = buffers.reader();
         for location in reader.cluster(&key(0)).unwrap() {
-            reader.pin(location).unwrap();
+            reader.pin(&location).unwrap();
         }
     }
     assert!(started.elapsed() < Duration::from_secs(1), "pins never wait for the maintainer");
@@ -145,18 +145,18 @@ fn a_scan_reader_counts_its_reads_but_admits_and_evicts_nothing() {
     // A sparse plan's reads admit its blocks.
     let reader = buffers.reader();
     for c in 0..4 {
-        let location = reader.cluster(&key(c)).unwrap()[0];
+        let location = reader.cluster(&key(c)).unwrap().first().unwrap();
         assert_eq!(reader.pin(&location).unwrap()[0], c as u8);
     }
     drop(reader);
     assert_eq!(buffers.maintain(usize::MAX), 4);
-    let cached: Vec<_> = (0..4).map(|c| buffers.reader().cluster(&key(c)).unwrap()[0].block()).collect();
+    let cached: Vec<_> = (0..4).map(|c| buffers.reader().cluster(&key(c)).unwrap().first().unwrap().block()).collect();
     assert!(cached.iter().all(|&b| buffers.tier_of(b).unwrap() == Tier::Gpu));
     // A scan over every block reads the right bytes, logs nothing, and leaves the cache alone.
     let hits_before = buffers.stats().tier(Tier::Host).unwrap().hits;
     let scan = buffers.scan_reader();
     for c in 0..16 {
-        let location = scan.cluster(&key(c)).unwrap()[0];
+        let location = scan.cluster(&key(c)).unwrap().first().unwrap();
         assert_eq!(scan.pin(&location).unwrap()[0], c as u8);
     }
     drop(scan);

@@ -22,7 +22,10 @@ fn without_a_gpu_the_arena_is_anonymous_memory() {
     let buffers = BufferManager::new(BufferConfig::new(8, 0)).unwrap();
     assert_eq!(buffers.host_memory(), HostMemoryKind::Anonymous);
     buffers.store_cluster(key(0), &[7; 100]).unwrap();
-    assert_eq!(buffers.reader().pin(&buffers.reader().cluster(&key(0)).unwrap()[0]).unwrap()[..100], [7; 100]);
+    assert_eq!(
+        buffers.reader().pin(&buffers.reader().cluster(&key(0)).unwrap().first().unwrap()).unwrap()[..100],
+        [7; 100]
+    );
 }
 
 #[cfg(feature = "cuda")]
@@ -42,7 +45,7 @@ fn the_gpu_reads_pinned_blocks_in_place() {
     let ctx = CudaContext::new(0).unwrap();
     ctx.bind_to_thread().unwrap();
     let read_on_gpu = |cluster: u32| -> Vec<u8> {
-        let location = buffers.reader().cluster(&key(cluster)).unwrap()[0];
+        let location = buffers.reader().cluster(&key(cluster)).unwrap().first().unwrap();
         let slot = buffers.host_slot(location.block()).unwrap().expect("homed on Host");
         let mut out = vec![0u8; block];
         // SAFETY: the address lies inside the live pinned arena (slot < capacity), mapped into
@@ -59,7 +62,7 @@ fn the_gpu_reads_pinned_blocks_in_place() {
         assert_eq!(read_on_gpu(c), want, "cluster {c}");
     }
     // A rewrite through the buffer manager is what the device sees next (no copy to refresh).
-    let id = buffers.reader().cluster(&key(5)).unwrap()[0].block();
+    let id = buffers.reader().cluster(&key(5)).unwrap().first().unwrap().block();
     buffers.write(id, &vec![0xAB; block]).unwrap();
     assert_eq!(read_on_gpu(5), vec![0xAB; block]);
     println!("pinned arena: 256 blocks at device address {device_base:#x}; 200 blocks read in place by the GPU");
@@ -87,9 +90,9 @@ fn the_gpu_tier_lives_in_device_memory_and_admissions_write_it_before_publishing
     // 40 admissions through 8 slots: each slot is rewritten several times, and every time
     // the device copy is the admitted block's bytes as soon as the slot is published.
     for c in 0..40u32 {
-        let id = buffers.reader().cluster(&key(c)).unwrap()[0].block();
+        let id = buffers.reader().cluster(&key(c)).unwrap().first().unwrap().block();
         let slot = buffers.admit(id).unwrap();
-        let location = buffers.reader().cluster(&key(c)).unwrap()[0];
+        let location = buffers.reader().cluster(&key(c)).unwrap().first().unwrap();
         assert_eq!(location.gpu_slot(), Some(slot));
         let mut on_device = vec![0u8; block];
         // SAFETY: slot < 8 lies inside the device pool of 8 blocks; `on_device` holds one block.

@@ -101,9 +101,9 @@ fn readers_never_see_wrong_bytes_while_the_maintainer_and_a_mover_churn() {
                         let locations = reader.cluster(&key(rng.cluster())).expect("every cluster is mapped");
                         // Half the batches pin one by one, half as a plan's set (Disk reads batched).
                         let pinned: Vec<_> = if batch % 2 == 0 {
-                            locations.iter().map(|l| reader.pin(l)).collect()
+                            locations.iter().map(|l| reader.pin(&l)).collect()
                         } else {
-                            reader.pin_all(locations)
+                            reader.pin_all(&locations.to_vec())
                         };
                         for pin in pinned {
                             let pin = pin.expect("no faults injected: every pin succeeds");

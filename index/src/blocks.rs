@@ -7,7 +7,7 @@
 //! `R` rows after the K pointer).
 
 use crate::error::{Error, Result};
-use attnstore_buffer::{BlockLocation, BufferManager, ClusterKey, PinGuard, Reader, Tier};
+use attnstore_buffer::{BlockLocation, BufferManager, ClusterKey, Locations, PinGuard, Reader, Tier};
 use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
 use attnstore_kernels::{Element, Partial};
 use std::ops::Range;
@@ -110,7 +110,7 @@ impl BlockStore {
         reader.clusters(keys, &mut found);
         let mut out = Vec::new();
         for (key, blocks) in keys.iter().zip(found) {
-            out.extend_from_slice(blocks.ok_or_else(|| missing(key))?);
+            out.extend(blocks.ok_or_else(|| missing(key))?);
         }
         Ok(out)
     }
@@ -125,8 +125,33 @@ pub(crate) fn missing(key: &ClusterKey) -> Error {
 
 /// Rows `rows` of one cluster, whose blocks are `locations`.
 pub(crate) struct ClusterRows<'l> {
-    pub locations: &'l [BlockLocation],
+    pub locations: ClusterBlocks<'l>,
     pub rows: Range<usize>,
+}
+
+/// A cluster's blocks: as a plan recorded them, or as a lookup finds them now.
+#[derive(Clone, Copy)]
+pub(crate) enum ClusterBlocks<'l> {
+    /// Recorded at planning time (EXPLAIN showed these tiers).
+    Recorded(&'l [BlockLocation]),
+    /// From the mapping table, each Gpu slot read when the block is pinned.
+    Live(Locations<'l>),
+}
+
+impl ClusterBlocks<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Self::Recorded(l) => l.len(),
+            Self::Live(l) => l.len(),
+        }
+    }
+
+    fn get(&self, i: usize) -> Option<BlockLocation> {
+        match self {
+            Self::Recorded(l) => l.get(i).copied(),
+            Self::Live(l) => l.get(i),
+        }
+    }
 }
 
 /// A pinned block and the rows of it to attend.
@@ -153,7 +178,7 @@ pub(crate) fn attend_clusters<E: Element>(
         for b in c.rows.start / per_block..last {
             let lo = c.rows.start.max(b * per_block) - b * per_block;
             let hi = c.rows.end.min((b + 1) * per_block) - b * per_block;
-            wanted.push(c.locations[b]);
+            wanted.extend(c.locations.get(b));
             rows.push(lo..hi);
         }
     }

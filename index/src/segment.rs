@@ -1,7 +1,7 @@
 //! Building one segment of one head: spherical k-means on the centred keys, then the
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
-use crate::blocks::{attend_clusters, missing, BlockStore, ClusterRows};
+use crate::blocks::{attend_clusters, missing, BlockStore, ClusterBlocks, ClusterRows};
 use crate::error::Result;
 use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
@@ -116,7 +116,9 @@ impl<E: Element> HeadSegment<E> {
                 .into_iter()
                 .zip(&keys)
                 .zip(rows)
-                .map(|((f, k), rows)| Ok(ClusterRows { locations: f.ok_or_else(|| missing(k))?, rows }))
+                .map(|((f, k), rows)| {
+                    Ok(ClusterRows { locations: ClusterBlocks::Live(f.ok_or_else(|| missing(k))?), rows })
+                })
                 .collect::<Result<Vec<_>>>()?;
             let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
             return attend_clusters::<E>(&reader, per_block, q, scale, &clusters, parts, scratch);

@@ -3,7 +3,7 @@
 //! of cluster meta data. Decode tokens that leave the local window wait as *pending* tokens
 //! (attended exactly) until a decode segment's worth has collected, then are clustered.
 
-use crate::blocks::{attend_clusters, BlockStore, ClusterRows};
+use crate::blocks::{attend_clusters, BlockStore, ClusterBlocks, ClusterRows};
 use crate::directory::Directory;
 use crate::error::{Error, Result};
 use crate::method::{
@@ -839,7 +839,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                                 "the plan's block list ends before cluster {id} of head {kv_head}"
                             ))
                         })?;
-                        clusters.push(ClusterRows { locations, rows: 0..size });
+                        clusters.push(ClusterRows { locations: ClusterBlocks::Recorded(locations), rows: 0..size });
                         at += n;
                     }
                     let chunks: Vec<_> = clusters.chunks(CLUSTER_CHUNK).collect();

@@ -225,7 +225,7 @@ mod tests {
         let reader = buffers.reader();
         for c in 150..300 {
             for location in reader.cluster(&key(c)).unwrap() {
-                assert_eq!(reader.pin(location).unwrap().tier(), Tier::Host);
+                assert_eq!(reader.pin(&location).unwrap().tier(), Tier::Host);
             }
         }
         drop(reader);
@@ -242,7 +242,7 @@ mod tests {
                 assert!(gpu_slots.insert(gpu_slot), "Gpu slot {gpu_slot} published twice");
                 assert_eq!(buffers.slot_table_entry(host_slot), Some(gpu_slot), "cluster {c} block {i}");
                 assert_eq!(buffers.tier_of(location.block()).unwrap(), Tier::Gpu);
-                let pin = reader.pin(location).unwrap();
+                let pin = reader.pin(&location).unwrap();
                 assert_eq!((pin.tier(), pin.slot()), (Tier::Gpu, Some(gpu_slot)));
                 assert_eq!(&pin[..], &want[i * 2048..(i + 1) * 2048], "cluster {c} block {i}");
             }
@@ -380,7 +380,7 @@ mod tests {
                     Op::PinCluster(arg) => if let Some(k) = cluster(arg) {
                         let reader = buffers.reader();
                         for location in reader.cluster(&k).unwrap() {
-                            let pin = reader.pin(location).unwrap();
+                            let pin = reader.pin(&location).unwrap();
                             prop_assert_eq!(&pin[..], &model[&location.block()][..]);
                         }
                     },
