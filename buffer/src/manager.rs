@@ -1208,9 +1208,6 @@ impl BufferManager {
         // The previous round's retired mapping buckets are past every reader by now: free
         // them here rather than in a plan thread's epoch pin.
         self.mapping.collect_garbage();
-        // Many cluster reads (a long context's device step): look them up on several threads
-        // before taking the state lock; the lookups are most of such a round's cost.
-        let classified = (clusters.len() >= PARALLEL_CLUSTER_READS).then(|| self.classify_cluster_reads(&clusters));
         let Ok(mut state) = self.state() else {
             TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
             return records.len();
@@ -1234,11 +1231,7 @@ impl BufferManager {
             }
         }
         let mut counts = ClusterReadCounts::default();
-        if let Some(reads) = classified {
-            for read in reads {
-                self.resolve_classified_read(&mut state, read, round.as_mut(), &mut counts);
-            }
-        } else if !clusters.is_empty() {
+        if !clusters.is_empty() {
             // One epoch pin and overlapping lookups for the round's clusters (those freed since
             // the step are skipped: nothing to keep warm). The lists stay readable under the
             // pin while the round remaps blocks; Gpu slots are read as the round goes.
@@ -1319,65 +1312,6 @@ impl BufferManager {
                 }
                 // A device step does not read Disk: nothing was served, nothing to admit.
                 (None, _) => {}
-            }
-        }
-    }
-
-    /// The blocks of `clusters` as hits (with their Gpu slot) or Host misses, in order, looked
-    /// up without the state lock on up to 8 threads. What they say may change before the round
-    /// takes the lock: [`Self::resolve_classified_read`] checks each under it.
-    fn classify_cluster_reads(&self, clusters: &[ClusterKey]) -> Vec<ClassifiedRead> {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
-        let per_thread = clusters.len().div_ceil(threads).max(1);
-        std::thread::scope(|scope| {
-            let workers: Vec<_> = clusters
-                .chunks(per_thread)
-                .map(|chunk| {
-                    scope.spawn(move || {
-                        let reader = self.mapping.reader();
-                        let mut lists = Vec::with_capacity(chunk.len());
-                        reader.get_many(chunk, &mut lists);
-                        let mut out = Vec::with_capacity(4 * chunk.len());
-                        for location in lists.into_iter().flatten().flatten() {
-                            match (location.gpu_slot(), location.home().0) {
-                                (Some(slot), _) => out.push(ClassifiedRead::Hit(location.block(), slot)),
-                                (None, Tier::Host) => out.push(ClassifiedRead::Miss(location.block())),
-                                // A device step does not read Disk: nothing to keep warm.
-                                (None, _) => {}
-                            }
-                        }
-                        out
-                    })
-                })
-                .collect();
-            workers.into_iter().flat_map(|w| w.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
-        })
-    }
-
-    /// Applies one block read classified before the round took the state lock: a hit whose
-    /// slot still belongs to the block touches the replacer; anything else is treated as a
-    /// miss, whose admission finds the block's state as it is now (cached since, freed, …).
-    fn resolve_classified_read<'s>(
-        &'s self,
-        state: &mut State,
-        read: ClassifiedRead,
-        round: Option<&mut Round<'s>>,
-        counts: &mut ClusterReadCounts,
-    ) {
-        let block = match read {
-            // The owner tag changes only under the state lock, which this round holds.
-            ClassifiedRead::Hit(block, slot) if self.gpu.owner(slot) == block.0 => {
-                state.replacer.access(slot);
-                counts.gpu_hits += 1;
-                return;
-            }
-            ClassifiedRead::Hit(block, _) | ClassifiedRead::Miss(block) => block,
-        };
-        counts.gpu_misses += 1;
-        match round {
-            Some(round) => self.admit_batched(state, block, round),
-            None => {
-                let _ = self.admit_locked(state, block);
             }
         }
     }
@@ -1611,19 +1545,6 @@ impl ClusterReads {
             }
         }
     }
-}
-
-/// Cluster reads at least this many are looked up on several threads before a round takes
-/// the state lock ([`BufferManager::classify_cluster_reads`]): a 512K-token device step logs
-/// ~4,700, whose lookups took 0.4–0.8 ms on one thread, longer than the step.
-const PARALLEL_CLUSTER_READS: usize = 2048;
-
-/// A block of a device step's cluster read, as a lookup outside the state lock found it.
-enum ClassifiedRead {
-    /// Cached in this Gpu slot.
-    Hit(BlockId, u32),
-    /// Homed on Host and not cached.
-    Miss(BlockId),
 }
 
 /// Gpu hits and misses of a round's cluster reads, added to the tier counters once per round
