@@ -288,6 +288,40 @@ fn logged_cluster_reads_admit_their_blocks_and_count_hits_on_the_next_round() {
 }
 
 #[test]
+fn a_long_steps_cluster_reads_admit_and_count_like_a_short_ones() {
+    // 2,600 logged clusters in one round (a long context's step): the same outcome as the
+    // small round above — Host-homed blocks admitted, Disk and freed ones not, then hits.
+    let dir = tempdir("device-reads-many-clusters");
+    let n = 2600u32;
+    let buffers = BufferManager::new(with_disk(BufferConfig::new(n as usize + 8, n as usize), &dir)).unwrap();
+    let blocks: Vec<BlockId> = (0..n).map(|c| buffers.store_cluster(key(c), &[c as u8; 2048]).unwrap()[0]).collect();
+    buffers.spill(blocks[7]).unwrap();
+    buffers.free_cluster(key(9)).unwrap();
+    let logged: Vec<ClusterKey> = (0..n).chain([n + 5]).map(key).collect(); // one never stored
+    buffers.log_cluster_reads(logged.clone());
+    assert_eq!(buffers.maintain(usize::MAX), n as usize + 1);
+    let read = n as u64 - 2; // all but the spilled and the freed block
+    for (c, &b) in blocks.iter().enumerate() {
+        match c {
+            7 => assert_eq!(buffers.tier_of(b).unwrap(), Tier::Disk, "a device step reads no Disk block"),
+            9 => assert!(buffers.tier_of(b).is_err()),
+            _ => assert_eq!(buffers.tier_of(b).unwrap(), Tier::Gpu, "cluster {c} admitted"),
+        }
+    }
+    let gpu = buffers.stats().tier(Tier::Gpu).unwrap().clone();
+    assert_eq!((gpu.hits, gpu.misses, gpu.moves_in), (0, read, read));
+    for c in (0..n).filter(|&c| c != 7 && c != 9) {
+        let location = buffers.mapping().get(&key(c)).unwrap()[0];
+        assert_eq!(buffers.slot_table_entry(location.home().1), location.gpu_slot(), "cluster {c}");
+    }
+    buffers.log_cluster_reads(logged);
+    assert_eq!(buffers.maintain(usize::MAX), n as usize + 1);
+    let gpu = buffers.stats().tier(Tier::Gpu).unwrap().clone();
+    assert_eq!((gpu.hits, gpu.misses, gpu.moves_in), (read, read, read), "second round: hits only");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_full_cluster_read_queue_drops_and_counts_keys_without_blocking() {
     let mut config = BufferConfig::new(64, 8);
     config.access_queue_batches = 2;
