@@ -272,9 +272,10 @@ const DISK_BLOCKS: usize = 65_536; // 128 MiB of 2 KiB blocks
 /// Timed reads per row of the Disk section, each followed by its baseline.
 const DISK_REPS: usize = 3;
 
-fn median_of(v: &mut [f64]) -> f64 {
+/// The `p` quantile of `v` (nearest rank below): `0.5` is the median of an odd count.
+fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    v[((v.len() - 1) as f64 * p) as usize]
 }
 
 fn disk() {
@@ -379,8 +380,8 @@ fn disk() {
             o.extend(ours());
             b.extend(base());
         }
-        let base = (b.len() == DISK_REPS).then(|| median_of(&mut b));
-        line(name, median_of(&mut o), base, base_name);
+        let base = (b.len() == DISK_REPS).then(|| percentile(b, 0.5));
+        line(name, percentile(o, 0.5), base, base_name);
     }
     drop(cases); // they borrow the Disk tier
     drop(disk);
@@ -440,10 +441,6 @@ fn plan_latency() {
         run_plan(step);
         buffers.maintain(usize::MAX);
     }
-    let percentile = |mut v: Vec<f64>, p: f64| {
-        v.sort_by(f64::total_cmp);
-        v[((v.len() - 1) as f64 * p) as usize]
-    };
     println!(
         "== plan latency: one decode step = {} cluster lookups + {} pinned block reads (CLOCK, 5% Gpu cache)",
         HEADS as usize * TOP_CLUSTERS,

@@ -82,7 +82,7 @@ impl Stored {
 
     #[inline]
     fn load(&self) -> BlockLocation {
-        // Acquire pairs with the Release of `set_gpu_slot`; a reader still checks the slot's
+        // Acquire pairs with the Release store in `update_block`; a reader still checks the slot's
         // owner when it pins, so a slot that changed since is never served for this block.
         let gpu_slot = self.gpu_slot.load(Ordering::Acquire);
         BlockLocation { block: self.block, gpu_slot, home_tier: self.home_tier, home_slot: self.home_slot }
@@ -143,7 +143,7 @@ impl<'r> IntoIterator for Locations<'r> {
     type IntoIter = LocationsIter<'r>;
 
     fn into_iter(self) -> LocationsIter<'r> {
-        LocationsIter(self.0.iter())
+        self.iter()
     }
 }
 
@@ -212,8 +212,9 @@ impl Entry {
     }
 }
 
-/// A bucket once published: immutable but for its entries' Gpu slots (see the module docs). The first entry is stored in the bucket itself (with
-/// a load factor of at most 1 most buckets hold one entry): bucket pointer, then the entry.
+/// A bucket once published: immutable but for its entries' Gpu slots (see the module docs).
+/// The first entry is stored in the bucket itself (with a load factor of at most 1 most
+/// buckets hold one entry): bucket pointer, then the entry.
 struct Bucket {
     first: Entry,
     rest: Vec<Entry>,
@@ -398,7 +399,8 @@ impl MappingTable {
         let Some(stored) = self.lookup(key, &guard).and_then(|b| b.get(index)).filter(|s| s.block == block) else {
             return false;
         };
-        let (old, new) = (stored.load(), f(stored.load()));
+        let old = stored.load();
+        let new = f(old);
         if (new.block, new.home_tier, new.home_slot) == (old.block, old.home_tier, old.home_slot) {
             // Release: whatever the writer published before (the slot's bytes and owner) is
             // visible to a reader that loads this slot. Under the writer lock, so a concurrent
