@@ -89,6 +89,107 @@ pub trait IoBackend: Send + Sync {
     fn name(&self) -> &'static str;
     /// Carries out `requests` on `file` (all with the same staging buffer), as one batch.
     fn submit(&self, file: &File, requests: &[IoRequest], staging: StagingBuffer, timeout: Duration) -> IoOutcome;
+
+    /// Reads `reads` (each from `files[read.file]`) and calls `done(i, bytes)` once per read,
+    /// as each one completes, in no fixed order. The backend places reads in slots of
+    /// `staging` (of the longest read's length), so a call of any length needs only a few
+    /// slots, and `done` may run while later reads are in flight.
+    ///
+    /// Returns the staging buffer when it is safe to reuse (`None`: kept by the backend,
+    /// see [`IoOutcome`]). A read still pending when no read has completed for `timeout` gets
+    /// [`Error::Timeout`]; an unaligned read fails alone with [`Error::Unaligned`]; a staging
+    /// buffer too small for one slot fails every read with [`Error::WrongLength`].
+    ///
+    /// The default carries out consecutive reads of one file as one [`submit`](Self::submit)
+    /// of up to one staging buffer's worth of slots.
+    fn read_stream(
+        &self,
+        files: &[&File],
+        reads: &[StreamRead],
+        staging: StagingBuffer,
+        timeout: Duration,
+        done: &mut dyn FnMut(usize, Result<&[u8]>),
+    ) -> Option<StagingBuffer> {
+        let Some(slot) = stream_slot(reads, &staging, done) else { return Some(staging) };
+        let slots = staging.len() / slot;
+        let mut staging = Some(staging);
+        let mut start = 0;
+        while start < reads.len() {
+            let file = reads[start].file;
+            if file >= files.len() {
+                done(start, Err(no_such_file(file)));
+                start += 1;
+                continue;
+            }
+            let end = start + reads[start..].iter().take(slots).take_while(|r| r.file == file).count();
+            let Some(buffer) = staging.take() else {
+                let error = Error::Timeout { op: "disk read (staging kept after a timeout)", limit_ms: 0 };
+                (start..reads.len()).for_each(|i| done(i, Err(error.clone())));
+                return None;
+            };
+            let requests: Vec<IoRequest> =
+                reads[start..end].iter().enumerate().map(|(k, r)| r.request(k * slot)).collect();
+            let (buffer, results) = self.submit(files[file], &requests, buffer, timeout);
+            for ((k, request), result) in requests.iter().enumerate().zip(results) {
+                let bytes = result.and_then(|()| {
+                    let buffer = buffer
+                        .as_ref()
+                        .ok_or(Error::Timeout { op: "disk read batch", limit_ms: timeout.as_millis() as u64 })?;
+                    Ok(&buffer.bytes()[request.buffer_offset..][..request.len])
+                });
+                done(start + k, bytes);
+            }
+            staging = buffer;
+            start = end;
+        }
+        staging
+    }
+}
+
+/// One read of [`IoBackend::read_stream`]: `len` bytes of `files[file]` at `offset`.
+#[derive(Debug, Clone, Copy)]
+pub struct StreamRead {
+    /// Index into the call's files.
+    pub file: usize,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Bytes.
+    pub len: usize,
+    /// The block read (for error messages and targeted fault injection).
+    pub block: Option<BlockId>,
+}
+
+impl StreamRead {
+    /// The same read as an [`IoRequest`] into the staging buffer at `buffer_offset`.
+    pub fn request(&self, buffer_offset: usize) -> IoRequest {
+        IoRequest { kind: IoKind::Read, offset: self.offset, buffer_offset, len: self.len, block: self.block }
+    }
+}
+
+/// The error of a [`StreamRead`] naming a file the call was not given.
+pub(super) fn no_such_file(file: usize) -> Error {
+    Error::BadConfig {
+        what: "a stream read's file index",
+        expected: "below the number of files given",
+        got: file as u64,
+    }
+}
+
+/// The slot size of a [`IoBackend::read_stream`] call: the longest read, rounded up to
+/// [`DIRECT_IO_ALIGN`]. `None` (after failing every read through `done`) when there is nothing
+/// to read or `staging` has no room for one slot.
+pub(super) fn stream_slot(
+    reads: &[StreamRead],
+    staging: &StagingBuffer,
+    done: &mut dyn FnMut(usize, Result<&[u8]>),
+) -> Option<usize> {
+    let slot = reads.iter().map(|r| r.len).max()?.next_multiple_of(DIRECT_IO_ALIGN).max(DIRECT_IO_ALIGN);
+    if slot > staging.len() {
+        let error = Error::WrongLength { expected: staging.len(), got: slot };
+        (0..reads.len()).for_each(|i| done(i, Err(error.clone())));
+        return None;
+    }
+    Some(slot)
 }
 
 /// Checks a request against `O_DIRECT`'s rules and the staging buffer's bounds.

@@ -10,11 +10,11 @@ mod backend;
 mod uring;
 
 pub use backend::{
-    check_aligned, FaultPlan, FaultyIo, IoBackend, IoKind, IoOutcome, IoRequest, PreadIo, StagingBuffer,
+    check_aligned, FaultPlan, FaultyIo, IoBackend, IoKind, IoOutcome, IoRequest, PreadIo, StagingBuffer, StreamRead,
     DIRECT_IO_ALIGN,
 };
 #[cfg(target_os = "linux")]
-pub use uring::UringIo;
+pub use uring::{UringIo, MAX_THREAD_RINGS};
 
 use crate::{BlockId, Error, Result, Tier};
 use parking_lot::{Mutex, RwLock};
@@ -55,9 +55,11 @@ pub struct DiskConfig {
     pub capacity_blocks: usize,
     /// Block slots per segment file.
     pub segment_blocks: usize,
-    /// Most blocks per submitted batch (one staging buffer, one backend call).
+    /// Blocks per staging buffer: most blocks of one write batch (one backend call), and the
+    /// slots a read call cycles through (at least `queue_depth` of them keep the queue full
+    /// while completed blocks are checked and delivered).
     pub batch_blocks: usize,
-    /// Requests kept in flight within a batch (io_uring backend).
+    /// Requests kept in flight (io_uring backend).
     pub queue_depth: usize,
     /// Bound on one batch.
     pub timeout: Duration,
@@ -98,7 +100,7 @@ pub struct DiskTier {
     config: DiskConfig,
     block_bytes: usize,
     slot_bytes: usize,
-    segments: RwLock<Vec<(File, PathBuf)>>,
+    segments: RwLock<Vec<(Arc<File>, PathBuf)>>,
     slots: Mutex<SlotAllocator>,
     used: AtomicU64,
     crcs: Box<[AtomicU32]>,
@@ -215,7 +217,7 @@ impl DiskTier {
             let file = self.open_segment(&path)?;
             file.set_len((self.config.segment_blocks * self.slot_bytes) as u64)
                 .map_err(|e| Error::io("size segment", None, &e))?;
-            segments.push((file, path));
+            segments.push((Arc::new(file), path));
         }
         Ok(())
     }
@@ -317,49 +319,47 @@ impl DiskTier {
         results
     }
 
-    /// Reads blocks (`slot`, `block`) in batches and calls `deliver(i, bytes)` for each item
-    /// whose bytes are intact; returns one result per item (`Corrupt` on a checksum mismatch).
+    /// Reads blocks (`slot`, `block`) and calls `deliver(i, bytes)` for each item whose bytes
+    /// are intact, in completion order; returns one result per item (`Corrupt` on a checksum
+    /// mismatch). All items go to the backend as one stream ([`IoBackend::read_stream`]), so
+    /// the device stays busy while earlier blocks are checked and delivered.
     pub fn read_blocks(&self, items: &[(u32, BlockId)], mut deliver: impl FnMut(usize, &[u8])) -> Vec<Result<()>> {
         let mut results: Vec<Result<()>> = vec![Ok(()); items.len()];
-        for (segment, batch) in self.batches(items.iter().map(|i| i.0)) {
-            let staging = match self.staging() {
-                Ok(s) => s,
-                Err(e) => {
-                    batch.iter().for_each(|&(i, _)| results[i] = Err(e.clone()));
-                    continue;
-                }
-            };
-            let requests: Vec<IoRequest> = batch
-                .iter()
-                .enumerate()
-                .map(|(position, &(i, slot))| self.request(IoKind::Read, slot, position, items[i].1))
-                .collect();
-            let segments = self.segments.read();
-            let (staging, outcome) = self.backend.submit(&segments[segment].0, &requests, staging, self.config.timeout);
-            drop(segments);
-            for (position, (&(i, slot), result)) in batch.iter().zip(outcome).enumerate() {
-                let block = items[i].1;
-                results[i] = result.and_then(|()| {
-                    if self.owners[slot as usize].load(Ordering::Relaxed) != block.0 {
-                        return Err(Error::Missing { block, reason: "its disk slot holds no intact copy" });
-                    }
-                    // A buffer kept by the backend (a timed-out batch) cannot be read from.
-                    let staging = staging.as_ref().ok_or(Error::Timeout {
-                        op: "disk read batch",
-                        limit_ms: self.config.timeout.as_millis() as u64,
-                    })?;
-                    let bytes = &staging.bytes()[position * self.slot_bytes..][..self.block_bytes];
-                    let (expected_crc, got_crc) =
-                        (self.crcs[slot as usize].load(Ordering::Relaxed), crc32c::crc32c(bytes));
-                    if expected_crc != got_crc {
-                        return Err(Error::Corrupt { block, expected_crc, got_crc });
-                    }
-                    deliver(i, bytes);
-                    Ok(())
-                });
-            }
-            self.give_back(staging);
+        if items.is_empty() {
+            return results;
         }
+        let staging = match self.staging() {
+            Ok(s) => s,
+            Err(e) => return vec![Err(e); items.len()],
+        };
+        // The segment files are shared for the call, so no lock is held while reading.
+        let files: Vec<Arc<File>> = self.segments.read().iter().map(|(file, _)| Arc::clone(file)).collect();
+        let file_refs: Vec<&File> = files.iter().map(|f| &**f).collect();
+        let reads: Vec<StreamRead> = items
+            .iter()
+            .map(|&(slot, block)| StreamRead {
+                file: slot as usize / self.config.segment_blocks,
+                offset: ((slot as usize % self.config.segment_blocks) * self.slot_bytes) as u64,
+                len: self.slot_bytes,
+                block: Some(block),
+            })
+            .collect();
+        let staging = self.backend.read_stream(&file_refs, &reads, staging, self.config.timeout, &mut |i, read| {
+            let (slot, block) = items[i];
+            results[i] = read.and_then(|bytes| {
+                if self.owners[slot as usize].load(Ordering::Relaxed) != block.0 {
+                    return Err(Error::Missing { block, reason: "its disk slot holds no intact copy" });
+                }
+                let bytes = &bytes[..self.block_bytes];
+                let (expected_crc, got_crc) = (self.crcs[slot as usize].load(Ordering::Relaxed), crc32c::crc32c(bytes));
+                if expected_crc != got_crc {
+                    return Err(Error::Corrupt { block, expected_crc, got_crc });
+                }
+                deliver(i, bytes);
+                Ok(())
+            });
+        });
+        self.give_back(staging);
         results
     }
 }
