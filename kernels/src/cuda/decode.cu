@@ -275,7 +275,9 @@ ATTN_PARTIAL(8)
 // reduction, then warp w folds chunks w, w + MERGE_WARPS, … (lanes split the head
 // dimension, so each chunk's partial is one coalesced read), then the warps' sums are
 // combined: out[qh] = Σ_c e^{m_c−M} o_c / Σ_c e^{m_c−M} l_c.
-#define MERGE_WARPS 8
+// 32 warps: a wave step merges ~160 partials per query head, and with 8 warps each warp's
+// chain of dependent L2 reads was the kernel's time (15 µs at 128K on the H100).
+#define MERGE_WARPS 32
 #define MERGE_UNROLL 4
 // `lse` (may be null): per query head, the log of the softmax denominator m + ln l, so the
 // normalized output and it form a partial (o = out, m = lse, l = 1) the host can merge.
@@ -397,34 +399,50 @@ extern "C" __global__ void centroid_scores(
   if (lane == 0) scores[(long long)h * n + c] = best;
 }
 
-// Warp 0 of a radix-select CTA: the highest bin b with (count above b) < need ≤ (count
-// above b) + hist[b], searched in parallel — each lane sums 1/32 of the bins, a suffix
-// scan over lanes finds the lane holding b, and that lane walks its own bins.
+// All threads of a radix-select CTA: the highest bin b with (count above b) < need ≤ (count
+// above b) + hist[b]. Thread t owns bins nbins−1−t·per … nbins−per−t·per (highest first), a
+// block scan gives each thread the count above its bins, and the one thread holding b writes
+// it: a few steps per thread, where a single warp walking 64 bins per lane took most of a
+// level's time. `scan` is shared scratch of 32 ints; nbins is a multiple of blockDim.x.
 __device__ void find_bin(const unsigned int* hist, int nbins, unsigned int need, unsigned int* sel_bin,
-                         unsigned int* above) {
-  const int lane = threadIdx.x % 32, per = nbins / 32;
-  const int lo = lane * per;
-  unsigned int total = 0;
-  for (int i = 0; i < per; i++) total += hist[lo + i];
-  // Suffix sum over higher lanes (higher bins): exclusive count above this lane's bins.
-  unsigned int incl = total;
+                         unsigned int* above, unsigned int* scan) {
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32, warps = blockDim.x / 32;
+  const int per = nbins / blockDim.x;
+  const int top = nbins - 1 - t * per;  // this thread's highest bin
+  unsigned int mine = 0;
+  for (int i = 0; i < per; i++) mine += hist[top - i];
+  // Inclusive scan of `mine` over threads (lower threads hold higher bins).
+  unsigned int incl = mine;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
-    const unsigned int v = __shfl_down_sync(0xffffffffu, incl, off);
-    if (lane + off < 32) incl += v;
+    const unsigned int v = __shfl_up_sync(0xffffffffu, incl, off);
+    if (lane >= off) incl += v;
   }
-  const unsigned int excl = incl - total;
-  const bool mine = (excl < need && need <= incl) || (lane == 0 && incl < need);
-  const unsigned int who = __ballot_sync(0xffffffffu, mine);
-  if (lane == (int)(__ffs(who) - 1)) {
-    unsigned int acc = excl;
-    int b = lo + per - 1;
-    for (; b > lo; b--) {
-      if (acc + hist[b] >= need) break;
-      acc += hist[b];
+  if (lane == 31) scan[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    unsigned int w = lane < warps ? scan[lane] : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const unsigned int v = __shfl_up_sync(0xffffffffu, w, off);
+      if (lane >= off) w += v;
     }
-    *sel_bin = b;
-    *above = acc;
+    if (lane < warps) scan[lane] = w;  // inclusive totals of warps 0..lane
+  }
+  __syncthreads();
+  unsigned int acc = incl - mine + (warp > 0 ? scan[warp - 1] : 0);  // count above this thread's bins
+  for (int i = 0; i < per; i++) {
+    const unsigned int c = hist[top - i];
+    if (acc < need && need <= acc + c) {
+      *sel_bin = top - i;
+      *above = acc;
+    }
+    acc += c;
+  }
+  // Not reachable when need ≤ the histogram's total; then the lowest bin is taken.
+  if (t == blockDim.x - 1 && acc < need) {
+    *sel_bin = 0;
+    *above = acc - hist[0];
   }
 }
 
@@ -440,6 +458,7 @@ __device__ __forceinline__ unsigned int ordered(float x) {
 // every key above it is emitted and keys equal to it fill the remainder. No sort.
 __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o) {
   __shared__ unsigned int hist[2048];
+  __shared__ unsigned int scan[32];
   __shared__ unsigned int sel_bin, above, emitted, tied;
   unsigned int prefix = 0, need = r;
   const int shifts[3] = {21, 10, 0};
@@ -453,7 +472,7 @@ __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__
       if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
     }
     __syncthreads();
-    if (threadIdx.x < 32) find_bin(hist, (int)masks[level] + 1, need, &sel_bin, &above);
+    find_bin(hist, (int)masks[level] + 1, need, &sel_bin, &above, scan);
     __syncthreads();
     need -= above;
     prefix = level == 0 ? sel_bin : (prefix << (level == 1 ? 11 : 10)) | sel_bin;
@@ -462,14 +481,27 @@ __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__
   // prefix is now the r-th largest key; `need` of the keys equal to it are taken.
   if (threadIdx.x == 0) { emitted = 0; tied = 0; }
   __syncthreads();
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const unsigned int k = ordered(s[i]);
-    const int id = ix ? ix[i] : i;
-    if (k > prefix) {
-      o[atomicAdd(&emitted, 1u)] = id;
-    } else if (k == prefix) {
-      const unsigned int t = atomicAdd(&tied, 1u);
-      if (t < need) o[r - need + t] = id;
+  // One atomic per warp and kind: the warp's lanes take consecutive places by their rank
+  // among the warp's lanes of that kind (per-element atomics on one counter serialize).
+  const int lane = threadIdx.x % 32;
+  const unsigned int below = (1u << lane) - 1;
+  for (int i0 = 0; i0 < n; i0 += blockDim.x) {  // the same trip count for every thread
+    const int i = i0 + threadIdx.x;
+    const unsigned int k = i < n ? ordered(s[i]) : 0u;
+    const bool gt = i < n && k > prefix, eq = i < n && k == prefix;
+    const unsigned int mgt = __ballot_sync(0xffffffffu, gt), meq = __ballot_sync(0xffffffffu, eq);
+    unsigned int bgt = 0, beq = 0;
+    if (lane == 0) {
+      if (mgt) bgt = atomicAdd(&emitted, __popc(mgt));
+      if (meq) beq = atomicAdd(&tied, __popc(meq));
+    }
+    bgt = __shfl_sync(0xffffffffu, bgt, 0);
+    beq = __shfl_sync(0xffffffffu, beq, 0);
+    if (gt) {
+      o[bgt + __popc(mgt & below)] = ix ? ix[i] : i;
+    } else if (eq) {
+      const unsigned int t = beq + __popc(meq & below);
+      if (t < need) o[r - need + t] = ix ? ix[i] : i;
     }
   }
 }
@@ -480,7 +512,7 @@ extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n,
 }
 
 // Scores of one f16 row against the group's queries (qs: group × HEAD_DIM floats in shared
-// memory, already scaled), computed by one thread: 16-byte loads of the row, no warp
+// memory, 16-byte aligned, already scaled), computed by one thread: 16-byte loads of the row, no warp
 // reductions (a warp scores 32 rows at once). out[g] for g < group.
 __device__ __forceinline__ void thread_scores(const unsigned short* __restrict__ row, const float* qs, int group,
                                               float* out) {
@@ -497,8 +529,18 @@ __device__ __forceinline__ void thread_scores(const unsigned short* __restrict__
 #pragma unroll
     for (int g = 0; g < MAX_GROUP; g++) {
       if (g >= group) break;
-#pragma unroll
-      for (int j = 0; j < 8; j++) acc[g] = fmaf(qs[g * HEAD_DIM + i + j], k[j], acc[g]);
+      // Two 16-byte shared loads per 8 dimensions (qs is 16-byte aligned, i a multiple of 8):
+      // a quarter of the load instructions of scalar reads, which bounded this loop.
+      const float4 qa = *reinterpret_cast<const float4*>(qs + g * HEAD_DIM + i);
+      const float4 qb = *reinterpret_cast<const float4*>(qs + g * HEAD_DIM + i + 4);
+      acc[g] = fmaf(qa.x, k[0], acc[g]);
+      acc[g] = fmaf(qa.y, k[1], acc[g]);
+      acc[g] = fmaf(qa.z, k[2], acc[g]);
+      acc[g] = fmaf(qa.w, k[3], acc[g]);
+      acc[g] = fmaf(qb.x, k[4], acc[g]);
+      acc[g] = fmaf(qb.y, k[5], acc[g]);
+      acc[g] = fmaf(qb.z, k[6], acc[g]);
+      acc[g] = fmaf(qb.w, k[7], acc[g]);
     }
   }
 #pragma unroll
@@ -514,9 +556,9 @@ __device__ __forceinline__ void load_group_queries(const float* __restrict__ q, 
 
 // ---- top-r by a sampled threshold (the CPU planner's method, on the GPU) ----
 // 1. sample_threshold: per head one CTA scores every `stride`-th centroid into shared
-//    memory, sorts the sample (bitonic, descending) and keeps the score at sample rank
-//    1.25·r/stride + 8: about 1.25 r centroids will reach it.
-// 2. score_filter: every centroid is scored (one warp each); those at or above the
+//    memory, sorts the sample (bitonic, descending, mostly in warp shuffles) and keeps the
+//    score at sample rank 1.25·r/stride + 8: about 1.25 r centroids will reach it.
+// 2. score_filter: every centroid is scored (one thread each); those at or above the
 //    threshold are appended (index, score) to a per-head candidate buffer.
 // 3. select_candidates: per head one CTA runs the exact radix select over the candidates.
 // score_filter also writes every score, so if fewer than r candidates survive (the sample
@@ -526,7 +568,7 @@ __device__ __forceinline__ void load_group_queries(const float* __restrict__ q, 
 extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
                                             float scale, int group, int stride, int r, float* __restrict__ thresh) {
   __shared__ float smp[SAMPLE_MAX];
-  __shared__ float qs[MAX_GROUP * HEAD_DIM];
+  __shared__ __align__(16) float qs[MAX_GROUP * HEAD_DIM];
   const int h = blockIdx.x;
   const int m = min(SAMPLE_MAX, (n + stride - 1) / stride);
   load_group_queries(q, h, group, scale, qs);
@@ -539,25 +581,32 @@ extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ c
     smp[i] = v;
   }
   __syncthreads();
-  // Pad to a power of two with −inf, then bitonic sort, descending.
+  // Bitonic sort, descending, one element per thread (blockDim.x ≥ the padded size): the
+  // exchanges between partners less than 32 apart are warp shuffles, so only the few
+  // stages with wider partners go through shared memory and barriers (10 of 45 for 512).
   int size = 1;
   while (size < m) size <<= 1;
-  for (int i = m + threadIdx.x; i < size; i += blockDim.x) smp[i] = NEG_INF;
-  __syncthreads();
+  const int t = threadIdx.x;
+  float x = t < m ? smp[t] : NEG_INF;
   for (int k = 2; k <= size; k <<= 1) {
     for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int i = threadIdx.x; i < size; i += blockDim.x) {
-        const int p = i ^ j;
-        if (p > i) {
-          const bool desc = (i & k) == 0;
-          const float a = smp[i], b = smp[p];
-          if (desc ? (a < b) : (a > b)) { smp[i] = b; smp[p] = a; }
-        }
+      float y;
+      if (j >= 32) {
+        __syncthreads();  // every read of the previous wide stage is done
+        smp[t] = x;
+        __syncthreads();
+        y = smp[t ^ j];
+      } else {
+        y = __shfl_xor_sync(0xffffffffu, x, j);
       }
-      __syncthreads();
+      // The pair's lower index keeps the larger value in a descending run (bit k of the index
+      // clear), the smaller in an ascending one. Threads at or past `size` pair among
+      // themselves only (their partners differ in a bit below `size`).
+      const bool lower = (t & j) == 0, desc = (t & k) == 0;
+      x = lower == desc ? fmaxf(x, y) : fminf(x, y);
     }
   }
-  if (threadIdx.x == 0) thresh[h] = smp[min(m - 1, (int)(1.25f * r / stride) + 8)];
+  if (t == min(m - 1, (int)(1.25f * r / stride) + 8)) thresh[h] = x;
 }
 
 // One thread per centroid: the group's best score; written to `scores`, and appended to the
@@ -567,7 +616,7 @@ extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent,
                                         float scale, int group, const float* __restrict__ thresh, int cap,
                                         int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score,
                                         float* __restrict__ scores, float* __restrict__ group_scores) {
-  __shared__ float qs[MAX_GROUP * HEAD_DIM];
+  __shared__ __align__(16) float qs[MAX_GROUP * HEAD_DIM];
   const int h = blockIdx.y;
   load_group_queries(q, h, group, scale, qs);
   const int c = blockIdx.x * blockDim.x + threadIdx.x;

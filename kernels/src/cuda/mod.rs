@@ -487,7 +487,7 @@ impl GpuBackend {
         b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&stride).arg(&r).arg(&mut job.thresh);
         // SAFETY: cent holds kv_heads × n × head_dim f16 values and q the group queries of
         // every head (checked in prepare_select); one CTA per head writes thresh[head]; the
-        // sample (≤ 4096 scores) lives in the kernel's shared memory.
+        // sample (≤ 1024 scores) lives in the kernel's shared memory.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching sample_threshold"))?;
         // One thread per centroid.
         let cfg = LaunchConfig {
@@ -710,8 +710,8 @@ impl GpuBackend {
             return Err(Error::ShapeMismatch { what: "merge partials", expected: need, got: part.len() });
         }
         let (chunks, group, chunks2) = (chunks as i32, sh.group() as i32, chunks2 as i32);
-        // 8 warps per query head (MERGE_WARPS in decode.cu).
-        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // 32 warps per query head (MERGE_WARPS in decode.cu).
+        let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&self.merge);
         b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
