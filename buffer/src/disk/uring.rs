@@ -176,7 +176,9 @@ impl Ring {
         done: &mut dyn FnMut(usize, Result<&[u8]>),
     ) -> Option<StagingBuffer> {
         let Some(slot_bytes) = stream_slot(reads, &staging, done) else { return Some(staging) };
-        let slots = staging.len() / slot_bytes;
+        // Twice the window is enough slots (a window in flight, a window waiting for `done`),
+        // and a short call needs no more slots than reads: small calls set up little.
+        let slots = (staging.len() / slot_bytes).min(2 * depth).min(reads.len());
         let mut stream = Stream {
             files,
             reads,
