@@ -1181,22 +1181,19 @@ impl BufferManager {
     /// a device mirror each admission is made and published at once, as by [`Self::admit`].
     pub fn maintain(&self, max_records: usize) -> usize {
         let mut records = Vec::new();
-        let mut reads = Vec::new();
-        let mut read_count = 0;
+        let mut clusters = Vec::new();
         let limit = max_records.min(1 << 16);
-        while records.len() + read_count < limit {
+        while records.len() + clusters.len() < limit {
             let mut took = false;
             if let Some(batch) = self.queue.pop() {
                 self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
                 records.extend(batch);
                 took = true;
             }
-            if records.len() + read_count < limit {
-                if let Some(batch) = self.cluster_reads.pop() {
-                    let n = batch.len();
-                    self.queued_records.fetch_sub(n as u64, Ordering::Relaxed);
-                    read_count += n;
-                    reads.push(batch);
+            if records.len() + clusters.len() < limit {
+                if let Some(reads) = self.cluster_reads.pop() {
+                    self.queued_records.fetch_sub(reads.len() as u64, Ordering::Relaxed);
+                    reads.append_to(&mut clusters);
                     took = true;
                 }
             }
@@ -1204,7 +1201,7 @@ impl BufferManager {
                 break;
             }
         }
-        let processed = records.len() + read_count;
+        let processed = records.len() + clusters.len();
         if processed == 0 || self.gpu.capacity() == 0 {
             return processed;
         }
@@ -1234,9 +1231,6 @@ impl BufferManager {
             }
         }
         let mut counts = ClusterReadCounts::default();
-        // A round that took several steps of one layer (the maintainer fell behind) looks each
-        // cluster up and resolves it once, counting it as often as it was read.
-        let (clusters, times) = ClusterReads::merge(reads);
         if !clusters.is_empty() {
             // One epoch pin and overlapping lookups for the round's clusters (those freed since
             // the step are skipped: nothing to keep warm). The lists stay readable under the
@@ -1244,10 +1238,8 @@ impl BufferManager {
             let reader = self.mapping.reader();
             let mut lists = Vec::with_capacity(clusters.len());
             reader.get_many(&clusters, &mut lists);
-            for (locations, &times) in lists.into_iter().zip(&times) {
-                if let Some(locations) = locations {
-                    self.resolve_cluster_read(&mut state, locations, round.as_mut(), times, &mut counts);
-                }
+            for locations in lists.into_iter().flatten() {
+                self.resolve_cluster_read(&mut state, locations, round.as_mut(), &mut counts);
             }
         }
         counts.add_to(self);
@@ -1261,7 +1253,7 @@ impl BufferManager {
         self.mapping.collect_garbage();
         if let (Some(t), Some(chosen)) = (trace, chosen) {
             eprintln!(
-                "attnstore-buffer: round of {} records and {read_count} cluster reads ({} distinct): {admitted} batched admissions; {:.2} ms choosing, {:.2} ms in all",
+                "attnstore-buffer: round of {} records and {} cluster reads: {admitted} batched admissions; {:.2} ms choosing, {:.2} ms in all",
                 records.len(),
                 clusters.len(),
                 chosen.as_secs_f64() * 1e3,
@@ -1282,8 +1274,7 @@ impl BufferManager {
 
     /// Applies one cluster read of a device-planned step (see [`Self::log_cluster_reads`]):
     /// the cluster's blocks as the mapping table listed them at the round's lookup, counting
-    /// their Gpu hits and misses in `counts`, `times` times (the steps of the round that read
-    /// the cluster all ran before the round, so each saw what the round sees).
+    /// their Gpu hits and misses in `counts`.
     ///
     /// Under the state lock the mapping table says what the blocks' metadata says (every
     /// change of a block's tier or Gpu slot is remapped before the lock is released; a round's
@@ -1295,10 +1286,8 @@ impl BufferManager {
         state: &mut State,
         locations: Locations<'_>,
         mut round: Option<&mut Round<'s>>,
-        times: u32,
         counts: &mut ClusterReadCounts,
     ) {
-        let times = u64::from(times);
         for location in locations.iter() {
             // Each location is read now, but the slot it names may be mid-move: a cached
             // location counts only while its slot's owner tag still names the block (set when
@@ -1308,10 +1297,10 @@ impl BufferManager {
                 (Some(slot), _) => {
                     debug_assert_eq!(state.blocks.get(&location.block()).and_then(|m| m.gpu_slot), Some(slot));
                     state.replacer.access(slot);
-                    counts.gpu_hits += times;
+                    counts.gpu_hits += 1;
                 }
                 (None, Tier::Host) => {
-                    counts.gpu_misses += times;
+                    counts.gpu_misses += 1;
                     // Refusals for pins or copy errors count as failures where they happen;
                     // waiting for device reads in flight does not.
                     match round.as_deref_mut() {
@@ -1541,40 +1530,20 @@ impl ClusterReads {
         }
     }
 
-    /// The reads of a round as distinct keys, each with the number of times it was read. Reads
-    /// of one (context, layer) logged by several steps are merged per KV head; keys logged one
-    /// by one ([`BufferManager::log_cluster_reads`]) are kept as they are (read once each).
-    fn merge(batches: Vec<ClusterReads>) -> (Vec<ClusterKey>, Vec<u32>) {
-        let (mut keys, mut times) = (Vec::new(), Vec::new());
-        let mut layers = Vec::new();
-        for batch in batches {
-            match batch {
-                ClusterReads::Keys(k) => {
-                    times.resize(times.len() + k.len(), 1);
-                    keys.extend(k);
-                }
-                ClusterReads::Layers(l) => layers.extend(l),
-            }
-        }
-        layers.sort_by_key(|l: &LayerReads| (l.context, l.layer)); // stable: steps stay in order
-        let mut ids: Vec<u32> = Vec::new();
-        for group in layers.chunk_by(|a, b| (a.context, a.layer) == (b.context, b.layer)) {
-            let (context, layer) = (group[0].context, group[0].layer);
-            let heads = group.iter().map(|l| l.per_head.len()).max().unwrap_or(0);
-            for head in 0..heads {
-                ids.clear();
-                ids.extend(group.iter().filter_map(|l| l.per_head.get(head)).flatten());
-                if group.len() > 1 {
-                    ids.sort_unstable();
-                }
-                // A step's own list has no repeats; merged lists count them.
-                for run in ids.chunk_by(|a, b| a == b) {
-                    keys.push(ClusterKey { context, layer, head: head as u32, cluster: run[0] });
-                    times.push(run.len() as u32);
+    /// Appends the reads as keys.
+    fn append_to(self, out: &mut Vec<ClusterKey>) {
+        out.reserve(self.len());
+        match self {
+            ClusterReads::Keys(keys) => out.extend(keys),
+            ClusterReads::Layers(layers) => {
+                for LayerReads { context, layer, per_head } in layers {
+                    for (head, ids) in per_head.into_iter().enumerate() {
+                        let head = head as u32;
+                        out.extend(ids.into_iter().map(|cluster| ClusterKey { context, layer, head, cluster }));
+                    }
                 }
             }
         }
-        (keys, times)
     }
 }
 

@@ -223,65 +223,6 @@ fn a_layers_reads_per_head_act_like_their_cluster_keys() {
 }
 
 #[test]
-fn a_round_that_takes_several_steps_of_a_layer_resolves_each_cluster_once_and_counts_every_read() {
-    let heads_key = |head: u32, cluster: u32| ClusterKey { context: 5, layer: 2, head, cluster };
-    let make = || {
-        let buffers = BufferManager::new(BufferConfig::new(256, 32)).unwrap();
-        for head in 0..2 {
-            for c in 0..10 {
-                buffers.store_cluster(heads_key(head, c), &[(head * 10 + c) as u8; 4096]).unwrap();
-            }
-        }
-        // Clusters 0 and 1 of head 0 are cached before the steps (hits for every step).
-        buffers.log_cluster_reads(vec![heads_key(0, 0), heads_key(0, 1)]);
-        buffers.maintain(usize::MAX);
-        buffers
-    };
-    // Three steps of the layer, overlapping, the second also reading another layer, all
-    // taken by one round (the maintainer was behind); the same reads as single keys.
-    let steps: [Vec<Vec<u32>>; 3] =
-        [vec![vec![0, 4, 2], vec![7]], vec![vec![2, 0, 5], vec![7, 8]], vec![vec![5, 1, 0], vec![]]];
-    let (merged, one_by_one) = (make(), make());
-    let mut keys = Vec::new();
-    for (i, per_head) in steps.iter().enumerate() {
-        let mut layers = vec![LayerReads { context: 5, layer: 2, per_head: per_head.clone() }];
-        if i == 1 {
-            layers.push(LayerReads { context: 5, layer: 3, per_head: vec![vec![0]] });
-            // unmapped: skipped
-        }
-        merged.log_layer_reads(layers);
-        for (head, ids) in per_head.iter().enumerate() {
-            keys.extend(ids.iter().map(|&c| heads_key(head as u32, c)));
-        }
-    }
-    assert_eq!(merged.maintain(usize::MAX), 13, "every read is a processed record");
-    one_by_one.log_cluster_reads(keys);
-    assert_eq!(one_by_one.maintain(usize::MAX), 12);
-    let gpu = |b: &BufferManager| {
-        let stats = b.stats();
-        let t = stats.tier(Tier::Gpu).unwrap().clone();
-        (t.hits, t.misses, t.used_blocks, t.moves_in)
-    };
-    // Reads of cached clusters: 0 three times and 1 once, two blocks each: 8 hits. Misses:
-    // 4 once, 2 twice, 5 twice, 7 twice, 8 once (two blocks each): 16, plus the 4 of the
-    // caching round. Each cluster is admitted once: 10 blocks more in the tier (4 before).
-    assert_eq!(gpu(&merged), (8, 20, 14, 14));
-    // Resolved key by key (this manager's rounds admit at once), a later read of a cluster
-    // admitted earlier in the same round counts as a hit although its step ran before the
-    // round; merged, all reads of a cluster count alike, as batched rounds (which publish
-    // admissions at their end) count them. The same blocks are admitted.
-    assert_eq!(gpu(&one_by_one), (14, 14, 14, 14));
-    let tiers = |b: &BufferManager| {
-        let reader = b.reader();
-        (0..2)
-            .flat_map(|h| (0..10).map(move |c| heads_key(h, c)))
-            .map(|k| reader.cluster(&k).unwrap().iter().map(|l| l.tier()).collect::<Vec<_>>())
-            .collect::<Vec<_>>()
-    };
-    assert_eq!(tiers(&merged), tiers(&one_by_one));
-}
-
-#[test]
 fn a_maintainer_that_stops_leaves_a_newer_ones_wake_ups_in_place() {
     let buffers = stored(2, 2048);
     let older = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();
