@@ -68,20 +68,19 @@ fn main() {
     let steps = 200;
     let (mut step_us, mut host_us, mut hbm_us, mut admit_us, mut eager_us) = (vec![], vec![], vec![], vec![], vec![]);
     let (mut enqueue_graph_us, mut enqueue_eager_us) = (vec![], vec![]);
-    let (mut tally, mut fallbacks) = (Tally::default(), 0usize);
+    let mut tally = Tally::default();
     let mut last = (Vec::new(), Vec::new());
     for step in 0..steps {
         let q = req.query(step, steps);
         gpu.set_wave_query(&mut req.job, &q).expect("query");
         let (us, enqueue) = req.timed_step(&gpu);
         let out = gpu.fetch_wave(&req.job).expect("output");
-        let (selection, fell_back) = gpu.wave_selection(&req.job).expect("selection");
+        let selection = gpu.wave_selection(&req.job).expect("selection");
         let a_us = req.keep_tier(&gpu, &selection, &mut tally);
         if step >= steps / 2 {
             step_us.push(us);
             admit_us.push(a_us);
             enqueue_graph_us.push(enqueue);
-            fallbacks += fell_back;
             // The same step launched kernel by kernel (cache as of after the admissions).
             req.job.set_graphs(false);
             let (e, e_enqueue) = req.timed_step(&gpu);
@@ -124,7 +123,6 @@ fn main() {
         "head_dim": 128, "dtype": "f16", "codec": "f16", "retrieve_clusters": r, "clusters": req.wave.clusters(),
         "estimated_clusters": req.wave.clusters() - r, "exact_tokens": round(tally.exact_tokens(kvh)),
         "rel_l2_error": (err * 1e4).round() / 1e4, "steps_measured": steps / 2, "warmup_steps": steps / 2,
-        "select_fallbacks": fallbacks,
     });
     let row = |method: &str, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();
@@ -201,7 +199,7 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
         let us = launch(true, &mut reqs);
         let eager = if step >= steps / 2 { Some(launch(false, &mut reqs)) } else { None };
         for req in &mut reqs {
-            let (selection, _) = gpu.wave_selection(&req.job).expect("selection");
+            let selection = gpu.wave_selection(&req.job).expect("selection");
             req.keep_tier(gpu, &selection, &mut tally);
         }
         if let Some(e) = eager {

@@ -404,8 +404,8 @@ fn an_arena_layer_step_equals_the_same_layer_read_from_its_own_rows() {
         x.iter_mut().for_each(|h| h.sort_unstable());
         x
     };
-    let selection = sorted(gpu.wave_selection(&job).unwrap().0);
-    assert_eq!(selection, sorted(gpu.wave_selection(&own_job).unwrap().0), "same meta index, same clusters");
+    let selection = sorted(gpu.wave_selection(&job).unwrap());
+    assert_eq!(selection, sorted(gpu.wave_selection(&own_job).unwrap()), "same meta index, same clusters");
     assert!(rel_l2(&got, &want) <= 1e-5, "arena rows: {}", rel_l2(&got, &want));
     // A shared Gpu-tier pool holding copies of every other block of the retrieved clusters:
     // hits come from it, and the output is unchanged.
@@ -475,7 +475,7 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     gpu.set_wave_query(&mut job, &q).unwrap();
     gpu.launch_wave(&wave, mapped.pointers(), None, &mut job).unwrap();
     let got = gpu.fetch_wave(&job).unwrap();
-    let (selection, _) = gpu.wave_selection(&job).unwrap();
+    let selection = gpu.wave_selection(&job).unwrap();
     // The selection is a top-r of the group's best centroid scores.
     for (h, chosen) in selection.iter().enumerate() {
         let mut s = vec![Vec::new(); 4];
@@ -525,7 +525,7 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
         x.iter_mut().for_each(|h| h.sort_unstable());
         x
     };
-    assert_eq!(sorted(gpu.wave_selection(&job).unwrap().0), sorted(selection.clone()), "same query, same clusters");
+    assert_eq!(sorted(gpu.wave_selection(&job).unwrap()), sorted(selection.clone()), "same query, same clusters");
     // Rows may be listed in another order (the selection's order is not fixed), so the sums
     // may round differently; the rows and their values are the same.
     let err = rel_l2(&cached, &got.iter().map(|&x| f64::from(x)).collect::<Vec<f64>>());
@@ -537,7 +537,7 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     gpu.set_wave_query(&mut job, &q2).unwrap();
     gpu.launch_wave(&wave, mapped.pointers(), Some(WaveCache::Layer(&cache, &table)), &mut job).unwrap();
     let second = gpu.fetch_wave(&job).unwrap();
-    let (selection2, _) = gpu.wave_selection(&job).unwrap();
+    let selection2 = gpu.wave_selection(&job).unwrap();
     assert_ne!(sorted(selection2.clone()), sorted(selection.clone()), "the second query retrieves other clusters");
     let want2: Vec<f64> = cpu_wave_step(&layer, &shape, &q2, &selection2).iter().map(|&x| f64::from(x)).collect();
     assert!(rel_l2(&second, &want2) <= 2e-3, "second step: {}", rel_l2(&second, &want2));

@@ -455,8 +455,11 @@ __device__ __forceinline__ unsigned int ordered(float x) {
 // One CTA: writes to o the indices (ix[i], or i when ix is null) of the r largest of the n
 // scores s, unordered. A three-level radix select on the ordered 32-bit keys (11 + 11 + 10
 // bits, histograms in shared memory, a parallel bin search) finds the r-th key exactly;
-// every key above it is emitted and keys equal to it fill the remainder. No sort.
-__device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o) {
+// every key above it is emitted and keys equal to it fill the remainder. No sort. `level0`
+// (may be null): the first level's 2048-bin histogram of these keys, already counted (read
+// and zeroed here).
+__device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o,
+                            unsigned int* __restrict__ level0 = nullptr) {
   __shared__ unsigned int hist[2048];
   __shared__ unsigned int scan[32];
   __shared__ unsigned int sel_bin, above, emitted, tied;
@@ -465,11 +468,20 @@ __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__
   const unsigned int masks[3] = {2047u, 2047u, 1023u};
   for (int level = 0; level < 3; level++) {
     const int shift = shifts[level];
-    for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
-    __syncthreads();
-    for (int i = threadIdx.x; i < n; i += blockDim.x) {
-      const unsigned int k = ordered(s[i]);
-      if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
+    if (level == 0 && level0 != nullptr) {
+      // The first level's histogram was counted while the scores were computed (score_hist):
+      // taken, and cleared for the next step.
+      for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
+        hist[i] = level0[i];
+        level0[i] = 0;
+      }
+    } else {
+      for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
+      __syncthreads();
+      for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const unsigned int k = ordered(s[i]);
+        if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
+      }
     }
     __syncthreads();
     find_bin(hist, (int)masks[level] + 1, need, &sel_bin, &above, scan);
@@ -554,108 +566,57 @@ __device__ __forceinline__ void load_group_queries(const float* __restrict__ q, 
   __syncthreads();
 }
 
-// ---- top-r by a sampled threshold (the CPU planner's method, on the GPU) ----
-// 1. sample_threshold: per head one CTA scores every `stride`-th centroid into shared
-//    memory, sorts the sample (bitonic, descending, mostly in warp shuffles) and keeps the
-//    score at sample rank 1.25·r/stride + 8: about 1.25 r centroids will reach it.
-// 2. score_filter: every centroid is scored (one thread each); those at or above the
-//    threshold are appended (index, score) to a per-head candidate buffer.
-// 3. select_candidates: per head one CTA runs the exact radix select over the candidates.
-// score_filter also writes every score, so if fewer than r candidates survive (the sample
-// misjudged) select_candidates selects over all of them instead and sets `fallback`.
-#define SAMPLE_MAX 1024
-
-extern "C" __global__ void sample_threshold(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
-                                            float scale, int group, int stride, int r, float* __restrict__ thresh) {
-  __shared__ float smp[SAMPLE_MAX];
+// ---- top-r of every centroid's score, the first radix level counted while scoring ----
+// 1. score_hist: every centroid is scored (one thread each: the group's best head) into
+//    `scores`, every query head's score into `group_scores` when kept, and the first radix
+//    level's histogram of the best scores is counted per head (in shared memory, then added
+//    to the head's 2048 bins in `hist0`).
+// 2. select_scored: per head one CTA finishes the exact radix select over all the head's
+//    scores, starting from that histogram (so it reads the scores in two passes, not three).
+// This replaced a sampled threshold (one CTA per head scoring and sorting a strided sample),
+// a filtering pass and a select over the candidates: the sample's CTA alone took longer than
+// the whole select does now.
+extern "C" __global__ void score_hist(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
+                                      float scale, int group, float* __restrict__ scores,
+                                      float* __restrict__ group_scores, unsigned int* __restrict__ hist0) {
   __shared__ __align__(16) float qs[MAX_GROUP * HEAD_DIM];
-  const int h = blockIdx.x;
-  const int m = min(SAMPLE_MAX, (n + stride - 1) / stride);
-  load_group_queries(q, h, group, scale, qs);
-  // One thread per sampled centroid (all samples in flight at once).
-  for (int i = threadIdx.x; i < m; i += blockDim.x) {
-    float s[MAX_GROUP], v = NEG_INF;
-    thread_scores(cent + ((long long)h * n + (long long)i * stride) * HEAD_DIM, qs, group, s);
+  __shared__ unsigned int hist[2048];
+  const int h = blockIdx.y;
+  for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
+  load_group_queries(q, h, group, scale, qs);  // ends with a barrier
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c < n) {
+    float s[MAX_GROUP];
+    thread_scores(cent + ((long long)h * n + c) * HEAD_DIM, qs, group, s);
+    float best = NEG_INF;
 #pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++) v = g < group ? fmaxf(v, s[g]) : v;
-    smp[i] = v;
+    for (int g = 0; g < MAX_GROUP; g++) best = g < group ? fmaxf(best, s[g]) : best;
+    scores[(long long)h * n + c] = best;
+    if (group_scores != nullptr) {
+#pragma unroll
+      for (int g = 0; g < MAX_GROUP; g++)
+        if (g < group) group_scores[((long long)h * group + g) * n + c] = s[g];
+    }
+    atomicAdd(&hist[ordered(best) >> 21], 1u);
   }
   __syncthreads();
-  // Bitonic sort, descending, one element per thread (blockDim.x ≥ the padded size): the
-  // exchanges between partners less than 32 apart are warp shuffles, so only the few
-  // stages with wider partners go through shared memory and barriers (10 of 45 for 512).
-  int size = 1;
-  while (size < m) size <<= 1;
-  const int t = threadIdx.x;
-  float x = t < m ? smp[t] : NEG_INF;
-  for (int k = 2; k <= size; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      float y;
-      if (j >= 32) {
-        __syncthreads();  // every read of the previous wide stage is done
-        smp[t] = x;
-        __syncthreads();
-        y = smp[t ^ j];
-      } else {
-        y = __shfl_xor_sync(0xffffffffu, x, j);
-      }
-      // The pair's lower index keeps the larger value in a descending run (bit k of the index
-      // clear), the smaller in an ascending one. Threads at or past `size` pair among
-      // themselves only (their partners differ in a bit below `size`).
-      const bool lower = (t & j) == 0, desc = (t & k) == 0;
-      x = lower == desc ? fmaxf(x, y) : fminf(x, y);
-    }
-  }
-  if (t == min(m - 1, (int)(1.25f * r / stride) + 8)) thresh[h] = x;
-}
-
-// One thread per centroid: the group's best score; written to `scores`, and appended to the
-// head's candidates when at or above the sampled threshold. With `group_scores` (a wave
-// step's estimation needs them) every query head's score is kept too: [h][g][n].
-extern "C" __global__ void score_filter(const unsigned short* __restrict__ cent, int n, const float* __restrict__ q,
-                                        float scale, int group, const float* __restrict__ thresh, int cap,
-                                        int* __restrict__ counts, int* __restrict__ cand_idx, float* __restrict__ cand_score,
-                                        float* __restrict__ scores, float* __restrict__ group_scores) {
-  __shared__ __align__(16) float qs[MAX_GROUP * HEAD_DIM];
-  const int h = blockIdx.y;
-  load_group_queries(q, h, group, scale, qs);
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= n) return;
-  float s[MAX_GROUP];
-  thread_scores(cent + ((long long)h * n + c) * HEAD_DIM, qs, group, s);
-  float best = NEG_INF;
-#pragma unroll
-  for (int g = 0; g < MAX_GROUP; g++) best = g < group ? fmaxf(best, s[g]) : best;
-  if (scores != nullptr) scores[(long long)h * n + c] = best;
-  if (group_scores != nullptr) {
-#pragma unroll
-    for (int g = 0; g < MAX_GROUP; g++)
-      if (g < group) group_scores[((long long)h * group + g) * n + c] = s[g];
-  }
-  if (best >= thresh[h]) {
-    const int at = atomicAdd(&counts[h], 1);
-    if (at < cap) { cand_idx[(long long)h * cap + at] = c; cand_score[(long long)h * cap + at] = best; }
+  unsigned int* head_hist = hist0 + (long long)h * 2048;
+  for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
+    if (hist[i] != 0) atomicAdd(&head_hist[i], hist[i]);
   }
 }
 
-extern "C" __global__ void select_candidates(const int* __restrict__ counts, const int* __restrict__ cand_idx,
-                                             const float* __restrict__ cand_score, int cap, int r,
-                                             const float* __restrict__ scores, int total,
-                                             int* __restrict__ out, int* __restrict__ fallback,
-                                             int* __restrict__ mark) {
+// Per head (one CTA of 1024 threads): the indices of the r largest of its n scores, from the
+// first-level histogram score_hist counted (cleared here for the next step). A wave step's
+// estimation skips the selected clusters: with `mark`, mark[h][c] = 1 for each.
+extern "C" __global__ void select_scored(const float* __restrict__ scores, int n, int r,
+                                         unsigned int* __restrict__ hist0, int* __restrict__ out,
+                                         int* __restrict__ mark) {
   const int h = blockIdx.x;
-  const int n = counts[h];
   int* o = out + (long long)h * r;
-  if (n < r || n > cap) {  // the sample misjudged: select over all of the head's scores
-    if (threadIdx.x == 0) fallback[h] = 1;
-    radix_top_r(scores + (long long)h * total, nullptr, total, r, o);
-  } else {
-    if (threadIdx.x == 0) fallback[h] = 0;
-    radix_top_r(cand_score + (long long)h * cap, cand_idx + (long long)h * cap, n, r, o);
-  }
-  // A wave step's estimation skips the selected clusters (and clears their marks).
+  radix_top_r(scores + (long long)h * n, nullptr, n, r, o, hist0 + (long long)h * 2048);
   if (mark != nullptr) {
     __syncthreads();
-    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * total + o[i]] = 1;
+    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * n + o[i]] = 1;
   }
 }

@@ -60,9 +60,10 @@ pub struct GpuBackend {
     admit: CudaFunction,
     score: CudaFunction,
     select: CudaFunction,
-    sample: CudaFunction,
-    filter: CudaFunction,
-    pick: CudaFunction,
+    /// Scores every centroid and counts the first radix level (`score_hist`).
+    score_hist: CudaFunction,
+    /// Finishes the radix select from that count (`select_scored`).
+    select_scored: CudaFunction,
     expand: CudaFunction,
     ingest: CudaFunction,
     /// `est_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
@@ -87,16 +88,12 @@ pub struct SelectJob {
     q: CudaSlice<f32>,
     scores: CudaSlice<f32>,
     out: CudaSlice<i32>,
-    thresh: CudaSlice<f32>,
-    counts: CudaSlice<i32>,
-    cand_idx: CudaSlice<i32>,
-    cand_score: CudaSlice<f32>,
-    fallback: CudaSlice<i32>,
+    /// The first radix level's histogram of each head's scores (`[h][2048]`), counted while
+    /// scoring and cleared by the select that reads it.
+    hist0: CudaSlice<u32>,
     /// Every query head's score of every centroid (`[h][g][n]`), kept for a wave step's
     /// estimation zone.
     group_scores: Option<CudaSlice<f32>>,
-    cap: usize,
-    stride: usize,
     r: usize,
     shape: AttnShape,
 }
@@ -221,9 +218,8 @@ impl GpuBackend {
         let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
         let score = module.load_function("centroid_scores").map_err(gpu_err("centroid_scores"))?;
         let select = module.load_function("top_r_select").map_err(gpu_err("top_r_select"))?;
-        let sample = module.load_function("sample_threshold").map_err(gpu_err("sample_threshold"))?;
-        let filter = module.load_function("score_filter").map_err(gpu_err("score_filter"))?;
-        let pick = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
+        let score_hist = module.load_function("score_hist").map_err(gpu_err("score_hist"))?;
+        let select_scored = module.load_function("select_scored").map_err(gpu_err("select_scored"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
         let ingest = module.load_function("steady_ingest").map_err(gpu_err("steady_ingest"))?;
         let est = per_group("est_partial")?;
@@ -247,9 +243,8 @@ impl GpuBackend {
             admit,
             score,
             select,
-            sample,
-            filter,
-            pick,
+            score_hist,
+            select_scored,
             expand,
             ingest,
             est,
@@ -438,31 +433,22 @@ impl GpuBackend {
         }
         let s = &self.stream;
         let h = shape.kv_heads;
-        // Candidates expected ≈ 1.25 r + 8 strides; room for 4× that before falling back.
-        let stride = cent.per_head.div_ceil(1024).max(16); // ≤ 1024 samples (SAMPLE_MAX)
-        let cap = (4 * r + 64 * stride).min(cent.per_head);
         let alloc_f = |n: usize| s.alloc_zeros::<f32>(n).map_err(gpu_err("allocating selection buffers"));
         let alloc_i = |n: usize| s.alloc_zeros::<i32>(n).map_err(gpu_err("allocating selection buffers"));
         Ok(SelectJob {
             q: s.clone_htod(q).map_err(gpu_err("copying queries"))?,
             scores: alloc_f(h * cent.per_head)?,
             out: alloc_i(h * r)?,
-            thresh: alloc_f(h)?,
-            counts: alloc_i(h)?,
-            cand_idx: alloc_i(h * cap)?,
-            cand_score: alloc_f(h * cap)?,
-            fallback: alloc_i(h)?,
+            hist0: s.alloc_zeros::<u32>(h * 2048).map_err(gpu_err("allocating selection buffers"))?,
             group_scores: None,
-            cap,
-            stride,
             r,
             shape: *shape,
         })
     }
 
-    /// Enqueues centroid scoring and the per-head top-r selection: a threshold from a
-    /// strided sample, a scoring pass that keeps only centroids at or above it, and an exact
-    /// radix select over those candidates (no sort of all scores).
+    /// Enqueues centroid scoring and the per-head top-r selection: one pass scores every
+    /// centroid and counts the first level of a radix select on the way, and one CTA per head
+    /// finishes the exact radix select over all the head's scores (no sort).
     pub fn launch_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
         self.launch_select_marking(&self.stream, cent, job, 0)
     }
@@ -478,48 +464,31 @@ impl GpuBackend {
         mark: u64,
     ) -> Result<()> {
         let sh = job.shape;
-        let (n, r, cap, stride) = (cent.per_head as i32, job.r as i32, job.cap as i32, job.stride as i32);
+        let (n, r) = (cent.per_head as i32, job.r as i32);
         let scale = 1.0 / (sh.head_dim as f32).sqrt();
         let group = sh.group() as i32;
-        stream.memset_zeros(&mut job.counts).map_err(gpu_err("clearing counts"))?;
-        let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(&self.sample);
-        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&stride).arg(&r).arg(&mut job.thresh);
-        // SAFETY: cent holds kv_heads × n × head_dim f16 values and q the group queries of
-        // every head (checked in prepare_select); one CTA per head writes thresh[head]; the
-        // sample (≤ 1024 scores) lives in the kernel's shared memory.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching sample_threshold"))?;
         // One thread per centroid.
         let cfg = LaunchConfig {
             grid_dim: (cent.per_head.div_ceil(256) as u32, sh.kv_heads as u32, 1),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let mut b = stream.launch_builder(&self.filter);
-        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&job.thresh).arg(&cap);
+        let mut b = stream.launch_builder(&self.score_hist);
+        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&mut job.scores);
         let group_scores = job.group_scores.as_ref().map_or(0, |g| device_address(g, stream));
-        b.arg(&mut job.counts).arg(&mut job.cand_idx).arg(&mut job.cand_score).arg(&mut job.scores);
-        b.arg(&group_scores);
-        // SAFETY: one thread per centroid (< n); appends past `cap` per head are counted but
-        // not written; the candidate buffers hold kv_heads × cap entries, scores kv_heads × n,
-        // group scores (when kept) kv_heads × group × n.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_filter"))?;
+        b.arg(&group_scores).arg(&mut job.hist0);
+        // SAFETY: cent holds kv_heads × n × head_dim f16 values and q the group queries of
+        // every head (checked in prepare_select); one thread per centroid (< n) writes its
+        // score (scores: kv_heads × n) and its group's scores (when kept: kv_heads × group ×
+        // n); the histogram holds kv_heads × 2048 counters.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_hist"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let mut b = stream.launch_builder(&self.pick);
-        b.arg(&job.counts)
-            .arg(&job.cand_idx)
-            .arg(&job.cand_score)
-            .arg(&cap)
-            .arg(&r)
-            .arg(&job.scores)
-            .arg(&n)
-            .arg(&mut job.out)
-            .arg(&mut job.fallback)
-            .arg(&mark);
-        // SAFETY: reads min(count, cap) candidates per head, or (a head with count > cap or
-        // < r) all n scores that score_filter wrote, and writes exactly r indices per head;
-        // mark (when given) holds kv_heads × n ints and each index is < n.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching select_candidates"))?;
+        let mut b = stream.launch_builder(&self.select_scored);
+        b.arg(&job.scores).arg(&n).arg(&r).arg(&mut job.hist0).arg(&mut job.out).arg(&mark);
+        // SAFETY: reads the n scores and the 2048 counters of each head (zeroing the
+        // counters), writes exactly r indices < n per head (1 ≤ r ≤ n, checked in
+        // prepare_select); mark (when given) holds kv_heads × n ints.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching select_scored"))?;
         Ok(())
     }
 

@@ -978,7 +978,7 @@ impl GpuBackend {
         b.arg(&c.table).arg(&c.block_rows).arg(&c.blocks_per_head).arg(&c.slot_rows);
         b.arg(&map).arg(&steady_len).arg(&c.rows);
         b.arg(&mut job.scan).arg(list).arg(list_offsets);
-        // SAFETY: out holds r distinct cluster ids < n per head (select_candidates), offsets
+        // SAFETY: out holds r distinct cluster ids < n per head (select_scored), offsets
         // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
         // steady + r × largest entries = the capacity allocated per head (an arena layer's
         // steady length ≤ its capacity, set_steady); the table (checked above, or the arena
@@ -1051,10 +1051,8 @@ impl GpuBackend {
         self.fetch(&job.decode)
     }
 
-    /// The clusters the last step retrieved per KV head (unordered) and how many heads had
-    /// to select over all their scores because the sampled threshold misjudged.
-    pub fn wave_selection(&self, job: &WaveJob) -> Result<(Vec<Vec<u32>>, usize)> {
-        let fallback = self.stream.clone_dtoh(&job.select.fallback).map_err(gpu_err("copying flags back"))?;
-        Ok((self.fetch_select(&job.select)?, fallback.iter().filter(|&&f| f != 0).count()))
+    /// The clusters the last step retrieved per KV head (unordered).
+    pub fn wave_selection(&self, job: &WaveJob) -> Result<Vec<Vec<u32>>> {
+        self.fetch_select(&job.select)
     }
 }
