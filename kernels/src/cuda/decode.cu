@@ -452,17 +452,32 @@ __device__ __forceinline__ unsigned int ordered(float x) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// One CTA: writes to o the indices (ix[i], or i when ix is null) of the r largest of the n
-// scores s, unordered. A three-level radix select on the ordered 32-bit keys (11 + 11 + 10
-// bits, histograms in shared memory, a parallel bin search) finds the r-th key exactly;
-// every key above it is emitted and keys equal to it fill the remainder. No sort. `level0`
-// (may be null): the first level's 2048-bin histogram of these keys, already counted (read
-// and zeroed here).
-__device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o,
-                            unsigned int* __restrict__ level0 = nullptr) {
+// Keys a radix-select thread keeps in registers: with n ≤ blockDim.x · RADIX_REGS scores
+// (8192 centroids per head at 128K), every pass (two or three levels, the emission) reads
+// registers instead of memory. The kernels calling it are bounded to 1024 threads, so 8
+// keys fit the 64 registers a thread may have.
+#define RADIX_REGS 8
+
+// The radix select's body (see radix_top_r). REGS: this thread's keys i = threadIdx.x +
+// j·blockDim.x (j < RADIX_REGS) are loaded once into registers; otherwise every pass reads
+// and converts them again.
+template <bool REGS>
+__device__ __forceinline__ void radix_select(const float* __restrict__ s, const int* __restrict__ ix, int n, int r,
+                                             int* __restrict__ o, unsigned int* __restrict__ level0) {
   __shared__ unsigned int hist[2048];
   __shared__ unsigned int scan[32];
   __shared__ unsigned int sel_bin, above, emitted, tied;
+  const int passes = REGS ? RADIX_REGS : (n + blockDim.x - 1) / blockDim.x;
+  unsigned int key[REGS ? RADIX_REGS : 1];
+  if (REGS) {
+#pragma unroll
+    for (int j = 0; j < (REGS ? RADIX_REGS : 1); j++) {
+      const int i = threadIdx.x + j * blockDim.x;
+      key[j] = i < n ? ordered(s[i]) : 0u;
+    }
+  }
+  // Key j of this thread (only where threadIdx.x + j·blockDim.x < n).
+#define KEY(j) (REGS ? key[(j) % (REGS ? RADIX_REGS : 1)] : ordered(s[threadIdx.x + (j) * blockDim.x]))
   unsigned int prefix = 0, need = r;
   const int shifts[3] = {21, 10, 0};
   const unsigned int masks[3] = {2047u, 2047u, 1023u};
@@ -478,8 +493,10 @@ __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__
     } else {
       for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
       __syncthreads();
-      for (int i = threadIdx.x; i < n; i += blockDim.x) {
-        const unsigned int k = ordered(s[i]);
+#pragma unroll
+      for (int j = 0; j < passes; j++) {
+        if (threadIdx.x + j * blockDim.x >= n) break;
+        const unsigned int k = KEY(j);
         if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
       }
     }
@@ -497,9 +514,11 @@ __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__
   // among the warp's lanes of that kind (per-element atomics on one counter serialize).
   const int lane = threadIdx.x % 32;
   const unsigned int below = (1u << lane) - 1;
-  for (int i0 = 0; i0 < n; i0 += blockDim.x) {  // the same trip count for every thread
-    const int i = i0 + threadIdx.x;
-    const unsigned int k = i < n ? ordered(s[i]) : 0u;
+#pragma unroll
+  for (int j = 0; j < passes; j++) {  // the same trip count for every thread
+    const int i = threadIdx.x + j * blockDim.x;
+    if (j * blockDim.x >= n) break;  // uniform across the CTA
+    const unsigned int k = i < n ? KEY(j) : 0u;
     const bool gt = i < n && k > prefix, eq = i < n && k == prefix;
     const unsigned int mgt = __ballot_sync(0xffffffffu, gt), meq = __ballot_sync(0xffffffffu, eq);
     unsigned int bgt = 0, beq = 0;
@@ -516,10 +535,24 @@ __device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__
       if (t < need) o[r - need + t] = ix ? ix[i] : i;
     }
   }
+#undef KEY
+}
+
+// One CTA: writes to o the indices (ix[i], or i when ix is null) of the r largest of the n
+// scores s, unordered. A three-level radix select on the ordered 32-bit keys (11 + 11 + 10
+// bits, histograms in shared memory, a parallel bin search) finds the r-th key exactly;
+// every key above it is emitted and keys equal to it fill the remainder. No sort. `level0`
+// (may be null): the first level's 2048-bin histogram of these keys, already counted (read
+// and zeroed here). Up to blockDim.x · RADIX_REGS scores stay in registers for every pass.
+__device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o,
+                            unsigned int* __restrict__ level0 = nullptr) {
+  if (n <= (int)blockDim.x * RADIX_REGS) radix_select<true>(s, ix, n, r, o, level0);
+  else radix_select<false>(s, ix, n, r, o, level0);
 }
 
 // Per head (one CTA of 1024 threads): the indices of the r largest of its n scores.
-extern "C" __global__ void top_r_select(const float* __restrict__ scores, int n, int r, int* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(1024)
+    top_r_select(const float* __restrict__ scores, int n, int r, int* __restrict__ out) {
   radix_top_r(scores + (long long)blockIdx.x * n, nullptr, n, r, out + (long long)blockIdx.x * r);
 }
 
@@ -609,7 +642,7 @@ extern "C" __global__ void score_hist(const unsigned short* __restrict__ cent, i
 // Per head (one CTA of 1024 threads): the indices of the r largest of its n scores, from the
 // first-level histogram score_hist counted (cleared here for the next step). A wave step's
 // estimation skips the selected clusters: with `mark`, mark[h][c] = 1 for each.
-extern "C" __global__ void select_scored(const float* __restrict__ scores, int n, int r,
+extern "C" __global__ void __launch_bounds__(1024) select_scored(const float* __restrict__ scores, int n, int r,
                                          unsigned int* __restrict__ hist0, int* __restrict__ out,
                                          int* __restrict__ mark) {
   const int h = blockIdx.x;
