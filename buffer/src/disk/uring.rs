@@ -24,18 +24,24 @@ use io_uring::{opcode, squeue, types, IoUring};
 use parking_lot::Mutex;
 use std::fs::File;
 use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::{Duration, Instant};
 
 const RING_ENTRIES: u32 = 256;
 
-/// Most threads that get a ring of their own; later threads share one.
+/// Most threads that get a ring of their own; later threads share one. A ring stays with
+/// the backend after its thread exits (thread ids are never reused), so a pool that keeps
+/// replacing its threads ends up on the shared ring: slower, never wrong.
 pub const MAX_THREAD_RINGS: usize = 16;
 
 /// io_uring with a ring per calling thread (see the module docs).
 pub struct UringIo {
     rings: Mutex<Vec<OwnedRing>>,
+    /// False once the kernel refused a single-issuer ring: every thread shares then, and no
+    /// call tries again.
+    own_rings: AtomicBool,
     depth: usize,
 }
 
@@ -329,7 +335,11 @@ impl UringIo {
     pub fn with_depth(depth: usize) -> std::io::Result<Self> {
         let shared = Ring::new(false)?; // proves io_uring is usable here
         let depth = depth.clamp(1, RING_ENTRIES as usize);
-        Ok(Self { rings: Mutex::new(vec![(None, Arc::new(Mutex::new(shared)))]), depth })
+        Ok(Self {
+            rings: Mutex::new(vec![(None, Arc::new(Mutex::new(shared)))]),
+            own_rings: AtomicBool::new(true),
+            depth,
+        })
     }
 
     /// The calling thread's ring: its own (made on first use) or the shared one. A ring left
@@ -339,13 +349,20 @@ impl UringIo {
         let mut rings = self.rings.lock();
         let position = match rings.iter().position(|(owner, _)| *owner == Some(me)) {
             Some(position) => Some(position),
-            None if rings.len() <= MAX_THREAD_RINGS => match Ring::new(true) {
-                Ok(ring) => {
-                    rings.push((Some(me), Arc::new(Mutex::new(ring))));
-                    Some(rings.len() - 1)
+            // Relaxed: a hint read and written under the `rings` lock.
+            None if rings.len() <= MAX_THREAD_RINGS && self.own_rings.load(Ordering::Relaxed) => {
+                match Ring::new(true) {
+                    Ok(ring) => {
+                        rings.push((Some(me), Arc::new(Mutex::new(ring))));
+                        Some(rings.len() - 1)
+                    }
+                    Err(_) => {
+                        // An older kernel refuses single-issuer rings: every thread shares.
+                        self.own_rings.store(false, Ordering::Relaxed);
+                        None
+                    }
                 }
-                Err(_) => None, // the kernel refuses single-issuer rings: share
-            },
+            }
             None => None,
         };
         let position = position.unwrap_or(0);
