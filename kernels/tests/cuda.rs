@@ -140,16 +140,24 @@ fn cache_hits_and_host_misses_in_one_plan_equal_attention_over_those_rows() {
 
 #[test]
 fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
-    use attnstore_kernels::cpu::scoring::{score_group, top_r};
     let Some(gpu) = gpu() else { return };
     let shape = AttnShape::new(32, 8, 128).unwrap();
-    let n = 8192;
-    let mut g = SplitMix64::new(12);
+    // 8192 centroids per head keep the select's keys in registers (1024 threads × 8); 20000
+    // (not a multiple of 1024) reads them from memory on every pass.
+    for (n, seed) in [(8192, 12), (20_000, 13)] {
+        check_select(&gpu, &shape, n, seed);
+    }
+}
+
+/// Scores and the top-r selection of `n` random centroids per KV head against the CPU's.
+fn check_select(gpu: &GpuBackend, shape: &AttnShape, n: usize, seed: u64) {
+    use attnstore_kernels::cpu::scoring::{score_group, top_r};
+    let mut g = SplitMix64::new(seed);
     let cent: Vec<f16> = narrow_vec(&(0..8 * n * 128).map(|_| g.normal()).collect::<Vec<f32>>());
     let q: Vec<f32> = (0..shape.query_len()).map(|_| g.normal()).collect();
     let dev = gpu.upload_centroids(&bits(&cent), 8).unwrap();
     for r in [1, 148, 2000] {
-        let mut job = gpu.prepare_select(&shape, &q, &dev, r).unwrap();
+        let mut job = gpu.prepare_select(shape, &q, &dev, r).unwrap();
         gpu.launch_select(&dev, &mut job).unwrap();
         let chosen = gpu.fetch_select(&job).unwrap();
         let scores = gpu.select_scores(&dev, &mut job).unwrap();
@@ -177,11 +185,11 @@ fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
             assert!(got.iter().all(|&i| gpu_scores[i as usize] >= kth - 1e-6), "h={h} r={r}: below the r-th score");
             let want: std::collections::HashSet<u32> = top_r(&best, r).into_iter().collect();
             let overlap = got.iter().filter(|i| want.contains(i)).count();
-            assert!(overlap + 2 >= r, "h={h} r={r}: overlap {overlap}");
+            assert!(overlap + 2 >= r, "n={n} h={h} r={r}: overlap {overlap}");
         }
     }
-    assert!(gpu.prepare_select(&shape, &q, &dev, 0).is_err());
-    assert!(gpu.prepare_select(&shape, &q, &dev, n + 1).is_err());
+    assert!(gpu.prepare_select(shape, &q, &dev, 0).is_err());
+    assert!(gpu.prepare_select(shape, &q, &dev, n + 1).is_err());
 }
 
 /// 2-bit rows of every KV head of `k`/`v` (`kv_heads × tokens × d`).
