@@ -580,6 +580,16 @@ mod tests {
         assert_eq!(t.get(&key(1)).unwrap()[5].gpu_slot(), Some(3), "other entries untouched");
     }
 
+    /// Waits (yielding, at most 30 s) until reader threads have counted more than `since`
+    /// passes in `passes`, and returns the count.
+    fn passes_after(passes: &std::sync::atomic::AtomicU64, since: u64) -> u64 {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while passes.load(Ordering::Relaxed) <= since && std::time::Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        passes.load(Ordering::Relaxed)
+    }
+
     #[test]
     fn readers_see_only_published_gpu_slots_while_writers_store_and_copy() {
         // Block b is only ever cached in slot 1000 + b: a reader must never see another slot,
@@ -589,8 +599,9 @@ mod tests {
             t.insert(key(c), blocks(u64::from(c) * 8, 5));
         }
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let passes = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let reader = {
-            let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+            let (t, stop, passes) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&passes));
             std::thread::spawn(move || {
                 let mut cached = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -603,11 +614,18 @@ mod tests {
                             }
                         }
                     }
+                    passes.fetch_add(1, Ordering::Relaxed);
                 }
                 cached
             })
         };
+        // The writes wait for the reader now and then, so its passes interleave with them
+        // even when a loaded machine would schedule it only after they are done.
+        let mut seen = passes_after(&passes, 0);
         for round in 0..20_000u32 {
+            if round % 2_000 == 1_999 {
+                seen = passes_after(&passes, seen);
+            }
             let c = round % 64;
             let i = (round / 64 % 5) as usize;
             let b = BlockId(u64::from(c) * 8 + i as u64);
@@ -620,8 +638,10 @@ mod tests {
                 t.insert(key(n), current);
             }
         }
+        passes_after(&passes, seen); // a pass after the last write sees its slots
         stop.store(true, Ordering::Relaxed);
         assert!(reader.join().unwrap() > 0);
+        assert!(passes.load(Ordering::Relaxed) >= 11, "the reader ran between the writes");
         // Every block ends as its last update left it.
         for c in 0..64u32 {
             for (i, l) in t.get(&key(c)).unwrap().iter().enumerate() {
@@ -638,9 +658,10 @@ mod tests {
         // would mix two slots.
         let t = Arc::new(MappingTable::new());
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let passes = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let readers: Vec<_> = (0..2)
             .map(|_| {
-                let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+                let (t, stop, passes) = (Arc::clone(&t), Arc::clone(&stop), Arc::clone(&passes));
                 std::thread::spawn(move || {
                     let mut seen = 0u64;
                     while !stop.load(Ordering::Relaxed) {
@@ -652,12 +673,18 @@ mod tests {
                                 seen += 1;
                             }
                         }
+                        passes.fetch_add(1, Ordering::Relaxed);
                     }
                     seen
                 })
             })
             .collect();
+        // As above: the writes wait for the readers now and then.
+        let mut done = passes_after(&passes, 0);
         for round in 0..20_000u32 {
+            if round % 2_000 == 1_999 {
+                done = passes_after(&passes, done);
+            }
             let c = round % 200;
             let v = vec![BlockLocation::new(BlockId(1), Tier::Host, round); 8];
             t.insert(key(c), v);
@@ -665,8 +692,10 @@ mod tests {
                 t.remove(&key((round * 7) % 200));
             }
         }
+        passes_after(&passes, done);
         stop.store(true, Ordering::Relaxed);
         let seen: u64 = readers.into_iter().map(|h| h.join().unwrap()).sum();
         assert!(seen > 0);
+        assert!(passes.load(Ordering::Relaxed) >= 11, "the readers ran between the writes");
     }
 }
