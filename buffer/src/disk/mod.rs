@@ -205,9 +205,14 @@ impl DiskTier {
 
     /// Segment file and byte offset of `slot` (for tools and corruption tests).
     pub fn slot_location(&self, slot: u32) -> (PathBuf, u64) {
-        let segment = slot as usize / self.config.segment_blocks;
-        let offset = (slot as usize % self.config.segment_blocks) * self.slot_bytes;
-        (self.segments.read()[segment].1.clone(), offset as u64)
+        let (segment, offset) = self.place(slot);
+        (self.segments.read()[segment].1.clone(), offset)
+    }
+
+    /// The segment index and byte offset in it of `slot`.
+    fn place(&self, slot: u32) -> (usize, u64) {
+        let segment_blocks = self.config.segment_blocks;
+        (slot as usize / segment_blocks, ((slot as usize % segment_blocks) * self.slot_bytes) as u64)
     }
 
     fn ensure_segment(&self, segment: usize) -> Result<()> {
@@ -258,7 +263,7 @@ impl DiskTier {
     fn batches(&self, slots: impl Iterator<Item = u32>) -> Vec<(usize, Vec<(usize, u32)>)> {
         let mut by_segment: Vec<(usize, Vec<(usize, u32)>)> = Vec::new();
         for (i, slot) in slots.enumerate() {
-            let segment = slot as usize / self.config.segment_blocks;
+            let (segment, _) = self.place(slot);
             match by_segment.iter_mut().find(|(s, items)| *s == segment && items.len() < self.config.batch_blocks) {
                 Some((_, items)) => items.push((i, slot)),
                 None => by_segment.push((segment, vec![(i, slot)])),
@@ -267,10 +272,11 @@ impl DiskTier {
         by_segment
     }
 
-    fn request(&self, kind: IoKind, slot: u32, position: usize, block: BlockId) -> IoRequest {
+    /// The write of `block` into `slot` from staging position `position`.
+    fn write_request(&self, slot: u32, position: usize, block: BlockId) -> IoRequest {
         IoRequest {
-            kind,
-            offset: ((slot as usize % self.config.segment_blocks) * self.slot_bytes) as u64,
+            kind: IoKind::Write,
+            offset: self.place(slot).1,
             buffer_offset: position * self.slot_bytes,
             len: self.slot_bytes,
             block: Some(block),
@@ -301,7 +307,7 @@ impl DiskTier {
                     out[n..].fill(0);
                     crcs.push(crc32c::crc32c(&out[..self.block_bytes]));
                     self.owners[slot as usize].store(0, Ordering::Relaxed); // not served while in flight
-                    self.request(IoKind::Write, slot, position, block)
+                    self.write_request(slot, position, block)
                 })
                 .collect();
             let segments = self.segments.read();
@@ -337,11 +343,9 @@ impl DiskTier {
         let file_refs: Vec<&File> = files.iter().map(|f| &**f).collect();
         let reads: Vec<StreamRead> = items
             .iter()
-            .map(|&(slot, block)| StreamRead {
-                file: slot as usize / self.config.segment_blocks,
-                offset: ((slot as usize % self.config.segment_blocks) * self.slot_bytes) as u64,
-                len: self.slot_bytes,
-                block: Some(block),
+            .map(|&(slot, block)| {
+                let (file, offset) = self.place(slot);
+                StreamRead { file, offset, len: self.slot_bytes, block: Some(block) }
             })
             .collect();
         let staging = self.backend.read_stream(&file_refs, &reads, staging, self.config.timeout, &mut |i, read| {

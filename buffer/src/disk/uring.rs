@@ -210,9 +210,10 @@ impl Ring {
             let waited = self.wait(group.min(stream.in_flight), deadline);
             ready.extend(self.ring.completion().map(|cqe| (cqe.user_data() as usize, cqe.result())));
             stream.in_flight -= ready.len();
-            if !ready.is_empty() {
+            if !ready.is_empty() && waited.is_ok() {
                 deadline = Instant::now() + timeout;
-                // Refill before delivering, so the device works while `done` does.
+                // Refill before delivering, so the device works while `done` does. (After a
+                // refused submission nothing more is queued: the ring is given up below.)
                 stream.fill(self, &staging, done);
                 let _ = self.ring.submit(); // a refused submission shows up at the next wait
             }
