@@ -160,7 +160,7 @@ fn check_select(gpu: &GpuBackend, shape: &AttnShape, n: usize, seed: u64) {
         let mut job = gpu.prepare_select(shape, &q, &dev, r).unwrap();
         gpu.launch_select(&dev, &mut job).unwrap();
         let chosen = gpu.fetch_select(&job).unwrap();
-        let scores = gpu.select_scores(&dev, &mut job).unwrap();
+        let scores = gpu.select_scores(&job).unwrap();
         for h in 0..8 {
             let mut cpu = vec![Vec::new(); 4];
             score_group(

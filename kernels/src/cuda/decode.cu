@@ -368,37 +368,6 @@ extern "C" __global__ void admit_rows(
   }
 }
 
-// The best head of the group's score for one centroid row c (f16), computed by one warp:
-// lanes split the head dimension and the dot products are warp-reduced.
-__device__ __forceinline__ float group_score(const unsigned short* __restrict__ c, const float* __restrict__ q,
-                                             int group, float scale, int lane) {
-  float kf[PER_LANE];
-  load_row(c + lane * PER_LANE, kf);
-  float best = NEG_INF;
-  for (int g = 0; g < group; g++) {
-    const float* qg = q + g * HEAD_DIM + lane * PER_LANE;
-    float s = 0.f;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; i++) s = fmaf(qg[i], kf[i], s);
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-    best = fmaxf(best, s * scale);
-  }
-  return best;
-}
-
-// Centroid scoring for a plan: scores[h][c] = max over the group of scale · q_g · centroid,
-// one warp per centroid, centroids f16 in device memory.
-extern "C" __global__ void centroid_scores(
-    const unsigned short* __restrict__ cent, int n, const float* __restrict__ q, float scale, int group,
-    float* __restrict__ scores) {
-  const int h = blockIdx.y;
-  const int c = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (c >= n) return;
-  const float best = group_score(cent + ((long long)h * n + c) * HEAD_DIM, q + h * group * HEAD_DIM, group, scale, lane);
-  if (lane == 0) scores[(long long)h * n + c] = best;
-}
-
 // All threads of a radix-select CTA: the highest bin b with (count above b) < need ≤ (count
 // above b) + hist[b]. Thread t owns bins nbins−1−t·per … nbins−per−t·per (highest first), a
 // block scan gives each thread the count above its bins, and the one thread holding b writes
@@ -454,7 +423,7 @@ __device__ __forceinline__ unsigned int ordered(float x) {
 
 // Keys a radix-select thread keeps in registers: with n ≤ blockDim.x · RADIX_REGS scores
 // (8192 centroids per head at 128K), every pass (two or three levels, the emission) reads
-// registers instead of memory. The kernels calling it are bounded to 1024 threads, so 8
+// registers instead of memory. The kernel calling it is bounded to 1024 threads, so 8
 // keys fit the 64 registers a thread may have.
 #define RADIX_REGS 8
 
@@ -462,8 +431,8 @@ __device__ __forceinline__ unsigned int ordered(float x) {
 // j·blockDim.x (j < RADIX_REGS) are loaded once into registers; otherwise every pass reads
 // and converts them again.
 template <bool REGS>
-__device__ __forceinline__ void radix_select(const float* __restrict__ s, const int* __restrict__ ix, int n, int r,
-                                             int* __restrict__ o, unsigned int* __restrict__ level0) {
+__device__ __forceinline__ void radix_select(const float* __restrict__ s, int n, int r, int* __restrict__ o,
+                                             unsigned int* __restrict__ level0) {
   __shared__ unsigned int hist[2048];
   __shared__ unsigned int scan[32];
   __shared__ unsigned int sel_bin, above, emitted, tied;
@@ -483,7 +452,7 @@ __device__ __forceinline__ void radix_select(const float* __restrict__ s, const 
   const unsigned int masks[3] = {2047u, 2047u, 1023u};
   for (int level = 0; level < 3; level++) {
     const int shift = shifts[level];
-    if (level == 0 && level0 != nullptr) {
+    if (level == 0) {
       // The first level's histogram was counted while the scores were computed (score_hist):
       // taken, and cleared for the next step.
       for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
@@ -497,7 +466,7 @@ __device__ __forceinline__ void radix_select(const float* __restrict__ s, const 
       for (int j = 0; j < passes; j++) {
         if (threadIdx.x + j * blockDim.x >= n) break;
         const unsigned int k = KEY(j);
-        if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
+        if ((k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
       }
     }
     __syncthreads();
@@ -529,31 +498,25 @@ __device__ __forceinline__ void radix_select(const float* __restrict__ s, const 
     bgt = __shfl_sync(0xffffffffu, bgt, 0);
     beq = __shfl_sync(0xffffffffu, beq, 0);
     if (gt) {
-      o[bgt + __popc(mgt & below)] = ix ? ix[i] : i;
+      o[bgt + __popc(mgt & below)] = i;
     } else if (eq) {
       const unsigned int t = beq + __popc(meq & below);
-      if (t < need) o[r - need + t] = ix ? ix[i] : i;
+      if (t < need) o[r - need + t] = i;
     }
   }
 #undef KEY
 }
 
-// One CTA: writes to o the indices (ix[i], or i when ix is null) of the r largest of the n
-// scores s, unordered. A three-level radix select on the ordered 32-bit keys (11 + 11 + 10
-// bits, histograms in shared memory, a parallel bin search) finds the r-th key exactly;
-// every key above it is emitted and keys equal to it fill the remainder. No sort. `level0`
-// (may be null): the first level's 2048-bin histogram of these keys, already counted (read
-// and zeroed here). Up to blockDim.x · RADIX_REGS scores stay in registers for every pass.
-__device__ void radix_top_r(const float* __restrict__ s, const int* __restrict__ ix, int n, int r, int* __restrict__ o,
-                            unsigned int* __restrict__ level0 = nullptr) {
-  if (n <= (int)blockDim.x * RADIX_REGS) radix_select<true>(s, ix, n, r, o, level0);
-  else radix_select<false>(s, ix, n, r, o, level0);
-}
-
-// Per head (one CTA of 1024 threads): the indices of the r largest of its n scores.
-extern "C" __global__ void __launch_bounds__(1024)
-    top_r_select(const float* __restrict__ scores, int n, int r, int* __restrict__ out) {
-  radix_top_r(scores + (long long)blockIdx.x * n, nullptr, n, r, out + (long long)blockIdx.x * r);
+// One CTA: writes to o the indices of the r largest of the n scores s, unordered. A
+// three-level radix select on the ordered 32-bit keys (11 + 11 + 10 bits, histograms in
+// shared memory, a parallel bin search) finds the r-th key exactly; every key above it is
+// emitted and keys equal to it fill the remainder. No sort. `level0`: the first level's
+// 2048-bin histogram of these keys, already counted while scoring (read and zeroed here). Up
+// to blockDim.x · RADIX_REGS scores stay in registers for every pass.
+__device__ void radix_top_r(const float* __restrict__ s, int n, int r, int* __restrict__ o,
+                            unsigned int* __restrict__ level0) {
+  if (n <= (int)blockDim.x * RADIX_REGS) radix_select<true>(s, n, r, o, level0);
+  else radix_select<false>(s, n, r, o, level0);
 }
 
 // Scores of one f16 row against the group's queries (qs: group × HEAD_DIM floats in shared
@@ -647,7 +610,7 @@ extern "C" __global__ void __launch_bounds__(1024) select_scored(const float* __
                                          int* __restrict__ mark) {
   const int h = blockIdx.x;
   int* o = out + (long long)h * r;
-  radix_top_r(scores + (long long)h * n, nullptr, n, r, o, hist0 + (long long)h * 2048);
+  radix_top_r(scores + (long long)h * n, n, r, o, hist0 + (long long)h * 2048);
   if (mark != nullptr) {
     __syncthreads();
     for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * n + o[i]] = 1;

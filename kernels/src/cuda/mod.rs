@@ -58,8 +58,6 @@ pub struct GpuBackend {
     partial: Vec<CudaFunction>,
     merge: CudaFunction,
     admit: CudaFunction,
-    score: CudaFunction,
-    select: CudaFunction,
     /// Scores every centroid and counts the first radix level (`score_hist`).
     score_hist: CudaFunction,
     /// Finishes the radix select from that count (`select_scored`).
@@ -216,8 +214,6 @@ impl GpuBackend {
         let partial = per_group("attn_partial")?;
         let merge = module.load_function("attn_merge").map_err(gpu_err("attn_merge"))?;
         let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
-        let score = module.load_function("centroid_scores").map_err(gpu_err("centroid_scores"))?;
-        let select = module.load_function("top_r_select").map_err(gpu_err("top_r_select"))?;
         let score_hist = module.load_function("score_hist").map_err(gpu_err("score_hist"))?;
         let select_scored = module.load_function("select_scored").map_err(gpu_err("select_scored"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
@@ -241,8 +237,6 @@ impl GpuBackend {
             partial,
             merge,
             admit,
-            score,
-            select,
             score_hist,
             select_scored,
             expand,
@@ -492,42 +486,15 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// Scores every centroid (best head of the group) into the job's score buffer and runs
-    /// the exact radix select over all of them: the fallback of [`GpuBackend::launch_select`].
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
-    fn launch_full_select(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<()> {
-        let sh = job.shape;
-        let n = cent.per_head as i32;
-        let scale = 1.0 / (sh.head_dim as f32).sqrt();
-        let group = sh.group() as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (cent.per_head.div_ceil(8) as u32, sh.kv_heads as u32, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut b = self.stream.launch_builder(&self.score);
-        b.arg(&cent.data).arg(&n).arg(&job.q).arg(&scale).arg(&group).arg(&mut job.scores);
-        // SAFETY: as in launch_select; scores holds kv_heads × n floats.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching centroid_scores"))?;
-        let r = job.r as i32;
-        let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let mut b = self.stream.launch_builder(&self.select);
-        b.arg(&job.scores).arg(&n).arg(&r).arg(&mut job.out);
-        // SAFETY: scores holds kv_heads × n floats, out kv_heads × r ints with 1 ≤ r ≤ n.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching top_r_select"))?;
-        Ok(())
-    }
-
-    /// The selected centroid indices per KV head (unordered). (Heads whose sampled
-    /// threshold kept fewer than r candidates were selected over all scores on the device.)
+    /// The selected centroid indices per KV head (unordered).
     pub fn fetch_select(&self, job: &SelectJob) -> Result<Vec<Vec<u32>>> {
         let out = self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the selection back"))?;
         Ok(out.chunks(job.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect())
     }
 
-    /// Every centroid's score (best head of the group), `kv_heads × n`, for checks.
-    pub fn select_scores(&self, cent: &DeviceCentroids, job: &mut SelectJob) -> Result<Vec<f32>> {
-        self.launch_full_select(cent, job)?;
+    /// Every centroid's score (best head of the group), `kv_heads × n`, as the job's last
+    /// [`GpuBackend::launch_select`] computed and selected over them (for checks).
+    pub fn select_scores(&self, job: &SelectJob) -> Result<Vec<f32>> {
         self.stream.clone_dtoh(&job.scores).map_err(gpu_err("copying scores back"))
     }
 
