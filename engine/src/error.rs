@@ -149,7 +149,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Returns an error naming the first non-finite element of `data`.
 pub(crate) fn check_finite(what: &'static str, data: &[f32]) -> Result<()> {
-    match data.iter().position(|x| !x.is_finite()) {
+    match attnstore_kernels::first_non_finite(data) {
         Some(index) => Err(Error::NonFinite { what, index, value: data[index] }),
         None => Ok(()),
     }

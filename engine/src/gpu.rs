@@ -122,19 +122,27 @@ impl GpuExec {
     }
 }
 
-/// Phase times of one GPU request, printed to stderr when `ATTNSTORE_GPU_TRACE` is set.
+/// Phase times of one GPU call, printed to stderr when `ATTNSTORE_GPU_TRACE` is set: host
+/// phases, and for a device step the device time from before its launch to its end (the
+/// step launched as usual, from its graph). With `ATTNSTORE_GPU_TRACE=device` a single
+/// device step instead runs eagerly with an event per kernel phase (select, estimate, row
+/// list, attention, merge), to see where device time goes.
 struct PhaseTrace {
     on: bool,
+    /// Single device steps run eagerly, phase by phase.
+    eager: bool,
     last: std::time::Instant,
     phases: Vec<(&'static str, f64)>,
-    /// Milliseconds of a traced single device step's phases.
+    /// Milliseconds of a traced device step (its phases, when eager).
     device_ms: Vec<f64>,
 }
 
 impl PhaseTrace {
     fn new() -> Self {
+        let mode = std::env::var("ATTNSTORE_GPU_TRACE").ok();
         Self {
-            on: std::env::var_os("ATTNSTORE_GPU_TRACE").is_some(),
+            on: mode.is_some(),
+            eager: mode.as_deref() == Some("device"),
             last: std::time::Instant::now(),
             phases: Vec::new(),
             device_ms: Vec::new(),
@@ -152,7 +160,7 @@ impl PhaseTrace {
         if self.on {
             let parts: Vec<String> = self.phases.iter().map(|(p, us)| format!("{p} {us:.0}")).collect();
             let device: Vec<String> = self.device_ms.iter().map(|ms| format!("{:.0}", ms * 1e3)).collect();
-            eprintln!("gpu request (us): {}; device phases (us): {}", parts.join(", "), device.join(" "));
+            eprintln!("gpu request (us): {}; device (us): {}", parts.join(", "), device.join(" "));
         }
     }
 }
@@ -374,15 +382,20 @@ impl Engine {
             _ => gpu.wave_batch(steps.len().max(4))?,
         };
         let reads = manager.device_read();
+        // A traced step's device time: marks before and after its launch.
+        let timed = |trace: &PhaseTrace| if trace.on && !trace.eager { gpu.mark().ok() } else { None };
+        let before = timed(trace);
         let launched = match steps.as_mut_slice() {
-            // Traced single steps run eagerly with an event per phase (select, estimate, row
-            // list, attention, merge), to see where device time goes.
-            [s] if trace.on => gpu.wave_phases(s.wave, s.kv, s.cache, s.job).map(|ms| trace.device_ms = ms),
+            [s] if trace.eager => gpu.wave_phases(s.wave, s.kv, s.cache, s.job).map(|ms| trace.device_ms = ms),
             _ => gpu.launch_wave_batch(&mut batch, &mut steps),
         };
+        let after = timed(trace);
         // Wait for the step (also on failure: nothing may still read the slots).
         trace.mark("launch");
         let fetched: Vec<_> = steps.iter_mut().map(|s| gpu.fetch_wave_selected(s.job)).collect();
+        if let (Some(a), Some(b)) = (before, after) {
+            trace.device_ms = a.ms_until(&b).into_iter().collect();
+        }
         drop(reads);
         drop(steps);
         trace.mark("step + fetch");

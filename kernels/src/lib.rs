@@ -23,7 +23,7 @@ pub use codec::Codec;
 pub use cpu::hack::HackParams;
 pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch};
 pub use cpu::partial::Partial;
-pub use element::{narrow_vec, DType, Element};
+pub use element::{first_non_finite, narrow_vec, DType, Element};
 pub use error::{Error, Result};
 pub use shape::AttnShape;
 pub use view::HeadsView;

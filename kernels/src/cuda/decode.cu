@@ -282,9 +282,12 @@ ATTN_PARTIAL(8)
 // `lse` (may be null): per query head, the log of the softmax denominator m + ln l, so the
 // normalized output and it form a partial (o = out, m = lse, l = 1) the host can merge.
 // `part2` (may be null): `chunks2` more partials per KV head in a second buffer, same layout
-// (a wave step's estimation partials, written on another stream).
+// (a wave step's estimation partials, written on another stream). `out_copy` (may be null):
+// a second destination of the output, e.g. a job's mapped pinned buffer, so the host reads
+// the result with no copy node after the kernel.
 extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
-                                      float* __restrict__ lse, const float* __restrict__ part2, int chunks2) {
+                                      float* __restrict__ lse, const float* __restrict__ part2, int chunks2,
+                                      float* __restrict__ out_copy) {
   const int qh = blockIdx.x;
   const int h = qh / group, g = qh % group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -342,7 +345,9 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
   for (int i = threadIdx.x; i < HEAD_DIM; i += blockDim.x) {
     float a = 0.f, l = 0.f;
     for (int w = 0; w < MERGE_WARPS; w++) { a += acc_s[w][i]; l += acc_s[w][HEAD_DIM]; }
-    out[qh * HEAD_DIM + i] = l > 0.f ? a / l : 0.f;
+    const float o = l > 0.f ? a / l : 0.f;
+    out[qh * HEAD_DIM + i] = o;
+    if (out_copy != nullptr) out_copy[qh * HEAD_DIM + i] = o;
   }
   if (lse != nullptr && threadIdx.x == 0) {
     float l = 0.f;

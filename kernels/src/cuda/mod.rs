@@ -23,7 +23,7 @@ mod kmeans;
 mod wave;
 pub use hack::{DeviceHack, HackJob};
 pub use kmeans::SegmentKMeans;
-pub use wave::{ArenaCache, DeviceWave, WaveBatch, WaveCache, WaveJob, WaveStep, WaveTable};
+pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
     concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("kmeans.cu"));
@@ -217,7 +217,7 @@ impl GpuBackend {
         let score_hist = module.load_function("score_hist").map_err(gpu_err("score_hist"))?;
         let select_scored = module.load_function("select_scored").map_err(gpu_err("select_scored"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
-        let ingest = module.load_function("steady_ingest").map_err(gpu_err("steady_ingest"))?;
+        let ingest = module.load_function("step_ingest").map_err(gpu_err("step_ingest"))?;
         let est = per_group("est_partial")?;
         let km_assign = module.load_function("kmeans_assign").map_err(gpu_err("kmeans_assign"))?;
         let km_accumulate = module.load_function("kmeans_accumulate").map_err(gpu_err("kmeans_accumulate"))?;
@@ -588,7 +588,7 @@ impl GpuBackend {
         self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), NO_STEADY, job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
-        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0))
+        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0), 0)
     }
 
     /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `chunks` CTAs per
@@ -630,7 +630,10 @@ impl GpuBackend {
     /// Enqueues the log-sum-exp merge of `chunks` partials per query head (`part`, laid out
     /// `[kv_head][chunk][group][head_dim + 2]`) into `out` (`q_heads × head_dim`).
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
-    #[allow(clippy::too_many_arguments, reason = "the stream, the shape and three buffers with their sizes")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the stream, the shape, three buffers with their sizes and an optional copy"
+    )]
     fn launch_merge(
         &self,
         stream: &Arc<CudaStream>,
@@ -640,6 +643,7 @@ impl GpuBackend {
         out: &mut CudaSlice<f32>,
         lse: u64,
         (part2, chunks2): (u64, usize),
+        out_copy: u64,
     ) -> Result<()> {
         let need = sh.kv_heads * chunks * sh.group() * (self.head_dim + 2);
         if part.len() < need || out.len() < sh.query_len() {
@@ -649,10 +653,11 @@ impl GpuBackend {
         // 32 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&self.merge);
-        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2);
+        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2).arg(&out_copy);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
         // floats (both checked above); part2 (when not 0) kv_heads × chunks2 × group partials
-        // (the caller's wave job allocated it so); one CTA per query head.
+        // (the caller's wave job allocated it so); out_copy (when not 0) is the device address
+        // of the caller's mapped buffer of q_heads × head_dim floats; one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
         Ok(())
     }

@@ -97,7 +97,7 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
                                        int block_rows, int blocks_per_head, int slot_rows,
                                        const int* __restrict__ row_map, const int* __restrict__ steady_len,
                                        int cache_rows, int* __restrict__ scan, int* __restrict__ list,
-                                       int* __restrict__ list_offsets) {
+                                       int* __restrict__ list_offsets, int* __restrict__ sel_copy) {
   const int h = blockIdx.x, per = r + 1;
   const int steady = steady_len != nullptr ? *steady_len : rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -118,6 +118,10 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   }
   __syncthreads();
   const int total = block_exclusive_scan(mine, per);
+  // The selection also goes to `sel_copy` (may be null: a job's mapped pinned buffer), so
+  // the host reads it with no copy node after the step.
+  if (first && sel_copy != nullptr)
+    for (int i = threadIdx.x; i < r; i += blockDim.x) sel_copy[h * r + i] = sel[h * r + i];
   if (first && threadIdx.x == 0) {
     list_offsets[h] = start;
     if (h == kv_heads - 1) list_offsets[kv_heads] = start + total;
@@ -204,15 +208,25 @@ EST_PARTIAL(6)
 EST_PARTIAL(7)
 EST_PARTIAL(8)
 
-// An arena layer's steady zone arrives through mapped pinned staging laid out like the device
-// zone (row i of every head at i·row_words 16-byte words, keys then values): the host writes
-// rows and then marks[0] = its length and marks[1] = min(marks[1], the first row it
-// changed). One CTA at the head of each step copies rows [min(*dev_len, marks[1]), marks[0])
-// to the device zone, sets *dev_len = marks[0] and marks[1] = INT_MAX: a step's launches take
-// no per-step argument and the host no copy call, whatever was appended.
-extern "C" __global__ void steady_ingest(const uint4* __restrict__ stage_k, const uint4* __restrict__ stage_v,
-                                         int* marks, uint4* __restrict__ k, uint4* __restrict__ v,
-                                         int* __restrict__ dev_len, int row_words) {
+// The head of every wave step: the job's queries from its mapped pinned mailbox into the
+// device buffers the selection (`q_a`) and the attention (`q_b`) read, `q_words` 16-byte words
+// spread over every CTA; and CTA 0, for an arena layer (`marks` not null), the steady zone.
+// That zone arrives through mapped pinned staging laid out like the device zone (row i of
+// every head at i·row_words 16-byte words, keys then values): the host writes rows and then
+// marks[0] = its length and marks[1] = min(marks[1], the first row it changed). CTA 0 copies
+// rows [min(*dev_len, marks[1]), marks[0]) to the device zone, sets *dev_len = marks[0] and
+// marks[1] = INT_MAX. So a step's launches take no per-step argument and the host makes no
+// copy call, whatever was appended: one kernel node instead of copy nodes.
+extern "C" __global__ void step_ingest(const uint4* __restrict__ q_src, uint4* __restrict__ q_a,
+                                       uint4* __restrict__ q_b, int q_words, const uint4* __restrict__ stage_k,
+                                       const uint4* __restrict__ stage_v, int* marks, uint4* __restrict__ k,
+                                       uint4* __restrict__ v, int* __restrict__ dev_len, int row_words) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < q_words; i += gridDim.x * blockDim.x) {
+    const uint4 x = q_src[i];
+    q_a[i] = x;
+    q_b[i] = x;
+  }
+  if (blockIdx.x != 0 || marks == nullptr) return;
   __shared__ int bounds[2];
   if (threadIdx.x == 0) {
     const int len = ((volatile int*)marks)[0], first = ((volatile int*)marks)[1];

@@ -50,13 +50,11 @@ struct ArenaRows {
     /// The steady zone's length (one int the row list reads, so graphs outlive appends).
     len: CudaSlice<i32>,
     /// Mapped pinned staging of the steady rows (keys, then values, laid out like the device
-    /// zone) and its device address: [`GpuBackend::set_steady`] writes rows there, the
-    /// step's `steady_ingest` copies what changed (no copy call on the host).
+    /// zone): [`GpuBackend::set_steady`] writes rows there, the
+    /// step's `step_ingest` copies what changed (no copy call on the host).
     stage: Mailbox<u16>,
-    stage_dev: u64,
-    /// Mapped pinned `[length, first row changed since the last step]`, and its device address.
+    /// Mapped pinned `[length, first row changed since the last step]`.
     marks: Mailbox<i32>,
-    marks_dev: u64,
     /// The backend's stream: dropping the staging waits for the steps that read it.
     stream: Arc<CudaStream>,
     capacity: usize,
@@ -105,12 +103,17 @@ struct Mailbox<T> {
     memory: PinnedHostSlice<T>,
     /// Host address of the first element (taken once at allocation).
     addr: usize,
+    /// Its device address, for memory allocated device-mapped (kernels read and write it in
+    /// place over PCIe).
+    dev: u64,
 }
 
 impl<T: cudarc::driver::ValidAsZeroBits> Mailbox<T> {
-    fn new(mut memory: PinnedHostSlice<T>) -> Result<Self> {
+    /// A mailbox over device-mapped pinned memory (`GpuBackend::pinned_mapped`).
+    fn mapped(mut memory: PinnedHostSlice<T>) -> Result<Self> {
+        let dev = super::mapped_device_pointer(&mut memory)?;
         let addr = memory.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))? as usize;
-        Ok(Self { memory, addr })
+        Ok(Self { memory, addr, dev })
     }
 
     fn len(&self) -> usize {
@@ -129,14 +132,6 @@ impl<T: cudarc::driver::ValidAsZeroBits> Mailbox<T> {
     fn as_mut(&mut self) -> &mut [T] {
         // SAFETY: as in `as_slice`, and `&mut self` makes this the only reference.
         unsafe { std::slice::from_raw_parts_mut(self.addr as *mut T, self.len()) }
-    }
-}
-
-/// A driver call's result as this crate's error.
-fn check(r: sys::CUresult) -> Result<()> {
-    match r {
-        sys::CUresult::CUDA_SUCCESS => Ok(()),
-        e => Err(Error::Gpu { what: "an asynchronous copy", message: format!("{e:?}") }),
     }
 }
 
@@ -225,23 +220,38 @@ pub struct WaveJob {
     io: JobIo,
 }
 
+/// A point on a backend's stream ([`GpuBackend::mark`]).
+pub struct StreamMark(CudaEvent);
+
+impl StreamMark {
+    /// Milliseconds of device time from this mark to `later` (waits for `later`).
+    pub fn ms_until(&self, later: &StreamMark) -> Result<f64> {
+        later.0.synchronize().map_err(gpu_err("waiting for a mark"))?;
+        Ok(f64::from(self.0.elapsed_ms(&later.0).map_err(gpu_err("reading an event"))?))
+    }
+}
+
 /// See [`WaveJob::io`].
 struct JobIo {
     q: Mailbox<f32>,
     out: Mailbox<f32>,
     sel: Mailbox<i32>,
-    /// Recorded after each launch of the job: the step, with its copies in and out, is done.
-    done: CudaEvent,
-    /// No launch since the last wait for `done`.
-    idle: bool,
+    /// Recorded after a launch of the job alone: the step, with its reads and writes of the
+    /// mailboxes, is done.
+    done: Arc<CudaEvent>,
+    /// The event that marks the end of the job's last launch (its own `done`, or the batch's
+    /// when it ran in one: one record per batch, not per job), until waited for.
+    pending: Option<Arc<CudaEvent>>,
 }
 
 impl JobIo {
     /// Waits for the job's last step unless that was already done.
     fn wait(&mut self) -> Result<()> {
-        if !self.idle {
-            self.done.synchronize().map_err(gpu_err("waiting for the step"))?;
-            self.idle = true;
+        if let Some(e) = &self.pending {
+            // A later record of a batch's event only marks a later point: waiting for it is
+            // never too early.
+            e.synchronize().map_err(gpu_err("waiting for the step"))?;
+            self.pending = None;
         }
         Ok(())
     }
@@ -328,6 +338,8 @@ pub struct WaveStep<'a> {
 pub struct WaveBatch {
     lanes: Vec<Lane>,
     graphs: Graphs,
+    /// Recorded once after each batch launch; every job of the batch waits for it.
+    done: Arc<CudaEvent>,
 }
 
 impl WaveBatch {
@@ -388,12 +400,8 @@ impl GpuBackend {
         let row_map: Vec<i32> = layer.row_map.iter().map(|&r| r as i32).collect();
         let steady = steady_capacity * layer.kv_heads * self.head_dim;
         let alloc = |n: usize| s.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the steady zone"));
-        let mut stage = self.pinned_mapped::<u16>(2 * steady)?;
-        let stage_dev = super::mapped_device_pointer(&mut stage)?;
-        let stage = Mailbox::new(stage)?;
-        let mut marks = self.pinned_mapped::<i32>(2)?;
-        let marks_dev = super::mapped_device_pointer(&mut marks)?;
-        let mut marks = Mailbox::new(marks)?;
+        let stage = Mailbox::mapped(self.pinned_mapped::<u16>(2 * steady)?)?;
+        let mut marks = Mailbox::mapped(self.pinned_mapped::<i32>(2)?)?;
         marks.as_mut().copy_from_slice(&[0, i32::MAX]);
         let arena = ArenaRows {
             row_map: s.clone_htod(&row_map).map_err(gpu_err("copying the row map"))?,
@@ -401,9 +409,7 @@ impl GpuBackend {
             values: alloc(steady)?,
             len: s.alloc_zeros::<i32>(1).map_err(gpu_err("allocating the steady zone"))?,
             stage,
-            stage_dev,
             marks,
-            marks_dev,
             stream: Arc::clone(&self.stream),
             capacity: steady_capacity,
             synced: 0,
@@ -578,7 +584,7 @@ impl GpuBackend {
         if q.len() != want {
             return Err(Error::ShapeMismatch { what: "queries (q_heads × head_dim)", expected: want, got: q.len() });
         }
-        if let Some(bad) = q.iter().position(|x| !x.is_finite()) {
+        if let Some(bad) = crate::first_non_finite(q) {
             return Err(Error::InvalidArgument { what: "queries", message: format!("element {bad} is not finite") });
         }
         // The job's last step must be done with the buffer (it long is when it was fetched).
@@ -589,14 +595,14 @@ impl GpuBackend {
 
     /// A job's pinned buffers.
     fn job_io(&self, shape: &AttnShape, r: usize) -> Result<JobIo> {
-        let q = Mailbox::new(self.pinned::<f32>(shape.query_len())?)?;
-        let out = Mailbox::new(self.pinned::<f32>(shape.query_len())?)?;
-        let sel = Mailbox::new(self.pinned::<i32>(shape.kv_heads * r)?)?;
+        let q = Mailbox::mapped(self.pinned_mapped::<f32>(shape.query_len())?)?;
+        let out = Mailbox::mapped(self.pinned_mapped::<f32>(shape.query_len())?)?;
+        let sel = Mailbox::mapped(self.pinned_mapped::<i32>(shape.kv_heads * r)?)?;
         let done = self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(gpu_err("creating an event"))?;
-        Ok(JobIo { q, out, sel, done, idle: true })
+        Ok(JobIo { q, out, sel, done: Arc::new(done), pending: None })
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`) and the clusters it
@@ -612,28 +618,12 @@ impl GpuBackend {
     }
 
     /// Pinned host memory of `len` elements, zeroed, mapped into the device's address space.
+    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
     fn pinned_mapped<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
         &self,
         len: usize,
     ) -> Result<PinnedHostSlice<T>> {
-        self.pinned_with(len, sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE)
-    }
-
-    /// Pinned host memory of `len` elements, zeroed.
-    fn pinned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
-        &self,
-        len: usize,
-    ) -> Result<PinnedHostSlice<T>> {
-        self.pinned_with(len, 0)
-    }
-
-    /// Pinned host memory of `len` elements allocated with `flags`, zeroed.
-    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
-    fn pinned_with<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
-        &self,
-        len: usize,
-        flags: u32,
-    ) -> Result<PinnedHostSlice<T>> {
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
         let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
             .map_err(gpu_err("allocating pinned memory"))?;
@@ -657,7 +647,7 @@ impl GpuBackend {
         let mut steps = [WaveStep { wave, kv, cache, job }];
         self.check_steps(&steps)?;
         let mut graphs = std::mem::take(&mut steps[0].job.graphs);
-        let done = self.launch_steps(&mut graphs, &[], &mut steps);
+        let done = self.launch_steps(&mut graphs, &[], &mut steps, None);
         steps[0].job.graphs = graphs;
         done
     }
@@ -668,7 +658,11 @@ impl GpuBackend {
             .map(|_| Ok((self.stream.fork()?, self.stream.fork()?)))
             .collect::<std::result::Result<Vec<_>, cudarc::driver::DriverError>>()
             .map_err(gpu_err("creating streams"))?;
-        Ok(WaveBatch { lanes, graphs: Graphs::default() })
+        let done = self
+            .ctx
+            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(gpu_err("creating an event"))?;
+        Ok(WaveBatch { lanes, graphs: Graphs::default(), done: Arc::new(done) })
     }
 
     /// Enqueues one decode step of every request in `steps` (each its own layer, KV, cache
@@ -685,19 +679,26 @@ impl GpuBackend {
             });
         }
         self.check_steps(steps)?;
-        self.launch_steps(&mut batch.graphs, &batch.lanes, steps)
+        self.launch_steps(&mut batch.graphs, &batch.lanes, steps, Some(&batch.done))
     }
 
     /// Replays the graph of these steps' buffers (capturing it first when new), or launches
     /// them eagerly when graphs are off. `lanes` empty: one step on the backend's streams.
-    fn launch_steps(&self, graphs: &mut Graphs, lanes: &[Lane], steps: &mut [WaveStep<'_>]) -> Result<()> {
+    /// `done`: the batch's event, recorded once for every step (else each job's own).
+    fn launch_steps(
+        &self,
+        graphs: &mut Graphs,
+        lanes: &[Lane],
+        steps: &mut [WaveStep<'_>],
+        done: Option<&Arc<CudaEvent>>,
+    ) -> Result<()> {
         if !graphs.off {
             let key: Vec<u64> = steps.iter().flat_map(|s| self.step_key(s)).collect();
             if let Some(i) = graphs.cached.iter().position(|(k, _)| *k == key) {
                 let entry = graphs.cached.remove(i);
                 entry.1.launch().map_err(gpu_err("launching a wave graph"))?;
                 graphs.cached.push(entry);
-                return self.record_done(steps);
+                return self.record_done(steps, done);
             }
             self.stream
                 .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
@@ -713,18 +714,29 @@ impl GpuBackend {
                 graphs.cached.remove(0);
             }
             graphs.cached.push((key, graph));
-            return self.record_done(steps);
+            return self.record_done(steps, done);
         }
         self.enqueue_steps(lanes, steps)?;
-        self.record_done(steps)
+        self.record_done(steps, done)
     }
 
     /// Marks each step's job done once the backend's stream (which waits for every lane)
-    /// reaches this point.
-    fn record_done(&self, steps: &mut [WaveStep<'_>]) -> Result<()> {
+    /// reaches this point: with one record of `shared` (a batch's event) for all of them,
+    /// or one of its own event per job.
+    fn record_done(&self, steps: &mut [WaveStep<'_>], shared: Option<&Arc<CudaEvent>>) -> Result<()> {
+        let record = |e: &Arc<CudaEvent>| e.record(&self.stream).map_err(gpu_err("recording an event"));
+        if let Some(e) = shared {
+            record(e)?;
+        }
         for s in steps {
-            s.job.io.done.record(&self.stream).map_err(gpu_err("recording an event"))?;
-            s.job.io.idle = false;
+            let e = match shared {
+                Some(e) => Arc::clone(e),
+                None => {
+                    record(&s.job.io.done)?;
+                    Arc::clone(&s.job.io.done)
+                }
+            };
+            s.job.io.pending = Some(e);
         }
         Ok(())
     }
@@ -794,8 +806,8 @@ impl GpuBackend {
             j.io.q.addr as u64,
             j.io.out.addr as u64,
             j.io.sel.addr as u64,
-            s.wave.arena.as_ref().map_or(0, |a| a.stage_dev),
-            s.wave.arena.as_ref().map_or(0, |a| a.marks_dev),
+            s.wave.arena.as_ref().map_or(0, |a| a.stage.dev),
+            s.wave.arena.as_ref().map_or(0, |a| a.marks.dev),
         ]
     }
 
@@ -824,6 +836,16 @@ impl GpuBackend {
                 CacheArgs { keys: 0, values: 0, rows: 0, table: 0, block_rows: 1, blocks_per_head: 0, slot_rows: 1 }
             }
         }
+    }
+
+    /// A timing mark on the backend's stream (after everything enqueued so far), to time a
+    /// step's device work without changing how it is launched (see [`StreamMark::ms_until`]).
+    pub fn mark(&self) -> Result<StreamMark> {
+        let e = self
+            .stream
+            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(gpu_err("recording an event"))?;
+        Ok(StreamMark(e))
     }
 
     /// Runs one step like [`GpuBackend::launch_wave`] (eagerly, not from a graph) and returns
@@ -977,14 +999,15 @@ impl GpuBackend {
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
         b.arg(&c.table).arg(&c.block_rows).arg(&c.blocks_per_head).arg(&c.slot_rows);
         b.arg(&map).arg(&steady_len).arg(&c.rows);
-        b.arg(&mut job.scan).arg(list).arg(list_offsets);
+        b.arg(&mut job.scan).arg(list).arg(list_offsets).arg(&job.io.sel.dev);
         // SAFETY: out holds r distinct cluster ids < n per head (select_scored), offsets
         // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
         // steady + r × largest entries = the capacity allocated per head (an arena layer's
         // steady length ≤ its capacity, set_steady); the table (checked above, or the arena
         // cache's owner's claim) names cache rows < the cache's rows; an arena layer's row map
         // holds kv_heads × indexed rows < the arena's (check_steps); scan holds kv_heads ×
-        // EXPAND_SPLIT × (r + 1) (one slice per CTA).
+        // EXPAND_SPLIT × (r + 1) (one slice per CTA); the job's mapped selection buffer holds
+        // kv_heads × r ints (job_io).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
         phase_done("row list", main)?;
         let steady = match &wave.arena {
@@ -997,52 +1020,45 @@ impl GpuBackend {
         main.join(side).map_err(gpu_err("ordering the streams"))?;
         let lse = device_address(&job.decode.lse, main);
         let est = (device_address(&job.est_part, main), job.est_chunks);
-        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est)?;
-        self.step_outputs(main, job)?;
+        let out = job.io.out.dev;
+        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est, out)?;
         phase_done("merge", main)
     }
 
-    /// A step's first launches: an arena layer's steady rows staged since the last step, and
-    /// the job's queries from its pinned buffer.
-    #[allow(unsafe_code, reason = "kernel launches and copies take raw addresses")]
+    /// A step's first launch (`step_ingest`): the job's queries from its mapped pinned buffer
+    /// into the device buffers the kernels read, and an arena layer's steady rows staged since
+    /// the last step.
+    #[allow(unsafe_code, reason = "kernel launches take raw addresses")]
     fn step_inputs(&self, main: &Arc<CudaStream>, wave: &DeviceWave, job: &mut WaveJob) -> Result<()> {
-        if let Some(a) = &wave.arena {
-            let half = (a.capacity * wave.kv_heads * self.head_dim * 2) as u64;
-            let row_words = (wave.kv_heads * self.head_dim * 2 / 16) as i32;
-            let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let (sk, sv) = (a.stage_dev, a.stage_dev + half);
-            let mut b = main.launch_builder(&self.ingest);
-            b.arg(&sk).arg(&sv).arg(&a.marks_dev).arg(&a.keys).arg(&a.values).arg(&a.len).arg(&row_words);
-            // SAFETY: the staging (mapped, 2 × capacity rows of kv_heads × head_dim f16, whose
-            // row size is a multiple of 16 bytes: head_dim is) and the device zone have the same
-            // layout; the marks hold [length ≤ capacity, first changed row] (set_steady checks
-            // both), so every copied word is inside both; the length int is the zone's.
-            unsafe { b.launch(cfg) }.map_err(gpu_err("launching steady_ingest"))?;
-        }
-        let bytes = job.decode.shape.query_len() * 4;
+        let q_words = (job.decode.shape.query_len() * 4 / 16) as i32;
         let (q_select, q_decode) = (device_address(&job.select.q, main), device_address(&job.decode.q, main));
-        // SAFETY: the source is the job's pinned query buffer of query_len floats (alive as long
-        // as the job, and a graph that replays this copy is kept by the job or by a batch whose
-        // key holds its address); both device buffers hold query_len floats.
-        unsafe {
-            check(sys::cuMemcpyHtoDAsync_v2(q_select, job.io.q.addr as *const _, bytes, main.cu_stream()))?;
-            check(sys::cuMemcpyDtoDAsync_v2(q_decode, q_select, bytes, main.cu_stream()))?;
-        }
-        Ok(())
-    }
-
-    /// A step's last launches: its output and selection copied to the job's pinned buffers.
-    #[allow(unsafe_code, reason = "copies to pinned memory take raw addresses")]
-    fn step_outputs(&self, main: &Arc<CudaStream>, job: &WaveJob) -> Result<()> {
-        let out = (device_address(&job.decode.out, main), job.decode.shape.query_len() * 4);
-        let sel = (device_address(&job.select.out, main), job.io.sel.len() * 4);
-        // SAFETY: the destinations are the job's pinned buffers of query_len floats and
-        // kv_heads × r ints (alive as long as the job, like the source buffers); the copies
-        // are as long as the device buffers' used parts.
-        unsafe {
-            check(sys::cuMemcpyDtoHAsync_v2(job.io.out.addr as *mut _, out.0, out.1, main.cu_stream()))?;
-            check(sys::cuMemcpyDtoHAsync_v2(job.io.sel.addr as *mut _, sel.0, sel.1, main.cu_stream()))?;
-        }
+        // Enough CTAs that every thread copies one 16-byte word of the queries: one round trip
+        // over PCIe.
+        let ctas = (q_words as u32).div_ceil(256).max(1);
+        let cfg = LaunchConfig { grid_dim: (ctas, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let (sk, sv, marks, k, v, len, row_words) = match &wave.arena {
+            Some(a) => {
+                let half = (a.capacity * wave.kv_heads * self.head_dim * 2) as u64;
+                let row_words = (wave.kv_heads * self.head_dim * 2 / 16) as i32;
+                let at = |x: &CudaSlice<u16>| device_address(x, main);
+                let len = device_address(&a.len, main);
+                (a.stage.dev, a.stage.dev + half, a.marks.dev, at(&a.keys), at(&a.values), len, row_words)
+            }
+            None => (0, 0, 0, 0, 0, 0, 0),
+        };
+        let mut b = main.launch_builder(&self.ingest);
+        b.arg(&job.io.q.dev).arg(&q_select).arg(&q_decode).arg(&q_words);
+        b.arg(&sk).arg(&sv).arg(&marks).arg(&k).arg(&v).arg(&len).arg(&row_words);
+        // SAFETY: the query source is the job's mapped pinned buffer of query_len floats (alive
+        // as long as the job; a graph replaying this launch is kept by the job or by a batch
+        // whose key holds its address), both device buffers hold query_len floats, and
+        // query_len · 4 bytes is a multiple of 16 (head_dim is a multiple of 32). For an arena
+        // layer the staging (mapped, 2 × capacity rows of kv_heads × head_dim f16, whose row
+        // size is a multiple of 16 bytes) and the device zone have the same layout; the marks
+        // hold [length ≤ capacity, first changed row] (set_steady checks both), so every
+        // copied word is inside both; the length int is the zone's. Otherwise marks is 0 and
+        // no steady pointer is read.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching step_ingest"))?;
         Ok(())
     }
 
