@@ -776,7 +776,9 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         if dir.is_empty() {
             return plan;
         }
+        let traced = plan_trace().then(std::time::Instant::now);
         let scores = self.group_scores(dir, q);
+        let scored = traced.map(|t| t.elapsed());
         plan.selections = match budget.mode {
             SelectionMode::PerQueryHead => scores
                 .iter()
@@ -792,6 +794,13 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 vec![self.selection(kv_head, dir, 0, &scores, &best, budget)]
             }
         };
+        if let (Some(t), Some(scored)) = (traced, scored) {
+            eprintln!(
+                "attnstore-index: plan of kv head {kv_head}: scoring {:.0} us, selection {:.0} us",
+                scored.as_secs_f64() * 1e6,
+                (t.elapsed() - scored).as_secs_f64() * 1e6
+            );
+        }
         plan
     }
 
@@ -964,4 +973,11 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         }
         out
     }
+}
+
+/// Whether `ATTNSTORE_PLAN_TRACE` is set: each planned KV head then prints the time its
+/// centroid scoring and its selection took (read once per process).
+fn plan_trace() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("ATTNSTORE_PLAN_TRACE").is_some())
 }
