@@ -134,3 +134,52 @@ fn device_selected_steps_equal_the_cpu_over_the_gpus_selection_as_tokens_append(
         );
     }
 }
+
+#[test]
+fn a_batch_of_device_steps_over_several_contexts_equals_the_cpu_per_request() {
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run batched device steps");
+        return;
+    }
+    // Five contexts in one plan, stepped as one batched graph (each request on its own
+    // streams): every request's output must be its own, whatever lane it ran on.
+    let (shape, tokens, n) = (AttnShape::new(32, 8, 128).unwrap(), 32 * 1024, 5);
+    let per_context = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens + 16, 2048);
+    let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(n * per_context) };
+    let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
+    let mut contexts = Vec::new();
+    for i in 0..n {
+        let synth = SynthContext::generate(SynthParams::new(shape, tokens + 16, 20 + i as u64));
+        let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+        let (k, v) = synth.slice(0, tokens);
+        engine.prefill(ctx, 0, &k, &v).unwrap();
+        contexts.push((ctx, synth));
+    }
+    let manager = engine.buffer_manager().unwrap().clone();
+    for step in 0..6u64 {
+        for (ctx, synth) in &contexts {
+            let at = tokens + step as usize;
+            let (k, v) = synth.slice(at, at + 1);
+            engine.append(*ctx, 0, &k, &v).unwrap();
+        }
+        // Request i takes context (i + step) % n: lanes serve other contexts from step to step.
+        let requests: Vec<Request> = (0..n)
+            .map(|i| {
+                let (ctx, synth) = &contexts[(i + step as usize) % n];
+                Request::new(*ctx, 0, synth.queries(step % 3))
+            })
+            .collect();
+        let plan = engine.plan_gpu(&requests, &Budget::default()).unwrap();
+        let (got, run) = engine.execute_gpu(&plan).unwrap();
+        assert_eq!((run.on_gpu, run.device_selected, run.on_cpu), (n, n, 0), "{run:?}");
+        let analyzed = engine.analyze_gpu(&plan).unwrap();
+        let want = engine.execute(&analyzed).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let err = rel_l2(g, &w.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+            assert!(err <= 2e-3, "step {step}, request {i}: {err}");
+        }
+        // Different contexts give different outputs (no request got another's).
+        assert!(rel_l2(&got[0], &want[1].iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) > 1e-2);
+        manager.maintain(usize::MAX);
+    }
+}
