@@ -6,7 +6,8 @@ import sys
 rows = [json.loads(line) for path in sys.argv[1:] for line in open(path) if line.startswith("{")]
 selects = [r for r in rows if r.get("bench") == "select"]
 builds = [r for r in rows if r.get("bench") == "index_build"]
-rows = [r for r in rows if r.get("bench") not in ("select", "index_build") and "time_us" in r and "method" in r]
+prefills = {r["tokens"]: r for r in rows if r.get("bench") == "prefill"}
+rows = [r for r in rows if r.get("bench") not in ("select", "index_build", "prefill") and "time_us" in r and "method" in r]
 by = {}
 for r in rows:
     by.setdefault(r["tokens"], {})[r["method"]] = r
@@ -75,7 +76,13 @@ for tokens in sorted(by):
 for r in builds:
     print(f"\nindex build at {r['tokens']} tokens: GPU k-means {r['time_us'] / 1e6:.2f} s vs {r['cpu_threads']} CPU threads "
           f"{r['baseline_time_us'] / 1e6:.2f} s ({r['speedup']:.1f}x)")
-rows += builds
+    p = prefills.get(r["tokens"])
+    if p:
+        r["prefill_time_us"] = p["time_us"]
+        r["share_of_prefill"] = round(r["time_us"] / p["time_us"], 4)
+        print(f"  vs SDPA causal prefill of the layer {p['time_us'] / 1e3:.1f} ms: the build is "
+              f"{100 * r['time_us'] / p['time_us']:.0f}% of it (goal <= 5%)")
+rows += builds + list(prefills.values())
 print("JSON lines:")
 for r in rows:
     print(json.dumps(r))

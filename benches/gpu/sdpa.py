@@ -1,8 +1,9 @@
 """PyTorch baselines on the GPU machine, same shapes as gpu_decode: SDPA decode (batch 1,
 32 q heads / 8 kv heads, d=128, f16, all KV in HBM) and the sparse plan written in plain
 PyTorch (gather the plan's rows, then SDPA over them), and the whole tripartite wave step in
-plain PyTorch (`tripartite`), timed with CUDA events (median of 30). Prints JSON lines like
-gpu_decode."""
+plain PyTorch (`tripartite`), timed with CUDA events (median of 30); at 128K also SDPA at
+batch 4 and SDPA's causal prefill of the layer (median of 5), the index build's yardstick.
+Prints JSON lines like gpu_decode."""
 import json
 import sys
 
@@ -10,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 
-def timed(fn, reps=30):
-    for _ in range(5):
+def timed(fn, reps=30, warm=5):
+    for _ in range(warm):
         fn()
     torch.cuda.synchronize()
     out = []
@@ -102,6 +103,13 @@ def main():
             qb = torch.randn(4, 32, 1, 128, device=dev, dtype=torch.float16, generator=g)
             rows.append(("sdpa_batch4", timed(lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)), 4))
             del kb, vb
+            # The index build's yardstick: SDPA's causal prefill of the same layer (every
+            # query of the context at once), which the build must stay well under (≤ 5%).
+            qp = torch.randn(1, 32, tokens, 128, device=dev, dtype=torch.float16, generator=g)
+            prefill = timed(lambda: F.scaled_dot_product_attention(qp, k, v, is_causal=True, enable_gqa=True), 5, 1)
+            print(json.dumps({"bench": "prefill", "device": "cuda", "method": "sdpa_causal_prefill", "tokens": tokens,
+                              "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "f16", "time_us": round(prefill, 2)}))
+            del qp
         for method, us, batch in rows:
             print(json.dumps({"bench": "decode", "device": "cuda", "method": method, "tokens": tokens, "batch": batch,
                               "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "f16",

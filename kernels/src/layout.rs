@@ -97,6 +97,10 @@ impl ClusteredLayer {
         params: LayoutParams,
     ) -> Result<Self> {
         use crate::cpu::kmeans::initial_centroids;
+        // ATTNSTORE_BUILD_TRACE: where the build's time goes (host preparation, the k-means on
+        // the device, the host's layout).
+        let trace = std::env::var_os("ATTNSTORE_BUILD_TRACE").is_some();
+        let t0 = std::time::Instant::now();
         let cut = Cut::new(keys, values, kv_heads, head_dim, params)?;
         let jobs = cut.jobs();
         let prepared: Vec<(Vec<f32>, Vec<f32>)> = jobs
@@ -112,7 +116,9 @@ impl ClusteredLayer {
         let x: Vec<f32> = prepared.iter().flat_map(|(u, _)| u.iter().copied()).collect();
         let init: Vec<f32> = prepared.iter().flat_map(|(_, i)| i.iter().copied()).collect();
         drop(prepared);
+        let t1 = std::time::Instant::now();
         let km = gpu.segmented_kmeans(&x, &rows, &clusters, &init, params.max_iters)?;
+        let t2 = std::time::Instant::now();
         let mut at = 0;
         let orders: Vec<(Vec<u32>, Vec<u32>)> = jobs
             .iter()
@@ -123,7 +129,18 @@ impl ClusteredLayer {
                 order
             })
             .collect();
-        Ok(cut.assemble(keys, values, &orders))
+        let layer = cut.assemble(keys, values, &orders);
+        if trace {
+            let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
+            let t3 = std::time::Instant::now();
+            eprintln!(
+                "attnstore-kernels: GPU index build: centring and initial centroids {:.1} ms (host), k-means {:.1} ms (device, with copies), layout {:.1} ms (host)",
+                ms(t0, t1),
+                ms(t1, t2),
+                ms(t2, t3)
+            );
+        }
+        Ok(layer)
     }
 
     /// Rows of cluster `c` of head `h` (within the head).
