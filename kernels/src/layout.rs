@@ -103,19 +103,27 @@ impl ClusteredLayer {
         let t0 = std::time::Instant::now();
         let cut = Cut::new(keys, values, kv_heads, head_dim, params)?;
         let jobs = cut.jobs();
-        let prepared: Vec<(Vec<f32>, Vec<f32>)> = jobs
-            .par_iter()
-            .map(|&(h, s)| {
-                let unit = cut.unit_rows(keys, h, s);
-                let init = initial_centroids(&unit, head_dim, cut.clusters_of(s), cut.seed(h, s));
-                (unit, init)
-            })
-            .collect();
         let rows: Vec<usize> = jobs.iter().map(|&(_, s)| cut.segments[s].len()).collect();
         let clusters: Vec<usize> = jobs.iter().map(|&(_, s)| cut.clusters_of(s)).collect();
-        let x: Vec<f32> = prepared.iter().flat_map(|(u, _)| u.iter().copied()).collect();
-        let init: Vec<f32> = prepared.iter().flat_map(|(_, i)| i.iter().copied()).collect();
-        drop(prepared);
+        // Each job's unit rows go straight to their place in the one buffer the k-means
+        // uploads (no per-job copy and concatenation of the whole layer's keys).
+        let mut x = vec![0.0f32; rows.iter().sum::<usize>() * head_dim];
+        let mut parts: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
+        let mut rest = x.as_mut_slice();
+        for &n in &rows {
+            let (part, tail) = rest.split_at_mut(n * head_dim);
+            parts.push(part);
+            rest = tail;
+        }
+        let inits: Vec<Vec<f32>> = parts
+            .into_par_iter()
+            .zip(jobs.par_iter())
+            .map(|(unit, &(h, s))| {
+                cut.unit_rows_into(keys, h, s, unit);
+                initial_centroids(unit, head_dim, cut.clusters_of(s), cut.seed(h, s))
+            })
+            .collect();
+        let init: Vec<f32> = inits.concat();
         let t1 = std::time::Instant::now();
         let km = gpu.segmented_kmeans(&x, &rows, &clusters, &init, params.max_iters)?;
         let t2 = std::time::Instant::now();
@@ -226,10 +234,16 @@ impl Cut {
 
     /// Segment `s`'s keys of head `h`, centred and normalized (what k-means clusters).
     fn unit_rows(&self, keys: &[f32], h: usize, s: usize) -> Vec<f32> {
-        let (d, r) = (self.d, &self.segments[s]);
-        let mut unit = keys[(h * self.tokens + r.start) * d..(h * self.tokens + r.end) * d].to_vec();
-        center_and_normalize(&mut unit, d);
+        let mut unit = vec![0.0; self.segments[s].len() * self.d];
+        self.unit_rows_into(keys, h, s, &mut unit);
         unit
+    }
+
+    /// [`Self::unit_rows`] into `out` (as long as the segment's rows).
+    fn unit_rows_into(&self, keys: &[f32], h: usize, s: usize, out: &mut [f32]) {
+        let (d, r) = (self.d, &self.segments[s]);
+        out.copy_from_slice(&keys[(h * self.tokens + r.start) * d..(h * self.tokens + r.end) * d]);
+        center_and_normalize(out, d);
     }
 
     /// The layer from each job's rows in cluster order and its clusters' bounds (heads in
