@@ -6,6 +6,7 @@
 //! takes it as it is; it is built on the CPU, so it is checked everywhere.
 
 use crate::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
+use crate::element::first_non_finite;
 use crate::error::{Error, Result};
 use half::f16;
 use half::slice::HalfFloatSliceExt;
@@ -203,7 +204,7 @@ impl Cut {
                 ),
             });
         }
-        if let Some(bad) = keys.iter().chain(values).position(|x| !x.is_finite()) {
+        if let Some(bad) = first_non_finite(keys).or_else(|| first_non_finite(values).map(|i| keys.len() + i)) {
             return Err(Error::InvalidArgument {
                 what: "keys/values",
                 message: format!("element {bad} is not finite"),
@@ -400,5 +401,12 @@ mod tests {
         let mut k = vec![0.0; 8];
         k[5] = f32::NAN;
         assert!(matches!(ClusteredLayer::build(&k, &[0.0; 8], 1, 4, p), Err(Error::InvalidArgument { .. })));
+        // A value is counted after every key.
+        let mut v = vec![0.0; 8];
+        v[2] = f32::INFINITY;
+        match ClusteredLayer::build(&[0.0; 8], &v, 1, 4, p) {
+            Err(Error::InvalidArgument { message, .. }) => assert!(message.contains("element 10"), "{message}"),
+            other => panic!("expected a typed error, got {:?}", other.map(|l| l.rows)),
+        }
     }
 }

@@ -233,7 +233,7 @@ impl Trace {
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect::<Vec<f32>>();
-        if let Some(i) = queries.iter().position(|x| !x.is_finite()) {
+        if let Some(i) = attnstore_kernels::first_non_finite(&queries) {
             return Err(bad(&dir.join(QUERIES), format!("value {i} is not finite")));
         }
         Ok(Self { meta, kv, queries })

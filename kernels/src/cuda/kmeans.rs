@@ -56,7 +56,7 @@ impl GpuBackend {
                 message: "at most 2^31 − 1 rows and clusters".into(),
             });
         }
-        if let Some(bad) = x.iter().chain(init).position(|v| !v.is_finite()) {
+        if let Some(bad) = crate::first_non_finite(x).or_else(|| crate::first_non_finite(init).map(|i| x.len() + i)) {
             return Err(Error::InvalidArgument {
                 what: "k-means rows",
                 message: format!("element {bad} is not finite"),
