@@ -103,19 +103,12 @@ struct Mailbox<T> {
     memory: PinnedHostSlice<T>,
     /// Host address of the first element (taken once at allocation).
     addr: usize,
-    /// Its device address, for memory allocated device-mapped (kernels read and write it in
-    /// place over PCIe).
+    /// Its device address (the memory is device-mapped: kernels read and write it in place
+    /// over PCIe).
     dev: u64,
 }
 
 impl<T: cudarc::driver::ValidAsZeroBits> Mailbox<T> {
-    /// A mailbox over device-mapped pinned memory (`GpuBackend::pinned_mapped`).
-    fn mapped(mut memory: PinnedHostSlice<T>) -> Result<Self> {
-        let dev = super::mapped_device_pointer(&mut memory)?;
-        let addr = memory.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))? as usize;
-        Ok(Self { memory, addr, dev })
-    }
-
     fn len(&self) -> usize {
         self.memory.len()
     }
@@ -400,8 +393,8 @@ impl GpuBackend {
         let row_map: Vec<i32> = layer.row_map.iter().map(|&r| r as i32).collect();
         let steady = steady_capacity * layer.kv_heads * self.head_dim;
         let alloc = |n: usize| s.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the steady zone"));
-        let stage = Mailbox::mapped(self.pinned_mapped::<u16>(2 * steady)?)?;
-        let mut marks = Mailbox::mapped(self.pinned_mapped::<i32>(2)?)?;
+        let stage = self.mailbox::<u16>(2 * steady)?;
+        let mut marks = self.mailbox::<i32>(2)?;
         marks.as_mut().copy_from_slice(&[0, i32::MAX]);
         let arena = ArenaRows {
             row_map: s.clone_htod(&row_map).map_err(gpu_err("copying the row map"))?,
@@ -595,9 +588,9 @@ impl GpuBackend {
 
     /// A job's pinned buffers.
     fn job_io(&self, shape: &AttnShape, r: usize) -> Result<JobIo> {
-        let q = Mailbox::mapped(self.pinned_mapped::<f32>(shape.query_len())?)?;
-        let out = Mailbox::mapped(self.pinned_mapped::<f32>(shape.query_len())?)?;
-        let sel = Mailbox::mapped(self.pinned_mapped::<i32>(shape.kv_heads * r)?)?;
+        let q = self.mailbox::<f32>(shape.query_len())?;
+        let out = self.mailbox::<f32>(shape.query_len())?;
+        let sel = self.mailbox::<i32>(shape.kv_heads * r)?;
         let done = self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
@@ -617,18 +610,21 @@ impl GpuBackend {
         Ok((out, selection))
     }
 
-    /// Pinned host memory of `len` elements, zeroed, mapped into the device's address space.
+    /// A mailbox of `len` elements, zeroed: pinned host memory mapped into the device's
+    /// address space.
     #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
-    fn pinned_mapped<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
+    fn mailbox<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
         &self,
         len: usize,
-    ) -> Result<PinnedHostSlice<T>> {
+    ) -> Result<Mailbox<T>> {
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
-        let mut p = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
+        let mut memory = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
             .map_err(gpu_err("allocating pinned memory"))?;
-        p.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
-        Ok(p)
+        memory.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
+        let dev = super::mapped_device_pointer(&mut memory)?;
+        let addr = memory.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))? as usize;
+        Ok(Mailbox { memory, addr, dev })
     }
 
     /// Enqueues one decode step of `job` over `wave`, whose KV rows are at `kv` (device or
