@@ -122,9 +122,9 @@ impl GpuExec {
     }
 }
 
-/// Phase times of one GPU call, printed to stderr when `ATTNSTORE_GPU_TRACE` is set: host
-/// phases, and for a device step the device time from before its launch to its end (the
-/// step launched as usual, from its graph). With `ATTNSTORE_GPU_TRACE=device` a single
+/// Phase times of one GPU call, printed to stderr when `ATTNSTORE_GPU_TRACE` is set (read
+/// once per process): host phases, and for a device step the device time from before its
+/// launch to its end (the step launched as usual, from its graph). With `ATTNSTORE_GPU_TRACE=device` a single
 /// device step instead runs eagerly with an event per kernel phase (select, estimate, row
 /// list, attention, merge), to see where device time goes.
 struct PhaseTrace {
@@ -139,14 +139,13 @@ struct PhaseTrace {
 
 impl PhaseTrace {
     fn new() -> Self {
-        let mode = std::env::var("ATTNSTORE_GPU_TRACE").ok();
-        Self {
-            on: mode.is_some(),
-            eager: mode.as_deref() == Some("device"),
-            last: std::time::Instant::now(),
-            phases: Vec::new(),
-            device_ms: Vec::new(),
-        }
+        // Read once per process: this runs on every device step.
+        static MODE: std::sync::OnceLock<(bool, bool)> = std::sync::OnceLock::new();
+        let (on, eager) = *MODE.get_or_init(|| {
+            let mode = std::env::var("ATTNSTORE_GPU_TRACE").ok();
+            (mode.is_some(), mode.as_deref() == Some("device"))
+        });
+        Self { on, eager, last: std::time::Instant::now(), phases: Vec::new(), device_ms: Vec::new() }
     }
 
     fn mark(&mut self, phase: &'static str) {
