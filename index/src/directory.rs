@@ -3,8 +3,10 @@
 
 use crate::method::{RowSpan, Selection};
 use crate::segment::ClusterMeta;
-use attnstore_kernels::cpu::estimate::estimate_group;
+use attnstore_kernels::cpu::estimate::estimate_group_strided;
 use attnstore_kernels::{Element, Partial};
+use std::borrow::Cow;
+use std::ops::Range;
 
 /// Per-cluster meta data of one head across all its segments (RetroInfer's meta index):
 /// mean key (the centroid used for scoring and estimation), mean value, size, and where the
@@ -48,13 +50,19 @@ impl<E: Element> Directory<E> {
     }
 
     /// The estimation partials of `sel`'s query heads (`d`: head dimension).
+    pub(crate) fn estimate(&self, sel: &Selection, d: usize) -> Vec<Partial> {
+        let zone = self.estimate_zone(sel);
+        zone.partials(0..zone.len(), d)
+    }
+
+    /// The estimation zone of `sel`, ready to be estimated whole or in column ranges.
     ///
-    /// When every cluster is either retrieved or estimated (the `rest` share), the pass runs
+    /// When every cluster is either retrieved or estimated (the `rest` share), the zone runs
     /// over the whole directory in order with the retrieved clusters' weights at zero: the
     /// value means then stream from contiguous memory instead of being gathered through the
     /// id list (at 128K tokens, 8K clusters per head, the step's execution went from about
     /// 5.1 to 4.6 ms on a 2-core VM; the pass is bound by memory bandwidth either way).
-    pub(crate) fn estimate(&self, sel: &Selection, d: usize) -> Vec<Partial> {
+    pub(crate) fn estimate_zone<'a>(&'a self, sel: &'a Selection) -> EstimateZone<'a, E> {
         let n = sel.estimate.len();
         if n > 0 && n + sel.retrieve_ids.len() == self.len() {
             let all = self.len();
@@ -64,15 +72,17 @@ impl<E: Element> Directory<E> {
                     dense[id as usize] = s;
                 }
             }
-            let sizes: Vec<f32> = self.sizes.iter().map(|&s| s as f32).collect();
-            return estimate_group(&scores, &sizes, |c| &self.value_means[c * d..(c + 1) * d], d, sel.heads);
+            let sizes = self.sizes.iter().map(|&s| s as f32).collect();
+            return EstimateZone { dir: self, ids: None, scores: Cow::Owned(scores), sizes, heads: sel.heads };
         }
-        let sizes: Vec<f32> = sel.estimate.iter().map(|&id| self.sizes[id as usize] as f32).collect();
-        let value_mean = |c: usize| {
-            let id = sel.estimate[c] as usize;
-            &self.value_means[id * d..(id + 1) * d]
-        };
-        estimate_group(&sel.estimate_scores, &sizes, value_mean, d, sel.heads)
+        let sizes = sel.estimate.iter().map(|&id| self.sizes[id as usize] as f32).collect();
+        EstimateZone {
+            dir: self,
+            ids: Some(&sel.estimate),
+            scores: Cow::Borrowed(&sel.estimate_scores),
+            sizes,
+            heads: sel.heads,
+        }
     }
 
     /// Bytes of the meta data.
@@ -80,5 +90,39 @@ impl<E: Element> Directory<E> {
         (self.centroids.len() + self.value_means.len()) * E::DTYPE.size_bytes()
             + self.sizes.len() * 4
             + self.spans.len() * std::mem::size_of::<RowSpan>()
+    }
+}
+
+/// The clusters a selection estimates, as columns: each column is one cluster with its size
+/// and every query head's score. Estimating disjoint column ranges and merging the partials
+/// gives the whole zone's partials (up to rounding), so a long zone can be spread over threads.
+pub(crate) struct EstimateZone<'a, E> {
+    dir: &'a Directory<E>,
+    /// Directory id of each column; `None` when the columns are the whole directory.
+    ids: Option<&'a [u32]>,
+    /// `heads × len()` scaled scores (`-inf` leaves a column out).
+    scores: Cow<'a, [f32]>,
+    sizes: Vec<f32>,
+    heads: usize,
+}
+
+impl<E: Element> EstimateZone<'_, E> {
+    /// Number of columns.
+    pub(crate) fn len(&self) -> usize {
+        self.sizes.len()
+    }
+
+    /// The estimation partials of columns `cols` (`d`: head dimension).
+    pub(crate) fn partials(&self, cols: Range<usize>, d: usize) -> Vec<Partial> {
+        let means = &self.dir.value_means;
+        let id = |c: usize| self.ids.map_or(c, |ids| ids[c] as usize);
+        estimate_group_strided(
+            &self.scores[cols.start..],
+            self.len(),
+            &self.sizes[cols.clone()],
+            |c| &means[id(cols.start + c) * d..][..d],
+            d,
+            self.heads,
+        )
     }
 }

@@ -12,7 +12,7 @@ use crate::method::{
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
-use attnstore_kernels::cpu::scoring::{rank_key, score_group, top_keys, top_r};
+use attnstore_kernels::cpu::scoring::{score_group, select_zones};
 use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
 use rayon::prelude::*;
 
@@ -115,6 +115,26 @@ const SCORE_CHUNK: usize = 2048;
 
 /// Retrieved clusters one rayon task attends while executing a block-homed plan.
 const CLUSTER_CHUNK: usize = 64;
+
+/// Estimated clusters one rayon task folds in while executing a plan.
+const EST_CHUNK: usize = 512;
+
+/// One rayon job of a plan's execution: a piece of the retrieval zone, or a range of the
+/// estimation zone's columns.
+enum Work<'a, R: ?Sized> {
+    Retrieve(&'a R),
+    Estimate(std::ops::Range<usize>),
+}
+
+/// Each centroid's best score over the heads of a group (`scores[j]`: head `j`'s scores).
+fn group_max(scores: &[Vec<f32>]) -> Vec<f32> {
+    let mut best = scores.first().cloned().unwrap_or_default();
+    for s in scores.iter().skip(1) {
+        // A plain comparison vectorizes (scores are finite); f32::max's NaN rule does not.
+        best.iter_mut().zip(s).for_each(|(b, &x)| *b = if x > *b { x } else { *b });
+    }
+    best
+}
 
 /// Runs `jobs` on rayon threads, each attending into fresh partials of `heads` query heads,
 /// and merges them all into `parts`. With fewer busy threads than cores this spreads one
@@ -551,38 +571,11 @@ impl<E: Element> WaveIndex<E> {
     fn select(&self, dir: &Directory<E>, scores: &[f32], budget: &ZoneBudget) -> (Vec<u32>, Vec<u32>) {
         let n = scores.len();
         let avg = (self.indexed_tokens() as f64 / n as f64).max(1.0);
-        let mut retrieve = Vec::new();
-        if budget.retrieve_tokens > 0 {
-            let mut r1 = ((budget.retrieve_tokens as f64 / avg).ceil() as usize * 2 + 8).min(n);
-            loop {
-                retrieve.clear();
-                let mut got = 0usize;
-                for id in top_r(scores, r1) {
-                    if got >= budget.retrieve_tokens {
-                        break;
-                    }
-                    got += dir.sizes[id as usize] as usize;
-                    retrieve.push(id);
-                }
-                if got >= budget.retrieve_tokens || r1 == n {
-                    break;
-                }
-                r1 = (r1 * 2).min(n);
-            }
-        }
-        let mut taken = vec![false; n];
-        retrieve.iter().for_each(|&id| taken[id as usize] = true);
-        let free = (0..n as u32).filter(|&id| !taken[id as usize]);
-        let rest = if budget.estimate_tokens == usize::MAX {
-            free.collect()
-        } else {
-            let keys: Vec<u64> = free.map(|id| rank_key(scores[id as usize], id)).collect();
-            let r2 = ((budget.estimate_tokens as f64 / avg).round() as usize).min(keys.len());
-            // An integer select on (score, index) keys, returned in directory order: the
-            // estimation pass then reads value means and scores as a forward stream.
-            top_keys(keys, r2)
-        };
-        (retrieve, rest)
+        // Room for twice the clusters an average size needs (it grows when they fall short).
+        let guess = ((budget.retrieve_tokens as f64 / avg).ceil() as usize * 2 + 8).min(n);
+        let estimate =
+            (budget.estimate_tokens != usize::MAX).then(|| (budget.estimate_tokens as f64 / avg).round() as usize);
+        select_zones(scores, &dir.sizes, budget.retrieve_tokens, guess, estimate)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -642,29 +635,34 @@ impl<E: Element> WaveIndex<E> {
         }
     }
 
-    /// Every query head's scaled score of every centroid of `dir` (`q`: the group's queries).
-    fn group_scores(&self, dir: &Directory<E>, q: &[f32]) -> Vec<Vec<f32>> {
+    /// Every query head's scaled score of every centroid of `dir` (`q`: the group's queries),
+    /// then the group's best score of each centroid (the per-KV-head choice), empty unless
+    /// `best` is asked for.
+    fn group_scores(&self, dir: &Directory<E>, q: &[f32], best: bool) -> (Vec<Vec<f32>>, Vec<f32>) {
         let d = self.head_dim;
         let scale = 1.0 / (d as f32).sqrt();
         let g = q.len() / d;
         // Centroid scoring in chunks on rayon threads: with more cores than KV heads the
-        // planner would otherwise leave most of them idle.
-        let chunks: Vec<Vec<Vec<f32>>> = dir
+        // planner would otherwise leave most of them idle. Each chunk takes its best scores
+        // while they are in L1.
+        let chunks: Vec<(Vec<Vec<f32>>, Vec<f32>)> = dir
             .centroids
             .par_chunks(SCORE_CHUNK * d)
             .map(|rows| {
                 let mut s = vec![Vec::new(); g];
                 score_group(q, g, rows, scale, &mut s);
+                let top = if best { group_max(&s) } else { Vec::new() };
+                (s, top)
+            })
+            .collect();
+        let scores = (0..g)
+            .map(|j| {
+                let mut s = Vec::with_capacity(dir.len());
+                chunks.iter().for_each(|c| s.extend_from_slice(&c.0[j]));
                 s
             })
             .collect();
-        (0..g)
-            .map(|j| {
-                let mut s = Vec::with_capacity(dir.len());
-                chunks.iter().for_each(|c| s.extend_from_slice(&c[j]));
-                s
-            })
-            .collect()
+        (scores, chunks.iter().flat_map(|c| c.1.iter().copied()).collect())
     }
 
     /// [`AccessMethod::arena_layer`] of an f16 index homed in `store`.
@@ -777,22 +775,17 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
             return plan;
         }
         let traced = plan_trace().then(std::time::Instant::now);
-        let scores = self.group_scores(dir, q);
+        let per_kv_head = budget.mode == SelectionMode::PerKvHead;
+        let (scores, best) = self.group_scores(dir, q, per_kv_head);
         let scored = traced.map(|t| t.elapsed());
-        plan.selections = match budget.mode {
-            SelectionMode::PerQueryHead => scores
+        plan.selections = if per_kv_head {
+            vec![self.selection(kv_head, dir, 0, &scores, &best, budget)]
+        } else {
+            scores
                 .iter()
                 .enumerate()
                 .map(|(j, s)| self.selection(kv_head, dir, j, std::slice::from_ref(s), s, budget))
-                .collect(),
-            SelectionMode::PerKvHead => {
-                let mut best = scores[0].clone();
-                for s in &scores[1..] {
-                    // A plain comparison vectorizes (scores are finite); f32::max's NaN rule does not.
-                    best.iter_mut().zip(s).for_each(|(b, &x)| *b = if x > *b { x } else { *b });
-                }
-                vec![self.selection(kv_head, dir, 0, &scores, &best, budget)]
-            }
+                .collect()
         };
         if let (Some(t), Some(scored)) = (traced, scored) {
             eprintln!(
@@ -833,6 +826,15 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         for sel in &plan.selections {
             let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
             let mut sub = vec![Partial::empty(d); sel.heads];
+            // The estimation zone in pieces of EST_CHUNK clusters, run as jobs beside the
+            // retrieval's: one KV head's zone is ~2K clusters at 128K tokens, too much to
+            // leave on one thread when the cores outnumber the KV heads.
+            let zone = store.dir.estimate_zone(sel);
+            let est_jobs = (0..zone.len()).step_by(EST_CHUNK).map(|a| a..(a + EST_CHUNK).min(zone.len()));
+            let estimate = |cols: &std::ops::Range<usize>, p: &mut [Partial]| {
+                p.iter_mut().zip(zone.partials(cols.clone(), d)).for_each(|(a, b)| a.merge(&b));
+                Ok(())
+            };
             match blocks {
                 // Block-homed rows: pin the blocks recorded at planning time (a block that
                 // moved since is found through its owner tag).
@@ -851,30 +853,43 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                         clusters.push(ClusterRows { locations: ClusterBlocks::Recorded(locations), rows: 0..size });
                         at += n;
                     }
-                    let chunks: Vec<_> = clusters.chunks(CLUSTER_CHUNK).collect();
-                    attend_jobs(&chunks, sel.heads, d, &mut sub, |c, p, sc| {
-                        attend_clusters::<E>(&bs.buffers().reader(), per_block, qs, scale, c, p, sc)
+                    let jobs: Vec<_> = clusters
+                        .chunks(CLUSTER_CHUNK)
+                        .map(Work::Retrieve)
+                        .chain(est_jobs.map(Work::Estimate))
+                        .collect();
+                    attend_jobs(&jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
+                        Work::Retrieve(c) => {
+                            attend_clusters::<E>(&bs.buffers().reader(), per_block, qs, scale, c, p, sc)
+                        }
+                        Work::Estimate(cols) => estimate(cols, p),
                     })?;
                 }
                 _ => {
                     // Spans are sorted by segment (coalesce sorts them): one task per segment.
-                    let runs: Vec<_> = sel.retrieve.chunk_by(|a, b| a.unit == b.unit).collect();
-                    attend_jobs(&runs, sel.heads, d, &mut sub, |runs, p, sc| {
-                        let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
-                        store.segments[runs[0].unit as usize].attend(
-                            blocks.map(|b| (b, kv_head)),
-                            qs,
-                            scale,
-                            &ranges,
-                            p,
-                            sc,
-                        )
+                    let jobs: Vec<_> = sel
+                        .retrieve
+                        .chunk_by(|a, b| a.unit == b.unit)
+                        .map(Work::Retrieve)
+                        .chain(est_jobs.map(Work::Estimate))
+                        .collect();
+                    attend_jobs(&jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
+                        Work::Retrieve(runs) => {
+                            let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
+                            store.segments[runs[0].unit as usize].attend(
+                                blocks.map(|b| (b, kv_head)),
+                                qs,
+                                scale,
+                                &ranges,
+                                p,
+                                sc,
+                            )
+                        }
+                        Work::Estimate(cols) => estimate(cols, p),
                     })?;
                 }
             }
-            let estimated = store.dir.estimate(sel, d);
-            for (i, (part, est)) in sub.iter_mut().zip(&estimated).enumerate() {
-                part.merge(est);
+            for (i, part) in sub.iter().enumerate() {
                 parts[sel.first_head + i].merge(part);
             }
         }
@@ -946,7 +961,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         let retrieve: Vec<u32> = (0..dir.len() as u32).filter(|&id| chosen[id as usize]).collect();
         let estimate: Vec<u32> =
             (0..dir.len() as u32).filter(|&id| !chosen[id as usize] && dir.sizes[id as usize] > 0).collect();
-        let scores = self.group_scores(dir, q);
+        let (scores, _) = self.group_scores(dir, q, false);
         plan.selections = vec![self.selection_of(kv_head, dir, 0, &scores, retrieve, estimate)];
         Some(plan)
     }

@@ -32,6 +32,20 @@ pub fn estimate_group<'a, E: Element>(
     head_dim: usize,
     heads: usize,
 ) -> Vec<Partial> {
+    estimate_group_strided(scores, sizes.len(), sizes, value_mean, head_dim, heads)
+}
+
+/// [`estimate_group`] with head `j`'s scores at `scores[j · score_stride..][..n]`: a run of
+/// columns of a wider `heads × score_stride` score matrix, so a long cluster list can be
+/// estimated in pieces (on several threads) whose partials merge into the whole.
+pub fn estimate_group_strided<'a, E: Element>(
+    scores: &[f32],
+    score_stride: usize,
+    sizes: &[f32],
+    value_mean: impl Fn(usize) -> &'a [E] + Copy,
+    head_dim: usize,
+    heads: usize,
+) -> Vec<Partial> {
     let n = sizes.len();
     let mut parts = vec![Partial::empty(head_dim); heads];
     if n == 0 {
@@ -41,7 +55,7 @@ pub fn estimate_group<'a, E: Element>(
     let mut weights = vec![f32::NEG_INFINITY; heads * stride];
     for (j, part) in parts.iter_mut().enumerate() {
         let w = &mut weights[j * stride..(j + 1) * stride];
-        w[..n].copy_from_slice(&scores[j * n..(j + 1) * n]);
+        w[..n].copy_from_slice(&scores[j * score_stride..][..n]);
         part.m = w[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
         if part.m == f32::NEG_INFINITY {
             // Every listed weight is zero (`-inf` scores mark clusters left out): an empty

@@ -119,6 +119,114 @@ pub fn top_keys(keys: Vec<u64>, r: usize) -> Vec<u32> {
     idx
 }
 
+/// The zones of a cluster index's plan, chosen from one score per cluster: the first
+/// vector (**retrieval**) takes the best-ranked clusters, best first, until their `sizes`
+/// reach `retrieve_tokens` (or every cluster is taken); the second (**estimation**) the
+/// next `estimate` clusters in rank order, or every cluster not retrieved when `estimate`
+/// is `None`, in ascending index order. Ranks are those of [`rank_key`] (higher score, then
+/// lower index; NaN last). `guess` is how many clusters retrieval should need; it doubles
+/// while the retrieved sizes fall short.
+///
+/// A sampled threshold and one vector pass find a candidate set that holds both zones, so
+/// only a few thousand of a long context's clusters are ever ranked; no vector of every
+/// cluster is built.
+pub fn select_zones(
+    scores: &[f32],
+    sizes: &[u32],
+    retrieve_tokens: usize,
+    guess: usize,
+    estimate: Option<usize>,
+) -> (Vec<u32>, Vec<u32>) {
+    let n = scores.len().min(sizes.len());
+    let scores = &scores[..n];
+    let id = |k: u64| u32::MAX - k as u32;
+    let desc = |a: &u64, b: &u64| b.cmp(a);
+    let mut r1 = if retrieve_tokens == 0 { 0 } else { guess.clamp(1, n.max(1)).min(n) };
+    loop {
+        let mut cand = candidate_keys(scores, (r1 + estimate.unwrap_or(0)).min(n));
+        let top = r1.min(cand.len());
+        if top > 0 && top < cand.len() {
+            cand.select_nth_unstable_by(top - 1, desc);
+        }
+        cand[..top].sort_unstable_by(desc);
+        let mut retrieve = Vec::new();
+        let mut got = 0usize;
+        for &k in &cand[..top] {
+            if got >= retrieve_tokens {
+                break;
+            }
+            got += sizes[id(k) as usize] as usize;
+            retrieve.push(id(k));
+        }
+        if got < retrieve_tokens && r1 < n {
+            r1 = (r1 * 2).min(n);
+            continue;
+        }
+        let m = retrieve.len();
+        // Every cluster ranked below the last retrieved one, from `least` on.
+        let below = cand[..m].last().copied().unwrap_or(u64::MAX);
+        let least = match estimate {
+            None => 0,
+            Some(c) => {
+                let k = (m + c).min(n);
+                if k == m {
+                    return (retrieve, Vec::new());
+                }
+                if k <= top {
+                    cand[k - 1]
+                } else {
+                    *cand[top..].select_nth_unstable_by(k - top - 1, desc).1
+                }
+            }
+        };
+        let mut est = Vec::with_capacity(match estimate {
+            Some(c) => c.min(n - m),
+            None => n - m,
+        });
+        let keep = |i: usize| {
+            let k = rank_key(scores[i], i as u32);
+            if k >= least && k < below {
+                est.push(i as u32);
+            }
+        };
+        // A score filter first, unless the least key is that of -inf or below (NaN ranks as
+        // -inf, and no score filter keeps NaN).
+        let t = score_of_ordered_bits((least >> 32) as u32);
+        if t.is_nan() || t == f32::NEG_INFINITY {
+            (0..n).for_each(keep);
+        } else {
+            collect_at_least(scores, t, keep);
+        }
+        return (retrieve, est);
+    }
+}
+
+/// Rank keys ([`rank_key`]) of a set of scores that holds the `want` best, unordered: those
+/// at least a threshold from a strided sample (one vector pass), or all of them when the
+/// sample cannot tell or the set would not be much smaller.
+fn candidate_keys(scores: &[f32], want: usize) -> Vec<u64> {
+    let n = scores.len();
+    if want == 0 {
+        return Vec::new();
+    }
+    if n >= 2048 && want <= n / 2 {
+        let sample: Vec<f32> = scores.iter().step_by(SAMPLE_STRIDE).copied().collect();
+        if let Some(t) = threshold_from_sample(&sample, SAMPLE_STRIDE, want) {
+            let mut out = Vec::with_capacity(want + want / 2 + 8 * SAMPLE_STRIDE);
+            collect_at_least(scores, t, |i| out.push(rank_key(scores[i], i as u32)));
+            if out.len() >= want {
+                return out;
+            }
+        }
+    }
+    scores.iter().enumerate().map(|(i, &x)| rank_key(x, i as u32)).collect()
+}
+
+/// The score whose [`ordered_bits`] are `t` (the inverse map; NaN never comes back).
+fn score_of_ordered_bits(t: u32) -> f32 {
+    f32::from_bits(if t >> 31 == 1 { t & !(1 << 31) } else { !t })
+}
+
 /// A score that about `1.25 r` of `n` scores reach, estimated from `sample`, the scores of
 /// every `stride`-th of them (+8 sample ranks of slack, so a miss is rare); `None` when
 /// the sample cannot tell (too few, or everything qualifies).
@@ -130,9 +238,8 @@ pub fn threshold_from_sample(sample: &[f32], stride: usize, r: usize) -> Option<
     let rank = ((r as f64 * 1.25) as usize / stride.max(1) + 8).min(bits.len() - 1);
     let at = bits.len() - 1 - rank;
     let (_, t, _) = bits.select_nth_unstable(at);
-    let t = *t;
     // Back from ordered bits to the score (the lowest possible key means no filtering).
-    let x = f32::from_bits(if t >> 31 == 1 { t & !(1 << 31) } else { !t });
+    let x = score_of_ordered_bits(*t);
     (x != f32::NEG_INFINITY).then_some(x)
 }
 
@@ -236,6 +343,68 @@ mod tests {
                 shuffled.swap(i, g.below(i + 1));
             }
             prop_assert_eq!(top_keys(shuffled, r), all);
+        }
+    }
+
+    /// What [`select_zones`] must return, from a full sort.
+    fn zones_by_sorting(scores: &[f32], sizes: &[u32], tokens: usize, estimate: Option<usize>) -> (Vec<u32>, Vec<u32>) {
+        let mut all: Vec<u32> = (0..scores.len() as u32).collect();
+        all.sort_by(|a, b| key(scores[*b as usize]).total_cmp(&key(scores[*a as usize])).then(a.cmp(b)));
+        let mut got = 0;
+        let m = all
+            .iter()
+            .take_while(|&&i| {
+                let more = got < tokens;
+                got += sizes[i as usize] as usize;
+                more
+            })
+            .count();
+        let end = estimate.map_or(all.len(), |c| (m + c).min(all.len()));
+        let mut est = all[m..end].to_vec();
+        est.sort_unstable();
+        (all[..m].to_vec(), est)
+    }
+
+    proptest! {
+        #[test]
+        fn select_zones_equals_ranking_every_cluster(
+            scores in proptest::collection::vec(-8i8..8, 0..400),
+            sizes in proptest::collection::vec(0u32..40, 400),
+            tokens in 0usize..600,
+            guess in 0usize..40,
+            estimate in proptest::option::of(0usize..450),
+        ) {
+            // Coarse scores force ties at both zone boundaries.
+            let scores: Vec<f32> = scores.iter().map(|&x| f32::from(x) / 2.0).collect();
+            let sizes = &sizes[..scores.len()];
+            prop_assert_eq!(
+                select_zones(&scores, sizes, tokens, guess, estimate),
+                zones_by_sorting(&scores, sizes, tokens, estimate)
+            );
+        }
+    }
+
+    #[test]
+    fn select_zones_on_long_inputs_takes_the_sampled_path_and_agrees() {
+        let mut g = crate::random::SplitMix64::new(5);
+        for (n, tokens, guess, estimate) in [
+            (8192usize, 2440usize, 313usize, Some(1900usize)),
+            (8192, 2440, 20, Some(1900)),
+            (8192, 2440, 313, None),
+            (20_000, 100, 10, Some(4000)),
+            (4096, 0, 0, Some(1000)),
+            (4096, 50_000, 8, Some(10)),
+        ] {
+            let mut scores: Vec<f32> = (0..n).map(|_| (g.normal() * 20.0).round() / 4.0).collect();
+            for i in (0..n).step_by(991) {
+                scores[i] = f32::NAN;
+            }
+            let sizes: Vec<u32> = (0..n).map(|_| 1 + g.below(31) as u32).collect();
+            assert_eq!(
+                select_zones(&scores, &sizes, tokens, guess, estimate),
+                zones_by_sorting(&scores, &sizes, tokens, estimate),
+                "n={n} tokens={tokens} guess={guess} estimate={estimate:?}"
+            );
         }
     }
 
