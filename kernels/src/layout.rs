@@ -86,11 +86,12 @@ impl ClusteredLayer {
         Ok(cut.assemble(keys, values, &orders))
     }
 
-    /// [`ClusteredLayer::build`] with the k-means of every (head, segment) on the GPU, in one
-    /// launch per step (same initial centroids as the CPU's; see
-    /// [`crate::cuda::GpuBackend::segmented_kmeans`] for where results can differ).
+    /// [`ClusteredLayer::build`] entirely on the GPU: the f16 KV is copied to device memory
+    /// (where a prefill would have left it), [`crate::cuda::GpuBackend::build_layout`] clusters
+    /// and lays it out there, and the layout is copied back. Inputs are checked as `build`
+    /// checks them.
     #[cfg(feature = "cuda")]
-    pub fn build_on_gpu(
+    pub fn build_on_device(
         gpu: &crate::cuda::GpuBackend,
         keys: &[f32],
         values: &[f32],
@@ -98,59 +99,17 @@ impl ClusteredLayer {
         head_dim: usize,
         params: LayoutParams,
     ) -> Result<Self> {
-        use crate::cpu::kmeans::initial_centroids;
-        // ATTNSTORE_BUILD_TRACE: where the build's time goes (host preparation, the k-means on
-        // the device, the host's layout).
-        let trace = std::env::var_os("ATTNSTORE_BUILD_TRACE").is_some();
-        let t0 = std::time::Instant::now();
-        let cut = Cut::new(keys, values, kv_heads, head_dim, params)?;
-        let jobs = cut.jobs();
-        let rows: Vec<usize> = jobs.iter().map(|&(_, s)| cut.segments[s].len()).collect();
-        let clusters: Vec<usize> = jobs.iter().map(|&(_, s)| cut.clusters_of(s)).collect();
-        // Each job's unit rows go straight to their place in the one buffer the k-means
-        // uploads (no per-job copy and concatenation of the whole layer's keys).
-        let mut x = vec![0.0f32; rows.iter().sum::<usize>() * head_dim];
-        let mut parts: Vec<&mut [f32]> = Vec::with_capacity(jobs.len());
-        let mut rest = x.as_mut_slice();
-        for &n in &rows {
-            let (part, tail) = rest.split_at_mut(n * head_dim);
-            parts.push(part);
-            rest = tail;
+        Cut::new(keys, values, kv_heads, head_dim, params)?;
+        if head_dim != gpu.head_dim() {
+            return Err(Error::ShapeMismatch {
+                what: "head_dim of the GPU kernels",
+                expected: gpu.head_dim(),
+                got: head_dim,
+            });
         }
-        let inits: Vec<Vec<f32>> = parts
-            .into_par_iter()
-            .zip(jobs.par_iter())
-            .map(|(unit, &(h, s))| {
-                cut.unit_rows_into(keys, h, s, unit);
-                initial_centroids(unit, head_dim, cut.clusters_of(s), cut.seed(h, s))
-            })
-            .collect();
-        let init: Vec<f32> = inits.concat();
-        let t1 = std::time::Instant::now();
-        let km = gpu.segmented_kmeans(&x, &rows, &clusters, &init, params.max_iters)?;
-        let t2 = std::time::Instant::now();
-        let mut at = 0;
-        let orders: Vec<(Vec<u32>, Vec<u32>)> = jobs
-            .iter()
-            .map(|&(_, s)| {
-                let n = cut.segments[s].len();
-                let order = cluster_order(&km.assignment[at..at + n], cut.clusters_of(s), cut.segments[s].start);
-                at += n;
-                order
-            })
-            .collect();
-        let layer = cut.assemble(keys, values, &orders);
-        if trace {
-            let ms = |a: std::time::Instant, b: std::time::Instant| (b - a).as_secs_f64() * 1e3;
-            let t3 = std::time::Instant::now();
-            eprintln!(
-                "attnstore-kernels: GPU index build: centring and initial centroids {:.1} ms (host), k-means {:.1} ms (device, with copies), layout {:.1} ms (host)",
-                ms(t0, t1),
-                ms(t1, t2),
-                ms(t2, t3)
-            );
-        }
-        Ok(layer)
+        let bits = |x: &[f32]| x.par_iter().map(|&v| f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+        let kv = gpu.upload(&bits(keys), &bits(values), kv_heads)?;
+        gpu.build_layout(&kv, params)?.download(gpu)
     }
 
     /// Rows of cluster `c` of head `h` (within the head).
@@ -254,15 +213,16 @@ impl Cut {
         let (d, tokens, kv_heads) = (self.d, self.tokens, self.kv_heads);
         let indexed = tokens - self.steady;
         let clusters: usize = (0..self.segments.len()).map(|s| self.clusters_of(s)).sum();
-        let heads: Vec<ClusteredLayer> = orders
-            .par_chunks(self.segments.len().max(1))
-            .take(kv_heads)
-            .enumerate()
-            .map(|(h, per_segment)| {
+        // Every head, also when nothing is indexed (then `orders` is empty and a head is its
+        // steady zone alone).
+        let per_head = self.segments.len();
+        let heads: Vec<ClusteredLayer> = (0..kv_heads)
+            .into_par_iter()
+            .map(|h| {
                 self.assemble_head(
                     &keys[h * tokens * d..(h + 1) * tokens * d],
                     &values[h * tokens * d..(h + 1) * tokens * d],
-                    per_segment,
+                    &orders[h * per_head..(h + 1) * per_head],
                 )
             })
             .collect();
@@ -390,6 +350,18 @@ mod tests {
                 assert_eq!(l.keys[(h * tokens + row) * d], f16::from_f32(keys[(h * tokens + pos[row] as usize) * d]));
             }
         }
+    }
+
+    #[test]
+    fn a_layer_shorter_than_the_steady_zone_is_its_steady_zone_alone() {
+        let (kvh, d, tokens) = (2, 8, 50);
+        let keys: Vec<f32> = (0..kvh * tokens * d).map(|i| i as f32).collect();
+        let l = ClusteredLayer::build(&keys, &keys, kvh, d, LayoutParams::default()).unwrap();
+        assert_eq!((l.rows, l.indexed, l.clusters), (tokens, 0, 0));
+        assert_eq!(l.positions, (0..kvh).flat_map(|_| 0..tokens as u32).collect::<Vec<_>>());
+        assert_eq!(l.offsets, vec![0; kvh]);
+        assert_eq!(l.keys.len(), kvh * tokens * d);
+        assert_eq!(l.keys[(tokens + 3) * d].to_f32(), ((tokens + 3) * d) as f32);
     }
 
     #[test]

@@ -100,7 +100,12 @@ pub fn nearest_centroids(x: &[f32], centroids: &[f32], d: usize, out: &mut Vec<u
 /// distinct rows drawn by a seeded partial Fisher–Yates shuffle. Shared with the GPU k-means
 /// so that both start alike.
 pub fn initial_centroids(x: &[f32], d: usize, k: usize, seed: u64) -> Vec<f32> {
-    let n = x.len() / d.max(1);
+    initial_rows(x.len() / d.max(1), k, seed).iter().flat_map(|&i| x[i * d..(i + 1) * d].to_vec()).collect()
+}
+
+/// Which rows [`initial_centroids`] takes from `n` rows for `k` clusters (`min(k, n)` of
+/// them): the device build starts from the same rows without handing the rows to the host.
+pub fn initial_rows(n: usize, k: usize, seed: u64) -> Vec<usize> {
     let k = k.min(n);
     let mut rng = SplitMix64::new(seed);
     let mut order: Vec<usize> = (0..n).collect();
@@ -108,7 +113,8 @@ pub fn initial_centroids(x: &[f32], d: usize, k: usize, seed: u64) -> Vec<f32> {
         let j = i + rng.below(n - i);
         order.swap(i, j);
     }
-    order[..k].iter().flat_map(|&i| x[i * d..(i + 1) * d].to_vec()).collect()
+    order.truncate(k);
+    order
 }
 
 /// Rows grouped by cluster (a counting sort of `assignment`, `k` clusters): the row numbers

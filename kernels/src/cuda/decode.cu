@@ -24,6 +24,12 @@ __device__ __forceinline__ float h2f(unsigned short h) {
   return f;
 }
 
+__device__ __forceinline__ unsigned short f2h(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+
 __device__ __forceinline__ void load_row(const unsigned short* __restrict__ p, float* out) {
 #if PER_LANE == 4
   uint2 raw = *reinterpret_cast<const uint2*>(p);

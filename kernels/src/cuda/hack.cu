@@ -21,12 +21,6 @@ __device__ __forceinline__ unsigned spread4(unsigned x) {
   return (x & 3u) | ((x >> 2 & 3u) << 8) | ((x >> 4 & 3u) << 16) | ((x >> 6 & 3u) << 24);
 }
 
-__device__ __forceinline__ unsigned short f2h(float f) {
-  unsigned short h;
-  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
-  return h;
-}
-
 // One CTA per (chunk of `chunk_blocks` value blocks, KV head); partials in the layout of
 // attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them.
 // q8: [q_heads][HEAD_DIM/4] words of 8-bit query codes (same dim order as the keys);

@@ -7,8 +7,9 @@
 //! (`decode.cu`), over KV in device memory or in mapped pinned host memory (zero-copy), with
 //! Gpu-tier cache rows; centroid scoring and top-r selection; the HACK 2-bit kernels
 //! (`hack.cu`); and a whole wave-index decode step with no host work between its kernels
-//! (`wave.cu`, [`GpuBackend::launch_wave`]); segmented spherical k-means for the index build
-//! (`kmeans.cu`, [`GpuBackend::segmented_kmeans`]).
+//! (`wave.cu`, [`GpuBackend::launch_wave`]); the whole index build on the device — centring,
+//! segmented spherical k-means on the tensor cores and the layout (`build.cu`,
+//! [`GpuBackend::build_layout`]).
 
 use crate::error::{Error, Result};
 use crate::shape::AttnShape;
@@ -18,15 +19,15 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
 
+mod build;
 mod hack;
-mod kmeans;
 mod wave;
+pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, HackJob};
-pub use kmeans::SegmentKMeans;
 pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
-    concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("kmeans.cu"));
+    concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("build.cu"));
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
 /// has not too many chunks to fold.
@@ -66,13 +67,24 @@ pub struct GpuBackend {
     ingest: CudaFunction,
     /// `est_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
     est: Vec<CudaFunction>,
-    km_assign: CudaFunction,
-    km_accumulate: CudaFunction,
-    km_normalize: CudaFunction,
+    /// The whole index build on the device (`build.cu`).
+    build: BuildKernels,
     /// The hack2 kernels (compiled for head dimensions that are a multiple of 64).
     hack_partial: Option<CudaFunction>,
     hack_dequant: Option<CudaFunction>,
     head_dim: usize,
+}
+
+/// The kernels of [`GpuBackend::build_layout`], in the order it launches them.
+struct BuildKernels {
+    mean: CudaFunction,
+    unit: CudaFunction,
+    init: CudaFunction,
+    assign: CudaFunction,
+    rank: CudaFunction,
+    centroids: CudaFunction,
+    gather: CudaFunction,
+    means: CudaFunction,
 }
 
 /// Cluster centroids (the meta index) of every KV head in device memory, f16.
@@ -219,9 +231,17 @@ impl GpuBackend {
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
         let ingest = module.load_function("step_ingest").map_err(gpu_err("step_ingest"))?;
         let est = per_group("est_partial")?;
-        let km_assign = module.load_function("kmeans_assign").map_err(gpu_err("kmeans_assign"))?;
-        let km_accumulate = module.load_function("kmeans_accumulate").map_err(gpu_err("kmeans_accumulate"))?;
-        let km_normalize = module.load_function("kmeans_normalize").map_err(gpu_err("kmeans_normalize"))?;
+        let load = |name: &'static str| module.load_function(name).map_err(gpu_err(name));
+        let build = BuildKernels {
+            mean: load("lay_mean")?,
+            unit: load("lay_unit")?,
+            init: load("lay_init")?,
+            assign: load("lay_assign")?,
+            rank: load("lay_rank")?,
+            centroids: load("lay_centroids")?,
+            gather: load("lay_gather")?,
+            means: load("lay_means")?,
+        };
         let (hack_partial, hack_dequant) = if head_dim.is_multiple_of(64) {
             (
                 Some(module.load_function("hack_partial").map_err(gpu_err("hack_partial"))?),
@@ -242,9 +262,7 @@ impl GpuBackend {
             expand,
             ingest,
             est,
-            km_assign,
-            km_accumulate,
-            km_normalize,
+            build,
             hack_partial,
             hack_dequant,
             head_dim,
@@ -254,6 +272,11 @@ impl GpuBackend {
     /// The device's name.
     pub fn name(&self) -> String {
         self.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// The head dimension the kernels were compiled for.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
     }
 
     /// The stream every launch of this backend goes to.
