@@ -7,7 +7,8 @@ rows = [json.loads(line) for path in sys.argv[1:] for line in open(path) if line
 selects = [r for r in rows if r.get("bench") == "select"]
 builds = [r for r in rows if r.get("bench") == "index_build"]
 prefills = {r["tokens"]: r for r in rows if r.get("bench") == "prefill"}
-rows = [r for r in rows if r.get("bench") not in ("select", "index_build", "prefill") and "time_us" in r and "method" in r]
+engine_prefills = [r for r in rows if r.get("bench") == "engine_prefill"]
+rows = [r for r in rows if r.get("bench") not in ("select", "index_build", "prefill", "engine_prefill") and "time_us" in r and "method" in r]
 by = {}
 for r in rows:
     by.setdefault(r["tokens"], {})[r["method"]] = r
@@ -88,7 +89,11 @@ for r in builds:
         r["share_of_prefill"] = round(r["time_us"] / p["time_us"], 4)
         print(f"  vs SDPA causal prefill of the layer {p['time_us'] / 1e3:.1f} ms: the build is "
               f"{100 * r['time_us'] / p['time_us']:.0f}% of it (goal <= 5%)")
-rows += builds + list(prefills.values())
+for r in engine_prefills:
+    print(f"\nengine prefill at {r['tokens']} tokens (f32 KV in host memory to a planned index): clustering on the GPU "
+          f"{r['time_us'] / 1e3:.0f} ms (median of {r['runs']}) vs {r['cpu_threads']} CPU threads {r['baseline_time_us'] / 1e3:.0f} ms "
+          f"({r['speedup']:.1f}x)")
+rows += builds + list(prefills.values()) + engine_prefills
 print("JSON lines:")
 for r in rows:
     print(json.dumps(r))

@@ -46,14 +46,36 @@ fn main() {
         eprintln!("no GPU-backed buffer manager (needs a GPU and pinned memory)");
         std::process::exit(2);
     }
+    // The first context is prefilled on the CPU (all cores), the others with the clustering
+    // on the GPU (`Engine::prefill_gpu`): both timed, from f32 KV in host memory to an index
+    // ready to plan.
     let mut ctxs = Vec::new();
+    let (mut cpu_prefill_us, mut gpu_prefill_us) = (Vec::new(), Vec::new());
     for i in 0..batch {
         eprintln!("context {} of {batch}: generating and prefilling {tokens} tokens", i + 1);
         let synth = SynthContext::generate(SynthParams::new(shape, total, 42 + i as u64));
         let ctx = engine.create_context(ContextSpec::new(shape, 1)).expect("context");
         let (k, v) = synth.slice(0, tokens);
-        engine.prefill(ctx, 0, &k, &v).expect("prefill");
+        let t = Instant::now();
+        if i == 0 {
+            engine.prefill(ctx, 0, &k, &v).expect("prefill");
+            cpu_prefill_us.push(t.elapsed().as_secs_f64() * 1e6);
+        } else {
+            assert!(engine.prefill_gpu(ctx, 0, &k, &v).expect("prefill"), "clustered on the GPU");
+            gpu_prefill_us.push(t.elapsed().as_secs_f64() * 1e6);
+        }
         ctxs.push(Context { ctx, synth, at: tokens });
+    }
+    if !gpu_prefill_us.is_empty() {
+        let (gpu, cpu) = (median(gpu_prefill_us.clone()), cpu_prefill_us[0]);
+        println!(
+            "{}",
+            json!({"bench": "engine_prefill", "device": "cuda", "method": "engine_prefill_gpu", "tokens": tokens,
+                "kv_heads": 8, "head_dim": 128, "time_us": gpu.round(), "runs": gpu_prefill_us.len(),
+                "baseline": "engine_prefill_cpu", "baseline_time_us": cpu.round(),
+                "cpu_threads": std::thread::available_parallelism().map_or(1, |n| n.get()),
+                "speedup": (cpu / gpu * 100.0).round() / 100.0})
+        );
     }
     let budget = Budget::default();
     let round = |x: f64| (x * 100.0).round() / 100.0;

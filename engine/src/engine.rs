@@ -250,7 +250,7 @@ impl Engine {
     /// durable writes; the batch stays visible in this process only. On an in-memory engine
     /// this is `append`, and the ticket is acknowledged at once.
     pub fn submit_append(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<AppendTicket> {
-        let lsn = self.ingest_with(id, layer, keys, values, false, false)?;
+        let lsn = self.ingest_with(id, layer, keys, values, false, false, None)?;
         Ok(AppendTicket { lsn })
     }
 
@@ -273,12 +273,15 @@ impl Engine {
         values: &[f32],
         prefill: bool,
     ) -> Result<()> {
-        self.ingest_with(id, layer, keys, values, prefill, true).map(|_| ())
+        self.ingest_with(id, layer, keys, values, prefill, true, None).map(|_| ())
     }
 
     /// Stores a batch; on a durable engine returns the LSN of its log record, committed when
-    /// `wait`, queued otherwise.
-    fn ingest_with(
+    /// `wait`, queued otherwise. A prefill with a `layout` (its clustering computed elsewhere,
+    /// e.g. on the GPU) restores the index from it instead of clustering; the log records the
+    /// KV as a plain prefill either way.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn ingest_with(
         &self,
         id: ContextId,
         layer: usize,
@@ -286,6 +289,7 @@ impl Engine {
         values: &[f32],
         prefill: bool,
         wait: bool,
+        layout: Option<&attnstore_index::IndexLayout>,
     ) -> Result<Option<attnstore_wal::Lsn>> {
         let ctx = self.context(id)?;
         let shape = ctx.spec.shape;
@@ -326,7 +330,13 @@ impl Engine {
         }
         let layer_state: &mut Layer = &mut guard;
         if prefill {
-            layer_state.method.prefill(keys, values)?;
+            let restored = match layout {
+                Some(layout) => layer_state.method.restore(layout, keys, values)?,
+                None => false,
+            };
+            if !restored {
+                layer_state.method.prefill(keys, values)?;
+            }
         } else {
             layer_state.method.append(keys, values)?;
         }

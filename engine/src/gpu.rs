@@ -111,7 +111,7 @@ fn device_layer(gpu: &GpuBackend, cached: Option<DeviceLayer>, layer: &Layer) ->
 }
 
 impl GpuExec {
-    fn backend(&self, head_dim: usize) -> Result<Arc<GpuBackend>> {
+    pub(crate) fn backend(&self, head_dim: usize) -> Result<Arc<GpuBackend>> {
         let mut map = self.backends.lock();
         if let Some(b) = map.get(&head_dim) {
             return Ok(Arc::clone(b));

@@ -19,6 +19,8 @@ mod execute;
 mod explain;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod gpu_prefill;
 mod plan;
 mod spec;
 pub mod synth;

@@ -183,3 +183,85 @@ fn a_batch_of_device_steps_over_several_contexts_equals_the_cpu_per_request() {
         manager.maintain(usize::MAX);
     }
 }
+
+#[test]
+fn a_prefill_clustered_on_the_gpu_serves_plans_like_a_cpu_prefill() {
+    use attnstore::{Error, Method, PqParams};
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the engine's GPU prefill");
+        return;
+    }
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    // 20,000 tokens: segments of 8192, 8192, 3548; 16,952: two segments and 500 pending.
+    for (tokens, buffers) in [(20_000usize, false), (16_952, true)] {
+        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+        let config = EngineConfig {
+            buffers: buffers.then(|| BufferSettings { maintainer_idle: None, ..BufferSettings::new(2 * host_blocks) }),
+            ..EngineConfig::default()
+        };
+        let engine = Engine::in_memory(config).unwrap();
+        let (on_gpu, on_cpu) = (
+            engine.create_context(ContextSpec::new(shape, 1)).unwrap(),
+            engine.create_context(ContextSpec::new(shape, 1)).unwrap(),
+        );
+        let synth = SynthContext::generate(SynthParams::new(shape, tokens, 17));
+        let t = Instant::now();
+        assert!(engine.prefill_gpu(on_gpu, 0, &synth.keys, &synth.values).unwrap(), "the GPU clusters a wave prefill");
+        let gpu_ms = t.elapsed().as_secs_f64() * 1e3;
+        let t = Instant::now();
+        engine.prefill(on_cpu, 0, &synth.keys, &synth.values).unwrap();
+        let cpu_ms = t.elapsed().as_secs_f64() * 1e3;
+        let (g, c) = (engine.stats(on_gpu, 0).unwrap(), engine.stats(on_cpu, 0).unwrap());
+        assert_eq!(
+            (g.tokens, g.segments, g.indexed_tokens, g.pending_tokens),
+            (c.tokens, c.segments, c.indexed_tokens, c.pending_tokens),
+            "{tokens} tokens"
+        );
+        assert!(
+            g.clusters <= c.clusters && g.clusters * 100 >= c.clusters * 95,
+            "{tokens}: {} vs {} clusters",
+            g.clusters,
+            c.clusters
+        );
+        let (mut err_gpu, mut err_cpu) = (0.0, 0.0);
+        for step in 0..4u64 {
+            let q = synth.queries(step);
+            let exact =
+                engine.execute(&engine.plan(&[Request::new(on_cpu, 0, q.clone())], &Budget::full()).unwrap()).unwrap();
+            let exact64: Vec<f64> = exact[0].iter().map(|&x| f64::from(x)).collect();
+            let full =
+                engine.execute(&engine.plan(&[Request::new(on_gpu, 0, q.clone())], &Budget::full()).unwrap()).unwrap();
+            let e = rel_l2(&full[0], &exact64);
+            assert!(e <= 1e-5, "{tokens} tokens: full budget over the GPU-clustered layer vs exact: {e}");
+            for (ctx, err) in [(on_gpu, &mut err_gpu), (on_cpu, &mut err_cpu)] {
+                let out = engine
+                    .execute(&engine.plan(&[Request::new(ctx, 0, q.clone())], &Budget::default()).unwrap())
+                    .unwrap();
+                *err += rel_l2(&out[0], &exact64) / 4.0;
+            }
+        }
+        println!("{tokens} tokens: prefill with the GPU's clustering {gpu_ms:.0} ms, on the CPU {cpu_ms:.0} ms; sparse error {err_gpu:.4} vs {err_cpu:.4}");
+        assert!(
+            err_gpu <= err_cpu * 1.1 + 0.01,
+            "{tokens} tokens: sparse error {err_gpu} (GPU clusters) vs {err_cpu} (CPU)"
+        );
+        // Decode tokens go on as usual: a new segment is clustered on the CPU.
+        let more = SynthContext::generate(SynthParams::new(shape, 1100, 18));
+        engine.append(on_gpu, 0, &more.keys, &more.values).unwrap();
+        assert_eq!(engine.stats(on_gpu, 0).unwrap().tokens, tokens + 1100);
+        // A layer is prefilled once; bad input and other methods behave as `prefill`.
+        assert!(matches!(
+            engine.prefill_gpu(on_gpu, 0, &synth.keys, &synth.values),
+            Err(Error::AlreadyPrefilled { .. })
+        ));
+        let fresh = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+        let mut nan = more.keys.clone();
+        nan[3] = f32::NAN;
+        assert!(engine.prefill_gpu(fresh, 0, &nan, &more.values).is_err());
+        assert!(engine.prefill_gpu(fresh, 0, &more.keys[1..], &more.values).is_err());
+        assert_eq!(engine.stats(fresh, 0).unwrap().tokens, 0, "a rejected prefill stores nothing");
+        let pq =
+            engine.create_context(ContextSpec::new(shape, 1).with_method(Method::Pq(PqParams::default()))).unwrap();
+        assert!(!engine.prefill_gpu(pq, 0, &more.keys, &more.values).unwrap(), "PQ prefills on the CPU");
+    }
+}

@@ -35,6 +35,31 @@ pub struct WaveParams {
     pub seed: u64,
 }
 
+impl WaveParams {
+    /// Seed of the k-means of segment `unit` (0 = the first) of KV head `head`: a device
+    /// build seeded with it starts from the rows the index's own build starts from.
+    pub fn segment_seed(&self, unit: usize, head: usize) -> u64 {
+        self.seed ^ (unit as u64).wrapping_mul(0x9E37_79B9) ^ (head as u64) << 40
+    }
+
+    /// How a prefill of `tokens` tokens into an empty index is cut: the sink's length, then
+    /// the clustered segments as (first token, tokens), in order. The tokens after the last
+    /// segment (the local window and fewer than `decode_segment_tokens` pending ones) stay
+    /// in the steady zone.
+    pub fn prefill_segments(&self, tokens: usize) -> (usize, Vec<(usize, usize)>) {
+        let sink = self.sink_tokens.min(tokens);
+        let mut pending = (tokens - sink).saturating_sub(self.local_tokens);
+        let (mut segments, mut first) = (Vec::new(), sink);
+        while pending >= self.decode_segment_tokens.max(1) && self.segment_tokens > 0 {
+            let len = pending.min(self.segment_tokens);
+            segments.push((first, len));
+            first += len;
+            pending -= len;
+        }
+        (sink, segments)
+    }
+}
+
 impl Default for WaveParams {
     fn default() -> Self {
         Self {
@@ -368,7 +393,7 @@ impl<E: Element> WaveIndex<E> {
 
     /// Seed of the clustering (and of the 2-bit rounding) of segment `unit` of head `h`.
     fn segment_seed(&self, unit: usize, h: usize) -> u64 {
-        self.params.seed ^ (unit as u64).wrapping_mul(0x9E37_79B9) ^ (h as u64) << 40
+        self.params.segment_seed(unit, h)
     }
 
     /// Stores built segments (`jobs[i]` = (head, segment − `first_unit`) of `built[i]`): rows
@@ -995,4 +1020,29 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 fn plan_trace() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("ATTNSTORE_PLAN_TRACE").is_some())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnstore_kernels::random::SplitMix64;
+
+    #[test]
+    fn prefill_segments_is_how_a_prefill_into_an_empty_index_cuts() {
+        let p = WaveParams { segment_tokens: 2048, decode_segment_tokens: 512, ..WaveParams::default() };
+        let mut g = SplitMix64::new(9);
+        for tokens in [3usize, 68, 579, 580, 2000, 2048 + 68 + 4 + 511, 2048 + 68 + 4 + 512, 3 * 2048 + 700] {
+            let (h, d) = (2, 8);
+            let k: Vec<f32> = (0..h * tokens * d).map(|_| g.normal()).collect();
+            let mut index = WaveIndex::<f32>::new(p, h, d).unwrap();
+            index.prefill(&k, &k).unwrap();
+            let layout = index.layout();
+            let (sink, segments) = p.prefill_segments(tokens);
+            assert_eq!(sink as u64, layout.sink_len, "{tokens} tokens");
+            let got: Vec<(usize, usize)> = layout.segments.iter().map(|s| (s.first as usize, s.len as usize)).collect();
+            assert_eq!(segments, got, "{tokens} tokens");
+            let end = segments.last().map_or(sink, |&(first, len)| first + len);
+            assert_eq!(end as u64, layout.tail_start, "{tokens} tokens");
+        }
+    }
 }

@@ -39,6 +39,8 @@ pub struct DeviceLayout {
     centroids: CudaSlice<u16>,
     value_means: CudaSlice<u16>,
     head_dim: usize,
+    geo: Geometry,
+    tokens_per_cluster: usize,
 }
 
 /// Where a layer's segments and clusters are (every segment but the last is full).
@@ -163,8 +165,20 @@ impl GpuBackend {
     /// and the local window. Results differ from the CPU's only where f16 unit rows and the
     /// tensor cores' rounding flip a near tie, and where a cluster loses every member (the
     /// CPU re-seeds it; here it keeps its centroid).
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn build_layout(&self, kv: &DeviceKv, params: LayoutParams) -> Result<DeviceLayout> {
+        self.build_layout_seeded(kv, params, &|h, s| params.seed ^ ((h as u64) << 32 | s as u64))
+    }
+
+    /// [`GpuBackend::build_layout`] with the k-means of segment `s` of head `h` seeded with
+    /// `seed(h, s)` (e.g. the wave index's own seeds, so that the device starts from the rows
+    /// the index's CPU build would).
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn build_layout_seeded(
+        &self,
+        kv: &DeviceKv,
+        params: LayoutParams,
+        seed: &(dyn Fn(usize, usize) -> u64 + Sync),
+    ) -> Result<DeviceLayout> {
         let d = self.head_dim;
         let tokens = kv.rows;
         let kv_heads = kv.keys.len() / (tokens * d).max(1);
@@ -220,8 +234,7 @@ impl GpuBackend {
                 .flat_map_iter(|j| {
                     let (h, sg) = (j / geo.segments, j % geo.segments);
                     let n = geo.len(sg);
-                    let seed = params.seed ^ ((h as u64) << 32 | sg as u64);
-                    initial_rows(n, n.div_ceil(params.tokens_per_cluster), seed).into_iter().map(|r| r as i32)
+                    initial_rows(n, n.div_ceil(params.tokens_per_cluster), seed(h, sg)).into_iter().map(|r| r as i32)
                 })
                 .collect();
             let init = s.clone_htod(&init).map_err(up("copying initial rows"))?;
@@ -321,6 +334,8 @@ impl GpuBackend {
             centroids,
             value_means,
             head_dim: d,
+            geo,
+            tokens_per_cluster: params.tokens_per_cluster,
         })
     }
 }
@@ -355,6 +370,31 @@ impl DeviceLayout {
             centroids: bits(&self.centroids, h * self.clusters * d)?,
             value_means: bits(&self.value_means, h * self.clusters * d)?,
         })
+    }
+
+    /// Every segment of a head: its first row among the indexed rows, its rows, and its
+    /// clusters' numbers within the head (the same for every head).
+    pub fn segments(&self) -> Vec<(usize, usize, std::ops::Range<usize>)> {
+        (0..self.geo.segments)
+            .map(|s| {
+                let len = self.geo.len(s);
+                let c0 = s * self.geo.kfull;
+                (s * self.geo.seg, len, c0..c0 + len.div_ceil(self.tokens_per_cluster))
+            })
+            .collect()
+    }
+
+    /// Copies back only the clustering: the token of every row (`kv_heads × rows`, cluster
+    /// order, the steady zone last) and every head's cluster offsets (`kv_heads ×
+    /// (clusters + 1)`), as in a [`ClusteredLayer`]. What a host that keeps its own copy of
+    /// the KV needs to lay it out.
+    pub fn download_order(&self, gpu: &GpuBackend) -> Result<(Vec<u32>, Vec<u32>)> {
+        let s = gpu.stream();
+        let mut positions = s.clone_dtoh(&self.positions).map_err(gpu_err("copying the layout back"))?;
+        let mut offsets = s.clone_dtoh(&self.offsets).map_err(gpu_err("copying the layout back"))?;
+        positions.truncate(self.kv_heads * self.rows);
+        offsets.truncate(self.kv_heads * (self.clusters + 1));
+        Ok((positions, offsets))
     }
 
     /// Waits until the build's kernels are done (for timing).
