@@ -29,6 +29,22 @@ pub struct LayoutParams {
     pub seed: u64,
 }
 
+impl LayoutParams {
+    /// A typed error unless segments and clusters have a positive number of tokens.
+    pub fn validate(&self) -> Result<()> {
+        if self.segment_tokens == 0 || self.tokens_per_cluster == 0 {
+            return Err(Error::InvalidArgument {
+                what: "layout params",
+                message: format!(
+                    "segment_tokens and tokens_per_cluster must be positive, got {} and {}",
+                    self.segment_tokens, self.tokens_per_cluster
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
 impl Default for LayoutParams {
     fn default() -> Self {
         Self { segment_tokens: 8192, tokens_per_cluster: 16, sink_tokens: 4, local_tokens: 64, max_iters: 10, seed: 7 }
@@ -154,15 +170,7 @@ impl Cut {
                 got: values.len(),
             });
         }
-        if params.segment_tokens == 0 || params.tokens_per_cluster == 0 {
-            return Err(Error::InvalidArgument {
-                what: "layout params",
-                message: format!(
-                    "segment_tokens and tokens_per_cluster must be positive, got {} and {}",
-                    params.segment_tokens, params.tokens_per_cluster
-                ),
-            });
-        }
+        params.validate()?;
         if let Some(bad) = first_non_finite(keys).or_else(|| first_non_finite(values).map(|i| keys.len() + i)) {
             return Err(Error::InvalidArgument {
                 what: "keys/values",

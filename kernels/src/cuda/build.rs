@@ -58,15 +58,7 @@ struct Geometry {
 
 impl Geometry {
     fn new(tokens: usize, p: LayoutParams) -> Result<Self> {
-        if p.segment_tokens == 0 || p.tokens_per_cluster == 0 {
-            return Err(Error::InvalidArgument {
-                what: "layout params",
-                message: format!(
-                    "segment_tokens and tokens_per_cluster must be positive, got {} and {}",
-                    p.segment_tokens, p.tokens_per_cluster
-                ),
-            });
-        }
+        p.validate()?;
         let steady = (p.sink_tokens + p.local_tokens).min(tokens);
         let sink = p.sink_tokens.min(steady);
         let indexed = tokens - steady;
@@ -189,10 +181,20 @@ impl GpuBackend {
                 message: format!("{kv_heads} heads × {tokens} tokens is beyond the device build's 2^30 rows"),
             });
         }
+        let jobs = kv_heads * geo.segments;
+        if jobs > 65_535 {
+            // The assignment's grid has a CTA row per job (a grid's y extent is at most 65535).
+            return Err(Error::InvalidArgument {
+                what: "layer",
+                message: format!(
+                    "{kv_heads} heads × {} segments is beyond the device build's 65535 (head, segment) jobs",
+                    geo.segments
+                ),
+            });
+        }
         let s = &self.stream;
         let up = gpu_err;
         let mut trace = Trace::new(s)?;
-        let jobs = kv_heads * geo.segments;
         let units = kv_heads * geo.indexed;
         let n_cent = kv_heads * geo.clusters;
         let (tokens_i, sink_i, indexed_i, seg_i) = (tokens as i32, geo.sink as i32, geo.indexed as i32, geo.seg as i32);
