@@ -164,7 +164,6 @@ impl GpuBackend {
     /// [`GpuBackend::build_layout`] with the k-means of segment `s` of head `h` seeded with
     /// `seed(h, s)` (e.g. the wave index's own seeds, so that the device starts from the rows
     /// the index's CPU build would).
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn build_layout_seeded(
         &self,
         kv: &DeviceKv,
@@ -175,6 +174,217 @@ impl GpuBackend {
         let tokens = kv.rows;
         let kv_heads = kv.keys.len() / (tokens * d).max(1);
         let geo = Geometry::new(tokens, params)?;
+        let dims = Dims::new(kv_heads, tokens, &geo, params.tokens_per_cluster)?;
+        let s = &self.stream;
+        let mut trace = Trace::new(s)?;
+        let (n_cent, lay_len) = (kv_heads * geo.clusters, (kv_heads * tokens * d).max(1));
+        let mut out = DeviceLayout {
+            kv_heads,
+            rows: tokens,
+            indexed: geo.indexed,
+            clusters: geo.clusters,
+            iterations: 0,
+            converged: true,
+            keys: written(s, lay_len)?,
+            values: written(s, lay_len)?,
+            positions: written(s, (kv_heads * tokens).max(1))?,
+            // Zeros: a layer with nothing indexed has no sort to write its (all-zero) offsets.
+            offsets: s.alloc_zeros((kv_heads * (geo.clusters + 1)).max(1)).map_err(gpu_err("allocating the layout"))?,
+            centroids: written(s, (n_cent * d).max(1))?,
+            value_means: written(s, (n_cent * d).max(1))?,
+            head_dim: d,
+            geo,
+            tokens_per_cluster: params.tokens_per_cluster,
+        };
+        trace.mark(s, "allocation")?;
+        if dims.jobs > 0 {
+            let (unit, mut assign) = self.unit_rows(kv, &dims, params, seed, &mut out.centroids)?;
+            trace.mark(s, "centring, unit rows, initial centroids")?;
+            (out.iterations, out.converged) =
+                self.kmeans(&dims, params.max_iters, &unit, &mut assign, &mut out.centroids, &mut trace)?;
+            self.rank(&dims, &assign, dims.sink, dims.tokens, &mut out.offsets, &mut out.positions)?;
+        }
+        self.lay_out(kv, &dims, &mut out)?;
+        trace.mark(s, "layout (counting sort, gather, cluster means)")?;
+        trace.report(out.iterations);
+        Ok(out)
+    }
+
+    /// Centres every job's keys, writes them as f16 unit rows (each row's assignment set to
+    /// none) and the initial centroids; returns the unit rows and the assignments.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn unit_rows(
+        &self,
+        kv: &DeviceKv,
+        dims: &Dims,
+        params: LayoutParams,
+        seed: &(dyn Fn(usize, usize) -> u64 + Sync),
+        centroids: &mut CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<i32>)> {
+        let (s, d, up) = (&self.stream, self.head_dim, gpu_err);
+        let mut mean_sum = s.alloc_zeros::<f32>(dims.jobs * d).map_err(up("allocating k-means buffers"))?;
+        let mut unit = written::<u16>(s, dims.units * d)?;
+        let mut assign = written::<i32>(s, dims.units)?;
+        let cfg = LaunchConfig { grid_dim: (dims.jobs as u32, 8, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let mut b = s.launch_builder(&self.build.mean);
+        b.arg(&kv.keys).arg(&dims.tokens).arg(&dims.sink).arg(&dims.indexed).arg(&dims.seg).arg(&dims.segments);
+        b.arg(&mut mean_sum);
+        // SAFETY: job j's rows sink + s·seg + r (r < its length) are < tokens of head h <
+        // kv_heads, inside kv.keys; mean_sum holds jobs × head_dim floats.
+        unsafe { b.launch(cfg) }.map_err(up("launching lay_mean"))?;
+        let mut b = s.launch_builder(&self.build.unit);
+        b.arg(&kv.keys).arg(&dims.heads).arg(&dims.tokens).arg(&dims.sink).arg(&dims.indexed).arg(&dims.seg);
+        b.arg(&dims.segments).arg(&mean_sum).arg(&mut unit).arg(&mut assign);
+        // SAFETY: one warp per unit row < kv_heads × indexed (checked in the kernel); reads
+        // a key row of its head and its job's mean, writes its own unit row and assignment.
+        unsafe { b.launch(spread(dims.units, 32)) }.map_err(up("launching lay_unit"))?;
+        // Initial centroids: the rows the CPU's k-means starts from (seeded per job), drawn
+        // on host threads while the device centres the keys.
+        let segments = dims.segments as usize;
+        let init: Vec<i32> = (0..dims.jobs)
+            .into_par_iter()
+            .flat_map_iter(|j| {
+                let (h, sg) = (j / segments, j % segments);
+                let n = (dims.seg as usize).min(dims.indexed as usize - sg * dims.seg as usize);
+                initial_rows(n, n.div_ceil(params.tokens_per_cluster), seed(h, sg)).into_iter().map(|r| r as i32)
+            })
+            .collect();
+        let init = s.clone_htod(&init).map_err(up("copying initial rows"))?;
+        let mut b = s.launch_builder(&self.build.init);
+        b.arg(&unit).arg(&init).arg(&dims.heads).arg(&dims.indexed).arg(&dims.seg).arg(&dims.kfull);
+        b.arg(&dims.clusters).arg(centroids);
+        // SAFETY: one warp per centroid < kv_heads × clusters; init holds one row per
+        // centroid, below its job's length (initial_rows), so the unit row is in bounds.
+        unsafe { b.launch(spread(dims.centroids, 32)) }.map_err(up("launching lay_init"))?;
+        Ok((unit, assign))
+    }
+
+    /// Spherical k-means steps until no row moves (after at least one step) or `max_iters`
+    /// steps ran, ending on an assignment; returns the steps and whether it converged.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn kmeans(
+        &self,
+        dims: &Dims,
+        max_iters: usize,
+        unit: &CudaSlice<u16>,
+        assign: &mut CudaSlice<i32>,
+        centroids: &mut CudaSlice<u16>,
+        trace: &mut Trace,
+    ) -> Result<(usize, bool)> {
+        let (s, d, up) = (&self.stream, self.head_dim, gpu_err);
+        let mut changed = s.alloc_zeros::<i32>(1).map_err(up("allocating k-means buffers"))?;
+        let mut members = written::<u32>(s, dims.units)?;
+        let mut member_offsets = written::<u32>(s, dims.heads as usize * (dims.clusters as usize + 1))?;
+        let rows_per_cta = 4 * 16 * if d <= 128 { 2 } else { 1 }; // AS_WARPS · 16 · AS_MT
+        let assign_cfg = LaunchConfig {
+            grid_dim: ((dims.seg as usize).div_ceil(rows_per_cta) as u32, dims.jobs as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut iterations = 0;
+        loop {
+            s.memset_zeros(&mut changed).map_err(up("clearing the change count"))?;
+            let mut b = s.launch_builder(&self.build.assign);
+            b.arg(unit).arg(&*centroids).arg(&dims.indexed).arg(&dims.seg).arg(&dims.segments).arg(&dims.kfull);
+            b.arg(&dims.clusters).arg(&dims.tpc).arg(&mut *assign).arg(&mut changed);
+            // SAFETY: CTA (x, j) reads unit rows of job j below its length and the job's
+            // ⌈len / tpc⌉ centroids (< clusters of the head), writes those rows' assignment.
+            unsafe { b.launch(assign_cfg) }.map_err(up("launching lay_assign"))?;
+            let moved = s.clone_dtoh(&changed).map_err(up("copying the change count"))?[0];
+            trace.mark(s, "assignment")?;
+            if iterations > 0 && moved == 0 {
+                return Ok((iterations, true));
+            }
+            if iterations == max_iters {
+                return Ok((iterations, false));
+            }
+            iterations += 1;
+            self.rank(dims, assign, 0, dims.indexed, &mut member_offsets, &mut members)?;
+            let mut b = s.launch_builder(&self.build.centroids);
+            b.arg(unit).arg(&member_offsets).arg(&members).arg(&dims.heads).arg(&dims.indexed).arg(&dims.clusters);
+            b.arg(&mut *centroids);
+            // SAFETY: one warp per centroid < kv_heads × clusters; its members lie between
+            // two offsets of its head (≤ indexed) and name rows below indexed.
+            unsafe { b.launch(spread(dims.centroids, 32)) }.map_err(up("launching lay_centroids"))?;
+            trace.mark(s, "centroid update")?;
+        }
+    }
+
+    /// `lay_rank`: every job's rows sorted by cluster (stable) into `order` (row stride
+    /// `row_stride`, values from `first`), and each cluster's offset within its head.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn rank(
+        &self,
+        dims: &Dims,
+        assign: &CudaSlice<i32>,
+        first: i32,
+        row_stride: i32,
+        offsets: &mut CudaSlice<u32>,
+        order: &mut CudaSlice<u32>,
+    ) -> Result<()> {
+        let cfg = LaunchConfig {
+            grid_dim: (dims.jobs as u32, 1, 1),
+            block_dim: (32, 1, 1),
+            shared_mem_bytes: (dims.kfull * 4) as u32,
+        };
+        let mut b = self.stream.launch_builder(&self.build.rank);
+        b.arg(assign).arg(&first).arg(&dims.indexed).arg(&row_stride).arg(&dims.seg).arg(&dims.segments);
+        b.arg(&dims.kfull).arg(&dims.clusters).arg(&dims.tpc).arg(offsets).arg(order);
+        // SAFETY: one warp per job; its cursor array holds kfull ints (the dynamic size) and
+        // every assignment is below the job's cluster count; head h's offsets are written
+        // below clusters + 1 and its order below indexed ≤ row_stride (the callers pass
+        // indexed or tokens, with buffers of kv_heads rows of that stride).
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching lay_rank"))?;
+        Ok(())
+    }
+
+    /// The layout's rows (indexed ones from their sorted positions, then the steady zone) and
+    /// every cluster's mean key and value.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn lay_out(&self, kv: &DeviceKv, dims: &Dims, out: &mut DeviceLayout) -> Result<()> {
+        let (s, d) = (&self.stream, self.head_dim);
+        let rows = dims.heads as usize * dims.tokens as usize;
+        if rows > 0 {
+            let mut b = s.launch_builder(&self.build.gather);
+            b.arg(&kv.keys).arg(&kv.values).arg(&dims.heads).arg(&dims.tokens).arg(&dims.sink).arg(&dims.indexed);
+            b.arg(&mut out.positions).arg(&mut out.keys).arg(&mut out.values);
+            // SAFETY: head_dim / 8 threads per layout row < kv_heads × tokens; every position
+            // is a token < tokens (lay_rank's indexed rows, the steady zone's computed here).
+            unsafe { b.launch(spread(rows, d / 8)) }.map_err(gpu_err("launching lay_gather"))?;
+        }
+        if dims.centroids > 0 {
+            let mut b = s.launch_builder(&self.build.means);
+            b.arg(&out.keys).arg(&out.values).arg(&out.offsets).arg(&dims.heads).arg(&dims.tokens);
+            b.arg(&dims.clusters).arg(&mut out.centroids).arg(&mut out.value_means);
+            // SAFETY: one warp per cluster < kv_heads × clusters; its rows lie between two
+            // offsets of its head, both ≤ indexed ≤ tokens.
+            unsafe { b.launch(spread(dims.centroids, 32)) }.map_err(gpu_err("launching lay_means"))?;
+        }
+        Ok(())
+    }
+}
+
+/// A build's sizes as its kernels take them (i32), checked to fit, and its launch counts.
+struct Dims {
+    heads: i32,
+    tokens: i32,
+    sink: i32,
+    indexed: i32,
+    seg: i32,
+    segments: i32,
+    kfull: i32,
+    clusters: i32,
+    tpc: i32,
+    /// (head, segment) jobs.
+    jobs: usize,
+    /// Indexed rows of all heads.
+    units: usize,
+    /// Centroids of all heads.
+    centroids: usize,
+}
+
+impl Dims {
+    fn new(kv_heads: usize, tokens: usize, geo: &Geometry, tokens_per_cluster: usize) -> Result<Self> {
         if kv_heads * tokens > i32::MAX as usize / 2 || kv_heads * geo.clusters > i32::MAX as usize / 32 {
             return Err(Error::InvalidArgument {
                 what: "layer",
@@ -192,152 +402,19 @@ impl GpuBackend {
                 ),
             });
         }
-        let s = &self.stream;
-        let up = gpu_err;
-        let mut trace = Trace::new(s)?;
-        let units = kv_heads * geo.indexed;
-        let n_cent = kv_heads * geo.clusters;
-        let (tokens_i, sink_i, indexed_i, seg_i) = (tokens as i32, geo.sink as i32, geo.indexed as i32, geo.seg as i32);
-        let (segments_i, kfull_i, clusters_i) = (geo.segments as i32, geo.kfull as i32, geo.clusters as i32);
-        let (heads_i, tpc_i) = (kv_heads as i32, params.tokens_per_cluster as i32);
-        let lay_len = (kv_heads * tokens * d).max(1);
-        let mut keys = written::<u16>(s, lay_len)?;
-        let mut values = written::<u16>(s, lay_len)?;
-        let mut positions = written::<u32>(s, (kv_heads * tokens).max(1))?;
-        // Zeros: a layer with nothing indexed has no sort to write its (all-zero) offsets.
-        let mut offsets =
-            s.alloc_zeros::<u32>((kv_heads * (geo.clusters + 1)).max(1)).map_err(up("allocating the layout"))?;
-        let mut centroids = written::<u16>(s, (n_cent * d).max(1))?;
-        let mut value_means = written::<u16>(s, (n_cent * d).max(1))?;
-        let (mut iterations, mut converged) = (0, true);
-        trace.mark(s, "allocation")?;
-        if jobs > 0 {
-            let mut mean_sum = s.alloc_zeros::<f32>(jobs * d).map_err(up("allocating k-means buffers"))?;
-            let mut unit = written::<u16>(s, units * d)?;
-            let mut assign = written::<i32>(s, units)?;
-            let mut changed = s.alloc_zeros::<i32>(1).map_err(up("allocating k-means buffers"))?;
-
-            let cfg = LaunchConfig { grid_dim: (jobs as u32, 8, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-            let mut b = s.launch_builder(&self.build.mean);
-            b.arg(&kv.keys).arg(&tokens_i).arg(&sink_i).arg(&indexed_i).arg(&seg_i).arg(&segments_i).arg(&mut mean_sum);
-            // SAFETY: job j's rows sink + s·seg + r (r < its length) are < tokens of head h <
-            // kv_heads, inside kv.keys; mean_sum holds jobs × head_dim floats.
-            unsafe { b.launch(cfg) }.map_err(up("launching lay_mean"))?;
-            let mut b = s.launch_builder(&self.build.unit);
-            b.arg(&kv.keys).arg(&heads_i).arg(&tokens_i).arg(&sink_i).arg(&indexed_i).arg(&seg_i).arg(&segments_i);
-            b.arg(&mean_sum).arg(&mut unit).arg(&mut assign);
-            // SAFETY: one warp per unit row < kv_heads × indexed (checked in the kernel); reads
-            // a key row of its head and its job's mean, writes its own unit row and assignment.
-            unsafe { b.launch(spread(units, 32)) }.map_err(up("launching lay_unit"))?;
-            // Initial centroids: the rows the CPU's k-means starts from (seeded per job),
-            // drawn on host threads while the device centres the keys.
-            let init: Vec<i32> = (0..jobs)
-                .into_par_iter()
-                .flat_map_iter(|j| {
-                    let (h, sg) = (j / geo.segments, j % geo.segments);
-                    let n = geo.len(sg);
-                    initial_rows(n, n.div_ceil(params.tokens_per_cluster), seed(h, sg)).into_iter().map(|r| r as i32)
-                })
-                .collect();
-            let init = s.clone_htod(&init).map_err(up("copying initial rows"))?;
-            let mut b = s.launch_builder(&self.build.init);
-            b.arg(&unit).arg(&init).arg(&heads_i).arg(&indexed_i).arg(&seg_i).arg(&kfull_i).arg(&clusters_i);
-            b.arg(&mut centroids);
-            // SAFETY: one warp per centroid < kv_heads × clusters; init holds one row per
-            // centroid, below its job's length (initial_rows), so the unit row is in bounds.
-            unsafe { b.launch(spread(n_cent, 32)) }.map_err(up("launching lay_init"))?;
-
-            let rows_per_cta = 4 * 16 * if d <= 128 { 2 } else { 1 }; // AS_WARPS · 16 · AS_MT
-            let assign_cfg = LaunchConfig {
-                grid_dim: (geo.seg.div_ceil(rows_per_cta) as u32, jobs as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let rank_cfg = LaunchConfig {
-                grid_dim: (jobs as u32, 1, 1),
-                block_dim: (32, 1, 1),
-                shared_mem_bytes: (geo.kfull * 4) as u32,
-            };
-            let mut members = written::<u32>(s, units)?;
-            let mut member_offsets = written::<u32>(s, kv_heads * (geo.clusters + 1))?;
-            let zero = 0i32;
-            trace.mark(s, "centring, unit rows, initial centroids")?;
-            converged = false;
-            loop {
-                s.memset_zeros(&mut changed).map_err(up("clearing the change count"))?;
-                let mut b = s.launch_builder(&self.build.assign);
-                b.arg(&unit).arg(&centroids).arg(&indexed_i).arg(&seg_i).arg(&segments_i).arg(&kfull_i);
-                b.arg(&clusters_i).arg(&tpc_i).arg(&mut assign).arg(&mut changed);
-                // SAFETY: CTA (x, j) reads unit rows of job j below its length and the job's
-                // ⌈len / tpc⌉ centroids (< clusters of the head), writes those rows' assignment.
-                unsafe { b.launch(assign_cfg) }.map_err(up("launching lay_assign"))?;
-                let moved = s.clone_dtoh(&changed).map_err(up("copying the change count"))?[0];
-                trace.mark(s, "assignment")?;
-                if iterations > 0 && moved == 0 {
-                    converged = true;
-                    break;
-                }
-                if iterations == params.max_iters {
-                    break;
-                }
-                iterations += 1;
-                let mut b = s.launch_builder(&self.build.rank);
-                b.arg(&assign).arg(&zero).arg(&indexed_i).arg(&indexed_i).arg(&seg_i).arg(&segments_i).arg(&kfull_i);
-                b.arg(&clusters_i).arg(&tpc_i).arg(&mut member_offsets).arg(&mut members);
-                // SAFETY: one warp per job; its cursor array holds kfull ints (the dynamic
-                // size), every assignment is below the job's cluster count; member offsets of
-                // head h are written below clusters + 1, its members below indexed.
-                unsafe { b.launch(rank_cfg) }.map_err(up("launching lay_rank"))?;
-                let mut b = s.launch_builder(&self.build.centroids);
-                b.arg(&unit).arg(&member_offsets).arg(&members).arg(&heads_i).arg(&indexed_i).arg(&clusters_i);
-                b.arg(&mut centroids);
-                // SAFETY: one warp per centroid < kv_heads × clusters; its members lie between
-                // two offsets of its head (≤ indexed) and name rows below indexed.
-                unsafe { b.launch(spread(n_cent, 32)) }.map_err(up("launching lay_centroids"))?;
-                trace.mark(s, "centroid update")?;
-            }
-            let mut b = s.launch_builder(&self.build.rank);
-            b.arg(&assign).arg(&sink_i).arg(&indexed_i).arg(&tokens_i).arg(&seg_i).arg(&segments_i).arg(&kfull_i);
-            b.arg(&clusters_i).arg(&tpc_i).arg(&mut offsets).arg(&mut positions);
-            // SAFETY: as above, with the layout's offsets and positions (head h's below
-            // clusters + 1 and indexed ≤ tokens).
-            unsafe { b.launch(rank_cfg) }.map_err(up("launching lay_rank"))?;
-        }
-        if kv_heads * tokens > 0 {
-            let mut b = s.launch_builder(&self.build.gather);
-            b.arg(&kv.keys).arg(&kv.values).arg(&heads_i).arg(&tokens_i).arg(&sink_i).arg(&indexed_i);
-            b.arg(&mut positions).arg(&mut keys).arg(&mut values);
-            // SAFETY: head_dim / 8 threads per layout row < kv_heads × tokens; every position
-            // is a token < tokens (lay_rank's indexed rows, the steady zone's computed here).
-            unsafe { b.launch(spread(kv_heads * tokens, d / 8)) }.map_err(up("launching lay_gather"))?;
-        }
-        if n_cent > 0 {
-            let rows_i = tokens as i32;
-            let mut b = s.launch_builder(&self.build.means);
-            b.arg(&keys).arg(&values).arg(&offsets).arg(&heads_i).arg(&rows_i).arg(&clusters_i);
-            b.arg(&mut centroids).arg(&mut value_means);
-            // SAFETY: one warp per cluster < n_cent; its rows lie between two offsets of its
-            // head, both ≤ indexed ≤ tokens.
-            unsafe { b.launch(spread(n_cent, 32)) }.map_err(up("launching lay_means"))?;
-        }
-        trace.mark(s, "layout (counting sort, gather, cluster means)")?;
-        trace.report(iterations);
-        Ok(DeviceLayout {
-            kv_heads,
-            rows: tokens,
-            indexed: geo.indexed,
-            clusters: geo.clusters,
-            iterations,
-            converged,
-            keys,
-            values,
-            positions,
-            offsets,
-            centroids,
-            value_means,
-            head_dim: d,
-            geo,
-            tokens_per_cluster: params.tokens_per_cluster,
+        Ok(Self {
+            heads: kv_heads as i32,
+            tokens: tokens as i32,
+            sink: geo.sink as i32,
+            indexed: geo.indexed as i32,
+            seg: geo.seg as i32,
+            segments: geo.segments as i32,
+            kfull: geo.kfull as i32,
+            clusters: geo.clusters as i32,
+            tpc: tokens_per_cluster as i32,
+            jobs,
+            units: kv_heads * geo.indexed,
+            centroids: kv_heads * geo.clusters,
         })
     }
 }
