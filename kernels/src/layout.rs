@@ -203,16 +203,10 @@ impl Cut {
 
     /// Segment `s`'s keys of head `h`, centred and normalized (what k-means clusters).
     fn unit_rows(&self, keys: &[f32], h: usize, s: usize) -> Vec<f32> {
-        let mut unit = vec![0.0; self.segments[s].len() * self.d];
-        self.unit_rows_into(keys, h, s, &mut unit);
-        unit
-    }
-
-    /// [`Self::unit_rows`] into `out` (as long as the segment's rows).
-    fn unit_rows_into(&self, keys: &[f32], h: usize, s: usize, out: &mut [f32]) {
         let (d, r) = (self.d, &self.segments[s]);
-        out.copy_from_slice(&keys[(h * self.tokens + r.start) * d..(h * self.tokens + r.end) * d]);
-        center_and_normalize(out, d);
+        let mut unit = keys[(h * self.tokens + r.start) * d..(h * self.tokens + r.end) * d].to_vec();
+        center_and_normalize(&mut unit, d);
+        unit
     }
 
     /// The layer from each job's rows in cluster order and its clusters' bounds (heads in
