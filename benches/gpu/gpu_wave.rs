@@ -50,8 +50,7 @@ fn main() {
     // The whole build on the device, from f16 KV already in device memory (where the prefill
     // leaves it): timed to the layout ready in device memory, its copy to the host apart; and
     // once with no k-means update step (centring, one assignment, layout) to split the time.
-    let f16_bits = |x: &[f32]| x.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
-    let kv_dev = gpu.upload(&f16_bits(&synth.keys), &f16_bits(&synth.values), kvh).expect("upload");
+    let kv_dev = gpu.upload_f32(&synth.keys, &synth.values, kvh).expect("upload");
     let build = |params: LayoutParams| {
         let (mut dev_us, mut copy_us, mut last) = (vec![], vec![], None);
         for _ in 0..3 {

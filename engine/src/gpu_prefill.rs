@@ -6,8 +6,6 @@
 
 use attnstore_index::{HeadLayout, IndexLayout, SegmentLayout, WaveLayout};
 use attnstore_kernels::layout::LayoutParams;
-use half::f16;
-use rayon::prelude::*;
 
 use crate::context::ContextId;
 use crate::engine::{layer_of, Engine};
@@ -37,7 +35,9 @@ impl Engine {
     }
 
     /// The wave layout the GPU computes for a prefill of `keys`, or `None` where the GPU does
-    /// not apply (then the caller prefills on the CPU, which also reports bad input).
+    /// not apply (then the caller prefills on the CPU, which also reports bad input). Values
+    /// are not checked here: NaN or infinite input clusters arbitrarily (no out-of-bounds
+    /// index can come of it) and `ingest_with` rejects it before the layout is used.
     fn device_layout(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<Option<WaveLayout>> {
         let ctx = self.context(id)?;
         let (h, d) = (ctx.spec.shape.kv_heads, ctx.spec.shape.head_dim);
@@ -55,10 +55,6 @@ impl Engine {
                 return Ok(None);
             }
         }
-        if attnstore_kernels::first_non_finite(keys).is_some() || attnstore_kernels::first_non_finite(values).is_some()
-        {
-            return Ok(None);
-        }
         let tokens = keys.len() / (h * d);
         let (sink, segments) = params.prefill_segments(tokens);
         let Some(&(last_first, last_len)) = segments.last() else { return Ok(None) };
@@ -73,8 +69,7 @@ impl Engine {
             max_iters: params.max_iters,
             seed: params.seed,
         };
-        let bits = |x: &[f32]| x.par_iter().map(|&v| f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
-        let kv = gpu.upload(&bits(keys), &bits(values), h)?;
+        let kv = gpu.upload_f32(keys, values, h)?;
         let built = gpu.build_layout_seeded(&kv, lp, &|head, s| params.segment_seed(s, head))?;
         let (positions, offsets) = built.download_order(&gpu)?;
         let k = built.clusters;

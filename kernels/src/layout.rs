@@ -123,8 +123,7 @@ impl ClusteredLayer {
                 got: head_dim,
             });
         }
-        let bits = |x: &[f32]| x.par_iter().map(|&v| f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
-        let kv = gpu.upload(&bits(keys), &bits(values), kv_heads)?;
+        let kv = gpu.upload_f32(keys, values, kv_heads)?;
         gpu.build_layout(&kv, params)?.download(gpu)
     }
 

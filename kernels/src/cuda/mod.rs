@@ -292,6 +292,14 @@ impl GpuBackend {
         Ok(DeviceKv { keys: k, values: v, rows })
     }
 
+    /// [`GpuBackend::upload`] of f32 keys and values, narrowed to f16 on host threads first
+    /// (how a layer that arrives in host memory reaches the device build).
+    pub fn upload_f32(&self, keys: &[f32], values: &[f32], kv_heads: usize) -> Result<DeviceKv> {
+        use rayon::prelude::*;
+        let bits = |x: &[f32]| x.par_iter().map(|&v| half::f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
+        self.upload(&bits(keys), &bits(values), kv_heads)
+    }
+
     /// Copies f16 keys and values into mapped pinned host memory.
     pub fn pin(&self, keys: &[u16], values: &[u16], kv_heads: usize) -> Result<MappedKv> {
         let rows = self.rows_of(keys, values, kv_heads)?;
