@@ -277,24 +277,22 @@ impl FramePool {
             slots.sort_unstable();
             // Waits on every exit, unwinding included: no copy outlives the latches.
             let wait = WaitOnDrop { device, waited: false };
-            let mut enqueued = Ok(());
+            let mut runs = Vec::new();
             let mut i = 0;
-            while i < slots.len() && enqueued.is_ok() {
+            while i < slots.len() {
                 let first = slots[i];
                 let mut n = 1;
                 while i + n < slots.len() && slots[i + n] == first + n as u32 {
                     n += 1;
                 }
-                // SAFETY: slots `first..first + n` are each exclusively latched by a guard the
-                // caller holds until this call returns (latches are exclusive, so the sorted
-                // slots are distinct), and `wait` synchronizes the stream before that: no CPU
-                // write reaches these bytes before the copy ran, and the arena outlives it.
-                // In bounds: every slot < capacity.
-                enqueued = unsafe {
-                    device.enqueue_copy(first as usize * self.block_bytes, self.slot_ptr(first), n * self.block_bytes)
-                };
+                runs.push((first as usize * self.block_bytes, self.slot_ptr(first).cast_const(), n * self.block_bytes));
                 i += n;
             }
+            // SAFETY: each run's slots are exclusively latched by guards the caller holds until
+            // this call returns (latches are exclusive, so the sorted slots are distinct), and
+            // `wait` synchronizes the stream before that: no CPU write reaches these bytes before
+            // the copies ran, and the arena outlives them. In bounds: every slot < capacity.
+            let enqueued = unsafe { device.enqueue_copies(&runs) };
             if enqueued.is_ok() {
                 then(&batch);
             }

@@ -38,6 +38,79 @@ unsafe fn enqueue_htod(dst: u64, src: *const u8, bytes: usize, stream: &CudaStre
     Ok(())
 }
 
+/// One host-to-device copy of a batch: `bytes` bytes from host address `src` to device address
+/// `dst`.
+#[derive(Clone, Copy)]
+pub(crate) struct HostCopy {
+    pub(crate) dst: u64,
+    pub(crate) src: *const u8,
+    pub(crate) bytes: usize,
+}
+
+/// Whether the driver has `cuMemcpyBatchAsync_v2` (CUDA 13.0 and later). Asked once: cudarc
+/// loads a missing symbol with a panic, so the version decides before the first call.
+fn batch_copies_supported() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED.get_or_init(|| {
+        let mut version = 0;
+        // SAFETY: a valid out-pointer; the driver library is loaded (a context exists).
+        let status = unsafe { sys::cuDriverGetVersion(&mut version) };
+        status == sys::CUresult::CUDA_SUCCESS && version >= 13000
+    })
+}
+
+/// Enqueues `copies` on `stream`: one `cuMemcpyBatchAsync` call where the driver has it (the
+/// copies of a batch run in no particular order among themselves, the batch as a whole in
+/// stream order), else one `cuMemcpyHtoDAsync` each. A call per 2 KiB block cost ~2 µs of
+/// host time on the GPU machine's host, which made a maintenance round admitting a few hundred
+/// blocks take most of a millisecond.
+///
+/// # Safety
+/// Every copy's destination lies inside a live device allocation, and its source stays
+/// allocated and unwritten until `stream` has been synchronized.
+unsafe fn enqueue_batch(copies: &[HostCopy], stream: &CudaStream) -> Result<(), String> {
+    if copies.len() > 1 && batch_copies_supported() {
+        let mut dsts: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.dst).collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = copies.iter().map(|c| c.src as sys::CUdeviceptr).collect();
+        let mut sizes: Vec<usize> = copies.iter().map(|c| c.bytes).collect();
+        let nowhere = sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_INVALID, id: 0 };
+        // ANY: the sources are pinned and left alone until the stream is synchronized (the
+        // caller's contract), so the driver may read them whenever it likes.
+        let mut attrs = [sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_ANY,
+            srcLocHint: nowhere,
+            dstLocHint: nowhere,
+            flags: 0,
+        }];
+        let mut first = [0usize];
+        // SAFETY: the three arrays hold `copies.len()` entries each, one attribute applies from
+        // copy 0 on; the ranges are the caller's contract; the stream is live (borrowed).
+        let status = unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                attrs.as_mut_ptr(),
+                first.as_mut_ptr(),
+                1,
+                stream.cu_stream(),
+            )
+        };
+        if status == sys::CUresult::CUDA_SUCCESS {
+            return Ok(());
+        }
+        if status != sys::CUresult::CUDA_ERROR_NOT_SUPPORTED {
+            return Err(format!("cuMemcpyBatchAsync of {} copies: {status:?}", copies.len()));
+        }
+    }
+    for c in copies {
+        // SAFETY: the caller's contract, copy by copy.
+        unsafe { enqueue_htod(c.dst, c.src, c.bytes, stream)? };
+    }
+    Ok(())
+}
+
 /// Pinned, device-mapped host memory (`cuMemHostAlloc(DEVICEMAP | PORTABLE)`): the Host arena
 /// (kernels read it in place) and the Gpu tier's host side (the source of its device copies,
 /// which are only truly asynchronous from page-locked memory).
@@ -117,6 +190,25 @@ impl Device {
         // SAFETY: the destination range lies inside the live allocation (checked above); the
         // source's lifetime is the caller's contract.
         unsafe { enqueue_htod(self.base + offset as u64, src, bytes, &self.stream) }
+    }
+
+    /// Enqueues copies of `(offset, src, bytes)`: `bytes` bytes at host address `src` to device
+    /// offset `offset`, on the pool's stream in one batch ([`enqueue_batch`]), without waiting.
+    ///
+    /// # Safety
+    /// Every source stays allocated and unwritten until [`Device::synchronize`] returns.
+    pub(crate) unsafe fn enqueue_copies(&self, copies: &[(usize, *const u8, usize)]) -> Result<(), String> {
+        if let Some(&(offset, _, bytes)) = copies.iter().find(|&&(o, _, b)| o + b > self.slice.len()) {
+            return Err(format!("{bytes} bytes at {offset} overrun the {}-byte pool", self.slice.len()));
+        }
+        bind(&self.ctx)?;
+        let copies: Vec<HostCopy> = copies
+            .iter()
+            .map(|&(offset, src, bytes)| HostCopy { dst: self.base + offset as u64, src, bytes })
+            .collect();
+        // SAFETY: every destination lies inside the live allocation (checked above); the sources'
+        // lifetime is the caller's contract.
+        unsafe { enqueue_batch(&copies, &self.stream) }
     }
 
     /// Waits until every write enqueued on the pool's stream is done.
@@ -236,30 +328,35 @@ impl Table {
         self.stream.synchronize().map_err(|e| format!("synchronizing the entry: {e:?}"))
     }
 
-    /// Enqueues copies of the host mirror's entries `first..first + count` to the device table
-    /// on the pool's stream inside `batch`, without waiting (the batch waits). The copy reads
-    /// the mirror when it runs: the caller does not write those entries before the batch ends
-    /// (the manager's state lock), or the device gets the later value.
-    pub(crate) fn enqueue_entries(&self, batch: &DeviceBatch, first: usize, count: usize) -> Result<(), String> {
+    /// Enqueues copies of the host mirror's entries `first..first + count`, for every
+    /// `(first, count)` of `ranges`, to the device table on the pool's stream inside `batch`
+    /// (one batch of copies, [`enqueue_batch`]), without waiting (the batch waits). The copies
+    /// read the mirror when they run: the caller does not write those entries before the batch
+    /// ends (the manager's state lock), or the device gets the later value.
+    pub(crate) fn enqueue_entries(&self, batch: &DeviceBatch, ranges: &[(usize, usize)]) -> Result<(), String> {
         let _ = batch;
-        if first + count > self.slice.len() {
+        if let Some(&(first, count)) = ranges.iter().find(|&&(f, c)| f + c > self.slice.len()) {
             return Err(format!("entries {first}..{} of a {}-entry table", first + count, self.slice.len()));
         }
         bind(&self.ctx)?;
-        let offset = first * size_of::<i32>();
-        // SAFETY: both ranges lie inside their live allocations (checked above: the mirror has
-        // the device table's length); the mirror outlives the copy, because `Table`'s drop
-        // synchronizes the stream before its fields are freed. A write to the mirror racing the
+        let copies: Vec<HostCopy> = ranges
+            .iter()
+            .map(|&(first, count)| {
+                let offset = first * size_of::<i32>();
+                HostCopy {
+                    dst: self.base + offset as u64,
+                    // wrapping_add: an address for the driver, in bounds (checked above).
+                    src: self.mirror.entries.cast::<u8>().wrapping_add(offset),
+                    bytes: count * size_of::<i32>(),
+                }
+            })
+            .collect();
+        // SAFETY: every range lies inside both live allocations (checked above: the mirror has
+        // the device table's length); the mirror outlives the copies, because `Table`'s drop
+        // synchronizes the stream before its fields are freed. A write to the mirror racing a
         // copy gives the device a stale or newer value, never a memory error (atomics on the
         // host, a DMA read outside the program).
-        unsafe {
-            enqueue_htod(
-                self.base + offset as u64,
-                self.mirror.entries.cast::<u8>().add(offset),
-                count * size_of::<i32>(),
-                &self.stream,
-            )
-        }
+        unsafe { enqueue_batch(&copies, &self.stream) }
     }
 }
 

@@ -196,6 +196,8 @@ pub struct BufferManager {
     batched_rounds: bool,
     queued_records: AtomicU64,
     dropped: AtomicU64,
+    /// Cluster reads of device steps superseded by a newer step of the same layer.
+    superseded: AtomicU64,
     counters: [TierCounters; 3],
 }
 
@@ -253,6 +255,7 @@ impl BufferManager {
             batched_rounds,
             queued_records: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
+            superseded: AtomicU64::new(0),
             counters: Default::default(),
         })
     }
@@ -1103,7 +1106,9 @@ impl BufferManager {
     /// [`Self::log_cluster_reads`] for the clusters a device step read, layer by layer (one
     /// entry per request of the step, so one round handles the whole step): the maintainer
     /// makes the keys, so the step's thread hands over its selections as it got them. Ids
-    /// without a mapped cluster (padding) are skipped like clusters freed since.
+    /// without a mapped cluster (padding) are skipped like clusters freed since. A round applies
+    /// only the newest queued reads of each layer (see `take_cluster_reads`): a step's reads
+    /// that a newer step of its layer overtook in the queue are superseded, not applied.
     pub fn log_layer_reads(&self, layers: Vec<LayerReads>) {
         self.push_cluster_reads(ClusterReads::Layers(layers));
     }
@@ -1183,24 +1188,12 @@ impl BufferManager {
         let mut records = Vec::new();
         let mut clusters = Vec::new();
         let limit = max_records.min(1 << 16);
-        while records.len() + clusters.len() < limit {
-            let mut took = false;
-            if let Some(batch) = self.queue.pop() {
-                self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
-                records.extend(batch);
-                took = true;
-            }
-            if records.len() + clusters.len() < limit {
-                if let Some(reads) = self.cluster_reads.pop() {
-                    self.queued_records.fetch_sub(reads.len() as u64, Ordering::Relaxed);
-                    reads.append_to(&mut clusters);
-                    took = true;
-                }
-            }
-            if !took {
-                break;
-            }
+        while records.len() < limit {
+            let Some(batch) = self.queue.pop() else { break };
+            self.queued_records.fetch_sub(batch.len() as u64, Ordering::Relaxed);
+            records.extend(batch);
         }
+        self.take_cluster_reads(limit.saturating_sub(records.len()), &mut clusters);
         let processed = records.len() + clusters.len();
         if processed == 0 || self.gpu.capacity() == 0 {
             return processed;
@@ -1272,6 +1265,52 @@ impl BufferManager {
         processed
     }
 
+    /// Takes the queued cluster reads a round applies into `clusters`: logged keys
+    /// ([`Self::log_cluster_reads`]) in order while fewer than `budget` are taken (the rest stay
+    /// queued for later rounds), and of the device steps' reads ([`Self::log_layer_reads`]) only
+    /// the newest of each (context, layer) — all of them are drained, the older ones superseded
+    /// (counted in [`BufferStats::superseded_cluster_reads`], not applied). A step logs what it
+    /// read so the maintainer admits its misses and keeps its hits warm; when steps come faster
+    /// than rounds, a round applying the queued steps one by one works on ever older
+    /// selections (at 1M tokens the queue grew through a whole run and the steps found only a
+    /// third of their clusters in the Gpu tier), while the newest step of a layer says best
+    /// what its next step will read.
+    fn take_cluster_reads(&self, budget: usize, clusters: &mut Vec<ClusterKey>) {
+        let mut newest: Vec<LayerReads> = Vec::new();
+        let mut later = Vec::new();
+        let mut superseded = 0u64;
+        while let Some(reads) = self.cluster_reads.pop() {
+            // Relaxed: statistics.
+            self.queued_records.fetch_sub(reads.len() as u64, Ordering::Relaxed);
+            match reads {
+                ClusterReads::Keys(keys) if clusters.len() < budget && later.is_empty() => clusters.extend(keys),
+                ClusterReads::Keys(keys) => later.push(ClusterReads::Keys(keys)),
+                ClusterReads::Layers(layers) => {
+                    for reads in layers {
+                        match newest.iter_mut().find(|n| (n.context, n.layer) == (reads.context, reads.layer)) {
+                            Some(older) => {
+                                superseded += older.per_head.iter().map(Vec::len).sum::<usize>() as u64;
+                                *older = reads;
+                            }
+                            None => newest.push(reads),
+                        }
+                    }
+                }
+            }
+        }
+        self.superseded.fetch_add(superseded, Ordering::Relaxed);
+        // Keys beyond the budget go back, in order, for the next rounds (a full queue drops and
+        // counts them as a push would).
+        for keys in later {
+            let n = keys.len() as u64;
+            match self.cluster_reads.push(keys) {
+                Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
+                Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
+            };
+        }
+        ClusterReads::Layers(newest).append_to(clusters);
+    }
+
     /// Applies one cluster read of a device-planned step (see [`Self::log_cluster_reads`]):
     /// the cluster's blocks as the mapping table listed them at the round's lookup, counting
     /// their Gpu hits and misses in `counts`.
@@ -1334,6 +1373,7 @@ impl BufferManager {
             block_bytes: self.layout.block_bytes(),
             tiers,
             dropped_access_records: self.dropped.load(Ordering::Relaxed),
+            superseded_cluster_reads: self.superseded.load(Ordering::Relaxed),
             queued_access_records: self.queued_records.load(Ordering::Relaxed) as usize,
             replacer: self.replacer_name,
             disk_backend: self.disk.as_ref().map(DiskTier::backend_name),

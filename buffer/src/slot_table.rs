@@ -128,6 +128,7 @@ impl SlotTable {
                 return Ok(());
             }
             host_slots.sort_unstable();
+            let mut ranges = Vec::new();
             let mut i = 0;
             while i < host_slots.len() {
                 let first = host_slots[i];
@@ -136,13 +137,13 @@ impl SlotTable {
                     last = last.max(host_slots[i]);
                     i += 1;
                 }
-                // The entries are written only under the state lock, which the caller holds until
-                // `batch`'s call returns, and that call waits for the copies.
-                let result = device.enqueue_entries(batch, first as usize, (last - first) as usize + 1);
-                if let Err(why) = result {
-                    self.mark_broken(&why);
-                    return Err(why);
-                }
+                ranges.push((first as usize, (last - first) as usize + 1));
+            }
+            // The entries are written only under the state lock, which the caller holds until
+            // `batch`'s call returns, and that call waits for the copies.
+            if let Err(why) = device.enqueue_entries(batch, &ranges) {
+                self.mark_broken(&why);
+                return Err(why);
             }
         }
         #[cfg(not(feature = "cuda"))]

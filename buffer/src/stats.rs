@@ -95,6 +95,9 @@ pub struct BufferStats {
     pub dropped_access_records: u64,
     /// Access records waiting in the queue.
     pub queued_access_records: usize,
+    /// Cluster reads of device steps not applied because a newer step of the same layer
+    /// was queued behind them (`BufferManager::log_layer_reads`).
+    pub superseded_cluster_reads: u64,
     /// The replacement policy of the Gpu tier.
     pub replacer: &'static str,
     /// The Disk tier's I/O backend (`io_uring`, `pread`, ...), when there is a Disk tier.

@@ -223,6 +223,43 @@ fn a_layers_reads_per_head_act_like_their_cluster_keys() {
 }
 
 #[test]
+fn a_round_applies_only_the_newest_queued_reads_of_each_layer() {
+    let key = |layer: u32, cluster: u32| ClusterKey { context: 5, layer, head: 0, cluster };
+    let buffers = BufferManager::new(BufferConfig::new(64, 16)).unwrap();
+    for layer in 0..2 {
+        for c in 0..6 {
+            buffers.store_cluster(key(layer, c), &[(layer * 8 + c) as u8; 2048]).unwrap();
+        }
+    }
+    let reads = |layer: u32, ids: Vec<u32>| LayerReads { context: 5, layer, per_head: vec![ids] };
+    // Three steps of layer 0 queued (the maintainer fell behind), one of layer 1 between them,
+    // and logged keys, which are applied as they are.
+    buffers.log_layer_reads(vec![reads(0, vec![0, 1])]);
+    buffers.log_layer_reads(vec![reads(1, vec![4])]);
+    buffers.log_layer_reads(vec![reads(0, vec![1, 2])]);
+    buffers.log_cluster_reads(vec![key(1, 5)]);
+    buffers.log_layer_reads(vec![reads(0, vec![2, 3])]);
+    assert_eq!(buffers.stats().queued_access_records, 8);
+    // Layer 0's newest step (2, 3), layer 1's only one (4) and the key (1, 5): four clusters.
+    assert_eq!(buffers.maintain(usize::MAX), 4);
+    let stats = buffers.stats();
+    assert_eq!((stats.queued_access_records, stats.superseded_cluster_reads), (0, 4));
+    let tier = |layer: u32, c: u32| buffers.reader().cluster(&key(layer, c)).unwrap().iter().next().unwrap().tier();
+    let admitted: Vec<(u32, u32)> =
+        (0..2).flat_map(|l| (0..6).map(move |c| (l, c))).filter(|&(l, c)| tier(l, c) == Tier::Gpu).collect();
+    assert_eq!(admitted, vec![(0, 2), (0, 3), (1, 4), (1, 5)], "superseded steps admit nothing");
+    // Keys beyond a round's budget stay queued, in order, for the next rounds.
+    buffers.log_cluster_reads(vec![key(0, 0)]);
+    buffers.log_cluster_reads(vec![key(0, 1)]);
+    buffers.log_layer_reads(vec![reads(1, vec![0])]);
+    assert_eq!(buffers.maintain(1), 2, "one key and the layer's newest step");
+    assert_eq!(tier(0, 0), Tier::Gpu);
+    assert_eq!(tier(0, 1), Tier::Host);
+    assert_eq!(buffers.maintain(1), 1);
+    assert_eq!(tier(0, 1), Tier::Gpu);
+}
+
+#[test]
 fn a_maintainer_that_stops_leaves_a_newer_ones_wake_ups_in_place() {
     let buffers = stored(2, 2048);
     let older = Maintainer::spawn(Arc::clone(&buffers), 64, Duration::from_secs(30)).unwrap();

@@ -16,7 +16,9 @@
 //! are appended to the steady zone step by step). The kernels read Gpu-tier hits through the
 //! buffer manager's device slot table, under a `DeviceRead` that keeps the maintainer from
 //! overwriting any slot the table named; afterwards the step's selection is read back and
-//! logged as cluster reads, so the maintainer keeps the Gpu tier warm.
+//! logged as cluster reads, so the maintainer keeps the Gpu tier warm: every cluster the step
+//! missed (the row-list kernel flags them as it looks the table up) and a rotating sample of
+//! its hits, enough for recency.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -67,6 +69,51 @@ struct DeviceLayer {
     tokens_per_block: usize,
     /// The clusters the last step retrieved per KV head (for [`Engine::analyze_gpu`]).
     selection: Vec<Vec<u32>>,
+    /// Device steps run over this copy (which of its hits a step logs, [`step_reads`]).
+    steps: u64,
+}
+
+/// A device step logs every cluster it missed but only one in `HIT_TOUCH_EVERY` of its hits,
+/// by cluster id, rotating with the layer's step count: a hit cluster the steps keep
+/// retrieving is touched in the replacer every few steps, which recency needs, instead of at
+/// every step. At 1M tokens a step retrieves ~9,400 clusters, nearly all hits, and resolving
+/// each in the maintainer (a mapping lookup, a replacer touch per block) made a round span
+/// several steps, so the misses of those steps were read from the Host arena.
+const HIT_TOUCH_EVERY: u64 = 8;
+
+/// What a device step read, for the maintainer (admissions and recency; it makes the keys),
+/// per KV head: the real clusters (not the padding of heads with fewer clusters) it missed,
+/// and its hits whose id ≡ `step` (mod [`HIT_TOUCH_EVERY`]). Counts the step's real
+/// retrieved and missed clusters into `run`.
+fn step_reads(
+    selection: &[Vec<u32>],
+    missed: Vec<Vec<u32>>,
+    real_clusters: &[usize],
+    step: u64,
+    run: &mut GpuRun,
+) -> Vec<Vec<u32>> {
+    selection
+        .iter()
+        .zip(missed)
+        .enumerate()
+        .map(|(h, (chosen, mut ids))| {
+            let real = real_clusters.get(h).copied().unwrap_or(0) as u32;
+            ids.retain(|&c| c < real);
+            ids.sort_unstable();
+            let missed = ids.len();
+            let mut retrieved = 0;
+            for &c in chosen.iter().filter(|&&c| c < real) {
+                retrieved += 1;
+                if u64::from(c) % HIT_TOUCH_EVERY == step % HIT_TOUCH_EVERY && ids[..missed].binary_search(&c).is_err()
+                {
+                    ids.push(c);
+                }
+            }
+            run.device_clusters += retrieved;
+            run.device_missed += missed;
+            ids
+        })
+        .collect()
 }
 
 impl GpuExec {
@@ -107,6 +154,7 @@ fn device_layer(gpu: &GpuBackend, cached: Option<DeviceLayer>, layer: &Layer) ->
         keys: (arena.context, arena.layer),
         tokens_per_block: arena.tokens_per_block,
         selection: Vec::new(),
+        steps: 0,
     }))
 }
 
@@ -237,6 +285,13 @@ pub struct GpuRun {
     /// [`Engine::plan_gpu`]). Their blocks are not counted above: the buffer manager's tier
     /// statistics count them when the maintainer processes the step's cluster reads.
     pub device_selected: usize,
+    /// Clusters the device-selected requests retrieved (all KV heads).
+    pub device_clusters: usize,
+    /// Of those, clusters with a row read from the Host arena rather than the Gpu tier at the
+    /// step (the device's own view of its misses). The buffer manager's Gpu-tier statistics
+    /// see every miss but only a sample of the hits (see `HIT_TOUCH_EVERY` in `gpu.rs`), so
+    /// `1 − device_missed / device_clusters` is the step's hit ratio by cluster.
+    pub device_missed: usize,
 }
 
 impl Engine {
@@ -402,20 +457,15 @@ impl Engine {
         launched?;
         let mut logged = Vec::with_capacity(group.len());
         for (t, got) in group.iter_mut().zip(fetched) {
-            let (out, selection) = got?;
-            outputs[t.0] = Some(out);
+            let got = got?;
+            outputs[t.0] = Some(got.output);
             run.on_gpu += 1;
             run.device_selected += 1;
-            // What the step read, for the maintainer (admissions and recency; it makes the
-            // keys): the real clusters, not the padding of heads with fewer clusters.
             let dl = &mut t.2;
-            let mut read = selection.clone();
-            for (h, ids) in read.iter_mut().enumerate() {
-                let real = dl.real_clusters.get(h).copied().unwrap_or(0) as u32;
-                ids.retain(|&c| c < real);
-            }
+            dl.steps += 1;
+            let read = step_reads(&got.selection, got.missed, &dl.real_clusters, dl.steps, run);
             logged.push(LayerReads { context: dl.keys.0, layer: dl.keys.1, per_head: read });
-            dl.selection = selection;
+            dl.selection = got.selection;
         }
         trace.mark("selection");
         manager.log_layer_reads(logged);
@@ -537,5 +587,39 @@ impl Engine {
         trace.mark("merge");
         trace.print();
         Ok(Some(parts.iter().flat_map(Partial::finish).collect()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_step_logs_every_real_miss_and_a_rotating_eighth_of_its_hits() {
+        // Head 0: 20 real clusters, 16 retrieved, 3 of them missed. Head 1: 10 real
+        // clusters (12 and 15 are the padding of a shorter head), one miss in the padding.
+        let selection = vec![(0..16).collect::<Vec<u32>>(), vec![1, 2, 9, 12, 15]];
+        let missed = vec![vec![13, 2, 5], vec![9, 15]];
+        let real = [20, 10];
+        let mut touched = [std::collections::HashSet::new(), std::collections::HashSet::new()];
+        let mut run = GpuRun::default();
+        for step in 0..HIT_TOUCH_EVERY {
+            let reads = step_reads(&selection, missed.clone(), &real, step, &mut run);
+            let mut head0 = reads[0].clone();
+            head0.sort_unstable();
+            // Every miss, each once; the hits of this step's residue; never padding.
+            let mut want: Vec<u32> = (0..16).filter(|&c| [2, 5, 13].contains(&c) || u64::from(c) % 8 == step).collect();
+            want.dedup();
+            assert_eq!(head0, want, "step {step}");
+            assert!(reads[1].contains(&9) && reads[1].iter().all(|&c| c < 10), "step {step}: {:?}", reads[1]);
+            for (h, ids) in reads.iter().enumerate() {
+                touched[h].extend(ids.iter().copied());
+            }
+        }
+        // Over HIT_TOUCH_EVERY steps every real retrieved cluster was logged at least once.
+        assert_eq!(touched[0].len(), 16);
+        assert_eq!(touched[1], [1, 2, 9].into_iter().collect());
+        // Counted per step: 16 + 3 real clusters retrieved, 3 + 1 real misses.
+        assert_eq!((run.device_clusters, run.device_missed), (19 * 8, 4 * 8));
     }
 }

@@ -529,6 +529,25 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     gpu.upload_table(&mut table).unwrap();
     gpu.launch_wave(&wave, mapped.pointers(), Some(WaveCache::Layer(&cache, &table)), &mut job).unwrap();
     let cached = gpu.fetch_wave(&job).unwrap();
+    // The step's own view of its misses: a retrieved cluster is missed iff a row of it lies in
+    // a block the table names no cache row for (it was read from the KV rows).
+    let fetched = gpu.fetch_wave_selected(&mut job).unwrap();
+    assert_eq!(fetched.output, cached);
+    let (mut hits, mut misses) = (0, 0);
+    for (h, chosen) in fetched.selection.iter().enumerate() {
+        let mut want: Vec<u32> = chosen
+            .iter()
+            .copied()
+            .filter(|&c| layer.cluster_rows(h, c as usize).any(|t| table.get(h, t / 16).is_none()))
+            .collect();
+        let mut got = fetched.missed[h].clone();
+        want.sort_unstable();
+        got.sort_unstable();
+        assert_eq!(got, want, "head {h}: the missed clusters");
+        misses += want.len();
+        hits += chosen.len() - want.len();
+    }
+    assert!(hits > 0 && misses > 0, "the step had both hits ({hits}) and misses ({misses})");
     let sorted = |mut x: Vec<Vec<u32>>| {
         x.iter_mut().for_each(|h| h.sort_unstable());
         x

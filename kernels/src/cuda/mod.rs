@@ -24,7 +24,7 @@ mod hack;
 mod wave;
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, HackJob};
-pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveJob, WaveStep, WaveTable};
+pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
     concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("build.cu"));

@@ -84,9 +84,10 @@ __device__ __forceinline__ int cluster_len(const int* __restrict__ offsets, int 
 
 // CTAs (h, ·) serve KV head h. The head's elements are [steady zone, retrieved cluster 0, …, r−1];
 // heads' lists follow each other in `list` (head h starts after every row of heads < h, which
-// each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × (r + 1) ints)
-// receives the elements' lengths, then their start positions. Writes list_offsets
-// (kv_heads + 1) and the rows, one warp per element.
+// each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × 2(r + 1) ints)
+// receives the elements' lengths and then their start positions (first half), and the
+// selection as the mailbox gets it (second half). Writes list_offsets (kv_heads + 1) and the
+// rows, one warp per element.
 // Two layouts: rows of the head's KV (clusters at offsets, the steady zone at indexed..rows),
 // or, with `row_map` and `steady_len` (an engine layer homed in the buffer manager), cluster
 // row t of head h at KV row row_map[h·indexed + t] (a shared arena, head stride 0) and a
@@ -107,7 +108,8 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   int before = 0;
   for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);
   const int start = block_sum(before) + h * steady;
-  int* mine = scan + (long long)(h * gridDim.y + blockIdx.y) * per;  // this CTA's own scratch
+  int* mine = scan + (long long)(h * gridDim.y + blockIdx.y) * 2 * per;  // this CTA's own scratch
+  int* flagged = mine + per;  // the selection as the mailbox gets it, by element
   for (int i = threadIdx.x; i < per; i += blockDim.x) {
     int len = steady;
     if (i > 0) {
@@ -118,31 +120,44 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   }
   __syncthreads();
   const int total = block_exclusive_scan(mine, per);
-  // The selection also goes to `sel_copy` (may be null: a job's mapped pinned buffer), so
-  // the host reads it with no copy node after the step.
-  if (first && sel_copy != nullptr)
-    for (int i = threadIdx.x; i < r; i += blockDim.x) sel_copy[h * r + i] = sel[h * r + i];
   if (first && threadIdx.x == 0) {
     list_offsets[h] = start;
     if (h == kv_heads - 1) list_offsets[kv_heads] = start + total;
   }
-  for (int i = blockIdx.y + gridDim.y * warp; i < per; i += gridDim.y * warps) {
+  // This CTA writes the rows of elements e_lo..e_hi, a warp per element.
+  const int span = (per + gridDim.y - 1) / gridDim.y, e_lo = blockIdx.y * span, e_hi = min(per, e_lo + span);
+  for (int i = e_lo + warp; i < e_hi; i += warps) {
     int* out = list + start + mine[i];
     if (i == 0 && steady_len != nullptr) {
       for (int t = lane; t < steady; t += 32) out[t] = -(cache_rows + t * kv_heads + h) - 1;
       continue;
     }
-    int lo = indexed, hi = indexed + steady;
+    int lo = indexed, hi = indexed + steady, c = -1;
     if (i > 0) {
-      const int c = sel[h * r + i - 1];
+      c = sel[h * r + i - 1];
       const int* off = offsets + (long long)h * (n + 1);
       lo = off[c];
       hi = off[c + 1];
     }
     const int* map = row_map != nullptr ? row_map + (long long)h * indexed : nullptr;
+    bool kv_read = false;  // a row of this element is read from the KV rows, not the cache
     for (int t = lo + lane; t < hi; t += 32) {
-      out[t - lo] = row_ref(block_slot, h, blocks_per_head, block_rows, slot_rows, map ? map[t] : t);
+      const int ref = row_ref(block_slot, h, blocks_per_head, block_rows, slot_rows, map ? map[t] : t);
+      out[t - lo] = ref;
+      kv_read |= ref >= 0;
     }
+    // Cluster c, or −c−1 when a row of it was not in the Gpu tier at this step (a miss the
+    // host may want admitted). `i` is the same for the whole warp: every lane votes.
+    const bool missed = __any_sync(0xffffffffu, kv_read);
+    if (i > 0 && lane == 0) flagged[i] = missed ? -c - 1 : c;
+  }
+  // The selection also goes to `sel_copy` (may be null: a job's mapped pinned buffer), so the
+  // host reads it with no copy node after the step: this CTA's elements in one pass of
+  // consecutive words (a write per element, one lane each, made ~1,200 separate PCIe writes
+  // a step at 128K and slowed a batch of six by ~100 µs).
+  if (sel_copy != nullptr) {
+    __syncthreads();
+    for (int i = max(e_lo, 1) + threadIdx.x; i < e_hi; i += blockDim.x) sel_copy[h * r + i - 1] = flagged[i];
   }
 }
 

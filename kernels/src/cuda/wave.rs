@@ -327,6 +327,19 @@ pub struct WaveStep<'a> {
     pub job: &'a mut WaveJob,
 }
 
+/// What a wave step gave back ([`GpuBackend::fetch_wave_selected`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct WaveFetched {
+    /// The attention output, `q_heads × head_dim`.
+    pub output: Vec<f32>,
+    /// The clusters retrieved per KV head (unordered).
+    pub selection: Vec<Vec<u32>>,
+    /// Per KV head, the retrieved clusters with at least one row read from the KV rows (the
+    /// pinned Host arena for an engine layer) rather than from the Gpu-tier cache at this step:
+    /// the misses, as the step's own table lookups saw them.
+    pub missed: Vec<Vec<u32>>,
+}
+
 /// Streams (two per request) and captured graphs for batched wave steps.
 pub struct WaveBatch {
     lanes: Vec<Lane>,
@@ -559,7 +572,7 @@ impl GpuBackend {
         Ok(WaveJob {
             select,
             decode,
-            scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
+            scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * 2 * (r + 1))?,
             mark: alloc_i(shape.kv_heads * wave.clusters)?,
             est_part: alloc_f(shape.kv_heads * est_chunks * shape.group() * (self.head_dim + 2))?,
             est_chunks,
@@ -598,16 +611,32 @@ impl GpuBackend {
         Ok(JobIo { q, out, sel, done: Arc::new(done), pending: None })
     }
 
-    /// Waits for the step and returns its output (`q_heads × head_dim`) and the clusters it
-    /// retrieved per KV head (unordered): [`GpuBackend::fetch_wave`] and the selection of
-    /// [`GpuBackend::wave_selection`] with one wait.
-    pub fn fetch_wave_selected(&self, job: &mut WaveJob) -> Result<(Vec<f32>, Vec<Vec<u32>>)> {
+    /// Waits for the step and returns its output (`q_heads × head_dim`), the clusters it
+    /// retrieved per KV head (unordered) and which of them it missed: [`GpuBackend::fetch_wave`]
+    /// and the selection of [`GpuBackend::wave_selection`] with one wait.
+    pub fn fetch_wave_selected(&self, job: &mut WaveJob) -> Result<WaveFetched> {
         // The step ends with copies of both into the job's pinned buffers.
         job.io.wait()?;
-        let sel = job.io.sel.as_slice();
-        let selection = sel.chunks(job.select.r).map(|c| c.iter().map(|&i| i as u32).collect()).collect();
-        let out = job.io.out.as_slice().to_vec();
-        Ok((out, selection))
+        let r = job.select.r;
+        let mut fetched = WaveFetched {
+            output: job.io.out.as_slice().to_vec(),
+            selection: Vec::with_capacity(job.decode.shape.kv_heads),
+            missed: Vec::with_capacity(job.decode.shape.kv_heads),
+        };
+        for head in job.io.sel.as_slice().chunks(r) {
+            let (mut chosen, mut missed) = (Vec::with_capacity(r), Vec::new());
+            for &x in head {
+                // wave_expand writes a missed cluster c as −c−1.
+                let c = if x < 0 { (-(x + 1)) as u32 } else { x as u32 };
+                if x < 0 {
+                    missed.push(c);
+                }
+                chosen.push(c);
+            }
+            fetched.selection.push(chosen);
+            fetched.missed.push(missed);
+        }
+        Ok(fetched)
     }
 
     /// A mailbox of `len` elements, zeroed: pinned host memory mapped into the device's
@@ -1002,7 +1031,7 @@ impl GpuBackend {
         // steady length ≤ its capacity, set_steady); the table (checked above, or the arena
         // cache's owner's claim) names cache rows < the cache's rows; an arena layer's row map
         // holds kv_heads × indexed rows < the arena's (check_steps); scan holds kv_heads ×
-        // EXPAND_SPLIT × (r + 1) (one slice per CTA); the job's mapped selection buffer holds
+        // EXPAND_SPLIT × 2(r + 1) (one slice per CTA); the job's mapped selection buffer holds
         // kv_heads × r ints (job_io).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
         phase_done("row list", main)?;
