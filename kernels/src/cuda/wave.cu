@@ -103,7 +103,7 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   const int steady = steady_len != nullptr ? *steady_len : rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   // gridDim.y CTAs share a head: each computes the head's offsets (cheap) and writes the
-  // rows of every gridDim.y-th element; the first also writes the list offsets.
+  // rows of its own run of elements; the first also writes the list offsets.
   const bool first = blockIdx.y == 0;
   int before = 0;
   for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);
@@ -152,9 +152,8 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
     if (i > 0 && lane == 0) flagged[i] = missed ? -c - 1 : c;
   }
   // The selection also goes to `sel_copy` (may be null: a job's mapped pinned buffer), so the
-  // host reads it with no copy node after the step: this CTA's elements in one pass of
-  // consecutive words (a write per element, one lane each, made ~1,200 separate PCIe writes
-  // a step at 128K and slowed a batch of six by ~100 µs).
+  // host reads it with no copy node after the step: this CTA's elements as one run of
+  // consecutive words rather than a lone 4-byte PCIe write per element.
   if (sel_copy != nullptr) {
     __syncthreads();
     for (int i = max(e_lo, 1) + threadIdx.x; i < e_hi; i += blockDim.x) sel_copy[h * r + i - 1] = flagged[i];
