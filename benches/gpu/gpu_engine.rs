@@ -48,7 +48,9 @@ fn main() {
     }
     // The first context is prefilled on the CPU (all cores), the others with the clustering
     // on the GPU (`Engine::prefill_gpu`): both timed, from f32 KV in host memory to an index
-    // ready to plan.
+    // ready to plan. `ATTNSTORE_BENCH_PREFILL=cpu` prefills every context on the CPU, so two
+    // builds whose device clustering differs can be compared on the same layouts.
+    let cpu_only = std::env::var("ATTNSTORE_BENCH_PREFILL").is_ok_and(|v| v == "cpu");
     let mut ctxs = Vec::new();
     let (mut cpu_prefill_us, mut gpu_prefill_us) = (Vec::new(), Vec::new());
     for i in 0..batch {
@@ -57,7 +59,7 @@ fn main() {
         let ctx = engine.create_context(ContextSpec::new(shape, 1)).expect("context");
         let (k, v) = synth.slice(0, tokens);
         let t = Instant::now();
-        if i == 0 {
+        if i == 0 || cpu_only {
             engine.prefill(ctx, 0, &k, &v).expect("prefill");
             cpu_prefill_us.push(t.elapsed().as_secs_f64() * 1e6);
         } else {
@@ -81,7 +83,7 @@ fn main() {
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
         "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS,
-        "maintainer_pause_us": pause_us});
+        "maintainer_pause_us": pause_us, "prefill": if cpu_only { "cpu" } else { "context 0 cpu, others gpu" }});
     let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();
         v["method"] = json!(method);

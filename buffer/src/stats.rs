@@ -155,7 +155,7 @@ impl fmt::Display for BufferStats {
         }
         write!(
             f,
-            "block {} B, host memory {}, gpu tier in {} ({} slots quarantined), replacer {}, disk I/O {}, access records: {} queued, {} dropped",
+            "block {} B, host memory {}, gpu tier in {} ({} slots quarantined), replacer {}, disk I/O {}, access records: {} queued, {} dropped, {} device-step cluster reads superseded",
             self.block_bytes,
             match self.host_memory {
                 crate::HostMemoryKind::Anonymous => "anonymous",
@@ -166,7 +166,8 @@ impl fmt::Display for BufferStats {
             self.replacer,
             self.disk_backend.unwrap_or("-"),
             self.queued_access_records,
-            self.dropped_access_records
+            self.dropped_access_records,
+            self.superseded_cluster_reads
         )
     }
 }
