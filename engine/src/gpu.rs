@@ -608,7 +608,8 @@ mod tests {
             let mut head0 = reads[0].clone();
             head0.sort_unstable();
             // Every miss, each once; the hits of this step's residue; never padding.
-            let mut want: Vec<u32> = (0..16).filter(|&c| [2, 5, 13].contains(&c) || u64::from(c) % 8 == step).collect();
+            let mut want: Vec<u32> =
+                (0..16).filter(|&c| [2, 5, 13].contains(&c) || u64::from(c) % HIT_TOUCH_EVERY == step).collect();
             want.dedup();
             assert_eq!(head0, want, "step {step}");
             assert!(reads[1].contains(&9) && reads[1].iter().all(|&c| c < 10), "step {step}: {:?}", reads[1]);
