@@ -7,9 +7,10 @@
 //! maintainer (CLOCK), fed by the cluster reads each device step logs. A timed step is
 //! `Engine::plan_gpu` + `Engine::execute_gpu` for the step's requests, after one decode
 //! token was appended to each context (untimed: the steady zone grows by a row per step and
-//! the device copy takes it), with a slowly moving query. 100 warm-up steps, then 100
-//! measured (also with a maintenance round after each step, untimed and reported apart, as
-//! `gpu_wave` keeps its tier); a batch of as many contexts as a 100 GiB pinned host budget holds for a
+//! the device copy takes it), with a slowly moving query. 100 warm-up steps
+//! (`ATTNSTORE_BENCH_WARMUP` for more), then 100 measured (also with a maintenance round
+//! after each step, untimed and reported apart, as `gpu_wave` keeps its tier); a batch of as
+//! many contexts as a 100 GiB pinned host budget holds for a
 //! 32-layer 8B model at this length (6 at 128K), stepped by one plan; and, for comparison,
 //! the engine's older GPU path (`Engine::plan` on the CPU, then `execute_gpu`).
 
@@ -23,8 +24,18 @@ use std::time::Instant;
 mod common;
 use common::{median, tokens_arg};
 
-/// Warm-up and measured steps.
+/// Measured steps (and the default number of warm-up steps).
 const STEPS: usize = 100;
+
+/// Warm-up steps before each measured run: `ATTNSTORE_BENCH_WARMUP` (at least 100, the
+/// default). At 1M tokens a cold Gpu tier takes longer than 100 steps to warm (the first
+/// rounds admit tens of thousands of blocks), so the steady state needs more.
+fn warmup_steps() -> usize {
+    static WARM: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WARM.get_or_init(|| {
+        std::env::var("ATTNSTORE_BENCH_WARMUP").ok().and_then(|v| v.parse().ok()).unwrap_or(STEPS).max(STEPS)
+    })
+}
 
 fn main() {
     let tokens = tokens_arg();
@@ -32,7 +43,8 @@ fn main() {
     let kv_per_seq = 32 * tokens * 8 * 128 * 2 * 2;
     let batch = ((100usize << 30) / kv_per_seq).clamp(1, 8);
     // Context 0 takes part in all three runs, a token appended per step.
-    let total = tokens + 12 * STEPS + 8;
+    // Context 0 appends a token per step in each of the five runs.
+    let total = tokens + 6 * (warmup_steps() + STEPS) + 8;
     let host_blocks = batch * attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
     // The maintainer's pause after a round of work (default 100 µs): `ATTNSTORE_MAINTAINER_PAUSE_US`.
     let mut settings = BufferSettings::new(host_blocks);
@@ -82,7 +94,7 @@ fn main() {
     let budget = Budget::default();
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
-        "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS,
+        "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS, "steps_warmup": warmup_steps(),
         "maintainer_pause_us": pause_us, "prefill": if cpu_only { "cpu" } else { "context 0 cpu, others gpu" }});
     let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();
@@ -146,12 +158,14 @@ struct Context {
 }
 
 impl Context {
-    /// A request with the query of step `step` on path `path` (from synthetic query 2·path
-    /// to query 2·path + 1: each measured run walks a path of its own, so no run finds the
-    /// Gpu tier warmed by an earlier run over the same queries).
+    /// A request with the query of step `step` of a run's warm-up and measured steps on path
+    /// `path` (from synthetic query 2·path to query 2·path + 1: each measured run walks a
+    /// path of its own, so no run finds the Gpu tier warmed by an earlier run over the same
+    /// queries).
     fn request(&self, step: usize, path: u64) -> Request {
         let (a, b) = (self.synth.queries(2 * path), self.synth.queries(2 * path + 1));
-        let w = (step % (2 * STEPS)) as f32 / (2 * STEPS) as f32;
+        let of = warmup_steps() + STEPS;
+        let w = (step % of) as f32 / of as f32;
         Request::new(self.ctx, 0, a.iter().zip(&b).map(|(x, y)| (1.0 - w) * x + w * y).collect())
     }
 }
@@ -169,7 +183,8 @@ fn steps(
     let (mut times, mut plans, mut maintains) = (Vec::new(), Vec::new(), Vec::new());
     let mut before = None;
     let (mut clusters, mut missed) = (0usize, 0usize);
-    for step in 0..2 * STEPS {
+    let warm = warmup_steps();
+    for step in 0..warm + STEPS {
         for c in ctxs.iter_mut() {
             let (k, v) = c.synth.slice(c.at, c.at + 1);
             engine.append(c.ctx, 0, &k, &v).expect("append");
@@ -183,21 +198,21 @@ fn steps(
         let (_, run) = engine.execute_gpu(&plan).expect("execute");
         let t = t0.elapsed().as_secs_f64() * 1e6;
         assert_eq!(run.on_cpu, 0, "every request on the GPU: {run:?}");
-        if step >= STEPS {
+        if step >= warm {
             clusters += run.device_clusters;
             missed += run.device_missed;
         }
-        if step == STEPS {
+        if step == warm {
             before = engine.buffer_stats();
         }
-        if step >= STEPS {
+        if step >= warm {
             times.push(t);
             plans.push(planned);
         }
         if between {
             let t0 = Instant::now();
             engine.buffer_manager().expect("buffers").maintain(usize::MAX);
-            if step >= STEPS {
+            if step >= warm {
                 maintains.push(t0.elapsed().as_secs_f64() * 1e6);
             }
         }
