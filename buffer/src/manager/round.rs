@@ -214,6 +214,36 @@ mod tests {
         buffers.stats().tier(Tier::Gpu).cloned().unwrap()
     }
 
+    /// Host time of a cold round like a 1M step's first (tens of thousands of admissions),
+    /// per admission: `cargo test --release -p attnstore-buffer -- --ignored --nocapture
+    /// cold_round`. A probe, not a check: it asserts only that every block was admitted.
+    #[test]
+    #[ignore = "timing probe"]
+    fn cold_round_time_per_admission() {
+        let clusters = 10_000u32;
+        let buffers = batched(BufferConfig::new(60_000, 50_000));
+        let bytes = vec![7u8; 4 * 2048];
+        for c in 0..clusters {
+            buffers.store_cluster(key(c), &bytes).unwrap();
+        }
+        let mut times = Vec::new();
+        for rep in 0..3 {
+            // Cold again: every block evicted before the round.
+            for c in 0..clusters {
+                for l in buffers.reader().cluster(&key(c)).unwrap().iter() {
+                    let _ = buffers.evict(l.block());
+                }
+            }
+            buffers.log_cluster_reads((0..clusters).map(key).collect());
+            let t = std::time::Instant::now();
+            let done = buffers.maintain(usize::MAX);
+            times.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(4 * clusters));
+            assert_eq!(done, clusters as usize, "rep {rep}");
+            assert_eq!(gpu_stat(&buffers).used_blocks, 4 * clusters as usize);
+        }
+        eprintln!("cold round: {times:.3?} us per admitted block");
+    }
+
     #[test]
     fn a_round_with_many_misses_publishes_every_admitted_block_with_its_slot_table_entry() {
         let buffers = batched(BufferConfig::new(4096, 1024));
