@@ -22,7 +22,6 @@ use crossbeam_queue::ArrayQueue;
 use parking_lot::{Mutex, MutexGuard};
 use round::Round;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -119,7 +118,7 @@ impl BlockMeta {
 }
 
 struct State {
-    blocks: HashMap<BlockId, BlockMeta>,
+    blocks: crate::block::IdMap<BlockMeta>,
     next_id: u64,
     replacer: Box<dyn Replacer>,
 }
@@ -246,7 +245,7 @@ impl BufferManager {
             gpu,
             disk,
             mapping: MappingTable::new(),
-            state: Mutex::new(State { blocks: HashMap::new(), next_id: 1, replacer }),
+            state: Mutex::new(State { blocks: crate::block::IdMap::default(), next_id: 1, replacer }),
             queue: ArrayQueue::new(config.access_queue_batches),
             cluster_reads: ArrayQueue::new(config.access_queue_batches),
             waker: Mutex::new(None),

@@ -9,7 +9,6 @@ use super::{BufferManager, Home, State};
 use crate::arena::{SlotWrite, NO_OWNER};
 use crate::stats::TierCounters;
 use crate::{BlockId, Error, Tier};
-use std::collections::HashSet;
 use std::time::Instant;
 
 /// A maintenance round's admissions into a Gpu tier in device memory: copied to the slots'
@@ -20,7 +19,7 @@ pub(super) struct Round<'p> {
     /// Admitted blocks, their Gpu slots still latched and unpublished.
     admitted: Vec<Admitted<'p>>,
     /// Blocks this round admitted or put off: each is handled once per round.
-    handled: HashSet<BlockId>,
+    handled: crate::block::IdSet,
     /// Admissions that found no free Gpu slot: they wait for a later round.
     waiting: usize,
     /// Set once the replacer had no victim to give: the round holds the state lock, so none
@@ -59,8 +58,14 @@ impl Round<'_> {
         self.times
     }
 
-    fn time(&mut self, step: usize, since: Instant) {
-        if let Some(times) = &mut self.times {
+    /// Now, when rounds are traced (a clock read per admission step costs an untraced round
+    /// for nothing).
+    fn now(&self) -> Option<Instant> {
+        self.times.is_some().then(Instant::now)
+    }
+
+    fn time(&mut self, step: usize, since: Option<Instant>) {
+        if let (Some(times), Some(since)) = (&mut self.times, since) {
             times[step].0 += since.elapsed();
             times[step].1 += 1;
         }
@@ -89,7 +94,7 @@ impl BufferManager {
         let Some(slot) = self.gpu.alloc_slot() else {
             round.waiting += 1;
             if !round.out_of_victims && self.epochs.quarantined() + round.victims.len() < round.waiting {
-                let t = Instant::now();
+                let t = round.now();
                 let taken = self.take_victim(state, Some(&mut round.table_writes));
                 round.time(0, t);
                 match taken {
@@ -107,7 +112,7 @@ impl BufferManager {
             }
             return;
         };
-        let t = Instant::now();
+        let t = round.now();
         let locked = self.lock_slot(&self.gpu, slot, BlockId(NO_OWNER), "admit");
         round.time(1, t);
         let mut w = match locked {
@@ -117,7 +122,7 @@ impl BufferManager {
                 return;
             }
         };
-        let t = Instant::now();
+        let t = round.now();
         let filled = self.fill_from_home(state, block, home, &mut w);
         round.time(2, t);
         if filled.is_err() {
