@@ -184,7 +184,7 @@ impl BufferManager {
             state.replacer.insert(slot);
             let meta = state.blocks.get_mut(&block).expect("a block admitted this round is live (state lock held)");
             meta.gpu_slot = Some(slot);
-            self.remap(block, &state.blocks[&block]);
+            self.remap(block, meta);
             gpu.moved(self.layout.block_bytes(), started);
         }
         for slot in victims {
