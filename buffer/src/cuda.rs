@@ -175,23 +175,6 @@ impl Device {
         self.base
     }
 
-    /// Enqueues a copy of `bytes` bytes at host address `src` to device offset `offset` on the
-    /// pool's stream, without waiting.
-    ///
-    /// # Safety
-    /// `src..src + bytes` stays allocated and unwritten until [`Device::synchronize`] returns.
-    /// (From pinned memory the copy is asynchronous; from pageable memory the driver waits for
-    /// the stream and stages the bytes first, which is correct but slow.)
-    pub(crate) unsafe fn enqueue_copy(&self, offset: usize, src: *const u8, bytes: usize) -> Result<(), String> {
-        if offset + bytes > self.slice.len() {
-            return Err(format!("{bytes} bytes at {offset} overrun the {}-byte pool", self.slice.len()));
-        }
-        bind(&self.ctx)?;
-        // SAFETY: the destination range lies inside the live allocation (checked above); the
-        // source's lifetime is the caller's contract.
-        unsafe { enqueue_htod(self.base + offset as u64, src, bytes, &self.stream) }
-    }
-
     /// Enqueues copies of `(offset, src, bytes)`: `bytes` bytes at host address `src` to device
     /// offset `offset`, on the pool's stream in one batch ([`enqueue_batch`]), without waiting.
     ///
@@ -219,7 +202,7 @@ impl Device {
     /// Copies `src` to device offset `offset` on the pool's stream and waits for it.
     pub(crate) fn copy_in(&self, offset: usize, src: &[u8]) -> Result<(), String> {
         // SAFETY: `src` is borrowed until this returns, and the stream is synchronized before.
-        unsafe { self.enqueue_copy(offset, src.as_ptr(), src.len())? };
+        unsafe { self.enqueue_copies(&[(offset, src.as_ptr(), src.len())])? };
         self.synchronize()
     }
 
