@@ -267,12 +267,7 @@ extern "C" __global__ void lay_rank(const int* __restrict__ assign, int first, i
   for (int c0 = 0; c0 < k; c0 += 32) {
     const int c = c0 + lane;
     const int n = c < k ? cursor[c] : 0;
-    int incl = n;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
+    const int incl = warp_inclusive_scan(n);
     if (c < k) {
       cursor[c] = carry + incl - n;
       offsets[(long long)h * (clusters + 1) + s * kfull + c] = (unsigned)(s * seg + carry + incl - n);

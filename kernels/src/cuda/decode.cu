@@ -379,6 +379,18 @@ extern "C" __global__ void admit_rows(
   }
 }
 
+// Inclusive prefix sum of x over the lanes of a warp; every lane of the warp takes part.
+template <typename T>
+__device__ __forceinline__ T warp_inclusive_scan(T x) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const T y = __shfl_up_sync(0xffffffffu, x, off);
+    if (lane >= off) x += y;
+  }
+  return x;
+}
+
 // All threads of a radix-select CTA: the highest bin b with (count above b) < need ≤ (count
 // above b) + hist[b]. Thread t owns bins nbins−1−t·per … nbins−per−t·per (highest first), a
 // block scan gives each thread the count above its bins, and the one thread holding b writes
@@ -392,21 +404,11 @@ __device__ void find_bin(const unsigned int* hist, int nbins, unsigned int need,
   unsigned int mine = 0;
   for (int i = 0; i < per; i++) mine += hist[top - i];
   // Inclusive scan of `mine` over threads (lower threads hold higher bins).
-  unsigned int incl = mine;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const unsigned int v = __shfl_up_sync(0xffffffffu, incl, off);
-    if (lane >= off) incl += v;
-  }
+  const unsigned int incl = warp_inclusive_scan(mine);
   if (lane == 31) scan[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    unsigned int w = lane < warps ? scan[lane] : 0;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const unsigned int v = __shfl_up_sync(0xffffffffu, w, off);
-      if (lane >= off) w += v;
-    }
+    const unsigned int w = warp_inclusive_scan(lane < warps ? scan[lane] : 0u);
     if (lane < warps) scan[lane] = w;  // inclusive totals of warps 0..lane
   }
   __syncthreads();

@@ -18,21 +18,11 @@ __device__ int block_exclusive_scan(int* v, int n) {
   for (int base = 0; base < n; base += blockDim.x) {
     const int i = base + threadIdx.x;
     const int x = i < n ? v[i] : 0;
-    int incl = x;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
+    const int incl = warp_inclusive_scan(x);
     if (lane == 31) warp_sums[warp] = incl;
     __syncthreads();
     if (warp == 0) {
-      int w = lane < warps ? warp_sums[lane] : 0;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, w, off);
-        if (lane >= off) w += y;
-      }
+      const int w = warp_inclusive_scan(lane < warps ? warp_sums[lane] : 0);
       if (lane < warps) warp_sums[lane] = w;  // inclusive over warps
     }
     __syncthreads();
