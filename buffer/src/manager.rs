@@ -1112,16 +1112,22 @@ impl BufferManager {
         self.push_cluster_reads(ClusterReads::Layers(layers));
     }
 
-    fn push_cluster_reads(&self, reads: ClusterReads) {
+    /// Puts `reads` in the queue, counted as queued, or as dropped when the queue is full.
+    fn queue_cluster_reads(&self, reads: ClusterReads) {
         let n = reads.len() as u64;
-        if n == 0 {
-            return;
-        }
         // Relaxed: statistics.
         match self.cluster_reads.push(reads) {
             Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
             Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
         };
+    }
+
+    fn push_cluster_reads(&self, reads: ClusterReads) {
+        let n = reads.len() as u64;
+        if n == 0 {
+            return;
+        }
+        self.queue_cluster_reads(reads);
         // A device step's misses are read from the Host arena until they are admitted: wake
         // the maintainer now rather than at the end of its idle sleep or pause (one futex
         // wake per step when it is parked, nothing when it is busy).
@@ -1301,11 +1307,7 @@ impl BufferManager {
         // Keys beyond the budget go back, in order, for the next rounds (a full queue drops and
         // counts them as a push would).
         for keys in later {
-            let n = keys.len() as u64;
-            match self.cluster_reads.push(keys) {
-                Ok(()) => self.queued_records.fetch_add(n, Ordering::Relaxed),
-                Err(_) => self.dropped.fetch_add(n, Ordering::Relaxed),
-            };
+            self.queue_cluster_reads(keys);
         }
         ClusterReads::Layers(newest).append_to(clusters);
     }
