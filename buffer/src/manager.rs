@@ -1109,7 +1109,16 @@ impl BufferManager {
     /// only the newest queued reads of each layer (see `take_cluster_reads`): a step's reads
     /// that a newer step of its layer overtook in the queue are superseded, not applied.
     pub fn log_layer_reads(&self, layers: Vec<LayerReads>) {
-        self.push_cluster_reads(ClusterReads::Layers(layers));
+        self.push_cluster_reads(ClusterReads::Layers(layers.into_iter().map(StepReads::Ids).collect()));
+    }
+
+    /// [`Self::log_layer_reads`] for selections as a device step flagged them
+    /// ([`FlaggedReads`]): the step's thread hands over the flagged words as it got them, and
+    /// the maintainer picks the ids to apply (every miss, the hits of the sample) only for the
+    /// newest reads of each layer, which a round applies. So a step spends no host time
+    /// sorting its selection into reads.
+    pub fn log_flagged_reads(&self, layers: Vec<FlaggedReads>) {
+        self.push_cluster_reads(ClusterReads::Layers(layers.into_iter().map(StepReads::Flagged).collect()));
     }
 
     /// Puts `reads` in the queue, counted as queued, or as dropped when the queue is full.
@@ -1281,7 +1290,7 @@ impl BufferManager {
     /// third of their clusters in the Gpu tier), while the newest step of a layer says best
     /// what its next step will read.
     fn take_cluster_reads(&self, budget: usize, clusters: &mut Vec<ClusterKey>) {
-        let mut newest: Vec<LayerReads> = Vec::new();
+        let mut newest: Vec<StepReads> = Vec::new();
         let mut later = Vec::new();
         let mut superseded = 0u64;
         while let Some(reads) = self.cluster_reads.pop() {
@@ -1292,9 +1301,9 @@ impl BufferManager {
                 ClusterReads::Keys(keys) => later.push(ClusterReads::Keys(keys)),
                 ClusterReads::Layers(layers) => {
                     for reads in layers {
-                        match newest.iter_mut().find(|n| (n.context, n.layer) == (reads.context, reads.layer)) {
+                        match newest.iter_mut().find(|n| n.layer_key() == reads.layer_key()) {
                             Some(older) => {
-                                superseded += older.per_head.iter().map(Vec::len).sum::<usize>() as u64;
+                                superseded += older.len() as u64;
                                 *older = reads;
                             }
                             None => newest.push(reads),
@@ -1554,12 +1563,90 @@ pub struct LayerReads {
     pub per_head: Vec<Vec<u32>>,
 }
 
+/// A device step's retrieved clusters in one layer of one context as its kernels flagged
+/// them, for [`BufferManager::log_flagged_reads`]. A round applies every real miss and, of the
+/// real hits, those whose id ≡ `hit_turn` (mod `hit_every`): a step that logs a rotating
+/// share of its hits keeps the clusters it keeps retrieving recent without resolving each of
+/// them at every step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlaggedReads {
+    /// Context id.
+    pub context: u64,
+    /// Layer index.
+    pub layer: u32,
+    /// `per_head` words per KV head, head after head: cluster `c` as `c` when the step read it
+    /// wholly from the Gpu tier (a hit), as `!c` (that is −c−1) when it read a row of it from
+    /// elsewhere (a miss).
+    pub flagged: Vec<i32>,
+    /// Words per KV head (the last head may be cut short by a short `flagged`).
+    pub per_head: usize,
+    /// Real clusters per KV head: ids at or past it are padding and skipped (a head with no
+    /// entry has none).
+    pub real: Vec<u32>,
+    /// One in this many hits is applied (0 or 1: every hit).
+    pub hit_every: u32,
+    /// Which residue of the ids, mod `hit_every`, the applied hits have.
+    pub hit_turn: u32,
+}
+
+impl FlaggedReads {
+    /// The ids a round applies: per KV head, every real miss and the real hits of the sample,
+    /// in the order flagged.
+    pub fn resolve(&self) -> LayerReads {
+        let every = self.hit_every.max(1);
+        let turn = self.hit_turn % every;
+        let per_head = if self.per_head == 0 {
+            Vec::new()
+        } else {
+            self.flagged
+                .chunks(self.per_head)
+                .enumerate()
+                .map(|(h, words)| {
+                    let real = self.real.get(h).copied().unwrap_or(0);
+                    words
+                        .iter()
+                        .filter_map(|&w| {
+                            let (c, missed) = if w < 0 { (!w as u32, true) } else { (w as u32, false) };
+                            (c < real && (missed || c % every == turn)).then_some(c)
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        LayerReads { context: self.context, layer: self.layer, per_head }
+    }
+}
+
+/// One step's reads of one layer as queued: ids, or flagged words resolved by the round.
+enum StepReads {
+    Ids(LayerReads),
+    Flagged(FlaggedReads),
+}
+
+impl StepReads {
+    fn layer_key(&self) -> (u64, u32) {
+        match self {
+            StepReads::Ids(r) => (r.context, r.layer),
+            StepReads::Flagged(r) => (r.context, r.layer),
+        }
+    }
+
+    /// Records: ids logged, or every flagged cluster (before the round's sampling).
+    fn len(&self) -> usize {
+        match self {
+            StepReads::Ids(r) => r.per_head.iter().map(Vec::len).sum(),
+            StepReads::Flagged(r) => r.flagged.len(),
+        }
+    }
+}
+
 /// A batch of cluster reads in the maintainer's queue.
 enum ClusterReads {
     /// Keys as logged ([`BufferManager::log_cluster_reads`]).
     Keys(Vec<ClusterKey>),
-    /// Cluster ids per layer and KV head ([`BufferManager::log_layer_reads`]).
-    Layers(Vec<LayerReads>),
+    /// Device steps' reads per layer ([`BufferManager::log_layer_reads`],
+    /// [`BufferManager::log_flagged_reads`]).
+    Layers(Vec<StepReads>),
 }
 
 impl ClusterReads {
@@ -1567,17 +1654,20 @@ impl ClusterReads {
     fn len(&self) -> usize {
         match self {
             ClusterReads::Keys(keys) => keys.len(),
-            ClusterReads::Layers(layers) => layers.iter().flat_map(|l| &l.per_head).map(Vec::len).sum(),
+            ClusterReads::Layers(layers) => layers.iter().map(StepReads::len).sum(),
         }
     }
 
     /// Appends the reads as keys.
     fn append_to(self, out: &mut Vec<ClusterKey>) {
-        out.reserve(self.len());
         match self {
             ClusterReads::Keys(keys) => out.extend(keys),
             ClusterReads::Layers(layers) => {
-                for LayerReads { context, layer, per_head } in layers {
+                for reads in layers {
+                    let LayerReads { context, layer, per_head } = match reads {
+                        StepReads::Ids(r) => r,
+                        StepReads::Flagged(r) => r.resolve(),
+                    };
                     for (head, ids) in per_head.into_iter().enumerate() {
                         let head = head as u32;
                         out.extend(ids.into_iter().map(|cluster| ClusterKey { context, layer, head, cluster }));

@@ -96,7 +96,8 @@ pub struct BufferStats {
     /// Access records waiting in the queue.
     pub queued_access_records: usize,
     /// Cluster reads of device steps not applied because a newer step of the same layer
-    /// was queued behind them (`BufferManager::log_layer_reads`).
+    /// was queued behind them (`BufferManager::log_layer_reads`; for
+    /// `BufferManager::log_flagged_reads`, every flagged cluster of the step counts).
     pub superseded_cluster_reads: u64,
     /// The replacement policy of the Gpu tier.
     pub replacer: &'static str,

@@ -2,7 +2,9 @@
 //! are never evicted however hard the queue pushes, and a full queue drops (and counts)
 //! records instead of blocking the plan.
 
-use attnstore_buffer::{BufferConfig, BufferManager, ClusterKey, LayerReads, Maintainer, ReplacerKind, Tier};
+use attnstore_buffer::{
+    BufferConfig, BufferManager, ClusterKey, FlaggedReads, LayerReads, Maintainer, ReplacerKind, Tier,
+};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -257,6 +259,104 @@ fn a_round_applies_only_the_newest_queued_reads_of_each_layer() {
     assert_eq!(tier(0, 1), Tier::Host);
     assert_eq!(buffers.maintain(1), 1);
     assert_eq!(tier(0, 1), Tier::Gpu);
+}
+
+/// Flagged words of one head: `c` for a hit, `!c` for a miss.
+fn flag(hits: &[u32], misses: &[u32]) -> Vec<i32> {
+    hits.iter().map(|&c| c as i32).chain(misses.iter().map(|&c| !(c as i32))).collect()
+}
+
+#[test]
+fn flagged_reads_resolve_to_every_real_miss_and_a_rotating_share_of_the_real_hits() {
+    // Head 0: 20 real clusters, hits 0..13 and misses 13, 14, 15 (one word per cluster,
+    // 16 a head). Head 1: 10 real clusters, hits 1, 2, 12 (padding), misses 9, 15 (padding).
+    let mut flagged = flag(&(0..13).collect::<Vec<_>>(), &[13, 14, 15]);
+    let head1 = flag(&[1, 2, 12], &[9, 15]);
+    flagged.extend(head1.iter().chain(std::iter::repeat(&12)).take(16));
+    let mut touched = [std::collections::BTreeSet::new(), std::collections::BTreeSet::new()];
+    for turn in 0..8 {
+        let reads = FlaggedReads {
+            context: 1,
+            layer: 2,
+            flagged: flagged.clone(),
+            per_head: 16,
+            real: vec![20, 10],
+            hit_every: 8,
+            hit_turn: turn,
+        }
+        .resolve();
+        assert_eq!((reads.context, reads.layer, reads.per_head.len()), (1, 2, 2));
+        let mut want: Vec<u32> = (0..16).filter(|&c| c >= 13 || c % 8 == turn).collect();
+        let mut got = reads.per_head[0].clone();
+        got.sort_unstable();
+        want.sort_unstable();
+        assert_eq!(got, want, "turn {turn}: every miss, the hits of this turn");
+        assert!(reads.per_head[1].contains(&9), "turn {turn}: the real miss of head 1");
+        assert!(reads.per_head[1].iter().all(|&c| c < 10), "turn {turn}: padding applied: {:?}", reads.per_head[1]);
+        for (h, ids) in reads.per_head.iter().enumerate() {
+            touched[h].extend(ids.iter().copied());
+        }
+    }
+    // Over `hit_every` turns every real cluster was applied at least once.
+    assert_eq!(touched[0], (0..16).collect());
+    assert_eq!(touched[1], [1, 2, 9].into_iter().collect());
+    // hit_every 0 or 1: every real hit, every real miss.
+    for every in [0, 1] {
+        let reads = FlaggedReads {
+            context: 1,
+            layer: 2,
+            flagged: head1.clone(),
+            per_head: 5,
+            real: vec![10],
+            hit_every: every,
+            hit_turn: 3,
+        }
+        .resolve();
+        assert_eq!(reads.per_head, vec![vec![1, 2, 9]]);
+    }
+}
+
+#[test]
+fn flagged_reads_act_like_the_ids_they_resolve_to_and_supersede_older_steps_of_their_layer() {
+    let key = |cluster: u32| ClusterKey { context: 5, layer: 0, head: 0, cluster };
+    let make = || {
+        let buffers = BufferManager::new(BufferConfig::new(64, 16)).unwrap();
+        for c in 0..8 {
+            buffers.store_cluster(key(c), &[c as u8; 4096]).unwrap();
+        }
+        buffers
+    };
+    let flagged = |words: Vec<i32>| FlaggedReads {
+        context: 5,
+        layer: 0,
+        per_head: words.len(),
+        flagged: words,
+        real: vec![8],
+        hit_every: 2,
+        hit_turn: 0,
+    };
+    let (by_ids, by_flags) = (make(), make());
+    // Misses 1 and 3, hits 2 and 5: the round applies 1, 3 and the even hit 2.
+    by_ids.log_layer_reads(vec![LayerReads { context: 5, layer: 0, per_head: vec![vec![1, 3, 2]] }]);
+    by_flags.log_flagged_reads(vec![flagged(vec![!1, !3, 2, 5])]);
+    assert_eq!(by_flags.stats().queued_access_records, 4, "every flagged cluster is a record");
+    by_ids.maintain(usize::MAX);
+    by_flags.maintain(usize::MAX);
+    let tiers = |b: &BufferManager| {
+        (0..8).map(|c| b.reader().cluster(&key(c)).unwrap().iter().next().unwrap().tier()).collect::<Vec<_>>()
+    };
+    assert_eq!(tiers(&by_flags), tiers(&by_ids));
+    assert_eq!(tiers(&by_flags).iter().filter(|&&t| t == Tier::Gpu).count(), 3);
+    // A newer step of the layer, flagged or not, supersedes an older one of either kind.
+    by_flags.log_flagged_reads(vec![flagged(vec![!6])]);
+    by_flags.log_layer_reads(vec![LayerReads { context: 5, layer: 0, per_head: vec![vec![7]] }]);
+    by_flags.maintain(usize::MAX);
+    by_flags.log_layer_reads(vec![LayerReads { context: 5, layer: 0, per_head: vec![vec![0]] }]);
+    by_flags.log_flagged_reads(vec![flagged(vec![4, 5])]);
+    by_flags.maintain(usize::MAX);
+    let gpu: Vec<u32> = (0..8).filter(|&c| tiers(&by_flags)[c as usize] == Tier::Gpu).collect();
+    assert_eq!(gpu, vec![1, 2, 3, 4, 7], "the superseded steps (6, 0) and the odd hit 5 admitted nothing");
+    assert_eq!(by_flags.stats().superseded_cluster_reads, 2);
 }
 
 #[test]

@@ -23,9 +23,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use attnstore_buffer::{HostMemoryKind, LayerReads, Tier};
+use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
 use attnstore_kernels::cuda::{
-    ArenaCache, DeviceWave, GpuBackend, KvPointers, RowRef, SharedRows, WaveBatch, WaveCache, WaveJob, WaveStep,
+    ArenaCache, DeviceWave, GpuBackend, KvPointers, RowRef, SharedRows, WaveBatch, WaveCache, WaveFetched, WaveJob,
+    WaveStep,
 };
 use attnstore_kernels::Partial;
 use parking_lot::Mutex;
@@ -63,57 +64,41 @@ struct DeviceLayer {
     /// Buffers per retrieved-cluster count.
     jobs: Vec<(usize, WaveJob)>,
     /// Real clusters per head (ids past them are the device's padding).
-    real_clusters: Vec<usize>,
+    real_clusters: Vec<u32>,
     /// Buffer-manager key prefix of its clusters.
     keys: (u64, u32),
     tokens_per_block: usize,
-    /// The clusters the last step retrieved per KV head (for [`Engine::analyze_gpu`]).
-    selection: Vec<Vec<u32>>,
-    /// Device steps run over this copy (which of its hits a step logs, [`step_reads`]).
+    /// The clusters the last step retrieved (for [`Engine::analyze_gpu`]; its output taken).
+    last: Option<WaveFetched>,
+    /// Device steps run over this copy (which of its hits a step logs, `HIT_TOUCH_EVERY`).
     steps: u64,
 }
 
 /// A device step logs every cluster it missed but only one in `HIT_TOUCH_EVERY` of its hits,
-/// by cluster id, rotating with the layer's step count: a hit cluster the steps keep
-/// retrieving is touched in the replacer every few steps, which recency needs, instead of at
-/// every step. At 1M tokens a step retrieves ~9,400 clusters, nearly all hits, and resolving
-/// each in the maintainer (a mapping lookup, a replacer touch per block) made a round span
-/// several steps, so the misses of those steps were read from the Host arena.
+/// by cluster id, rotating with the layer's step count ([`FlaggedReads`]): a hit cluster the
+/// steps keep retrieving is touched in the replacer every few steps, which recency needs,
+/// instead of at every step. At 1M tokens a step retrieves ~9,400 clusters, nearly all hits,
+/// and resolving each in the maintainer (a mapping lookup, a replacer touch per block) made a
+/// round span several steps, so the misses of those steps were read from the Host arena.
 const HIT_TOUCH_EVERY: u64 = 8;
 
-/// What a device step read, for the maintainer (admissions and recency; it makes the keys),
-/// per KV head: the real clusters (not the padding of heads with fewer clusters) it missed,
-/// and its hits whose id ≡ `step` (mod [`HIT_TOUCH_EVERY`]). Counts the step's real
-/// retrieved and missed clusters into `run`.
-fn step_reads(
-    selection: &[Vec<u32>],
-    missed: Vec<Vec<u32>>,
-    real_clusters: &[usize],
-    step: u64,
-    run: &mut GpuRun,
-) -> Vec<Vec<u32>> {
-    selection
-        .iter()
-        .zip(missed)
-        .enumerate()
-        .map(|(h, (chosen, mut ids))| {
-            let real = real_clusters.get(h).copied().unwrap_or(0) as u32;
-            ids.retain(|&c| c < real);
-            ids.sort_unstable();
-            let missed = ids.len();
-            let mut retrieved = 0;
-            for &c in chosen.iter().filter(|&&c| c < real) {
-                retrieved += 1;
-                if u64::from(c) % HIT_TOUCH_EVERY == step % HIT_TOUCH_EVERY && ids[..missed].binary_search(&c).is_err()
-                {
-                    ids.push(c);
-                }
-            }
-            run.device_clusters += retrieved;
-            run.device_missed += missed;
-            ids
-        })
-        .collect()
+/// Counts a device step's real retrieved and missed clusters (its flagged words, `per_head`
+/// per KV head; ids at or past `real[h]` are padding) into `run`. Branch-free, so it
+/// vectorizes: the step's thread only counts, and the maintainer picks the ids it applies
+/// ([`FlaggedReads::resolve`]; sorting them here cost ~7 µs of host time per request).
+fn count_step(flagged: &[i32], per_head: usize, real: &[u32], run: &mut GpuRun) {
+    for (h, words) in flagged.chunks(per_head.max(1)).enumerate() {
+        let real = real.get(h).copied().unwrap_or(0);
+        let (mut retrieved, mut missed) = (0u32, 0u32);
+        for &w in words {
+            // !w for a miss (w < 0): w ^ (w >> 31) without a branch.
+            let is_real = u32::from(((w ^ (w >> 31)) as u32) < real);
+            retrieved += is_real;
+            missed += is_real & u32::from(w < 0);
+        }
+        run.device_clusters += retrieved as usize;
+        run.device_missed += missed as usize;
+    }
 }
 
 impl GpuExec {
@@ -150,10 +135,10 @@ fn device_layer(gpu: &GpuBackend, cached: Option<DeviceLayer>, layer: &Layer) ->
         wave,
         indexed,
         jobs: Vec::new(),
-        real_clusters: arena.real_clusters,
+        real_clusters: arena.real_clusters.iter().map(|&n| n as u32).collect(),
         keys: (arena.context, arena.layer),
         tokens_per_block: arena.tokens_per_block,
-        selection: Vec::new(),
+        last: None,
         steps: 0,
     }))
 }
@@ -457,18 +442,26 @@ impl Engine {
         launched?;
         let mut logged = Vec::with_capacity(group.len());
         for (t, got) in group.iter_mut().zip(fetched) {
-            let got = got?;
-            outputs[t.0] = Some(got.output);
+            let mut got = got?;
+            outputs[t.0] = Some(std::mem::take(&mut got.output));
             run.on_gpu += 1;
             run.device_selected += 1;
             let dl = &mut t.2;
             dl.steps += 1;
-            let read = step_reads(&got.selection, got.missed, &dl.real_clusters, dl.steps, run);
-            logged.push(LayerReads { context: dl.keys.0, layer: dl.keys.1, per_head: read });
-            dl.selection = got.selection;
+            count_step(&got.flagged, got.per_head, &dl.real_clusters, run);
+            logged.push(FlaggedReads {
+                context: dl.keys.0,
+                layer: dl.keys.1,
+                flagged: got.flagged.clone(),
+                per_head: got.per_head,
+                real: dl.real_clusters.clone(),
+                hit_every: HIT_TOUCH_EVERY as u32,
+                hit_turn: (dl.steps % HIT_TOUCH_EVERY) as u32,
+            });
+            dl.last = Some(got);
         }
         trace.mark("selection");
-        manager.log_layer_reads(logged);
+        manager.log_flagged_reads(logged);
         trace.mark("log");
         Ok(())
     }
@@ -486,8 +479,8 @@ impl Engine {
             let layer = crate::engine::layer_of(&ctx, r.context, r.layer)?;
             let guard = layer.read_recursive();
             crate::engine::check_fresh(r, &guard)?;
-            let selection = match state.layers.get(&(r.context, r.layer)) {
-                Some(dl) if dl.selection.len() == r.shape.kv_heads => &dl.selection,
+            let selection = match state.layers.get(&(r.context, r.layer)).and_then(|dl| dl.last.as_ref()) {
+                Some(last) if last.flagged.len() == r.shape.kv_heads * last.per_head => last.selection(),
                 _ => {
                     return Err(Error::InvalidSpec(format!(
                         "{} layer {} has not run on the device: nothing to analyze",
@@ -595,32 +588,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_step_logs_every_real_miss_and_a_rotating_eighth_of_its_hits() {
-        // Head 0: 20 real clusters, 16 retrieved, 3 of them missed. Head 1: 10 real
-        // clusters (12 and 15 are the padding of a shorter head), one miss in the padding.
-        let selection = vec![(0..16).collect::<Vec<u32>>(), vec![1, 2, 9, 12, 15]];
-        let missed = vec![vec![13, 2, 5], vec![9, 15]];
-        let real = [20, 10];
-        let mut touched = [std::collections::HashSet::new(), std::collections::HashSet::new()];
+    fn a_step_counts_its_real_retrieved_and_missed_clusters() {
+        // Head 0: 20 real clusters, 16 retrieved, 3 missed. Head 1: 10 real clusters, 12 and
+        // 15 the padding of a shorter head (15 flagged missed), one real miss (9).
+        let mut flagged: Vec<i32> = (0..16).map(|c| if [2, 5, 13].contains(&c) { !c } else { c }).collect();
+        flagged.extend([1, 2, !9, 12, !15]);
         let mut run = GpuRun::default();
-        for step in 0..HIT_TOUCH_EVERY {
-            let reads = step_reads(&selection, missed.clone(), &real, step, &mut run);
-            let mut head0 = reads[0].clone();
-            head0.sort_unstable();
-            // Every miss, each once; the hits of this step's residue; never padding.
-            let mut want: Vec<u32> =
-                (0..16).filter(|&c| [2, 5, 13].contains(&c) || u64::from(c) % HIT_TOUCH_EVERY == step).collect();
-            want.dedup();
-            assert_eq!(head0, want, "step {step}");
-            assert!(reads[1].contains(&9) && reads[1].iter().all(|&c| c < 10), "step {step}: {:?}", reads[1]);
-            for (h, ids) in reads.iter().enumerate() {
-                touched[h].extend(ids.iter().copied());
-            }
-        }
-        // Over HIT_TOUCH_EVERY steps every real retrieved cluster was logged at least once.
-        assert_eq!(touched[0].len(), 16);
-        assert_eq!(touched[1], [1, 2, 9].into_iter().collect());
-        // Counted per step: 16 + 3 real clusters retrieved, 3 + 1 real misses.
-        assert_eq!((run.device_clusters, run.device_missed), (19 * 8, 4 * 8));
+        count_step(&flagged, 16, &[20, 10], &mut run);
+        assert_eq!((run.device_clusters, run.device_missed), (16 + 3, 3 + 1));
+        // A head with no real clusters counts nothing.
+        count_step(&[!0, 1], 2, &[], &mut run);
+        assert_eq!((run.device_clusters, run.device_missed), (19, 4));
     }
 }

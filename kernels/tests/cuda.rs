@@ -534,13 +534,14 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
     let fetched = gpu.fetch_wave_selected(&mut job).unwrap();
     assert_eq!(fetched.output, cached);
     let (mut hits, mut misses) = (0, 0);
-    for (h, chosen) in fetched.selection.iter().enumerate() {
+    let missed = fetched.missed();
+    for (h, chosen) in fetched.selection().iter().enumerate() {
         let mut want: Vec<u32> = chosen
             .iter()
             .copied()
             .filter(|&c| layer.cluster_rows(h, c as usize).any(|t| table.get(h, t / 16).is_none()))
             .collect();
-        let mut got = fetched.missed[h].clone();
+        let mut got = missed[h].clone();
         want.sort_unstable();
         got.sort_unstable();
         assert_eq!(got, want, "head {h}: the missed clusters");

@@ -290,11 +290,18 @@ ATTN_PARTIAL(8)
 // `part2` (may be null): `chunks2` more partials per KV head in a second buffer, same layout
 // (a wave step's estimation partials, written on another stream). `out_copy` (may be null):
 // a second destination of the output, e.g. a job's mapped pinned buffer, so the host reads
-// the result with no copy node after the kernel.
+// the result with no copy node after the kernel. `words_src` (may be null): `words` ints the
+// step wrote in device memory (a wave step's flagged selection) that go to `words_dst` (mapped)
+// too, each CTA one run of consecutive words, written first so the writes overlap the merge.
 extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
                                       float* __restrict__ lse, const float* __restrict__ part2, int chunks2,
-                                      float* __restrict__ out_copy) {
+                                      float* __restrict__ out_copy, const int* __restrict__ words_src, int words,
+                                      int* __restrict__ words_dst) {
   const int qh = blockIdx.x;
+  if (words_src != nullptr) {
+    const int span = (words + gridDim.x - 1) / gridDim.x, lo = qh * span, hi = min(words, lo + span);
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) words_dst[i] = words_src[i];
+  }
   const int h = qh / group, g = qh % group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const long long stride = (long long)group * PART;

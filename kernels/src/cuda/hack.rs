@@ -176,7 +176,16 @@ impl GpuBackend {
         // upload_hack); q8/qmeta hold q_heads queries and part kv_heads × chunks × group
         // partials (sized in prepare_hack for this shape, whose kv_heads match dev).
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_partial"))?;
-        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, 0, (0, 0), 0)
+        self.launch_merge(
+            &self.stream,
+            &sh,
+            &job.part,
+            job.chunks,
+            &mut job.out,
+            0,
+            (0, 0),
+            super::MailboxCopies::default(),
+        )
     }
 
     /// Waits for the stream and copies a homomorphic decode's output back.

@@ -619,7 +619,7 @@ impl GpuBackend {
         self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), NO_STEADY, job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
-        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0), 0)
+        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0), MailboxCopies::default())
     }
 
     /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `chunks` CTAs per
@@ -663,7 +663,7 @@ impl GpuBackend {
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     #[allow(
         clippy::too_many_arguments,
-        reason = "the stream, the shape, three buffers with their sizes and an optional copy"
+        reason = "the stream, the shape, three buffers with their sizes and the mailbox copies"
     )]
     fn launch_merge(
         &self,
@@ -674,21 +674,24 @@ impl GpuBackend {
         out: &mut CudaSlice<f32>,
         lse: u64,
         (part2, chunks2): (u64, usize),
-        out_copy: u64,
+        copies: MailboxCopies,
     ) -> Result<()> {
         let need = sh.kv_heads * chunks * sh.group() * (self.head_dim + 2);
         if part.len() < need || out.len() < sh.query_len() {
             return Err(Error::ShapeMismatch { what: "merge partials", expected: need, got: part.len() });
         }
         let (chunks, group, chunks2) = (chunks as i32, sh.group() as i32, chunks2 as i32);
+        let words = copies.words as i32;
         // 32 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&self.merge);
-        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2).arg(&out_copy);
+        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2).arg(&copies.out);
+        b.arg(&copies.words_src).arg(&words).arg(&copies.words_dst);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
         // floats (both checked above); part2 (when not 0) kv_heads × chunks2 × group partials
-        // (the caller's wave job allocated it so); out_copy (when not 0) is the device address
-        // of the caller's mapped buffer of q_heads × head_dim floats; one CTA per query head.
+        // (the caller's wave job allocated it so); copies.out (when not 0) is the device address
+        // of the caller's mapped buffer of q_heads × head_dim floats, and words_src / words_dst
+        // (when not 0) of `words` ints each (MailboxCopies' contract); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
         Ok(())
     }
@@ -874,4 +877,15 @@ fn compiled(head_dim: usize, major: i32, minor: i32) -> Result<Ptx> {
 /// FNV-1a, 64 bits: a stable cache key (std's hasher is randomized per process).
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Where a merge also writes its results for the host (device addresses; 0 for none): the
+/// output (`q_heads × head_dim` floats) to `out`, and `words` ints from `words_src` (device
+/// memory the step wrote) to `words_dst`. Each address names a buffer at least that long.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MailboxCopies {
+    pub(crate) out: u64,
+    pub(crate) words_src: u64,
+    pub(crate) words: usize,
+    pub(crate) words_dst: u64,
 }

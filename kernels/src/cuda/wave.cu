@@ -74,10 +74,12 @@ __device__ __forceinline__ int cluster_len(const int* __restrict__ offsets, int 
 
 // CTAs (h, ·) serve KV head h. The head's elements are [steady zone, retrieved cluster 0, …, r−1];
 // heads' lists follow each other in `list` (head h starts after every row of heads < h, which
-// each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × 2(r + 1) ints)
-// receives the elements' lengths and then their start positions (first half), and the
-// selection as the mailbox gets it (second half). Writes list_offsets (kv_heads + 1) and the
-// rows, one warp per element.
+// each CTA sums itself). Each CTA's slice of `scan` (kv_heads × gridDim.y × (r + 1) ints)
+// receives the elements' lengths, then their start positions. Writes list_offsets
+// (kv_heads + 1), the rows (one warp per element), and in `flags` (kv_heads × r, device
+// memory) the selection as the host gets it: cluster c, or −c−1 when a row of it was not in
+// the Gpu tier at this step. attn_merge copies `flags` to the job's mapped mailbox at the end
+// of the step: mapped writes here, late in the step's first half, slowed batched steps.
 // Two layouts: rows of the head's KV (clusters at offsets, the steady zone at indexed..rows),
 // or, with `row_map` and `steady_len` (an engine layer homed in the buffer manager), cluster
 // row t of head h at KV row row_map[h·indexed + t] (a shared arena, head stride 0) and a
@@ -88,7 +90,7 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
                                        int block_rows, int blocks_per_head, int slot_rows,
                                        const int* __restrict__ row_map, const int* __restrict__ steady_len,
                                        int cache_rows, int* __restrict__ scan, int* __restrict__ list,
-                                       int* __restrict__ list_offsets, int* __restrict__ sel_copy) {
+                                       int* __restrict__ list_offsets, int* __restrict__ flags) {
   const int h = blockIdx.x, per = r + 1;
   const int steady = steady_len != nullptr ? *steady_len : rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -98,8 +100,7 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   int before = 0;
   for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);
   const int start = block_sum(before) + h * steady;
-  int* mine = scan + (long long)(h * gridDim.y + blockIdx.y) * 2 * per;  // this CTA's own scratch
-  int* flagged = mine + per;  // the selection as the mailbox gets it, by element
+  int* mine = scan + (long long)(h * gridDim.y + blockIdx.y) * per;  // this CTA's own scratch
   for (int i = threadIdx.x; i < per; i += blockDim.x) {
     int len = steady;
     if (i > 0) {
@@ -114,9 +115,8 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
     list_offsets[h] = start;
     if (h == kv_heads - 1) list_offsets[kv_heads] = start + total;
   }
-  // This CTA writes the rows of elements e_lo..e_hi, a warp per element.
-  const int span = (per + gridDim.y - 1) / gridDim.y, e_lo = blockIdx.y * span, e_hi = min(per, e_lo + span);
-  for (int i = e_lo + warp; i < e_hi; i += warps) {
+  // The CTAs of a head take its elements in turn, a warp per element.
+  for (int i = blockIdx.y + gridDim.y * warp; i < per; i += gridDim.y * warps) {
     int* out = list + start + mine[i];
     if (i == 0 && steady_len != nullptr) {
       for (int t = lane; t < steady; t += 32) out[t] = -(cache_rows + t * kv_heads + h) - 1;
@@ -139,14 +139,7 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
     // Cluster c, or −c−1 when a row of it was not in the Gpu tier at this step (a miss the
     // host may want admitted). `i` is the same for the whole warp: every lane votes.
     const bool missed = __any_sync(0xffffffffu, kv_read);
-    if (i > 0 && lane == 0) flagged[i] = missed ? -c - 1 : c;
-  }
-  // The selection also goes to `sel_copy` (may be null: a job's mapped pinned buffer), so the
-  // host reads it with no copy node after the step: this CTA's elements as one run of
-  // consecutive words rather than a lone 4-byte PCIe write per element.
-  if (sel_copy != nullptr) {
-    __syncthreads();
-    for (int i = max(e_lo, 1) + threadIdx.x; i < e_hi; i += blockDim.x) sel_copy[h * r + i - 1] = flagged[i];
+    if (i > 0 && lane == 0) flags[h * r + i - 1] = missed ? -c - 1 : c;
   }
 }
 

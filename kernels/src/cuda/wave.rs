@@ -201,6 +201,9 @@ pub struct WaveJob {
     select: SelectJob,
     decode: DecodeJob,
     scan: CudaSlice<i32>,
+    /// The step's selection as the host gets it (`kv_heads × r`; −c−1 for a missed cluster),
+    /// written by `wave_expand` and copied to the selection mailbox by the merge.
+    flags: CudaSlice<i32>,
     mark: CudaSlice<i32>,
     /// The estimation's partials (`kv_heads × est_chunks × group × (head_dim + 2)`), written
     /// on the side stream while the row list and the attention run on the main one.
@@ -332,12 +335,31 @@ pub struct WaveStep<'a> {
 pub struct WaveFetched {
     /// The attention output, `q_heads × head_dim`.
     pub output: Vec<f32>,
+    /// The clusters retrieved, `per_head` words per KV head (unordered within a head): cluster
+    /// `c` as `c` when every row of it was read from the Gpu-tier cache, as `!c` (−c−1) when a
+    /// row of it was read from the KV rows (the pinned Host arena for an engine layer): a
+    /// miss, as the step's own table lookups saw it. Kept as the step wrote it, so fetching
+    /// costs one copy; [`Self::selection`] and [`Self::missed`] decode it.
+    pub flagged: Vec<i32>,
+    /// Words per KV head (the step's retrieved clusters per head).
+    pub per_head: usize,
+}
+
+impl WaveFetched {
+    /// Per KV head, the words of `flagged`.
+    fn heads(&self) -> impl Iterator<Item = &[i32]> {
+        self.flagged.chunks(self.per_head.max(1))
+    }
+
     /// The clusters retrieved per KV head (unordered).
-    pub selection: Vec<Vec<u32>>,
-    /// Per KV head, the retrieved clusters with at least one row read from the KV rows (the
-    /// pinned Host arena for an engine layer) rather than from the Gpu-tier cache at this step:
-    /// the misses, as the step's own table lookups saw them.
-    pub missed: Vec<Vec<u32>>,
+    pub fn selection(&self) -> Vec<Vec<u32>> {
+        self.heads().map(|h| h.iter().map(|&w| if w < 0 { !w as u32 } else { w as u32 }).collect()).collect()
+    }
+
+    /// Per KV head, the retrieved clusters that were missed (see [`Self::flagged`]).
+    pub fn missed(&self) -> Vec<Vec<u32>> {
+        self.heads().map(|h| h.iter().filter(|&&w| w < 0).map(|&w| !w as u32).collect()).collect()
+    }
 }
 
 /// Streams (two per request) and captured graphs for batched wave steps.
@@ -572,7 +594,8 @@ impl GpuBackend {
         Ok(WaveJob {
             select,
             decode,
-            scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * 2 * (r + 1))?,
+            scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
+            flags: alloc_i(shape.kv_heads * r)?,
             mark: alloc_i(shape.kv_heads * wave.clusters)?,
             est_part: alloc_f(shape.kv_heads * est_chunks * shape.group() * (self.head_dim + 2))?,
             est_chunks,
@@ -617,26 +640,11 @@ impl GpuBackend {
     pub fn fetch_wave_selected(&self, job: &mut WaveJob) -> Result<WaveFetched> {
         // The step ends with copies of both into the job's pinned buffers.
         job.io.wait()?;
-        let r = job.select.r;
-        let mut fetched = WaveFetched {
+        Ok(WaveFetched {
             output: job.io.out.as_slice().to_vec(),
-            selection: Vec::with_capacity(job.decode.shape.kv_heads),
-            missed: Vec::with_capacity(job.decode.shape.kv_heads),
-        };
-        for head in job.io.sel.as_slice().chunks(r) {
-            let (mut chosen, mut missed) = (Vec::with_capacity(r), Vec::new());
-            for &x in head {
-                // wave_expand writes a missed cluster c as −c−1.
-                let c = if x < 0 { (-(x + 1)) as u32 } else { x as u32 };
-                if x < 0 {
-                    missed.push(c);
-                }
-                chosen.push(c);
-            }
-            fetched.selection.push(chosen);
-            fetched.missed.push(missed);
-        }
-        Ok(fetched)
+            flagged: job.io.sel.as_slice().to_vec(),
+            per_head: job.select.r,
+        })
     }
 
     /// A mailbox of `len` elements, zeroed: pinned host memory mapped into the device's
@@ -1024,15 +1032,14 @@ impl GpuBackend {
         b.arg(&job.select.out).arg(&r).arg(&wave.offsets).arg(&n).arg(&kvh).arg(&indexed).arg(&rows);
         b.arg(&c.table).arg(&c.block_rows).arg(&c.blocks_per_head).arg(&c.slot_rows);
         b.arg(&map).arg(&steady_len).arg(&c.rows);
-        b.arg(&mut job.scan).arg(list).arg(list_offsets).arg(&job.io.sel.dev);
+        b.arg(&mut job.scan).arg(list).arg(list_offsets).arg(&mut job.flags);
         // SAFETY: out holds r distinct cluster ids < n per head (select_scored), offsets
         // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
         // steady + r × largest entries = the capacity allocated per head (an arena layer's
         // steady length ≤ its capacity, set_steady); the table (checked above, or the arena
         // cache's owner's claim) names cache rows < the cache's rows; an arena layer's row map
         // holds kv_heads × indexed rows < the arena's (check_steps); scan holds kv_heads ×
-        // EXPAND_SPLIT × 2(r + 1) (one slice per CTA); the job's mapped selection buffer holds
-        // kv_heads × r ints (job_io).
+        // EXPAND_SPLIT × (r + 1) (one slice per CTA) and flags kv_heads × r.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
         phase_done("row list", main)?;
         let steady = match &wave.arena {
@@ -1045,8 +1052,15 @@ impl GpuBackend {
         main.join(side).map_err(gpu_err("ordering the streams"))?;
         let lse = device_address(&job.decode.lse, main);
         let est = (device_address(&job.est_part, main), job.est_chunks);
-        let out = job.io.out.dev;
-        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est, out)?;
+        // The output and the flagged selection go to the job's mailboxes (job_io: q_heads ×
+        // head_dim floats and kv_heads × r ints).
+        let copies = super::MailboxCopies {
+            out: job.io.out.dev,
+            words_src: device_address(&job.flags, main),
+            words: job.flags.len(),
+            words_dst: job.io.sel.dev,
+        };
+        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est, copies)?;
         phase_done("merge", main)
     }
 
