@@ -3,7 +3,7 @@
 //!
 //! Input bytes are decoded into a sequence of operations (allocate, write, pin, unpin, read,
 //! admit, evict, spill, reload, free, store and look up a cluster and log it as a device
-//! step's read, maintain, flip a bit on disk, inject an I/O fault, bad ids) run against a
+//! step's read (as ids, or flagged as a device step writes them), maintain, flip a bit on disk, inject an I/O fault, bad ids) run against a
 //! small buffer manager and a model
 //! (block → bytes last written). The first byte picks the replacer, and whether `maintain`
 //! batches its rounds as with a Gpu tier in device memory (admissions published at the end of
@@ -12,8 +12,8 @@
 //! when an operation succeeds or fails against the rules.
 
 use crate::{
-    BlockId, BlockKey, BufferConfig, BufferManager, ClusterKey, DiskConfig, Error, FaultPlan, FaultyIo, IoChoice,
-    LayerReads, PinGuard, ReplacerKind, Tier,
+    BlockId, BlockKey, BufferConfig, BufferManager, ClusterKey, DiskConfig, Error, FaultPlan, FaultyIo, FlaggedReads,
+    IoChoice, LayerReads, PinGuard, ReplacerKind, Tier,
 };
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -285,8 +285,31 @@ fn run_ops(buffers: &BufferManager, faults: &FaultyIo, input: &mut Input<'_>) {
                 if arg & 4 != 0 {
                     // A device step's reads too (no pins): every other cluster and an
                     // unmapped id, as a layer's selection; the round admits and counts them.
-                    let ids = (0..clusters).filter(|c| c % 2 == u32::from(arg) % 2).chain([clusters + 7]).collect();
-                    buffers.log_layer_reads(vec![LayerReads { context: 2, layer: 0, per_head: vec![ids] }]);
+                    let ids: Vec<u32> =
+                        (0..clusters).filter(|c| c % 2 == u32::from(arg) % 2).chain([clusters + 7]).collect();
+                    if arg & 8 == 0 {
+                        buffers.log_layer_reads(vec![LayerReads { context: 2, layer: 0, per_head: vec![ids] }]);
+                    } else {
+                        // As the device flags them (some misses, a sampled share of the hits,
+                        // padding past `real`), after an older step of the layer that the
+                        // round supersedes.
+                        let flagged = |ids: &[u32]| -> Vec<i32> {
+                            ids.iter()
+                                .map(|&c| if (c + u32::from(arg)) % 3 == 0 { !(c as i32) } else { c as i32 })
+                                .collect()
+                        };
+                        let reads = |flagged: Vec<i32>| FlaggedReads {
+                            context: 2,
+                            layer: 0,
+                            per_head: flagged.len(),
+                            flagged,
+                            real: vec![clusters.saturating_sub(u32::from(arg >> 6))],
+                            hit_every: u32::from(arg >> 4) % 4,
+                            hit_turn: u32::from(arg),
+                        };
+                        buffers.log_flagged_reads(vec![reads(flagged(&[0, clusters + 3]))]);
+                        buffers.log_flagged_reads(vec![reads(flagged(&ids))]);
+                    }
                 }
                 buffers.maintain(usize::MAX);
             }
