@@ -3,8 +3,8 @@
 //!
 //! Input bytes are decoded into a sequence of operations (allocate, write, pin, unpin, read,
 //! admit, evict, spill, reload, free, store and look up a cluster and log it as a device
-//! step's read (as ids, or flagged as a device step writes them), maintain, flip a bit on disk, inject an I/O fault, bad ids) run against a
-//! small buffer manager and a model
+//! step's read (as ids, or flagged as a device step writes them), maintain, flip a bit on
+//! disk, inject an I/O fault, bad ids) run against a small buffer manager and a model
 //! (block → bytes last written). The first byte picks the replacer, and whether `maintain`
 //! batches its rounds as with a Gpu tier in device memory (admissions published at the end of
 //! the round). It panics when a read returns other bytes than the model's, when a pinned block

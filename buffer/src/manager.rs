@@ -1281,8 +1281,8 @@ impl BufferManager {
 
     /// Takes the queued cluster reads a round applies into `clusters`: logged keys
     /// ([`Self::log_cluster_reads`]) in order while fewer than `budget` are taken (the rest stay
-    /// queued for later rounds), and of the device steps' reads ([`Self::log_layer_reads`]) only
-    /// the newest of each (context, layer) — all of them are drained, the older ones superseded
+    /// queued for later rounds), and of the device steps' reads ([`Self::log_layer_reads`],
+    /// [`Self::log_flagged_reads`]) only the newest of each (context, layer) — all of them are drained, the older ones superseded
     /// (counted in [`BufferStats::superseded_cluster_reads`], not applied). A step logs what it
     /// read so the maintainer admits its misses and keeps its hits warm; when steps come faster
     /// than rounds, a round applying the queued steps one by one works on ever older

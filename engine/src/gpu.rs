@@ -82,25 +82,6 @@ struct DeviceLayer {
 /// round span several steps, so the misses of those steps were read from the Host arena.
 const HIT_TOUCH_EVERY: u64 = 8;
 
-/// Counts a device step's real retrieved and missed clusters (its flagged words, `per_head`
-/// per KV head; ids at or past `real[h]` are padding) into `run`. Branch-free, so it
-/// vectorizes: the step's thread only counts, and the maintainer picks the ids it applies
-/// ([`FlaggedReads::resolve`]; sorting them here cost ~7 µs of host time per request).
-fn count_step(flagged: &[i32], per_head: usize, real: &[u32], run: &mut GpuRun) {
-    for (h, words) in flagged.chunks(per_head.max(1)).enumerate() {
-        let real = real.get(h).copied().unwrap_or(0);
-        let (mut retrieved, mut missed) = (0u32, 0u32);
-        for &w in words {
-            // !w for a miss (w < 0): w ^ (w >> 31) without a branch.
-            let is_real = u32::from(((w ^ (w >> 31)) as u32) < real);
-            retrieved += is_real;
-            missed += is_real & u32::from(w < 0);
-        }
-        run.device_clusters += retrieved as usize;
-        run.device_missed += missed as usize;
-    }
-}
-
 impl GpuExec {
     /// Forgets the device copies of `context`'s layers (it was dropped).
     pub(crate) fn forget(&self, context: ContextId) {
@@ -448,7 +429,11 @@ impl Engine {
             run.device_selected += 1;
             let dl = &mut t.2;
             dl.steps += 1;
-            count_step(&got.flagged, got.per_head, &dl.real_clusters, run);
+            // The step's thread only counts (branch-free); the maintainer picks the ids it
+            // applies (FlaggedReads::resolve): sorting them here cost ~7 µs per request.
+            let (retrieved, missed) = got.count_real(&dl.real_clusters);
+            run.device_clusters += retrieved;
+            run.device_missed += missed;
             logged.push(FlaggedReads {
                 context: dl.keys.0,
                 layer: dl.keys.1,
@@ -580,24 +565,5 @@ impl Engine {
         trace.mark("merge");
         trace.print();
         Ok(Some(parts.iter().flat_map(Partial::finish).collect()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_step_counts_its_real_retrieved_and_missed_clusters() {
-        // Head 0: 20 real clusters, 16 retrieved, 3 missed. Head 1: 10 real clusters, 12 and
-        // 15 the padding of a shorter head (15 flagged missed), one real miss (9).
-        let mut flagged: Vec<i32> = (0..16).map(|c| if [2, 5, 13].contains(&c) { !c } else { c }).collect();
-        flagged.extend([1, 2, !9, 12, !15]);
-        let mut run = GpuRun::default();
-        count_step(&flagged, 16, &[20, 10], &mut run);
-        assert_eq!((run.device_clusters, run.device_missed), (16 + 3, 3 + 1));
-        // A head with no real clusters counts nothing.
-        count_step(&[!0, 1], 2, &[], &mut run);
-        assert_eq!((run.device_clusters, run.device_missed), (19, 4));
     }
 }

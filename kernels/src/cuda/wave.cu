@@ -95,7 +95,7 @@ extern "C" __global__ void wave_expand(const int* __restrict__ sel, int r, const
   const int steady = steady_len != nullptr ? *steady_len : rows - indexed;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
   // gridDim.y CTAs share a head: each computes the head's offsets (cheap) and writes the
-  // rows of its own run of elements; the first also writes the list offsets.
+  // rows of every gridDim.y-th element; the first also writes the list offsets.
   const bool first = blockIdx.y == 0;
   int before = 0;
   for (int e = threadIdx.x; e < h * r; e += blockDim.x) before += cluster_len(offsets, n, e / r, sel[e]);

@@ -345,6 +345,11 @@ pub struct WaveFetched {
     pub per_head: usize,
 }
 
+/// The cluster of a flagged word (a miss `c` is written `!c`): `w ^ (w >> 31)`, no branch.
+fn flagged_cluster(w: i32) -> u32 {
+    (w ^ (w >> 31)) as u32
+}
+
 impl WaveFetched {
     /// Per KV head, the words of `flagged`.
     fn heads(&self) -> impl Iterator<Item = &[i32]> {
@@ -353,12 +358,31 @@ impl WaveFetched {
 
     /// The clusters retrieved per KV head (unordered).
     pub fn selection(&self) -> Vec<Vec<u32>> {
-        self.heads().map(|h| h.iter().map(|&w| if w < 0 { !w as u32 } else { w as u32 }).collect()).collect()
+        self.heads().map(|h| h.iter().map(|&w| flagged_cluster(w)).collect()).collect()
     }
 
     /// Per KV head, the retrieved clusters that were missed (see [`Self::flagged`]).
     pub fn missed(&self) -> Vec<Vec<u32>> {
-        self.heads().map(|h| h.iter().filter(|&&w| w < 0).map(|&w| !w as u32).collect()).collect()
+        self.heads().map(|h| h.iter().filter(|&&w| w < 0).map(|&w| flagged_cluster(w)).collect()).collect()
+    }
+
+    /// The real clusters retrieved and, of those, missed, over every KV head: ids at or past
+    /// `real[h]` are padding (a head with no entry has none). Branch-free, so it vectorizes:
+    /// a step's thread counts with it on the way back from the device.
+    pub fn count_real(&self, real: &[u32]) -> (usize, usize) {
+        let (mut retrieved, mut missed) = (0usize, 0usize);
+        for (h, words) in self.heads().enumerate() {
+            let real = real.get(h).copied().unwrap_or(0);
+            let (mut r, mut m) = (0u32, 0u32);
+            for &w in words {
+                let is_real = u32::from(flagged_cluster(w) < real);
+                r += is_real;
+                m += is_real & u32::from(w < 0);
+            }
+            retrieved += r as usize;
+            missed += m as usize;
+        }
+        (retrieved, missed)
     }
 }
 
@@ -1109,5 +1133,25 @@ impl GpuBackend {
     /// The clusters the last step retrieved per KV head (unordered).
     pub fn wave_selection(&self, job: &WaveJob) -> Result<Vec<Vec<u32>>> {
         self.fetch_select(&job.select)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::WaveFetched;
+
+    #[test]
+    fn flagged_words_decode_to_the_selection_its_misses_and_the_real_counts() {
+        // Head 0: 16 retrieved, 3 missed (2, 5, 13), all real (20 real clusters). Head 1
+        // (10 real clusters): 12 and 15 are the padding of a shorter head (15 flagged missed),
+        // one real miss (9).
+        let mut flagged: Vec<i32> = (0..16).map(|c| if [2, 5, 13].contains(&c) { !c } else { c }).collect();
+        flagged.extend([1, 2, !9, 12, !15]);
+        let fetched = WaveFetched { output: Vec::new(), flagged, per_head: 16 };
+        assert_eq!(fetched.selection(), vec![(0..16).collect::<Vec<u32>>(), vec![1, 2, 9, 12, 15]]);
+        assert_eq!(fetched.missed(), vec![vec![2, 5, 13], vec![9, 15]]);
+        assert_eq!(fetched.count_real(&[20, 10]), (16 + 3, 3 + 1));
+        // A head with no real clusters counts nothing.
+        assert_eq!(fetched.count_real(&[20]), (16, 3));
     }
 }
