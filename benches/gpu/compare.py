@@ -69,6 +69,12 @@ for tokens in sorted(by):
         print(f"{tokens:>8} wave step from a CUDA graph {g['time_us']:.1f} us (host enqueue {g.get('host_enqueue_us')} us) "
               f"vs kernel by kernel {e['time_us']:.1f} us (host enqueue {e.get('host_enqueue_us')} us)")
 for tokens in sorted(by):
+    b = by[tokens].get("wave_batch_host_gpu_tier")
+    if b and "lanes_wall_us" in b:
+        print(f"{tokens:>8} batch of {b['batch']}, host wall from the first launch to the last output: one graph of every "
+              f"lane {b['graph_wall_us']:.1f} us vs a graph per request launched on its lane {b['lanes_wall_us']:.1f} us "
+              f"({b['graph_wall_us'] / b['lanes_wall_us']:.2f}x)")
+for tokens in sorted(by):
     for ours, theirs in (("wave_step_host_gpu_tier", "torch_tripartite_host"), ("wave_step_hbm", "torch_tripartite_hbm")):
         a, b = by[tokens].get(ours), by[tokens].get(theirs)
         if a and b:

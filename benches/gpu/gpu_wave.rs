@@ -200,6 +200,10 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
     let mut lanes = gpu.wave_batch(batch).expect("streams");
     let steps = 200;
     let (mut graph_us, mut eager_us, mut tally) = (vec![], vec![], Tally::default());
+    // Host wall time from the first launch to the last output fetched: the batch graph, and
+    // each request's own graph launched on its lane in turn (`launch_wave_lane`, what the
+    // engine does), measured in the same steps.
+    let (mut graph_wall, mut lanes_wall) = (vec![], vec![]);
     for step in 0..steps {
         for req in &mut reqs {
             let q = req.query(step, steps);
@@ -218,8 +222,32 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
                 .collect();
             gpu.time_ms(|| gpu.launch_wave_batch(&mut lanes, &mut batch)).expect("batch") * 1e3
         };
+        let t0 = std::time::Instant::now();
         let us = launch(true, &mut reqs);
+        for req in &mut reqs {
+            gpu.fetch_wave_selected(&mut req.job).expect("fetch");
+        }
+        let graph_wall_us = t0.elapsed().as_secs_f64() * 1e6;
         let eager = if step >= steps / 2 { Some(launch(false, &mut reqs)) } else { None };
+        lanes.set_graphs(true);
+        let t0 = std::time::Instant::now();
+        for (i, q) in reqs.iter_mut().enumerate() {
+            let mut step = WaveStep {
+                wave: &q.wave,
+                kv: q.host.pointers(),
+                cache: Some(WaveCache::Layer(&q.cache, &q.table)),
+                job: &mut q.job,
+            };
+            gpu.launch_wave_lane(&lanes, i, &mut step).expect("lane");
+        }
+        for req in &mut reqs {
+            gpu.fetch_wave_selected(&mut req.job).expect("fetch");
+        }
+        let lanes_wall_us = t0.elapsed().as_secs_f64() * 1e6;
+        if step >= steps / 2 {
+            graph_wall.push(graph_wall_us);
+            lanes_wall.push(lanes_wall_us);
+        }
         for req in &mut reqs {
             let selection = gpu.wave_selection(&req.job).expect("selection");
             req.keep_tier(gpu, &selection, &mut tally);
@@ -239,7 +267,8 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
             "bench": "decode", "device": "cuda", "method": "wave_batch_host_gpu_tier", "tokens": tokens, "batch": batch,
             "q_heads": 32, "kv_heads": 8, "head_dim": 128, "dtype": "f16", "time_us": round(t),
             "us_per_request": round(t / batch as f64), "tokens_per_s_layer": (batch as f64 / (t * 1e-6)).round(),
-            "eager_time_us": round(median(eager_us)), "hit_ratio": tally.hit_ratio(), "gpu_tier_frac": 0.05,
+            "eager_time_us": round(median(eager_us)), "graph_wall_us": round(median(graph_wall)),
+            "lanes_wall_us": round(median(lanes_wall)), "hit_ratio": tally.hit_ratio(), "gpu_tier_frac": 0.05,
             "bytes_pcie_per_step": tally.pcie_bytes(128), "host_budget_gib": 100, "steps_measured": steps / 2,
         })
     );

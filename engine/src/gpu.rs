@@ -9,8 +9,12 @@
 //! serve — rows not homed in the buffer manager, not f16, one selection per query head, a
 //! block only on Disk, no GPU — run on the CPU executor; the result says how many ran where.
 //!
-//! Plans made by [`Engine::plan_gpu`] go further: the whole step runs on the device
-//! (`GpuBackend::launch_wave_batch`: one graph for every such request of the plan). Each
+//! Plans made by [`Engine::plan_gpu`] go further: the whole step runs on the device, each
+//! request from its own graph on a lane of its own, launched as soon as its layer copy and
+//! query are ready (`GpuBackend::launch_wave_lane`), so the device runs the first requests
+//! while the host prepares the next; the lanes run at once. (One graph for every request of
+//! the plan, `launch_wave_batch`, took ~23 µs to launch for six on the H100 host, and the
+//! device waited for all of it.) Each
 //! layer keeps a device copy of its meta index, of the Host-arena row of every indexed row
 //! and of its steady zone (`DeviceLayer`), made again when a segment is added (decode tokens
 //! are appended to the steady zone step by step). The kernels read Gpu-tier hits through the
@@ -72,6 +76,19 @@ struct DeviceLayer {
     last: Option<WaveFetched>,
     /// Device steps run over this copy (which of its hits a step logs, `HIT_TOUCH_EVERY`).
     steps: u64,
+}
+
+/// A request launched on the device, until its output is fetched.
+struct Launched {
+    /// Its index in the plan.
+    request: usize,
+    key: (ContextId, usize),
+    /// Its layer's copy (out of `DeviceState::layers` while the step runs).
+    layer: DeviceLayer,
+    /// Which of the layer's jobs the step runs in.
+    job: usize,
+    head_dim: usize,
+    gpu: Arc<GpuBackend>,
 }
 
 /// A device step logs every cluster it missed but only one in `HIT_TOUCH_EVERY` of its hits,
@@ -296,8 +313,11 @@ impl Engine {
         Ok((outputs, run))
     }
 
-    /// Runs the device-selected requests `which` of `plan` as one batched device step per
-    /// head dimension, filling their outputs; requests it cannot serve are left `None`.
+    /// Runs the device-selected requests `which` of `plan` on the device, filling their
+    /// outputs; requests it cannot serve are left `None`. Each request is launched on a lane
+    /// of its own as soon as its layer copy and query are ready
+    /// (`GpuBackend::launch_wave_lane`), so the device runs the first requests while the host
+    /// prepares the next; then every output is fetched and the selections are logged.
     fn execute_device(
         &self,
         plan: &Plan,
@@ -323,17 +343,40 @@ impl Engine {
             })
             .collect::<Result<Vec<_>>>()?;
         let mut state = self.gpu.device.lock();
-        let mut taken: Vec<(usize, (ContextId, usize), DeviceLayer)> = Vec::new();
+        // A lane per request of each head dimension.
+        let mut dims: Vec<(usize, usize)> = Vec::new();
+        for &i in which {
+            let d = plan.requests[i].shape.head_dim;
+            match dims.iter_mut().find(|x| x.0 == d) {
+                Some(x) => x.1 += 1,
+                None => dims.push((d, 1)),
+            }
+        }
+        for &(d, n) in &dims {
+            if state.batches.get(&d).is_none_or(|b| b.capacity() < n) {
+                let batch = self.gpu.backend(d)?.wave_batch(n.max(4))?;
+                state.batches.insert(d, batch);
+            }
+        }
+        // One traced step runs eagerly, phase by phase; else the device time of the whole
+        // step is measured (one head dimension only) from a mark before the first launch.
+        let eager = trace.eager && which.len() == 1;
+        let timed = trace.on && !eager && dims.len() == 1;
+        let before = if timed { self.gpu.backend(dims[0].0)?.mark().ok() } else { None };
+        // The maintainer overwrites no slot the table names until every step is fetched.
+        let reads = manager.device_read();
+        let mut launched: Vec<Launched> = Vec::with_capacity(which.len());
         let mut result = Ok(());
         for (&i, layer) in which.iter().zip(&guards) {
             let r = &plan.requests[i];
             let key = (r.context, r.layer);
-            if taken.iter().any(|t| t.1 == key) {
+            if launched.iter().any(|l| l.key == key) {
                 continue; // the same layer twice in one batch: the second runs on the CPU
             }
-            let cached = state.layers.remove(&key);
-            match self.gpu.backend(r.shape.head_dim).and_then(|gpu| device_layer(&gpu, cached, layer)) {
-                Ok(Some(dl)) => taken.push((i, key, dl)),
+            let lane = launched.iter().filter(|l| l.head_dim == r.shape.head_dim).count();
+            let arena = |per_block| ArenaRows::of(manager, settings, host_base, per_block, r.shape.head_dim);
+            match self.launch_request(&mut state, r, i, layer, lane, arena, eager, &mut trace) {
+                Ok(Some(l)) => launched.push(l),
                 Ok(None) => {}
                 Err(e) => {
                     result = Err(e);
@@ -341,93 +384,41 @@ impl Engine {
                 }
             }
         }
-        trace.mark("device copies");
-        let mut head_dims: Vec<usize> = taken.iter().map(|t| plan.requests[t.0].shape.head_dim).collect();
-        head_dims.sort_unstable();
-        head_dims.dedup();
-        for d in head_dims {
-            if result.is_err() {
-                break;
+        trace.mark("prepare + launch");
+        let after = match (&before, timed) {
+            (Some(_), true) => state.batches.get(&dims[0].0).and_then(|b| {
+                let gpu = self.gpu.backend(dims[0].0).ok()?;
+                gpu.mark_lanes(b, launched.len()).ok()
+            }),
+            _ => None,
+        };
+        if result.is_err() {
+            // A launch failed part way: nothing may still read the slots or the buffers.
+            for b in state.batches.values() {
+                let _ = b.synchronize();
             }
-            let mut group: Vec<&mut (usize, (ContextId, usize), DeviceLayer)> =
-                taken.iter_mut().filter(|t| plan.requests[t.0].shape.head_dim == d).collect();
-            let arena = ArenaRows::of(manager, settings, host_base, group[0].2.tokens_per_block, d);
-            result = self.device_step(&mut state, d, arena, plan, &mut group, outputs, run, &mut trace);
         }
-        trace.print();
-        for (_, key, dl) in taken {
-            state.layers.insert(key, dl);
-        }
-        drop(guards);
-        result
-    }
-
-    /// One batched device step over `group` (requests of head dimension `d`): queries in,
-    /// launch, outputs back, selections logged as cluster reads.
-    #[allow(clippy::too_many_arguments, reason = "the executor's state, the arena and the plan's parts")]
-    fn device_step(
-        &self,
-        state: &mut DeviceState,
-        d: usize,
-        arena: ArenaRows,
-        plan: &Plan,
-        group: &mut [&mut (usize, (ContextId, usize), DeviceLayer)],
-        outputs: &mut [Option<Vec<f32>>],
-        run: &mut GpuRun,
-        trace: &mut PhaseTrace,
-    ) -> Result<()> {
-        let manager = self.buffer_manager().expect("checked by the caller");
-        let gpu = self.gpu.backend(d)?;
-        let (kv, cache) = arena.pointers();
-        let mut steps = Vec::with_capacity(group.len());
-        for t in group.iter_mut() {
-            let r = &plan.requests[t.0];
-            let dev = r.device.as_ref().expect("a device-selected request");
-            let DeviceLayer { wave, jobs, .. } = &mut t.2;
-            let at = match jobs.iter().position(|(n, _)| *n == dev.clusters_per_head) {
-                Some(at) => at,
-                None => {
-                    let n = dev.clusters_per_head.min(wave.clusters());
-                    jobs.push((dev.clusters_per_head, gpu.prepare_wave(&r.shape, wave, n)?));
-                    jobs.len() - 1
-                }
-            };
-            let job = &mut jobs[at].1;
-            gpu.set_wave_query(job, &r.queries)?;
-            steps.push(WaveStep { wave, kv, cache, job });
-        }
-        trace.mark("queries");
-        let mut batch = match state.batches.remove(&d) {
-            Some(b) if b.capacity() >= steps.len() => b,
-            _ => gpu.wave_batch(steps.len().max(4))?,
-        };
-        let reads = manager.device_read();
-        // A traced step's device time: marks before and after its launch.
-        let timed = |trace: &PhaseTrace| if trace.on && !trace.eager { gpu.mark().ok() } else { None };
-        let before = timed(trace);
-        let launched = match steps.as_mut_slice() {
-            [s] if trace.eager => gpu.wave_phases(s.wave, s.kv, s.cache, s.job).map(|ms| trace.device_ms = ms),
-            _ => gpu.launch_wave_batch(&mut batch, &mut steps),
-        };
-        let after = timed(trace);
-        // Wait for the step (also on failure: nothing may still read the slots).
-        trace.mark("launch");
-        let fetched: Vec<_> = steps.iter_mut().map(|s| gpu.fetch_wave_selected(s.job)).collect();
+        let fetched: Vec<_> =
+            launched.iter_mut().map(|l| l.gpu.fetch_wave_selected(&mut l.layer.jobs[l.job].1)).collect();
+        trace.mark("step + fetch");
+        drop(reads);
+        trace.mark("release");
         if let (Some(a), Some(b)) = (before, after) {
             trace.device_ms = a.ms_until(&b).into_iter().collect();
         }
-        drop(reads);
-        drop(steps);
-        trace.mark("step + fetch");
-        state.batches.insert(d, batch);
-        launched?;
-        let mut logged = Vec::with_capacity(group.len());
-        for (t, got) in group.iter_mut().zip(fetched) {
-            let mut got = got?;
-            outputs[t.0] = Some(std::mem::take(&mut got.output));
+        let mut logged = Vec::with_capacity(launched.len());
+        for (l, got) in launched.iter_mut().zip(fetched) {
+            let Ok(mut got) = got else {
+                result = result.and(got.map(|_| ()).map_err(Error::from));
+                continue;
+            };
+            if result.is_err() {
+                continue;
+            }
+            outputs[l.request] = Some(std::mem::take(&mut got.output));
             run.on_gpu += 1;
             run.device_selected += 1;
-            let dl = &mut t.2;
+            let dl = &mut l.layer;
             dl.steps += 1;
             // The step's thread only counts (branch-free); the maintainer picks the ids it
             // applies (FlaggedReads::resolve): sorting them here cost ~7 µs per request.
@@ -446,9 +437,70 @@ impl Engine {
             dl.last = Some(got);
         }
         trace.mark("selection");
-        manager.log_flagged_reads(logged);
+        if !logged.is_empty() {
+            manager.log_flagged_reads(logged);
+        }
         trace.mark("log");
-        Ok(())
+        trace.print();
+        for l in launched {
+            state.layers.insert(l.key, l.layer);
+        }
+        drop(guards);
+        result
+    }
+
+    /// Brings request `i`'s layer copy up to date, sets its query and launches its step on
+    /// lane `lane` of its head dimension's batch (or, `eager`, phase by phase for the trace).
+    /// `None`: the layer cannot run on the device (the CPU runs the request).
+    #[allow(clippy::too_many_arguments, reason = "the executor's state, the request and where it runs")]
+    fn launch_request(
+        &self,
+        state: &mut DeviceState,
+        r: &RequestPlan,
+        i: usize,
+        layer: &Layer,
+        lane: usize,
+        arena: impl Fn(usize) -> ArenaRows,
+        eager: bool,
+        trace: &mut PhaseTrace,
+    ) -> Result<Option<Launched>> {
+        let d = r.shape.head_dim;
+        let dev = r.device.as_ref().expect("a device-selected request");
+        let key = (r.context, r.layer);
+        let gpu = self.gpu.backend(d)?;
+        let cached = state.layers.remove(&key);
+        let Some(mut dl) = device_layer(&gpu, cached, layer)? else { return Ok(None) };
+        let job = match dl.jobs.iter().position(|(n, _)| *n == dev.clusters_per_head) {
+            Some(at) => at,
+            None => {
+                let n = dev.clusters_per_head.min(dl.wave.clusters());
+                let job = match gpu.prepare_wave(&r.shape, &dl.wave, n) {
+                    Ok(job) => job,
+                    Err(e) => {
+                        state.layers.insert(key, dl);
+                        return Err(e.into());
+                    }
+                };
+                dl.jobs.push((dev.clusters_per_head, job));
+                dl.jobs.len() - 1
+            }
+        };
+        let (kv, cache) = arena(dl.tokens_per_block).pointers();
+        let DeviceLayer { wave, jobs, .. } = &mut dl;
+        let mut step = WaveStep { wave, kv, cache, job: &mut jobs[job].1 };
+        let launched = gpu.set_wave_query(step.job, &r.queries).and_then(|()| {
+            if eager {
+                gpu.wave_phases(step.wave, step.kv, step.cache, step.job).map(|ms| trace.device_ms = ms)
+            } else {
+                let batch = state.batches.get(&d).expect("a batch per head dimension (execute_device)");
+                gpu.launch_wave_lane(batch, lane, &mut step)
+            }
+        });
+        if let Err(e) = launched {
+            state.layers.insert(key, dl);
+            return Err(e.into());
+        }
+        Ok(Some(Launched { request: i, key, layer: dl, job, head_dim: d, gpu }))
     }
 
     /// EXPLAIN ANALYZE for device-selected plans: `plan` with every device-selected request

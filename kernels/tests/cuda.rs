@@ -595,6 +595,31 @@ fn a_whole_wave_step_on_the_gpu_equals_the_cpu_over_its_selection_with_and_witho
         assert!(rel_l2(&gpu.fetch_wave(&job).unwrap(), &wide(&cached)) <= 1e-5, "batched request 0");
         assert!(rel_l2(&gpu.fetch_wave(&other).unwrap(), &wide(&second)) <= 1e-5, "batched request 1");
     }
+    // Each request launched alone on a lane of its own (twice: captured, then replayed, and
+    // on swapped lanes, a graph per lane): the same outputs, and fetch_wave waits for the
+    // lane, which the backend's stream does not.
+    for lanes in [[0, 1], [0, 1], [1, 0]] {
+        let wide = |x: &[f32]| x.iter().map(|&v| f64::from(v)).collect::<Vec<f64>>();
+        let cache = Some(WaveCache::Layer(&cache, &table));
+        gpu.launch_wave_lane(
+            &batch,
+            lanes[0],
+            &mut WaveStep { wave: &wave, kv: mapped.pointers(), cache, job: &mut job },
+        )
+        .unwrap();
+        gpu.launch_wave_lane(
+            &batch,
+            lanes[1],
+            &mut WaveStep { wave: &wave, kv: mapped.pointers(), cache: None, job: &mut other },
+        )
+        .unwrap();
+        assert!(rel_l2(&gpu.fetch_wave(&other).unwrap(), &wide(&second)) <= 1e-5, "lane request 1, lanes {lanes:?}");
+        let got = gpu.fetch_wave_selected(&mut job).unwrap();
+        assert!(rel_l2(&got.output, &wide(&cached)) <= 1e-5, "lane request 0, lanes {lanes:?}");
+        assert_eq!(sorted(got.selection()), sorted(selection.clone()), "lane request 0 retrieves what it did alone");
+    }
+    let step = &mut WaveStep { wave: &wave, kv: mapped.pointers(), cache: None, job: &mut other };
+    assert!(gpu.launch_wave_lane(&batch, 2, step).is_err(), "a lane past the batch's");
     let mut one = [WaveStep { wave: &wave, kv: mapped.pointers(), cache: None, job: &mut other }];
     assert!(gpu.launch_wave_batch(&mut gpu.wave_batch(0).unwrap(), &mut one).is_err(), "more requests than streams");
     // Bad inputs are typed errors, before any launch.

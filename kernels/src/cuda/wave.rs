@@ -241,6 +241,14 @@ struct JobIo {
 }
 
 impl JobIo {
+    /// Waits for the job's last step (without noting that it is done).
+    fn wait_shared(&self) -> Result<()> {
+        if let Some(e) = &self.pending {
+            e.synchronize().map_err(gpu_err("waiting for the step"))?;
+        }
+        Ok(())
+    }
+
     /// Waits for the job's last step unless that was already done.
     fn wait(&mut self) -> Result<()> {
         if let Some(e) = &self.pending {
@@ -398,6 +406,16 @@ impl WaveBatch {
     /// Requests a step of this batch can hold.
     pub fn capacity(&self) -> usize {
         self.lanes.len()
+    }
+
+    /// Waits for everything enqueued on the batch's streams (after a failed launch: nothing
+    /// may still read a step's buffers or slots when the caller lets them go).
+    pub fn synchronize(&self) -> Result<()> {
+        for (main, side) in &self.lanes {
+            main.synchronize().map_err(gpu_err("synchronizing a lane"))?;
+            side.synchronize().map_err(gpu_err("synchronizing a lane"))?;
+        }
+        Ok(())
     }
 
     /// Whether steps are captured into graphs (the default) or launched kernel by kernel.
@@ -704,7 +722,34 @@ impl GpuBackend {
         let mut steps = [WaveStep { wave, kv, cache, job }];
         self.check_steps(&steps)?;
         let mut graphs = std::mem::take(&mut steps[0].job.graphs);
-        let done = self.launch_steps(&mut graphs, &[], &mut steps, None);
+        let home = (Arc::clone(&self.stream), Arc::clone(&self.side));
+        let done = self.launch_steps(&mut graphs, &home, &[], &mut steps, None);
+        steps[0].job.graphs = graphs;
+        done
+    }
+
+    /// Enqueues one decode step of `step` alone on lane `lane` of `batch` (the lane's own
+    /// streams) and returns: a caller stepping many requests launches each as soon as its
+    /// query is set, so the device runs the first while the host prepares the next, and the
+    /// requests on different lanes run at once like a [`GpuBackend::launch_wave_batch`]. Each
+    /// job keeps its graphs per lane (a single-request graph launches in ~2 µs of host time;
+    /// one graph of six lanes took ~23 µs on the H100 host). [`GpuBackend::fetch_wave`] of
+    /// the job waits for this step only.
+    pub fn launch_wave_lane(&self, batch: &WaveBatch, lane: usize, step: &mut WaveStep<'_>) -> Result<()> {
+        let Some(home) = batch.lanes.get(lane) else {
+            return Err(Error::InvalidArgument {
+                what: "wave lane",
+                message: format!("lane {lane} of a batch of {} lanes", batch.lanes.len()),
+            });
+        };
+        let mut steps = [WaveStep { wave: step.wave, kv: step.kv, cache: step.cache, job: &mut *step.job }];
+        self.check_steps(&steps)?;
+        let mut graphs = std::mem::take(&mut steps[0].job.graphs);
+        // Eager when either the job's or the batch's graphs are off.
+        let own = graphs.off;
+        graphs.off |= batch.graphs.off;
+        let done = self.launch_steps(&mut graphs, home, &[], &mut steps, None);
+        graphs.off = own;
         steps[0].job.graphs = graphs;
         done
     }
@@ -736,32 +781,38 @@ impl GpuBackend {
             });
         }
         self.check_steps(steps)?;
-        self.launch_steps(&mut batch.graphs, &batch.lanes, steps, Some(&batch.done))
+        let home = (Arc::clone(&self.stream), Arc::clone(&self.side));
+        self.launch_steps(&mut batch.graphs, &home, &batch.lanes, steps, Some(&batch.done))
     }
 
     /// Replays the graph of these steps' buffers (capturing it first when new), or launches
-    /// them eagerly when graphs are off. `lanes` empty: one step on the backend's streams.
-    /// `done`: the batch's event, recorded once for every step (else each job's own).
+    /// them eagerly when graphs are off, from `home` (a main and a side stream: the backend's
+    /// or a batch lane's). `lanes` empty: one step on `home`; else each step on a lane of its
+    /// own, forked from and joined back to `home`. `done`: the batch's event, recorded once
+    /// for every step (else each job's own).
     fn launch_steps(
         &self,
         graphs: &mut Graphs,
+        home: &Lane,
         lanes: &[Lane],
         steps: &mut [WaveStep<'_>],
         done: Option<&Arc<CudaEvent>>,
     ) -> Result<()> {
+        let main = &home.0;
         if !graphs.off {
-            let key: Vec<u64> = steps.iter().flat_map(|s| self.step_key(s)).collect();
+            // A graph launches on the stream it was captured from: the key names it.
+            let from = std::iter::once(main.cu_stream() as u64);
+            let key: Vec<u64> = from.chain(steps.iter().flat_map(|s| self.step_key(s))).collect();
             if let Some(i) = graphs.cached.iter().position(|(k, _)| *k == key) {
                 let entry = graphs.cached.remove(i);
                 entry.1.launch().map_err(gpu_err("launching a wave graph"))?;
                 graphs.cached.push(entry);
-                return self.record_done(steps, done);
+                return self.record_done(main, steps, done);
             }
-            self.stream
-                .begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            main.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
                 .map_err(gpu_err("capturing a wave step"))?;
-            let enqueued = self.enqueue_steps(lanes, steps);
-            let graph = self.stream.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
+            let enqueued = self.enqueue_steps(home, lanes, steps);
+            let graph = main.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
             enqueued?;
             let graph = graph
                 .map_err(gpu_err("capturing a wave step"))?
@@ -771,17 +822,22 @@ impl GpuBackend {
                 graphs.cached.remove(0);
             }
             graphs.cached.push((key, graph));
-            return self.record_done(steps, done);
+            return self.record_done(main, steps, done);
         }
-        self.enqueue_steps(lanes, steps)?;
-        self.record_done(steps, done)
+        self.enqueue_steps(home, lanes, steps)?;
+        self.record_done(main, steps, done)
     }
 
-    /// Marks each step's job done once the backend's stream (which waits for every lane)
-    /// reaches this point: with one record of `shared` (a batch's event) for all of them,
-    /// or one of its own event per job.
-    fn record_done(&self, steps: &mut [WaveStep<'_>], shared: Option<&Arc<CudaEvent>>) -> Result<()> {
-        let record = |e: &Arc<CudaEvent>| e.record(&self.stream).map_err(gpu_err("recording an event"));
+    /// Marks each step's job done once `main` (which waits for every lane) reaches this
+    /// point: with one record of `shared` (a batch's event) for all of them, or one of its
+    /// own event per job.
+    fn record_done(
+        &self,
+        main: &CudaStream,
+        steps: &mut [WaveStep<'_>],
+        shared: Option<&Arc<CudaEvent>>,
+    ) -> Result<()> {
+        let record = |e: &Arc<CudaEvent>| e.record(main).map_err(gpu_err("recording an event"));
         if let Some(e) = shared {
             record(e)?;
         }
@@ -798,20 +854,20 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// The launches of `steps`: on the backend's two streams (no lanes), or each step on its
-    /// lane, forked from and joined back into the backend's stream.
-    fn enqueue_steps(&self, lanes: &[Lane], steps: &mut [WaveStep<'_>]) -> Result<()> {
+    /// The launches of `steps`: on `home`'s two streams (no lanes), or each step on its lane,
+    /// forked from and joined back into `home`'s main stream.
+    fn enqueue_steps(&self, home: &Lane, lanes: &[Lane], steps: &mut [WaveStep<'_>]) -> Result<()> {
         let nothing = &mut |_: &'static str, _: &CudaStream| Ok(());
         if lanes.is_empty() {
             let s = &mut steps[0];
-            return self.wave_step(&self.stream, &self.side, s.wave, s.kv, s.cache, s.job, nothing);
+            return self.wave_step(&home.0, &home.1, s.wave, s.kv, s.cache, s.job, nothing);
         }
         for (s, (main, side)) in steps.iter_mut().zip(lanes) {
-            main.join(&self.stream).map_err(gpu_err("ordering the streams"))?;
+            main.join(&home.0).map_err(gpu_err("ordering the streams"))?;
             self.wave_step(main, side, s.wave, s.kv, s.cache, s.job, nothing)?;
         }
         for (main, _) in &lanes[..steps.len()] {
-            self.stream.join(main).map_err(gpu_err("ordering the streams"))?;
+            home.0.join(main).map_err(gpu_err("ordering the streams"))?;
         }
         Ok(())
     }
@@ -903,6 +959,16 @@ impl GpuBackend {
             .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
             .map_err(gpu_err("recording an event"))?;
         Ok(StreamMark(e))
+    }
+
+    /// A timing mark after everything enqueued so far on lanes `0..lanes` of `batch` (steps
+    /// of [`GpuBackend::launch_wave_lane`]): the backend's stream waits for those lanes, then
+    /// records it. The lanes themselves do not wait for anything.
+    pub fn mark_lanes(&self, batch: &WaveBatch, lanes: usize) -> Result<StreamMark> {
+        for (main, _) in batch.lanes.iter().take(lanes) {
+            self.stream.join(main).map_err(gpu_err("ordering the streams"))?;
+        }
+        self.mark()
     }
 
     /// Runs one step like [`GpuBackend::launch_wave`] (eagerly, not from a graph) and returns
@@ -1127,11 +1193,14 @@ impl GpuBackend {
 
     /// Waits for the step and returns its output (`q_heads × head_dim`).
     pub fn fetch_wave(&self, job: &WaveJob) -> Result<Vec<f32>> {
+        // A step launched on a batch lane is not ordered before the backend's stream copy.
+        job.io.wait_shared()?;
         self.fetch(&job.decode)
     }
 
     /// The clusters the last step retrieved per KV head (unordered).
     pub fn wave_selection(&self, job: &WaveJob) -> Result<Vec<Vec<u32>>> {
+        job.io.wait_shared()?;
         self.fetch_select(&job.select)
     }
 }
