@@ -3,7 +3,7 @@
 //! Keys and values are read tile by tile (256 rows), widened from their storage type in
 //! registers, scored against all query heads of a GQA group, and folded into online-softmax
 //! partials. Each pass over a tile prefetches rows for the next: the score pass the tile's
-//! values (and, in the first tile, keys 32 rows ahead), the value pass the next tile's keys. Long ranges are split into chunks processed on rayon threads and merged by
+//! values and keys 32 rows ahead, the value pass the next tile's keys. Long ranges are split into chunks processed on rayon threads and merged by
 //! log-sum-exp, so the memory system streams K and V once per step.
 
 use super::microkernel;
@@ -152,11 +152,10 @@ fn attend_tiles<E: Element>(
     let tile = TILE_ROWS * d;
     for (i, (ktile, vtile)) in keys.chunks(tile).zip(values.chunks(tile)).enumerate() {
         let n = ktile.len() / d;
-        // While scoring row t, ask for this tile's value row t, which the value pass needs
-        // next, and in the first tile for key row t + 32 (8 KiB ahead in f16): later tiles'
-        // keys were asked for by the previous tile's value pass.
+        // While scoring row t, ask for key row t + 32 (8 KiB ahead in f16) and for this
+        // tile's value row t, which the value pass needs next.
         let start = i * tile;
-        let k_ahead = if i == 0 { &keys[(start + 32 * d).min(keys.len())..] } else { &keys[..0] };
+        let k_ahead = &keys[(start + 32 * d).min(keys.len())..];
         let v_ahead = &values[start..(start + tile).min(values.len())];
         let ahead = [k_ahead, v_ahead];
         tile_scores(q, g, d8, ktile, n, scale, scores, TILE_ROWS, ahead);
