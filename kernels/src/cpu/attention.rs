@@ -1,9 +1,8 @@
 //! Exact decode attention and partial attention over token ranges (flash-decoding on the CPU).
 //!
-//! Keys and values are read tile by tile (256 rows), widened from their storage type in
-//! registers, scored against all query heads of a GQA group, and folded into online-softmax
-//! partials. Each pass over a tile prefetches rows for the next: the score pass the tile's
-//! values and keys 32 rows ahead, the value pass the next tile's keys. Long ranges are split into chunks processed on rayon threads and merged by
+//! Keys and values are widened from their storage type tile by tile (64 rows) into f32
+//! scratch, scored against all query heads of a GQA group, and folded into online-softmax
+//! partials. Long ranges are split into chunks processed on rayon threads and merged by
 //! log-sum-exp, so the memory system streams K and V once per step.
 
 use super::microkernel;
@@ -18,7 +17,7 @@ use rayon::prelude::*;
 use std::ops::Range;
 use wide::f32x8;
 
-/// Rows per tile: 256 rows × 128 dims × 2 B = 64 KiB per K or V tile in f16 (fits L2).
+/// Rows widened at a time: 64 rows × 128 dims × 4 B = 32 KiB per K or V tile (fits L2).
 const TILE_ROWS: usize = 256;
 /// Rows one rayon task handles in [`exact_attention`]; large enough to amortize scheduling.
 const CHUNK_ROWS: usize = 2048;
@@ -163,14 +162,11 @@ fn attend_tiles<E: Element>(
             // Only the first n scores are live; pad them to whole vectors with -inf (weight 0).
             let s = &mut scores[j * TILE_ROWS..j * TILE_ROWS + n.next_multiple_of(8)];
             s[n..].fill(f32::NEG_INFINITY);
-            let tile_max = microkernel::max8(s);
+            let tile_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
             part.rescale_to(part.m.max(tile_max));
             part.l += microkernel::exp_shifted_sum(s, part.m);
         }
-        // The value pass reads only rows the score pass brought in: it asks for the next
-        // tile's keys, so the memory system does not idle through it.
-        let next_keys = &keys[(start + tile).min(keys.len())..(start + 2 * tile).min(keys.len())];
-        tile_values(scores, vtile, n, d8, parts, next_keys);
+        tile_values(scores, vtile, n, d8, parts);
     }
 }
 
@@ -260,26 +256,13 @@ pub(crate) fn tile_scores<E: Element>(
 }
 
 /// `o_j += Σ_t p_j[t]·v_t` for every head of `parts`, 4, 2 or 1 heads at a time.
-fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial], ahead: &[E]) {
-    if d8 == 16 && parts.len().is_multiple_of(4) {
-        // Groups of four heads at d = 128 (the common shape): the contiguous-tile kernel.
-        for (j, four) in parts.chunks_exact_mut(4).enumerate() {
-            let mut it = four.iter_mut();
-            let mut o: [&mut [f32]; 4] =
-                std::array::from_fn(|_| it.next().map(|p| p.o.as_mut_slice()).unwrap_or_default());
-            // The first group's pass prefetches the next tile's keys.
-            let ahead = if j == 0 { ahead } else { &[] };
-            microkernel::accumulate_tile_fixed::<4, 2, 128, E>(&p[4 * j * TILE_ROWS..], TILE_ROWS, v, n, &mut o, ahead);
-        }
-        return;
-    }
+fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial]) {
     let d = d8 * 8;
-    weighted_rows(p, TILE_ROWS, |t| &v[t * d..(t + 1) * d], n, d8, parts, ahead);
+    weighted_rows(p, TILE_ROWS, |t| &v[t * d..(t + 1) * d], n, d8, parts);
 }
 
 /// `o_j += Σ_t p[j·stride + t]·row(t)` for every head `j` of `parts` (rows of `8·d8`
-/// elements), 4, 2 or 1 heads at a time: the value side of exact and estimated zones. The
-/// first pass also prefetches `ahead` (the next tile's keys) evenly over its rows.
+/// elements), 4, 2 or 1 heads at a time: the value side of exact and estimated zones.
 pub(crate) fn weighted_rows<'a, E: Element>(
     p: &[f32],
     stride: usize,
@@ -287,7 +270,6 @@ pub(crate) fn weighted_rows<'a, E: Element>(
     n: usize,
     d8: usize,
     parts: &mut [Partial],
-    ahead: &[E],
 ) {
     fn heads<const G: usize>(parts: &mut [Partial]) -> [&mut [f32]; G] {
         let mut it = parts.iter_mut();
@@ -296,23 +278,21 @@ pub(crate) fn weighted_rows<'a, E: Element>(
     let mut j = 0;
     while j < parts.len() {
         let (ps, rest) = (&p[j * stride..], &mut parts[j..]);
-        // The first group's pass prefetches `ahead` (the next tile's keys), once.
-        let ahead = if j == 0 { ahead } else { &[] };
         j += match rest.len() {
             r if r >= 4 && d8.is_multiple_of(2) => {
-                microkernel::accumulate_rows::<4, 2, E>(ps, stride, row, n, d8, &mut heads::<4>(rest), ahead);
+                microkernel::accumulate_rows::<4, 2, E>(ps, stride, row, n, d8, &mut heads::<4>(rest));
                 4
             }
             r if r >= 2 && d8.is_multiple_of(4) => {
-                microkernel::accumulate_rows::<2, 4, E>(ps, stride, row, n, d8, &mut heads::<2>(rest), ahead);
+                microkernel::accumulate_rows::<2, 4, E>(ps, stride, row, n, d8, &mut heads::<2>(rest));
                 2
             }
             _ if d8.is_multiple_of(8) => {
-                microkernel::accumulate_rows::<1, 8, E>(ps, stride, row, n, d8, &mut heads::<1>(rest), ahead);
+                microkernel::accumulate_rows::<1, 8, E>(ps, stride, row, n, d8, &mut heads::<1>(rest));
                 1
             }
             _ => {
-                microkernel::accumulate_rows::<1, 1, E>(ps, stride, row, n, d8, &mut heads::<1>(rest), ahead);
+                microkernel::accumulate_rows::<1, 1, E>(ps, stride, row, n, d8, &mut heads::<1>(rest));
                 1
             }
         };
@@ -492,12 +472,9 @@ mod tests {
 
     #[test]
     fn every_head_dim_and_group_size_path_matches_the_reference() {
-        // d = 12 takes the unaligned path; 24 the 1-vector blocks; 64 and 128 the wide ones
-        // (128 with its loop bounds fixed: scores for 4, 2 and 1 heads, the contiguous value
-        // tile for groups of a multiple of four heads, the generic value loop otherwise).
+        // d = 12 takes the unaligned path; 24 the 1-vector blocks; 64 and 128 the wide ones.
         // Groups of 1, 3 (2 + 1), 4 and 7 (4 + 2 + 1) cover every head-blocking branch.
-        let cases = [(12, 3), (24, 3), (24, 7), (64, 1), (128, 4), (128, 7), (128, 8), (128, 2), (128, 1), (40, 2)];
-        for (d, g) in cases {
+        for (d, g) in [(12, 3), (24, 3), (24, 7), (64, 1), (128, 4), (128, 7), (40, 2)] {
             let shape = AttnShape::new(g * 2, 2, d).unwrap();
             let tokens = 301;
             let k = randn(shape.kv_len(tokens), d as u64);

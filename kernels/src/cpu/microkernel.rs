@@ -29,12 +29,6 @@ pub(crate) fn scores<const G: usize, E: Element>(
     stride: usize,
     ahead: [&[E]; 2],
 ) {
-    if d8 == 16 {
-        // The common head dimension with its loop bounds known: the chunk loop unrolls and
-        // the row slices need no bounds checks (fewer instructions per row than the generic
-        // loop's index arithmetic, which bounded this kernel on two cores).
-        return scores_fixed::<G, 128, E>(q, k, n, scale, out, stride, ahead);
-    }
     let q = &q[..G * d8];
     let d = d8 * 8;
     // The queries chunk-major (`qt[c·G + i]` = chunk c of head i), so the inner loop walks
@@ -94,64 +88,6 @@ pub(crate) fn scores<const G: usize, E: Element>(
     }
 }
 
-/// [`scores`] for head dimension `D` (a multiple of 8, at most `8 × MAX_D8`), known at
-/// compile time.
-#[inline(always)]
-#[allow(clippy::too_many_arguments, reason = "a hot inner kernel: its operands stay separate")]
-fn scores_fixed<const G: usize, const D: usize, E: Element>(
-    q: &[f32x8],
-    k: &[E],
-    n: usize,
-    scale: f32,
-    out: &mut [f32],
-    stride: usize,
-    ahead: [&[E]; 2],
-) {
-    let d8 = D / 8;
-    let q = &q[..G * d8];
-    let mut qt = [[f32x8::ZERO; G]; MAX_D8];
-    for (c, chunk) in qt.iter_mut().take(d8).enumerate() {
-        for (i, x) in chunk.iter_mut().enumerate() {
-            *x = q[i * d8 + c];
-        }
-    }
-    let pairs = n / 2;
-    for (p, rows) in k[..pairs * 2 * D].chunks_exact(2 * D).enumerate() {
-        let t = 2 * p;
-        for ahead_rows in ahead {
-            if let Some(r) = ahead_rows.get(t * D..(t + 2) * D) {
-                super::prefetch::prefetch(r);
-            }
-        }
-        let (k0, k1) = rows.split_at(D);
-        let mut acc = [[f32x8::ZERO; 2]; G];
-        for (c, qc) in qt.iter().take(d8).enumerate() {
-            let (a0, a1) = (E::load8(&k0[c * 8..c * 8 + 8]), E::load8(&k1[c * 8..c * 8 + 8]));
-            for (acc_i, &qv) in acc.iter_mut().zip(qc) {
-                acc_i[0] = qv.mul_add(a0, acc_i[0]);
-                acc_i[1] = qv.mul_add(a1, acc_i[1]);
-            }
-        }
-        for (i, acc_i) in acc.iter().enumerate() {
-            out[i * stride + t] = acc_i[0].reduce_add() * scale;
-            out[i * stride + t + 1] = acc_i[1].reduce_add() * scale;
-        }
-    }
-    if n % 2 == 1 {
-        let t = n - 1;
-        let mut acc = [f32x8::ZERO; G];
-        for (c, qc) in qt.iter().take(d8).enumerate() {
-            let a0 = E::load8(&k[t * D + c * 8..t * D + c * 8 + 8]);
-            for (acc_i, &qv) in acc.iter_mut().zip(qc) {
-                *acc_i = qv.mul_add(a0, *acc_i);
-            }
-        }
-        for (i, acc_i) in acc.iter().enumerate() {
-            out[i * stride + t] = acc_i.reduce_add() * scale;
-        }
-    }
-}
-
 /// `o_i += Σ_t p[i·stride + t] · row(t)` for `G` heads over `n` rows fetched by `row(t)`
 /// (each `8·d8` elements: a tile's value rows, or the estimation zone's gathered cluster
 /// value means), `V` vectors of the head dimension at a time. Requires `d8 % V == 0`.
@@ -163,14 +99,9 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
     n: usize,
     d8: usize,
     o: &mut [&mut [f32]; G],
-    ahead: &[E],
 ) {
     debug_assert!(d8.is_multiple_of(V));
-    if d8 == 16 {
-        return accumulate_rows_fixed::<G, V, 128, E>(p, stride, row, n, o, ahead);
-    }
     let d = d8 * 8;
-    let share = ahead.len().div_ceil((d8 / V * n).max(1));
     // Each head's weights as a slice of exactly `n`: indexing them by `t < n` needs no
     // bounds check inside the row loop.
     let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
@@ -182,7 +113,6 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
             }
         }
         for t in 0..n {
-            prefetch_share(ahead, blk / (V * 8) * n + t, share);
             let lanes = &row(t)[blk..blk + V * 8];
             let vrow: [f32x8; V] = std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]));
             for (a, pi) in acc.iter_mut().zip(&ps) {
@@ -197,114 +127,6 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
                 lanes.copy_from_slice(&x.to_array());
             }
         }
-    }
-}
-
-/// [`accumulate_rows`] for head dimension `D` known at compile time: each row is sliced to
-/// `D` once, so the block loads inside need no bounds checks.
-#[inline(always)]
-fn accumulate_rows_fixed<'a, const G: usize, const V: usize, const D: usize, E: Element>(
-    p: &[f32],
-    stride: usize,
-    row: impl Fn(usize) -> &'a [E],
-    n: usize,
-    o: &mut [&mut [f32]; G],
-    ahead: &[E],
-) {
-    let share = ahead.len().div_ceil((D / (V * 8) * n).max(1));
-    let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
-    for b in 0..D / (V * 8) {
-        let blk = b * V * 8;
-        let mut acc = [[f32x8::ZERO; V]; G];
-        for (a, oi) in acc.iter_mut().zip(o.iter()) {
-            for (x, lanes) in a.iter_mut().zip(oi[blk..blk + V * 8].chunks_exact(8)) {
-                *x = f32x8::from(<[f32; 8]>::try_from(lanes).unwrap_or_default());
-            }
-        }
-        for t in 0..n {
-            prefetch_share(ahead, b * n + t, share);
-            let r = &row(t)[..D];
-            let vrow: [f32x8; V] = std::array::from_fn(|k| E::load8(&r[blk + k * 8..blk + k * 8 + 8]));
-            for (a, pi) in acc.iter_mut().zip(&ps) {
-                let pi = f32x8::splat(pi[t]);
-                for (x, &vv) in a.iter_mut().zip(&vrow) {
-                    *x = pi.mul_add(vv, *x);
-                }
-            }
-        }
-        for (a, oi) in acc.iter().zip(o.iter_mut()) {
-            for (x, lanes) in a.iter().zip(oi[blk..blk + V * 8].chunks_exact_mut(8)) {
-                lanes.copy_from_slice(&x.to_array());
-            }
-        }
-    }
-}
-
-/// `o_i += Σ_t p[i·stride + t] · v_t` over the `n` contiguous rows of `v` (a value tile) for
-/// head dimension `D` known at compile time: rows and weights are walked by iterators, so
-/// the row loop is a pointer bump with no index arithmetic or bounds checks.
-#[inline(always)]
-pub(crate) fn accumulate_tile_fixed<const G: usize, const V: usize, const D: usize, E: Element>(
-    p: &[f32],
-    stride: usize,
-    v: &[E],
-    n: usize,
-    o: &mut [&mut [f32]; G],
-    ahead: &[E],
-) {
-    let v = &v[..n * D];
-    let share = ahead.len().div_ceil((D / (V * 8) * n).max(1));
-    let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
-    for b in 0..D / (V * 8) {
-        let blk = b * V * 8;
-        let mut acc = [[f32x8::ZERO; V]; G];
-        for (a, oi) in acc.iter_mut().zip(o.iter()) {
-            for (x, lanes) in a.iter_mut().zip(oi[blk..blk + V * 8].chunks_exact(8)) {
-                *x = f32x8::from(<[f32; 8]>::try_from(lanes).unwrap_or_default());
-            }
-        }
-        for (t, r) in v.chunks_exact(D).enumerate() {
-            prefetch_share(ahead, b * n + t, share);
-            let lanes = &r[blk..blk + V * 8];
-            let vrow: [f32x8; V] = std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]));
-            for (a, pi) in acc.iter_mut().zip(&ps) {
-                let pi = f32x8::splat(pi[t]);
-                for (x, &vv) in a.iter_mut().zip(&vrow) {
-                    *x = pi.mul_add(vv, *x);
-                }
-            }
-        }
-        for (a, oi) in acc.iter().zip(o.iter_mut()) {
-            for (x, lanes) in a.iter().zip(oi[blk..blk + V * 8].chunks_exact_mut(8)) {
-                lanes.copy_from_slice(&x.to_array());
-            }
-        }
-    }
-}
-
-/// The largest of `s` (a multiple of 8 long; NaN-free: scores of finite inputs), eight
-/// lanes at a time — a scalar `f32::max` fold, which must order NaNs, does not vectorize
-/// and cost ~7 instructions per score.
-#[inline(always)]
-pub(crate) fn max8(s: &[f32]) -> f32 {
-    let mut m = f32x8::splat(f32::NEG_INFINITY);
-    for lanes in s.chunks_exact(8) {
-        m = m.fast_max(f32x8::from(<[f32; 8]>::try_from(lanes).unwrap_or_default()));
-    }
-    m.to_array().into_iter().fold(f32::NEG_INFINITY, f32::max)
-}
-
-/// Prefetches share `i` (`share` elements) of `ahead`: a value pass that visits its rows
-/// `iterations` times prefetches the next tile's keys evenly over those visits
-/// (`share = ⌈ahead.len() / iterations⌉`). The pass reads only values the score pass
-/// already brought in, so without this the memory system idles during it and the next score
-/// pass must fetch its keys and its values at once (measured on a 2-core VM at 128K: 51–55
-/// against 63–71 ns per row and KV head).
-#[inline(always)]
-fn prefetch_share<E>(ahead: &[E], i: usize, share: usize) {
-    let at = i * share;
-    if let Some(part) = ahead.get(at..(at + share).min(ahead.len())) {
-        super::prefetch::prefetch(part);
     }
 }
 
