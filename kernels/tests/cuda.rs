@@ -143,9 +143,42 @@ fn centroid_scoring_and_top_r_on_the_gpu_match_the_cpu() {
     let Some(gpu) = gpu() else { return };
     let shape = AttnShape::new(32, 8, 128).unwrap();
     // 8192 centroids per head keep the select's keys in registers (1024 threads × 8); 20000
-    // (not a multiple of 1024) reads them from memory on every pass.
+    // (not a multiple of 1024) first filters candidates with many CTAs per head.
     for (n, seed) in [(8192, 12), (20_000, 13)] {
         check_select(&gpu, &shape, n, seed);
+    }
+    // Past the registers: a job launched again (its candidate counts and histogram cleared
+    // by the last launch) chooses the same clusters, and equal scores (every centroid the
+    // same) still give r distinct indices.
+    let n = 20_000;
+    let mut g = SplitMix64::new(15);
+    let q: Vec<f32> = (0..shape.query_len()).map(|_| g.normal()).collect();
+    let cent: Vec<f16> = narrow_vec(&(0..8 * n * 128).map(|_| g.normal()).collect::<Vec<f32>>());
+    let dev = gpu.upload_centroids(&bits(&cent), 8).unwrap();
+    let mut job = gpu.prepare_select(&shape, &q, &dev, 300).unwrap();
+    let sorted = |mut x: Vec<Vec<u32>>| {
+        x.iter_mut().for_each(|h| h.sort_unstable());
+        x
+    };
+    gpu.launch_select(&dev, &mut job).unwrap();
+    let first = sorted(gpu.fetch_select(&job).unwrap());
+    for _ in 0..3 {
+        gpu.launch_select(&dev, &mut job).unwrap();
+        assert_eq!(sorted(gpu.fetch_select(&job).unwrap()), first, "a launch again chooses the same");
+    }
+    let same = vec![f16::from_f32(0.5); 8 * n * 128];
+    let dev = gpu.upload_centroids(&bits(&same), 8).unwrap();
+    for r in [1, 777, n] {
+        let mut job = gpu.prepare_select(&shape, &q, &dev, r).unwrap();
+        for _ in 0..2 {
+            gpu.launch_select(&dev, &mut job).unwrap();
+            for (h, mut got) in gpu.fetch_select(&job).unwrap().into_iter().enumerate() {
+                got.sort_unstable();
+                got.dedup();
+                assert_eq!(got.len(), r, "head {h}: r distinct indices among equal scores");
+                assert!(got.iter().all(|&i| (i as usize) < n));
+            }
+        }
     }
 }
 

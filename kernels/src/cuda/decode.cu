@@ -451,33 +451,44 @@ __device__ __forceinline__ unsigned int ordered(float x) {
 // j·blockDim.x (j < RADIX_REGS) are loaded once into registers; otherwise every pass reads
 // and converts them again.
 template <bool REGS>
-__device__ __forceinline__ void radix_select(const float* __restrict__ s, int n, int r, int* __restrict__ o,
-                                             unsigned int* __restrict__ level0) {
+__device__ __forceinline__ void radix_select(const float* __restrict__ s, const int* __restrict__ idx, int n, int r,
+                                             int* __restrict__ o, unsigned int* __restrict__ level0) {
   __shared__ unsigned int hist[2048];
   __shared__ unsigned int scan[32];
   __shared__ unsigned int sel_bin, above, emitted, tied;
   const int passes = REGS ? RADIX_REGS : (n + blockDim.x - 1) / blockDim.x;
   unsigned int key[REGS ? RADIX_REGS : 1];
+  // Element i is score AT(i): s[idx[i]] over a candidate list, s[i] without one.
+#define AT(i) (idx != nullptr ? idx[i] : (i))
   if (REGS) {
 #pragma unroll
     for (int j = 0; j < (REGS ? RADIX_REGS : 1); j++) {
       const int i = threadIdx.x + j * blockDim.x;
-      key[j] = i < n ? ordered(s[i]) : 0u;
+      key[j] = i < n ? ordered(s[AT(i)]) : 0u;
     }
   }
   // Key j of this thread (only where threadIdx.x + j·blockDim.x < n).
-#define KEY(j) (REGS ? key[(j) % (REGS ? RADIX_REGS : 1)] : ordered(s[threadIdx.x + (j) * blockDim.x]))
+#define KEY(j) (REGS ? key[(j) % (REGS ? RADIX_REGS : 1)] : ordered(s[AT(threadIdx.x + (j) * blockDim.x)]))
   unsigned int prefix = 0, need = r;
   const int shifts[3] = {21, 10, 0};
   const unsigned int masks[3] = {2047u, 2047u, 1023u};
   for (int level = 0; level < 3; level++) {
     const int shift = shifts[level];
-    if (level == 0) {
+    if (level == 0 && level0 != nullptr) {
       // The first level's histogram was counted while the scores were computed (score_hist):
       // taken, and cleared for the next step.
       for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
         hist[i] = level0[i];
         level0[i] = 0;
+      }
+    } else if (level == 0) {
+      // Over a candidate list: counted here.
+      for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < passes; j++) {
+        if (threadIdx.x + j * blockDim.x >= n) break;
+        atomicAdd(&hist[KEY(j) >> shift], 1u);
       }
     } else {
       for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
@@ -518,13 +529,14 @@ __device__ __forceinline__ void radix_select(const float* __restrict__ s, int n,
     bgt = __shfl_sync(0xffffffffu, bgt, 0);
     beq = __shfl_sync(0xffffffffu, beq, 0);
     if (gt) {
-      o[bgt + __popc(mgt & below)] = i;
+      o[bgt + __popc(mgt & below)] = AT(i);
     } else if (eq) {
       const unsigned int t = beq + __popc(meq & below);
-      if (t < need) o[r - need + t] = i;
+      if (t < need) o[r - need + t] = AT(i);
     }
   }
 #undef KEY
+#undef AT
 }
 
 // One CTA: writes to o the indices of the r largest of the n scores s, unordered. A
@@ -535,8 +547,8 @@ __device__ __forceinline__ void radix_select(const float* __restrict__ s, int n,
 // to blockDim.x · RADIX_REGS scores stay in registers for every pass.
 __device__ void radix_top_r(const float* __restrict__ s, int n, int r, int* __restrict__ o,
                             unsigned int* __restrict__ level0) {
-  if (n <= (int)blockDim.x * RADIX_REGS) radix_select<true>(s, n, r, o, level0);
-  else radix_select<false>(s, n, r, o, level0);
+  if (n <= (int)blockDim.x * RADIX_REGS) radix_select<true>(s, nullptr, n, r, o, level0);
+  else radix_select<false>(s, nullptr, n, r, o, level0);
 }
 
 // Scores of one f16 row against the group's queries (qs: group × HEAD_DIM floats in shared
@@ -619,6 +631,63 @@ extern "C" __global__ void score_hist(const unsigned short* __restrict__ cent, i
   unsigned int* head_hist = hist0 + (long long)h * 2048;
   for (int i = threadIdx.x; i < 2048; i += blockDim.x) {
     if (hist[i] != 0) atomicAdd(&head_hist[i], hist[i]);
+  }
+}
+
+// ---- the same over many scores per head (more than a CTA keeps in registers) ----
+// One CTA per head reading 65,536 scores three times was most of a 1M-token step's
+// selection. Instead: select_filter (many CTAs per head) finds, from the first level's
+// histogram, the bin holding the head's r-th largest score and appends every score in or
+// above that bin to the head's candidates; select_candidates (one CTA per head) finishes the
+// radix select over those few thousand, in registers.
+
+// Per (head, chunk of the scores), 256 threads. cand: kv_heads × n ints; cand_count:
+// kv_heads counters, zero on entry (select_candidates clears them).
+extern "C" __global__ void __launch_bounds__(256) select_filter(const float* __restrict__ scores, int n, int r,
+                                                                const unsigned int* __restrict__ hist0,
+                                                                int* __restrict__ cand,
+                                                                unsigned int* __restrict__ cand_count) {
+  __shared__ unsigned int scan[32];
+  __shared__ unsigned int sel_bin, above;
+  const int h = blockIdx.y;
+  find_bin(hist0 + (long long)h * 2048, 2048, (unsigned int)r, &sel_bin, &above, scan);
+  __syncthreads();
+  const unsigned int b0 = sel_bin;
+  const float* s = scores + (long long)h * n;
+  int* c = cand + (long long)h * n;
+  const int lane = threadIdx.x % 32;
+  // `base` is the same for the whole CTA, so every lane of a warp reaches each ballot.
+  for (int base = blockIdx.x * blockDim.x; base < n; base += gridDim.x * blockDim.x) {
+    const int i = base + threadIdx.x;
+    const bool take = i < n && (ordered(s[i]) >> 21) >= b0;
+    const unsigned int m = __ballot_sync(0xffffffffu, take);
+    unsigned int at = 0;
+    if (lane == 0 && m != 0) at = atomicAdd(&cand_count[h], __popc(m));
+    at = __shfl_sync(0xffffffffu, at, 0);
+    if (take) c[at + __popc(m & ((1u << lane) - 1))] = i;
+  }
+}
+
+// Per head (one CTA of 1024 threads): the r largest of the head's candidates (select_filter),
+// their score indices to out; clears the head's first-level histogram and candidate count for
+// the next step; with `mark`, mark[h][c] = 1 for each selected c.
+extern "C" __global__ void __launch_bounds__(1024) select_candidates(const float* __restrict__ scores, int n, int r,
+                                                                     unsigned int* __restrict__ hist0,
+                                                                     const int* __restrict__ cand,
+                                                                     unsigned int* __restrict__ cand_count,
+                                                                     int* __restrict__ out, int* __restrict__ mark) {
+  const int h = blockIdx.x;
+  const int m = (int)cand_count[h];
+  int* o = out + (long long)h * r;
+  const float* s = scores + (long long)h * n;
+  const int* c = cand + (long long)h * n;
+  if (m <= (int)blockDim.x * RADIX_REGS) radix_select<true>(s, c, m, r, o, nullptr);
+  else radix_select<false>(s, c, m, r, o, nullptr);
+  __syncthreads();  // every thread has read the count
+  if (threadIdx.x == 0) cand_count[h] = 0;
+  for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist0[(long long)h * 2048 + i] = 0;
+  if (mark != nullptr) {
+    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * n + o[i]] = 1;
   }
 }
 

@@ -63,6 +63,11 @@ pub struct GpuBackend {
     score_hist: CudaFunction,
     /// Finishes the radix select from that count (`select_scored`).
     select_scored: CudaFunction,
+    /// Over more scores per head than one CTA keeps in registers: candidates at or above the
+    /// r-th score's first-level bin (`select_filter`), then the select over them
+    /// (`select_candidates`).
+    select_filter: CudaFunction,
+    select_candidates: CudaFunction,
     expand: CudaFunction,
     ingest: CudaFunction,
     /// `est_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
@@ -104,9 +109,16 @@ pub struct SelectJob {
     /// Every query head's score of every centroid (`[h][g][n]`), kept for a wave step's
     /// estimation zone.
     group_scores: Option<CudaSlice<f32>>,
+    /// With more than [`SELECT_IN_REGISTERS`] scores per head: each head's candidates
+    /// (`[h][n]` score indices) and their counts (`[h]`, zero between steps).
+    candidates: Option<(CudaSlice<i32>, CudaSlice<u32>)>,
     r: usize,
     shape: AttnShape,
 }
+
+/// Scores per head that one select CTA keeps in registers (1024 threads × `RADIX_REGS` in
+/// `decode.cu`); past it the select first filters candidates with many CTAs per head.
+const SELECT_IN_REGISTERS: usize = 1024 * 8;
 
 /// One entry of a sparse plan's row list on the GPU: a row of the layer's KV (wherever it
 /// lives: device or mapped host memory), or a slot of the Gpu-tier cache.
@@ -228,6 +240,8 @@ impl GpuBackend {
         let admit = module.load_function("admit_rows").map_err(gpu_err("admit_rows"))?;
         let score_hist = module.load_function("score_hist").map_err(gpu_err("score_hist"))?;
         let select_scored = module.load_function("select_scored").map_err(gpu_err("select_scored"))?;
+        let select_filter = module.load_function("select_filter").map_err(gpu_err("select_filter"))?;
+        let select_candidates = module.load_function("select_candidates").map_err(gpu_err("select_candidates"))?;
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
         let ingest = module.load_function("step_ingest").map_err(gpu_err("step_ingest"))?;
         let est = per_group("est_partial")?;
@@ -259,6 +273,8 @@ impl GpuBackend {
             admit,
             score_hist,
             select_scored,
+            select_filter,
+            select_candidates,
             expand,
             ingest,
             est,
@@ -466,6 +482,12 @@ impl GpuBackend {
             out: alloc_i(h * r)?,
             hist0: s.alloc_zeros::<u32>(h * 2048).map_err(gpu_err("allocating selection buffers"))?,
             group_scores: None,
+            candidates: if cent.per_head > SELECT_IN_REGISTERS {
+                let counts = s.alloc_zeros::<u32>(h).map_err(gpu_err("allocating selection buffers"))?;
+                Some((alloc_i(h * cent.per_head)?, counts))
+            } else {
+                None
+            },
             r,
             shape: *shape,
         })
@@ -508,6 +530,28 @@ impl GpuBackend {
         // n); the histogram holds kv_heads × 2048 counters.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_hist"))?;
         let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        if let Some((cand, counts)) = job.candidates.as_mut() {
+            // Four scores per thread of 256-thread CTAs.
+            let filter = LaunchConfig {
+                grid_dim: (cent.per_head.div_ceil(1024) as u32, sh.kv_heads as u32, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut b = stream.launch_builder(&self.select_filter);
+            b.arg(&job.scores).arg(&n).arg(&r).arg(&job.hist0).arg(&mut *cand).arg(&mut *counts);
+            // SAFETY: reads kv_heads × n scores and kv_heads × 2048 counters; appends at most n
+            // indices per head to cand (kv_heads × n) through its head's counter (zero on entry:
+            // allocated zeroed, cleared by select_candidates).
+            unsafe { b.launch(filter) }.map_err(gpu_err("launching select_filter"))?;
+            let mut b = stream.launch_builder(&self.select_candidates);
+            b.arg(&job.scores).arg(&n).arg(&r).arg(&mut job.hist0).arg(&*cand).arg(&mut *counts);
+            b.arg(&mut job.out).arg(&mark);
+            // SAFETY: reads each head's counted candidates (indices < n, at least r of them:
+            // the filter's bin holds the r-th score), writes r indices per head to out
+            // (kv_heads × r), clears the head's counters; mark (when given) holds kv_heads × n.
+            unsafe { b.launch(cfg) }.map_err(gpu_err("launching select_candidates"))?;
+            return Ok(());
+        }
         let mut b = stream.launch_builder(&self.select_scored);
         b.arg(&job.scores).arg(&n).arg(&r).arg(&mut job.hist0).arg(&mut job.out).arg(&mark);
         // SAFETY: reads the n scores and the 2048 counters of each head (zeroing the
