@@ -211,15 +211,7 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
         }
         let mut launch = |graphs: bool, reqs: &mut [Request]| {
             lanes.set_graphs(graphs);
-            let mut batch: Vec<WaveStep<'_>> = reqs
-                .iter_mut()
-                .map(|q| WaveStep {
-                    wave: &q.wave,
-                    kv: q.host.pointers(),
-                    cache: Some(WaveCache::Layer(&q.cache, &q.table)),
-                    job: &mut q.job,
-                })
-                .collect();
+            let mut batch: Vec<WaveStep<'_>> = reqs.iter_mut().map(Request::step).collect();
             gpu.time_ms(|| gpu.launch_wave_batch(&mut lanes, &mut batch)).expect("batch") * 1e3
         };
         let t0 = std::time::Instant::now();
@@ -232,13 +224,7 @@ fn batch_run(gpu: &GpuBackend, shape: &AttnShape, tokens: usize, r: usize, first
         lanes.set_graphs(true);
         let t0 = std::time::Instant::now();
         for (i, q) in reqs.iter_mut().enumerate() {
-            let mut step = WaveStep {
-                wave: &q.wave,
-                kv: q.host.pointers(),
-                cache: Some(WaveCache::Layer(&q.cache, &q.table)),
-                job: &mut q.job,
-            };
-            gpu.launch_wave_lane(&lanes, i, &mut step).expect("lane");
+            gpu.launch_wave_lane(&lanes, i, &mut q.step()).expect("lane");
         }
         for req in &mut reqs {
             gpu.fetch_wave_selected(&mut req.job).expect("fetch");
@@ -322,6 +308,16 @@ impl Request {
         gpu.admit(host.pointers(), &mut cache, &resident).expect("admit steady");
         gpu.upload_table(&mut table).expect("table");
         Self { layer, queries, host, wave, job, cache, table, lru }
+    }
+
+    /// This request's next step over the host KV and its Gpu tier, as a batch takes it.
+    fn step(&mut self) -> WaveStep<'_> {
+        WaveStep {
+            wave: &self.wave,
+            kv: self.host.pointers(),
+            cache: Some(WaveCache::Layer(&self.cache, &self.table)),
+            job: &mut self.job,
+        }
     }
 
     /// One step over the host KV and the Gpu tier: its GPU microseconds (events) and the

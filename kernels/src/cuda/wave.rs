@@ -719,13 +719,8 @@ impl GpuBackend {
         cache: Option<WaveCache<'_>>,
         job: &mut WaveJob,
     ) -> Result<()> {
-        let mut steps = [WaveStep { wave, kv, cache, job }];
-        self.check_steps(&steps)?;
-        let mut graphs = std::mem::take(&mut steps[0].job.graphs);
         let home = (Arc::clone(&self.stream), Arc::clone(&self.side));
-        let done = self.launch_steps(&mut graphs, &home, &[], &mut steps, None);
-        steps[0].job.graphs = graphs;
-        done
+        self.launch_one(&home, WaveStep { wave, kv, cache, job }, false)
     }
 
     /// Enqueues one decode step of `step` alone on lane `lane` of `batch` (the lane's own
@@ -742,12 +737,18 @@ impl GpuBackend {
                 message: format!("lane {lane} of a batch of {} lanes", batch.lanes.len()),
             });
         };
-        let mut steps = [WaveStep { wave: step.wave, kv: step.kv, cache: step.cache, job: &mut *step.job }];
+        let step = WaveStep { wave: step.wave, kv: step.kv, cache: step.cache, job: &mut *step.job };
+        self.launch_one(home, step, batch.graphs.off)
+    }
+
+    /// One step alone on `home`'s streams, from the job's own graphs (eagerly when the job's
+    /// graphs are off, or `eager`), its job's own event marking it done.
+    fn launch_one(&self, home: &Lane, step: WaveStep<'_>, eager: bool) -> Result<()> {
+        let mut steps = [step];
         self.check_steps(&steps)?;
         let mut graphs = std::mem::take(&mut steps[0].job.graphs);
-        // Eager when either the job's or the batch's graphs are off.
         let own = graphs.off;
-        graphs.off |= batch.graphs.off;
+        graphs.off |= eager;
         let done = self.launch_steps(&mut graphs, home, &[], &mut steps, None);
         graphs.off = own;
         steps[0].job.graphs = graphs;
