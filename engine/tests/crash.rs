@@ -6,7 +6,8 @@
 //! batch is there byte-exact, that nothing beyond what was submitted is there, and that
 //! attention over the recovered context equals attention over the same batches in memory.
 //!
-//! `ATTNSTORE_CRASH_ROUNDS` sets the rounds (default 200), `ATTNSTORE_CRASH_SEED` the seed.
+//! `ATTNSTORE_CRASH_ROUNDS` sets the rounds (default 200, run as two streams at once),
+//! `ATTNSTORE_CRASH_SEED` the seed.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -200,21 +201,33 @@ fn verify(dir: &Path, printed: &Printed, round: usize) -> usize {
     total
 }
 
-#[test]
-fn sigkill_at_random_moments_never_loses_an_acknowledged_append_nor_shows_an_unsubmitted_one() {
-    let rounds: usize = std::env::var("ATTNSTORE_CRASH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
-    let seed: u64 = std::env::var("ATTNSTORE_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
-    let mut rng = SplitMix64::new(seed);
+/// Rounds run as this many independent streams at once (each with its own directories and
+/// random stream): a round mostly waits for its child, so two streams halve the test's time.
+const STREAMS: usize = 2;
+
+/// What a stream of rounds saw.
+#[derive(Default)]
+struct Tally {
+    acked: usize,
+    recovered: usize,
+    checkpoints: usize,
+    killed_before_ready: usize,
+}
+
+/// Runs the rounds `stream, stream + STREAMS, ..` below `rounds`: each starts the child on a
+/// directory (a fresh one every `ROUNDS_PER_DIR` rounds of the stream), kills it at a random
+/// moment and verifies what recovery finds.
+fn run_stream(stream: usize, rounds: usize, seed: u64) -> Tally {
+    let mut rng = SplitMix64::new(seed.wrapping_add(stream as u64));
     let exe = std::env::current_exe().unwrap();
-    let started = Instant::now();
-    let (mut acked_total, mut recovered_total, mut checkpoints, mut killed_before_ready) = (0, 0, 0, 0);
+    let mut tally = Tally::default();
     let mut dir = tempfile::tempdir().unwrap();
-    for round in 0..rounds {
-        if round > 0 && round % ROUNDS_PER_DIR == 0 {
+    for (local, round) in (stream..rounds).step_by(STREAMS).enumerate() {
+        if local > 0 && local % ROUNDS_PER_DIR == 0 {
             dir = tempfile::tempdir().unwrap();
         }
         let mut command = Command::new(&exe);
-        if round % 2 == 1 {
+        if local % 2 == 1 {
             command.env(CHILD_BACKGROUND_ENV, "1");
         }
         let mut child = command
@@ -241,17 +254,34 @@ fn sigkill_at_random_moments_never_loses_an_acknowledged_append_nor_shows_an_uns
         assert!(!status.success());
         // libtest prints `test crash_child ... ` without a newline before the body runs.
         if !lines.iter().any(|l| l.ends_with("ready")) {
-            killed_before_ready += 1;
+            tally.killed_before_ready += 1;
         }
         let printed = parse(&lines);
-        acked_total += printed.acks;
-        checkpoints += printed.checkpoints;
-        recovered_total = verify(dir.path(), &printed, round);
+        tally.acked += printed.acks;
+        tally.checkpoints += printed.checkpoints;
+        tally.recovered = verify(dir.path(), &printed, round);
     }
+    tally
+}
+
+#[test]
+fn sigkill_at_random_moments_never_loses_an_acknowledged_append_nor_shows_an_unsubmitted_one() {
+    let rounds: usize = std::env::var("ATTNSTORE_CRASH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(200);
+    let seed: u64 = std::env::var("ATTNSTORE_CRASH_SEED").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+    let started = Instant::now();
+    let tallies: Vec<Tally> = std::thread::scope(|scope| {
+        let streams: Vec<_> = (0..STREAMS).map(|s| scope.spawn(move || run_stream(s, rounds, seed))).collect();
+        streams.into_iter().map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e))).collect()
+    });
+    let sum = |f: fn(&Tally) -> usize| tallies.iter().map(f).sum::<usize>();
+    let acked_total = sum(|t| t.acked);
     eprintln!(
-        "crash test: {rounds} rounds in {:.1} s, {killed_before_ready} killed during startup/recovery, \
-         {checkpoints} checkpoints, {acked_total} appends acknowledged, last directory holds {recovered_total} batches",
-        started.elapsed().as_secs_f64()
+        "crash test: {rounds} rounds in {STREAMS} streams in {:.1} s, {} killed during startup/recovery, \
+         {} checkpoints, {acked_total} appends acknowledged, last directories hold {} batches",
+        started.elapsed().as_secs_f64(),
+        sum(|t| t.killed_before_ready),
+        sum(|t| t.checkpoints),
+        sum(|t| t.recovered),
     );
     assert!(acked_total > rounds, "the children acknowledged too little for the test to mean anything");
 }
