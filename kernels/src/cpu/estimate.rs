@@ -89,6 +89,7 @@ pub fn estimate_group_strided<'a, E: Element>(
                 rows,
                 head_dim / 8,
                 &mut parts,
+                &[],
             );
         }
     } else {
