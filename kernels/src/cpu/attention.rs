@@ -151,18 +151,13 @@ fn attend_tiles<E: Element>(
     let tile = TILE_ROWS * d;
     for (i, (ktile, vtile)) in keys.chunks(tile).zip(values.chunks(tile)).enumerate() {
         let n = ktile.len() / d;
-        // A software pipeline over the memory stream: each pass computes on rows already in
-        // cache while it fetches the rows of the next pass. Scoring tile i fetches its values
-        // (row t while it scores row t); accumulating its values fetches tile i + 1's keys,
-        // spread over the pass. Only the first tile's keys are asked for as they are scored
-        // (32 rows, 8 KiB of f16, ahead). With both fetches inside the passes, memory stays
-        // busy while the cores compute: 0.65-0.70 of the plain read bandwidth on two cores,
-        // against 0.50-0.60 when the value pass fetched nothing (`docs/bench.md`).
+        // While scoring row t, ask for key row t + 32 (8 KiB ahead in f16) and for this
+        // tile's value row t, which the value pass needs next.
         let start = i * tile;
-        let k_ahead: &[E] = if i == 0 { &keys[(start + 32 * d).min(keys.len())..] } else { &[] };
+        let k_ahead = &keys[(start + 32 * d).min(keys.len())..];
         let v_ahead = &values[start..(start + tile).min(values.len())];
-        let next_keys = &keys[(start + tile).min(keys.len())..(start + 2 * tile).min(keys.len())];
-        tile_scores(q, g, d8, ktile, n, scale, scores, TILE_ROWS, [k_ahead, v_ahead]);
+        let ahead = [k_ahead, v_ahead];
+        tile_scores(q, g, d8, ktile, n, scale, scores, TILE_ROWS, ahead);
         for (j, part) in parts.iter_mut().enumerate() {
             // Only the first n scores are live; pad them to whole vectors with -inf (weight 0).
             let s = &mut scores[j * TILE_ROWS..j * TILE_ROWS + n.next_multiple_of(8)];
@@ -171,7 +166,7 @@ fn attend_tiles<E: Element>(
             part.rescale_to(part.m.max(tile_max));
             part.l += microkernel::exp_shifted_sum(s, part.m);
         }
-        tile_values(scores, vtile, n, d8, parts, next_keys);
+        tile_values(scores, vtile, n, d8, parts);
     }
 }
 
@@ -260,16 +255,14 @@ pub(crate) fn tile_scores<E: Element>(
     }
 }
 
-/// `o_j += Σ_t p_j[t]·v_t` for every head of `parts`, 4, 2 or 1 heads at a time, prefetching
-/// `ahead` (the next tile's keys) meanwhile.
-fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial], ahead: &[E]) {
+/// `o_j += Σ_t p_j[t]·v_t` for every head of `parts`, 4, 2 or 1 heads at a time.
+fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial]) {
     let d = d8 * 8;
-    weighted_rows(p, TILE_ROWS, |t| &v[t * d..(t + 1) * d], n, d8, parts, ahead);
+    weighted_rows(p, TILE_ROWS, |t| &v[t * d..(t + 1) * d], n, d8, parts);
 }
 
 /// `o_j += Σ_t p[j·stride + t]·row(t)` for every head `j` of `parts` (rows of `8·d8`
-/// elements), 4, 2 or 1 heads at a time: the value side of exact and estimated zones. The
-/// first group of heads prefetches `ahead` while it works (see `attend_tiles`).
+/// elements), 4, 2 or 1 heads at a time: the value side of exact and estimated zones.
 pub(crate) fn weighted_rows<'a, E: Element>(
     p: &[f32],
     stride: usize,
@@ -277,7 +270,6 @@ pub(crate) fn weighted_rows<'a, E: Element>(
     n: usize,
     d8: usize,
     parts: &mut [Partial],
-    ahead: &[E],
 ) {
     fn heads<const G: usize>(parts: &mut [Partial]) -> [&mut [f32]; G] {
         let mut it = parts.iter_mut();
@@ -288,51 +280,19 @@ pub(crate) fn weighted_rows<'a, E: Element>(
         let (ps, rest) = (&p[j * stride..], &mut parts[j..]);
         j += match rest.len() {
             r if r >= 4 && d8.is_multiple_of(2) => {
-                microkernel::accumulate_rows::<4, 2, E>(
-                    ps,
-                    stride,
-                    row,
-                    n,
-                    d8,
-                    &mut heads::<4>(rest),
-                    if j == 0 { ahead } else { &[] },
-                );
+                microkernel::accumulate_rows::<4, 2, E>(ps, stride, row, n, d8, &mut heads::<4>(rest));
                 4
             }
             r if r >= 2 && d8.is_multiple_of(4) => {
-                microkernel::accumulate_rows::<2, 4, E>(
-                    ps,
-                    stride,
-                    row,
-                    n,
-                    d8,
-                    &mut heads::<2>(rest),
-                    if j == 0 { ahead } else { &[] },
-                );
+                microkernel::accumulate_rows::<2, 4, E>(ps, stride, row, n, d8, &mut heads::<2>(rest));
                 2
             }
             _ if d8.is_multiple_of(8) => {
-                microkernel::accumulate_rows::<1, 8, E>(
-                    ps,
-                    stride,
-                    row,
-                    n,
-                    d8,
-                    &mut heads::<1>(rest),
-                    if j == 0 { ahead } else { &[] },
-                );
+                microkernel::accumulate_rows::<1, 8, E>(ps, stride, row, n, d8, &mut heads::<1>(rest));
                 1
             }
             _ => {
-                microkernel::accumulate_rows::<1, 1, E>(
-                    ps,
-                    stride,
-                    row,
-                    n,
-                    d8,
-                    &mut heads::<1>(rest),
-                    if j == 0 { ahead } else { &[] },
-                );
+                microkernel::accumulate_rows::<1, 1, E>(ps, stride, row, n, d8, &mut heads::<1>(rest));
                 1
             }
         };

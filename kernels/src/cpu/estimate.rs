@@ -89,7 +89,6 @@ pub fn estimate_group_strided<'a, E: Element>(
                 rows,
                 head_dim / 8,
                 &mut parts,
-                &[],
             );
         }
     } else {

@@ -91,8 +91,6 @@ pub(crate) fn scores<const G: usize, E: Element>(
 /// `o_i += Σ_t p[i·stride + t] · row(t)` for `G` heads over `n` rows fetched by `row(t)`
 /// (each `8·d8` elements: a tile's value rows, or the estimation zone's gathered cluster
 /// value means), `V` vectors of the head dimension at a time. Requires `d8 % V == 0`.
-/// The cache lines of `ahead` (the next tile's keys, or nothing) are prefetched evenly over
-/// the whole loop.
 #[inline(always)]
 pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
     p: &[f32],
@@ -101,11 +99,9 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
     n: usize,
     d8: usize,
     o: &mut [&mut [f32]; G],
-    ahead: &[E],
 ) {
     debug_assert!(d8.is_multiple_of(V));
     let d = d8 * 8;
-    let mut ahead = super::prefetch::Trickle::new(ahead, n * d8 / V);
     // Each head's weights as a slice of exactly `n`: indexing them by `t < n` needs no
     // bounds check inside the row loop.
     let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
@@ -117,7 +113,6 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
             }
         }
         for t in 0..n {
-            ahead.step();
             let lanes = &row(t)[blk..blk + V * 8];
             let vrow: [f32x8; V] = std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]));
             for (a, pi) in acc.iter_mut().zip(&ps) {
