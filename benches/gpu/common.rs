@@ -1,5 +1,6 @@
-//! Pieces the tiered GPU benches share (`gpu_tiered`, `gpu_wave`): the median of samples
-//! and the Gpu tier's LRU over 16-row blocks, kept by the bench on the host.
+//! Pieces the GPU benches share: their arguments, the GPU (or a clean exit without one), the
+//! median of samples, and for the tiered ones (`gpu_tiered`, `gpu_wave`) the Gpu tier's LRU
+//! over 16-row blocks, kept by the bench on the host.
 
 use attnstore_kernels::cuda::GpuBackend;
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -7,6 +8,11 @@ use std::collections::{HashMap, HashSet, VecDeque};
 /// The context length from the first argument (default 128K).
 pub fn tokens_arg() -> usize {
     std::env::args().nth(1).and_then(|t| t.parse().ok()).unwrap_or(131_072)
+}
+
+/// The context lengths from the first argument, comma separated (`default` without one).
+pub fn tokens_list_arg(default: &str) -> Vec<usize> {
+    std::env::args().nth(1).unwrap_or_else(|| default.into()).split(',').filter_map(|t| t.trim().parse().ok()).collect()
 }
 
 /// The GPU with kernels for head_dim 128; without one, says why and exits with 2.

@@ -10,30 +10,18 @@
 //! Prints one JSON line per configuration; `compare.py` adds PyTorch SDPA measured in the
 //! same command and prints the ratios.
 
-use attnstore_kernels::cuda::GpuBackend;
 use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::AttnShape;
 use serde_json::json;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+#[path = "common.rs"]
+#[allow(dead_code, reason = "shared with the other GPU benches; this one needs three of its pieces")]
+mod common;
+use common::{gpu_or_exit, median, tokens_list_arg};
 
 fn main() {
-    let tokens_list: Vec<usize> = std::env::args()
-        .nth(1)
-        .unwrap_or_else(|| "32768,131072,524288".into())
-        .split(',')
-        .filter_map(|t| t.trim().parse().ok())
-        .collect();
-    let gpu = match GpuBackend::new(128) {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            std::process::exit(2);
-        }
-    };
+    let tokens_list = tokens_list_arg("32768,131072,524288");
+    let gpu = gpu_or_exit();
     eprintln!("device: {}", gpu.name());
     let shape = AttnShape::new(32, 8, 128).expect("shape");
     for tokens in tokens_list {

@@ -18,6 +18,7 @@ use attnstore_kernels::AttnShape;
 use serde_json::json;
 
 #[path = "common.rs"]
+#[allow(dead_code, reason = "shared with the other GPU benches; the list-of-lengths argument is theirs")]
 mod common;
 use common::{gpu_or_exit, median, tokens_arg, Lru, BLOCK};
 

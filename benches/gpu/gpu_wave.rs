@@ -34,6 +34,7 @@ use std::collections::HashSet;
 use std::time::Instant;
 
 #[path = "common.rs"]
+#[allow(dead_code, reason = "shared with the other GPU benches; the list-of-lengths argument is theirs")]
 mod common;
 use common::{gpu_or_exit, median, tokens_arg, Lru, BLOCK};
 

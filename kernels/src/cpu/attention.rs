@@ -211,47 +211,19 @@ pub(crate) fn tile_scores<E: Element>(
     let mut j = 0;
     while j < g {
         let (qs, os) = (&q[j * d8..], &mut out[j * stride..]);
-        j += match g - j {
-            r if r >= 4 => {
-                microkernel::scores::<4, E>(
-                    qs,
-                    k,
-                    n,
-                    d8,
-                    scale,
-                    os,
-                    TILE_ROWS,
-                    if j == 0 { ahead } else { [&[], &[]] },
-                );
-                4
-            }
-            r if r >= 2 => {
-                microkernel::scores::<2, E>(
-                    qs,
-                    k,
-                    n,
-                    d8,
-                    scale,
-                    os,
-                    TILE_ROWS,
-                    if j == 0 { ahead } else { [&[], &[]] },
-                );
-                2
-            }
-            _ => {
-                microkernel::scores::<1, E>(
-                    qs,
-                    k,
-                    n,
-                    d8,
-                    scale,
-                    os,
-                    TILE_ROWS,
-                    if j == 0 { ahead } else { [&[], &[]] },
-                );
-                1
-            }
+        // Only the first group of heads prefetches: the rows are the same for every group.
+        let ahead = if j == 0 { ahead } else { [&[][..], &[][..]] };
+        let heads = match g - j {
+            r if r >= 4 => 4,
+            r if r >= 2 => 2,
+            _ => 1,
         };
+        match heads {
+            4 => microkernel::scores::<4, E>(qs, k, n, d8, scale, os, stride, ahead),
+            2 => microkernel::scores::<2, E>(qs, k, n, d8, scale, os, stride, ahead),
+            _ => microkernel::scores::<1, E>(qs, k, n, d8, scale, os, stride, ahead),
+        }
+        j += heads;
     }
 }
 

@@ -481,23 +481,16 @@ __device__ __forceinline__ void radix_select(const float* __restrict__ s, const 
         hist[i] = level0[i];
         level0[i] = 0;
       }
-    } else if (level == 0) {
-      // Over a candidate list: counted here.
-      for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
-      __syncthreads();
-#pragma unroll
-      for (int j = 0; j < passes; j++) {
-        if (threadIdx.x + j * blockDim.x >= n) break;
-        atomicAdd(&hist[KEY(j) >> shift], 1u);
-      }
     } else {
+      // Counted here: every key at the first level (over a candidate list), then the keys
+      // whose higher bits equal the prefix chosen so far.
       for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist[i] = 0;
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < passes; j++) {
         if (threadIdx.x + j * blockDim.x >= n) break;
         const unsigned int k = KEY(j);
-        if ((k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
+        if (level == 0 || (k >> shifts[level - 1]) == prefix) atomicAdd(&hist[(k >> shift) & masks[level]], 1u);
       }
     }
     __syncthreads();
@@ -668,6 +661,12 @@ extern "C" __global__ void __launch_bounds__(256) select_filter(const float* __r
   }
 }
 
+// mark_row[o[i]] = 1 for the r selected indices o (the CTA's threads share the work; o must be
+// visible to all of them: call after a __syncthreads that follows its writes).
+__device__ __forceinline__ void mark_selected(const int* __restrict__ o, int r, int* __restrict__ mark_row) {
+  for (int i = threadIdx.x; i < r; i += blockDim.x) mark_row[o[i]] = 1;
+}
+
 // Per head (one CTA of 1024 threads): the r largest of the head's candidates (select_filter),
 // their score indices to out; clears the head's first-level histogram and candidate count for
 // the next step; with `mark`, mark[h][c] = 1 for each selected c.
@@ -686,9 +685,7 @@ extern "C" __global__ void __launch_bounds__(1024) select_candidates(const float
   __syncthreads();  // every thread has read the count
   if (threadIdx.x == 0) cand_count[h] = 0;
   for (int i = threadIdx.x; i < 2048; i += blockDim.x) hist0[(long long)h * 2048 + i] = 0;
-  if (mark != nullptr) {
-    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * n + o[i]] = 1;
-  }
+  if (mark != nullptr) mark_selected(o, r, mark + (long long)h * n);
 }
 
 // Per head (one CTA of 1024 threads): the indices of the r largest of its n scores, from the
@@ -702,6 +699,6 @@ extern "C" __global__ void __launch_bounds__(1024) select_scored(const float* __
   radix_top_r(scores + (long long)h * n, n, r, o, hist0 + (long long)h * 2048);
   if (mark != nullptr) {
     __syncthreads();
-    for (int i = threadIdx.x; i < r; i += blockDim.x) mark[(long long)h * n + o[i]] = 1;
+    mark_selected(o, r, mark + (long long)h * n);
   }
 }
