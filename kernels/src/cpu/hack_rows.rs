@@ -347,23 +347,17 @@ impl HackRows {
         s.p_scale.resize(g, 0.0);
         s.p_sum.resize(g, 0.0);
         for (h, part) in parts.iter_mut().enumerate() {
-            let sc = &mut s.scores[h * n..(h + 1) * n];
-            let block_max = sc.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let sc = &s.scores[h * n..(h + 1) * n];
+            let block_max = max_of(sc);
             part.rescale_to(part.m.max(block_max));
             // The largest probability is exp(block max − m): exp is monotonic.
             let step = (block_max - part.m).exp() / P_LEVELS;
-            exp_shifted(sc, part.m);
             let w = &mut s.weights[h * p..(h + 1) * p];
             w.fill(0);
             let mut sum = 0u32;
             if step > 0.0 {
-                let inv = 1.0 / step;
                 s.codes.resize(n, 0);
-                for (c, &x) in s.codes.iter_mut().zip(sc.iter()) {
-                    // x ≥ 0: adding ½ and truncating rounds to nearest.
-                    *c = (x * inv + 0.5).min(P_LEVELS) as u8;
-                }
-                sum = s.codes.iter().map(|&c| u32::from(c)).sum();
+                sum = quantize_probs(sc, part.m, 1.0 / step, &mut s.codes);
                 if contiguous {
                     w[first_row..first_row + n].copy_from_slice(&s.codes);
                 } else {
@@ -523,17 +517,43 @@ fn values_scalar(
     }
 }
 
-/// `x ← exp(x − m)` in place, eight lanes at a time.
-fn exp_shifted(x: &mut [f32], m: f32) {
-    let mv = wide::f32x8::splat(m);
-    let mut chunks = x.chunks_exact_mut(8);
+/// The largest of `x` (−∞ when empty), eight lanes at a time.
+fn max_of(x: &[f32]) -> f32 {
+    let mut chunks = x.chunks_exact(8);
+    let mut m = wide::f32x8::splat(f32::NEG_INFINITY);
     for c in &mut chunks {
-        let v = wide::f32x8::from(<[f32; 8]>::try_from(&*c).unwrap_or_default());
-        c.copy_from_slice(&(v - mv).exp().to_array());
+        m = m.max(wide::f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default()));
     }
-    for v in chunks.into_remainder() {
-        *v = (*v - m).exp();
+    let rest = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    m.to_array().into_iter().fold(rest, f32::max)
+}
+
+/// The 7-bit probabilities of the scores `x` relative to the running maximum `m`, in steps
+/// of `1/inv`: `codes[i] = round(exp(x[i] − m)·inv)`, at most 127, sixteen at a time (two
+/// 8-lane vectors narrowed to 16 bytes by saturating packs). Returns their sum.
+fn quantize_probs(x: &[f32], m: f32, inv: f32, codes: &mut [u8]) -> u32 {
+    use wide::{f32x8, i16x8, i32x8, i8x16};
+    let (mv, iv, half, top) = (f32x8::splat(m), f32x8::splat(inv), f32x8::splat(0.5), f32x8::splat(P_LEVELS));
+    // p ≥ 0: adding ½ and truncating rounds to nearest.
+    let quantize = |c: &[f32]| {
+        let p = (f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default()) - mv).exp();
+        (p * iv + half).min(top).trunc_int()
+    };
+    let mut sum = i32x8::ZERO;
+    let (mut xs, mut cs) = (x.chunks_exact(16), codes.chunks_exact_mut(16));
+    for (c, out) in (&mut xs).zip(&mut cs) {
+        let (lo, hi) = (quantize(&c[..8]), quantize(&c[8..]));
+        sum += lo + hi;
+        let halves = [i16x8::from_i32x8_saturate(lo), i16x8::from_i32x8_saturate(hi)];
+        let bytes = i8x16::from_i16x16_saturate(bytemuck::cast(halves));
+        out.copy_from_slice(&bytemuck::cast::<i8x16, [u8; 16]>(bytes));
     }
+    let mut total: u32 = sum.to_array().iter().map(|&v| v as u32).sum();
+    for (o, &v) in cs.into_remainder().iter_mut().zip(xs.remainder()) {
+        *o = ((v - m).exp() * inv + 0.5).min(P_LEVELS) as u8;
+        total += u32::from(*o);
+    }
+    total
 }
 
 /// `Σ a[j]·b[j]` of 8-bit query codes and 2-bit key codes (each product ≤ 765, so a
