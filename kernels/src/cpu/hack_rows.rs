@@ -709,4 +709,28 @@ mod tests {
         assert!(sealed.push_rows(&k[..d + 1], &v[..d], &mut rng).is_err());
         assert!(HackRows::new(30, HackParams::default()).is_err());
     }
+
+    #[test]
+    fn probabilities_round_to_seven_bits_in_every_lane_and_remainder() {
+        let mut rng = SplitMix64::new(77);
+        for n in [0, 1, 7, 8, 15, 16, 17, 31, 33, 64] {
+            let x: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
+            let m = max_of(&x);
+            assert_eq!(m, x.iter().copied().fold(f32::NEG_INFINITY, f32::max), "n={n}");
+            if n == 0 {
+                continue;
+            }
+            let inv = P_LEVELS; // the block max is the running max: its probability is 1 → 127
+            let mut codes = vec![0u8; n];
+            let sum = quantize_probs(&x, m, inv, &mut codes);
+            assert_eq!(sum, codes.iter().map(|&c| u32::from(c)).sum::<u32>(), "n={n}");
+            for (i, (&c, &xi)) in codes.iter().zip(&x).enumerate() {
+                let want = (xi - m).exp() * inv;
+                assert!(c <= 127 && (f32::from(c) - want).abs() <= 0.5 + 1e-4, "n={n} i={i}: {c} for {want}");
+                if xi == m {
+                    assert_eq!(c, 127, "n={n}: the maximum takes the top code");
+                }
+            }
+        }
+    }
 }
