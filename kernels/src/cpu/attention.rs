@@ -17,8 +17,10 @@ use rayon::prelude::*;
 use std::ops::Range;
 use wide::f32x8;
 
-/// Rows widened at a time: 64 rows × 128 dims × 4 B = 32 KiB per K or V tile (fits L2).
-const TILE_ROWS: usize = 256;
+/// Rows scored, then accumulated, at a time: 128 rows × 128 dims × 2 B = 32 KiB per K or V
+/// tile in f16. Against 256 rows, the value pass that fetches nothing from memory is half as
+/// long: 0.63–0.72 of the memory-read baseline on two cores against 0.55–0.68 (`bench.md`).
+const TILE_ROWS: usize = 128;
 /// Rows one rayon task handles in [`exact_attention`]; large enough to amortize scheduling.
 const CHUNK_ROWS: usize = 2048;
 
