@@ -444,8 +444,11 @@ __device__ __forceinline__ unsigned int ordered(float x) {
 // Keys a radix-select thread keeps in registers: with n ≤ blockDim.x · RADIX_REGS scores
 // (8192 centroids per head at 128K), every pass (two or three levels, the emission) reads
 // registers instead of memory. The kernel calling it is bounded to 1024 threads, so 8
-// keys fit the 64 registers a thread may have.
+// keys fit the 64 registers a thread may have. Fixed when the module is compiled (the host
+// decides from the same constant when a select needs candidates first).
+#ifndef RADIX_REGS
 #define RADIX_REGS 8
+#endif
 
 // The radix select's body (see radix_top_r). REGS: this thread's keys i = threadIdx.x +
 // j·blockDim.x (j < RADIX_REGS) are loaded once into registers; otherwise every pass reads

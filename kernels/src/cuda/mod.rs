@@ -116,9 +116,16 @@ pub struct SelectJob {
     shape: AttnShape,
 }
 
-/// Scores per head that one select CTA keeps in registers (1024 threads × `RADIX_REGS` in
-/// `decode.cu`); past it the select first filters candidates with many CTAs per head.
-const SELECT_IN_REGISTERS: usize = 1024 * 8;
+/// Threads of a select CTA (`select_scored`, `select_candidates`).
+const SELECT_THREADS: usize = 1024;
+
+/// Scores each select thread keeps in registers (`RADIX_REGS` in `decode.cu`, defined from
+/// this when the module is compiled).
+const RADIX_REGS: usize = 8;
+
+/// Scores per head that one select CTA keeps in registers; past it the select first filters
+/// candidates with many CTAs per head.
+const SELECT_IN_REGISTERS: usize = SELECT_THREADS * RADIX_REGS;
 
 /// One entry of a sparse plan's row list on the GPU: a row of the layer's KV (wherever it
 /// lives: device or mapped host memory), or a slot of the Gpu-tier cache.
@@ -529,7 +536,11 @@ impl GpuBackend {
         // score (scores: kv_heads × n) and its group's scores (when kept: kv_heads × group ×
         // n); the histogram holds kv_heads × 2048 counters.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching score_hist"))?;
-        let cfg = LaunchConfig { grid_dim: (sh.kv_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (sh.kv_heads as u32, 1, 1),
+            block_dim: (SELECT_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
         if let Some((cand, counts)) = job.candidates.as_mut() {
             // Four scores per thread of 256-thread CTAs.
             let filter = LaunchConfig {
@@ -900,7 +911,8 @@ fn compiled(head_dim: usize, major: i32, minor: i32) -> Result<Ptx> {
             })
         }
     };
-    let defines = [format!("-DHEAD_DIM={head_dim}"), format!("-DMAX_GROUP={MAX_GROUP}")];
+    let defines =
+        [format!("-DHEAD_DIM={head_dim}"), format!("-DMAX_GROUP={MAX_GROUP}"), format!("-DRADIX_REGS={RADIX_REGS}")];
     let key = fnv1a(format!("{SOURCE}{arch}{defines:?}").as_bytes());
     let dir = std::env::var_os("ATTNSTORE_PTX_CACHE")
         .map(std::path::PathBuf::from)
