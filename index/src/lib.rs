@@ -10,6 +10,7 @@
 
 mod blocks;
 mod directory;
+mod encoded;
 mod error;
 mod flat;
 mod method;
@@ -20,6 +21,7 @@ mod window;
 
 pub use blocks::{blocks_per_tier, BlockStore};
 pub use directory::Directory;
+pub use encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
 pub use method::{

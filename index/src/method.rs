@@ -328,6 +328,23 @@ pub trait AccessMethod: Send + Sync {
         let _ = (layout, keys, values);
         Ok(false)
     }
+    /// Segments the index holds in 2-bit form (`hack2`), or `None` when it has no encoded
+    /// home to checkpoint (see [`crate::WaveIndex::encoded_home`]).
+    fn encoded_segments(&self) -> Option<usize> {
+        None
+    }
+    /// The encoded home a checkpoint writes: zones, plain rows, segments `from_segment..`.
+    fn encoded_home(&self, from_segment: usize) -> Option<crate::EncodedHome> {
+        let _ = from_segment;
+        None
+    }
+    /// Rebuilds this empty method from a checkpointed encoded home holding every segment.
+    /// `Ok(false)` when the method keeps none; one that does not fit is a typed error that
+    /// changes nothing.
+    fn restore_encoded(&mut self, home: crate::EncodedHome) -> Result<bool> {
+        let _ = home;
+        Ok(false)
+    }
 }
 
 /// What a checkpoint keeps of an access method's index, so that recovery restores it from

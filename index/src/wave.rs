@@ -5,6 +5,7 @@
 
 use crate::blocks::{attend_clusters, BlockStore, ClusterBlocks, ClusterRows};
 use crate::directory::Directory;
+use crate::encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
 use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHeadWork, HeadPlan,
@@ -14,6 +15,7 @@ use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterM
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::scoring::{score_group, select_zones};
 use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
+use half::f16;
 use rayon::prelude::*;
 
 /// Structure of a wave index. The defaults are RetroInfer's.
@@ -508,14 +510,210 @@ impl<E: Element> WaveIndex<E> {
     /// segments that do not tile the indexed range) is a typed error and changes nothing.
     pub fn restore(&mut self, layout: &WaveLayout, keys: &[f32], values: &[f32]) -> Result<()> {
         let bad = |message: String| Error::InvalidParameter { what: "wave layout", message };
-        if self.tokens > 0 {
-            return Err(bad("only an empty index can be restored".into()));
-        }
         let (h, d) = (self.kv_heads, self.head_dim);
         let n = batch_tokens(h, d, keys, values)?;
         if n as u64 != layout.tokens {
             return Err(bad(format!("the layout covers {} tokens, the KV given has {n}", layout.tokens)));
         }
+        self.check_layout(layout)?;
+        let (sink_len, tail_start) = (layout.sink_len as usize, layout.tail_start as usize);
+        let jobs: Vec<(usize, usize)> =
+            (0..h).flat_map(|hh| (0..layout.segments.len()).map(move |u| (hh, u))).collect();
+        let built = jobs
+            .par_iter()
+            .map(|&(hh, u)| {
+                let seg = &layout.segments[u];
+                let hl = &seg.heads[hh];
+                let rows = (hh * n + seg.first as usize) * d..(hh * n + (seg.first + seg.len) as usize) * d;
+                let (mut k, mut v) = (Vec::new(), Vec::new());
+                push_narrow(&mut k, &keys[rows.clone()]);
+                push_narrow(&mut v, &values[rows]);
+                let mut wide = vec![0.0f32; k.len()];
+                E::widen(&k, &mut wide);
+                let order: Vec<u32> = hl.positions.iter().map(|&p| p - seg.first as u32).collect();
+                let (mut built, metas) = assemble_segment(&k, &v, &wide, seg.first as u32, d, &order, &hl.sizes);
+                if let Some(hack) = self.hack {
+                    built.encode(d, hack, self.segment_seed(u, hh) ^ 0x4841_434b)?;
+                }
+                Ok((built, metas))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.push_segments(&jobs, 0, built)?;
+        self.push_steady(keys, values, n, sink_len, tail_start);
+        (self.tokens, self.sink_len, self.tail_start) = (n, sink_len, tail_start);
+        Ok(())
+    }
+
+    /// The index in the form a checkpoint keeps for a `hack2` context: its zones, the rows
+    /// it keeps plain, and segments `from_segment..` in 2-bit form with their clusters'
+    /// mean keys and values. `None` when its segments are not 2-bit (plain or block-homed
+    /// rows: their data files are their home).
+    pub fn encoded_home(&self, from_segment: usize) -> Option<EncodedHome> {
+        self.hack?;
+        if E::DTYPE != attnstore_kernels::DType::F16 {
+            return None; // a hack2 context's plain type is f16 (ContextSpec checks it)
+        }
+        let d = self.head_dim;
+        // E is f16 here: its bits as they are.
+        let halves =
+            |x: &[E]| -> Vec<f16> { bytemuck::cast_slice::<E, u16>(x).iter().map(|&b| f16::from_bits(b)).collect() };
+        let steady = self
+            .heads
+            .iter()
+            .map(|s| SteadyHead {
+                sink_keys: halves(&s.sink_keys),
+                sink_values: halves(&s.sink_values),
+                tail_keys: halves(&s.tail_keys),
+                tail_values: halves(&s.tail_values),
+            })
+            .collect();
+        let segment_count = self.heads.first().map_or(0, |s| s.segments.len());
+        let layout = self.layout();
+        let mut segments = Vec::new();
+        for (u, seg) in layout.segments.into_iter().enumerate().skip(from_segment) {
+            let mut heads = Vec::with_capacity(self.kv_heads);
+            for (store, hl) in self.heads.iter().zip(seg.heads) {
+                // The directory lists each head's clusters segment by segment.
+                let ids: Vec<usize> = (0..store.dir.len()).filter(|&i| store.dir.spans[i].unit as usize == u).collect();
+                let clusters = ids.first().map_or(0..0, |&a| a..a + ids.len());
+                let rows = store.segments[u].hack.clone()?;
+                heads.push(EncodedHead {
+                    sizes: hl.sizes,
+                    positions: hl.positions,
+                    centroids: halves(&store.dir.centroids[clusters.start * d..clusters.end * d]),
+                    value_means: halves(&store.dir.value_means[clusters.start * d..clusters.end * d]),
+                    rows,
+                });
+            }
+            segments.push(EncodedSegment { first: seg.first, len: seg.len, heads });
+        }
+        Some(EncodedHome {
+            tokens: self.tokens as u64,
+            sink_len: self.sink_len as u64,
+            tail_start: self.tail_start as u64,
+            segment_count,
+            steady,
+            segments,
+        })
+    }
+
+    /// Rebuilds this empty `hack2` index from a checkpointed [`EncodedHome`] holding every
+    /// segment: the same segments, clusters, 2-bit rows, cluster means and plain rows as the
+    /// index it was taken from, with nothing recomputed. Anything that does not fit (zones,
+    /// cluster sizes and positions, array lengths, codec parameters, non-finite plain rows)
+    /// is a typed error and changes nothing.
+    pub fn restore_encoded(&mut self, home: EncodedHome) -> Result<()> {
+        let bad = |message: String| Error::InvalidParameter { what: "encoded wave index", message };
+        let Some(hack) = self.hack else { return Err(bad("the index does not store 2-bit segments".into())) };
+        if E::DTYPE != attnstore_kernels::DType::F16 {
+            return Err(bad(format!("2-bit segments go with f16 plain rows, this index keeps {:?}", E::DTYPE)));
+        }
+        if home.segments.len() != home.segment_count {
+            return Err(bad(format!(
+                "it carries {} of its {} segments: a restore needs all of them",
+                home.segments.len(),
+                home.segment_count
+            )));
+        }
+        let layout = WaveLayout {
+            tokens: home.tokens,
+            sink_len: home.sink_len,
+            tail_start: home.tail_start,
+            segments: home
+                .segments
+                .iter()
+                .map(|s| SegmentLayout {
+                    first: s.first,
+                    len: s.len,
+                    heads: s
+                        .heads
+                        .iter()
+                        .map(|h| HeadLayout { sizes: h.sizes.clone(), positions: h.positions.clone() })
+                        .collect(),
+                })
+                .collect(),
+        };
+        self.check_layout(&layout)?;
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let (sink, tail) = (home.sink_len as usize, (home.tokens - home.tail_start) as usize);
+        if home.steady.len() != h {
+            return Err(bad(format!("plain rows of {} heads, the index has {h}", home.steady.len())));
+        }
+        for (head, st) in home.steady.iter().enumerate() {
+            let lens = [st.sink_keys.len(), st.sink_values.len(), st.tail_keys.len(), st.tail_values.len()];
+            if lens != [sink * d, sink * d, tail * d, tail * d] {
+                return Err(bad(format!(
+                    "head {head}: plain rows of {lens:?} values, expected sink {sink} and tail {tail} rows of {d}"
+                )));
+            }
+            let rows = [&st.sink_keys, &st.sink_values, &st.tail_keys, &st.tail_values];
+            if rows.iter().any(|r| r.iter().any(|x| !x.is_finite())) {
+                return Err(bad(format!("head {head}: a plain row holds NaN or Inf")));
+            }
+        }
+        let mut jobs = Vec::new();
+        let mut built = Vec::new();
+        for (u, seg) in home.segments.into_iter().enumerate() {
+            for (head, eh) in seg.heads.into_iter().enumerate() {
+                let clusters = eh.sizes.len();
+                if eh.centroids.len() != clusters * d || eh.value_means.len() != clusters * d {
+                    return Err(bad(format!(
+                        "segment {u} head {head}: {} centroid and {} value-mean values for {clusters} clusters of {d}",
+                        eh.centroids.len(),
+                        eh.value_means.len()
+                    )));
+                }
+                if eh.centroids.iter().chain(&eh.value_means).any(|x| !x.is_finite()) {
+                    return Err(bad(format!("segment {u} head {head}: a cluster mean holds NaN or Inf")));
+                }
+                if eh.rows.rows() as u64 != seg.len || eh.rows.params() != hack {
+                    return Err(bad(format!(
+                        "segment {u} head {head}: {} rows with Π = {}, expected {} rows with Π = {}",
+                        eh.rows.rows(),
+                        eh.rows.params().partition,
+                        seg.len,
+                        hack.partition
+                    )));
+                }
+                let mut metas = Vec::with_capacity(clusters);
+                let mut start = 0u32;
+                for (c, &size) in eh.sizes.iter().enumerate() {
+                    let wide = |x: &[f16]| x[c * d..(c + 1) * d].iter().map(|v| v.to_f32()).collect();
+                    metas.push(ClusterMeta {
+                        start,
+                        end: start + size,
+                        centroid: wide(&eh.centroids),
+                        value_mean: wide(&eh.value_means),
+                    });
+                    start += size;
+                }
+                let segment = HeadSegment { positions: eh.positions, hack: Some(eh.rows), ..HeadSegment::default() };
+                jobs.push((head, u));
+                built.push((segment, metas));
+            }
+        }
+        // Segment-major order keeps each head's segments in order, as `push_segments` needs.
+        self.push_segments(&jobs, 0, built)?;
+        let plain = |to: &mut Vec<E>, x: &[f16]| to.extend(x.iter().map(|v| E::from_f32(v.to_f32())));
+        for (store, st) in self.heads.iter_mut().zip(&home.steady) {
+            plain(&mut store.sink_keys, &st.sink_keys);
+            plain(&mut store.sink_values, &st.sink_values);
+            plain(&mut store.tail_keys, &st.tail_keys);
+            plain(&mut store.tail_values, &st.tail_values);
+        }
+        (self.tokens, self.sink_len, self.tail_start) = (home.tokens as usize, sink, home.tail_start as usize);
+        Ok(())
+    }
+
+    /// Checks that `layout` fits this empty index: its sink, segments that tile the indexed
+    /// range in order, and per head cluster sizes and positions that cover each segment's
+    /// tokens once.
+    fn check_layout(&self, layout: &WaveLayout) -> Result<()> {
+        let bad = |message: String| Error::InvalidParameter { what: "wave layout", message };
+        if self.tokens > 0 {
+            return Err(bad("only an empty index can be restored".into()));
+        }
+        let (h, n) = (self.kv_heads, layout.tokens as usize);
         let sink = self.params.sink_tokens.min(n);
         if layout.sink_len != sink as u64 || layout.tail_start < layout.sink_len || layout.tail_start > layout.tokens {
             return Err(bad(format!(
@@ -556,31 +754,6 @@ impl<E: Element> WaveIndex<E> {
                 layout.tail_start
             )));
         }
-        let (sink_len, tail_start) = (layout.sink_len as usize, layout.tail_start as usize);
-        let jobs: Vec<(usize, usize)> =
-            (0..h).flat_map(|hh| (0..layout.segments.len()).map(move |u| (hh, u))).collect();
-        let built = jobs
-            .par_iter()
-            .map(|&(hh, u)| {
-                let seg = &layout.segments[u];
-                let hl = &seg.heads[hh];
-                let rows = (hh * n + seg.first as usize) * d..(hh * n + (seg.first + seg.len) as usize) * d;
-                let (mut k, mut v) = (Vec::new(), Vec::new());
-                push_narrow(&mut k, &keys[rows.clone()]);
-                push_narrow(&mut v, &values[rows]);
-                let mut wide = vec![0.0f32; k.len()];
-                E::widen(&k, &mut wide);
-                let order: Vec<u32> = hl.positions.iter().map(|&p| p - seg.first as u32).collect();
-                let (mut built, metas) = assemble_segment(&k, &v, &wide, seg.first as u32, d, &order, &hl.sizes);
-                if let Some(hack) = self.hack {
-                    built.encode(d, hack, self.segment_seed(u, hh) ^ 0x4841_434b)?;
-                }
-                Ok((built, metas))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        self.push_segments(&jobs, 0, built)?;
-        self.push_steady(keys, values, n, sink_len, tail_start);
-        (self.tokens, self.sink_len, self.tail_start) = (n, sink_len, tail_start);
         Ok(())
     }
 
@@ -994,6 +1167,19 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
     fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
         let IndexLayout::Wave(layout) = layout else { return Err(layout.wrong_method("wave")) };
         WaveIndex::restore(self, layout, keys, values)?;
+        Ok(true)
+    }
+
+    fn encoded_segments(&self) -> Option<usize> {
+        self.hack.map(|_| self.heads.first().map_or(0, |s| s.segments.len()))
+    }
+
+    fn encoded_home(&self, from_segment: usize) -> Option<EncodedHome> {
+        WaveIndex::encoded_home(self, from_segment)
+    }
+
+    fn restore_encoded(&mut self, home: EncodedHome) -> Result<bool> {
+        WaveIndex::restore_encoded(self, home)?;
         Ok(true)
     }
 

@@ -102,3 +102,71 @@ fn a_layout_that_does_not_fit_is_a_typed_error_and_changes_nothing() {
     let mut w = build(None, &k, &v, total, 1500);
     assert!(w.restore(&good, &k, &v).is_err());
 }
+
+#[test]
+fn a_hack2_index_restored_from_its_encoded_home_is_the_index_it_came_from() {
+    let shape = AttnShape::new(8, HEADS, D).unwrap();
+    let total = 2000;
+    let (k, v) = (randn(shape.kv_len(total), 11, 1.0), randn(shape.kv_len(total), 12, 1.0));
+    let hack = Some(HackParams::new(32).unwrap());
+    let original = build(hack, &k, &v, total, 1200);
+    let segments = original.layout().segments.len();
+    assert!(segments >= 3, "prefill and decode segments: {segments}");
+    assert_eq!(AccessMethod::encoded_segments(&original), Some(segments));
+    let home = original.encoded_home(0).unwrap();
+    let (encoded, steady) = home.bytes();
+    // Sink (4) and tail rows, keys and values, 2 bytes a value.
+    let plain_rows = 4 + total - original.layout().tail_start as usize;
+    assert_eq!(steady, plain_rows * 2 * HEADS * D * 2);
+    assert!(encoded < total * HEADS * D * 2 * 2 / 2, "2-bit rows and means {encoded} B");
+    let mut restored = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
+    restored.restore_encoded(home.clone()).unwrap();
+    assert_eq!(restored.layout(), original.layout());
+    assert_eq!(restored.stats(), original.stats());
+    for seed in 0..3 {
+        let q = randn(shape.query_len(), 20 + seed, 2.0);
+        assert_eq!(run(&restored, &shape, &q, None), run(&original, &shape, &q, None), "exact");
+        let zone = ZoneBudget { retrieve_tokens: 100, estimate_tokens: 400, mode: SelectionMode::PerKvHead };
+        for h in 0..HEADS {
+            let qh = &q[h * 4 * D..(h + 1) * 4 * D];
+            assert_eq!(restored.plan_head(h, qh, &zone), original.plan_head(h, qh, &zone));
+        }
+        assert_eq!(run(&restored, &shape, &q, Some(&zone)), run(&original, &shape, &q, Some(&zone)));
+    }
+    // Decoding goes on from the restored state exactly as from the original, and the new
+    // segment is the only one a later checkpoint needs to write.
+    let more = randn(HEADS * 300 * D, 17, 1.0);
+    let (mut a, mut b) = (original, restored);
+    a.append(&more, &more).unwrap();
+    b.append(&more, &more).unwrap();
+    assert_eq!(a.layout(), b.layout());
+    let q = randn(shape.query_len(), 30, 2.0);
+    assert_eq!(run(&a, &shape, &q, None), run(&b, &shape, &q, None));
+    let later = a.encoded_home(segments).unwrap();
+    assert_eq!((later.segment_count, later.segments.len()), (segments + 2, 2));
+
+    // What does not fit is refused, and the index stays empty.
+    let mut broken: Vec<(&str, attnstore_index::EncodedHome)> = Vec::new();
+    broken.push(("only the newer segments", later));
+    let mut means = home.clone();
+    means.segments[1].heads[0].centroids.pop();
+    broken.push(("a centroid short", means));
+    let mut nan = home.clone();
+    nan.steady[1].tail_values[3] = f16::NAN;
+    broken.push(("a NaN plain row", nan));
+    let mut rows = home.clone();
+    rows.segments.swap(0, 1);
+    broken.push(("segments out of order", rows));
+    let mut tail = home.clone();
+    tail.steady[0].tail_keys.truncate(D);
+    broken.push(("a short tail", tail));
+    for (what, home) in broken {
+        let mut w = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
+        let err = w.restore_encoded(home).unwrap_err();
+        assert!(err.to_string().contains("wave"), "{what}: {err}");
+        assert_eq!(w.stats().tokens, 0, "{what}");
+        assert!(w.layout().segments.is_empty(), "{what}");
+    }
+    // A plain index has no encoded home.
+    assert!(build(None, &k, &v, total, 1200).encoded_home(0).is_none());
+}

@@ -139,6 +139,77 @@ impl HackRows {
         }
     }
 
+    /// Rebuilds `rows` rows of `head_dim` values from arrays laid out as [`HackRows::arrays`]
+    /// returns them (what a checkpoint wrote to disk). Everything is checked before it is
+    /// trusted: every array's length, finite minima and non-negative finite scales, every
+    /// key code sum against its codes, and zero padding codes in a short last value block.
+    /// A mismatch is a typed error naming the array.
+    pub fn from_arrays(head_dim: usize, params: HackParams, rows: usize, a: HackArrays<'_>) -> Result<Self> {
+        let mut out = Self::new(head_dim, params)?;
+        let (d, p) = (head_dim, params.partition);
+        let blocks = rows.div_ceil(p);
+        let lengths = [
+            ("key codes", a.key_codes.len(), rows * d / 4),
+            ("key minima", a.key_min.len(), rows * out.k_parts),
+            ("key scales", a.key_scale.len(), rows * out.k_parts),
+            ("key code sums", a.key_sum.len(), rows * out.k_parts),
+            ("value codes", a.value_codes.len(), blocks * p / 4 * d),
+            ("value minima", a.value_min.len(), blocks * d),
+            ("value scales", a.value_scale.len(), blocks * d),
+        ];
+        if let Some(&(what, got, expected)) = lengths.iter().find(|(_, got, expected)| got != expected) {
+            return Err(Error::ShapeMismatch { what, expected, got });
+        }
+        let bad = |what: &'static str, message: String| Err(Error::InvalidArgument { what, message });
+        let metadata = [(a.key_min, a.key_scale, "key"), (a.value_min, a.value_scale, "value")];
+        for (min, scale, what) in metadata {
+            if let Some(i) = min.iter().position(|m| !m.is_finite()) {
+                return bad("2-bit rows", format!("{what} minimum {i} is {}, expected a finite value", min[i]));
+            }
+            if let Some(i) = scale.iter().position(|s| !s.is_finite() || s.to_f32() < 0.0) {
+                return bad("2-bit rows", format!("{what} scale {i} is {}, expected finite and ≥ 0", scale[i]));
+            }
+        }
+        for r in 0..rows {
+            let codes = &a.key_codes[r * d / 4..(r + 1) * d / 4];
+            for k in 0..out.k_parts {
+                let dims = k * p..((k + 1) * p).min(d);
+                let sum: u16 = dims.map(|j| u16::from((codes[j / 4] >> (2 * (j % 4))) & 3)).sum();
+                if sum != a.key_sum[r * out.k_parts + k] {
+                    return bad(
+                        "2-bit rows",
+                        format!(
+                            "row {r} partition {k}: stored code sum {}, its codes sum to {sum}",
+                            a.key_sum[r * out.k_parts + k]
+                        ),
+                    );
+                }
+            }
+        }
+        if !rows.is_multiple_of(p) {
+            // Rows past the end of the short last block: their codes must be 0.
+            let block = &a.value_codes[(blocks - 1) * p / 4 * d..];
+            let used = rows % p;
+            let padded =
+                (used..p).any(|t| block[(t / 4) * d..(t / 4 + 1) * d].iter().any(|&b| (b >> (2 * (t % 4))) & 3 != 0));
+            if padded {
+                return bad(
+                    "2-bit rows",
+                    format!("the short last value block ({used} of {p} rows) has codes past its rows"),
+                );
+            }
+        }
+        out.rows = rows;
+        out.k_codes = a.key_codes.to_vec();
+        out.k_min = a.key_min.to_vec();
+        out.k_scale = a.key_scale.to_vec();
+        out.k_sum = a.key_sum.to_vec();
+        out.v_codes = a.value_codes.to_vec();
+        out.v_min = a.value_min.to_vec();
+        out.v_scale = a.value_scale.to_vec();
+        Ok(out)
+    }
+
     /// True once the last value block is short: no more rows can be appended.
     pub fn is_sealed(&self) -> bool {
         !self.rows.is_multiple_of(self.params.partition)
@@ -627,6 +698,44 @@ mod tests {
         rows.push_rows(&k[..full * d], &v[..full * d], &mut rng).unwrap();
         rows.push_rows(&k[full * d..], &v[full * d..], &mut rng).unwrap();
         (rows, k, v)
+    }
+
+    #[test]
+    fn rows_rebuilt_from_their_arrays_attend_identically_and_damaged_arrays_are_refused() {
+        let d = 64;
+        let (rows, _, _) = store(150, d, 21); // a short last block of 22 rows
+        let a = rows.arrays();
+        let again = HackRows::from_arrays(d, rows.params(), rows.rows(), a).unwrap();
+        let q = randn(2 * d, 5);
+        let ranges = [0..150, 3..40, 130..150];
+        for r in &ranges {
+            let (mut x, mut y) = (vec![Partial::empty(d); 2], vec![Partial::empty(d); 2]);
+            rows.attend(&q, 0.125, std::slice::from_ref(r), &mut x, &mut HackScratch::default());
+            again.attend(&q, 0.125, std::slice::from_ref(r), &mut y, &mut HackScratch::default());
+            for (x, y) in x.iter().zip(&y) {
+                assert_eq!(x.finish(), y.finish(), "rows {r:?}");
+            }
+        }
+        assert_eq!(again.bytes(), rows.bytes());
+        // One row too many for the arrays.
+        let err = HackRows::from_arrays(d, rows.params(), 151, a).unwrap_err();
+        assert!(matches!(err, Error::ShapeMismatch { what: "key codes", .. }), "{err}");
+        // A flipped key code no longer matches its stored sum.
+        let mut codes = a.key_codes.to_vec();
+        codes[5] ^= 0b01;
+        let err = HackRows::from_arrays(d, rows.params(), 150, HackArrays { key_codes: &codes, ..a }).unwrap_err();
+        assert!(err.to_string().contains("code sum"), "{err}");
+        // A code in the padding of the short last block.
+        let mut codes = a.value_codes.to_vec();
+        let last = codes.len() - 1;
+        codes[last] |= 0b1100_0000;
+        let err = HackRows::from_arrays(d, rows.params(), 150, HackArrays { value_codes: &codes, ..a }).unwrap_err();
+        assert!(err.to_string().contains("past its rows"), "{err}");
+        // A NaN scale.
+        let mut scales = a.value_scale.to_vec();
+        scales[3] = f16::NAN;
+        let err = HackRows::from_arrays(d, rows.params(), 150, HackArrays { value_scale: &scales, ..a }).unwrap_err();
+        assert!(err.to_string().contains("value scale 3"), "{err}");
     }
 
     #[test]

@@ -1,0 +1,86 @@
+//! A wave index whose segments are stored in 2-bit form (the `hack2` codec), taken apart
+//! for a checkpoint and put back together on recovery.
+//!
+//! A `hack2` segment drops its plain rows once they are encoded, so the 2-bit rows, the
+//! clusters' mean keys and values, and the rows the index keeps plain (sink, local window,
+//! pending tokens) are everything there is of it: a durable engine writes exactly this to
+//! disk and frees the plain copy its data files held ([`crate::WaveIndex::encoded_home`],
+//! [`crate::WaveIndex::restore_encoded`]).
+
+use attnstore_kernels::HackRows;
+use half::f16;
+
+/// One KV head of one segment in 2-bit form.
+#[derive(Debug, Clone)]
+pub struct EncodedHead {
+    /// Tokens of each (non-empty) cluster, in storage order.
+    pub sizes: Vec<u32>,
+    /// Token positions in storage (cluster) order.
+    pub positions: Vec<u32>,
+    /// Mean key of every cluster (`clusters × head_dim`), as the directory holds it.
+    pub centroids: Vec<f16>,
+    /// Mean value of every cluster (`clusters × head_dim`).
+    pub value_means: Vec<f16>,
+    /// The segment's rows, in storage order.
+    pub rows: HackRows,
+}
+
+/// One segment (tokens `first..first + len`) in 2-bit form, every KV head.
+#[derive(Debug, Clone)]
+pub struct EncodedSegment {
+    /// First token position.
+    pub first: u64,
+    /// Tokens.
+    pub len: u64,
+    /// One entry per KV head.
+    pub heads: Vec<EncodedHead>,
+}
+
+/// The rows one KV head keeps plain: the sink, then pending and local tokens.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SteadyHead {
+    /// Sink keys, `sink_len × head_dim`.
+    pub sink_keys: Vec<f16>,
+    /// Sink values.
+    pub sink_values: Vec<f16>,
+    /// Keys of tokens `tail_start..tokens`.
+    pub tail_keys: Vec<f16>,
+    /// Values of tokens `tail_start..tokens`.
+    pub tail_values: Vec<f16>,
+}
+
+/// A `hack2` wave index as a checkpoint keeps it: where its zones lie, its plain rows and
+/// (from some segment on) its segments in 2-bit form.
+#[derive(Debug, Clone, Default)]
+pub struct EncodedHome {
+    /// Tokens covered.
+    pub tokens: u64,
+    /// Tokens in the sink.
+    pub sink_len: u64,
+    /// First token after the last segment.
+    pub tail_start: u64,
+    /// Segments the index holds in all.
+    pub segment_count: usize,
+    /// Plain rows, one entry per KV head.
+    pub steady: Vec<SteadyHead>,
+    /// Segments `segment_count - segments.len()..`, in order.
+    pub segments: Vec<EncodedSegment>,
+}
+
+impl EncodedHome {
+    /// Bytes of the encoded rows and cluster means it carries, and of its plain rows.
+    pub fn bytes(&self) -> (usize, usize) {
+        let encoded = self
+            .segments
+            .iter()
+            .flat_map(|s| &s.heads)
+            .map(|h| h.rows.bytes() + 2 * (h.centroids.len() + h.value_means.len()) + 4 * h.positions.len())
+            .sum();
+        let steady = self
+            .steady
+            .iter()
+            .map(|h| 2 * (h.sink_keys.len() + h.sink_values.len() + h.tail_keys.len() + h.tail_values.len()))
+            .sum();
+        (encoded, steady)
+    }
+}
