@@ -360,18 +360,50 @@ impl Engine {
         keys: &[f32],
         values: &[f32],
     ) -> Result<()> {
-        let ctx = self.context(id)?;
-        let shape = ctx.spec.shape;
+        let shape = self.context(id)?.spec.shape;
         let row = shape.kv_heads * shape.head_dim;
-        let tokens = keys.len() / row.max(1);
+        self.restore_with(id, layer, keys.len() / row.max(1), |method| {
+            if !method.restore(layout, keys, values)? {
+                method.prefill(keys, values)?;
+            }
+            Ok(())
+        })
+    }
+
+    /// Restores an empty `hack2` wave layer from its checkpointed encoded home (recovery):
+    /// the 2-bit segments, cluster means and plain rows as they were, nothing recomputed.
+    /// A home that does not fit is a typed error and leaves the layer empty.
+    pub(crate) fn restore_encoded_layer(
+        &self,
+        id: ContextId,
+        layer: usize,
+        home: attnstore_index::EncodedHome,
+    ) -> Result<()> {
+        self.restore_with(id, layer, home.tokens as usize, |method| {
+            if method.restore_encoded(home)? {
+                return Ok(());
+            }
+            Err(Error::InvalidSpec(format!("layer {layer} of context {id} keeps no 2-bit segments to restore")))
+        })
+    }
+
+    /// Runs `restore` on an empty layer's method and accounts for its `tokens` like a
+    /// prefill of them.
+    fn restore_with(
+        &self,
+        id: ContextId,
+        layer: usize,
+        tokens: usize,
+        restore: impl FnOnce(&mut dyn attnstore_index::AccessMethod) -> Result<()>,
+    ) -> Result<()> {
+        let ctx = self.context(id)?;
+        let row = ctx.spec.shape.kv_heads * ctx.spec.shape.head_dim;
         let mut guard = layer_of(&ctx, id, layer)?.write();
         if guard.prefilled {
             return Err(Error::AlreadyPrefilled { context: id, layer, tokens: guard.method.stats().tokens });
         }
         let batch = self.host.reserve(tokens * 2 * row * ctx.spec.dtype.size_bytes())?;
-        if !guard.method.restore(layout, keys, values)? {
-            guard.method.prefill(keys, values)?;
-        }
+        restore(&mut *guard.method)?;
         guard.reservation = Some(batch);
         guard.prefilled = true;
         guard.version += 1;

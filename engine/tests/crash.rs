@@ -15,8 +15,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use attnstore::{
-    AttnShape, Budget, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, IndexRebuild, Method, Request,
-    WaveParams,
+    AttnShape, Budget, Codec, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, HackParams, IndexRebuild,
+    Method, Request, WaveParams,
 };
 use attnstore_kernels::random::SplitMix64;
 
@@ -34,11 +34,33 @@ fn shape() -> AttnShape {
     AttnShape::new(4, 2, 16).unwrap()
 }
 
-/// Thread `t`'s context: wave index (small segments) for even threads, flat for odd ones.
+/// Thread with the `hack2` context: its checkpoints move its tokens to 2-bit segment files
+/// and punch them out of its data file.
+const HACK2_THREAD: usize = 2;
+
+/// Thread `t`'s context: wave index (small segments) for even threads, flat for odd ones;
+/// thread [`HACK2_THREAD`]'s wave index stores its segments in 2-bit form.
 fn spec(t: usize) -> ContextSpec {
     let wave = WaveParams { segment_tokens: 128, decode_segment_tokens: 32, local_tokens: 8, ..WaveParams::default() };
     let method = if t.is_multiple_of(2) { Method::Wave(wave) } else { Method::Flat };
-    ContextSpec::new(shape(), 1).with_method(method)
+    let spec = ContextSpec::new(shape(), 1).with_method(method);
+    match t {
+        HACK2_THREAD => spec.with_codec(Codec::Hack2(HackParams::new(16).unwrap())),
+        _ => spec,
+    }
+}
+
+/// Batches of thread `t` that `engine` holds, counted back from its tokens through the
+/// batch sizes (a `hack2` layer's data file no longer holds the batches its home does).
+fn batches_held(engine: &Engine, ctx: ContextId, t: usize) -> usize {
+    let tokens = engine.stats(ctx, 0).unwrap().tokens;
+    let (mut i, mut sum) = (0, 0);
+    while sum < tokens {
+        sum += batch(t, i).0.len() / shape().kv_len(1);
+        i += 1;
+    }
+    assert_eq!(sum, tokens, "thread {t}: {tokens} tokens is not a whole number of batches");
+    i
 }
 
 /// Batch `i` of thread `t`: 1..=8 tokens (a 40-token prefill for i = 0), deterministic.
@@ -89,7 +111,7 @@ fn crash_child() {
         for (t, &ctx) in contexts.iter().enumerate().take(THREADS) {
             let engine = &engine;
             s.spawn(move || {
-                let start = engine.stats(ctx, 0).map(|_| engine.stored_batches(ctx, 0).unwrap().len()).unwrap();
+                let start = batches_held(engine, ctx, t);
                 // Threads from PIPELINED_FROM on keep appends in flight (`submit_append`) and
                 // print `A` only once `wait_durable` acknowledged them.
                 let mut inflight = std::collections::VecDeque::new();
@@ -160,14 +182,21 @@ fn attention(engine: &Engine, ctx: ContextId, step: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// Reopens `dir` and checks it against what the child printed; returns batches recovered.
-fn verify(dir: &Path, printed: &Printed, round: usize) -> usize {
+/// Reopens `dir` and checks it against what the child printed; returns batches recovered
+/// and how many of them came from a 2-bit home rather than the data file.
+fn verify(dir: &Path, printed: &Printed, round: usize) -> (usize, usize) {
     let engine = Engine::open(dir, EngineConfig::default()).unwrap_or_else(|e| panic!("round {round}: reopen: {e}"));
     let contexts = engine.contexts();
-    let mut total = 0;
+    let (mut total, mut from_homes) = (0, 0);
     for (t, &ctx) in contexts.iter().enumerate().take(THREADS) {
         let stored = engine.stored_batches(ctx, 0).unwrap();
-        let n = stored.len();
+        let n = batches_held(&engine, ctx, t);
+        // Only a hack2 layer's data file may have handed batches to its 2-bit home.
+        let homed = n - stored.len();
+        assert!(
+            homed == 0 || t == HACK2_THREAD,
+            "round {round} thread {t}: {homed} batches missing from its data file"
+        );
         assert!(
             n >= printed.acked[t],
             "round {round} thread {t}: {n} batches recovered, {} acknowledged",
@@ -180,13 +209,16 @@ fn verify(dir: &Path, printed: &Printed, round: usize) -> usize {
         );
         let reference = Engine::in_memory(EngineConfig::default()).unwrap();
         let rctx = reference.create_context(spec(t)).unwrap();
-        for (i, b) in stored.iter().enumerate() {
+        for (j, b) in stored.iter().enumerate() {
+            let i = homed + j;
             let (k, v) = batch(t, i);
             let round_f16 = |x: &[f32]| x.iter().map(|&x| half::f16::from_f32(x).to_f32()).collect::<Vec<_>>();
             assert!(
                 b.keys == round_f16(&k) && b.values == round_f16(&v) && b.prefill == (i == 0),
                 "round {round} thread {t}: batch {i} differs from what was appended"
             );
+        }
+        for i in 0..n {
             ingest(&reference, rctx, t, i).unwrap();
         }
         if n > 0 {
@@ -197,8 +229,9 @@ fn verify(dir: &Path, printed: &Printed, round: usize) -> usize {
             );
         }
         total += n;
+        from_homes += homed;
     }
-    total
+    (total, from_homes)
 }
 
 /// Rounds run as this many independent streams at once (each with its own directories and
@@ -210,6 +243,8 @@ const STREAMS: usize = 2;
 struct Tally {
     acked: usize,
     recovered: usize,
+    /// Batches recovered from a 2-bit home, summed over rounds.
+    from_homes: usize,
     checkpoints: usize,
     killed_before_ready: usize,
 }
@@ -259,7 +294,9 @@ fn run_stream(stream: usize, rounds: usize, seed: u64) -> Tally {
         let printed = parse(&lines);
         tally.acked += printed.acks;
         tally.checkpoints += printed.checkpoints;
-        tally.recovered = verify(dir.path(), &printed, round);
+        let (recovered, from_homes) = verify(dir.path(), &printed, round);
+        tally.recovered = recovered;
+        tally.from_homes += from_homes;
     }
     tally
 }
@@ -277,11 +314,14 @@ fn sigkill_at_random_moments_never_loses_an_acknowledged_append_nor_shows_an_uns
     let acked_total = sum(|t| t.acked);
     eprintln!(
         "crash test: {rounds} rounds in {STREAMS} streams in {:.1} s, {} killed during startup/recovery, \
-         {} checkpoints, {acked_total} appends acknowledged, last directories hold {} batches",
+         {} checkpoints, {acked_total} appends acknowledged, last directories hold {} batches, \
+         {} batches recovered from 2-bit homes over all rounds",
         started.elapsed().as_secs_f64(),
         sum(|t| t.killed_before_ready),
         sum(|t| t.checkpoints),
         sum(|t| t.recovered),
+        sum(|t| t.from_homes),
     );
     assert!(acked_total > rounds, "the children acknowledged too little for the test to mean anything");
+    assert!(rounds < 40 || sum(|t| t.from_homes) > 0, "no round recovered a hack2 layer from its 2-bit home");
 }

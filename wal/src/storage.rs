@@ -21,6 +21,23 @@ pub trait StorageFile: Send + Sync + fmt::Debug {
     fn sync_data(&self) -> io::Result<()>;
     /// Cuts or extends the file to `bytes`.
     fn set_len(&self, bytes: u64) -> io::Result<()>;
+    /// Frees the disk space of bytes `offset..offset + len` (they read back as zeros; the
+    /// file keeps its length). `Ok(false)` when the file system cannot punch holes: the
+    /// bytes then stay as they were, which is never wrong, only larger.
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<bool>;
+}
+
+/// `fallocate(PUNCH_HOLE | KEEP_SIZE)` on `file`; `Ok(false)` where it is not supported.
+fn punch(file: &File, offset: u64, len: u64) -> io::Result<bool> {
+    use rustix::fs::FallocateFlags;
+    if len == 0 {
+        return Ok(true);
+    }
+    match rustix::fs::fallocate(file, FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE, offset, len) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::OPNOTSUPP | rustix::io::Errno::NOSYS) => Ok(false),
+        Err(errno) => Err(errno.into()),
+    }
 }
 
 /// The file-system operations of the WAL writer and the durable engine.
@@ -50,6 +67,10 @@ impl StorageFile for File {
 
     fn set_len(&self, bytes: u64) -> io::Result<()> {
         File::set_len(self, bytes)
+    }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<bool> {
+        punch(self, offset, len)
     }
 }
 
@@ -147,6 +168,10 @@ impl StorageFile for FaultyFile {
     fn set_len(&self, bytes: u64) -> io::Result<()> {
         self.file.set_len(bytes)
     }
+
+    fn punch_hole(&self, offset: u64, len: u64) -> io::Result<bool> {
+        punch(&self.file, offset, len)
+    }
 }
 
 impl Storage for FaultyStorage {
@@ -168,5 +193,35 @@ impl Storage for FaultyStorage {
 
     fn rename(&self, from: &Path, to: &Path) -> io::Result<()> {
         std::fs::rename(from, to)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn a_punched_range_reads_as_zeros_keeps_the_length_and_frees_its_blocks() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("f");
+        let bytes: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8 + 1).collect();
+        for storage in [Arc::new(StdStorage) as Arc<dyn Storage>, Arc::new(FaultyStorage::new())] {
+            let file = storage.create(&path).unwrap();
+            file.write_all_at(&bytes, 0).unwrap();
+            file.sync_data().unwrap();
+            let before = std::fs::metadata(&path).unwrap().blocks();
+            let freed = file.punch_hole(0, 768 << 10).unwrap();
+            let back = std::fs::read(&path).unwrap();
+            assert_eq!(back.len(), bytes.len(), "the length stays");
+            if freed {
+                assert!(back[..768 << 10].iter().all(|&b| b == 0));
+                let after = std::fs::metadata(&path).unwrap().blocks();
+                assert!(after * 2 < before, "blocks {before} → {after}");
+            } else {
+                assert_eq!(back[..768 << 10], bytes[..768 << 10], "unsupported: nothing changes");
+            }
+            assert_eq!(back[768 << 10..], bytes[768 << 10..], "bytes after the hole stay");
+        }
     }
 }

@@ -203,18 +203,23 @@ pub(crate) fn read_layout(
     Ok(Some(layout))
 }
 
-/// Deletes layout files of (context, layer) pairs not in `live`, and leftover `.tmp` files;
-/// returns their paths.
+/// Deletes layout and 2-bit home files of (context, layer) pairs not in `live`, and leftover
+/// `.tmp` files; returns their paths.
 pub(crate) fn remove_stale(dir: &Path, live: &BTreeSet<(u64, usize)>) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir.join(INDEX_DIR)) else { return removed };
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
+        // Layouts, and the 2-bit homes' files (`home.rs`): `….home` and `…-seg-<u>.h2`.
         let parsed = name
             .strip_prefix("ctx-")
             .and_then(|r| r.rsplit_once('.'))
-            .filter(|(_, suffix)| SUFFIXES.iter().any(|(_, s)| s == suffix))
-            .and_then(|(r, _)| r.split_once("-layer-"))
+            .and_then(|(r, suffix)| match suffix {
+                super::home::SEGMENT_SUFFIX => r.rsplit_once("-seg-").map(|(r, _)| r),
+                super::home::HOME_SUFFIX => Some(r),
+                _ => SUFFIXES.iter().any(|(_, s)| *s == suffix).then_some(r),
+            })
+            .and_then(|r| r.split_once("-layer-"))
             .and_then(|(c, l)| Some((c.parse::<u64>().ok()?, l.parse::<usize>().ok()?)));
         let stale = match parsed {
             Some(key) => !live.contains(&key),

@@ -6,6 +6,8 @@
 //! DIR/MANIFEST                       catalog as of the last checkpoint (atomic replace)
 //! DIR/wal/wal-<first lsn>.log        log files (attnstore-wal framing)
 //! DIR/data/ctx-<id>-layer-<l>.kv     one append-only chunk file per (context, layer)
+//! DIR/index/                         checkpointed index layouts, and the 2-bit homes of
+//!                                    hack2 wave layers (`home.rs`)
 //! ```
 //!
 //! An append writes its chunk to the data file, then appends an `AppendKv` record and waits
@@ -15,6 +17,7 @@
 pub mod bench;
 mod datafile;
 mod fuzz;
+mod home;
 mod layout;
 mod rebuild;
 mod records;
@@ -37,7 +40,7 @@ pub use fuzz::fuzz_decode_catalog;
 pub use rebuild::IndexRebuild;
 use records::{
     encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,
-    ManifestLayer, SpecRecord,
+    ManifestHome, ManifestLayer, SpecRecord,
 };
 pub use recovery::{check, CheckReport, LayerCheck, RecoveryReport};
 
@@ -90,6 +93,13 @@ pub struct CheckpointReport {
     pub layouts_pending: usize,
     /// Layouts larger than one record may be (64 MiB): not written, rebuilt on reopen.
     pub layouts_oversized: usize,
+    /// `hack2` wave layers whose 2-bit home was written (new segment files and the home).
+    pub homes_written: usize,
+    /// Bytes of those files' payloads.
+    pub home_bytes: usize,
+    /// Data file bytes punched out because a 2-bit home now holds their tokens (0 where the
+    /// file system cannot punch holes; the bytes then stay, unread).
+    pub data_bytes_freed: u64,
 }
 
 /// The durable state attached to an [`Engine`] made by [`Engine::open`].
@@ -110,6 +120,8 @@ pub(crate) struct Durable {
     /// Per (context, layer): the indexed end ([`attnstore_index::IndexLayout::indexed_end`])
     /// of the layout file on disk, so a checkpoint rewrites only layouts that changed.
     layouts: Mutex<BTreeMap<(u64, usize), u64>>,
+    /// Per `hack2` wave layer: its 2-bit home on disk (`home.rs`).
+    homes: Mutex<BTreeMap<(u64, usize), home::HomeState>>,
 }
 
 /// The durable catalog: what the next manifest will say.
@@ -253,6 +265,7 @@ impl Durable {
         next_context_id: u64,
         layouts: Vec<(u64, usize, attnstore_index::IndexLayout)>,
         layouts_pending: usize,
+        homes: Vec<home::HomeJob>,
     ) -> Result<CheckpointReport> {
         // Index layouts first: each is valid on its own (it covers tokens that are already
         // committed and never change), so no ordering with the manifest is needed.
@@ -272,6 +285,7 @@ impl Durable {
                 None => layouts_oversized += 1,
             }
         }
+        let (homes_written, home_bytes) = self.write_homes(&homes)?;
         let _gate = self.gate.write();
         // Everything logged so far becomes durable (data files included) and lies in older files.
         let wal_start_lsn = self.wal.rotate()?;
@@ -290,6 +304,13 @@ impl Durable {
                     layers: c.layers.iter().map(CatalogLayer::manifest).collect(),
                 })
                 .collect(),
+            homes: self
+                .homes
+                .lock()
+                .iter()
+                .filter(|((c, _), h)| catalog.contexts.contains_key(c) && h.data_bytes > 0)
+                .map(|(&(context, layer), h)| ManifestHome { context, layer: layer as u32, data_bytes: h.data_bytes })
+                .collect(),
         };
         let payload = encode(&manifest);
         write_manifest(&*self.storage, &self.dir, MANIFEST_FILE, &payload)?;
@@ -300,6 +321,9 @@ impl Durable {
         let live = manifest.contexts.iter().flat_map(|c| (0..c.layers.len()).map(move |l| (c.context, l))).collect();
         layout::remove_stale(&self.dir, &live);
         self.layouts.lock().retain(|key, _| live.contains(key));
+        self.homes.lock().retain(|key, _| live.contains(key));
+        // The manifest now says where those tokens live: their f16 chunks can go.
+        let data_bytes_freed = self.punch_homed(&manifest.homes)?;
         Ok(CheckpointReport {
             generation,
             wal_start_lsn,
@@ -310,7 +334,58 @@ impl Durable {
             layout_bytes,
             layouts_pending,
             layouts_oversized,
+            homes_written,
+            home_bytes,
+            data_bytes_freed,
         })
+    }
+
+    /// Writes the 2-bit homes of `jobs` (each: new segment files, then the home), once
+    /// every record their data bytes depend on is durable; returns how many were written
+    /// and their bytes.
+    fn write_homes(&self, jobs: &[home::HomeJob]) -> Result<(usize, usize)> {
+        if jobs.is_empty() {
+            return Ok((0, 0));
+        }
+        // A home replaces the one before it, whose punched bytes are gone: it may only
+        // cover chunks whose records are durable (submitted appends may still be queued).
+        self.wal.sync()?;
+        let (mut written, mut bytes) = (0, 0);
+        for job in jobs {
+            let key = (job.context, job.layer);
+            let known = self.homes.lock().get(&key).cloned().unwrap_or_default();
+            if let Some((state, n)) = home::write_home(&*self.storage, &self.dir, job, &known)? {
+                self.homes.lock().insert(key, state);
+                written += 1;
+                bytes += n;
+            }
+        }
+        Ok((written, bytes))
+    }
+
+    /// Punches the bytes of every homed layer's data file that the manifest just written
+    /// says its home holds; returns the bytes freed.
+    fn punch_homed(&self, homes: &[ManifestHome]) -> Result<u64> {
+        let mut freed = 0;
+        for h in homes {
+            let key = (h.context, h.layer as usize);
+            let punched = self.homes.lock().get(&key).map_or(0, |s| s.punched);
+            if punched >= h.data_bytes {
+                continue;
+            }
+            let path = data_path(&self.dir, h.context, h.layer as usize);
+            let file = self.storage.open(&path).map_err(|e| attnstore_wal::Error::io("open", &path, &e))?;
+            let done = file
+                .punch_hole(punched, h.data_bytes - punched)
+                .map_err(|e| attnstore_wal::Error::io("punch hole in", &path, &e))?;
+            if done {
+                freed += h.data_bytes - punched;
+            }
+            if let Some(state) = self.homes.lock().get_mut(&key) {
+                state.punched = h.data_bytes;
+            }
+        }
+        Ok(freed)
     }
 
     fn stored_batches(&self, id: ContextId, layer: usize, spec: &ContextSpec) -> Result<Vec<StoredBatch>> {
@@ -324,7 +399,10 @@ impl Durable {
             return Ok(Vec::new());
         }
         let row = spec.shape.kv_heads * spec.shape.head_dim;
-        let mut reader = datafile::ChunkReader::open(&data_path(&self.dir, id.0, layer), committed, spec.dtype, row)?;
+        // Bytes a 2-bit home holds may be punched out: read from where they end.
+        let punched = self.homes.lock().get(&(id.0, layer)).map_or(0, |h| h.punched);
+        let mut reader = datafile::ChunkReader::open(&data_path(&self.dir, id.0, layer), committed, spec.dtype, row)?
+            .starting_at(punched);
         let mut batches = Vec::new();
         while let Some(batch) = reader.next_chunk()? {
             batches.push(batch);
@@ -372,16 +450,41 @@ impl Engine {
     }
 
     /// Writes a manifest of the whole catalog atomically and deletes the log files it
-    /// covers; appends wait while it runs.
+    /// covers; appends wait while it runs. Index layouts that changed are written first;
+    /// `hack2` wave layers instead get their 2-bit home (new segment files and the home),
+    /// and once the manifest records it the f16 chunks it holds are punched out of the data
+    /// file (`durable/home.rs`).
     pub fn checkpoint(&self) -> Result<CheckpointReport> {
         let durable = self.durable("checkpoint")?;
-        let (mut layouts, mut pending) = (Vec::new(), 0);
+        let (mut layouts, mut pending, mut homes) = (Vec::new(), 0, Vec::new());
         for id in self.contexts() {
             let Ok(ctx) = self.context(id) else { continue }; // dropped meanwhile
             for (layer, state) in ctx.layers.iter().enumerate() {
                 let guard = state.read();
                 if guard.rebuilding {
                     continue;
+                }
+                if let Some(segments) = guard.method.encoded_segments() {
+                    if segments > 0 {
+                        // Under the layer's lock the catalog matches the index: appends
+                        // update both while holding it for writing (lock order layer → catalog).
+                        let known = durable.homes.lock().get(&(id.0, layer)).cloned().unwrap_or_default();
+                        let catalog = durable.catalog.lock();
+                        let Some(c) = catalog.contexts.get(&id.0).map(|c| &c.layers[layer]) else { continue };
+                        if c.committed_bytes != known.data_bytes {
+                            let job = guard.method.encoded_home(known.segment_crcs.len()).map(|home| home::HomeJob {
+                                context: id.0,
+                                layer,
+                                home,
+                                data_bytes: c.committed_bytes,
+                                chunks: c.chunks,
+                                tokens: c.tokens,
+                                head_dim: ctx.spec.shape.head_dim,
+                            });
+                            homes.extend(job);
+                        }
+                        continue;
+                    }
                 }
                 match guard.method.layout_end() {
                     // Already on disk as it is: no copy.
@@ -391,7 +494,7 @@ impl Engine {
                 }
             }
         }
-        durable.checkpoint(self.next_context_id(), layouts, pending)
+        durable.checkpoint(self.next_context_id(), layouts, pending, homes)
     }
 
     /// Makes everything acknowledged so far durable, whatever the sync policy.
@@ -437,7 +540,9 @@ impl Engine {
     }
 
     /// The committed batches of one layer as stored in its data file (checksums verified),
-    /// in commit order, widened to f32.
+    /// in commit order, widened to f32. For a `hack2` wave layer whose tokens a checkpoint
+    /// moved to its 2-bit home, only the batches still in the data file (those after the
+    /// punched range).
     pub fn stored_batches(&self, id: ContextId, layer: usize) -> Result<Vec<StoredBatch>> {
         let spec = self.spec(id)?;
         if layer >= spec.layers.len() {

@@ -58,6 +58,42 @@ pub(crate) struct Manifest {
     /// The id the next created context gets (ids are never reused).
     pub next_context_id: u64,
     pub contexts: Vec<ManifestContext>,
+    /// `hack2` wave layers homed in 2-bit segment files (`durable/home.rs`): their data
+    /// files' bytes before `data_bytes` may be punched out. Added last: a manifest written
+    /// before it decodes as [`ManifestV1`] with no homes.
+    pub homes: Vec<ManifestHome>,
+}
+
+/// A layer whose first `data_bytes` of data file live in its 2-bit home.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct ManifestHome {
+    pub context: u64,
+    pub layer: u32,
+    pub data_bytes: u64,
+}
+
+/// The catalog as manifests before 2-bit homes wrote it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct ManifestV1 {
+    generation: u64,
+    wal_start_lsn: u64,
+    next_context_id: u64,
+    contexts: Vec<ManifestContext>,
+}
+
+/// Decodes a manifest's catalog, current or from before homes (whose bytes are a prefix of
+/// the current layout: one can never be mistaken for the other, as every byte must be used).
+pub(crate) fn decode_catalog(payload: &[u8]) -> Result<Manifest, String> {
+    decode::<Manifest>(payload).or_else(|current| match decode::<ManifestV1>(payload) {
+        Ok(m) => Ok(Manifest {
+            generation: m.generation,
+            wal_start_lsn: m.wal_start_lsn,
+            next_context_id: m.next_context_id,
+            contexts: m.contexts,
+            homes: Vec::new(),
+        }),
+        Err(_) => Err(current),
+    })
 }
 
 /// One context in the manifest.
@@ -310,9 +346,31 @@ mod tests {
         bytes.push(0);
         assert!(decode::<DropContextRecord>(&bytes).is_err());
         // A manifest whose context list claims 2^60 entries: refused by the length limit.
-        let mut huge = encode(&Manifest { generation: 1, wal_start_lsn: 1, next_context_id: 1, contexts: vec![] });
+        let mut huge =
+            encode(&Manifest { generation: 1, wal_start_lsn: 1, next_context_id: 1, contexts: vec![], homes: vec![] });
         huge.pop();
-        huge.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0x10]);
-        assert!(decode::<Manifest>(&huge).is_err());
+        huge.pop();
+        huge.extend_from_slice(&[0xfd, 0, 0, 0, 0, 0, 0, 0, 0x10, 0]);
+        assert!(decode_catalog(&huge).is_err());
+    }
+
+    #[test]
+    fn a_manifest_from_before_homes_still_decodes_and_the_current_one_round_trips() {
+        let shape = AttnShape::new(8, 2, 32).unwrap();
+        let contexts = vec![ManifestContext {
+            context: 4,
+            spec: SpecRecord::from_spec(&ContextSpec::new(shape, 1)),
+            layers: vec![ManifestLayer { committed_bytes: 100, tokens: 3, chunks: 1 }],
+        }];
+        let old =
+            encode(&ManifestV1 { generation: 2, wal_start_lsn: 9, next_context_id: 5, contexts: contexts.clone() });
+        let back = decode_catalog(&old).unwrap();
+        assert_eq!((back.generation, back.wal_start_lsn, back.contexts.clone(), back.homes.len()), (2, 9, contexts, 0));
+        let homes = vec![ManifestHome { context: 4, layer: 0, data_bytes: 64 }];
+        let current = Manifest { homes, ..back };
+        assert_eq!(decode_catalog(&encode(&current)).unwrap(), current);
+        // Cut short by one byte, neither layout accepts it.
+        let bytes = encode(&current);
+        assert!(decode_catalog(&bytes[..bytes.len() - 1]).is_err());
     }
 }

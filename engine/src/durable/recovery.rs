@@ -16,8 +16,11 @@ use attnstore_wal::{read_manifest, replay_dir, LogFileSummary, LogReplay, LogWri
 use parking_lot::{Mutex, RwLock};
 
 use super::datafile::{parse_data_file_name, ChunkReader, StoredBatch};
+use super::home::{read_home, HomeState};
 use super::rebuild::{self, IndexRebuild, RebuildJob, RebuildProgress};
-use super::records::{decode, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord};
+use super::records::{
+    decode, decode_catalog, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord,
+};
 use super::{
     data_path, Catalog, CatalogContext, CatalogLayer, Durable, DurableConfig, DATA_DIR, LOCK_FILE, MANIFEST_FILE,
     WAL_DIR,
@@ -74,6 +77,10 @@ pub struct RecoveryReport {
     pub layout_errors: Vec<String>,
     /// Layout files of contexts that no longer exist, deleted.
     pub stale_layout_files: Vec<PathBuf>,
+    /// `hack2` wave layers restored from their 2-bit home (segment files), nothing recomputed.
+    pub homes_restored: usize,
+    /// Bytes of those homes' files read and verified.
+    pub home_bytes_loaded: u64,
 }
 
 /// Records of each kind.
@@ -140,6 +147,13 @@ impl fmt::Display for RecoveryReport {
                 writeln!(f, "  unusable layout: {why}")?;
             }
         }
+        if self.homes_restored > 0 {
+            writeln!(
+                f,
+                "2-bit homes: {} hack2 layers restored from {} bytes of segment files",
+                self.homes_restored, self.home_bytes_loaded
+            )?;
+        }
         if self.background_rebuild_layers > 0 {
             writeln!(
                 f,
@@ -172,6 +186,9 @@ pub(crate) struct State {
     pub skipped_appends: u64,
     /// Payload crc of each chunk the replayed log committed, by (context, layer, offset).
     pub logged_crcs: HashMap<(u64, usize, u64), u32>,
+    /// Per layer homed in 2-bit segment files: the data bytes the manifest says its home
+    /// holds (and which may be punched out of its data file).
+    pub homes: BTreeMap<(u64, usize), u64>,
 }
 
 pub(crate) struct CommittedContext {
@@ -184,7 +201,7 @@ pub(crate) struct CommittedContext {
 pub(crate) fn read_state(dir: &Path) -> Result<State> {
     let manifest_path = dir.join(MANIFEST_FILE);
     let manifest: Option<Manifest> = match read_manifest(dir, MANIFEST_FILE)? {
-        Some(payload) => Some(decode(&payload).map_err(|detail| Error::Corrupt {
+        Some(payload) => Some(decode_catalog(&payload).map_err(|detail| Error::Corrupt {
             file: manifest_path.clone(),
             offset: attnstore_wal::FileHeader::SIZE as u64,
             detail: format!("manifest catalog does not decode: {detail}"),
@@ -241,6 +258,7 @@ pub(crate) fn read_state(dir: &Path) -> Result<State> {
         replayed: RecordCounts::default(),
         skipped_appends: 0,
         logged_crcs: HashMap::new(),
+        homes: manifest.iter().flat_map(|m| &m.homes).map(|h| ((h.context, h.layer as usize), h.data_bytes)).collect(),
     };
     for record in &replay.records {
         let corrupt =
@@ -301,24 +319,36 @@ pub(crate) fn read_state(dir: &Path) -> Result<State> {
         }
     }
     state.replay = replay;
+    let contexts = &state.contexts;
+    state.homes.retain(|(c, l), _| contexts.get(c).is_some_and(|ctx| *l < ctx.layers.len()));
     Ok(state)
 }
 
-/// Reads and verifies the committed chunks of one layer, cross-checking the payload crc of
-/// every chunk the replayed log named, and the token count.
+/// Where reading a layer's data file starts: a byte offset on a chunk boundary, and the
+/// tokens and chunks before it (held by a 2-bit home).
+#[derive(Debug, Clone, Copy, Default)]
+struct Start {
+    offset: u64,
+    tokens: u64,
+    chunks: u64,
+}
+
+/// Reads and verifies the committed chunks of one layer from `start`, cross-checking the
+/// payload crc of every chunk the replayed log named, and the token count.
 fn read_layer(
     dir: &Path,
     state: &State,
-    context: u64,
-    layer: usize,
+    (context, layer): (u64, usize),
+    start: Start,
     mut sink: impl FnMut(StoredBatch) -> Result<()>,
 ) -> Result<(u64, u64)> {
     let ctx = &state.contexts[&context];
     let committed = ctx.layers[layer];
     let path = data_path(dir, context, layer);
     let row = ctx.spec.shape.kv_heads * ctx.spec.shape.head_dim;
-    let mut reader = ChunkReader::open(&path, committed.committed_bytes, ctx.spec.dtype, row)?;
-    let (mut tokens, mut chunks) = (0u64, 0u64);
+    let mut reader =
+        ChunkReader::open(&path, committed.committed_bytes, ctx.spec.dtype, row)?.starting_at(start.offset);
+    let (mut tokens, mut chunks) = (start.tokens, start.chunks);
     while let Some(batch) = reader.next_chunk()? {
         if let Some(&logged) = state.logged_crcs.get(&(context, layer, batch.offset)) {
             if logged != batch.payload_crc {
@@ -346,7 +376,56 @@ fn read_layer(
             ),
         });
     }
-    Ok((tokens, committed.committed_bytes))
+    Ok((tokens, committed.committed_bytes - start.offset))
+}
+
+/// The 2-bit home of a `hack2` wave layer, when it has one that fits its committed data:
+/// `Ok(None)` when it has none (or one not to rely on, reason pushed to `unusable`), an
+/// error when the manifest relies on a home that is missing or does not fit (the data file
+/// no longer holds those tokens).
+fn usable_home(
+    dir: &Path,
+    state: &State,
+    (context, layer): (u64, usize),
+    unusable: &mut Vec<String>,
+) -> Result<Option<super::home::LoadedHome>> {
+    let ctx = &state.contexts[&context];
+    let (Some(params), Method::Wave(_), LayerKind::Global) =
+        (ctx.spec.codec.hack(), ctx.spec.method, ctx.spec.layers[layer])
+    else {
+        return Ok(None);
+    };
+    let relied_on = state.homes.get(&(context, layer)).copied().unwrap_or(0);
+    let committed = ctx.layers[layer];
+    let shape = (ctx.spec.shape.kv_heads, ctx.spec.shape.head_dim);
+    let why = match read_home(dir, context, layer, shape, params) {
+        Ok(Some(h)) => {
+            let fits = h.data_bytes >= relied_on
+                && h.data_bytes <= committed.committed_bytes
+                && h.tokens <= committed.tokens
+                && h.chunks <= committed.chunks;
+            if fits {
+                return Ok(Some(h));
+            }
+            format!(
+                "home of context {context} layer {layer}: covers {} data bytes ({} tokens, {} chunks), the layer has {} committed ({} tokens, {} chunks) and the manifest relies on {relied_on}",
+                h.data_bytes, h.tokens, h.chunks, committed.committed_bytes, committed.tokens, committed.chunks
+            )
+        }
+        Ok(None) => format!("home of context {context} layer {layer}: missing"),
+        Err(why) => why,
+    };
+    if relied_on == 0 {
+        if !why.ends_with("missing") {
+            unusable.push(why);
+        }
+        return Ok(None);
+    }
+    Err(Error::Corrupt {
+        file: dir.join(super::layout::INDEX_DIR).join(super::home::home_name(context, layer)),
+        offset: 0,
+        detail: format!("{why}; the manifest says its first {relied_on} data bytes live only there"),
+    })
 }
 
 fn data_files(dir: &Path) -> Result<Vec<(u64, usize, PathBuf)>> {
@@ -411,13 +490,19 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
     let engine = Engine::in_memory(config)?;
     let background = durable.index_rebuild == IndexRebuild::Background;
     let mut jobs = Vec::new();
+    let mut homes = BTreeMap::new();
     for (&context, ctx) in &state.contexts {
         let id = ContextId(context);
         engine.insert_context(id, ctx.spec.clone())?;
         for layer in 0..ctx.layers.len() {
             let committed = ctx.layers[layer].committed_bytes;
             let indexed = ctx.spec.layers[layer] == LayerKind::Global && ctx.spec.method != Method::Flat;
-            if background && indexed && committed > 0 {
+            // A hack2 wave layer's 2-bit home is loaded, not rebuilt: never in the background.
+            let home = match committed {
+                0 => None,
+                _ => usable_home(dir, &state, (context, layer), &mut report.layout_errors)?,
+            };
+            if background && indexed && committed > 0 && home.is_none() {
                 // Load into an exact (flat) method now; the real index follows in the background.
                 let handle = engine.context(id)?;
                 let flat = ctx.spec.clone().with_method(Method::Flat);
@@ -443,6 +528,40 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             if committed == 0 {
                 continue;
             }
+            if let Some(h) = home {
+                let relied_on = state.homes.get(&(context, layer)).copied().unwrap_or(0);
+                let started = Instant::now();
+                let (start, bytes) = (Start { offset: h.data_bytes, tokens: h.tokens, chunks: h.chunks }, h.bytes);
+                let state_on_disk = HomeState { punched: relied_on, ..h.state };
+                match engine.restore_encoded_layer(id, layer, h.home) {
+                    Ok(()) => {
+                        report.rebuild_time += started.elapsed();
+                        let read = Instant::now();
+                        let (tokens, kv_bytes) = read_layer(dir, &state, (context, layer), start, |batch| {
+                            engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)
+                        })?;
+                        report.read_time += read.elapsed();
+                        report.homes_restored += 1;
+                        report.home_bytes_loaded += bytes;
+                        report.layers_loaded += 1;
+                        report.tokens_loaded += tokens;
+                        report.kv_bytes_loaded += kv_bytes;
+                        homes.insert((context, layer), state_on_disk);
+                        continue;
+                    }
+                    Err(e) if relied_on > 0 => {
+                        return Err(Error::Corrupt {
+                            file: dir.join(super::layout::INDEX_DIR).join(super::home::home_name(context, layer)),
+                            offset: 0,
+                            detail: format!(
+                                "does not restore ({e}); the manifest says its first {relied_on} data bytes live only there"
+                            ),
+                        });
+                    }
+                    // Nothing was changed and the data file still holds every token.
+                    Err(e) => report.layout_errors.push(format!("home of context {context} layer {layer}: {e}")),
+                }
+            }
             let mut read_time = Duration::ZERO;
             let mut rebuild_time = Duration::ZERO;
             let mut last = Instant::now();
@@ -458,7 +577,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                 _ => None,
             };
             let mut held = Vec::new();
-            let (tokens, bytes) = read_layer(dir, &state, context, layer, |batch| {
+            let (tokens, bytes) = read_layer(dir, &state, (context, layer), Start::default(), |batch| {
                 read_time += last.elapsed();
                 let rebuild = Instant::now();
                 if layout.is_some() {
@@ -549,6 +668,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         report,
         rebuild: progress,
         layouts: Mutex::new(std::collections::BTreeMap::new()),
+        homes: Mutex::new(homes),
     });
     if !jobs.is_empty() {
         let for_thread = Arc::downgrade(&attached);
@@ -579,6 +699,11 @@ pub struct LayerCheck {
     pub committed_bytes: u64,
     /// Bytes after the committed end (an append whose record never committed).
     pub uncommitted_bytes: u64,
+    /// Leading data bytes whose tokens a `hack2` layer's 2-bit home holds (its segment files
+    /// verified instead of those chunks); 0 without a home.
+    pub homed_bytes: u64,
+    /// Segment files of that home, all verified.
+    pub home_segments: usize,
 }
 
 /// What [`check`] found in a directory: everything verified, nothing changed.
@@ -616,8 +741,16 @@ pub fn check(dir: &Path) -> Result<CheckReport> {
         for (layer, committed) in ctx.layers.iter().enumerate() {
             let file = data_path(dir, context, layer);
             let on_disk = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+            let mut unusable = Vec::new();
+            let home = match committed.committed_bytes {
+                0 => None,
+                _ => usable_home(dir, &state, (context, layer), &mut unusable)?,
+            };
+            let (start, home_segments) = home.map_or((Start::default(), 0), |h| {
+                (Start { offset: h.data_bytes, tokens: h.tokens, chunks: h.chunks }, h.home.segments.len())
+            });
             if committed.committed_bytes > 0 {
-                read_layer(dir, &state, context, layer, |_| Ok(()))?;
+                read_layer(dir, &state, (context, layer), start, |_| Ok(()))?;
             }
             layers.push(LayerCheck {
                 context,
@@ -627,6 +760,8 @@ pub fn check(dir: &Path) -> Result<CheckReport> {
                 tokens: committed.tokens,
                 committed_bytes: committed.committed_bytes,
                 uncommitted_bytes: on_disk.saturating_sub(committed.committed_bytes),
+                homed_bytes: start.offset,
+                home_segments,
             });
         }
     }
@@ -700,6 +835,13 @@ impl fmt::Display for CheckReport {
                 "  context {} layer {}: {} tokens in {} chunks, {} bytes, checksums ok",
                 l.context, l.layer, l.tokens, l.chunks, l.committed_bytes
             )?;
+            if l.homed_bytes > 0 {
+                write!(
+                    f,
+                    "; the first {} bytes' tokens in a 2-bit home of {} segment files, ok",
+                    l.homed_bytes, l.home_segments
+                )?;
+            }
             if l.uncommitted_bytes > 0 {
                 write!(f, " (+{} uncommitted bytes recovery would cut)", l.uncommitted_bytes)?;
             }

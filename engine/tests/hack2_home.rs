@@ -1,0 +1,176 @@
+//! A durable `hack2` wave context lives on disk in 2-bit form after a checkpoint: its
+//! segments in 2-bit segment files, its plain sink and tail rows in the home, and its data
+//! file's f16 chunks for those tokens punched out. Recovery restores the index from them
+//! with nothing recomputed (attention equals an engine that never restarted), later
+//! checkpoints write only the new segments, and a home the manifest relies on that is
+//! missing or damaged is a typed error, never a silent rebuild.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use attnstore::durable::{check, DATA_DIR};
+use attnstore::synth::{SynthContext, SynthParams};
+use attnstore::{
+    AttnShape, Budget, Codec, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, Error, HackParams,
+    IndexRebuild, Method, Request, WaveParams,
+};
+
+fn shape() -> AttnShape {
+    AttnShape::new(8, 2, 64).unwrap()
+}
+
+fn spec() -> ContextSpec {
+    let wave =
+        WaveParams { segment_tokens: 512, decode_segment_tokens: 128, local_tokens: 32, ..WaveParams::default() };
+    ContextSpec::new(shape(), 1).with_method(Method::Wave(wave)).with_codec(Codec::Hack2(HackParams::default()))
+}
+
+/// Batches: a prefill of 2000 tokens, then appends of 40.
+fn feed(engines: &[(&Engine, ContextId)], synth: &SynthContext, from: usize, to: usize) {
+    let mut at = from;
+    while at < to {
+        let end = if at == 0 { 2000 } else { (at + 40).min(to) };
+        let (k, v) = synth.slice(at, end);
+        for &(engine, ctx) in engines {
+            match at {
+                0 => engine.prefill(ctx, 0, &k, &v).unwrap(),
+                _ => engine.append(ctx, 0, &k, &v).unwrap(),
+            }
+        }
+        at = end;
+    }
+}
+
+fn synth(tokens: usize, seed: u64) -> SynthContext {
+    SynthContext::generate(SynthParams::new(shape(), tokens, seed))
+}
+
+fn outputs(engine: &Engine, ctx: ContextId, synth: &SynthContext, step: u64) -> Vec<Vec<f32>> {
+    let q = synth.queries(step);
+    let budgets = [Budget::full(), Budget::default().with_retrieve_floor(64).with_retrieve(0.05)];
+    budgets
+        .iter()
+        .map(|b| {
+            let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], b).unwrap();
+            engine.execute(&plan).unwrap().remove(0)
+        })
+        .collect()
+}
+
+/// Bytes a directory's files occupy on disk (allocated blocks), recursively.
+fn allocated(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let meta = e.metadata().unwrap();
+            if meta.is_dir() {
+                allocated(&e.path())
+            } else {
+                meta.blocks() * 512
+            }
+        })
+        .sum()
+}
+
+#[test]
+fn a_hack2_context_is_stored_in_2_bit_form_after_a_checkpoint_and_recovers_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth(3000, 5);
+    let reference = Engine::in_memory(EngineConfig::default()).unwrap();
+    let rctx = reference.create_context(spec()).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(spec()).unwrap();
+    feed(&[(&engine, ctx), (&reference, rctx)], &synth, 0, 2400);
+    let f16_bytes = 2400 * 2 * shape().kv_heads * shape().head_dim * 2;
+    let data = dir.path().join(DATA_DIR);
+    let before = allocated(&data);
+    assert!(before as usize >= f16_bytes, "the data file holds f16 rows: {before} B");
+
+    let first = engine.checkpoint().unwrap();
+    assert_eq!((first.homes_written, first.layouts_written), (1, 0), "{first:?}");
+    let punched = first.data_bytes_freed > 0;
+    if punched {
+        let after = allocated(&data);
+        assert!(after * 10 < before, "data file {before} → {after} allocated bytes");
+        let on_disk = allocated(dir.path()) - allocated(&dir.path().join("wal"));
+        let ratio = on_disk as f64 / f16_bytes as f64;
+        println!("2400 tokens: {on_disk} B on disk besides the log, {ratio:.3} of f16 ({f16_bytes} B)");
+        assert!(ratio < 0.3, "{ratio}");
+    } else {
+        println!("this file system cannot punch holes: the data file keeps its bytes (unread)");
+    }
+    let before_restart = outputs(&engine, ctx, &synth, 1);
+    assert_eq!(before_restart, outputs(&reference, rctx, &synth, 1));
+    drop(engine);
+
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let report = engine.recovery_report().unwrap();
+    assert_eq!((report.homes_restored, report.layouts_restored), (1, 0), "{report}");
+    assert!(report.layout_errors.is_empty(), "{:?}", report.layout_errors);
+    assert_eq!(engine.stats(ctx, 0).unwrap(), reference.stats(rctx, 0).unwrap());
+    assert_eq!(outputs(&engine, ctx, &synth, 1), before_restart);
+    assert_eq!(outputs(&engine, ctx, &synth, 2), outputs(&reference, rctx, &synth, 2));
+
+    // Decode goes on; the next checkpoint writes only the new segments.
+    feed(&[(&engine, ctx), (&reference, rctx)], &synth, 2400, 3000);
+    let second = engine.checkpoint().unwrap();
+    assert_eq!(second.homes_written, 1);
+    assert!(second.home_bytes < first.home_bytes, "{} then {} B", first.home_bytes, second.home_bytes);
+    let layer = &check(dir.path()).unwrap().layers[0];
+    assert!(layer.homed_bytes > 0 && layer.home_segments >= 5, "{layer:?}");
+    drop(engine);
+    for rebuild in [IndexRebuild::Blocking, IndexRebuild::Background] {
+        let config = DurableConfig { index_rebuild: rebuild, ..DurableConfig::default() };
+        let engine = Engine::open_with(dir.path(), EngineConfig::default(), config).unwrap();
+        let report = engine.recovery_report().unwrap();
+        assert_eq!((report.homes_restored, report.background_rebuild_layers), (1, 0), "{rebuild:?}: {report}");
+        assert_eq!(outputs(&engine, ctx, &synth, 3), outputs(&reference, rctx, &synth, 3), "{rebuild:?}");
+        if punched {
+            // What is left in the data file: the batches after the second checkpoint (none).
+            assert!(engine.stored_batches(ctx, 0).unwrap().is_empty());
+        }
+    }
+}
+
+#[test]
+fn a_home_the_manifest_relies_on_that_is_missing_or_damaged_is_a_typed_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth(2400, 6);
+    {
+        let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let ctx = engine.create_context(spec()).unwrap();
+        feed(&[(&engine, ctx)], &synth, 0, 2400);
+        engine.checkpoint().unwrap();
+    }
+    let index = dir.path().join("index");
+    let segment = index.join(format!("ctx-{}-layer-0-seg-1.h2", 1));
+    let home = index.join("ctx-1-layer-0.home");
+    let saved = std::fs::read(&segment).unwrap();
+    std::fs::remove_file(&segment).unwrap();
+    let corrupt = |what: &str| match Engine::open(dir.path(), EngineConfig::default()) {
+        Err(Error::Corrupt { file, detail, .. }) => {
+            assert_eq!(file, home, "{what}");
+            assert!(detail.contains("live only there"), "{what}: {detail}");
+            detail
+        }
+        Err(e) => panic!("{what}: expected Corrupt, got {e}"),
+        Ok(_) => panic!("{what}: opened"),
+    };
+    assert!(corrupt("a segment file deleted").contains("seg-1.h2: missing"));
+    assert!(check(dir.path()).is_err());
+    std::fs::write(&segment, &saved).unwrap();
+    let home_bytes = std::fs::read(&home).unwrap();
+    let mut flipped = home_bytes.clone();
+    let at = flipped.len() - 3;
+    flipped[at] ^= 0x40;
+    std::fs::write(&home, &flipped).unwrap();
+    corrupt("a bit flipped in the home");
+    std::fs::remove_file(&home).unwrap();
+    corrupt("the home deleted");
+    // Put back, it opens again.
+    std::fs::write(&home, &home_bytes).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    assert_eq!(engine.recovery_report().unwrap().homes_restored, 1);
+    assert_eq!(engine.stats(ContextId(1), 0).unwrap().tokens, 2400);
+}
