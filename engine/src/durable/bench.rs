@@ -38,6 +38,17 @@ pub struct WalBenchConfig {
     pub shape: AttnShape,
 }
 
+/// Bytes the files under `dir` occupy on disk (allocated blocks: punched holes do not count).
+fn allocated(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .flatten()
+        .filter_map(|e| e.metadata().ok().map(|m| (e.path(), m)))
+        .map(|(path, m)| if m.is_dir() { allocated(&path) } else { m.blocks() * 512 })
+        .sum()
+}
+
 fn secs(d: Duration) -> f64 {
     d.as_secs_f64()
 }
@@ -269,10 +280,19 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         }
         Ok(())
     };
-    for method in [Method::Flat, Method::default(), Method::Pq(crate::PqParams::default())] {
-        let dir = cfg.dir.join(format!("context-{}", method.name()));
+    let hack2 = crate::Codec::Hack2(crate::HackParams::default());
+    let conditions = [
+        (Method::Flat, crate::Codec::F16),
+        (Method::default(), crate::Codec::F16),
+        (Method::Pq(crate::PqParams::default()), crate::Codec::F16),
+        (Method::default(), hack2),
+    ];
+    // Bytes on disk of the f16 wave context (the same run's baseline of the hack2 one).
+    let mut wave_f16_disk = None;
+    for (method, codec) in conditions {
+        let dir = cfg.dir.join(format!("context-{}-{codec}", method.name()));
         fresh(&dir)?;
-        let spec = ContextSpec::new(shape, cfg.layers.max(1)).with_method(method);
+        let spec = ContextSpec::new(shape, cfg.layers.max(1)).with_method(method).with_codec(codec);
         // Recompute: an in-memory engine ingests the prompt's KV and builds the index.
         let recompute = {
             let engine = Engine::in_memory(EngineConfig::default())?;
@@ -297,6 +317,8 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             engine.checkpoint()?;
             (ctx, started.elapsed())
         };
+        let (data, index) = (allocated(&dir.join(super::DATA_DIR)), allocated(&dir.join(super::layout::INDEX_DIR)));
+        let f16_kv = (2 * tokens * shape.kv_heads * shape.head_dim * 2 * spec.layers.len()) as u64;
         let started = Instant::now();
         let engine = Engine::open(&dir, EngineConfig::default())?;
         let opened = started.elapsed();
@@ -305,12 +327,13 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         let first = engine.execute(&plan)?;
         let reopen_first = started.elapsed();
         let report = engine.recovery_report().cloned().unwrap_or_default();
-        let gb = report.kv_bytes_loaded as f64 / 1e9;
+        // Bytes read back: f16 chunks, and a hack2 layer's 2-bit home.
+        let gb = (report.kv_bytes_loaded + report.home_bytes_loaded) as f64 / 1e9;
         let same = first == recompute.1;
         p(
             out,
             format!(
-                "context {tokens} tokens x {} layers, {} kv heads, d={}, f16, method {}: {:.3} GB of KV on disk",
+                "context {tokens} tokens x {} layers, {} kv heads, d={}, {codec}, method {}: {:.3} GB of KV read back",
                 spec.layers.len(),
                 shape.kv_heads,
                 shape.head_dim,
@@ -318,9 +341,28 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
                 gb
             ),
         );
+        let mb = |b: u64| b as f64 / 1e6;
+        p(out, format!(
+            "  on disk after the checkpoint: data files {:.1} MB + index files {:.1} MB = {:.1} MB, {:.3} of the f16 KV ({:.1} MB)",
+            mb(data),
+            mb(index),
+            mb(data + index),
+            (data + index) as f64 / f16_kv as f64,
+            mb(f16_kv)
+        ));
+        match (codec, wave_f16_disk) {
+            (crate::Codec::F16, _) if method == Method::default() => wave_f16_disk = Some(data + index),
+            (crate::Codec::Hack2(_), Some(base)) => p(out, format!(
+                "  ratio on-disk bytes hack2 / f16 wave context (same run): {:.3}; {} layers restored from 2-bit homes ({:.1} MB of segment files)",
+                (data + index) as f64 / base as f64,
+                report.homes_restored,
+                mb(report.home_bytes_loaded)
+            )),
+            _ => {}
+        }
         p(out, format!("  durable prefill + checkpoint: {:.2} s", secs(write_time)));
         p(out, format!(
-            "  reopen: {:.2} s = {:.2} s per GB (reading + verifying chunks {:.2} s, rebuilding the index {:.2} s, {} of {} layers from a checkpointed layout; page cache warm)",
+            "  reopen: {:.2} s = {:.2} s per GB (reading + verifying {:.2} s, rebuilding the index {:.2} s, {} of {} layers from a checkpointed layout; page cache warm)",
             secs(opened),
             secs(opened) / gb.max(1e-9),
             secs(report.read_time),
@@ -335,8 +377,9 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             secs(reopen_first) / secs(recompute.0)
         ));
         drop(engine);
-        if method != Method::Flat {
+        if method != Method::Flat && codec.hack().is_none() {
             // Same-run baseline: reopen without the checkpointed layouts (k-means again).
+            // (A hack2 layer's home is the only copy of its tokens: not removable.)
             // The first attention is timed once the index is ready (PQ trains in the background).
             let index_dir = dir.join(super::layout::INDEX_DIR);
             let saved = dir.join("index-saved");

@@ -61,7 +61,7 @@ pub struct RecoveryReport {
     pub kv_bytes_loaded: u64,
     /// The LSN the log continues at.
     pub next_lsn: Lsn,
-    /// Time reading and verifying chunks.
+    /// Time reading and verifying chunks (and 2-bit homes' segment files).
     pub read_time: Duration,
     /// Time rebuilding indexes (ingest of the recovered batches).
     pub rebuild_time: Duration,
@@ -498,10 +498,14 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             let committed = ctx.layers[layer].committed_bytes;
             let indexed = ctx.spec.layers[layer] == LayerKind::Global && ctx.spec.method != Method::Flat;
             // A hack2 wave layer's 2-bit home is loaded, not rebuilt: never in the background.
+            let reading = Instant::now();
             let home = match committed {
                 0 => None,
                 _ => usable_home(dir, &state, (context, layer), &mut report.layout_errors)?,
             };
+            if home.is_some() {
+                report.read_time += reading.elapsed();
+            }
             if background && indexed && committed > 0 && home.is_none() {
                 // Load into an exact (flat) method now; the real index follows in the background.
                 let handle = engine.context(id)?;
