@@ -415,15 +415,12 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
     if !(0.0..=1.0).contains(&args.gpu_share) {
         return Err(format!("--gpu-share {} must be in 0..=1", args.gpu_share));
     }
-    if args.shape.codec.is_some_and(|c| c.hack().is_some()) {
-        return Err("inspect serves plain rows: hack2 rows are not homed in the buffer manager yet".into());
-    }
     let budget = args.budget.budget();
     budget.validate().map_err(|e| e.to_string())?;
     let layout = attnstore::BlockLayout::new(args.block_bytes).map_err(|e| e.to_string())?;
     let block = layout.block_bytes();
     let host_blocks = match args.host_blocks {
-        0 => attnstore::bench::blocks_for_context(&shape, args.shape.dtype, args.tokens, block),
+        0 => attnstore::bench::blocks_for_codec(&shape, codec_of(&args.shape), args.tokens, block),
         n => n,
     };
     let buffers = BufferSettings {
@@ -437,7 +434,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
     let cfg = attnstore::bench::InspectConfig {
         tokens: args.tokens,
         shape,
-        dtype: codec_of(&args.shape).plain_dtype(),
+        codec: codec_of(&args.shape),
         steps: args.steps,
         exact_steps: args.exact_steps.min(args.steps),
         budget,

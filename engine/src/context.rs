@@ -62,8 +62,8 @@ impl Context {
     }
 }
 
-/// The access method of one layer; `blocks` homes a plain wave index's segment rows in the
-/// buffer manager (ignored by other methods and by `hack2` rows).
+/// The access method of one layer; `blocks` homes a wave index's segment rows in the buffer
+/// manager, plain or 2-bit (`hack2`) (ignored by other methods).
 pub(crate) fn make_method(
     spec: &ContextSpec,
     kind: LayerKind,
@@ -80,7 +80,7 @@ pub(crate) fn make_method(
             (LayerKind::Global, Method::Wave(p)) => {
                 let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?;
                 match blocks {
-                    Some(store) if spec.codec.hack().is_none() => Box::new(index.with_blocks(store)?),
+                    Some(store) => Box::new(index.with_blocks(store)?),
                     _ => Box::new(index),
                 }
             }

@@ -203,33 +203,38 @@ fn a_block_that_does_not_hold_one_row_is_a_typed_error() {
 
 #[test]
 fn inspect_serves_one_context_from_both_stores_with_the_same_answers() {
-    let cfg = attnstore::bench::InspectConfig {
-        tokens: 3000,
-        shape: shape(),
-        dtype: DType::F16,
-        steps: 4,
-        exact_steps: 2,
-        budget: sparse(),
-        buffers: BufferSettings { host_blocks: 0, ..settings(0) },
-        block: attnstore_buffer::BlockLayout::default(),
-        seed: 21,
-        progress: false,
-    };
-    let report = attnstore::bench::inspect(&cfg).unwrap();
-    assert!(report.max_rel_diff <= 1e-6, "{}", report.max_rel_diff);
-    assert!(report.explain.contains("(looked up)"), "{}", report.explain);
-    assert!(report.stats.tier(Tier::Host).unwrap().used_blocks > 0, "{}", report.stats);
-    // Sparse, exact and prefill rows for each of the two stores.
-    assert_eq!(report.rows.len(), 6);
-    let steps = |what: &str| {
-        report
-            .rows
-            .iter()
-            .filter(|r| r.get("what").and_then(|v| v.as_str()) == Some(what))
-            .map(|r| r.get("steps").and_then(|v| v.as_u64()).unwrap())
-            .collect::<Vec<_>>()
-    };
-    assert_eq!((steps("sparse decode"), steps("exact decode")), (vec![4, 4], vec![2, 2]));
+    for codec in [attnstore::Codec::F16, attnstore::Codec::Hack2(attnstore::HackParams::default())] {
+        let cfg = attnstore::bench::InspectConfig {
+            tokens: 3000,
+            shape: shape(),
+            codec,
+            steps: 4,
+            exact_steps: 2,
+            budget: sparse(),
+            buffers: BufferSettings { host_blocks: 0, ..settings(0) },
+            block: attnstore_buffer::BlockLayout::default(),
+            seed: 21,
+            progress: false,
+        };
+        let report = attnstore::bench::inspect(&cfg).unwrap();
+        assert!(report.max_rel_diff <= 1e-6, "{codec}: {}", report.max_rel_diff);
+        if codec.hack().is_none() {
+            // 2-bit rows are homed per value block: their plans record no cluster blocks.
+            assert!(report.explain.contains("(looked up)"), "{}", report.explain);
+        }
+        assert!(report.stats.tier(Tier::Host).unwrap().used_blocks > 0, "{codec}: {}", report.stats);
+        // Sparse, exact and prefill rows for each of the two stores.
+        assert_eq!(report.rows.len(), 6);
+        let steps = |what: &str| {
+            report
+                .rows
+                .iter()
+                .filter(|r| r.get("what").and_then(|v| v.as_str()) == Some(what))
+                .map(|r| r.get("steps").and_then(|v| v.as_u64()).unwrap())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!((steps("sparse decode"), steps("exact decode")), (vec![4, 4], vec![2, 2]));
+    }
 }
 
 #[test]
@@ -270,4 +275,56 @@ fn device_selected_plans_leave_the_choice_to_the_gpu_and_run_on_the_cpu_as_the_s
     }
     // So does a full budget.
     assert!(buffered.plan_gpu(&request, &Budget::full()).unwrap().requests[0].device.is_none());
+}
+
+/// A wave context whose segments are stored in 2-bit form (`hack2`).
+fn hack2_spec() -> ContextSpec {
+    spec(DType::F16).with_codec(attnstore::Codec::Hack2(attnstore::HackParams::default()))
+}
+
+#[test]
+fn hack2_rows_live_in_the_buffer_manager_in_2_bit_form_and_give_the_answers_of_rows_in_the_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape(), 4000, 11));
+    let feed = |engine: &Engine, spec: ContextSpec| {
+        let ctx = engine.create_context(spec).unwrap();
+        let (k, v) = synth.slice(0, 3700);
+        engine.prefill(ctx, 0, &k, &v).unwrap();
+        for at in (3700..4000).step_by(50) {
+            let (k, v) = synth.slice(at, at + 50);
+            engine.append(ctx, 0, &k, &v).unwrap();
+        }
+        ctx
+    };
+    let plain = engine(None);
+    let a = feed(&plain, hack2_spec());
+    let f16 = engine(Some(settings(4096)));
+    feed(&f16, spec(DType::F16));
+    let f16_blocks = f16.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks;
+    // In a Host arena, and spilled to Disk from a small one.
+    let spilling = BufferSettings { spill_dir: Some(dir.path().to_path_buf()), gpu_blocks: 0, ..settings(64) };
+    for settings in [settings(4096), spilling] {
+        let buffered = engine(Some(settings));
+        let b = feed(&buffered, hack2_spec());
+        assert_eq!(plain.stats(a, 0).unwrap().segments, buffered.stats(b, 0).unwrap().segments);
+        let stats = buffered.buffer_stats().unwrap();
+        let blocks = |stats: &attnstore::BufferStats, tier| stats.tier(tier).map_or(0, |t| t.used_blocks);
+        let used = blocks(&stats, Tier::Host) + blocks(&stats, Tier::Disk);
+        // The tiers hold 2-bit bytes: about 0.16 of f16's (2 KiB blocks, padded per value block).
+        let ratio = used as f64 / f16_blocks as f64;
+        assert!((0.1..0.3).contains(&ratio), "{used} blocks for hack2, {f16_blocks} for f16: {ratio}");
+        for step in 0..3 {
+            let q = synth.queries(step);
+            for budget in [Budget::full(), sparse()] {
+                let want = run(&plain, a, &q, &budget).unwrap();
+                let got = run(&buffered, b, &q, &budget).unwrap();
+                assert_eq!(got, want, "step {step} exact={}", budget.exact);
+            }
+        }
+        // Dropping the context frees its blocks.
+        buffered.drop_context(b).unwrap();
+        let stats = buffered.buffer_stats().unwrap();
+        let left = blocks(&stats, Tier::Host) + blocks(&stats, Tier::Disk);
+        assert_eq!(left, 0, "{stats}");
+    }
 }

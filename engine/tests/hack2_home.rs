@@ -174,3 +174,32 @@ fn a_home_the_manifest_relies_on_that_is_missing_or_damaged_is_a_typed_error() {
     assert_eq!(engine.recovery_report().unwrap().homes_restored, 1);
     assert_eq!(engine.stats(ContextId(1), 0).unwrap().tokens, 2400);
 }
+
+#[test]
+fn hack2_rows_homed_in_the_buffer_manager_checkpoint_and_recover_the_same() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth(2600, 8);
+    let buffered = || EngineConfig {
+        buffers: Some(attnstore::BufferSettings { maintainer_idle: None, ..attnstore::BufferSettings::new(2048) }),
+        ..EngineConfig::default()
+    };
+    let reference = Engine::in_memory(EngineConfig::default()).unwrap();
+    let rctx = reference.create_context(spec()).unwrap();
+    let ctx = {
+        let engine = Engine::open(dir.path(), buffered()).unwrap();
+        let ctx = engine.create_context(spec()).unwrap();
+        feed(&[(&engine, ctx), (&reference, rctx)], &synth, 0, 2400);
+        assert!(engine.buffer_stats().unwrap().tier(attnstore::Tier::Host).unwrap().used_blocks > 0);
+        // The checkpoint reads the 2-bit rows back out of the buffer manager.
+        assert_eq!(engine.checkpoint().unwrap().homes_written, 1);
+        assert_eq!(outputs(&engine, ctx, &synth, 1), outputs(&reference, rctx, &synth, 1));
+        ctx
+    };
+    let engine = Engine::open(dir.path(), buffered()).unwrap();
+    assert_eq!(engine.recovery_report().unwrap().homes_restored, 1);
+    assert!(engine.buffer_stats().unwrap().tier(attnstore::Tier::Host).unwrap().used_blocks > 0);
+    feed(&[(&engine, ctx), (&reference, rctx)], &synth, 2400, 2600);
+    for step in 2..4 {
+        assert_eq!(outputs(&engine, ctx, &synth, step), outputs(&reference, rctx, &synth, step));
+    }
+}

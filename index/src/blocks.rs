@@ -94,6 +94,12 @@ impl BlockStore {
         Ok(())
     }
 
+    /// Stores `bytes` as cluster `cluster` of `head` (in whole blocks, the last zero-padded).
+    pub(crate) fn store_bytes(&self, head: usize, cluster: u32, bytes: &[u8]) -> Result<()> {
+        self.buffers.store_cluster(self.key(head, cluster), bytes)?;
+        Ok(())
+    }
+
     /// Frees clusters `ids` of `head` (after a failed build, or when the index is dropped).
     pub(crate) fn free(&self, head: usize, ids: Range<u32>) {
         for c in ids {

@@ -333,8 +333,9 @@ pub trait AccessMethod: Send + Sync {
     fn encoded_segments(&self) -> Option<usize> {
         None
     }
-    /// The encoded home a checkpoint writes: zones, plain rows, segments `from_segment..`.
-    fn encoded_home(&self, from_segment: usize) -> Option<crate::EncodedHome> {
+    /// The encoded home a checkpoint writes: zones, plain rows, segments `from_segment..`
+    /// (an error when rows homed in a buffer manager cannot be read back).
+    fn encoded_home(&self, from_segment: usize) -> Option<Result<crate::EncodedHome>> {
         let _ = from_segment;
         None
     }

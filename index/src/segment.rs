@@ -2,11 +2,11 @@
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
 use crate::blocks::{attend_clusters, missing, BlockStore, ClusterBlocks, ClusterRows};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{Element, HackParams, HackRows, Partial};
+use attnstore_kernels::{Element, HackParams, HackRows, HackView, Partial};
 use std::ops::Range;
 
 /// The KV rows of one head's segment, in cluster order: plain rows, (with the `hack2`
@@ -20,8 +20,32 @@ pub(crate) struct HeadSegment<E> {
     pub hack: Option<HackRows>,
     /// Where the rows are when they live in the buffer manager.
     pub blocks: Option<SegmentBlocks>,
+    /// Where the 2-bit rows are when they live in the buffer manager.
+    pub groups: Option<HackGroups>,
     /// Original token position of every row.
     pub positions: Vec<u32>,
+}
+
+/// Where a segment's block-homed rows are: the buffer manager, the KV head, and whether
+/// the read is a scan (an exact plan: its pins log no accesses, so it neither admits nor
+/// evicts what sparse plans re-read).
+#[derive(Clone, Copy)]
+pub(crate) struct Homed<'a> {
+    pub store: &'a BlockStore,
+    pub head: usize,
+    pub scan: bool,
+}
+
+/// The 2-bit rows of a segment homed in the buffer manager: value block `i` (Π rows in
+/// storage order, [`HackRows::group_bytes`]) is cluster `first + i` of the head. Value
+/// blocks span clusters, so the unit homed is the block, not the cluster.
+#[derive(Debug, Clone)]
+pub(crate) struct HackGroups {
+    pub first: u32,
+    pub count: u32,
+    pub rows: usize,
+    pub d: usize,
+    pub params: HackParams,
 }
 
 /// The clusters of a segment whose rows live in the buffer manager.
@@ -33,6 +57,17 @@ pub(crate) struct SegmentBlocks {
     pub starts: Vec<u32>,
     /// Bytes of one K (or V) row.
     pub row_bytes: usize,
+}
+
+impl<E> HeadSegment<E> {
+    /// Cluster ids of `head` this segment's rows occupy in the buffer manager, if homed there.
+    pub fn homed_ids(&self) -> Option<Range<u32>> {
+        match (&self.blocks, &self.groups) {
+            (Some(b), _) => Some(b.first_cluster..b.first_cluster + b.starts.len() as u32 - 1),
+            (_, Some(g)) => Some(g.first..g.first + g.count),
+            _ => None,
+        }
+    }
 }
 
 impl<E: Element> HeadSegment<E> {
@@ -50,9 +85,45 @@ impl<E: Element> HeadSegment<E> {
     /// Bytes of the stored rows, encoded, plain, or in the buffer manager's blocks (the
     /// rows' bytes, without the padding of the blocks' tails).
     pub fn kv_bytes(&self) -> usize {
-        self.hack.as_ref().map_or(0, HackRows::bytes)
+        let groups = self.groups.as_ref().map_or(0, |g| {
+            let p = g.params.partition;
+            (0..g.count as usize).map(|i| HackView::group_len(g.d, g.params, (g.rows - i * p).min(p))).sum()
+        });
+        groups
+            + self.hack.as_ref().map_or(0, HackRows::bytes)
             + self.blocks.as_ref().map_or(0, |b| 2 * self.positions.len() * b.row_bytes)
             + (self.keys.len() + self.values.len()) * E::DTYPE.size_bytes()
+    }
+
+    /// Moves the 2-bit rows into the buffer manager (`store`, KV head `head`), one cluster
+    /// per value block from `first`, and drops them here. All or nothing.
+    pub fn move_hack_to(&mut self, store: &BlockStore, head: usize, first: u32, d: usize) -> Result<()> {
+        let Some(rows) = &self.hack else { return Ok(()) };
+        let count = rows.groups() as u32;
+        for g in 0..count {
+            if let Err(e) = store.store_bytes(head, first + g, &rows.group_bytes(g as usize)) {
+                store.free(head, first..first + g);
+                return Err(e);
+            }
+        }
+        self.groups = Some(HackGroups { first, count, rows: rows.rows(), d, params: rows.params() });
+        self.hack = None;
+        Ok(())
+    }
+
+    /// The 2-bit rows, from here or read back from the buffer manager (`store`, KV head
+    /// `head`); `None` for plain rows.
+    pub fn hack_rows(&self, store: Option<(&BlockStore, usize)>) -> Result<Option<HackRows>> {
+        if let Some(rows) = &self.hack {
+            return Ok(Some(rows.clone()));
+        }
+        let Some(g) = &self.groups else { return Ok(None) };
+        let (store, head) = store
+            .ok_or_else(|| Error::MissingRows("2-bit rows homed in a buffer manager the index no longer has".into()))?;
+        let reader = store.buffers().scan_reader();
+        let buffers = read_groups(&reader, store, head, g, 0..g.count as usize)?;
+        let views = group_views(g, 0, &buffers)?;
+        Ok(Some(HackRows::from_groups(g.d, g.params, &views)?))
     }
 
     /// Moves the rows into the buffer manager (`store`, KV head `head`) as clusters
@@ -83,11 +154,11 @@ impl<E: Element> HeadSegment<E> {
     }
 
     /// Folds the rows of `ranges` into the partials of query heads `q` (`parts.len() × d`).
-    /// `store` (and the KV head) say where block-homed rows are; pinning them can fail (a corrupt
+    /// `store` says where block-homed rows are ([`Homed`]); pinning them can fail (a corrupt
     /// or lost block, an I/O error), which is reported, never served.
     pub fn attend(
         &self,
-        store: Option<(&BlockStore, usize)>,
+        homed: Option<Homed<'_>>,
         q: &[f32],
         scale: f32,
         ranges: &[Range<usize>],
@@ -95,6 +166,47 @@ impl<E: Element> HeadSegment<E> {
         scratch: &mut Scratch,
     ) -> Result<()> {
         let d = q.len() / parts.len().max(1);
+        let store = homed.map(|h| (h.store, h.head));
+        if let Some(g) = &self.groups {
+            let homed = homed.ok_or_else(|| {
+                Error::MissingRows("2-bit rows homed in a buffer manager the plan does not name".into())
+            })?;
+            let (store, head) = (homed.store, homed.head);
+            // Each value block the ranges touch, its rows local to the block.
+            let p = g.params.partition;
+            let mut wanted: Vec<(usize, Vec<Range<usize>>)> = Vec::new();
+            let mut sorted: Vec<Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).cloned().collect();
+            sorted.sort_unstable_by_key(|r| r.start);
+            for r in sorted {
+                for block in r.start / p..r.end.div_ceil(p) {
+                    let local = r.start.max(block * p) - block * p..r.end.min((block + 1) * p) - block * p;
+                    match wanted.last_mut() {
+                        Some((b, runs)) if *b == block => runs.push(local),
+                        _ => wanted.push((block, vec![local])),
+                    }
+                }
+            }
+            if wanted.is_empty() {
+                return Ok(());
+            }
+            // A scan (an exact plan) must not flush what sparse plans keep re-reading.
+            let reader = if homed.scan { store.buffers().scan_reader() } else { store.buffers().reader() };
+            let blocks: Vec<usize> = wanted.iter().map(|(b, _)| *b).collect();
+            let buffers = read_groups_at(&reader, store, head, g, &blocks)?;
+            let views = blocks
+                .iter()
+                .zip(&buffers)
+                .map(|(&b, buf)| {
+                    HackView::from_group(g.d, g.params, (g.rows - b * p).min(p), bytemuck::cast_slice(buf))
+                })
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            // The step's queries are quantized once for every block.
+            views[0].quantize_queries(q, parts.len(), &mut scratch.hack);
+            for (view, (_, runs)) in views.iter().zip(&wanted) {
+                view.attend_quantized(scale, runs, parts, &mut scratch.hack);
+            }
+            return Ok(());
+        }
         if let (Some(b), Some((store, head))) = (&self.blocks, store) {
             let mut keys = Vec::new();
             let mut rows = Vec::new();
@@ -133,6 +245,76 @@ impl<E: Element> HeadSegment<E> {
         }
         Ok(())
     }
+}
+
+/// Value blocks `range` of `g` read from the buffer manager, each copied into a 2-byte
+/// aligned buffer in the group layout.
+fn read_groups(
+    reader: &attnstore_buffer::Reader<'_>,
+    store: &BlockStore,
+    head: usize,
+    g: &HackGroups,
+    range: Range<usize>,
+) -> Result<Vec<Vec<u16>>> {
+    let blocks: Vec<usize> = range.collect();
+    read_groups_at(reader, store, head, g, &blocks)
+}
+
+/// Value blocks `blocks` of `g`, each copied out of its pinned buffer-manager blocks into a
+/// 2-byte aligned buffer (a block of Π rows spans several 2 KiB blocks, which need not be
+/// adjacent).
+fn read_groups_at(
+    reader: &attnstore_buffer::Reader<'_>,
+    store: &BlockStore,
+    head: usize,
+    g: &HackGroups,
+    blocks: &[usize],
+) -> Result<Vec<Vec<u16>>> {
+    let keys: Vec<_> = blocks.iter().map(|&b| store.key(head, g.first + b as u32)).collect();
+    let mut found = Vec::with_capacity(keys.len());
+    reader.clusters(&keys, &mut found);
+    let mut locations = Vec::new();
+    let mut counts = Vec::with_capacity(keys.len());
+    for (f, k) in found.into_iter().zip(&keys) {
+        let f = f.ok_or_else(|| missing(k))?;
+        counts.push(f.len());
+        locations.extend((0..f.len()).filter_map(|i| f.get(i)));
+    }
+    let mut pins = reader.pin_all(&locations).into_iter();
+    let p = g.params.partition;
+    let mut out = Vec::with_capacity(blocks.len());
+    for (&b, &n) in blocks.iter().zip(&counts) {
+        let len = HackView::group_len(g.d, g.params, (g.rows - b * p).min(p));
+        let mut buf = vec![0u16; len.div_ceil(2)];
+        let bytes = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut buf)[..len];
+        let mut at = 0;
+        for _ in 0..n {
+            let pin = pins.next().expect("one pin per location")?;
+            let take = (len - at).min(pin.len());
+            bytes[at..at + take].copy_from_slice(&pin[..take]);
+            at += take;
+        }
+        if at < len {
+            return Err(Error::MissingRows(format!(
+                "value block {b} of head {head}: {at} of its {len} bytes are in the buffer manager"
+            )));
+        }
+        out.push(buf);
+    }
+    Ok(out)
+}
+
+/// Views of value blocks `first..` of `g` over `buffers` (from [`read_groups`]).
+fn group_views<'a>(g: &HackGroups, first: usize, buffers: &'a [Vec<u16>]) -> Result<Vec<HackView<'a>>> {
+    let p = g.params.partition;
+    buffers
+        .iter()
+        .enumerate()
+        .map(|(i, buf)| {
+            let b = first + i;
+            Ok(HackView::from_group(g.d, g.params, (g.rows - b * p).min(p), bytemuck::cast_slice(buf))?)
+        })
+        .collect()
 }
 
 /// One non-empty cluster of a built segment: rows `start..end`, mean key and mean value.
@@ -190,6 +372,7 @@ pub(crate) fn assemble_segment<E: Element>(
     let mut seg = HeadSegment {
         hack: None,
         blocks: None,
+        groups: None,
         keys: Vec::with_capacity(n * d),
         values: Vec::with_capacity(n * d),
         positions: Vec::with_capacity(n),

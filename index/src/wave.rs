@@ -11,7 +11,7 @@ use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHeadWork, HeadPlan,
     IndexLayout, IndexStats, Selection, SelectionMode, SteadyRows, ZoneBudget,
 };
-use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
+use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment, Homed};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
 use attnstore_kernels::cpu::scoring::{score_group, select_zones};
 use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
@@ -218,7 +218,9 @@ impl<E> Drop for WaveIndex<E> {
     fn drop(&mut self) {
         if let Some(store) = &self.blocks {
             for (h, head) in self.heads.iter().enumerate() {
-                store.free(h, 0..head.dir.sizes.len() as u32);
+                for ids in head.segments.iter().filter_map(HeadSegment::homed_ids) {
+                    store.free(h, ids);
+                }
             }
         }
     }
@@ -246,10 +248,10 @@ impl<E: Element> WaveIndex<E> {
     /// The steady zone (sink, local window, pending tokens) stays in the plain type.
     pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
         check_codec(self.head_dim, hack)?;
-        if hack.is_some() && self.blocks.is_some() {
+        if self.blocks.is_some() || self.tokens > 0 {
             return Err(Error::InvalidParameter {
                 what: "codec",
-                message: "hack2 segments keep their own layout: they cannot live in the buffer manager (yet)".into(),
+                message: "the codec is chosen on an empty index, before its rows are homed anywhere".into(),
             });
         }
         self.hack = hack;
@@ -259,17 +261,21 @@ impl<E: Element> WaveIndex<E> {
     /// Homes the rows of every segment built from now on in the buffer manager of `store`:
     /// one mapping-table entry per cluster, each block `[K × R][V × R]`. Plans record
     /// each retrieved block's location (and so its tier) when they are made; execution pins
-    /// the blocks. The steady zone and the directory stay in the index. Only for an empty,
-    /// plain (not `hack2`) index whose rows fit a block.
+    /// the blocks. The steady zone and the directory stay in the index. Only for an empty
+    /// index whose rows fit a block. With the `hack2` codec ([`WaveIndex::with_codec`]
+    /// first) the encoded rows are homed instead, one mapping-table entry per value block
+    /// of Π rows (a value block spans clusters; see `HackRows::group_bytes`): the buffer
+    /// manager's tiers then hold and count 2-bit bytes.
     pub fn with_blocks(mut self, store: BlockStore) -> Result<Self> {
-        if self.hack.is_some() || self.tokens > 0 {
+        if self.tokens > 0 {
             return Err(Error::InvalidParameter {
                 what: "blocks",
-                message: "only an empty index with plain (not hack2) rows can move its segments to the buffer manager"
-                    .into(),
+                message: "only an empty index can move its segments to the buffer manager".into(),
             });
         }
-        store.rows_per_block(self.head_dim * E::DTYPE.size_bytes())?;
+        if self.hack.is_none() {
+            store.rows_per_block(self.head_dim * E::DTYPE.size_bytes())?;
+        }
         self.blocks = Some(store);
         Ok(self)
     }
@@ -408,7 +414,21 @@ impl<E: Element> WaveIndex<E> {
         mut built: Vec<(HeadSegment<E>, Vec<ClusterMeta>)>,
     ) -> Result<()> {
         let d = self.head_dim;
-        if let Some(blocks) = &self.blocks {
+        if let (Some(blocks), Some(_)) = (&self.blocks, self.hack) {
+            // 2-bit rows: one cluster per value block, numbered on from the head's last one.
+            let end = |s: &HeadStore<E>| s.segments.iter().filter_map(HeadSegment::homed_ids).map(|r| r.end).max();
+            let first: Vec<u32> = self.heads.iter().map(|s| end(s).unwrap_or(0)).collect();
+            let mut next = first.clone();
+            for (&(h, _), (seg, _)) in jobs.iter().zip(built.iter_mut()) {
+                if let Err(e) = seg.move_hack_to(blocks, h, next[h], d) {
+                    for (head, (&a, &b)) in first.iter().zip(&next).enumerate() {
+                        blocks.free(head, a..b);
+                    }
+                    return Err(e);
+                }
+                next[h] = seg.homed_ids().map_or(next[h], |r| r.end);
+            }
+        } else if let Some(blocks) = &self.blocks {
             // Sequentially, in the order the directory numbers clusters; all or nothing.
             let mut next: Vec<u32> = self.heads.iter().map(|s| s.dir.len() as u32).collect();
             for (&(h, _), (seg, metas)) in jobs.iter().zip(built.iter_mut()) {
@@ -546,9 +566,10 @@ impl<E: Element> WaveIndex<E> {
 
     /// The index in the form a checkpoint keeps for a `hack2` context: its zones, the rows
     /// it keeps plain, and segments `from_segment..` in 2-bit form with their clusters'
-    /// mean keys and values. `None` when its segments are not 2-bit (plain or block-homed
-    /// rows: their data files are their home).
-    pub fn encoded_home(&self, from_segment: usize) -> Option<EncodedHome> {
+    /// mean keys and values (read back from the buffer manager where they are homed there,
+    /// which can fail). `None` when its segments are not 2-bit (plain rows: their data files
+    /// are their home).
+    pub fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
         self.hack?;
         if E::DTYPE != attnstore_kernels::DType::F16 {
             return None; // a hack2 context's plain type is f16 (ContextSpec checks it)
@@ -572,11 +593,15 @@ impl<E: Element> WaveIndex<E> {
         let mut segments = Vec::new();
         for (u, seg) in layout.segments.into_iter().enumerate().skip(from_segment) {
             let mut heads = Vec::with_capacity(self.kv_heads);
-            for (store, hl) in self.heads.iter().zip(seg.heads) {
+            for (h, (store, hl)) in self.heads.iter().zip(seg.heads).enumerate() {
                 // The directory lists each head's clusters segment by segment.
                 let ids: Vec<usize> = (0..store.dir.len()).filter(|&i| store.dir.spans[i].unit as usize == u).collect();
                 let clusters = ids.first().map_or(0..0, |&a| a..a + ids.len());
-                let rows = store.segments[u].hack.clone()?;
+                let rows = match store.segments[u].hack_rows(self.blocks.as_ref().map(|b| (b, h))) {
+                    Ok(Some(rows)) => rows,
+                    Ok(None) => return None,
+                    Err(e) => return Some(Err(e)),
+                };
                 heads.push(EncodedHead {
                     sizes: hl.sizes,
                     positions: hl.positions,
@@ -587,14 +612,14 @@ impl<E: Element> WaveIndex<E> {
             }
             segments.push(EncodedSegment { first: seg.first, len: seg.len, heads });
         }
-        Some(EncodedHome {
+        Some(Ok(EncodedHome {
             tokens: self.tokens as u64,
             sink_len: self.sink_len as u64,
             tail_start: self.tail_start as u64,
             segment_count,
             steady,
             segments,
-        })
+        }))
     }
 
     /// Rebuilds this empty `hack2` index from a checkpointed [`EncodedHome`] holding every
@@ -809,11 +834,12 @@ impl<E: Element> WaveIndex<E> {
         // The blocks' locations as of now; a cluster that cannot be found leaves the list
         // empty and execution looks the clusters up again (and reports what is missing).
         let blocks = match &self.blocks {
-            Some(store) => {
+            // 2-bit rows are homed per value block, not per cluster: execution finds them.
+            Some(store) if self.hack.is_none() => {
                 let keys: Vec<_> = retrieve.iter().map(|&id| store.key(kv_head, id)).collect();
                 store.lookup(&keys).unwrap_or_default()
             }
-            None => Vec::new(),
+            _ => Vec::new(),
         };
         Selection {
             first_head,
@@ -1017,7 +1043,8 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 })
                 .collect();
             attend_jobs(&jobs, g, d, &mut parts, |(i, rows), p, sc| {
-                store.segments[*i].attend(blocks.map(|b| (b, kv_head)), q, scale, std::slice::from_ref(rows), p, sc)
+                let homed = blocks.map(|store| Homed { store, head: kv_head, scan: true });
+                store.segments[*i].attend(homed, q, scale, std::slice::from_ref(rows), p, sc)
             })?;
             return Ok(parts);
         }
@@ -1075,7 +1102,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                         Work::Retrieve(runs) => {
                             let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
                             store.segments[runs[0].unit as usize].attend(
-                                blocks.map(|b| (b, kv_head)),
+                                blocks.map(|store| Homed { store, head: kv_head, scan: false }),
                                 qs,
                                 scale,
                                 &ranges,
@@ -1104,7 +1131,10 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
     fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
         let store = self.blocks.as_ref()?;
-        if E::DTYPE != attnstore_kernels::DType::F16 || (!plan.exact && plan.selections.len() > 1) {
+        if E::DTYPE != attnstore_kernels::DType::F16
+            || self.hack.is_some()
+            || (!plan.exact && plan.selections.len() > 1)
+        {
             return None;
         }
         Some(self.gpu_work_f16(store, kv_head, q, plan))
@@ -1120,7 +1150,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
     fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
         self.blocks.as_ref()?;
-        if E::DTYPE != attnstore_kernels::DType::F16 {
+        if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() {
             return None;
         }
         let (d, sink) = (self.head_dim, self.sink_len);
@@ -1149,6 +1179,9 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
     fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> Option<HeadPlan> {
         self.blocks.as_ref()?;
+        if self.hack.is_some() {
+            return None; // the device path reads plain block-homed rows only
+        }
         let mut plan = self.steady_plan();
         let dir = &self.heads[kv_head].dir;
         if dir.is_empty() {
@@ -1174,7 +1207,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         self.hack.map(|_| self.heads.first().map_or(0, |s| s.segments.len()))
     }
 
-    fn encoded_home(&self, from_segment: usize) -> Option<EncodedHome> {
+    fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
         WaveIndex::encoded_home(self, from_segment)
     }
 

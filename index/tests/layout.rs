@@ -113,7 +113,7 @@ fn a_hack2_index_restored_from_its_encoded_home_is_the_index_it_came_from() {
     let segments = original.layout().segments.len();
     assert!(segments >= 3, "prefill and decode segments: {segments}");
     assert_eq!(AccessMethod::encoded_segments(&original), Some(segments));
-    let home = original.encoded_home(0).unwrap();
+    let home = original.encoded_home(0).unwrap().unwrap();
     let (encoded, steady) = home.bytes();
     // Sink (4) and tail rows, keys and values, 2 bytes a value.
     let plain_rows = 4 + total - original.layout().tail_start as usize;
@@ -142,7 +142,7 @@ fn a_hack2_index_restored_from_its_encoded_home_is_the_index_it_came_from() {
     assert_eq!(a.layout(), b.layout());
     let q = randn(shape.query_len(), 30, 2.0);
     assert_eq!(run(&a, &shape, &q, None), run(&b, &shape, &q, None));
-    let later = a.encoded_home(segments).unwrap();
+    let later = a.encoded_home(segments).unwrap().unwrap();
     assert_eq!((later.segment_count, later.segments.len()), (segments + 2, 2));
 
     // What does not fit is refused, and the index stays empty.

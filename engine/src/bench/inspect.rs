@@ -7,7 +7,7 @@ use crate::buffers::BufferSettings;
 use crate::synth::{SynthContext, SynthParams};
 use crate::{Budget, ContextId, ContextSpec, Engine, EngineConfig, Request, Result};
 use attnstore_buffer::BufferStats;
-use attnstore_kernels::{AttnShape, DType};
+use attnstore_kernels::{AttnShape, Codec, DType, HackView};
 use indicatif::{ProgressBar, ProgressStyle};
 use std::time::Instant;
 
@@ -18,8 +18,8 @@ pub struct InspectConfig {
     pub tokens: usize,
     /// Heads and head dimension.
     pub shape: AttnShape,
-    /// Storage type.
-    pub dtype: DType,
+    /// Codec of the stored rows (`hack2`: the buffer manager homes them in 2-bit form).
+    pub codec: Codec,
     /// Sparse decode steps (distinct queries).
     pub steps: usize,
     /// Of those, steps that also run an exact (full-budget) plan on both engines.
@@ -57,6 +57,19 @@ pub fn blocks_for_context(shape: &AttnShape, dtype: DType, tokens: usize, block_
     2 * per_head * shape.kv_heads
 }
 
+/// Host blocks that hold all indexed rows of a context of `codec`: as
+/// [`blocks_for_context`] for plain rows; for `hack2`, per value block of Π rows its 2-bit
+/// bytes rounded up to whole blocks (one short block per segment besides).
+pub fn blocks_for_codec(shape: &AttnShape, codec: Codec, tokens: usize, block_bytes: usize) -> usize {
+    let Some(params) = codec.hack() else {
+        return blocks_for_context(shape, codec.plain_dtype(), tokens, block_bytes);
+    };
+    let p = params.partition;
+    let per_group = HackView::group_len(shape.head_dim, params, p).div_ceil(block_bytes.max(1));
+    let groups = tokens.div_ceil(p) + tokens / 1024 + 8;
+    groups * per_group * shape.kv_heads
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted.get(((sorted.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(f64::NAN)
 }
@@ -89,13 +102,13 @@ pub fn inspect(cfg: &InspectConfig) -> Result<InspectReport> {
     let config = EngineConfig { block: cfg.block, ..EngineConfig::default() };
     let mut settings = cfg.buffers.clone();
     if settings.host_blocks == 0 {
-        settings.host_blocks = blocks_for_context(&cfg.shape, cfg.dtype, cfg.tokens, config.block.block_bytes());
+        settings.host_blocks = blocks_for_codec(&cfg.shape, cfg.codec, cfg.tokens, config.block.block_bytes());
         settings.gpu_blocks = settings.host_blocks / 20;
     }
     let plain = Engine::in_memory(config.clone())?;
     let buffered = Engine::in_memory(EngineConfig { buffers: Some(settings), ..config })?;
     let synth = SynthContext::generate(SynthParams::new(cfg.shape, cfg.tokens, cfg.seed));
-    let spec = ContextSpec::new(cfg.shape, 1).with_dtype(cfg.dtype);
+    let spec = ContextSpec::new(cfg.shape, 1).with_codec(cfg.codec);
     let mut prefill = [0.0; 2];
     let mut ctxs = [ContextId(0); 2];
     for (i, engine) in [&plain, &buffered].into_iter().enumerate() {

@@ -5,7 +5,7 @@
 mod inspect;
 mod report;
 
-pub use inspect::{blocks_for_context, inspect, InspectConfig, InspectReport};
+pub use inspect::{blocks_for_codec, blocks_for_context, inspect, InspectConfig, InspectReport};
 pub use report::{table, Row};
 
 use crate::budget::{Budget, EstimateShare};

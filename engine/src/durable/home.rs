@@ -391,7 +391,7 @@ pub(crate) mod tests {
     }
 
     fn job(w: &WaveIndex<f16>, from: usize, data_bytes: u64) -> HomeJob {
-        let home = w.encoded_home(from).unwrap();
+        let home = w.encoded_home(from).unwrap().unwrap();
         let tokens = home.tokens;
         HomeJob { context: 7, layer: 1, home, data_bytes, chunks: 2, tokens, head_dim: D }
     }
@@ -414,7 +414,7 @@ pub(crate) mod tests {
             len: 8,
             head_dim: 16,
             partition: 16,
-            heads: vec![HeadRecord::new(&index().encoded_home(0).unwrap().segments[0].heads[0]); 1],
+            heads: vec![HeadRecord::new(&index().encoded_home(0).unwrap().unwrap().segments[0].heads[0]); 1],
         })
     }
 

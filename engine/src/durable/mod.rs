@@ -472,16 +472,17 @@ impl Engine {
                         let catalog = durable.catalog.lock();
                         let Some(c) = catalog.contexts.get(&id.0).map(|c| &c.layers[layer]) else { continue };
                         if c.committed_bytes != known.data_bytes {
-                            let job = guard.method.encoded_home(known.segment_crcs.len()).map(|home| home::HomeJob {
-                                context: id.0,
-                                layer,
-                                home,
-                                data_bytes: c.committed_bytes,
-                                chunks: c.chunks,
-                                tokens: c.tokens,
-                                head_dim: ctx.spec.shape.head_dim,
-                            });
-                            homes.extend(job);
+                            if let Some(home) = guard.method.encoded_home(known.segment_crcs.len()) {
+                                homes.push(home::HomeJob {
+                                    context: id.0,
+                                    layer,
+                                    home: home?,
+                                    data_bytes: c.committed_bytes,
+                                    chunks: c.chunks,
+                                    tokens: c.tokens,
+                                    head_dim: ctx.spec.shape.head_dim,
+                                });
+                            }
                         }
                         continue;
                     }

@@ -88,6 +88,19 @@ pub struct HackScratch {
     codes: Vec<u8>,
 }
 
+/// The 2-bit codec packs four values per byte.
+fn check_head_dim(head_dim: usize) -> Result<()> {
+    if head_dim == 0 || !head_dim.is_multiple_of(4) {
+        return Err(Error::InvalidArgument {
+            what: "head_dim",
+            message: format!(
+                "the 2-bit codec packs four values per byte: head_dim must be a positive multiple of 4, got {head_dim}"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Probabilities are quantized to 7 bits (0..=127): `vpmaddubsw` multiplies one unsigned
 /// and one *signed* byte operand, and the 2-bit codes take the unsigned side.
 const P_LEVELS: f32 = 127.0;
@@ -95,12 +108,7 @@ const P_LEVELS: f32 = 127.0;
 impl HackRows {
     /// An empty store for rows of `head_dim` values.
     pub fn new(head_dim: usize, params: HackParams) -> Result<Self> {
-        if head_dim == 0 || !head_dim.is_multiple_of(4) {
-            return Err(Error::InvalidArgument {
-                what: "head_dim",
-                message: format!("the 2-bit codec packs four values per byte: head_dim must be a positive multiple of 4, got {head_dim}"),
-            });
-        }
+        check_head_dim(head_dim)?;
         Ok(Self {
             params,
             d: head_dim,
@@ -146,20 +154,9 @@ impl HackRows {
     /// A mismatch is a typed error naming the array.
     pub fn from_arrays(head_dim: usize, params: HackParams, rows: usize, a: HackArrays<'_>) -> Result<Self> {
         let mut out = Self::new(head_dim, params)?;
+        HackView::new(head_dim, params, rows, a)?;
         let (d, p) = (head_dim, params.partition);
         let blocks = rows.div_ceil(p);
-        let lengths = [
-            ("key codes", a.key_codes.len(), rows * d / 4),
-            ("key minima", a.key_min.len(), rows * out.k_parts),
-            ("key scales", a.key_scale.len(), rows * out.k_parts),
-            ("key code sums", a.key_sum.len(), rows * out.k_parts),
-            ("value codes", a.value_codes.len(), blocks * p / 4 * d),
-            ("value minima", a.value_min.len(), blocks * d),
-            ("value scales", a.value_scale.len(), blocks * d),
-        ];
-        if let Some(&(what, got, expected)) = lengths.iter().find(|(_, got, expected)| got != expected) {
-            return Err(Error::ShapeMismatch { what, expected, got });
-        }
         let bad = |what: &'static str, message: String| Err(Error::InvalidArgument { what, message });
         let metadata = [(a.key_min, a.key_scale, "key"), (a.value_min, a.value_scale, "value")];
         for (min, scale, what) in metadata {
@@ -301,17 +298,190 @@ impl HackRows {
         (keys, values)
     }
 
+    /// The rows as a view attention runs on.
+    pub fn view(&self) -> HackView<'_> {
+        HackView { params: self.params, d: self.d, rows: self.rows, k_parts: self.k_parts, a: self.arrays() }
+    }
+
+    /// Folds the rows of `ranges` into the partials of the `parts.len()` query heads of `q`
+    /// ([`HackView::attend`] over all rows).
+    pub fn attend(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], s: &mut HackScratch) {
+        self.view().attend(q, scale, ranges, parts, s);
+    }
+
+    /// Value blocks (groups of Π rows, the last one possibly short).
+    pub fn groups(&self) -> usize {
+        self.rows.div_ceil(self.params.partition)
+    }
+
+    /// Value block `g` in the group layout, [`HackView::group_len`] bytes: its key codes,
+    /// its value codes (padded quads), then, 2-byte aligned, key minima, scales and code
+    /// sums (per row and key partition) and value minima and scales (per channel), all
+    /// little-endian.
+    pub fn group_bytes(&self, g: usize) -> Vec<u8> {
+        let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
+        let rows = g * p..((g + 1) * p).min(self.rows);
+        let n = rows.len();
+        let mut out = Vec::with_capacity(HackView::group_len(d, self.params, n));
+        out.extend_from_slice(&self.k_codes[rows.start * d / 4..rows.end * d / 4]);
+        out.extend_from_slice(&self.v_codes[g * p / 4 * d..(g + 1) * p / 4 * d]);
+        if out.len() % 2 == 1 {
+            out.push(0);
+        }
+        let meta = rows.start * kp..rows.end * kp;
+        let halves = |x: &[f16], out: &mut Vec<u8>| out.extend(x.iter().flat_map(|v| v.to_bits().to_le_bytes()));
+        halves(&self.k_min[meta.clone()], &mut out);
+        halves(&self.k_scale[meta.clone()], &mut out);
+        out.extend(self.k_sum[meta].iter().flat_map(|v| v.to_le_bytes()));
+        halves(&self.v_min[g * d..(g + 1) * d], &mut out);
+        halves(&self.v_scale[g * d..(g + 1) * d], &mut out);
+        out
+    }
+
+    /// Rows rebuilt from their value blocks in order (each a full block but the last), every
+    /// array checked as [`HackRows::from_arrays`] does.
+    pub fn from_groups(head_dim: usize, params: HackParams, groups: &[HackView<'_>]) -> Result<Self> {
+        let mut a = (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut rows = 0;
+        for (i, v) in groups.iter().enumerate() {
+            if v.rows != params.partition && i + 1 < groups.len() {
+                return Err(Error::InvalidArgument {
+                    what: "2-bit groups",
+                    message: format!("group {i} of {} holds {} rows: only the last may be short", groups.len(), v.rows),
+                });
+            }
+            rows += v.rows;
+            a.0.extend_from_slice(v.a.key_codes);
+            a.1.extend_from_slice(v.a.key_min);
+            a.2.extend_from_slice(v.a.key_scale);
+            a.3.extend_from_slice(v.a.key_sum);
+            a.4.extend_from_slice(v.a.value_codes);
+            a.5.extend_from_slice(v.a.value_min);
+            a.6.extend_from_slice(v.a.value_scale);
+        }
+        let arrays = HackArrays {
+            key_codes: &a.0,
+            key_min: &a.1,
+            key_scale: &a.2,
+            key_sum: &a.3,
+            value_codes: &a.4,
+            value_min: &a.5,
+            value_scale: &a.6,
+        };
+        Self::from_arrays(head_dim, params, rows, arrays)
+    }
+}
+
+/// 2-bit rows borrowed as arrays laid out as [`HackRows::arrays`] returns them: attention
+/// runs on this view, over a whole [`HackRows`] or over one value block homed elsewhere
+/// (e.g. a buffer manager's block, [`HackView::from_group`]).
+#[derive(Debug, Clone, Copy)]
+pub struct HackView<'a> {
+    params: HackParams,
+    d: usize,
+    rows: usize,
+    k_parts: usize,
+    a: HackArrays<'a>,
+}
+
+impl<'a> HackView<'a> {
+    /// A view of `rows` rows of `head_dim` values; every array's length is checked (the
+    /// codes are trusted: [`HackRows::from_arrays`] checks them too).
+    pub fn new(head_dim: usize, params: HackParams, rows: usize, a: HackArrays<'a>) -> Result<Self> {
+        check_head_dim(head_dim)?;
+        let k_parts = head_dim.div_ceil(params.partition);
+        let blocks = rows.div_ceil(params.partition);
+        let lengths = [
+            ("key codes", a.key_codes.len(), rows * head_dim / 4),
+            ("key minima", a.key_min.len(), rows * k_parts),
+            ("key scales", a.key_scale.len(), rows * k_parts),
+            ("key code sums", a.key_sum.len(), rows * k_parts),
+            ("value codes", a.value_codes.len(), blocks * params.partition / 4 * head_dim),
+            ("value minima", a.value_min.len(), blocks * head_dim),
+            ("value scales", a.value_scale.len(), blocks * head_dim),
+        ];
+        if let Some(&(what, got, expected)) = lengths.iter().find(|(_, got, expected)| got != expected) {
+            return Err(Error::ShapeMismatch { what, expected, got });
+        }
+        Ok(Self { params, d: head_dim, rows, k_parts, a })
+    }
+
+    /// Rows in view.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// The arrays in view.
+    pub fn arrays(&self) -> HackArrays<'a> {
+        self.a
+    }
+
+    /// Bytes of one value block of `rows` (≤ Π) rows in the group layout
+    /// ([`HackRows::group_bytes`]).
+    pub fn group_len(head_dim: usize, params: HackParams, rows: usize) -> usize {
+        let kp = head_dim.div_ceil(params.partition);
+        let codes = rows * head_dim / 4 + params.partition / 4 * head_dim;
+        codes.next_multiple_of(2) + 2 * (3 * rows * kp + 2 * head_dim)
+    }
+
+    /// A view of one value block of `rows` rows stored in the group layout
+    /// ([`HackRows::group_bytes`]); `bytes` must start 2-byte aligned (its f16 and u16
+    /// arrays are viewed in place) and hold at least [`HackView::group_len`] bytes.
+    pub fn from_group(head_dim: usize, params: HackParams, rows: usize, bytes: &'a [u8]) -> Result<Self> {
+        check_head_dim(head_dim)?;
+        let (p, kp) = (params.partition, head_dim.div_ceil(params.partition));
+        let need = Self::group_len(head_dim, params, rows);
+        if rows == 0 || rows > p || bytes.len() < need {
+            return Err(Error::InvalidArgument {
+                what: "2-bit group",
+                message: format!("{} bytes for {rows} rows (1..={p}): expected at least {need}", bytes.len()),
+            });
+        }
+        let (key_codes, rest) = bytes.split_at(rows * head_dim / 4);
+        let (value_codes, _) = rest.split_at(p / 4 * head_dim);
+        let at = (rows * head_dim / 4 + p / 4 * head_dim).next_multiple_of(2);
+        let words: &[u16] = bytemuck::try_cast_slice(&bytes[at..need]).map_err(|e| Error::InvalidArgument {
+            what: "2-bit group",
+            message: format!("its metadata must be 2-byte aligned: {e}"),
+        })?;
+        let (k_min, rest) = words.split_at(rows * kp);
+        let (k_scale, rest) = rest.split_at(rows * kp);
+        let (key_sum, rest) = rest.split_at(rows * kp);
+        let (v_min, v_scale) = rest.split_at(head_dim);
+        let a = HackArrays {
+            key_codes,
+            key_min: bytemuck::cast_slice(k_min),
+            key_scale: bytemuck::cast_slice(k_scale),
+            key_sum,
+            value_codes,
+            value_min: bytemuck::cast_slice(v_min),
+            value_scale: bytemuck::cast_slice(v_scale),
+        };
+        Self::new(head_dim, params, rows, a)
+    }
+
     /// Folds the rows of `ranges` (any order, not overlapping) into the partials of the
     /// `parts.len()` query heads whose vectors are the rows of `q`, by homomorphic products
     /// (8-bit queries and probabilities against the 2-bit codes). `scale` multiplies every
     /// score (normally `1/√d`).
     pub fn attend(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], s: &mut HackScratch) {
+        if parts.is_empty() || ranges.iter().all(|r| r.is_empty()) {
+            return;
+        }
+        debug_assert_eq!(q.len(), parts.len() * self.d);
+        self.quantize_queries(q, parts.len(), s);
+        self.attend_quantized(scale, ranges, parts, s);
+    }
+
+    /// [`HackView::attend`] with the queries already quantized into `s` by
+    /// [`HackView::quantize_queries`] (of any view with the same head dimension and Π):
+    /// rows homed in pieces (one value block each) quantize the step's queries once.
+    pub fn attend_quantized(&self, scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], s: &mut HackScratch) {
         let (g, p) = (parts.len(), self.params.partition);
         if g == 0 || ranges.iter().all(|r| r.is_empty()) {
             return;
         }
-        debug_assert_eq!(q.len(), g * self.d);
-        self.quantize_queries(q, g, s);
+        debug_assert_eq!(s.q8.len(), g * self.d, "queries quantized for another head count");
         let mut sorted: Vec<Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).cloned().collect();
         sorted.sort_unstable_by_key(|r| r.start);
         let mut i = 0;
@@ -333,8 +503,9 @@ impl HackRows {
         }
     }
 
-    /// 8-bit queries per key partition: codes, minimum, scale and code sum.
-    fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
+    /// Quantizes the `g` query heads of `q` to 8 bits per key partition (codes, minimum,
+    /// scale and code sum) into `s`, for [`HackView::attend_quantized`].
+    pub fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
         let d = self.d;
         s.q8.clear();
         s.q_min.clear();
@@ -457,7 +628,7 @@ impl HackRows {
             }
         }
         s.acc.resize(g * d, 0);
-        let quads = &self.v_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
+        let quads = &self.a.value_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
         if self.fast_values() {
             values_avx2(quads, d, &s.quads, &s.weights, p, &mut s.acc);
         } else {
@@ -465,8 +636,8 @@ impl HackRows {
         }
         s.column.resize(2 * d, 0.0);
         let (sv, mv) = s.column.split_at_mut(d);
-        self.v_scale[block * d..(block + 1) * d].convert_to_f32_slice(sv);
-        self.v_min[block * d..(block + 1) * d].convert_to_f32_slice(mv);
+        self.a.value_scale[block * d..(block + 1) * d].convert_to_f32_slice(sv);
+        self.a.value_min[block * d..(block + 1) * d].convert_to_f32_slice(mv);
         for (h, part) in parts.iter_mut().enumerate() {
             let (sp, ps) = (s.p_scale[h], s.p_sum[h]);
             if ps == 0.0 {
@@ -492,10 +663,10 @@ impl HackRows {
             s.kmeta.resize(3 * m, 0.0);
             let (sk, rest) = s.kmeta.split_at_mut(m);
             let (mk, ks) = rest.split_at_mut(m);
-            self.k_scale[meta.clone()].convert_to_f32_slice(sk);
-            self.k_min[meta.clone()].convert_to_f32_slice(mk);
-            ks.iter_mut().zip(&self.k_sum[meta]).for_each(|(f, &x)| *f = f32::from(x));
-            let keys = super::hack_avx2::KeyData { codes: &self.k_codes, sk, mk, ks, d, kp, first_row: first };
+            self.a.key_scale[meta.clone()].convert_to_f32_slice(sk);
+            self.a.key_min[meta.clone()].convert_to_f32_slice(mk);
+            ks.iter_mut().zip(&self.a.key_sum[meta]).for_each(|(f, &x)| *f = f32::from(x));
+            let keys = super::hack_avx2::KeyData { codes: self.a.key_codes, sk, mk, ks, d, kp, first_row: first };
             scores_avx2(&keys, &s.rows, &s.pairs, g, scale, &mut s.scores);
             return;
         }
@@ -503,7 +674,7 @@ impl HackRows {
         for (i, &t) in s.rows.iter().enumerate() {
             let r = first + t as usize;
             for (j, k) in s.keys.iter_mut().enumerate() {
-                *k = (self.k_codes[r * d / 4 + j / 4] >> (2 * (j % 4))) & 3;
+                *k = (self.a.key_codes[r * d / 4 + j / 4] >> (2 * (j % 4))) & 3;
             }
             for h in 0..g {
                 let mut score = 0.0f32;
@@ -511,7 +682,8 @@ impl HackRows {
                     let dims = k * p..((k + 1) * p).min(d);
                     let qk = int_dot(&s.q8[h * d + dims.start..h * d + dims.end], &s.keys[dims.clone()]);
                     let at = r * kp + k;
-                    let (sk, mk, ks) = (self.k_scale[at].to_f32(), self.k_min[at].to_f32(), f32::from(self.k_sum[at]));
+                    let (sk, mk, ks) =
+                        (self.a.key_scale[at].to_f32(), self.a.key_min[at].to_f32(), f32::from(self.a.key_sum[at]));
                     let (sq, mq, qs) = (s.q_scale[h * kp + k], s.q_min[h * kp + k], s.q_sum[h * kp + k]);
                     score += sq * sk * qk as f32 + sq * mk * qs + mq * sk * ks + dims.len() as f32 * mq * mk;
                 }
@@ -654,7 +826,7 @@ mod tests {
         let (d, p) = (rows.d, rows.params.partition);
         let scale = 1.0 / (d as f32).sqrt();
         let mut s = HackScratch::default();
-        rows.quantize_queries(q, g, &mut s);
+        rows.view().quantize_queries(q, g, &mut s);
         let q8: Vec<f32> = (0..g * d)
             .map(|i| {
                 let (h, j) = (i / d, i % d);
@@ -736,6 +908,69 @@ mod tests {
         scales[3] = f16::NAN;
         let err = HackRows::from_arrays(d, rows.params(), 150, HackArrays { value_scale: &scales, ..a }).unwrap_err();
         assert!(err.to_string().contains("value scale 3"), "{err}");
+    }
+
+    #[test]
+    fn value_blocks_in_the_group_layout_attend_as_the_rows_they_came_from() {
+        for (d, partition, tokens) in [(128, 64, 150), (64, 32, 96), (36, 16, 21)] {
+            let params = HackParams::new(partition).unwrap();
+            let (k, v) = (randn(tokens * d, 31), randn(tokens * d, 32));
+            let mut rows = HackRows::new(d, params).unwrap();
+            rows.push_rows(&k, &v, &mut SplitMix64::new(33)).unwrap();
+            let q = randn(3 * d, 34);
+            let scale = 1.0 / (d as f32).sqrt();
+            // Each group in a u16 buffer (2-byte aligned), as a buffer manager block would hold it.
+            let buffers: Vec<Vec<u16>> = (0..rows.groups())
+                .map(|g| {
+                    let bytes = rows.group_bytes(g);
+                    let n = (g * partition..((g + 1) * partition).min(tokens)).len();
+                    assert_eq!(bytes.len(), HackView::group_len(d, params, n), "d={d} group {g}");
+                    let mut words = vec![0u16; bytes.len().div_ceil(2)];
+                    bytemuck::cast_slice_mut::<u16, u8>(&mut words)[..bytes.len()].copy_from_slice(&bytes);
+                    words
+                })
+                .collect();
+            let views: Vec<HackView<'_>> = buffers
+                .iter()
+                .enumerate()
+                .map(|(g, w)| {
+                    let n = (g * partition..((g + 1) * partition).min(tokens)).len();
+                    HackView::from_group(d, params, n, bytemuck::cast_slice(w)).unwrap()
+                })
+                .collect();
+            // Attending group by group with the queries quantized once = attending the rows.
+            let ranges = [0..tokens, 3..(tokens / 2), (tokens - 5)..tokens];
+            for r in &ranges {
+                let mut whole = vec![Partial::empty(d); 3];
+                rows.attend(&q, scale, std::slice::from_ref(r), &mut whole, &mut HackScratch::default());
+                let mut pieces = vec![Partial::empty(d); 3];
+                let mut s = HackScratch::default();
+                views[0].quantize_queries(&q, 3, &mut s);
+                for (g, view) in views.iter().enumerate() {
+                    let lo = g * partition;
+                    let local = r.start.max(lo).saturating_sub(lo)..r.end.min(lo + view.rows()).saturating_sub(lo);
+                    if !local.is_empty() {
+                        view.attend_quantized(scale, &[local], &mut pieces, &mut s);
+                    }
+                }
+                for (a, b) in whole.iter().zip(&pieces) {
+                    assert_eq!(a.finish(), b.finish(), "d={d} Π={partition} rows {r:?}");
+                }
+            }
+            let again = HackRows::from_groups(d, params, &views).unwrap();
+            assert_eq!((again.rows(), again.bytes()), (rows.rows(), rows.bytes()));
+            assert_eq!(again.group_bytes(views.len() - 1), rows.group_bytes(views.len() - 1));
+            // Too few bytes, or a short group before the last, are typed errors.
+            let short = &bytemuck::cast_slice::<u16, u8>(&buffers[0])[..10];
+            assert!(HackView::from_group(d, params, partition.min(tokens), short).is_err());
+            if views.len() > 1 {
+                let last = views.len() - 1;
+                assert!(
+                    HackRows::from_groups(d, params, &[views[last], views[0]]).is_err()
+                        || views[last].rows() == partition
+                );
+            }
+        }
     }
 
     #[test]
