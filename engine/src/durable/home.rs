@@ -61,7 +61,21 @@ pub(crate) struct HomeRecord {
     /// crc32c of each segment file's payload, in order.
     segments: Vec<u32>,
     /// Per KV head: sink keys, sink values, tail keys, tail values (f16, little-endian).
-    steady: Vec<[Vec<u8>; 4]>,
+    steady: Vec<SteadyRecord>,
+}
+
+/// One KV head's plain rows in a home (byte strings: one copy when read, not one call per
+/// byte).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct SteadyRecord {
+    #[serde(with = "serde_bytes")]
+    sink_keys: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    sink_values: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    tail_keys: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    tail_values: Vec<u8>,
 }
 
 /// One segment file.
@@ -82,19 +96,29 @@ pub(crate) struct SegmentRecord {
 pub(crate) struct HeadRecord {
     sizes: Vec<u32>,
     /// u32 token positions.
+    #[serde(with = "serde_bytes")]
     positions: Vec<u8>,
     /// f16 mean keys and values, `clusters × head_dim`.
+    #[serde(with = "serde_bytes")]
     centroids: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     value_means: Vec<u8>,
     rows: u64,
+    #[serde(with = "serde_bytes")]
     key_codes: Vec<u8>,
     /// f16, f16, u16 per row and key partition.
+    #[serde(with = "serde_bytes")]
     key_min: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     key_scale: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     key_sum: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     value_codes: Vec<u8>,
     /// f16 per value block and channel.
+    #[serde(with = "serde_bytes")]
     value_min: Vec<u8>,
+    #[serde(with = "serde_bytes")]
     value_scale: Vec<u8>,
 }
 
@@ -241,13 +265,11 @@ pub(crate) fn write_home(
         steady: home
             .steady
             .iter()
-            .map(|h| {
-                [
-                    halves_to_bytes(&h.sink_keys),
-                    halves_to_bytes(&h.sink_values),
-                    halves_to_bytes(&h.tail_keys),
-                    halves_to_bytes(&h.tail_values),
-                ]
+            .map(|h| SteadyRecord {
+                sink_keys: halves_to_bytes(&h.sink_keys),
+                sink_values: halves_to_bytes(&h.sink_values),
+                tail_keys: halves_to_bytes(&h.tail_keys),
+                tail_values: halves_to_bytes(&h.tail_values),
             })
             .collect(),
     };
@@ -345,12 +367,12 @@ pub(crate) fn read_home(
     let steady = r
         .steady
         .iter()
-        .map(|[sk, sv, tk, tv]| {
+        .map(|h| {
             Ok(SteadyHead {
-                sink_keys: bytes_to_halves(sk, "sink keys")?,
-                sink_values: bytes_to_halves(sv, "sink values")?,
-                tail_keys: bytes_to_halves(tk, "tail keys")?,
-                tail_values: bytes_to_halves(tv, "tail values")?,
+                sink_keys: bytes_to_halves(&h.sink_keys, "sink keys")?,
+                sink_values: bytes_to_halves(&h.sink_values, "sink values")?,
+                tail_keys: bytes_to_halves(&h.tail_keys, "tail keys")?,
+                tail_values: bytes_to_halves(&h.tail_values, "tail values")?,
             })
         })
         .collect::<std::result::Result<Vec<_>, String>>()

@@ -88,6 +88,22 @@ pub struct HackScratch {
     codes: Vec<u8>,
 }
 
+/// Sum of the 2-bit codes packed in `bytes` (four per byte): per byte the low bits count
+/// once and the high bits twice, so two popcounts over eight bytes at a time.
+fn code_sum(bytes: &[u8]) -> u16 {
+    let (lo, hi) = (0x5555_5555_5555_5555u64, 0xAAAA_AAAA_AAAA_AAAAu64);
+    let mut chunks = bytes.chunks_exact(8);
+    let mut sum = 0u32;
+    for c in &mut chunks {
+        let w = u64::from_le_bytes(c.try_into().unwrap_or_default());
+        sum += (w & lo).count_ones() + 2 * (w & hi).count_ones();
+    }
+    for &b in chunks.remainder() {
+        sum += (b & 0x55).count_ones() + 2 * (b & 0xAA).count_ones();
+    }
+    sum as u16
+}
+
 /// The 2-bit codec packs four values per byte.
 fn check_head_dim(head_dim: usize) -> Result<()> {
     if head_dim == 0 || !head_dim.is_multiple_of(4) {
@@ -170,8 +186,8 @@ impl HackRows {
         for r in 0..rows {
             let codes = &a.key_codes[r * d / 4..(r + 1) * d / 4];
             for k in 0..out.k_parts {
-                let dims = k * p..((k + 1) * p).min(d);
-                let sum: u16 = dims.map(|j| u16::from((codes[j / 4] >> (2 * (j % 4))) & 3)).sum();
+                // Π and d are multiples of 4: a partition is whole bytes.
+                let sum = code_sum(&codes[k * p / 4..((k + 1) * p).min(d) / 4]);
                 if sum != a.key_sum[r * out.k_parts + k] {
                     return bad(
                         "2-bit rows",
