@@ -4,7 +4,10 @@
 //! - `hack2_homomorphic`: attention computed on the 2-bit codes (dp4a integer products);
 //! - `hack2_dequant_attend`: dequantize the 2-bit rows to f16, then the exact f16 kernel
 //!   (what a codec without homomorphic attention does every step);
-//! - `exact_f16`: the exact f16 kernel over the original f16 rows in HBM.
+//! - `exact_f16`: the exact f16 kernel over the original f16 rows in HBM;
+//! - `hack2_homomorphic_sparse`: the homomorphic kernel over a sparse plan's rows only
+//!   (per KV head, 1.8% of the tokens in runs of 16, as a wave plan's retrieved clusters),
+//!   reading only the value blocks they touch.
 //!
 //! Prints one JSON line per configuration with the bytes read; `compare.py` adds PyTorch
 //! SDPA over f16 KV measured in the same command and prints the ratios.
@@ -69,6 +72,30 @@ fn main() {
             )
         };
         let homomorphic = time(&mut || gpu.launch_hack(&dev, &mut hack_job).expect("launch"));
+        // A sparse plan's retrieval zone: 1.8% of the tokens per head, runs of 16 rows.
+        let runs = (tokens * 18 / 1000).div_ceil(16);
+        let ranges: Vec<Vec<std::ops::Range<usize>>> = (0..shape.kv_heads)
+            .map(|_| {
+                (0..runs)
+                    .map(|_| {
+                        let start = g.below(tokens / 16) * 16;
+                        start..(start + 16).min(tokens)
+                    })
+                    .collect()
+            })
+            .collect();
+        let touched: usize = ranges
+            .iter()
+            .map(|runs| {
+                let mut blocks: Vec<usize> = runs.iter().map(|r| r.start / 64).collect();
+                blocks.sort_unstable();
+                blocks.dedup();
+                blocks.len()
+            })
+            .sum();
+        let mut sparse_job = gpu.prepare_hack_rows(&shape, &q, &dev, &ranges).expect("prepare sparse");
+        let sparse = time(&mut || gpu.launch_hack(&dev, &mut sparse_job).expect("launch"));
+        let sparse_bytes = dev.bytes() * touched / (shape.kv_heads * tokens.div_ceil(64));
         let dequant_attend = time(&mut || {
             gpu.dequantize_hack(&dev, &mut deq).expect("dequantize");
             gpu.launch(deq.pointers(&gpu), &mut exact_job).expect("launch");
@@ -79,6 +106,7 @@ fn main() {
             ("hack2_homomorphic", homomorphic, dev.bytes()),
             ("hack2_dequant_attend", dequant_attend, dev.bytes() + 2 * f16_bytes),
             ("exact_f16", exact, f16_bytes),
+            ("hack2_homomorphic_sparse", sparse, sparse_bytes),
         ] {
             println!(
                 "{}",

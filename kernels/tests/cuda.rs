@@ -285,6 +285,54 @@ fn homomorphic_decode_on_the_gpu_equals_the_cpu_kernel_and_dequantize_then_atten
     }
 }
 
+#[test]
+fn homomorphic_decode_over_a_sparse_plans_rows_on_the_gpu_equals_the_cpu_kernel() {
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let tokens = 20_000;
+    let (k, v, q) = data(&shape, tokens, 77);
+    let heads = hack_heads(&shape, tokens, &k, &v);
+    let dev = gpu.upload_hack(&heads).unwrap();
+    // Per head, runs like a wave plan's retrieved clusters (some inside one value block,
+    // some across blocks), a different set per head; one head selects a single row.
+    let mut rng = SplitMix64::new(5);
+    let ranges: Vec<Vec<std::ops::Range<usize>>> = (0..shape.kv_heads)
+        .map(|h| match h {
+            3 => vec![tokens - 1..tokens],
+            _ => (0..40 + 10 * h)
+                .map(|_| {
+                    let start = rng.below(tokens - 40);
+                    start..start + 1 + rng.below(39)
+                })
+                .collect(),
+        })
+        .collect();
+    let mut job = gpu.prepare_hack_rows(&shape, &q, &dev, &ranges).unwrap();
+    gpu.launch_hack(&dev, &mut job).unwrap();
+    let got = gpu.fetch_hack(&job).unwrap();
+    let (d, g) = (shape.head_dim, shape.group());
+    let mut cpu = Vec::new();
+    for (h, rows) in heads.iter().enumerate() {
+        // Overlapping runs on the GPU count a row once: give the CPU the same row set.
+        let mut set: Vec<usize> = ranges[h].iter().flat_map(|r| r.clone()).collect();
+        set.sort_unstable();
+        set.dedup();
+        let runs: Vec<_> = set.iter().map(|&r| r..r + 1).collect();
+        let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
+        let qh = &q[h * g * d..(h + 1) * g * d];
+        rows.attend(qh, shape.scale(), &runs, &mut parts, &mut attnstore_kernels::HackScratch::default());
+        cpu.extend(parts.iter().flat_map(|p| p.finish()));
+    }
+    let cpu64: Vec<f64> = cpu.iter().map(|&x| f64::from(x)).collect();
+    let err = rel_l2(&got, &cpu64);
+    assert!(err <= 1e-3, "sparse rows: GPU vs CPU homomorphic {err}");
+    // Rows past the end, or runs for the wrong number of heads, are typed errors.
+    let mut bad = ranges.clone();
+    bad[0].push(tokens..tokens + 1);
+    assert!(gpu.prepare_hack_rows(&shape, &q, &dev, &bad).is_err());
+    assert!(gpu.prepare_hack_rows(&shape, &q, &dev, &ranges[1..]).is_err());
+}
+
 /// The CPU's tripartite attention over one step of a [`ClusteredLayer`] with the GPU's
 /// selection: exact over the steady zone and the selected clusters, estimation over every
 /// other non-empty cluster.

@@ -22,7 +22,11 @@ __device__ __forceinline__ unsigned spread4(unsigned x) {
 }
 
 // One CTA per (chunk of `chunk_blocks` value blocks, KV head); partials in the layout of
-// attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them.
+// attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them. With `sel_blocks`
+// (a sparse plan's rows), each head walks its `n_sel` listed value blocks instead of all of
+// them, and only the rows set in each block's 64-bit `sel_masks` word count (the others
+// score −∞: probability 0, no value read changes the sums), as `HackRows::attend` over row
+// runs does on the CPU.
 // q8: [q_heads][HEAD_DIM/4] words of 8-bit query codes (same dim order as the keys);
 // qmeta: [q_heads][KP][3] = scale, minimum, scale·Σcodes + 64·minimum.
 extern "C" __global__ void hack_partial(
@@ -31,7 +35,8 @@ extern "C" __global__ void hack_partial(
     const unsigned char* __restrict__ vc, const unsigned short* __restrict__ vmin,
     const unsigned short* __restrict__ vscale, int rows,
     const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
-    int chunk_blocks, float* __restrict__ part) {
+    int chunk_blocks, float* __restrict__ part, const int* __restrict__ sel_blocks,
+    const unsigned long long* __restrict__ sel_masks, int n_sel) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
   const int blocks = (rows + HBLK - 1) / HBLK;
@@ -52,15 +57,18 @@ extern "C" __global__ void hack_partial(
 #pragma unroll
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) o[g][j] = 0.f;
   __syncthreads();
-  const int b0 = chunk * chunk_blocks, b1 = min(blocks, b0 + chunk_blocks);
+  const int listed = sel_blocks ? n_sel : blocks;
+  const int b0 = chunk * chunk_blocks, b1 = min(listed, b0 + chunk_blocks);
   const long long head_rows = (long long)h * rows;
-  for (int b = b0; b < b1; b++) {
+  for (int i = b0; i < b1; i++) {
+    const int b = sel_blocks ? sel_blocks[(long long)h * n_sel + i] : i;
+    const unsigned long long mask = sel_blocks ? sel_masks[(long long)h * n_sel + i] : ~0ull;
     // Scores: KWORDS lanes per row, 16 codes (4 bytes) per lane.
     const int per_pass = HACK_THREADS / KWORDS;
     for (int r0 = 0; r0 < HBLK; r0 += per_pass) {
       const int r = r0 + t / KWORDS, w = t % KWORDS;
       const int row = b * HBLK + r;
-      const bool live = row < rows;
+      const bool live = row < rows && (mask >> r & 1ull);
       const unsigned word = live ? kc[(head_rows + row) * KWORDS + w] : 0u;
       unsigned s4[4];
 #pragma unroll

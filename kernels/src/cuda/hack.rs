@@ -49,6 +49,35 @@ pub struct HackJob {
     chunk_blocks: usize,
     shape: AttnShape,
     scale: f32,
+    /// A sparse plan's rows: per KV head `n` listed value blocks and their 64-bit row masks.
+    sel: Option<(CudaSlice<i32>, CudaSlice<u64>, usize)>,
+}
+
+/// Per KV head, the value blocks that `ranges` touch and a 64-bit mask of their selected
+/// rows, padded to the same count with empty masks: `(blocks, masks, per head)`.
+fn row_masks(ranges: &[Vec<std::ops::Range<usize>>], rows: usize) -> (Vec<i32>, Vec<u64>, usize) {
+    let per_head: Vec<Vec<(i32, u64)>> = ranges
+        .iter()
+        .map(|runs| {
+            let mut masks = std::collections::BTreeMap::<usize, u64>::new();
+            for r in runs {
+                for row in r.start..r.end.min(rows) {
+                    *masks.entry(row / BLOCK).or_default() |= 1u64 << (row % BLOCK);
+                }
+            }
+            masks.into_iter().map(|(b, m)| (b as i32, m)).collect()
+        })
+        .collect();
+    let n = per_head.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let (mut blocks, mut masks) = (Vec::with_capacity(n * ranges.len()), Vec::with_capacity(n * ranges.len()));
+    for head in &per_head {
+        for i in 0..n {
+            let (b, m) = head.get(i).copied().unwrap_or((0, 0));
+            blocks.push(b);
+            masks.push(m);
+        }
+    }
+    (blocks, masks, n)
 }
 
 /// 8-bit query codes per 64-dim partition (packed four to a word, dimension order) and per
@@ -120,8 +149,44 @@ impl GpuBackend {
         })
     }
 
-    /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over `dev`.
+    /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over all rows of `dev`.
     pub fn prepare_hack(&self, shape: &AttnShape, q: &[f32], dev: &DeviceHack) -> Result<HackJob> {
+        self.prepare_hack_with(shape, q, dev, None)
+    }
+
+    /// Prepares a homomorphic decode of `q` over the rows of a sparse plan: `ranges[h]`,
+    /// the row runs of KV head `h` (e.g. its retrieved clusters), as `HackRows::attend`
+    /// takes them on the CPU. Only the value blocks they touch are read.
+    pub fn prepare_hack_rows(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        dev: &DeviceHack,
+        ranges: &[Vec<std::ops::Range<usize>>],
+    ) -> Result<HackJob> {
+        if ranges.len() != dev.kv_heads {
+            return Err(Error::ShapeMismatch {
+                what: "row runs per KV head",
+                expected: dev.kv_heads,
+                got: ranges.len(),
+            });
+        }
+        if let Some(r) = ranges.iter().flatten().find(|r| r.end > dev.rows) {
+            return Err(Error::InvalidArgument {
+                what: "row runs",
+                message: format!("rows {r:?} past the {} rows of each head", dev.rows),
+            });
+        }
+        self.prepare_hack_with(shape, q, dev, Some(ranges))
+    }
+
+    fn prepare_hack_with(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        dev: &DeviceHack,
+        ranges: Option<&[Vec<std::ops::Range<usize>>]>,
+    ) -> Result<HackJob> {
         if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP || shape.kv_heads != dev.kv_heads {
             return Err(Error::InvalidArgument {
                 what: "shape",
@@ -139,7 +204,16 @@ impl GpuBackend {
             return Err(Error::ShapeMismatch { what: "queries", expected: shape.query_len(), got: q.len() });
         }
         let (words, meta) = quantize_queries(q, shape.head_dim);
-        let blocks = dev.rows.div_ceil(BLOCK).max(1);
+        let sel = match ranges {
+            Some(r) => {
+                let (blocks, masks, n) = row_masks(r, dev.rows);
+                let b = self.stream.clone_htod(&blocks).map_err(gpu_err("copying the selected blocks"))?;
+                let m = self.stream.clone_htod(&masks).map_err(gpu_err("copying the row masks"))?;
+                Some((b, m, n))
+            }
+            None => None,
+        };
+        let blocks = sel.as_ref().map_or(dev.rows.div_ceil(BLOCK), |s| s.2).max(1);
         // About HACK_CTAS CTAs in all: each CTA walks its blocks one after another
         // (three barriers per 64 rows), so more, shorter CTAs hide more latency.
         let ctas: usize = std::env::var("ATTNSTORE_HACK_CTAS").ok().and_then(|v| v.parse().ok()).unwrap_or(HACK_CTAS);
@@ -155,6 +229,7 @@ impl GpuBackend {
             chunk_blocks,
             shape: *shape,
             scale: shape.scale(),
+            sel,
         })
     }
 
@@ -172,9 +247,17 @@ impl GpuBackend {
         let mut b = self.stream.launch_builder(f);
         b.arg(&dev.kc).arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vc).arg(&dev.vmin).arg(&dev.vscale);
         b.arg(&rows).arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&group).arg(&chunk_blocks).arg(&mut job.part);
+        // Dense: null selection pointers (the kernel then walks every block).
+        let (null, n_sel) = (0u64, job.sel.as_ref().map_or(0, |s| s.2 as i32));
+        match &job.sel {
+            Some((blocks, masks, _)) => b.arg(blocks).arg(masks).arg(&n_sel),
+            None => b.arg(&null).arg(&null).arg(&n_sel),
+        };
         // SAFETY: dev holds kv_heads × rows rows in the layout hack_partial reads (checked in
         // upload_hack); q8/qmeta hold q_heads queries and part kv_heads × chunks × group
-        // partials (sized in prepare_hack for this shape, whose kv_heads match dev).
+        // partials (sized in prepare_hack for this shape, whose kv_heads match dev); a
+        // selection holds kv_heads × n block ids below the head's block count (row_masks
+        // lists only blocks of rows < dev.rows, checked in prepare_hack_rows) and n masks.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_partial"))?;
         self.launch_merge(
             &self.stream,
