@@ -16,7 +16,8 @@ use std::time::Duration;
 /// retrieved block when they are made; EXPLAIN counts blocks and bytes per tier; execution
 /// pins the blocks; `Engine::buffer_stats` is what `attnstore inspect` prints. The steady
 /// zone (sink, local window, pending tokens) and the cluster directory stay in the index.
-/// Flat and PQ contexts and `hack2` rows keep their own storage.
+/// A `hack2` wave context homes its 2-bit rows instead, one entry per value block of Π
+/// rows. Flat and PQ contexts keep their own storage.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BufferSettings {
     /// Blocks of the Host arena (mapped once at start). It is sized here, not charged to
