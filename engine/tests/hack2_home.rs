@@ -173,6 +173,13 @@ fn a_home_the_manifest_relies_on_that_is_missing_or_damaged_is_a_typed_error() {
     let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
     assert_eq!(engine.recovery_report().unwrap().homes_restored, 1);
     assert_eq!(engine.stats(ContextId(1), 0).unwrap().tokens, 2400);
+    // Dropping the context deletes its 2-bit files at once.
+    engine.drop_context(ContextId(1)).unwrap();
+    let left: Vec<_> = std::fs::read_dir(&index).unwrap().flatten().map(|e| e.file_name()).collect();
+    assert!(
+        left.iter().all(|n| !n.to_string_lossy().ends_with(".h2") && !n.to_string_lossy().ends_with(".home")),
+        "{left:?}"
+    );
 }
 
 #[test]

@@ -202,6 +202,21 @@ pub(crate) struct HomeState {
     pub punched: u64,
 }
 
+/// Deletes the homes and segment files of `layers` layers of `context` (best effort: what
+/// is left is stale and goes at the next checkpoint or recovery).
+pub(crate) fn remove_files(dir: &Path, context: u64, layers: usize) {
+    let index_dir = dir.join(INDEX_DIR);
+    for layer in 0..layers {
+        let _ = std::fs::remove_file(index_dir.join(home_name(context, layer)));
+        // Segment files are numbered from 0 without gaps.
+        for unit in 0.. {
+            if std::fs::remove_file(index_dir.join(segment_name(context, layer, unit))).is_err() {
+                break;
+            }
+        }
+    }
+}
+
 /// A home to write at a checkpoint.
 pub(crate) struct HomeJob {
     pub context: u64,

@@ -189,6 +189,10 @@ impl Durable {
                 let _ = std::fs::remove_file(data_path(&self.dir, id.0, layer));
             }
             let _ = self.storage.sync_dir(&self.data_dir());
+            // A 2-bit home is the bulk of a hack2 context's bytes: it goes now too (the
+            // next checkpoint or recovery removes whatever is left of it and its layouts).
+            self.homes.lock().retain(|&(c, _), _| c != id.0);
+            home::remove_files(&self.dir, id.0, ctx.layers.len());
         }
         Ok(())
     }
