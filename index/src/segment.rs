@@ -48,6 +48,28 @@ pub(crate) struct HackGroups {
     pub params: HackParams,
 }
 
+impl HackGroups {
+    /// Rows of value block `b` (Π, or fewer for the last).
+    fn rows_in(&self, b: usize) -> usize {
+        let p = self.params.partition;
+        (self.rows - b * p).min(p)
+    }
+
+    /// Bytes of value block `b` in the group layout.
+    fn len_of(&self, b: usize) -> usize {
+        HackView::group_len(self.d, self.params, self.rows_in(b))
+    }
+
+    /// Views of value blocks `blocks` over their copies `buffers` (from [`read_groups`]).
+    fn views<'a>(&self, blocks: &[usize], buffers: &'a [Vec<u16>]) -> Result<Vec<HackView<'a>>> {
+        blocks
+            .iter()
+            .zip(buffers)
+            .map(|(&b, buf)| Ok(HackView::from_group(self.d, self.params, self.rows_in(b), bytemuck::cast_slice(buf))?))
+            .collect()
+    }
+}
+
 /// The clusters of a segment whose rows live in the buffer manager.
 #[derive(Debug, Clone)]
 pub(crate) struct SegmentBlocks {
@@ -85,10 +107,7 @@ impl<E: Element> HeadSegment<E> {
     /// Bytes of the stored rows, encoded, plain, or in the buffer manager's blocks (the
     /// rows' bytes, without the padding of the blocks' tails).
     pub fn kv_bytes(&self) -> usize {
-        let groups = self.groups.as_ref().map_or(0, |g| {
-            let p = g.params.partition;
-            (0..g.count as usize).map(|i| HackView::group_len(g.d, g.params, (g.rows - i * p).min(p))).sum()
-        });
+        let groups = self.groups.as_ref().map_or(0, |g| (0..g.count as usize).map(|b| g.len_of(b)).sum());
         groups
             + self.hack.as_ref().map_or(0, HackRows::bytes)
             + self.blocks.as_ref().map_or(0, |b| 2 * self.positions.len() * b.row_bytes)
@@ -120,10 +139,9 @@ impl<E: Element> HeadSegment<E> {
         let Some(g) = &self.groups else { return Ok(None) };
         let (store, head) = store
             .ok_or_else(|| Error::MissingRows("2-bit rows homed in a buffer manager the index no longer has".into()))?;
-        let reader = store.buffers().scan_reader();
-        let buffers = read_groups(&reader, store, head, g, 0..g.count as usize)?;
-        let views = group_views(g, 0, &buffers)?;
-        Ok(Some(HackRows::from_groups(g.d, g.params, &views)?))
+        let blocks: Vec<usize> = (0..g.count as usize).collect();
+        let buffers = read_groups(&store.buffers().scan_reader(), store, head, g, &blocks)?;
+        Ok(Some(HackRows::from_groups(g.d, g.params, &g.views(&blocks, &buffers)?)?))
     }
 
     /// Moves the rows into the buffer manager (`store`, KV head `head`) as clusters
@@ -192,14 +210,8 @@ impl<E: Element> HeadSegment<E> {
             // A scan (an exact plan) must not flush what sparse plans keep re-reading.
             let reader = if homed.scan { store.buffers().scan_reader() } else { store.buffers().reader() };
             let blocks: Vec<usize> = wanted.iter().map(|(b, _)| *b).collect();
-            let buffers = read_groups_at(&reader, store, head, g, &blocks)?;
-            let views = blocks
-                .iter()
-                .zip(&buffers)
-                .map(|(&b, buf)| {
-                    HackView::from_group(g.d, g.params, (g.rows - b * p).min(p), bytemuck::cast_slice(buf))
-                })
-                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let buffers = read_groups(&reader, store, head, g, &blocks)?;
+            let views = g.views(&blocks, &buffers)?;
             // The step's queries are quantized once for every block.
             views[0].quantize_queries(q, parts.len(), &mut scratch.hack);
             for (view, (_, runs)) in views.iter().zip(&wanted) {
@@ -247,23 +259,10 @@ impl<E: Element> HeadSegment<E> {
     }
 }
 
-/// Value blocks `range` of `g` read from the buffer manager, each copied into a 2-byte
-/// aligned buffer in the group layout.
-fn read_groups(
-    reader: &attnstore_buffer::Reader<'_>,
-    store: &BlockStore,
-    head: usize,
-    g: &HackGroups,
-    range: Range<usize>,
-) -> Result<Vec<Vec<u16>>> {
-    let blocks: Vec<usize> = range.collect();
-    read_groups_at(reader, store, head, g, &blocks)
-}
-
 /// Value blocks `blocks` of `g`, each copied out of its pinned buffer-manager blocks into a
 /// 2-byte aligned buffer (a block of Π rows spans several 2 KiB blocks, which need not be
 /// adjacent).
-fn read_groups_at(
+fn read_groups(
     reader: &attnstore_buffer::Reader<'_>,
     store: &BlockStore,
     head: usize,
@@ -281,10 +280,9 @@ fn read_groups_at(
         locations.extend((0..f.len()).filter_map(|i| f.get(i)));
     }
     let mut pins = reader.pin_all(&locations).into_iter();
-    let p = g.params.partition;
     let mut out = Vec::with_capacity(blocks.len());
     for (&b, &n) in blocks.iter().zip(&counts) {
-        let len = HackView::group_len(g.d, g.params, (g.rows - b * p).min(p));
+        let len = g.len_of(b);
         let mut buf = vec![0u16; len.div_ceil(2)];
         let bytes = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut buf)[..len];
         let mut at = 0;
@@ -302,19 +300,6 @@ fn read_groups_at(
         out.push(buf);
     }
     Ok(out)
-}
-
-/// Views of value blocks `first..` of `g` over `buffers` (from [`read_groups`]).
-fn group_views<'a>(g: &HackGroups, first: usize, buffers: &'a [Vec<u16>]) -> Result<Vec<HackView<'a>>> {
-    let p = g.params.partition;
-    buffers
-        .iter()
-        .enumerate()
-        .map(|(i, buf)| {
-            let b = first + i;
-            Ok(HackView::from_group(g.d, g.params, (g.rows - b * p).min(p), bytemuck::cast_slice(buf))?)
-        })
-        .collect()
 }
 
 /// One non-empty cluster of a built segment: rows `start..end`, mean key and mean value.
