@@ -412,20 +412,25 @@ fn usable_home(
                 h.data_bytes, h.tokens, h.chunks, committed.committed_bytes, committed.tokens, committed.chunks
             )
         }
+        Ok(None) if relied_on == 0 => return Ok(None),
         Ok(None) => format!("home of context {context} layer {layer}: missing"),
         Err(why) => why,
     };
     if relied_on == 0 {
-        if !why.ends_with("missing") {
-            unusable.push(why);
-        }
+        unusable.push(why);
         return Ok(None);
     }
-    Err(Error::Corrupt {
+    Err(home_lost(dir, (context, layer), relied_on, &why))
+}
+
+/// The error of a home the manifest relies on (its first `relied_on` data bytes may be
+/// punched out) that cannot be used, and `why`.
+fn home_lost(dir: &Path, (context, layer): (u64, usize), relied_on: u64, why: &str) -> Error {
+    Error::Corrupt {
         file: dir.join(super::layout::INDEX_DIR).join(super::home::home_name(context, layer)),
         offset: 0,
         detail: format!("{why}; the manifest says its first {relied_on} data bytes live only there"),
-    })
+    }
 }
 
 fn data_files(dir: &Path) -> Result<Vec<(u64, usize, PathBuf)>> {
@@ -554,13 +559,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                         continue;
                     }
                     Err(e) if relied_on > 0 => {
-                        return Err(Error::Corrupt {
-                            file: dir.join(super::layout::INDEX_DIR).join(super::home::home_name(context, layer)),
-                            offset: 0,
-                            detail: format!(
-                                "does not restore ({e}); the manifest says its first {relied_on} data bytes live only there"
-                            ),
-                        });
+                        return Err(home_lost(dir, (context, layer), relied_on, &format!("does not restore ({e})")));
                     }
                     // Nothing was changed and the data file still holds every token.
                     Err(e) => report.layout_errors.push(format!("home of context {context} layer {layer}: {e}")),
