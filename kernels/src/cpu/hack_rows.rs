@@ -169,6 +169,20 @@ impl HackRows {
     /// key code sum against its codes, and zero padding codes in a short last value block.
     /// A mismatch is a typed error naming the array.
     pub fn from_arrays(head_dim: usize, params: HackParams, rows: usize, a: HackArrays<'_>) -> Result<Self> {
+        let mut out = Self::checked(head_dim, params, rows, a)?;
+        out.k_codes = a.key_codes.to_vec();
+        out.k_min = a.key_min.to_vec();
+        out.k_scale = a.key_scale.to_vec();
+        out.k_sum = a.key_sum.to_vec();
+        out.v_codes = a.value_codes.to_vec();
+        out.v_min = a.value_min.to_vec();
+        out.v_scale = a.value_scale.to_vec();
+        Ok(out)
+    }
+
+    /// An empty store whose row count is `rows`, once the arrays `a` pass every check of
+    /// [`HackRows::from_arrays`]; the caller moves or copies them in.
+    fn checked(head_dim: usize, params: HackParams, rows: usize, a: HackArrays<'_>) -> Result<Self> {
         let mut out = Self::new(head_dim, params)?;
         HackView::new(head_dim, params, rows, a)?;
         let (d, p) = (head_dim, params.partition);
@@ -213,13 +227,6 @@ impl HackRows {
             }
         }
         out.rows = rows;
-        out.k_codes = a.key_codes.to_vec();
-        out.k_min = a.key_min.to_vec();
-        out.k_scale = a.key_scale.to_vec();
-        out.k_sum = a.key_sum.to_vec();
-        out.v_codes = a.value_codes.to_vec();
-        out.v_min = a.value_min.to_vec();
-        out.v_scale = a.value_scale.to_vec();
         Ok(out)
     }
 
@@ -384,7 +391,10 @@ impl HackRows {
             value_min: &a.5,
             value_scale: &a.6,
         };
-        Self::from_arrays(head_dim, params, rows, arrays)
+        // Checked like `from_arrays`, then the concatenated arrays move in (no second copy).
+        let mut out = Self::checked(head_dim, params, rows, arrays)?;
+        (out.k_codes, out.k_min, out.k_scale, out.k_sum, out.v_codes, out.v_min, out.v_scale) = a;
+        Ok(out)
     }
 }
 
