@@ -73,11 +73,10 @@ pub struct HackScratch {
     q_min: Vec<f32>,
     q_scale: Vec<f32>,
     q_sum: Vec<f32>,
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     pairs: Vec<super::hack_avx2::PairQuery>,
     keys: Vec<u8>,
     rows: Vec<u32>,
-    kmeta: Vec<f32>,
     scores: Vec<f32>,
     p_scale: Vec<f32>,
     p_sum: Vec<f32>,
@@ -119,7 +118,7 @@ fn check_head_dim(head_dim: usize) -> Result<()> {
 
 /// Probabilities are quantized to 7 bits (0..=127): `vpmaddubsw` multiplies one unsigned
 /// and one *signed* byte operand, and the 2-bit codes take the unsigned side.
-const P_LEVELS: f32 = 127.0;
+pub(crate) const P_LEVELS: f32 = 127.0;
 
 impl HackRows {
     /// An empty store for rows of `head_dim` values.
@@ -525,6 +524,9 @@ impl<'a> HackView<'a> {
                 }
                 i += 1;
             }
+            if let Some(next) = sorted.get(i) {
+                self.prefetch_block(next.start / p);
+            }
             self.attend_block(block, g, scale, parts, s);
         }
     }
@@ -546,14 +548,14 @@ impl<'a> HackView<'a> {
             s.q_sum.extend(q8.sums.iter().map(|&x| x as f32));
         }
         debug_assert_eq!((s.q8.len(), s.q_min.len()), (g * d, g * self.k_parts));
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
         if self.fast_scores() {
             self.pair_queries(g, s);
         }
     }
 
     /// The per-pair query vectors of the AVX2 score kernel (see `hack_avx2::block_scores`).
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     fn pair_queries(&self, g: usize, s: &mut HackScratch) {
         let (d, kp) = (self.d, self.k_parts);
         let types: Vec<(usize, usize)> =
@@ -571,12 +573,12 @@ impl<'a> HackView<'a> {
                     for (lane, k) in [(0, k0), (1, k1)] {
                         for (sh, codes) in pq.codes[h].iter_mut().enumerate() {
                             for b in 0..16 {
-                                codes[lane * 16 + b] = s.q8[head * d + k * 64 + 4 * b + sh];
+                                codes[lane * 16 + b] = s.q8[head * d + k * 64 + 4 * b + sh] ^ 0x80;
                             }
                         }
                         let at = head * kp + k;
                         pq.sq[lane * 4 + h] = s.q_scale[at];
-                        pq.mq[lane * 4 + h] = s.q_min[at];
+                        pq.mq[lane * 4 + h] = s.q_min[at] + 128.0 * s.q_scale[at];
                         pq.c[lane * 4 + h] = s.q_scale[at] * s.q_sum[at] + 64.0 * s.q_min[at];
                     }
                 }
@@ -587,8 +589,12 @@ impl<'a> HackView<'a> {
 
     /// True when the AVX2 score kernel applies: Π = 64, whole partitions, and one or an
     /// even number of them per row.
+    #[cfg_attr(
+        not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")),
+        allow(dead_code)
+    )]
     fn fast_scores(&self) -> bool {
-        cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))
+        cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))
             && self.params.partition == 64
             && self.d.is_multiple_of(64)
             && (self.k_parts == 1 || self.k_parts.is_multiple_of(2))
@@ -597,9 +603,26 @@ impl<'a> HackView<'a> {
     /// True when the AVX2 value kernel applies: blocks of at most 64 rows (16-bit sums
     /// cannot overflow) and 32-channel groups.
     fn fast_values(&self) -> bool {
-        cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))
+        cfg!(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))
             && self.params.partition <= 64
             && self.d.is_multiple_of(32)
+    }
+
+    /// Asks for the codes and metadata of value block `block` ahead of its turn: attention
+    /// over it takes a couple of microseconds, time enough for the lines to arrive, where
+    /// the hardware prefetchers alone keep too few misses in flight on many streams.
+    fn prefetch_block(&self, block: usize) {
+        let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
+        let rows = block * p..((block + 1) * p).min(self.rows);
+        let a = &self.a;
+        super::prefetch::prefetch(&a.key_codes[rows.start * d / 4..rows.end * d / 4]);
+        super::prefetch::prefetch(
+            &a.value_codes[block * p / 4 * d..((block + 1) * p / 4 * d).min(a.value_codes.len())],
+        );
+        let meta = rows.start * kp..rows.end * kp;
+        super::prefetch::prefetch(&a.key_scale[meta.clone()]);
+        super::prefetch::prefetch(&a.key_min[meta.clone()]);
+        super::prefetch::prefetch(&a.key_sum[meta]);
     }
 
     /// Attention over the selected rows `s.rows` (offsets inside value block `block`).
@@ -620,17 +643,23 @@ impl<'a> HackView<'a> {
             part.rescale_to(part.m.max(block_max));
             // The largest probability is exp(block max − m): exp is monotonic.
             let step = (block_max - part.m).exp() / P_LEVELS;
+            let inv = 1.0 / step;
             let w = &mut s.weights[h * p..(h + 1) * p];
-            w.fill(0);
             let mut sum = 0u32;
-            if step > 0.0 {
-                s.codes.resize(n, 0);
-                sum = quantize_probs(sc, part.m, 1.0 / step, &mut s.codes);
+            if step > 0.0 && inv.is_finite() {
                 if contiguous {
-                    w[first_row..first_row + n].copy_from_slice(&s.codes);
+                    // Quantized in place; only the rows outside the run are cleared.
+                    w[..first_row].fill(0);
+                    w[first_row + n..].fill(0);
+                    sum = quantize_probs(sc, part.m, inv, &mut w[first_row..first_row + n]);
                 } else {
+                    w.fill(0);
+                    s.codes.resize(n, 0);
+                    sum = quantize_probs(sc, part.m, inv, &mut s.codes);
                     s.rows.iter().zip(&s.codes).for_each(|(&t, &c)| w[t as usize] = c);
                 }
+            } else {
+                w.fill(0);
             }
             part.l += step * sum as f32;
             s.p_scale[h] = step;
@@ -639,38 +668,38 @@ impl<'a> HackView<'a> {
         // Values: integer products of the weights with the codes of the selected rows' quads.
         // Rows whose probability rounds to zero contribute nothing: only quads with a
         // nonzero weight for some head are read (with peaked attention, most are not).
+        let live = live_quads(&s.weights, p);
+        let is_live = |q: usize| live >> q & 1 == 1;
         s.quads.clear();
-        let live = |w: &[u8], q: usize| w.chunks_exact(p).any(|wh| wh[4 * q..4 * q + 4] != [0; 4]);
         if contiguous {
-            s.quads.extend(
-                (first_row / 4..(first_row + n).div_ceil(4)).filter(|&q| live(&s.weights, q)).map(|q| q as u16),
-            );
+            s.quads.extend((first_row / 4..(first_row + n).div_ceil(4)).filter(|&q| is_live(q)).map(|q| q as u16));
         } else {
             for &t in &s.rows {
                 let q = (t / 4) as u16;
-                if s.quads.last() != Some(&q) && live(&s.weights, q as usize) {
+                if s.quads.last() != Some(&q) && is_live(q as usize) {
                     s.quads.push(q);
                 }
             }
         }
-        s.acc.resize(g * d, 0);
         let quads = &self.a.value_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
+        let (sv, mv) = (&self.a.value_scale[block * d..(block + 1) * d], &self.a.value_min[block * d..(block + 1) * d]);
         if self.fast_values() {
-            values_avx2(quads, d, &s.quads, &s.weights, p, &mut s.acc);
-        } else {
-            values_scalar(quads, d, &s.quads, &s.weights, p, &mut s.acc, &mut s.codes);
+            values_avx2(quads, d, &s.quads, &s.weights, p, (sv, mv), (&s.p_scale, &s.p_sum), parts);
+            return;
         }
+        s.acc.resize(g * d, 0);
+        values_scalar(quads, d, &s.quads, &s.weights, p, &mut s.acc, &mut s.codes);
         s.column.resize(2 * d, 0.0);
-        let (sv, mv) = s.column.split_at_mut(d);
-        self.a.value_scale[block * d..(block + 1) * d].convert_to_f32_slice(sv);
-        self.a.value_min[block * d..(block + 1) * d].convert_to_f32_slice(mv);
+        let (svf, mvf) = s.column.split_at_mut(d);
+        sv.convert_to_f32_slice(svf);
+        mv.convert_to_f32_slice(mvf);
         for (h, part) in parts.iter_mut().enumerate() {
             let (sp, ps) = (s.p_scale[h], s.p_sum[h]);
             if ps == 0.0 {
                 continue;
             }
             let acc = &s.acc[h * d..(h + 1) * d];
-            for (((o, &a), &sv), &mv) in part.o.iter_mut().zip(acc).zip(sv.iter()).zip(mv.iter()) {
+            for (((o, &a), &sv), &mv) in part.o.iter_mut().zip(acc).zip(svf.iter()).zip(mvf.iter()) {
                 *o += sp * (sv * a as f32 + mv * ps);
             }
         }
@@ -681,18 +710,18 @@ impl<'a> HackView<'a> {
         let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
         let n = s.rows.len();
         let first = block * p;
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
         if self.fast_scores() {
-            // The block's key metadata widened to f32 in bulk.
-            let meta = first * kp..((first + p).min(self.rows)) * kp;
-            let m = meta.len();
-            s.kmeta.resize(3 * m, 0.0);
-            let (sk, rest) = s.kmeta.split_at_mut(m);
-            let (mk, ks) = rest.split_at_mut(m);
-            self.a.key_scale[meta.clone()].convert_to_f32_slice(sk);
-            self.a.key_min[meta.clone()].convert_to_f32_slice(mk);
-            ks.iter_mut().zip(&self.a.key_sum[meta]).for_each(|(f, &x)| *f = f32::from(x));
-            let keys = super::hack_avx2::KeyData { codes: self.a.key_codes, sk, mk, ks, d, kp, first_row: first };
+            let a = &self.a;
+            let keys = super::hack_avx2::KeyData {
+                codes: a.key_codes,
+                sk: a.key_scale,
+                mk: a.key_min,
+                ks: a.key_sum,
+                d,
+                kp,
+                first_row: first,
+            };
             scores_avx2(&keys, &s.rows, &s.pairs, g, scale, &mut s.scores);
             return;
         }
@@ -720,7 +749,7 @@ impl<'a> HackView<'a> {
 }
 
 /// The AVX2 score kernel (see `hack_avx2.rs`).
-#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
 #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
 fn scores_avx2(
     keys: &super::hack_avx2::KeyData<'_>,
@@ -730,30 +759,54 @@ fn scores_avx2(
     scale: f32,
     out: &mut [f32],
 ) {
-    // SAFETY: this function exists only when the build enables avx2 and fma for the whole
+    // SAFETY: this function exists only when the build enables avx2, fma and f16c for the whole
     // program (cfg above), so every CPU that runs the binary has them.
     unsafe { super::hack_avx2::block_scores(keys, rows, pairs, g, scale, out) }
 }
 
 /// The AVX2 value kernel, four heads at a time.
 #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
-fn values_avx2(quads: &[u8], d: usize, active: &[u16], w: &[u8], stride: usize, acc: &mut [i32]) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
-    for (w, acc) in w.chunks(4 * stride).zip(acc.chunks_mut(4 * d)) {
+#[allow(clippy::too_many_arguments)]
+fn values_avx2(
+    quads: &[u8],
+    d: usize,
+    active: &[u16],
+    w: &[u8],
+    stride: usize,
+    meta: (&[f16], &[f16]),
+    (sp, ps): (&[f32], &[f32]),
+    parts: &mut [Partial],
+) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    for (i, parts) in parts.chunks_mut(4).enumerate() {
         use super::hack_avx2::block_values;
-        // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
-        // above), so every CPU that runs the binary has it.
+        let (w, heads) = (&w[4 * i * stride..], 4 * i..4 * i + parts.len());
+        let p = (&sp[heads.clone()], &ps[heads]);
+        // SAFETY: compiled only when the build enables avx2, fma and f16c for the whole
+        // program (cfg above), so every CPU that runs the binary has them.
         unsafe {
-            match w.len() / stride {
-                1 => block_values::<1>(quads, d, active, w, stride, acc),
-                2 => block_values::<2>(quads, d, active, w, stride, acc),
-                3 => block_values::<3>(quads, d, active, w, stride, acc),
-                _ => block_values::<4>(quads, d, active, w, stride, acc),
+            match parts.len() {
+                1 => block_values::<1>(quads, d, active, w, stride, meta, p, parts),
+                2 => block_values::<2>(quads, d, active, w, stride, meta, p, parts),
+                3 => block_values::<3>(quads, d, active, w, stride, meta, p, parts),
+                _ => block_values::<4>(quads, d, active, w, stride, meta, p, parts),
             }
         }
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
-    values_scalar(quads, d, active, w, stride, acc, &mut Vec::new());
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")))]
+    let _ = (quads, d, active, w, stride, meta, sp, ps, parts);
+}
+
+/// Per quad of a block (bit `q`), whether any head gives one of its four rows a nonzero
+/// weight (`w` holds each head's `stride` weights, at most 64).
+fn live_quads(w: &[u8], stride: usize) -> u16 {
+    let mut any = [0u32; 16];
+    for wh in w.chunks_exact(stride) {
+        for (a, c) in any.iter_mut().zip(wh.chunks_exact(4)) {
+            *a |= u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        }
+    }
+    any.iter().enumerate().fold(0, |m, (q, &a)| m | u16::from(a != 0) << q)
 }
 
 /// `acc[h·d + c] = Σ_t w[h][t]·code(t, c)` over the rows of the quads `active`.
@@ -798,9 +851,21 @@ fn max_of(x: &[f32]) -> f32 {
 }
 
 /// The 7-bit probabilities of the scores `x` relative to the running maximum `m`, in steps
-/// of `1/inv`: `codes[i] = round(exp(x[i] − m)·inv)`, at most 127, sixteen at a time (two
-/// 8-lane vectors narrowed to 16 bytes by saturating packs). Returns their sum.
+/// of `1/inv`: `codes[i] = round(exp(x[i] − m)·inv)`, at most 127. Returns their sum.
 fn quantize_probs(x: &[f32], m: f32, inv: f32, codes: &mut [u8]) -> u32 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
+    // SAFETY: compiled only when the build enables avx2 and fma for the whole program (cfg
+    // above), so every CPU that runs the binary has them.
+    return unsafe { super::hack_avx2::quantize_probs(x, m, inv, codes) };
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    quantize_probs_portable(x, m, inv, codes)
+}
+
+/// [`quantize_probs`] on `wide`'s eight lanes (targets without AVX2), sixteen at a time (two
+/// 8-lane vectors narrowed to 16 bytes by saturating packs).
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"), allow(dead_code))]
+fn quantize_probs_portable(x: &[f32], m: f32, inv: f32, codes: &mut [u8]) -> u32 {
     use wide::{f32x8, i16x8, i32x8, i8x16};
     let (mv, iv, half, top) = (f32x8::splat(m), f32x8::splat(inv), f32x8::splat(0.5), f32x8::splat(P_LEVELS));
     // p ≥ 0: adding ½ and truncating rounds to nearest.
