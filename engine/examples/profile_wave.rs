@@ -3,9 +3,12 @@
 //!
 //! Environment: `TOKENS` (default 131072), `ITERS` per round (default 200, three rounds),
 //! `EST` (an estimate share as a fraction; default `rest`), `COLD=1` (read 512 MiB between
-//! steps, as `attnstore bench` does by interleaving exact attention).
+//! steps, as `attnstore bench` does by interleaving exact attention), `CODEC` (`f16`
+//! default, or `hack2`), `EXACT=1` (plan with `Budget::full()`: every row).
 use attnstore::synth::{SynthContext, SynthParams};
-use attnstore::{AttnShape, Budget, ContextSpec, Engine, EngineConfig, EstimateShare, Method, Request, WaveParams};
+use attnstore::{
+    AttnShape, Budget, Codec, ContextSpec, Engine, EngineConfig, EstimateShare, Method, Request, WaveParams,
+};
 use std::time::Instant;
 
 fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
@@ -23,10 +26,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let shape = AttnShape::new(32, 8, 128)?;
     let synth = SynthContext::generate(SynthParams::new(shape, tokens, 42));
     let engine = Engine::in_memory(EngineConfig::default())?;
-    let ctx = engine.create_context(ContextSpec::new(shape, 1).with_method(Method::Wave(WaveParams::default())))?;
+    let codec: Codec = std::env::var("CODEC").unwrap_or_else(|_| "f16".into()).parse()?;
+    let spec = ContextSpec::new(shape, 1).with_codec(codec).with_method(Method::Wave(WaveParams::default()));
+    let ctx = engine.create_context(spec)?;
     engine.prefill(ctx, 0, &synth.keys, &synth.values)?;
     let share = env("EST").map_or(EstimateShare::Rest, EstimateShare::Fraction);
-    let budget = Budget::default().with_estimate(share);
+    let budget = if env::<u8>("EXACT").is_some() { Budget::full() } else { Budget::default().with_estimate(share) };
     let flush: Vec<u64> = if env::<u8>("COLD").is_some() { (0..64u64 << 20).collect() } else { Vec::new() };
     for round in 0..3 {
         let (mut plans, mut execs) = (Vec::new(), Vec::new());

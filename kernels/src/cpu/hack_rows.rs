@@ -120,6 +120,10 @@ fn check_head_dim(head_dim: usize) -> Result<()> {
 /// and one *signed* byte operand, and the 2-bit codes take the unsigned side.
 pub(crate) const P_LEVELS: f32 = 127.0;
 
+/// Blocks whose largest probability is below `e^NEGLIGIBLE_GAP` of the running maximum are
+/// left out of attention: 64 rows of them add less than 2^-85 to a sum of at least 1.
+const NEGLIGIBLE_GAP: f32 = -64.0;
+
 impl HackRows {
     /// An empty store for rows of `head_dim` values.
     pub fn new(head_dim: usize, params: HackParams) -> Result<Self> {
@@ -609,8 +613,10 @@ impl<'a> HackView<'a> {
     }
 
     /// Asks for the codes and metadata of value block `block` ahead of its turn: attention
-    /// over it takes a couple of microseconds, time enough for the lines to arrive, where
-    /// the hardware prefetchers alone keep too few misses in flight on many streams.
+    /// over a block takes a couple of microseconds, time for the lines to arrive. The
+    /// hardware prefetchers restart at every 4 KiB page of each of the seven arrays, and
+    /// the metadata arrays advance only 256 bytes a block (on the GPU machine's 16-core
+    /// host, exact plans over 128K cold rows: 3.4 ms with this against 3.9–4.2 ms without).
     fn prefetch_block(&self, block: usize) {
         let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
         let rows = block * p..((block + 1) * p).min(self.rows);
@@ -641,12 +647,15 @@ impl<'a> HackView<'a> {
             let sc = &s.scores[h * n..(h + 1) * n];
             let block_max = max_of(sc);
             part.rescale_to(part.m.max(block_max));
-            // The largest probability is exp(block max − m): exp is monotonic.
-            let step = (block_max - part.m).exp() / P_LEVELS;
-            let inv = 1.0 / step;
+            // The largest probability is exp(block max − m): exp is monotonic. A block whose
+            // largest is below e^-64 cannot change the f32 sums and is left out, which also
+            // keeps subnormal steps (slow on x86) out of the products.
+            let gap = block_max - part.m;
+            let step = if gap >= NEGLIGIBLE_GAP { gap.exp() / P_LEVELS } else { 0.0 };
             let w = &mut s.weights[h * p..(h + 1) * p];
             let mut sum = 0u32;
-            if step > 0.0 && inv.is_finite() {
+            if step > 0.0 {
+                let inv = 1.0 / step;
                 if contiguous {
                     // Quantized in place; only the rows outside the run are cleared.
                     w[..first_row].fill(0);

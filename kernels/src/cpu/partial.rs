@@ -14,6 +14,20 @@ pub struct Partial {
     pub o: Vec<f32>,
 }
 
+/// `e^delta` for `delta ≤ 0`, flushed to zero where it would be subnormal: a weight that
+/// small cannot change the f32 sums it scales, and subnormal operands cost a microcode
+/// assist per instruction on many x86 cores (the partial's `o` would stay subnormal for
+/// every later update).
+#[inline]
+pub(crate) fn decay(delta: f32) -> f32 {
+    let c = delta.exp();
+    if c < f32::MIN_POSITIVE {
+        0.0
+    } else {
+        c
+    }
+}
+
 impl Partial {
     /// The partial of no tokens.
     pub fn empty(head_dim: usize) -> Self {
@@ -31,7 +45,7 @@ impl Partial {
         if self.m == m_new {
             return;
         }
-        let c = if self.m == f32::NEG_INFINITY { 0.0 } else { (self.m - m_new).exp() };
+        let c = if self.m == f32::NEG_INFINITY { 0.0 } else { decay(self.m - m_new) };
         self.l *= c;
         super::simd::scale_in_place(c, &mut self.o);
         self.m = m_new;
@@ -45,7 +59,7 @@ impl Partial {
         }
         let m = self.m.max(other.m);
         self.rescale_to(m);
-        let c = (other.m - m).exp();
+        let c = decay(other.m - m);
         self.l += other.l * c;
         super::simd::axpy(c, &other.o, &mut self.o);
     }
@@ -77,6 +91,21 @@ pub fn merge_all<'a>(head_dim: usize, parts: impl IntoIterator<Item = &'a Partia
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn weights_too_small_for_a_normal_float_are_flushed_to_zero() {
+        assert_eq!(decay(-10.0), (-10.0f32).exp());
+        assert_eq!(decay(-87.0), (-87.0f32).exp());
+        assert_eq!(decay(-100.0), 0.0);
+        // A partial far below another merges to exactly the larger one, no subnormals left.
+        let big = Partial { m: 0.0, l: 1.5, o: vec![1.0, -2.0] };
+        let mut a = Partial { m: -120.0, l: 3.0, o: vec![4.0, 5.0] };
+        a.merge(&big);
+        assert_eq!(a, big);
+        let mut b = big.clone();
+        b.merge(&Partial { m: -120.0, l: 3.0, o: vec![4.0, 5.0] });
+        assert_eq!(b, big);
+    }
 
     #[test]
     fn merging_with_empty_is_identity() {
