@@ -60,23 +60,9 @@ struct PairMeta {
 #[inline]
 #[target_feature(enable = "avx2")]
 fn pair_products(x: __m256i, q: &PairQuery) -> __m256i {
-    let m3 = _mm256_set1_epi8(3);
-    let c = [
-        _mm256_and_si256(x, m3),
-        _mm256_and_si256(_mm256_srli_epi16::<2>(x), m3),
-        _mm256_and_si256(_mm256_srli_epi16::<4>(x), m3),
-        _mm256_and_si256(_mm256_srli_epi16::<6>(x), m3),
-    ];
     let ones = _mm256_set1_epi16(1);
-    let head = |h: usize| {
-        let qh = &q.codes[h];
-        let a01 =
-            _mm256_add_epi16(_mm256_maddubs_epi16(c[0], load32(&qh[0])), _mm256_maddubs_epi16(c[1], load32(&qh[1])));
-        let a23 =
-            _mm256_add_epi16(_mm256_maddubs_epi16(c[2], load32(&qh[2])), _mm256_maddubs_epi16(c[3], load32(&qh[3])));
-        _mm256_madd_epi16(_mm256_add_epi16(a01, a23), ones)
-    };
-    _mm256_hadd_epi32(_mm256_hadd_epi32(head(0), head(1)), _mm256_hadd_epi32(head(2), head(3)))
+    let [h0, h1, h2, h3] = row_products(x, q).map(|v| _mm256_madd_epi16(v, ones));
+    _mm256_hadd_epi32(_mm256_hadd_epi32(h0, h1), _mm256_hadd_epi32(h2, h3))
 }
 
 /// Scores of two rows of one partition each (row 0 in the low lane of `x`, row 1 in the
