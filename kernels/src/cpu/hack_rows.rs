@@ -82,6 +82,7 @@ pub struct HackScratch {
     p_sum: Vec<f32>,
     weights: Vec<u8>,
     quads: Vec<u16>,
+    live: Vec<bool>,
     acc: Vec<i32>,
     column: Vec<f32>,
     codes: Vec<u8>,
@@ -677,15 +678,14 @@ impl<'a> HackView<'a> {
         // Values: integer products of the weights with the codes of the selected rows' quads.
         // Rows whose probability rounds to zero contribute nothing: only quads with a
         // nonzero weight for some head are read (with peaked attention, most are not).
-        let live = live_quads(&s.weights, p);
-        let is_live = |q: usize| live >> q & 1 == 1;
+        live_quads(&s.weights, p, &mut s.live);
         s.quads.clear();
         if contiguous {
-            s.quads.extend((first_row / 4..(first_row + n).div_ceil(4)).filter(|&q| is_live(q)).map(|q| q as u16));
+            s.quads.extend((first_row / 4..(first_row + n).div_ceil(4)).filter(|&q| s.live[q]).map(|q| q as u16));
         } else {
             for &t in &s.rows {
                 let q = (t / 4) as u16;
-                if s.quads.last() != Some(&q) && is_live(q as usize) {
+                if s.quads.last() != Some(&q) && s.live[q as usize] {
                     s.quads.push(q);
                 }
             }
@@ -806,16 +806,16 @@ fn values_avx2(
     let _ = (quads, d, active, w, stride, meta, sp, ps, parts);
 }
 
-/// Per quad of a block (bit `q`), whether any head gives one of its four rows a nonzero
-/// weight (`w` holds each head's `stride` weights, at most 64).
-fn live_quads(w: &[u8], stride: usize) -> u16 {
-    let mut any = [0u32; 16];
+/// Per quad of a block, whether any head gives one of its four rows a nonzero weight (`w`
+/// holds each head's `stride` weights; Π, a multiple of 16, may exceed 64 on the scalar path).
+fn live_quads(w: &[u8], stride: usize, live: &mut Vec<bool>) {
+    live.clear();
+    live.resize(stride / 4, false);
     for wh in w.chunks_exact(stride) {
-        for (a, c) in any.iter_mut().zip(wh.chunks_exact(4)) {
-            *a |= u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+        for (l, c) in live.iter_mut().zip(wh.chunks_exact(4)) {
+            *l |= c != [0; 4];
         }
     }
-    any.iter().enumerate().fold(0, |m, (q, &a)| m | u16::from(a != 0) << q)
 }
 
 /// `acc[h·d + c] = Σ_t w[h][t]·code(t, c)` over the rows of the quads `active`.
@@ -1076,10 +1076,18 @@ mod tests {
     #[test]
     fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
         // Head dims and group sizes that take every kernel path: one or two rows per AVX2
-        // score vector, head groups padded to four, the scalar path for Π = 32.
-        for (d, g, partition) in
-            [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64), (32, 4, 64)]
-        {
+        // score vector, head groups padded to four, the scalar path for Π = 32 and for blocks
+        // of more than 64 rows (Π = 128).
+        for (d, g, partition) in [
+            (128, 4, 64),
+            (64, 3, 64),
+            (256, 1, 64),
+            (64, 2, 32),
+            (128, 5, 64),
+            (192, 2, 64),
+            (32, 4, 64),
+            (64, 2, 128),
+        ] {
             let (k, v) = (randn(300 * d, 1), randn(300 * d, 2));
             let mut rows = HackRows::new(d, HackParams::new(partition).unwrap()).unwrap();
             rows.push_rows(&k, &v, &mut SplitMix64::new(3)).unwrap();
