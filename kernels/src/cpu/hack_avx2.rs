@@ -79,6 +79,20 @@ fn pair_scores(x: __m256i, q: &PairQuery, k: PairMeta) -> __m256 {
     _mm256_fmadd_ps(k.sk, inner, _mm256_mul_ps(k.mk, cc))
 }
 
+/// The four 2-bit fields of every byte of `x`, each in the low bits of a byte:
+/// `[x & 3, (x >> 2) & 3, (x >> 4) & 3, (x >> 6) & 3]`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn unpack2(x: __m256i) -> [__m256i; 4] {
+    let m3 = _mm256_set1_epi8(3);
+    [
+        _mm256_and_si256(x, m3),
+        _mm256_and_si256(_mm256_srli_epi16::<2>(x), m3),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(x), m3),
+        _mm256_and_si256(_mm256_srli_epi16::<6>(x), m3),
+    ]
+}
+
 /// The value side of one block folded into `H` heads' partials: per head `h`,
 /// `o[c] += sp_h·(sv[c]·A[h][c] + mv[c]·ps_h)` with `A[h][c] = Σ_t w[h·stride + t]·code(t, c)`
 /// the integer products over the token quads `quads` (indices into `block`, which holds `d`
@@ -98,7 +112,6 @@ pub(crate) fn block_values<const H: usize>(
     (sp, ps): (&[f32], &[f32]),
     parts: &mut [super::partial::Partial],
 ) {
-    let m3 = _mm256_set1_epi8(3);
     // Per head and quad, the weight pairs `[w0 w1 w0 w1]` and `[w2 w3 w2 w3]` of its four
     // rows, four quads per byte shuffle; broadcast as 32-bit words inside the loop (a load
     // each), they put a 16-bit pair in every lane.
@@ -123,11 +136,7 @@ pub(crate) fn block_values<const H: usize>(
         let mut hi = [_mm256_setzero_si256(); H];
         for &qi in quads {
             let qi = qi as usize;
-            let x = load32(&block[qi * d + grp * 32..]);
-            let c0 = _mm256_and_si256(x, m3);
-            let c1 = _mm256_and_si256(_mm256_srli_epi16::<2>(x), m3);
-            let c2 = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m3);
-            let c3 = _mm256_and_si256(_mm256_srli_epi16::<6>(x), m3);
+            let [c0, c1, c2, c3] = unpack2(load32(&block[qi * d + grp * 32..]));
             let (p01l, p01h) = (_mm256_unpacklo_epi8(c0, c1), _mm256_unpackhi_epi8(c0, c1));
             let (p23l, p23h) = (_mm256_unpacklo_epi8(c2, c3), _mm256_unpackhi_epi8(c2, c3));
             for h in 0..H {
@@ -299,13 +308,7 @@ pub(crate) fn block_scores(k: &KeyData<'_>, rows: &[u32], pairs: &[PairQuery], g
 #[inline]
 #[target_feature(enable = "avx2")]
 fn row_products(x: __m256i, q: &PairQuery) -> [__m256i; 4] {
-    let m3 = _mm256_set1_epi8(3);
-    let c = [
-        _mm256_and_si256(x, m3),
-        _mm256_and_si256(_mm256_srli_epi16::<2>(x), m3),
-        _mm256_and_si256(_mm256_srli_epi16::<4>(x), m3),
-        _mm256_and_si256(_mm256_srli_epi16::<6>(x), m3),
-    ];
+    let c = unpack2(x);
     let mut out = [_mm256_setzero_si256(); 4];
     for (o, qh) in out.iter_mut().zip(&q.codes) {
         let a01 =
@@ -375,6 +378,14 @@ fn four_rows(x: &[__m256i; 4], m8: &[__m256; 3], q: &PairQuery, consts: &PairCon
     ]
 }
 
+/// Four rows' metadata pairs (eight f16 scales, eight f16 minima, eight u16 code sums)
+/// widened to f32, in the `m8` form `four_rows` takes.
+#[inline]
+#[target_feature(enable = "avx2,f16c")]
+fn widen_meta(sk: __m128i, mk: __m128i, ks: __m128i) -> [__m256; 3] {
+    [_mm256_cvtph_ps(sk), _mm256_cvtph_ps(mk), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(ks))]
+}
+
 /// Pair type `m` of the scores of four heads (`hn` of them live) over `rows`, four rows at a
 /// time (`four_rows`). A run of consecutive rows with one pair type (`kp = 2`, every exact
 /// plan) takes a loop over fixed-size slices; other rows gather codes and metadata row by
@@ -415,11 +426,7 @@ fn rows_by_four(
         let rows4 = codes.chunks_exact(128).zip(sk.chunks_exact(16)).zip(mk.chunks_exact(16)).zip(ks.chunks_exact(16));
         for (i, (((c, sk), mk), ks)) in rows4.enumerate() {
             let x = [load32(c), load32(&c[32..]), load32(&c[64..]), load32(&c[96..])];
-            let m8 = [
-                _mm256_cvtph_ps(load16(sk)),
-                _mm256_cvtph_ps(load16(mk)),
-                _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(load16(ks))),
-            ];
+            let m8 = widen_meta(load16(sk), load16(mk), load16(ks));
             let heads = four_rows(&x, &m8, q, &consts);
             for (o, v) in [&mut *o0, &mut *o1, &mut *o2, &mut *o3].into_iter().zip(heads) {
                 o[4 * i..4 * i + 4].copy_from_slice(&bytemuck::cast::<__m128, [f32; 4]>(v));
@@ -431,11 +438,7 @@ fn rows_by_four(
         let r = [four[0], four[1.min(last)], four[2.min(last)], four[last]].map(|t| k.first_row + t as usize);
         let x = r.map(|r| load32(&k.codes[r * row_bytes + m * 32..]));
         let at = r.map(|r| r * k.kp + 2 * m);
-        let m8 = [
-            _mm256_cvtph_ps(meta4(skb, at)),
-            _mm256_cvtph_ps(meta4(mkb, at)),
-            _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(meta4(ksb, at))),
-        ];
+        let m8 = widen_meta(meta4(skb, at), meta4(mkb, at), meta4(ksb, at));
         let heads = four_rows(&x, &m8, q, &consts);
         for (h, &v) in heads.iter().enumerate().take(hn) {
             let v: [f32; 4] = bytemuck::cast(v);
