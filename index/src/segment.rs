@@ -171,6 +171,18 @@ impl<E: Element> HeadSegment<E> {
         Ok(())
     }
 
+    /// Quantizes the query heads `q` (`g × d`) into `scratch` for this segment's 2-bit rows
+    /// (nothing for plain rows): clones of the scratch attend any segment of the same codec
+    /// without quantizing the queries again.
+    pub fn prime(&self, q: &[f32], g: usize, d: usize, scratch: &mut Scratch) -> Result<()> {
+        let params = match (&self.hack, &self.groups) {
+            (Some(rows), _) => rows.params(),
+            (_, Some(groups)) => groups.params,
+            _ => return Ok(()),
+        };
+        Ok(scratch.hack.quantize(q, g, d, params)?)
+    }
+
     /// Folds the rows of `ranges` into the partials of query heads `q` (`parts.len() × d`).
     /// `store` says where block-homed rows are ([`Homed`]); pinning them can fail (a corrupt
     /// or lost block, an I/O error), which is reported, never served.

@@ -173,13 +173,29 @@ fn attend_jobs<J: Sync>(
     parts: &mut [Partial],
     run: impl Fn(&J, &mut [Partial], &mut Scratch) -> Result<()> + Sync + Send,
 ) -> Result<()> {
+    attend_jobs_from(&Scratch::default(), jobs, heads, d, parts, run)
+}
+
+/// [`attend_jobs`] with each task's scratch cloned from `primed` (e.g. holding the step's
+/// queries quantized for 2-bit rows, so no task quantizes them again).
+fn attend_jobs_from<J: Sync>(
+    primed: &Scratch,
+    jobs: &[J],
+    heads: usize,
+    d: usize,
+    parts: &mut [Partial],
+    run: impl Fn(&J, &mut [Partial], &mut Scratch) -> Result<()> + Sync + Send,
+) -> Result<()> {
     let partials: Vec<Vec<Partial>> = jobs
         .par_iter()
-        .map_init(Scratch::default, |sc, job| {
-            let mut p = vec![Partial::empty(d); heads];
-            run(job, &mut p, sc)?;
-            Ok(p)
-        })
+        .map_init(
+            || primed.clone(),
+            |sc, job| {
+                let mut p = vec![Partial::empty(d); heads];
+                run(job, &mut p, sc)?;
+                Ok(p)
+            },
+        )
         .collect::<Result<_>>()?;
     for p in &partials {
         parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
@@ -1042,7 +1058,12 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                     (0..n).step_by(EXACT_CHUNK).map(move |a| (i, a..(a + EXACT_CHUNK).min(n)))
                 })
                 .collect();
-            attend_jobs(&jobs, g, d, &mut parts, |(i, rows), p, sc| {
+            // The queries are quantized once for every task (2-bit rows; plain rows: nothing).
+            let mut primed = Scratch::default();
+            if let Some(seg) = store.segments.first() {
+                seg.prime(q, g, d, &mut primed)?;
+            }
+            attend_jobs_from(&primed, &jobs, g, d, &mut parts, |(i, rows), p, sc| {
                 let homed = blocks.map(|store| Homed { store, head: kv_head, scan: true });
                 store.segments[*i].attend(homed, q, scale, std::slice::from_ref(rows), p, sc)
             })?;
@@ -1098,7 +1119,11 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                         .map(Work::Retrieve)
                         .chain(est_jobs.map(Work::Estimate))
                         .collect();
-                    attend_jobs(&jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
+                    let mut primed = Scratch::default();
+                    if let Some(seg) = store.segments.first() {
+                        seg.prime(qs, sel.heads, d, &mut primed)?;
+                    }
+                    attend_jobs_from(&primed, &jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
                         Work::Retrieve(runs) => {
                             let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
                             store.segments[runs[0].unit as usize].attend(

@@ -26,7 +26,7 @@ const CHUNK_ROWS: usize = 2048;
 
 /// Reusable scratch for [`attend_rows`]: the queries as aligned vectors, the scores of one
 /// tile, and (only for head dimensions that are not a multiple of 8) widened rows.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Scratch {
     queries: Vec<f32x8>,
     scores: Vec<f32>,

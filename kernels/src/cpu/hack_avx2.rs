@@ -19,13 +19,13 @@ use std::arch::x86_64::*;
 
 /// 16 bytes as a vector.
 #[inline(always)]
-fn load16(b: &[u8]) -> __m128i {
+pub(crate) fn load16(b: &[u8]) -> __m128i {
     bytemuck::pod_read_unaligned(&b[..16])
 }
 
 /// 32 bytes as a vector.
 #[inline(always)]
-fn load32(b: &[u8]) -> __m256i {
+pub(crate) fn load32(b: &[u8]) -> __m256i {
     bytemuck::pod_read_unaligned(&b[..32])
 }
 
@@ -260,7 +260,7 @@ fn lanes(a: f32, b: f32) -> __m256 {
 /// `[r0 | r1 | r2 | r3]`; `at` are the pairs' element offsets.
 #[inline]
 #[target_feature(enable = "avx2")]
-fn meta4(bytes: &[u8], at: [usize; 4]) -> __m128i {
+pub(crate) fn meta4(bytes: &[u8], at: [usize; 4]) -> __m128i {
     let word = |a: usize| bytemuck::pod_read_unaligned::<i32>(&bytes[a * 2..a * 2 + 4]);
     _mm_setr_epi32(word(at[0]), word(at[1]), word(at[2]), word(at[3]))
 }
@@ -382,7 +382,7 @@ fn four_rows(x: &[__m256i; 4], m8: &[__m256; 3], q: &PairQuery, consts: &PairCon
 /// widened to f32, in the `m8` form `four_rows` takes.
 #[inline]
 #[target_feature(enable = "avx2,f16c")]
-fn widen_meta(sk: __m128i, mk: __m128i, ks: __m128i) -> [__m256; 3] {
+pub(crate) fn widen_meta(sk: __m128i, mk: __m128i, ks: __m128i) -> [__m256; 3] {
     [_mm256_cvtph_ps(sk), _mm256_cvtph_ps(mk), _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(ks))]
 }
 

@@ -66,9 +66,15 @@ pub struct HackArrays<'a> {
     pub value_scale: &'a [f16],
 }
 
-/// Reusable buffers of [`HackRows::attend`].
-#[derive(Debug, Default)]
+/// Reusable buffers of [`HackRows::attend`]. They remember the queries they last quantized:
+/// a clone of a scratch that quantized a step's queries (e.g. one per rayon task of an exact
+/// plan) does not quantize them again.
+#[derive(Debug, Default, Clone)]
 pub struct HackScratch {
+    /// The bits of the queries `q8`… were quantized from, and the head count, head dimension
+    /// and Π they were quantized for.
+    quantized_from: Vec<u32>,
+    quantized_for: (usize, usize, usize),
     q8: Vec<u8>,
     q_min: Vec<f32>,
     q_scale: Vec<f32>,
@@ -86,6 +92,31 @@ pub struct HackScratch {
     acc: Vec<i32>,
     column: Vec<f32>,
     codes: Vec<u8>,
+}
+
+impl HackScratch {
+    /// Quantizes the `g` query heads of `q` (`g × head_dim`) for rows of `head_dim` values
+    /// and partition `params` ([`HackView::quantize_queries`] without a view): a scratch
+    /// primed so and then cloned into each task of a step quantizes nothing again.
+    pub fn quantize(&mut self, q: &[f32], g: usize, head_dim: usize, params: HackParams) -> Result<()> {
+        if q.len() != g * head_dim {
+            return Err(Error::ShapeMismatch { what: "queries", expected: g * head_dim, got: q.len() });
+        }
+        if g == 0 {
+            return Ok(());
+        }
+        let empty = HackArrays {
+            key_codes: &[],
+            key_min: &[],
+            key_scale: &[],
+            key_sum: &[],
+            value_codes: &[],
+            value_min: &[],
+            value_scale: &[],
+        };
+        HackView::new(head_dim, params, 0, empty)?.quantize_queries(q, g, self);
+        Ok(())
+    }
 }
 
 /// Sum of the 2-bit codes packed in `bytes` (four per byte): per byte the low bits count
@@ -540,6 +571,12 @@ impl<'a> HackView<'a> {
     /// scale and code sum) into `s`, for [`HackView::attend_quantized`].
     pub fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
         let d = self.d;
+        let key = (g, d, self.params.partition);
+        let bits: &[u32] = bytemuck::cast_slice(q);
+        if s.quantized_for == key && s.quantized_from == bits {
+            return; // quantized already (the same queries, bit for bit)
+        }
+        s.quantized_from.clear();
         s.q8.clear();
         s.q_min.clear();
         s.q_scale.clear();
@@ -557,6 +594,8 @@ impl<'a> HackView<'a> {
         if self.fast_scores() {
             self.pair_queries(g, s);
         }
+        s.quantized_for = key;
+        s.quantized_from.extend_from_slice(bits);
     }
 
     /// The per-pair query vectors of the AVX2 score kernel (see `hack_avx2::block_scores`).
@@ -768,6 +807,11 @@ fn scores_avx2(
     scale: f32,
     out: &mut [f32],
 ) {
+    if keys.kp.is_multiple_of(2) && super::hack_avx512::available() {
+        // SAFETY: `available` checked that this CPU has AVX-512 F, BW and VNNI (which imply
+        // the AVX2, FMA and F16C the kernel also enables).
+        return unsafe { super::hack_avx512::block_scores(keys, rows, pairs, g, scale, out) };
+    }
     // SAFETY: this function exists only when the build enables avx2, fma and f16c for the whole
     // program (cfg above), so every CPU that runs the binary has them.
     unsafe { super::hack_avx2::block_scores(keys, rows, pairs, g, scale, out) }
@@ -788,9 +832,23 @@ fn values_avx2(
 ) {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     for (i, parts) in parts.chunks_mut(4).enumerate() {
-        use super::hack_avx2::block_values;
         let (w, heads) = (&w[4 * i * stride..], 4 * i..4 * i + parts.len());
         let p = (&sp[heads.clone()], &ps[heads]);
+        if super::hack_avx512::available() {
+            use super::hack_avx512::block_values;
+            // SAFETY: `available` checked that this CPU has AVX-512 F, BW, VNNI and VBMI
+            // (which imply the AVX2, FMA and F16C the kernel also enables).
+            unsafe {
+                match parts.len() {
+                    1 => block_values::<1>(quads, d, active, w, stride, meta, p, parts),
+                    2 => block_values::<2>(quads, d, active, w, stride, meta, p, parts),
+                    3 => block_values::<3>(quads, d, active, w, stride, meta, p, parts),
+                    _ => block_values::<4>(quads, d, active, w, stride, meta, p, parts),
+                }
+            }
+            continue;
+        }
+        use super::hack_avx2::block_values;
         // SAFETY: compiled only when the build enables avx2, fma and f16c for the whole
         // program (cfg above), so every CPU that runs the binary has them.
         unsafe {
@@ -862,6 +920,12 @@ fn max_of(x: &[f32]) -> f32 {
 /// The 7-bit probabilities of the scores `x` relative to the running maximum `m`, in steps
 /// of `1/inv`: `codes[i] = round(exp(x[i] − m)·inv)`, at most 127. Returns their sum.
 fn quantize_probs(x: &[f32], m: f32, inv: f32, codes: &mut [u8]) -> u32 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    if super::hack_avx512::available() {
+        #[allow(unsafe_code, reason = "the call into the AVX-512 kernel")]
+        // SAFETY: `available` checked that this CPU has AVX-512 F.
+        return unsafe { super::hack_avx512::quantize_probs(x, m, inv, codes) };
+    }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
     #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
     // SAFETY: compiled only when the build enables avx2 and fma for the whole program (cfg
@@ -1138,6 +1202,32 @@ mod tests {
             let err = rel(&whole[j].finish(), &exact[j].finish());
             assert!(err < 0.05, "2-bit attention vs exact: {err}");
         }
+    }
+
+    #[test]
+    fn a_scratch_reused_or_primed_attends_as_a_fresh_one() {
+        let (d, g, tokens) = (128, 4, 300);
+        let (rows, _, _) = store(tokens, d, 40);
+        let scale = 1.0 / (d as f32).sqrt();
+        let (q1, q2) = (randn(g * d, 41), randn(g * d, 42));
+        let run = |q: &[f32], s: &mut HackScratch| {
+            let mut parts = vec![Partial::empty(d); g];
+            rows.attend(q, scale, &[3..250], &mut parts, s);
+            parts.iter().flat_map(Partial::finish).collect::<Vec<f32>>()
+        };
+        let fresh = |q: &[f32]| run(q, &mut HackScratch::default());
+        assert_ne!(fresh(&q1), fresh(&q2), "the two steps must differ for the test to mean anything");
+        // The same scratch, queries changing between steps (and back).
+        let mut s = HackScratch::default();
+        for q in [&q1, &q2, &q2, &q1] {
+            assert_eq!(run(q, &mut s), fresh(q));
+        }
+        // A scratch primed without a view, then cloned.
+        let mut primed = HackScratch::default();
+        primed.quantize(&q2, g, d, rows.params()).unwrap();
+        assert_eq!(run(&q2, &mut primed.clone()), fresh(&q2));
+        assert_eq!(run(&q1, &mut primed.clone()), fresh(&q1));
+        assert!(matches!(primed.quantize(&q1[..d], g, d, rows.params()), Err(Error::ShapeMismatch { .. })));
     }
 
     #[test]

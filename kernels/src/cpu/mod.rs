@@ -7,6 +7,8 @@ mod gemm;
 pub mod hack;
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
 mod hack_avx2;
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+mod hack_avx512;
 pub mod hack_rows;
 pub mod kmeans;
 mod microkernel;
