@@ -234,39 +234,64 @@ pub(crate) fn block_values<const H: usize>(
             *x = i32::from_le_bytes([four[0], four[1], four[2], four[3]]);
         }
     }
+    let (svb, mvb): (&[u8], &[u8]) = (bytemuck::cast_slice(sv), bytemuck::cast_slice(mv));
+    let meta = (svb, mvb, sp, ps);
+    // 64 channels a pass over the quads when `d` allows (16 sums live for four heads), else 32.
+    if d.is_multiple_of(64) {
+        for c0 in (0..d).step_by(64) {
+            channel_pass::<H, 4>(block, d, c0, quads, &words, meta, parts);
+        }
+    } else {
+        for c0 in (0..d).step_by(32) {
+            channel_pass::<H, 2>(block, d, c0, quads, &words, meta, parts);
+        }
+    }
+}
+
+/// Channels `c0..c0 + 16·V` of [`block_values`]: one pass over the quads with `H × V`
+/// sums of sixteen channels, then the correction into the partials.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,avx2,fma,f16c")]
+fn channel_pass<const H: usize, const V: usize>(
+    block: &[u8],
+    d: usize,
+    c0: usize,
+    quads: &[u16],
+    words: &[[i32; 16]; H],
+    (svb, mvb, sp, ps): (&[u8], &[u8], &[f32], &[f32]),
+    parts: &mut [super::partial::Partial],
+) {
     // Byte k of each 32-bit lane takes the 8 bits at offset 2k of the lane's low byte (the
     // second lane of a 64-bit word starts at bit 32); `& 3` then keeps row k's code.
     let fields = _mm512_set1_epi64(i64::from_le_bytes([0, 2, 4, 6, 32, 34, 36, 38]));
     let m3 = _mm512_set1_epi8(3);
-    let (svb, mvb): (&[u8], &[u8]) = (bytemuck::cast_slice(sv), bytemuck::cast_slice(mv));
-    for grp in 0..d / 32 {
-        let mut acc = [[_mm512_setzero_si512(); 2]; H];
-        for &qi in quads {
-            let qi = qi as usize;
-            let at = qi * d + grp * 32;
-            let codes = [at, at + 16].map(|a| {
-                let lanes = _mm512_cvtepu8_epi32(load16(&block[a..]));
-                _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, lanes), m3)
-            });
-            for (a, wh) in acc.iter_mut().zip(&words) {
-                let wv = _mm512_set1_epi32(wh[qi]);
-                a[0] = _mm512_dpbusd_epi32(a[0], codes[0], wv);
-                a[1] = _mm512_dpbusd_epi32(a[1], codes[1], wv);
+    let mut acc = [[_mm512_setzero_si512(); V]; H];
+    for &qi in quads {
+        let qi = qi as usize;
+        let at = qi * d + c0;
+        let codes: [__m512i; V] = std::array::from_fn(|v| {
+            let lanes = _mm512_cvtepu8_epi32(load16(&block[at + 16 * v..]));
+            _mm512_and_si512(_mm512_multishift_epi64_epi8(fields, lanes), m3)
+        });
+        for (a, wh) in acc.iter_mut().zip(words) {
+            let wv = _mm512_set1_epi32(wh[qi]);
+            for (x, &c) in a.iter_mut().zip(&codes) {
+                *x = _mm512_dpbusd_epi32(*x, c, wv);
             }
         }
-        for half in 0..2 {
-            let c = grp * 32 + half * 16;
-            let svc = _mm512_cvtph_ps(load32(&svb[2 * c..]));
-            let mvc = _mm512_cvtph_ps(load32(&mvb[2 * c..]));
-            for (h, (a, part)) in acc.iter().zip(parts.iter_mut()).enumerate() {
-                let a = _mm512_cvtepi32_ps(a[half]);
-                let o = &mut part.o[c..c + 16];
-                let prev: __m512 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(o));
-                // o + sp·(sv·a + mv·ps)
-                let inner = _mm512_fmadd_ps(svc, a, _mm512_mul_ps(mvc, _mm512_set1_ps(ps[h])));
-                let new = _mm512_fmadd_ps(_mm512_set1_ps(sp[h]), inner, prev);
-                o.copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(new));
-            }
+    }
+    for v in 0..V {
+        let c = c0 + 16 * v;
+        let svc = _mm512_cvtph_ps(load32(&svb[2 * c..]));
+        let mvc = _mm512_cvtph_ps(load32(&mvb[2 * c..]));
+        for (h, (a, part)) in acc.iter().zip(parts.iter_mut()).enumerate() {
+            let a = _mm512_cvtepi32_ps(a[v]);
+            let o = &mut part.o[c..c + 16];
+            let prev: __m512 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(o));
+            // o + sp·(sv·a + mv·ps)
+            let inner = _mm512_fmadd_ps(svc, a, _mm512_mul_ps(mvc, _mm512_set1_ps(ps[h])));
+            let new = _mm512_fmadd_ps(_mm512_set1_ps(sp[h]), inner, prev);
+            o.copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(new));
         }
     }
 }
@@ -417,12 +442,15 @@ mod tests {
             return;
         }
         let mut rng = SplitMix64::new(8);
-        let (d, p) = (128, 64);
-        let block = bytes(p / 4 * d, &mut rng);
-        let (sv, mv) = (f16s(d, &mut rng, 0.01, 0.5), f16s(d, &mut rng, -2.0, 0.0));
+        let p = 64;
         let w: Vec<u8> = (0..4 * p).map(|i| if i % 7 == 3 { 0 } else { (rng.next_u64() % 128) as u8 }).collect();
         let (sp, ps) = ([0.01f32, 0.02, 0.005, 0.03], [900.0f32, 1200.0, 80.0, 3000.0]);
-        for quads in [(0..16).collect::<Vec<u16>>(), vec![0, 2, 3, 9, 15]] {
+        // d = 128 runs passes of 64 channels, d = 96 passes of 32.
+        for (d, quads) in
+            [128usize, 96].into_iter().flat_map(|d| [(d, (0..16).collect::<Vec<u16>>()), (d, vec![0, 2, 3, 9, 15])])
+        {
+            let block = bytes(p / 4 * d, &mut rng);
+            let (sv, mv) = (f16s(d, &mut rng, 0.01, 0.5), f16s(d, &mut rng, -2.0, 0.0));
             let start: Vec<Partial> = (0..4)
                 .map(|_| {
                     let mut p = Partial::empty(d);
@@ -438,7 +466,7 @@ mod tests {
                 super::super::hack_avx2::block_values::<4>(&block, d, &quads, &w, p, (&sv, &mv), (&sp, &ps), &mut b);
             }
             for (h, (x, y)) in a.iter().zip(&b).enumerate() {
-                close(&x.o, &y.o, &format!("values head {h}, {} quads", quads.len()));
+                close(&x.o, &y.o, &format!("values d={d} head {h}, {} quads", quads.len()));
             }
         }
     }
