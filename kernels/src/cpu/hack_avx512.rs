@@ -230,8 +230,12 @@ pub(crate) fn block_values<const H: usize>(
     let mut words = [[0i32; 16]; H];
     for (h, wh) in words.iter_mut().enumerate() {
         let rows = &w[h * stride..h * stride + stride.min(64)];
-        for (x, four) in wh.iter_mut().zip(rows.chunks_exact(4)) {
-            *x = i32::from_le_bytes([four[0], four[1], four[2], four[3]]);
+        if rows.len() == 64 {
+            *wh = bytemuck::pod_read_unaligned(rows); // x86 is little-endian: byte k is row k
+        } else {
+            for (x, four) in wh.iter_mut().zip(rows.chunks_exact(4)) {
+                *x = i32::from_le_bytes([four[0], four[1], four[2], four[3]]);
+            }
         }
     }
     let (svb, mvb): (&[u8], &[u8]) = (bytemuck::cast_slice(sv), bytemuck::cast_slice(mv));
@@ -442,13 +446,17 @@ mod tests {
             return;
         }
         let mut rng = SplitMix64::new(8);
-        let p = 64;
-        let w: Vec<u8> = (0..4 * p).map(|i| if i % 7 == 3 { 0 } else { (rng.next_u64() % 128) as u8 }).collect();
         let (sp, ps) = ([0.01f32, 0.02, 0.005, 0.03], [900.0f32, 1200.0, 80.0, 3000.0]);
-        // d = 128 runs passes of 64 channels, d = 96 passes of 32.
-        for (d, quads) in
-            [128usize, 96].into_iter().flat_map(|d| [(d, (0..16).collect::<Vec<u16>>()), (d, vec![0, 2, 3, 9, 15])])
-        {
+        // d = 128 runs passes of 64 channels, d = 96 passes of 32; Π = 32 blocks hold 8 quads.
+        let cases =
+            [(128usize, 64usize, (0..16).collect::<Vec<u16>>()), (128, 64, vec![0, 2, 3, 9, 15])].into_iter().chain([
+                (96, 64, (0..16).collect()),
+                (96, 64, vec![1, 4, 15]),
+                (128, 32, (0..8).collect()),
+                (128, 32, vec![0, 5]),
+            ]);
+        for (d, p, quads) in cases {
+            let w: Vec<u8> = (0..4 * p).map(|i| if i % 7 == 3 { 0 } else { (rng.next_u64() % 128) as u8 }).collect();
             let block = bytes(p / 4 * d, &mut rng);
             let (sv, mv) = (f16s(d, &mut rng, 0.01, 0.5), f16s(d, &mut rng, -2.0, 0.0));
             let start: Vec<Partial> = (0..4)
