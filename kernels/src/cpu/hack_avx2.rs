@@ -181,21 +181,25 @@ pub(crate) fn block_values<const H: usize>(
 /// polynomial of degree 7 (`|r| ≤ ½ ln 2`, truncation below 5e-9), `2ⁿ` built in the
 /// exponent bits. Inputs below `−87.3` give about `2⁻¹²⁶` (the smallest normal float), which
 /// rounds to probability 0.
+/// Inputs of `exp8` below this give about `2⁻¹²⁶`.
+pub(crate) const EXP_FLOOR: f32 = -87.3;
+/// ln 2 = 0.693359375 − 2.121944400e-4, the first part exact in 9 bits (Cody–Waite).
+pub(crate) const LN2_PARTS: [f32; 2] = [0.693_359_4, -2.121_944_4e-4];
+/// `1/k!` for k = 0..=7: the Taylor polynomial of `eʳ`.
+pub(crate) const EXP_TAYLOR: [f32; 8] = [1.0, 1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0, 1.0 / 120.0, 1.0 / 720.0, 1.0 / 5040.0];
+
 #[inline]
 #[target_feature(enable = "avx2,fma")]
 fn exp8(x: __m256) -> __m256 {
-    let x = _mm256_max_ps(x, _mm256_set1_ps(-87.3));
+    let x = _mm256_max_ps(x, _mm256_set1_ps(EXP_FLOOR));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm256_mul_ps(
         x,
         _mm256_set1_ps(std::f32::consts::LOG2_E),
     ));
-    // ln 2 = 0.693359375 − 2.121944400e-4, the first part exact in 9 bits.
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-    // 1/k!
-    let c = [1.0, 1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0, 1.0 / 120.0, 1.0 / 720.0, 1.0 / 5040.0];
-    let mut p = _mm256_set1_ps(c[7]);
-    for &k in c[..7].iter().rev() {
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_PARTS[0]), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_PARTS[1]), r);
+    let mut p = _mm256_set1_ps(EXP_TAYLOR[7]);
+    for &k in EXP_TAYLOR[..7].iter().rev() {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(k));
     }
     let e = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));

@@ -19,7 +19,7 @@
 //! `hack_rows.rs`). Tests compare them with the AVX2 kernels; they skip, printing why, on a
 //! CPU without AVX-512.
 
-use super::hack_avx2::{load16, load32, meta4, widen_meta, KeyData, PairQuery};
+use super::hack_avx2::{load16, load32, meta4, widen_meta, KeyData, PairQuery, EXP_FLOOR, EXP_TAYLOR, LN2_PARTS};
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
@@ -305,18 +305,15 @@ fn channel_pass<const H: usize, const V: usize>(
 #[inline]
 #[target_feature(enable = "avx512f")]
 fn exp16(x: __m512) -> __m512 {
-    let x = _mm512_max_ps(x, _mm512_set1_ps(-87.3));
+    let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
         x,
         _mm512_set1_ps(std::f32::consts::LOG2_E),
     ));
-    // ln 2 = 0.693359375 − 2.121944400e-4, the first part exact in 9 bits.
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-    // 1/k!
-    let c = [1.0, 1.0, 0.5, 1.0 / 6.0, 1.0 / 24.0, 1.0 / 120.0, 1.0 / 720.0, 1.0 / 5040.0];
-    let mut p = _mm512_set1_ps(c[7]);
-    for &k in c[..7].iter().rev() {
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[0]), x);
+    let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_PARTS[1]), r);
+    let mut p = _mm512_set1_ps(EXP_TAYLOR[7]);
+    for &k in EXP_TAYLOR[..7].iter().rev() {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(k));
     }
     _mm512_scalef_ps(p, n)
