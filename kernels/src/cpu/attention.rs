@@ -232,6 +232,13 @@ pub(crate) fn tile_scores<E: Element>(
 /// `o_j += Σ_t p_j[t]·v_t` for every head of `parts`, 4, 2 or 1 heads at a time.
 fn tile_values<E: Element>(p: &[f32], v: &[E], n: usize, d8: usize, parts: &mut [Partial]) {
     let d = d8 * 8;
+    if parts.len() == 4 && d8.is_multiple_of(2) {
+        // The common GQA group of four over contiguous rows.
+        let mut it = parts.iter_mut();
+        let mut o: [&mut [f32]; 4] = std::array::from_fn(|_| it.next().map(|p| p.o.as_mut_slice()).unwrap_or_default());
+        microkernel::accumulate_tile::<4, 2, E>(p, TILE_ROWS, v, n, d8, &mut o);
+        return;
+    }
     weighted_rows(p, TILE_ROWS, |t| &v[t * d..(t + 1) * d], n, d8, parts);
 }
 

@@ -7,9 +7,11 @@
 pub(crate) fn prefetch<T>(data: &[T]) {
     #[cfg(target_arch = "x86_64")]
     {
+        // A plain counted loop (`step_by` cost ~5 instructions a line around the prefetch).
         let base = data.as_ptr().cast::<i8>();
-        for off in (0..std::mem::size_of_val(data)).step_by(64) {
-            prefetch_line(base.wrapping_add(off));
+        let lines = std::mem::size_of_val(data).div_ceil(64);
+        for i in 0..lines {
+            prefetch_line(base.wrapping_add(i * 64));
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
