@@ -164,7 +164,7 @@ fn attend_tiles<E: Element>(
             // Only the first n scores are live; pad them to whole vectors with -inf (weight 0).
             let s = &mut scores[j * TILE_ROWS..j * TILE_ROWS + n.next_multiple_of(8)];
             s[n..].fill(f32::NEG_INFINITY);
-            let tile_max = s[..n].iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let tile_max = super::simd::max_of(&s[..n]);
             part.rescale_to(part.m.max(tile_max));
             part.l += microkernel::exp_shifted_sum(s, part.m);
         }

@@ -685,7 +685,7 @@ impl<'a> HackView<'a> {
         s.p_sum.resize(g, 0.0);
         for (h, part) in parts.iter_mut().enumerate() {
             let sc = &s.scores[h * n..(h + 1) * n];
-            let block_max = max_of(sc);
+            let block_max = super::simd::max_of(sc);
             part.rescale_to(part.m.max(block_max));
             // The largest probability is exp(block max − m): exp is monotonic. A block whose
             // largest is below e^-64 cannot change the f32 sums and is left out, which also
@@ -899,21 +899,6 @@ fn values_scalar(
             }
         }
     }
-}
-
-/// The largest of `x` (−∞ when empty), eight lanes at a time (scores are finite, so the
-/// plain `vmaxps` of `fast_max` is exact; a checked array conversion per chunk tripled the
-/// instructions: ~100 per block and head, callgrind).
-fn max_of(x: &[f32]) -> f32 {
-    let mut chunks = x.chunks_exact(8);
-    let mut m = wide::f32x8::splat(f32::NEG_INFINITY);
-    for c in &mut chunks {
-        m = m.fast_max(bytemuck::pod_read_unaligned::<wide::f32x8>(bytemuck::cast_slice(c)));
-    }
-    // Finite inputs: a plain compare (`f32::max` also handles NaN, at 3 instructions a lane).
-    let larger = |a: f32, b: f32| if b > a { b } else { a };
-    let rest = chunks.remainder().iter().copied().fold(f32::NEG_INFINITY, larger);
-    m.to_array().into_iter().fold(rest, larger)
 }
 
 /// The 7-bit probabilities of the scores `x` relative to the running maximum `m`, in steps
@@ -1256,7 +1241,7 @@ mod tests {
         let mut rng = SplitMix64::new(77);
         for n in [0, 1, 7, 8, 15, 16, 17, 31, 33, 64] {
             let x: Vec<f32> = (0..n).map(|_| 3.0 * rng.normal()).collect();
-            let m = max_of(&x);
+            let m = super::super::simd::max_of(&x);
             assert_eq!(m, x.iter().copied().fold(f32::NEG_INFINITY, f32::max), "n={n}");
             if n == 0 {
                 continue;

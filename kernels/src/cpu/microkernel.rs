@@ -242,6 +242,22 @@ pub(crate) fn accumulate_tile<const G: usize, const V: usize, E: Element>(
 /// `exp(s − m)` in place over `s` (a multiple of 8 long), returning the sum.
 #[inline(always)]
 pub(crate) fn exp_shifted_sum(s: &mut [f32], m: f32) -> f32 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+    {
+        #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+        // SAFETY: compiled only when the build enables avx2 and fma for the whole program
+        // (cfg above), so every CPU that runs the binary has them.
+        unsafe {
+            super::hack_avx2::exp_shifted_sum(s, m)
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+    exp_shifted_sum_wide(s, m)
+}
+
+/// [`exp_shifted_sum`] on `wide`'s vectors (targets without AVX2 and FMA).
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"), allow(dead_code))]
+fn exp_shifted_sum_wide(s: &mut [f32], m: f32) -> f32 {
     let mv = f32x8::splat(m);
     let mut sum = f32x8::ZERO;
     for lanes in s.chunks_exact_mut(8) {
