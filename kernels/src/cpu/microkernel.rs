@@ -127,8 +127,9 @@ fn sums8_avx(x: [std::arch::x86_64::__m256; 8]) -> [f32; 8] {
 }
 
 /// `o_i += Σ_t p[i·stride + t] · row(t)` for `G` heads over `n` rows fetched by `row(t)`
-/// (each `8·d8` elements: a tile's value rows, or the estimation zone's gathered cluster
-/// value means), `V` vectors of the head dimension at a time. Requires `d8 % V == 0`.
+/// (each `8·d8` elements: the estimation zone's gathered cluster value means, or a tile's
+/// value rows when [`accumulate_tile`] does not apply), `V` vectors of the head dimension at
+/// a time. Requires `d8 % V == 0`.
 #[inline(always)]
 pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
     p: &[f32],
@@ -144,43 +145,11 @@ pub(crate) fn accumulate_rows<'a, const G: usize, const V: usize, E: Element>(
     // bounds check inside the row loop.
     let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
     for blk in (0..d).step_by(V * 8) {
-        let mut acc = [[f32x8::ZERO; V]; G];
-        for (a, oi) in acc.iter_mut().zip(o.iter()) {
-            for (x, lanes) in a.iter_mut().zip(oi[blk..blk + V * 8].chunks_exact(8)) {
-                *x = f32x8::from(<[f32; 8]>::try_from(lanes).unwrap_or_default());
-            }
+        let mut acc = columns::<G, V>(o, blk);
+        for t in 0..n {
+            add_row(&mut acc, &ps, t, &widened::<V, E>(row(t), blk));
         }
-        let widened = |t: usize| -> [f32x8; V] {
-            let lanes = &row(t)[blk..blk + V * 8];
-            std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]))
-        };
-        // Two rows a step: the loop's own instructions (slicing, bounds, the counter) were
-        // ~12 of every 26 around a row's 8 FMAs (callgrind, G = 4, V = 2).
-        let mut t = 0;
-        while t + 2 <= n {
-            let (r0, r1) = (widened(t), widened(t + 1));
-            for (a, pi) in acc.iter_mut().zip(&ps) {
-                let (p0, p1) = (f32x8::splat(pi[t]), f32x8::splat(pi[t + 1]));
-                for ((x, &v0), &v1) in a.iter_mut().zip(&r0).zip(&r1) {
-                    *x = p1.mul_add(v1, p0.mul_add(v0, *x));
-                }
-            }
-            t += 2;
-        }
-        if t < n {
-            let r0 = widened(t);
-            for (a, pi) in acc.iter_mut().zip(&ps) {
-                let p0 = f32x8::splat(pi[t]);
-                for (x, &v0) in a.iter_mut().zip(&r0) {
-                    *x = p0.mul_add(v0, *x);
-                }
-            }
-        }
-        for (a, oi) in acc.iter().zip(o.iter_mut()) {
-            for (x, lanes) in a.iter().zip(oi[blk..blk + V * 8].chunks_exact_mut(8)) {
-                lanes.copy_from_slice(&x.to_array());
-            }
-        }
+        store_columns(&acc, o, blk);
     }
 }
 
@@ -202,39 +171,56 @@ pub(crate) fn accumulate_tile<const G: usize, const V: usize, E: Element>(
     let v = &v[..n * d];
     let ps: [&[f32]; G] = std::array::from_fn(|i| &p[i * stride..i * stride + n]);
     for blk in (0..d).step_by(V * 8) {
-        let mut acc = [[f32x8::ZERO; V]; G];
-        for (a, oi) in acc.iter_mut().zip(o.iter()) {
-            for (x, lanes) in a.iter_mut().zip(oi[blk..blk + V * 8].chunks_exact(8)) {
-                *x = bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes));
-            }
-        }
-        let widened = |row: &[E]| -> [f32x8; V] {
-            let lanes = &row[blk..blk + V * 8];
-            std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]))
-        };
+        let mut acc = columns::<G, V>(o, blk);
         let mut pairs = v.chunks_exact(2 * d);
         for (t, pair) in (&mut pairs).enumerate().map(|(i, x)| (2 * i, x)) {
-            let (r0, r1) = (widened(&pair[..d]), widened(&pair[d..]));
-            for (a, pi) in acc.iter_mut().zip(&ps) {
-                let (p0, p1) = (f32x8::splat(pi[t]), f32x8::splat(pi[t + 1]));
-                for ((x, &v0), &v1) in a.iter_mut().zip(&r0).zip(&r1) {
-                    *x = p1.mul_add(v1, p0.mul_add(v0, *x));
-                }
-            }
+            let (r0, r1) = (widened::<V, E>(&pair[..d], blk), widened::<V, E>(&pair[d..], blk));
+            add_row(&mut acc, &ps, t, &r0);
+            add_row(&mut acc, &ps, t + 1, &r1);
         }
         if !pairs.remainder().is_empty() {
-            let r0 = widened(pairs.remainder());
-            for (a, pi) in acc.iter_mut().zip(&ps) {
-                let p0 = f32x8::splat(pi[n - 1]);
-                for (x, &v0) in a.iter_mut().zip(&r0) {
-                    *x = p0.mul_add(v0, *x);
-                }
-            }
+            add_row(&mut acc, &ps, n - 1, &widened::<V, E>(pairs.remainder(), blk));
         }
-        for (a, oi) in acc.iter().zip(o.iter_mut()) {
-            for (x, lanes) in a.iter().zip(oi[blk..blk + V * 8].chunks_exact_mut(8)) {
-                lanes.copy_from_slice(&x.to_array());
-            }
+        store_columns(&acc, o, blk);
+    }
+}
+
+/// Columns `blk..blk + 8·V` of each head's output, as vectors.
+#[inline(always)]
+fn columns<const G: usize, const V: usize>(o: &[&mut [f32]; G], blk: usize) -> [[f32x8; V]; G] {
+    let mut acc = [[f32x8::ZERO; V]; G];
+    for (a, oi) in acc.iter_mut().zip(o.iter()) {
+        for (x, lanes) in a.iter_mut().zip(oi[blk..blk + V * 8].chunks_exact(8)) {
+            *x = bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes));
+        }
+    }
+    acc
+}
+
+/// Writes [`columns`] back.
+#[inline(always)]
+fn store_columns<const G: usize, const V: usize>(acc: &[[f32x8; V]; G], o: &mut [&mut [f32]; G], blk: usize) {
+    for (a, oi) in acc.iter().zip(o.iter_mut()) {
+        for (x, lanes) in a.iter().zip(oi[blk..blk + V * 8].chunks_exact_mut(8)) {
+            lanes.copy_from_slice(&x.to_array());
+        }
+    }
+}
+
+/// Columns `blk..blk + 8·V` of one row, widened to f32.
+#[inline(always)]
+fn widened<const V: usize, E: Element>(row: &[E], blk: usize) -> [f32x8; V] {
+    let lanes = &row[blk..blk + V * 8];
+    std::array::from_fn(|k| E::load8(&lanes[k * 8..k * 8 + 8]))
+}
+
+/// `acc_i += ps_i[t] · row` for every head `i`.
+#[inline(always)]
+fn add_row<const G: usize, const V: usize>(acc: &mut [[f32x8; V]; G], ps: &[&[f32]; G], t: usize, row: &[f32x8; V]) {
+    for (a, pi) in acc.iter_mut().zip(ps) {
+        let w = f32x8::splat(pi[t]);
+        for (x, &v) in a.iter_mut().zip(row) {
+            *x = w.mul_add(v, *x);
         }
     }
 }
