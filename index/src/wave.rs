@@ -176,6 +176,17 @@ fn attend_jobs<J: Sync>(
     attend_jobs_from(&Scratch::default(), jobs, heads, d, parts, run)
 }
 
+/// A scratch holding the queries `q` (`g × d`) quantized for the segments' 2-bit rows (all
+/// segments of an index share the codec), to clone into every task of a step; empty for
+/// plain rows.
+fn primed<E: Element>(segments: &[HeadSegment<E>], q: &[f32], g: usize, d: usize) -> Result<Scratch> {
+    let mut scratch = Scratch::default();
+    if let Some(seg) = segments.first() {
+        seg.prime(q, g, d, &mut scratch)?;
+    }
+    Ok(scratch)
+}
+
 /// [`attend_jobs`] with each task's scratch cloned from `primed` (e.g. holding the step's
 /// queries quantized for 2-bit rows, so no task quantizes them again).
 fn attend_jobs_from<J: Sync>(
@@ -1059,11 +1070,7 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                 })
                 .collect();
             // The queries are quantized once for every task (2-bit rows; plain rows: nothing).
-            let mut primed = Scratch::default();
-            if let Some(seg) = store.segments.first() {
-                seg.prime(q, g, d, &mut primed)?;
-            }
-            attend_jobs_from(&primed, &jobs, g, d, &mut parts, |(i, rows), p, sc| {
+            attend_jobs_from(&primed(&store.segments, q, g, d)?, &jobs, g, d, &mut parts, |(i, rows), p, sc| {
                 let homed = blocks.map(|store| Homed { store, head: kv_head, scan: true });
                 store.segments[*i].attend(homed, q, scale, std::slice::from_ref(rows), p, sc)
             })?;
@@ -1119,24 +1126,27 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
                         .map(Work::Retrieve)
                         .chain(est_jobs.map(Work::Estimate))
                         .collect();
-                    let mut primed = Scratch::default();
-                    if let Some(seg) = store.segments.first() {
-                        seg.prime(qs, sel.heads, d, &mut primed)?;
-                    }
-                    attend_jobs_from(&primed, &jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
-                        Work::Retrieve(runs) => {
-                            let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
-                            store.segments[runs[0].unit as usize].attend(
-                                blocks.map(|store| Homed { store, head: kv_head, scan: false }),
-                                qs,
-                                scale,
-                                &ranges,
-                                p,
-                                sc,
-                            )
-                        }
-                        Work::Estimate(cols) => estimate(cols, p),
-                    })?;
+                    attend_jobs_from(
+                        &primed(&store.segments, qs, sel.heads, d)?,
+                        &jobs,
+                        sel.heads,
+                        d,
+                        &mut sub,
+                        |job, p, sc| match job {
+                            Work::Retrieve(runs) => {
+                                let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
+                                store.segments[runs[0].unit as usize].attend(
+                                    blocks.map(|store| Homed { store, head: kv_head, scan: false }),
+                                    qs,
+                                    scale,
+                                    &ranges,
+                                    p,
+                                    sc,
+                                )
+                            }
+                            Work::Estimate(cols) => estimate(cols, p),
+                        },
+                    )?;
                 }
             }
             for (i, part) in sub.iter().enumerate() {

@@ -732,7 +732,7 @@ impl<'a> HackView<'a> {
         let quads = &self.a.value_codes[block * p / 4 * d..(block + 1) * p / 4 * d];
         let (sv, mv) = (&self.a.value_scale[block * d..(block + 1) * d], &self.a.value_min[block * d..(block + 1) * d]);
         if self.fast_values() {
-            values_avx2(quads, d, &s.quads, &s.weights, p, (sv, mv), (&s.p_scale, &s.p_sum), parts);
+            values_simd(quads, d, &s.quads, &s.weights, p, (sv, mv), (&s.p_scale, &s.p_sum), parts);
             return;
         }
         s.acc.resize(g * d, 0);
@@ -770,7 +770,7 @@ impl<'a> HackView<'a> {
                 kp,
                 first_row: first,
             };
-            scores_avx2(&keys, &s.rows, &s.pairs, g, scale, &mut s.scores);
+            scores_simd(&keys, &s.rows, &s.pairs, g, scale, &mut s.scores);
             return;
         }
         s.keys.resize(d, 0);
@@ -796,10 +796,11 @@ impl<'a> HackView<'a> {
     }
 }
 
-/// The AVX2 score kernel (see `hack_avx2.rs`).
+/// The SIMD score kernel: AVX-512 (`hack_avx512.rs`) where the CPU has it and rows hold an
+/// even number of partitions, else AVX2 (`hack_avx2.rs`).
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
 #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
-fn scores_avx2(
+fn scores_simd(
     keys: &super::hack_avx2::KeyData<'_>,
     rows: &[u32],
     pairs: &[super::hack_avx2::PairQuery],
@@ -817,10 +818,10 @@ fn scores_avx2(
     unsafe { super::hack_avx2::block_scores(keys, rows, pairs, g, scale, out) }
 }
 
-/// The AVX2 value kernel, four heads at a time.
+/// The SIMD value kernel, four heads at a time: AVX-512 where the CPU has it, else AVX2.
 #[allow(unsafe_code, reason = "the one call into a #[target_feature] kernel")]
 #[allow(clippy::too_many_arguments)]
-fn values_avx2(
+fn values_simd(
     quads: &[u8],
     d: usize,
     active: &[u16],
