@@ -28,9 +28,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
+use attnstore_index::GpuHackWork;
 use attnstore_kernels::cuda::{
-    ArenaCache, DeviceWave, GpuBackend, KvPointers, RowRef, SharedRows, WaveBatch, WaveCache, WaveFetched, WaveJob,
-    WaveStep,
+    ArenaCache, DeviceWave, GpuBackend, KvPointers, PagedGroup, RowRef, SharedRows, WaveBatch, WaveCache, WaveFetched,
+    WaveJob, WaveStep,
 };
 use attnstore_kernels::Partial;
 use parking_lot::Mutex;
@@ -548,6 +549,15 @@ impl Engine {
         let (g, d) = (sh.group(), sh.head_dim);
         // Per KV head on rayon threads (the estimation partials are CPU work).
         let method = &guard.method;
+        let hack: Option<Vec<_>> = (0..sh.kv_heads)
+            .into_par_iter()
+            .map(|h| method.gpu_hack_work(h, &r.queries[h * g * d..(h + 1) * g * d], &r.heads[h]))
+            .collect();
+        if let Some(works) = hack {
+            let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
+            trace.mark("work");
+            return self.execute_hack_gpu(r, manager, host_base, &works, run, &mut trace);
+        }
         let works: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
             .map(|h| method.gpu_work(h, &r.queries[h * g * d..(h + 1) * g * d], &r.heads[h]))
@@ -609,6 +619,82 @@ impl Engine {
         drop(pins);
         drop(reader);
         trace.mark("fetch");
+        for (h, w) in works.iter().enumerate() {
+            for (j, c) in w.cpu.iter().enumerate() {
+                parts[h * g + j].merge(c);
+            }
+        }
+        trace.mark("merge");
+        trace.print();
+        Ok(Some(parts.iter().flat_map(Partial::finish).collect()))
+    }
+
+    /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads
+    /// each block the plan attends in place, pinned, from the Gpu tier or zero-copy from the
+    /// pinned Host arena (`GpuBackend::prepare_hack_paged`), and its partials merge with the
+    /// CPU's steady and estimation zones. `None` when a block is only on Disk (or the Gpu
+    /// tier has no device copy): the CPU runs the request.
+    fn execute_hack_gpu(
+        &self,
+        r: &RequestPlan,
+        manager: &attnstore_buffer::BufferManager,
+        host_base: u64,
+        works: &[GpuHackWork],
+        run: &mut GpuRun,
+        trace: &mut PhaseTrace,
+    ) -> Result<Option<Vec<f32>>> {
+        let sh = r.shape;
+        let (g, d) = (sh.group(), sh.head_dim);
+        // An exact plan is a scan: its pins log no accesses (as on the CPU).
+        let reader = if works.iter().all(|w| w.scan) { manager.scan_reader() } else { manager.reader() };
+        let locations: Vec<_> =
+            works.iter().flat_map(|w| w.groups.iter().flat_map(|x| x.locations.iter().copied())).collect();
+        let pins = reader.pin_all(&locations).into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
+        let page = manager.layout().block_bytes();
+        let gpu_base = manager.gpu_device_base();
+        let mut pinned = pins.iter();
+        let mut groups: Vec<Vec<PagedGroup>> = Vec::with_capacity(works.len());
+        let (mut gpu_blocks, mut host_blocks) = (0, 0);
+        for w in works {
+            let mut list = Vec::with_capacity(w.groups.len());
+            for grp in &w.groups {
+                let mut pages = Vec::with_capacity(grp.locations.len());
+                for pin in pinned.by_ref().take(grp.locations.len()) {
+                    let Some(slot) = pin.slot() else { return Ok(None) }; // a Disk read: CPU
+                    let base = match (pin.tier(), gpu_base) {
+                        (Tier::Gpu, Some(b)) => {
+                            gpu_blocks += 1;
+                            b
+                        }
+                        (Tier::Gpu, None) => return Ok(None),
+                        _ => {
+                            host_blocks += 1;
+                            host_base
+                        }
+                    };
+                    pages.push(base + u64::from(slot) * page as u64);
+                }
+                list.push(PagedGroup { pages, rows: grp.rows as usize, mask: grp.mask });
+            }
+            groups.push(list);
+        }
+        trace.mark("pins+pages");
+        let gpu = self.gpu.backend(d)?;
+        let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
+        if groups.iter().any(|l| !l.is_empty()) {
+            let mut job = gpu.prepare_hack_paged(&sh, &r.queries, &groups, page)?;
+            gpu.launch_hack_paged(&mut job)?;
+            trace.mark("launch");
+            for (p, got) in parts.iter_mut().zip(gpu.fetch_hack_partials(&job)?) {
+                p.merge(&got);
+            }
+        }
+        // The kernel is done: the blocks may move again.
+        drop(pins);
+        drop(reader);
+        trace.mark("fetch");
+        run.gpu_blocks += gpu_blocks;
+        run.host_blocks += host_blocks;
         for (h, w) in works.iter().enumerate() {
             for (j, c) in w.cpu.iter().enumerate() {
                 parts[h * g + j].merge(c);

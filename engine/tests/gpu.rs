@@ -73,6 +73,59 @@ fn gpu_execution_of_plans_equals_the_cpu_executor() {
 }
 
 #[test]
+fn hack2_plans_on_the_gpu_read_2_bit_blocks_in_place_and_equal_the_cpu_executor() {
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the engine's hack2 GPU test");
+        return;
+    }
+    for tokens in [32 * 1024, 128 * 1024] {
+        let shape = AttnShape::new(32, 8, 128).unwrap();
+        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+        let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
+        let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
+        let spec = ContextSpec::new(shape, 1).with_codec(attnstore::Codec::Hack2(attnstore::HackParams::default()));
+        let ctx = engine.create_context(spec).unwrap();
+        let synth = SynthContext::generate(SynthParams::new(shape, tokens, 9));
+        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+        let manager = engine.buffer_manager().unwrap().clone();
+        let (mut cpu_us, mut gpu_us, mut cpu_exact, mut gpu_exact) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let mut cache_blocks = 0;
+        for step in 0..12u64 {
+            let q = synth.queries(step % 4);
+            for budget in [Budget::default(), Budget::full()] {
+                let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
+                let t = Instant::now();
+                let want = engine.execute(&plan).unwrap().remove(0);
+                let cpu = t.elapsed().as_secs_f64() * 1e6;
+                let t = Instant::now();
+                let (mut got, run) = engine.execute_gpu(&plan).unwrap();
+                let gpu = t.elapsed().as_secs_f64() * 1e6;
+                assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
+                assert!(run.gpu_blocks + run.host_blocks > 0, "the kernel read the 2-bit blocks: {run:?}");
+                cache_blocks += run.gpu_blocks;
+                let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+                let err = rel_l2(&got.remove(0), &want64);
+                assert!(err <= 2e-3, "{tokens} tokens, step {step}, exact={}: {err}", budget.exact);
+                if step >= 2 {
+                    let (c, g) =
+                        if budget.exact { (&mut cpu_exact, &mut gpu_exact) } else { (&mut cpu_us, &mut gpu_us) };
+                    c.push(cpu);
+                    g.push(gpu);
+                }
+            }
+            manager.maintain(usize::MAX);
+        }
+        assert!(cache_blocks > 0, "some 2-bit blocks must come from the Gpu tier");
+        let (c, g, ce, ge) = (median(cpu_us), median(gpu_us), median(cpu_exact), median(gpu_exact));
+        println!(
+            "{tokens} tokens, hack2: sparse plans CPU executor {c:.0} us, GPU executor {g:.0} us ({:.2}x); exact plans CPU {ce:.0} us, GPU {ge:.0} us ({:.2}x); Gpu-tier blocks read: {cache_blocks}",
+            c / g,
+            ce / ge
+        );
+    }
+}
+
+#[test]
 fn device_selected_steps_equal_the_cpu_over_the_gpus_selection_as_tokens_append() {
     if !gpu_wanted() {
         eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the engine's device-selected steps");

@@ -120,6 +120,18 @@ impl BlockStore {
         }
         Ok(out)
     }
+
+    /// The current block list of each of `keys`, in order; a key not in the mapping table is
+    /// a typed error.
+    pub(crate) fn lookup_each(&self, keys: &[ClusterKey]) -> Result<Vec<Vec<BlockLocation>>> {
+        let reader = self.buffers.reader();
+        let mut found = Vec::with_capacity(keys.len());
+        reader.clusters(keys, &mut found);
+        keys.iter()
+            .zip(found)
+            .map(|(key, blocks)| Ok(blocks.ok_or_else(|| missing(key))?.into_iter().collect()))
+            .collect()
+    }
 }
 
 pub(crate) fn missing(key: &ClusterKey) -> Error {

@@ -25,8 +25,8 @@ pub use encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 pub use error::{Error, Result};
 pub use flat::FlatIndex;
 pub use method::{
-    AccessMethod, ArenaLayer, GpuHeadWork, HeadPlan, IndexLayout, IndexStats, RowSpan, Selection, SelectionMode,
-    SteadyRows, ZoneBudget,
+    AccessMethod, ArenaLayer, GpuHackGroup, GpuHackWork, GpuHeadWork, HeadPlan, IndexLayout, IndexStats, RowSpan,
+    Selection, SelectionMode, SteadyRows, ZoneBudget,
 };
 pub use pq::{
     BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,

@@ -188,6 +188,33 @@ pub struct GpuHeadWork {
     pub cpu: Vec<Partial>,
 }
 
+/// One value block of a `hack2` layer's 2-bit rows (Π = 64 rows in the group layout of
+/// `HackRows::group_bytes`), as a GPU step reads it in place: its blocks in the buffer
+/// manager, in byte order, the rows it holds and the rows to attend.
+#[derive(Debug, Clone)]
+pub struct GpuHackGroup {
+    /// The buffer-manager blocks the group's bytes are spread over, in order.
+    pub locations: Vec<attnstore_buffer::BlockLocation>,
+    /// Rows the group holds (Π, or fewer for a segment's last value block).
+    pub rows: u32,
+    /// The rows to attend: bit `r` for row `r` of the group.
+    pub mask: u64,
+}
+
+/// The GPU executor's inputs for one KV head of a layer whose indexed rows are 2-bit
+/// value blocks homed in the buffer manager ([`AccessMethod::gpu_hack_work`]).
+#[derive(Debug, Clone)]
+pub struct GpuHackWork {
+    /// Value blocks with rows the plan attends exactly, each listed once.
+    pub groups: Vec<GpuHackGroup>,
+    /// The partial of each query head of the group over what stays on the CPU: the steady
+    /// zone and the estimation zone.
+    pub cpu: Vec<Partial>,
+    /// The plan is exact: its reads are a scan (pinned without logging accesses, so an
+    /// exact plan neither admits nor evicts what sparse plans re-read).
+    pub scan: bool,
+}
+
 /// A wave layer as a GPU step over the buffer manager's Host arena reads it
 /// ([`AccessMethod::arena_layer`]).
 #[derive(Debug, Clone)]
@@ -285,6 +312,14 @@ pub trait AccessMethod: Send + Sync {
     /// (rows not homed there, not f16, or one selection per query head): the caller then
     /// runs [`AccessMethod::execute_head`] on the CPU.
     fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
+        let _ = (kv_head, q, plan);
+        None
+    }
+    /// [`AccessMethod::gpu_work`] for a layer whose indexed rows are 2-bit (`hack2`, Π = 64)
+    /// value blocks homed in the buffer manager: the blocks a GPU homomorphic kernel reads in
+    /// place and the CPU's partials, or `None` when the rows are not such blocks or the plan
+    /// has one selection per query head (the caller then runs the CPU executor).
+    fn gpu_hack_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHackWork>> {
         let _ = (kv_head, q, plan);
         None
     }

@@ -50,7 +50,7 @@ pub(crate) struct HackGroups {
 
 impl HackGroups {
     /// Rows of value block `b` (Π, or fewer for the last).
-    fn rows_in(&self, b: usize) -> usize {
+    pub fn rows_in(&self, b: usize) -> usize {
         let p = self.params.partition;
         (self.rows - b * p).min(p)
     }

@@ -8,8 +8,8 @@ use crate::directory::Directory;
 use crate::encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHeadWork, HeadPlan,
-    IndexLayout, IndexStats, Selection, SelectionMode, SteadyRows, ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHackGroup, GpuHackWork,
+    GpuHeadWork, HeadPlan, IndexLayout, IndexStats, Selection, SelectionMode, SteadyRows, ZoneBudget,
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment, Homed};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
@@ -521,6 +521,65 @@ impl<E: Element> WaveIndex<E> {
             }
         }
         Ok(GpuHeadWork { blocks, tokens_per_block: per_block, cpu })
+    }
+
+    /// [`AccessMethod::gpu_hack_work`] for a layer whose every segment is homed as 2-bit
+    /// value blocks in `store`: the steady and estimation zones attended here, and each
+    /// value block the plan reads with the mask of its rows to attend (every row of every
+    /// block for an exact plan; a selection's retrieved spans otherwise).
+    fn gpu_hack_work_homed(
+        &self,
+        store: &BlockStore,
+        kv_head: usize,
+        q: &[f32],
+        plan: &HeadPlan,
+    ) -> Result<GpuHackWork> {
+        let d = self.head_dim;
+        let g = q.len() / d;
+        let head = &self.heads[kv_head];
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut cpu = vec![Partial::empty(d); g];
+        let mut scratch = Scratch::default();
+        attend_rows(q, scale, &head.sink_keys, &head.sink_values, &mut cpu, &mut scratch);
+        attend_rows(q, scale, &head.tail_keys, &head.tail_values, &mut cpu, &mut scratch);
+        let groups_of = |unit: usize| {
+            head.segments.get(unit).and_then(|s| s.groups.as_ref()).ok_or_else(|| {
+                Error::MissingRows(format!("segment {unit} of head {kv_head} is not homed as 2-bit value blocks"))
+            })
+        };
+        // (segment, value block) → mask of the rows to attend, in row order.
+        let mut wanted = std::collections::BTreeMap::<(usize, usize), u64>::new();
+        if plan.exact {
+            for unit in 0..head.segments.len() {
+                let gr = groups_of(unit)?;
+                for b in 0..gr.count as usize {
+                    wanted.insert((unit, b), low_bits(gr.rows_in(b)));
+                }
+            }
+        } else if let Some(sel) = plan.selections.first() {
+            for (i, e) in head.dir.estimate(sel, d).iter().enumerate() {
+                cpu[sel.first_head + i].merge(e);
+            }
+            for span in &sel.retrieve {
+                let (unit, p) = (span.unit as usize, groups_of(span.unit as usize)?.params.partition);
+                for row in span.start as usize..span.end as usize {
+                    *wanted.entry((unit, row / p)).or_default() |= 1u64 << (row % p);
+                }
+            }
+        }
+        let keys: Vec<_> = wanted
+            .keys()
+            .map(|&(unit, b)| Ok(store.key(kv_head, groups_of(unit)?.first + b as u32)))
+            .collect::<Result<_>>()?;
+        let groups = store
+            .lookup_each(&keys)?
+            .into_iter()
+            .zip(&wanted)
+            .map(|(locations, (&(unit, b), &mask))| {
+                Ok(GpuHackGroup { locations, rows: groups_of(unit)?.rows_in(b) as u32, mask })
+            })
+            .collect::<Result<_>>()?;
+        Ok(GpuHackWork { groups, cpu, scan: plan.exact })
     }
 
     /// The index's structure (see [`WaveLayout`]).
@@ -1175,6 +1234,18 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         Some(self.gpu_work_f16(store, kv_head, q, plan))
     }
 
+    fn gpu_hack_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHackWork>> {
+        let store = self.blocks.as_ref()?;
+        let d = self.head_dim;
+        // One mask per KV head serves the whole group: one selection for all its heads.
+        let one_selection = plan.selections.first().is_none_or(|s| s.first_head == 0 && s.heads == q.len() / d);
+        let homed = self.heads[kv_head].segments.iter().all(|s| s.groups.is_some());
+        if self.hack?.partition != 64 || !homed || (!plan.exact && (plan.selections.len() > 1 || !one_selection)) {
+            return None;
+        }
+        Some(self.gpu_hack_work_homed(store, kv_head, q, plan))
+    }
+
     fn arena_layer(&self) -> Option<Result<ArenaLayer>> {
         let store = self.blocks.as_ref()?;
         if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() || self.indexed_tokens() == 0 {
@@ -1271,6 +1342,15 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
 /// Whether `ATTNSTORE_PLAN_TRACE` is set: each planned KV head then prints the time its
 /// centroid scoring and its selection took (read once per process).
+/// A mask of the first `n` rows of a value block (n ≤ 64).
+fn low_bits(n: usize) -> u64 {
+    if n >= 64 {
+        u64::MAX
+    } else {
+        (1u64 << n) - 1
+    }
+}
+
 fn plan_trace() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("ATTNSTORE_PLAN_TRACE").is_some())

@@ -333,6 +333,85 @@ fn homomorphic_decode_over_a_sparse_plans_rows_on_the_gpu_equals_the_cpu_kernel(
     assert!(gpu.prepare_hack_rows(&shape, &q, &dev, &ranges[1..]).is_err());
 }
 
+#[test]
+fn homomorphic_decode_over_paged_groups_on_the_gpu_equals_the_cpu_kernel() {
+    let Some(gpu) = gpu() else { return };
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    // 5000 rows: 78 full value blocks and a last one of 8 rows.
+    let tokens = 5000;
+    let (k, v, q) = data(&shape, tokens, 91);
+    let heads = hack_heads(&shape, tokens, &k, &v);
+    let (d, g, page) = (shape.head_dim, shape.group(), 2048);
+    let blocks = tokens.div_ceil(64);
+    // Every value block's group bytes in 2 KiB pages at shuffled slots of one arena, as the
+    // buffer manager scatters a cluster's blocks.
+    let bytes: Vec<Vec<u8>> = heads.iter().flat_map(|h| (0..blocks).map(|b| h.group_bytes(b))).collect();
+    let total: usize = bytes.iter().map(|b| b.len().div_ceil(page)).sum();
+    let mut rng = SplitMix64::new(13);
+    let mut slots: Vec<usize> = (0..total).collect();
+    for i in (1..total).rev() {
+        slots.swap(i, rng.below(i + 1));
+    }
+    let mut arena = vec![0u8; total * page];
+    let mut placed: Vec<Vec<usize>> = Vec::new();
+    let mut next = 0;
+    for group in &bytes {
+        let mut at = Vec::new();
+        for chunk in group.chunks(page) {
+            let s = slots[next];
+            next += 1;
+            arena[s * page..s * page + chunk.len()].copy_from_slice(chunk);
+            at.push(s);
+        }
+        placed.push(at);
+    }
+    let words: Vec<i32> = arena.chunks_exact(4).map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+    let dev = gpu.upload_ints(&words).unwrap();
+    // Per head: a different subset of blocks with random row masks; head 2 also lists the
+    // short last block, head 5 every row of every block.
+    let mut groups: Vec<Vec<attnstore_kernels::cuda::PagedGroup>> = Vec::new();
+    let mut cpu = Vec::new();
+    for (h, rows) in heads.iter().enumerate() {
+        let mut list = Vec::new();
+        let mut runs = Vec::new();
+        for b in 0..blocks {
+            let n = (tokens - b * 64).min(64);
+            let full = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+            let mask = match h {
+                5 => full,
+                2 if b == blocks - 1 => full,
+                _ if rng.below(3) == 0 => (rng.next_u64() & rng.next_u64()) & full,
+                _ => 0,
+            };
+            if mask == 0 {
+                continue;
+            }
+            let pages = placed[h * blocks + b].iter().map(|&s| dev.address() + (s * page) as u64).collect();
+            list.push(attnstore_kernels::cuda::PagedGroup { pages, rows: n, mask });
+            runs.extend((0..n).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
+        }
+        let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
+        let qh = &q[h * g * d..(h + 1) * g * d];
+        rows.attend(qh, shape.scale(), &runs, &mut parts, &mut attnstore_kernels::HackScratch::default());
+        cpu.extend(parts.iter().flat_map(|p| p.finish()));
+        groups.push(list);
+    }
+    let mut job = gpu.prepare_hack_paged(&shape, &q, &groups, page).unwrap();
+    gpu.launch_hack_paged(&mut job).unwrap();
+    let got: Vec<f32> = gpu.fetch_hack_partials(&job).unwrap().iter().flat_map(|p| p.finish()).collect();
+    let err = rel_l2(&got, &cpu.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    assert!(err <= 1e-3, "paged groups: GPU vs CPU homomorphic {err}");
+    // Groups that do not fit their layout are typed errors.
+    let mut bad = groups.clone();
+    bad[0][0].pages.pop();
+    assert!(gpu.prepare_hack_paged(&shape, &q, &bad, page).is_err(), "a page missing");
+    let mut bad = groups.clone();
+    bad[2].last_mut().unwrap().mask = u64::MAX;
+    assert!(gpu.prepare_hack_paged(&shape, &q, &bad, page).is_err(), "rows past the short block");
+    assert!(gpu.prepare_hack_paged(&shape, &q, &groups[1..], page).is_err(), "groups for 7 of 8 heads");
+    assert!(gpu.prepare_hack_paged(&shape, &q, &groups, 2050).is_err(), "pages not a multiple of 4 bytes");
+}
+
 /// The CPU's tripartite attention over one step of a [`ClusteredLayer`] with the GPU's
 /// selection: exact over the steady zone and the selected clusters, estimation over every
 /// other non-empty cluster.

@@ -21,25 +21,92 @@ __device__ __forceinline__ unsigned spread4(unsigned x) {
   return (x & 3u) | ((x >> 2 & 3u) << 8) | ((x >> 4 & 3u) << 16) | ((x >> 6 & 3u) << 24);
 }
 
-// One CTA per (chunk of `chunk_blocks` value blocks, KV head); partials in the layout of
-// attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them. With `sel_blocks`
-// (a sparse plan's rows), each head walks its `n_sel` listed value blocks instead of all of
-// them, and only the rows set in each block's 64-bit `sel_masks` word count (the others
-// score −∞: probability 0, no value read changes the sums), as `HackRows::attend` over row
-// runs does on the CPU.
+// Where the attention reads the 2-bit rows of one value block: `at(h, i)` moves to the
+// i-th listed block of KV head h and returns the mask of its rows to attend; then `kword`
+// (word w of key row r's codes), `kmeta` (row r's partition k: scale, minimum, code sum),
+// `vbyte` (quad qi's byte of channel ch) and `vmeta` (channel ch's scale and minimum).
+
+// Every head's rows in the arrays of `upload_hack`, one after another; all blocks, or a
+// sparse plan's listed blocks and row masks.
+struct HackArraysSrc {
+  const unsigned* kc; const unsigned short* kmin; const unsigned short* kscale;
+  const unsigned short* ksum; const unsigned char* vc; const unsigned short* vmin;
+  const unsigned short* vscale; int rows;
+  const int* sel_blocks; const unsigned long long* sel_masks; int n_sel;
+  long long row0, vblock;
+  __device__ unsigned long long at(int h, int i) {
+    const int blocks = (rows + HBLK - 1) / HBLK;
+    const int b = sel_blocks ? sel_blocks[(long long)h * n_sel + i] : i;
+    unsigned long long mask = sel_blocks ? sel_masks[(long long)h * n_sel + i] : ~0ull;
+    const int n = min(HBLK, rows - b * HBLK);
+    if (n < HBLK) mask &= (1ull << n) - 1ull;
+    row0 = (long long)h * rows + (long long)b * HBLK;
+    vblock = (long long)h * blocks + b;
+    return mask;
+  }
+  __device__ unsigned kword(int r, int w) const { return kc[(row0 + r) * KWORDS + w]; }
+  __device__ void kmeta(int r, int k, float& sk, float& mk, float& ks) const {
+    const long long i = (row0 + r) * KP + k;
+    sk = h2f(kscale[i]); mk = h2f(kmin[i]); ks = (float)ksum[i];
+  }
+  __device__ unsigned vbyte(int qi, int ch) const { return vc[(vblock * (HBLK / 4) + qi) * HEAD_DIM + ch]; }
+  __device__ void vmeta(int ch, float& sv, float& mv) const {
+    sv = h2f(vscale[vblock * HEAD_DIM + ch]); mv = h2f(vmin[vblock * HEAD_DIM + ch]);
+  }
+};
+
+// Value blocks in the group layout of `HackRows::group_bytes` (key codes of its n rows,
+// value codes, key minima, key scales, key code sums, value minima, value scales), each
+// spread over pages of `page_bytes` that need not be adjacent: the buffer manager's blocks,
+// read in the pinned Host arena or the Gpu tier. Listed block i of head h has its page
+// addresses at pages[(h·n_sel + i)·MAX_PAGES…], its row count and its mask.
+#define MAX_PAGES 8
+struct HackPagedSrc {
+  const unsigned long long* pages; const unsigned long long* masks; const int* rows_of;
+  int n_sel; int page_bytes;
+  const unsigned long long* pg;
+  int vc_off, kmin_off, kscale_off, ksum_off, vmin_off, vscale_off;
+  __device__ unsigned long long at(int h, int i) {
+    const long long g = (long long)h * n_sel + i;
+    pg = pages + g * MAX_PAGES;
+    const int n = rows_of[g];
+    vc_off = n * (HEAD_DIM / 4);
+    kmin_off = vc_off + (HBLK / 4) * HEAD_DIM;
+    kscale_off = kmin_off + 2 * n * KP;
+    ksum_off = kscale_off + 2 * n * KP;
+    vmin_off = ksum_off + 2 * n * KP;
+    vscale_off = vmin_off + 2 * HEAD_DIM;
+    return masks[g];
+  }
+  __device__ const unsigned char* byte(int off) const {
+    return reinterpret_cast<const unsigned char*>(pg[off / page_bytes]) + off % page_bytes;
+  }
+  __device__ unsigned short half_at(int off) const { return *reinterpret_cast<const unsigned short*>(byte(off)); }
+  __device__ unsigned kword(int r, int w) const {
+    return *reinterpret_cast<const unsigned*>(byte(r * (HEAD_DIM / 4) + 4 * w));
+  }
+  __device__ void kmeta(int r, int k, float& sk, float& mk, float& ks) const {
+    const int i = 2 * (r * KP + k);
+    sk = h2f(half_at(kscale_off + i)); mk = h2f(half_at(kmin_off + i)); ks = (float)half_at(ksum_off + i);
+  }
+  __device__ unsigned vbyte(int qi, int ch) const { return *byte(vc_off + qi * HEAD_DIM + ch); }
+  __device__ void vmeta(int ch, float& sv, float& mv) const {
+    sv = h2f(half_at(vscale_off + 2 * ch)); mv = h2f(half_at(vmin_off + 2 * ch));
+  }
+};
+
+// One CTA per (chunk of `chunk_blocks` listed value blocks, KV head); partials in the
+// layout of attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them. Only the rows
+// set in a block's mask count (the others score −∞: probability 0, no value read changes
+// the sums), as `HackRows::attend` over row runs does on the CPU.
 // q8: [q_heads][HEAD_DIM/4] words of 8-bit query codes (same dim order as the keys);
 // qmeta: [q_heads][KP][3] = scale, minimum, scale·Σcodes + 64·minimum.
-extern "C" __global__ void hack_partial(
-    const unsigned* __restrict__ kc, const unsigned short* __restrict__ kmin,
-    const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ ksum,
-    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ vmin,
-    const unsigned short* __restrict__ vscale, int rows,
-    const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
-    int chunk_blocks, float* __restrict__ part, const int* __restrict__ sel_blocks,
-    const unsigned long long* __restrict__ sel_masks, int n_sel) {
+template <class Src>
+__device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8,
+                            const float* __restrict__ qmeta, float scale, int group,
+                            int chunk_blocks, float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
-  const int blocks = (rows + HBLK - 1) / HBLK;
   __shared__ unsigned q_s[MAX_GROUP][HEAD_DIM / 4];
   __shared__ float qm_s[MAX_GROUP][KP][3];
   __shared__ float score_s[MAX_GROUP][HBLK];
@@ -57,28 +124,24 @@ extern "C" __global__ void hack_partial(
 #pragma unroll
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) o[g][j] = 0.f;
   __syncthreads();
-  const int listed = sel_blocks ? n_sel : blocks;
   const int b0 = chunk * chunk_blocks, b1 = min(listed, b0 + chunk_blocks);
-  const long long head_rows = (long long)h * rows;
   for (int i = b0; i < b1; i++) {
-    const int b = sel_blocks ? sel_blocks[(long long)h * n_sel + i] : i;
-    const unsigned long long mask = sel_blocks ? sel_masks[(long long)h * n_sel + i] : ~0ull;
+    const unsigned long long mask = src.at(h, i);
+    // No row to attend (a padding entry): nothing read, the softmax state is unchanged.
+    // The mask is the same for the whole CTA, so every thread skips the barriers alike.
+    if (mask == 0ull) continue;
     // Scores: KWORDS lanes per row, 16 codes (4 bytes) per lane.
     const int per_pass = HACK_THREADS / KWORDS;
     for (int r0 = 0; r0 < HBLK; r0 += per_pass) {
       const int r = r0 + t / KWORDS, w = t % KWORDS;
-      const int row = b * HBLK + r;
-      const bool live = row < rows && (mask >> r & 1ull);
-      const unsigned word = live ? kc[(head_rows + row) * KWORDS + w] : 0u;
+      const bool live = mask >> r & 1ull;
+      const unsigned word = live ? src.kword(r, w) : 0u;
       unsigned s4[4];
 #pragma unroll
       for (int i = 0; i < 4; i++) s4[i] = spread4(word >> (8 * i) & 0xffu);
       const int k = w / 4;  // this lane's 64-dim partition
       float sk = 0.f, mk = 0.f, ks = 0.f;
-      if (live) {
-        const long long at = (head_rows + row) * KP + k;
-        sk = h2f(kscale[at]); mk = h2f(kmin[at]); ks = (float)ksum[at];
-      }
+      if (live) src.kmeta(r, k, sk, mk, ks);
       for (int g = 0; g < group; g++) {
         unsigned acc = 0;
 #pragma unroll
@@ -122,7 +185,6 @@ extern "C" __global__ void hack_partial(
     }
     __syncthreads();
     // Values: one thread per channel, dp4a over each quad's four rows.
-    const long long vblock = (long long)h * blocks + b;
 #pragma unroll
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) {
       const int ch = t + j * HACK_THREADS;
@@ -130,15 +192,15 @@ extern "C" __global__ void hack_partial(
         unsigned acc[MAX_GROUP];
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; g++) acc[g] = 0;
-        const unsigned char* vq = vc + vblock * (HBLK / 4) * HEAD_DIM + ch;
 #pragma unroll 4
         for (int qi = 0; qi < HBLK / 4; qi++) {
-          const unsigned s = spread4(vq[qi * HEAD_DIM]);
+          const unsigned s = spread4(src.vbyte(qi, ch));
 #pragma unroll
           for (int g = 0; g < MAX_GROUP; g++)
             if (g < group) acc[g] = __dp4a(s, p8_s[g][qi], acc[g]);
         }
-        const float sv = h2f(vscale[vblock * HEAD_DIM + ch]), mv = h2f(vmin[vblock * HEAD_DIM + ch]);
+        float sv, mv;
+        src.vmeta(ch, sv, mv);
 #pragma unroll
         for (int g = 0; g < MAX_GROUP; g++)
           if (g < group) o[g][j] = o[g][j] * corr_s[g] + step_s[g] * (sv * (float)acc[g] + mv * psum_s[g]);
@@ -155,6 +217,39 @@ extern "C" __global__ void hack_partial(
     }
     if (t == 0) { out[g * PART + HEAD_DIM] = m_s[g]; out[g * PART + HEAD_DIM + 1] = l_s[g]; }
   }
+}
+
+// Homomorphic decode over the arrays of `upload_hack`: every value block, or with
+// `sel_blocks` a sparse plan's n_sel listed blocks per head and their 64-bit row masks.
+extern "C" __global__ void hack_partial(
+    const unsigned* __restrict__ kc, const unsigned short* __restrict__ kmin,
+    const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ ksum,
+    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ vmin,
+    const unsigned short* __restrict__ vscale, int rows,
+    const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
+    int chunk_blocks, float* __restrict__ part, const int* __restrict__ sel_blocks,
+    const unsigned long long* __restrict__ sel_masks, int n_sel) {
+  HackArraysSrc src;
+  src.kc = kc; src.kmin = kmin; src.kscale = kscale; src.ksum = ksum;
+  src.vc = vc; src.vmin = vmin; src.vscale = vscale; src.rows = rows;
+  src.sel_blocks = sel_blocks; src.sel_masks = sel_masks; src.n_sel = n_sel;
+  src.row0 = 0; src.vblock = 0;
+  const int listed = sel_blocks ? n_sel : (rows + HBLK - 1) / HBLK;
+  hack_attend(src, listed, q8, qmeta, scale, group, chunk_blocks, part);
+}
+
+// Homomorphic decode over n_sel value blocks per head in the group layout, spread over
+// pages (see HackPagedSrc).
+extern "C" __global__ void hack_paged(
+    const unsigned long long* __restrict__ pages, const unsigned long long* __restrict__ masks,
+    const int* __restrict__ rows_of, int n_sel, int page_bytes,
+    const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
+    int chunk_blocks, float* __restrict__ part) {
+  HackPagedSrc src;
+  src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;
+  src.page_bytes = page_bytes; src.pg = pages;
+  src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;
+  hack_attend(src, n_sel, q8, qmeta, scale, group, chunk_blocks, part);
 }
 
 // Dequantize-then-attend's first half: writes the f16 keys and values of every row

@@ -4,7 +4,7 @@
 
 use super::{device_address, gpu_err, DeviceKv, GpuBackend, MAX_GROUP};
 use crate::cpu::hack::{HackParams, Quantized8};
-use crate::cpu::hack_rows::HackRows;
+use crate::cpu::hack_rows::{HackRows, HackView};
 use crate::error::{Error, Result};
 use crate::shape::AttnShape;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
@@ -39,18 +39,50 @@ impl DeviceHack {
     }
 }
 
+/// Pages a value block in the group layout may span on the device (`MAX_PAGES` in
+/// `hack.cu`): 8 blocks of the buffer manager's default 2 KiB hold a group of head
+/// dimension 256 (10.5 KiB).
+pub const MAX_PAGES: usize = 8;
+
 /// Buffers of one homomorphic decode launch.
 pub struct HackJob {
     q8: CudaSlice<u32>,
     qmeta: CudaSlice<f32>,
     part: CudaSlice<f32>,
     out: CudaSlice<f32>,
+    /// Log of each query head's softmax denominator (with `out`, its partial).
+    lse: CudaSlice<f32>,
     chunks: usize,
     chunk_blocks: usize,
     shape: AttnShape,
     scale: f32,
-    /// A sparse plan's rows: per KV head `n` listed value blocks and their 64-bit row masks.
-    sel: Option<(CudaSlice<i32>, CudaSlice<u64>, usize)>,
+    sel: Selection,
+}
+
+/// The value blocks a [`HackJob`] attends.
+enum Selection {
+    /// Every value block of a [`DeviceHack`].
+    All,
+    /// A sparse plan's rows of a [`DeviceHack`]: per KV head `n` listed value blocks and
+    /// their 64-bit row masks.
+    Rows { blocks: CudaSlice<i32>, masks: CudaSlice<u64>, n: usize },
+    /// Value blocks in the group layout spread over pages ([`PagedGroup`]): per KV head `n`
+    /// groups, each with [`MAX_PAGES`] page addresses, a row mask and a row count.
+    Paged { pages: CudaSlice<u64>, masks: CudaSlice<u64>, rows: CudaSlice<i32>, n: usize, page_bytes: usize },
+}
+
+/// One value block of Π = 64 rows in the group layout of [`HackRows::group_bytes`] as the
+/// device reads it in place: spread over fixed-size pages (the buffer manager's blocks, in
+/// its pinned Host arena or its Gpu tier) that need not be adjacent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PagedGroup {
+    /// Device address of each page, in the group's byte order. The memory must stay
+    /// readable by the device, unchanged, until the job's results are fetched.
+    pub pages: Vec<u64>,
+    /// Rows the group holds (Π, or fewer for a segment's last block).
+    pub rows: usize,
+    /// The rows to attend (bit `r` = row `r`; only bits below `rows`).
+    pub mask: u64,
 }
 
 /// Per KV head, the value blocks that `ranges` touch and a 64-bit mask of their selected
@@ -94,6 +126,15 @@ fn quantize_queries(q: &[f32], d: usize) -> (Vec<u32>, Vec<f32>) {
         .collect();
     let words = q8.codes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
     (words, meta)
+}
+
+/// One CTA per (chunk of listed value blocks, KV head), 128 threads.
+fn hack_grid(job: &HackJob) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (job.chunks as u32, job.shape.kv_heads as u32, 1),
+        block_dim: (128, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 impl GpuBackend {
@@ -187,33 +228,99 @@ impl GpuBackend {
         dev: &DeviceHack,
         ranges: Option<&[Vec<std::ops::Range<usize>>]>,
     ) -> Result<HackJob> {
-        if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP || shape.kv_heads != dev.kv_heads {
+        self.check_hack_shape(shape, q, dev.kv_heads)?;
+        let (sel, listed) = match ranges {
+            Some(r) => {
+                let (blocks, masks, n) = row_masks(r, dev.rows);
+                let blocks = self.stream.clone_htod(&blocks).map_err(gpu_err("copying the selected blocks"))?;
+                let masks = self.stream.clone_htod(&masks).map_err(gpu_err("copying the row masks"))?;
+                (Selection::Rows { blocks, masks, n }, n)
+            }
+            None => (Selection::All, dev.rows.div_ceil(BLOCK)),
+        };
+        self.hack_job(shape, q, sel, listed)
+    }
+
+    /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over value blocks read in
+    /// place where they are stored: `groups[h]`, the blocks of KV head `h` (each listed
+    /// once), in the group layout over pages of `page_bytes` (see [`PagedGroup`]).
+    /// [`GpuBackend::fetch_hack_partials`] returns the partials, to merge with rows attended
+    /// elsewhere. A group whose row count, mask or page count does not fit is a typed error.
+    pub fn prepare_hack_paged(
+        &self,
+        shape: &AttnShape,
+        q: &[f32],
+        groups: &[Vec<PagedGroup>],
+        page_bytes: usize,
+    ) -> Result<HackJob> {
+        self.hack_kernel(&self.hack_paged)?;
+        self.check_hack_shape(shape, q, groups.len())?;
+        let bad = |message: String| Err(Error::InvalidArgument { what: "paged 2-bit groups", message });
+        if page_bytes == 0 || !page_bytes.is_multiple_of(4) {
+            return bad(format!("pages must be a positive multiple of 4 bytes, got {page_bytes}"));
+        }
+        for (h, head) in groups.iter().enumerate() {
+            for (i, g) in head.iter().enumerate() {
+                let pages = HackView::group_len(self.head_dim, HackParams::default(), g.rows).div_ceil(page_bytes);
+                let beyond = if g.rows >= BLOCK { 0 } else { g.mask >> g.rows };
+                if g.rows == 0 || g.rows > BLOCK || beyond != 0 {
+                    return bad(format!("group {i} of head {h}: {} rows, mask {:#x}", g.rows, g.mask));
+                }
+                if g.pages.len() != pages || pages > MAX_PAGES || g.pages.contains(&0) {
+                    return bad(format!(
+                        "group {i} of head {h}: {} page addresses for {pages} pages of {page_bytes} bytes (at most {MAX_PAGES}, none 0)",
+                        g.pages.len()
+                    ));
+                }
+            }
+        }
+        let n = groups.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let (mut pages, mut masks, mut rows) =
+            (vec![0u64; groups.len() * n * MAX_PAGES], vec![0u64; groups.len() * n], vec![1i32; groups.len() * n]);
+        for (h, head) in groups.iter().enumerate() {
+            for (i, g) in head.iter().enumerate() {
+                let at = h * n + i;
+                pages[at * MAX_PAGES..at * MAX_PAGES + g.pages.len()].copy_from_slice(&g.pages);
+                masks[at] = g.mask;
+                rows[at] = g.rows as i32;
+            }
+        }
+        // Padding entries (heads with fewer groups) have an empty mask: no page is read.
+        let sel = Selection::Paged {
+            pages: self.stream.clone_htod(&pages).map_err(gpu_err("copying page addresses"))?,
+            masks: self.stream.clone_htod(&masks).map_err(gpu_err("copying the row masks"))?,
+            rows: self.stream.clone_htod(&rows).map_err(gpu_err("copying group rows"))?,
+            n,
+            page_bytes,
+        };
+        self.hack_job(shape, q, sel, n)
+    }
+
+    /// A typed error unless `shape` fits the compiled kernels and `kv_heads` heads of rows,
+    /// and `q` holds its queries.
+    fn check_hack_shape(&self, shape: &AttnShape, q: &[f32], kv_heads: usize) -> Result<()> {
+        if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP || shape.kv_heads != kv_heads {
             return Err(Error::InvalidArgument {
                 what: "shape",
                 message: format!(
-                    "head_dim {} (backend {}), group {} (at most {MAX_GROUP}), kv_heads {} (rows hold {})",
+                    "head_dim {} (backend {}), group {} (at most {MAX_GROUP}), kv_heads {} (rows hold {kv_heads})",
                     shape.head_dim,
                     self.head_dim,
                     shape.group(),
                     shape.kv_heads,
-                    dev.kv_heads
                 ),
             });
         }
         if q.len() != shape.query_len() {
             return Err(Error::ShapeMismatch { what: "queries", expected: shape.query_len(), got: q.len() });
         }
+        Ok(())
+    }
+
+    /// The job's buffers: `q` quantized, partials for `listed` value blocks per KV head.
+    fn hack_job(&self, shape: &AttnShape, q: &[f32], sel: Selection, listed: usize) -> Result<HackJob> {
         let (words, meta) = quantize_queries(q, shape.head_dim);
-        let sel = match ranges {
-            Some(r) => {
-                let (blocks, masks, n) = row_masks(r, dev.rows);
-                let b = self.stream.clone_htod(&blocks).map_err(gpu_err("copying the selected blocks"))?;
-                let m = self.stream.clone_htod(&masks).map_err(gpu_err("copying the row masks"))?;
-                Some((b, m, n))
-            }
-            None => None,
-        };
-        let blocks = sel.as_ref().map_or(dev.rows.div_ceil(BLOCK), |s| s.2).max(1);
+        let blocks = listed.max(1);
         // About HACK_CTAS CTAs in all: each CTA walks its blocks one after another
         // (three barriers per 64 rows), so more, shorter CTAs hide more latency.
         let ctas: usize = std::env::var("ATTNSTORE_HACK_CTAS").ok().and_then(|v| v.parse().ok()).unwrap_or(HACK_CTAS);
@@ -225,6 +332,7 @@ impl GpuBackend {
             qmeta: self.stream.clone_htod(&meta).map_err(gpu_err("copying queries"))?,
             part: self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
             out: self.stream.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
+            lse: self.stream.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
             chunks,
             chunk_blocks,
             shape: *shape,
@@ -233,47 +341,87 @@ impl GpuBackend {
         })
     }
 
-    /// Enqueues the homomorphic decode and the merge of its partials.
+    /// Enqueues the homomorphic decode over `dev` (a job of [`GpuBackend::prepare_hack`] or
+    /// [`GpuBackend::prepare_hack_rows`] for it) and the merge of its partials.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_hack(&self, dev: &DeviceHack, job: &mut HackJob) -> Result<()> {
         let f = self.hack_kernel(&self.hack_partial)?;
         let sh = job.shape;
+        if sh.kv_heads != dev.kv_heads || matches!(job.sel, Selection::Paged { .. }) {
+            return Err(Error::InvalidArgument {
+                what: "hack job",
+                message: "the job was not prepared for these rows (prepare_hack or prepare_hack_rows)".into(),
+            });
+        }
         let (rows, group, chunk_blocks) = (dev.rows as i32, sh.group() as i32, job.chunk_blocks as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = hack_grid(job);
         let mut b = self.stream.launch_builder(f);
         b.arg(&dev.kc).arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vc).arg(&dev.vmin).arg(&dev.vscale);
         b.arg(&rows).arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&group).arg(&chunk_blocks).arg(&mut job.part);
         // Dense: null selection pointers (the kernel then walks every block).
-        let (null, n_sel) = (0u64, job.sel.as_ref().map_or(0, |s| s.2 as i32));
+        let null = 0u64;
+        let n_sel = match &job.sel {
+            Selection::Rows { n, .. } => *n as i32,
+            _ => 0,
+        };
         match &job.sel {
-            Some((blocks, masks, _)) => b.arg(blocks).arg(masks).arg(&n_sel),
-            None => b.arg(&null).arg(&null).arg(&n_sel),
+            Selection::Rows { blocks, masks, .. } => b.arg(blocks).arg(masks).arg(&n_sel),
+            _ => b.arg(&null).arg(&null).arg(&n_sel),
         };
         // SAFETY: dev holds kv_heads × rows rows in the layout hack_partial reads (checked in
         // upload_hack); q8/qmeta hold q_heads queries and part kv_heads × chunks × group
-        // partials (sized in prepare_hack for this shape, whose kv_heads match dev); a
-        // selection holds kv_heads × n block ids below the head's block count (row_masks
-        // lists only blocks of rows < dev.rows, checked in prepare_hack_rows) and n masks.
+        // partials (sized in hack_job for this shape, whose kv_heads match dev, checked
+        // above); a selection holds kv_heads × n block ids below the head's block count
+        // (row_masks lists only blocks of rows < dev.rows, checked in prepare_hack_rows) and
+        // n masks.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_partial"))?;
-        self.launch_merge(
-            &self.stream,
-            &sh,
-            &job.part,
-            job.chunks,
-            &mut job.out,
-            0,
-            (0, 0),
-            super::MailboxCopies::default(),
-        )
+        self.merge_hack(job)
+    }
+
+    /// Enqueues the homomorphic decode of a [`GpuBackend::prepare_hack_paged`] job and the
+    /// merge of its partials. The pages must stay readable and unchanged until
+    /// [`GpuBackend::fetch_hack_partials`] returns.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_hack_paged(&self, job: &mut HackJob) -> Result<()> {
+        let f = self.hack_kernel(&self.hack_paged)?;
+        let Selection::Paged { pages, masks, rows, n, page_bytes } = &job.sel else {
+            return Err(Error::InvalidArgument {
+                what: "hack job",
+                message: "launch_hack_paged runs jobs of prepare_hack_paged".into(),
+            });
+        };
+        let (n, page_bytes) = (*n as i32, *page_bytes as i32);
+        let (group, chunk_blocks) = (job.shape.group() as i32, job.chunk_blocks as i32);
+        let cfg = hack_grid(job);
+        let mut b = self.stream.launch_builder(f);
+        b.arg(pages).arg(masks).arg(rows).arg(&n).arg(&page_bytes);
+        b.arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&group).arg(&chunk_blocks).arg(&mut job.part);
+        // SAFETY: pages/masks/rows hold kv_heads × n entries (MAX_PAGES addresses each),
+        // every group's row count, mask and page count checked in prepare_hack_paged against
+        // its layout for this head dimension (the kernel reads only the group's bytes, below
+        // its page count × page_bytes, and no page of an empty-mask padding entry's rows
+        // beyond what the mask names); the caller keeps the pages device-readable until the
+        // results are fetched. q8/qmeta/part are sized for this shape (hack_job).
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_paged"))?;
+        self.merge_hack(job)
+    }
+
+    /// Enqueues the merge of a homomorphic decode's partials into its output and lse.
+    fn merge_hack(&self, job: &mut HackJob) -> Result<()> {
+        let lse = device_address(&job.lse, &self.stream);
+        let copies = super::MailboxCopies::default();
+        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, (0, 0), copies)
     }
 
     /// Waits for the stream and copies a homomorphic decode's output back.
     pub fn fetch_hack(&self, job: &HackJob) -> Result<Vec<f32>> {
         self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the output back"))
+    }
+
+    /// Waits for the stream and returns a homomorphic decode's partial `(o, m, l)` per query
+    /// head, to merge with partials computed elsewhere (the CPU's steady and estimation zones).
+    pub fn fetch_hack_partials(&self, job: &HackJob) -> Result<Vec<crate::Partial>> {
+        self.merged_partials(&job.out, &job.lse)
     }
 
     /// Device f16 buffers for `rows` rows of every KV head (the dequantize-then-attend

@@ -23,7 +23,7 @@ mod build;
 mod hack;
 mod wave;
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
-pub use hack::{DeviceHack, HackJob};
+pub use hack::{DeviceHack, HackJob, PagedGroup, MAX_PAGES};
 pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
@@ -76,6 +76,7 @@ pub struct GpuBackend {
     build: BuildKernels,
     /// The hack2 kernels (compiled for head dimensions that are a multiple of 64).
     hack_partial: Option<CudaFunction>,
+    hack_paged: Option<CudaFunction>,
     hack_dequant: Option<CudaFunction>,
     head_dim: usize,
 }
@@ -263,13 +264,10 @@ impl GpuBackend {
             gather: load("lay_gather")?,
             means: load("lay_means")?,
         };
-        let (hack_partial, hack_dequant) = if head_dim.is_multiple_of(64) {
-            (
-                Some(module.load_function("hack_partial").map_err(gpu_err("hack_partial"))?),
-                Some(module.load_function("hack_dequant").map_err(gpu_err("hack_dequant"))?),
-            )
+        let (hack_partial, hack_paged, hack_dequant) = if head_dim.is_multiple_of(64) {
+            (Some(load("hack_partial")?), Some(load("hack_paged")?), Some(load("hack_dequant")?))
         } else {
-            (None, None)
+            (None, None, None)
         };
         Ok(Self {
             ctx,
@@ -287,6 +285,7 @@ impl GpuBackend {
             est,
             build,
             hack_partial,
+            hack_paged,
             hack_dequant,
             head_dim,
         })
@@ -775,10 +774,14 @@ impl GpuBackend {
     /// head (its chunks merged), to be merged with partials computed elsewhere (another
     /// launch, the CPU's estimation zone).
     pub fn fetch_partials(&self, job: &DecodeJob) -> Result<Vec<crate::Partial>> {
-        // The merge kernel already combined the chunks: the normalized output and the log of
-        // its denominator are the partial (o = out, m = lse, l = 1).
-        let out = self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the output back"))?;
-        let lse = self.stream.clone_dtoh(&job.lse).map_err(gpu_err("copying the output back"))?;
+        self.merged_partials(&job.out, &job.lse)
+    }
+
+    /// The partial `(o, m, l)` per query head of a merge's normalized output `out` and the
+    /// log of its denominator `lse`: `(out, lse, 1)` (empty where no row counted).
+    fn merged_partials(&self, out: &CudaSlice<f32>, lse: &CudaSlice<f32>) -> Result<Vec<crate::Partial>> {
+        let out = self.stream.clone_dtoh(out).map_err(gpu_err("copying the output back"))?;
+        let lse = self.stream.clone_dtoh(lse).map_err(gpu_err("copying the output back"))?;
         let d = self.head_dim;
         Ok(lse
             .iter()
