@@ -7,7 +7,10 @@
 //! - `exact_f16`: the exact f16 kernel over the original f16 rows in HBM;
 //! - `hack2_homomorphic_sparse`: the homomorphic kernel over a sparse plan's rows only
 //!   (per KV head, 1.8% of the tokens in runs of 16, as a wave plan's retrieved clusters),
-//!   reading only the value blocks they touch.
+//!   reading only the value blocks they touch;
+//! - `hack2_homomorphic_paged`: the kernel the engine runs over 2-bit blocks homed in the
+//!   buffer manager, over every row, each value block read in place from 2 KiB pages
+//!   scattered in device memory (as Gpu-tier blocks are).
 //!
 //! Prints one JSON line per configuration with the bytes read; `compare.py` adds PyTorch
 //! SDPA over f16 KV measured in the same command and prints the ratios.
@@ -101,12 +104,16 @@ fn main() {
             gpu.launch(deq.pointers(&gpu), &mut exact_job).expect("launch");
         });
         let exact = time(&mut || gpu.launch(f16_kv.pointers(&gpu), &mut exact_job).expect("launch"));
+        let pages = gpu.upload_hack_pages(&heads, 2048, 1).expect("upload pages");
+        let mut paged_job = gpu.prepare_hack_paged(&shape, &q, pages.groups(), pages.page_bytes()).expect("prepare");
+        let paged = time(&mut || gpu.launch_hack_paged(&mut paged_job).expect("launch"));
         let f16_bytes = 2 * n * 2;
         for (method, us, bytes) in [
             ("hack2_homomorphic", homomorphic, dev.bytes()),
             ("hack2_dequant_attend", dequant_attend, dev.bytes() + 2 * f16_bytes),
             ("exact_f16", exact, f16_bytes),
             ("hack2_homomorphic_sparse", sparse, sparse_bytes),
+            ("hack2_homomorphic_paged", paged, pages.bytes()),
         ] {
             println!(
                 "{}",

@@ -343,52 +343,30 @@ fn homomorphic_decode_over_paged_groups_on_the_gpu_equals_the_cpu_kernel() {
     let heads = hack_heads(&shape, tokens, &k, &v);
     let (d, g, page) = (shape.head_dim, shape.group(), 2048);
     let blocks = tokens.div_ceil(64);
-    // Every value block's group bytes in 2 KiB pages at shuffled slots of one arena, as the
-    // buffer manager scatters a cluster's blocks.
-    let bytes: Vec<Vec<u8>> = heads.iter().flat_map(|h| (0..blocks).map(|b| h.group_bytes(b))).collect();
-    let total: usize = bytes.iter().map(|b| b.len().div_ceil(page)).sum();
-    let mut rng = SplitMix64::new(13);
-    let mut slots: Vec<usize> = (0..total).collect();
-    for i in (1..total).rev() {
-        slots.swap(i, rng.below(i + 1));
-    }
-    let mut arena = vec![0u8; total * page];
-    let mut placed: Vec<Vec<usize>> = Vec::new();
-    let mut next = 0;
-    for group in &bytes {
-        let mut at = Vec::new();
-        for chunk in group.chunks(page) {
-            let s = slots[next];
-            next += 1;
-            arena[s * page..s * page + chunk.len()].copy_from_slice(chunk);
-            at.push(s);
-        }
-        placed.push(at);
-    }
-    let words: Vec<i32> = arena.chunks_exact(4).map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
-    let dev = gpu.upload_ints(&words).unwrap();
+    // Every value block's group bytes in 2 KiB pages at shuffled places of one buffer, as
+    // the buffer manager scatters a cluster's blocks.
+    let pages = gpu.upload_hack_pages(&heads, page, 13).unwrap();
+    assert_eq!(pages.groups().iter().map(Vec::len).collect::<Vec<_>>(), vec![blocks; shape.kv_heads]);
     // Per head: a different subset of blocks with random row masks; head 2 also lists the
     // short last block, head 5 every row of every block.
+    let mut rng = SplitMix64::new(17);
     let mut groups: Vec<Vec<attnstore_kernels::cuda::PagedGroup>> = Vec::new();
     let mut cpu = Vec::new();
     for (h, rows) in heads.iter().enumerate() {
         let mut list = Vec::new();
         let mut runs = Vec::new();
-        for b in 0..blocks {
-            let n = (tokens - b * 64).min(64);
-            let full = if n == 64 { u64::MAX } else { (1u64 << n) - 1 };
+        for (b, all) in pages.groups()[h].iter().enumerate() {
             let mask = match h {
-                5 => full,
-                2 if b == blocks - 1 => full,
-                _ if rng.below(3) == 0 => (rng.next_u64() & rng.next_u64()) & full,
+                5 => all.mask,
+                2 if b == blocks - 1 => all.mask,
+                _ if rng.below(3) == 0 => (rng.next_u64() & rng.next_u64()) & all.mask,
                 _ => 0,
             };
             if mask == 0 {
                 continue;
             }
-            let pages = placed[h * blocks + b].iter().map(|&s| dev.address() + (s * page) as u64).collect();
-            list.push(attnstore_kernels::cuda::PagedGroup { pages, rows: n, mask });
-            runs.extend((0..n).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
+            list.push(attnstore_kernels::cuda::PagedGroup { mask, ..all.clone() });
+            runs.extend((0..64).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
         }
         let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
         let qh = &q[h * g * d..(h + 1) * g * d];

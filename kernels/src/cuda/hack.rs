@@ -85,6 +85,34 @@ pub struct PagedGroup {
     pub mask: u64,
 }
 
+/// The 2-bit rows of every KV head as value blocks in the group layout, spread over pages
+/// of device memory in shuffled order, the way the buffer manager scatters a layer's
+/// blocks: what [`GpuBackend::prepare_hack_paged`] reads, for tests and benchmarks of the
+/// paged kernel without a buffer manager.
+pub struct DevicePages {
+    _data: CudaSlice<u8>,
+    groups: Vec<Vec<PagedGroup>>,
+    page_bytes: usize,
+    bytes: usize,
+}
+
+impl DevicePages {
+    /// Per KV head, every value block with every row in its mask.
+    pub fn groups(&self) -> &[Vec<PagedGroup>] {
+        &self.groups
+    }
+
+    /// Bytes per page.
+    pub fn page_bytes(&self) -> usize {
+        self.page_bytes
+    }
+
+    /// Bytes of the groups (without the pages' padding).
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
 /// Per KV head, the value blocks that `ranges` touch and a 64-bit mask of their selected
 /// rows, padded to the same count with empty masks: `(blocks, masks, per head)`.
 fn row_masks(ranges: &[Vec<std::ops::Range<usize>>], rows: usize) -> (Vec<i32>, Vec<u64>, usize) {
@@ -188,6 +216,58 @@ impl GpuBackend {
             rows,
             kv_heads: heads.len(),
         })
+    }
+
+    /// Copies the 2-bit rows of every KV head (Π = 64) to device memory as value blocks in
+    /// the group layout over pages of `page_bytes`, placed in an order shuffled by `seed`.
+    pub fn upload_hack_pages(&self, heads: &[HackRows], page_bytes: usize, seed: u64) -> Result<DevicePages> {
+        self.hack_kernel(&self.hack_paged)?;
+        if page_bytes == 0 || !page_bytes.is_multiple_of(4) || heads.iter().any(|h| h.params().partition != BLOCK) {
+            return Err(Error::InvalidArgument {
+                what: "pages",
+                message: format!("pages of a positive multiple of 4 bytes (got {page_bytes}) over rows of Π = 64"),
+            });
+        }
+        let groups: Vec<Vec<Vec<u8>>> =
+            heads.iter().map(|h| (0..h.groups()).map(|b| h.group_bytes(b)).collect()).collect();
+        let total: usize = groups.iter().flatten().map(|g| g.len().div_ceil(page_bytes)).sum();
+        let mut order: Vec<usize> = (0..total).collect();
+        let mut rng = crate::random::SplitMix64::new(seed);
+        for i in (1..total).rev() {
+            order.swap(i, rng.below(i + 1));
+        }
+        let mut arena = vec![0u8; total * page_bytes];
+        let mut slots = order.iter();
+        let mut placed: Vec<Vec<(Vec<usize>, usize)>> = Vec::with_capacity(heads.len());
+        for (head, rows) in groups.iter().zip(heads) {
+            let mut list = Vec::with_capacity(head.len());
+            for (b, bytes) in head.iter().enumerate() {
+                let mut at = Vec::new();
+                for (chunk, &slot) in bytes.chunks(page_bytes).zip(slots.by_ref()) {
+                    arena[slot * page_bytes..slot * page_bytes + chunk.len()].copy_from_slice(chunk);
+                    at.push(slot);
+                }
+                list.push((at, (rows.rows() - b * BLOCK).min(BLOCK)));
+            }
+            placed.push(list);
+        }
+        let data = self.stream.clone_htod(&arena).map_err(gpu_err("copying pages"))?;
+        self.stream.synchronize().map_err(gpu_err("synchronizing"))?;
+        let base = device_address(&data, &self.stream);
+        let groups = placed
+            .into_iter()
+            .map(|list| {
+                list.into_iter()
+                    .map(|(slots, rows)| PagedGroup {
+                        pages: slots.iter().map(|&s| base + (s * page_bytes) as u64).collect(),
+                        rows,
+                        mask: if rows >= BLOCK { u64::MAX } else { (1u64 << rows) - 1 },
+                    })
+                    .collect()
+            })
+            .collect();
+        let bytes = heads.iter().map(HackRows::bytes).sum();
+        Ok(DevicePages { _data: data, groups, page_bytes, bytes })
     }
 
     /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over all rows of `dev`.

@@ -23,7 +23,7 @@ mod build;
 mod hack;
 mod wave;
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
-pub use hack::{DeviceHack, HackJob, PagedGroup, MAX_PAGES};
+pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
 pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
