@@ -619,14 +619,7 @@ impl Engine {
         drop(pins);
         drop(reader);
         trace.mark("fetch");
-        for (h, w) in works.iter().enumerate() {
-            for (j, c) in w.cpu.iter().enumerate() {
-                parts[h * g + j].merge(c);
-            }
-        }
-        trace.mark("merge");
-        trace.print();
-        Ok(Some(parts.iter().flat_map(Partial::finish).collect()))
+        Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, &mut trace)))
     }
 
     /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads
@@ -695,13 +688,24 @@ impl Engine {
         trace.mark("fetch");
         run.gpu_blocks += gpu_blocks;
         run.host_blocks += host_blocks;
-        for (h, w) in works.iter().enumerate() {
-            for (j, c) in w.cpu.iter().enumerate() {
-                parts[h * g + j].merge(c);
-            }
-        }
-        trace.mark("merge");
-        trace.print();
-        Ok(Some(parts.iter().flat_map(Partial::finish).collect()))
+        Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, trace)))
     }
+}
+
+/// The request's output: the GPU's partials `parts` (one per query head) merged with each KV
+/// head's CPU partials (`cpu`, one slice of `g` per KV head: the steady and estimation zones).
+fn merged_output<'a>(
+    mut parts: Vec<Partial>,
+    cpu: impl Iterator<Item = &'a [Partial]>,
+    g: usize,
+    trace: &mut PhaseTrace,
+) -> Vec<f32> {
+    for (h, group) in cpu.enumerate() {
+        for (j, c) in group.iter().enumerate() {
+            parts[h * g + j].merge(c);
+        }
+    }
+    trace.mark("merge");
+    trace.print();
+    parts.iter().flat_map(Partial::finish).collect()
 }

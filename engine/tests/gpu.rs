@@ -20,6 +20,65 @@ fn median(mut xs: Vec<f64>) -> f64 {
     xs[xs.len() / 2]
 }
 
+/// CPU and GPU executor times (µs) of steps 2 to 11, and the blocks read from the Gpu tier.
+#[derive(Default)]
+struct Compared {
+    sparse_cpu: Vec<f64>,
+    sparse_gpu: Vec<f64>,
+    exact_cpu: Vec<f64>,
+    exact_gpu: Vec<f64>,
+    gpu_blocks: usize,
+}
+
+/// Twelve decode steps of a context of `spec` with `tokens` synthetic tokens (`seed`) in a
+/// buffer manager, each planned sparse (default budget) and exact: `execute_gpu` runs every
+/// plan on the GPU, reading blocks, and its output is within 2e-3 of the CPU executor's; the
+/// maintainer admits what each step read, so later steps find Gpu-tier hits.
+fn gpu_vs_cpu_executor(spec: ContextSpec, tokens: usize, seed: u64) -> Compared {
+    let shape = spec.shape;
+    let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+    let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
+    let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
+    let ctx = engine.create_context(spec).unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape, tokens, seed));
+    engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+    let manager = engine.buffer_manager().unwrap().clone();
+    let mut c = Compared::default();
+    for step in 0..12u64 {
+        let q = synth.queries(step % 4);
+        for budget in [Budget::default(), Budget::full()] {
+            let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
+            let t = Instant::now();
+            let want = engine.execute(&plan).unwrap().remove(0);
+            let cpu = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            let (mut got, run) = engine.execute_gpu(&plan).unwrap();
+            let gpu = t.elapsed().as_secs_f64() * 1e6;
+            assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
+            assert!(run.gpu_blocks + run.host_blocks > 0, "the kernel read the blocks: {run:?}");
+            c.gpu_blocks += run.gpu_blocks;
+            let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
+            let err = rel_l2(&got.remove(0), &want64);
+            assert!(err <= 2e-3, "{tokens} tokens, step {step}, exact={}: {err}", budget.exact);
+            if step >= 2 {
+                let (cs, gs) = if budget.exact {
+                    (&mut c.exact_cpu, &mut c.exact_gpu)
+                } else {
+                    (&mut c.sparse_cpu, &mut c.sparse_gpu)
+                };
+                cs.push(cpu);
+                gs.push(gpu);
+            }
+            eprintln!("{tokens} tokens, step {step}, exact={}: CPU {cpu:.0} us, GPU {gpu:.0} us", budget.exact);
+        }
+        let t = Instant::now();
+        manager.maintain(usize::MAX);
+        eprintln!("{tokens} tokens, step {step}: maintenance {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
+    }
+    assert!(c.gpu_blocks > 0, "some blocks must come from the Gpu tier");
+    c
+}
+
 #[test]
 fn gpu_execution_of_plans_equals_the_cpu_executor() {
     if !gpu_wanted() {
@@ -28,46 +87,12 @@ fn gpu_execution_of_plans_equals_the_cpu_executor() {
     }
     for tokens in [32 * 1024, 128 * 1024] {
         let shape = AttnShape::new(32, 8, 128).unwrap();
-        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
-        let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
-        let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
-        let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
-        let synth = SynthContext::generate(SynthParams::new(shape, tokens, 5));
-        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
-        let manager = engine.buffer_manager().unwrap().clone();
-        let (mut cpu_us, mut gpu_us) = (Vec::new(), Vec::new());
-        let mut cache_hits = 0;
-        for step in 0..12u64 {
-            let q = synth.queries(step % 4);
-            for budget in [Budget::default(), Budget::full()] {
-                let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
-                let t = Instant::now();
-                let want = engine.execute(&plan).unwrap().remove(0);
-                let cpu = t.elapsed().as_secs_f64() * 1e6;
-                let t = Instant::now();
-                let (mut got, run) = engine.execute_gpu(&plan).unwrap();
-                let gpu = t.elapsed().as_secs_f64() * 1e6;
-                assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
-                cache_hits += run.gpu_blocks;
-                let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
-                let err = rel_l2(&got.remove(0), &want64);
-                assert!(err <= 2e-3, "{tokens} tokens, step {step}, exact={}: {err}", budget.exact);
-                if !budget.exact && step >= 2 {
-                    cpu_us.push(cpu);
-                    gpu_us.push(gpu);
-                }
-                eprintln!("{tokens} tokens, step {step}, exact={}: CPU {cpu:.0} us, GPU {gpu:.0} us", budget.exact);
-            }
-            // Admit what the plans read, so later plans find Gpu-tier hits.
-            let t = Instant::now();
-            manager.maintain(usize::MAX);
-            eprintln!("{tokens} tokens, step {step}: maintenance {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
-        }
-        assert!(cache_hits > 0, "some retrieved blocks must come from the Gpu tier");
-        let (c, g) = (median(cpu_us), median(gpu_us));
+        let c = gpu_vs_cpu_executor(ContextSpec::new(shape, 1), tokens, 5);
+        let (cpu, gpu) = (median(c.sparse_cpu), median(c.sparse_gpu));
         println!(
-            "{tokens} tokens, sparse plans: CPU executor {c:.0} us, GPU executor {g:.0} us (host + device, steady and estimation zones on the CPU): {:.2}x; Gpu-tier blocks read: {cache_hits}",
-            c / g
+            "{tokens} tokens, sparse plans: CPU executor {cpu:.0} us, GPU executor {gpu:.0} us (host + device, steady and estimation zones on the CPU): {:.2}x; Gpu-tier blocks read: {}",
+            cpu / gpu,
+            c.gpu_blocks
         );
     }
 }
@@ -80,47 +105,15 @@ fn hack2_plans_on_the_gpu_read_2_bit_blocks_in_place_and_equal_the_cpu_executor(
     }
     for tokens in [32 * 1024, 128 * 1024] {
         let shape = AttnShape::new(32, 8, 128).unwrap();
-        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
-        let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
-        let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
         let spec = ContextSpec::new(shape, 1).with_codec(attnstore::Codec::Hack2(attnstore::HackParams::default()));
-        let ctx = engine.create_context(spec).unwrap();
-        let synth = SynthContext::generate(SynthParams::new(shape, tokens, 9));
-        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
-        let manager = engine.buffer_manager().unwrap().clone();
-        let (mut cpu_us, mut gpu_us, mut cpu_exact, mut gpu_exact) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut cache_blocks = 0;
-        for step in 0..12u64 {
-            let q = synth.queries(step % 4);
-            for budget in [Budget::default(), Budget::full()] {
-                let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &budget).unwrap();
-                let t = Instant::now();
-                let want = engine.execute(&plan).unwrap().remove(0);
-                let cpu = t.elapsed().as_secs_f64() * 1e6;
-                let t = Instant::now();
-                let (mut got, run) = engine.execute_gpu(&plan).unwrap();
-                let gpu = t.elapsed().as_secs_f64() * 1e6;
-                assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
-                assert!(run.gpu_blocks + run.host_blocks > 0, "the kernel read the 2-bit blocks: {run:?}");
-                cache_blocks += run.gpu_blocks;
-                let want64: Vec<f64> = want.iter().map(|&x| f64::from(x)).collect();
-                let err = rel_l2(&got.remove(0), &want64);
-                assert!(err <= 2e-3, "{tokens} tokens, step {step}, exact={}: {err}", budget.exact);
-                if step >= 2 {
-                    let (c, g) =
-                        if budget.exact { (&mut cpu_exact, &mut gpu_exact) } else { (&mut cpu_us, &mut gpu_us) };
-                    c.push(cpu);
-                    g.push(gpu);
-                }
-            }
-            manager.maintain(usize::MAX);
-        }
-        assert!(cache_blocks > 0, "some 2-bit blocks must come from the Gpu tier");
-        let (c, g, ce, ge) = (median(cpu_us), median(gpu_us), median(cpu_exact), median(gpu_exact));
+        let c = gpu_vs_cpu_executor(spec, tokens, 9);
+        let (sc, sg) = (median(c.sparse_cpu), median(c.sparse_gpu));
+        let (ec, eg) = (median(c.exact_cpu), median(c.exact_gpu));
         println!(
-            "{tokens} tokens, hack2: sparse plans CPU executor {c:.0} us, GPU executor {g:.0} us ({:.2}x); exact plans CPU {ce:.0} us, GPU {ge:.0} us ({:.2}x); Gpu-tier blocks read: {cache_blocks}",
-            c / g,
-            ce / ge
+            "{tokens} tokens, hack2: sparse plans CPU executor {sc:.0} us, GPU executor {sg:.0} us ({:.2}x); exact plans CPU {ec:.0} us, GPU {eg:.0} us ({:.2}x); Gpu-tier blocks read: {}",
+            sc / sg,
+            ec / eg,
+            c.gpu_blocks
         );
     }
 }

@@ -238,6 +238,25 @@ fn hack_heads(shape: &AttnShape, tokens: usize, k: &[f16], v: &[f16]) -> Vec<att
         .collect()
 }
 
+/// The CPU homomorphic kernel over `runs[h]` of each head's 2-bit rows: the outputs the GPU
+/// kernels must give (the same integer products, 7-bit probabilities per 64-row block).
+fn cpu_homomorphic(
+    heads: &[attnstore_kernels::HackRows],
+    shape: &AttnShape,
+    q: &[f32],
+    runs: &[Vec<std::ops::Range<usize>>],
+) -> Vec<f64> {
+    let (d, g) = (shape.head_dim, shape.group());
+    let mut out = Vec::new();
+    for (h, (rows, runs)) in heads.iter().zip(runs).enumerate() {
+        let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
+        let qh = &q[h * g * d..(h + 1) * g * d];
+        rows.attend(qh, shape.scale(), runs, &mut parts, &mut attnstore_kernels::HackScratch::default());
+        out.extend(parts.iter().flat_map(|p| p.finish()).map(f64::from));
+    }
+    out
+}
+
 #[test]
 fn homomorphic_decode_on_the_gpu_equals_the_cpu_kernel_and_dequantize_then_attend() {
     let Some(gpu) = gpu() else { return };
@@ -249,17 +268,8 @@ fn homomorphic_decode_on_the_gpu_equals_the_cpu_kernel_and_dequantize_then_atten
         let mut job = gpu.prepare_hack(&shape, &q, &dev).unwrap();
         gpu.launch_hack(&dev, &mut job).unwrap();
         let got = gpu.fetch_hack(&job).unwrap();
-        // The CPU kernel: the same integer products, 7-bit probabilities per 64-row block.
-        let (d, g) = (shape.head_dim, shape.group());
-        let mut cpu = Vec::new();
-        for (h, rows) in heads.iter().enumerate() {
-            let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
-            let qh = &q[h * g * d..(h + 1) * g * d];
-            rows.attend(qh, shape.scale(), &[0..tokens], &mut parts, &mut attnstore_kernels::HackScratch::default());
-            cpu.extend(parts.iter().flat_map(|p| p.finish()));
-        }
-        let cpu64: Vec<f64> = cpu.iter().map(|&x| f64::from(x)).collect();
-        let err = rel_l2(&got, &cpu64);
+        let d = shape.head_dim;
+        let err = rel_l2(&got, &cpu_homomorphic(&heads, &shape, &q, &vec![vec![0..tokens]; shape.kv_heads]));
         assert!(err <= 1e-3, "q_heads={q_heads} tokens={tokens}: GPU vs CPU homomorphic {err}");
         // Dequantize, then the exact f16 kernel: the same rows, no 8-bit operands.
         let mut kv = gpu.alloc_kv(shape.kv_heads, tokens).unwrap();
@@ -310,21 +320,17 @@ fn homomorphic_decode_over_a_sparse_plans_rows_on_the_gpu_equals_the_cpu_kernel(
     let mut job = gpu.prepare_hack_rows(&shape, &q, &dev, &ranges).unwrap();
     gpu.launch_hack(&dev, &mut job).unwrap();
     let got = gpu.fetch_hack(&job).unwrap();
-    let (d, g) = (shape.head_dim, shape.group());
-    let mut cpu = Vec::new();
-    for (h, rows) in heads.iter().enumerate() {
-        // Overlapping runs on the GPU count a row once: give the CPU the same row set.
-        let mut set: Vec<usize> = ranges[h].iter().flat_map(|r| r.clone()).collect();
-        set.sort_unstable();
-        set.dedup();
-        let runs: Vec<_> = set.iter().map(|&r| r..r + 1).collect();
-        let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
-        let qh = &q[h * g * d..(h + 1) * g * d];
-        rows.attend(qh, shape.scale(), &runs, &mut parts, &mut attnstore_kernels::HackScratch::default());
-        cpu.extend(parts.iter().flat_map(|p| p.finish()));
-    }
-    let cpu64: Vec<f64> = cpu.iter().map(|&x| f64::from(x)).collect();
-    let err = rel_l2(&got, &cpu64);
+    // Overlapping runs on the GPU count a row once: give the CPU the same row set.
+    let runs: Vec<Vec<_>> = ranges
+        .iter()
+        .map(|r| {
+            let mut set: Vec<usize> = r.iter().flat_map(|r| r.clone()).collect();
+            set.sort_unstable();
+            set.dedup();
+            set.iter().map(|&r| r..r + 1).collect()
+        })
+        .collect();
+    let err = rel_l2(&got, &cpu_homomorphic(&heads, &shape, &q, &runs));
     assert!(err <= 1e-3, "sparse rows: GPU vs CPU homomorphic {err}");
     // Rows past the end, or runs for the wrong number of heads, are typed errors.
     let mut bad = ranges.clone();
@@ -341,7 +347,7 @@ fn homomorphic_decode_over_paged_groups_on_the_gpu_equals_the_cpu_kernel() {
     let tokens = 5000;
     let (k, v, q) = data(&shape, tokens, 91);
     let heads = hack_heads(&shape, tokens, &k, &v);
-    let (d, g, page) = (shape.head_dim, shape.group(), 2048);
+    let page = 2048;
     let blocks = tokens.div_ceil(64);
     // Every value block's group bytes in 2 KiB pages at shuffled places of one buffer, as
     // the buffer manager scatters a cluster's blocks.
@@ -351,11 +357,10 @@ fn homomorphic_decode_over_paged_groups_on_the_gpu_equals_the_cpu_kernel() {
     // short last block, head 5 every row of every block.
     let mut rng = SplitMix64::new(17);
     let mut groups: Vec<Vec<attnstore_kernels::cuda::PagedGroup>> = Vec::new();
-    let mut cpu = Vec::new();
-    for (h, rows) in heads.iter().enumerate() {
-        let mut list = Vec::new();
-        let mut runs = Vec::new();
-        for (b, all) in pages.groups()[h].iter().enumerate() {
+    let mut runs: Vec<Vec<std::ops::Range<usize>>> = Vec::new();
+    for (h, all_blocks) in pages.groups().iter().enumerate() {
+        let (mut list, mut rows) = (Vec::new(), Vec::new());
+        for (b, all) in all_blocks.iter().enumerate() {
             let mask = match h {
                 5 => all.mask,
                 2 if b == blocks - 1 => all.mask,
@@ -366,18 +371,16 @@ fn homomorphic_decode_over_paged_groups_on_the_gpu_equals_the_cpu_kernel() {
                 continue;
             }
             list.push(attnstore_kernels::cuda::PagedGroup { mask, ..all.clone() });
-            runs.extend((0..64).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
+            rows.extend((0..64).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
         }
-        let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
-        let qh = &q[h * g * d..(h + 1) * g * d];
-        rows.attend(qh, shape.scale(), &runs, &mut parts, &mut attnstore_kernels::HackScratch::default());
-        cpu.extend(parts.iter().flat_map(|p| p.finish()));
         groups.push(list);
+        runs.push(rows);
     }
+    let cpu = cpu_homomorphic(&heads, &shape, &q, &runs);
     let mut job = gpu.prepare_hack_paged(&shape, &q, &groups, page).unwrap();
     gpu.launch_hack_paged(&mut job).unwrap();
     let got: Vec<f32> = gpu.fetch_hack_partials(&job).unwrap().iter().flat_map(|p| p.finish()).collect();
-    let err = rel_l2(&got, &cpu.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    let err = rel_l2(&got, &cpu);
     assert!(err <= 1e-3, "paged groups: GPU vs CPU homomorphic {err}");
     // Groups that do not fit their layout are typed errors.
     let mut bad = groups.clone();
