@@ -95,32 +95,36 @@ struct HackPagedSrc {
   }
 };
 
-// One CTA per (chunk of `chunk_blocks` listed value blocks, KV head); partials in the
-// layout of attn_partial ([kv_head][chunk][g][PART]) so attn_merge folds them. Only the rows
-// set in a block's mask count (the others score −∞: probability 0, no value read changes
-// the sums), as `HackRows::attend` over row runs does on the CPU.
-// q8: [q_heads][HEAD_DIM/4] words of 8-bit query codes (same dim order as the keys);
+// One CTA per (chunk of `chunk_blocks` listed value blocks, KV head), templated on the GQA
+// group G (one kernel per group size: every loop over the group is unrolled and no lane
+// issues work for heads past it); partials in the layout of attn_partial
+// ([kv_head][chunk][g][PART]) so attn_merge folds them. Only the rows set in a block's mask
+// count (the others score −∞: probability 0, no value read changes the sums), as
+// `HackRows::attend` over row runs does on the CPU.
+// q8: [q_heads][HEAD_DIM/4] words of 8-bit query codes, each 16 dimensions as four words
+// in the order the score loop isolates the key codes: word s of dims 16w.. holds dims
+// 16w+s, 16w+4+s, 16w+8+s, 16w+12+s (so `(key word >> 2s) & 0x03030303` pairs with it);
 // qmeta: [q_heads][KP][3] = scale, minimum, scale·Σcodes + 64·minimum.
-template <class Src>
+template <int G, class Src>
 __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8,
-                            const float* __restrict__ qmeta, float scale, int group,
-                            int chunk_blocks, float* __restrict__ part) {
+                            const float* __restrict__ qmeta, float scale, int chunk_blocks,
+                            float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
-  __shared__ unsigned q_s[MAX_GROUP][HEAD_DIM / 4];
-  __shared__ float qm_s[MAX_GROUP][KP][3];
-  __shared__ float score_s[MAX_GROUP][HBLK];
-  __shared__ unsigned p8_s[MAX_GROUP][HBLK / 4];
-  __shared__ float m_s[MAX_GROUP], l_s[MAX_GROUP], corr_s[MAX_GROUP], step_s[MAX_GROUP], psum_s[MAX_GROUP];
-  for (int i = t; i < group * (HEAD_DIM / 4); i += HACK_THREADS)
-    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * group) * (HEAD_DIM / 4) + i];
-  for (int i = t; i < group * KP * 3; i += HACK_THREADS)
-    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * group) * KP * 3 + i];
-  if (t < MAX_GROUP) { m_s[t] = NEG_INF; l_s[t] = 0.f; }
+  __shared__ unsigned q_s[G][HEAD_DIM / 4];
+  __shared__ float qm_s[G][KP][3];
+  __shared__ float score_s[G][HBLK];
+  __shared__ unsigned p8_s[G][HBLK / 4];
+  __shared__ float m_s[G], l_s[G], corr_s[G], step_s[G], psum_s[G];
+  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
+    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
+  for (int i = t; i < G * KP * 3; i += HACK_THREADS)
+    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
+  if (t < G) { m_s[t] = NEG_INF; l_s[t] = 0.f; }
   // Each thread owns channels t and t + 128 of every head's output.
-  float o[MAX_GROUP][(HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS];
+  float o[G][(HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS];
 #pragma unroll
-  for (int g = 0; g < MAX_GROUP; g++)
+  for (int g = 0; g < G; g++)
 #pragma unroll
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) o[g][j] = 0.f;
   __syncthreads();
@@ -136,28 +140,30 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
       const int r = r0 + t / KWORDS, w = t % KWORDS;
       const bool live = mask >> r & 1ull;
       const unsigned word = live ? src.kword(r, w) : 0u;
-      unsigned s4[4];
+      // Code s of each byte in that byte's lane: two instructions per four codes.
+      unsigned c4[4];
 #pragma unroll
-      for (int i = 0; i < 4; i++) s4[i] = spread4(word >> (8 * i) & 0xffu);
+      for (int s = 0; s < 4; s++) c4[s] = word >> (2 * s) & 0x03030303u;
       const int k = w / 4;  // this lane's 64-dim partition
       float sk = 0.f, mk = 0.f, ks = 0.f;
       if (live) src.kmeta(r, k, sk, mk, ks);
-      for (int g = 0; g < group; g++) {
+#pragma unroll
+      for (int g = 0; g < G; g++) {
         unsigned acc = 0;
 #pragma unroll
-        for (int i = 0; i < 4; i++) acc = __dp4a(s4[i], q_s[g][4 * w + i], acc);
+        for (int s = 0; s < 4; s++) acc = __dp4a(c4[s], q_s[g][4 * w + s], acc);
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         acc += __shfl_xor_sync(0xffffffffu, acc, 2);
         const float sq = qm_s[g][k][0], mq = qm_s[g][k][1], cq = qm_s[g][k][2];
-        float s = (w % 4 == 0) ? sk * (sq * (float)acc + mq * ks) + mk * cq : 0.f;
+        float sc = (w % 4 == 0) ? sk * (sq * (float)acc + mq * ks) + mk * cq : 0.f;
 #pragma unroll
-        for (int off = 4; off < KWORDS; off <<= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-        if (w == 0) score_s[g][r] = live ? s * scale : NEG_INF;
+        for (int off = 4; off < KWORDS; off <<= 1) sc += __shfl_xor_sync(0xffffffffu, sc, off);
+        if (w == 0) score_s[g][r] = live ? sc * scale : NEG_INF;
       }
     }
     __syncthreads();
     // Softmax bookkeeping and 7-bit probabilities, one warp per head.
-    for (int g = warp; g < group; g += HACK_THREADS / 32) {
+    for (int g = warp; g < G; g += HACK_THREADS / 32) {
       const float a = score_s[g][lane], c = score_s[g][lane + 32];
       float bm = fmaxf(a, c);
 #pragma unroll
@@ -189,27 +195,27 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) {
       const int ch = t + j * HACK_THREADS;
       if (ch < HEAD_DIM) {
-        unsigned acc[MAX_GROUP];
+        unsigned acc[G];
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; g++) acc[g] = 0;
+        for (int g = 0; g < G; g++) acc[g] = 0;
 #pragma unroll 4
         for (int qi = 0; qi < HBLK / 4; qi++) {
-          const unsigned s = spread4(src.vbyte(qi, ch));
+          const unsigned sp = spread4(src.vbyte(qi, ch));
 #pragma unroll
-          for (int g = 0; g < MAX_GROUP; g++)
-            if (g < group) acc[g] = __dp4a(s, p8_s[g][qi], acc[g]);
+          for (int g = 0; g < G; g++) acc[g] = __dp4a(sp, p8_s[g][qi], acc[g]);
         }
         float sv, mv;
         src.vmeta(ch, sv, mv);
 #pragma unroll
-        for (int g = 0; g < MAX_GROUP; g++)
-          if (g < group) o[g][j] = o[g][j] * corr_s[g] + step_s[g] * (sv * (float)acc[g] + mv * psum_s[g]);
+        for (int g = 0; g < G; g++)
+          o[g][j] = o[g][j] * corr_s[g] + step_s[g] * (sv * (float)acc[g] + mv * psum_s[g]);
       }
     }
     __syncthreads();
   }
-  float* out = part + ((long long)(h * gridDim.x + chunk) * group) * PART;
-  for (int g = 0; g < group; g++) {
+  float* out = part + ((long long)(h * gridDim.x + chunk) * G) * PART;
+#pragma unroll
+  for (int g = 0; g < G; g++) {
 #pragma unroll
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) {
       const int ch = t + j * HACK_THREADS;
@@ -219,38 +225,44 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
   }
 }
 
-// Homomorphic decode over the arrays of `upload_hack`: every value block, or with
-// `sel_blocks` a sparse plan's n_sel listed blocks per head and their 64-bit row masks.
-extern "C" __global__ void hack_partial(
-    const unsigned* __restrict__ kc, const unsigned short* __restrict__ kmin,
-    const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ ksum,
-    const unsigned char* __restrict__ vc, const unsigned short* __restrict__ vmin,
-    const unsigned short* __restrict__ vscale, int rows,
-    const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
-    int chunk_blocks, float* __restrict__ part, const int* __restrict__ sel_blocks,
-    const unsigned long long* __restrict__ sel_masks, int n_sel) {
-  HackArraysSrc src;
-  src.kc = kc; src.kmin = kmin; src.kscale = kscale; src.ksum = ksum;
-  src.vc = vc; src.vmin = vmin; src.vscale = vscale; src.rows = rows;
-  src.sel_blocks = sel_blocks; src.sel_masks = sel_masks; src.n_sel = n_sel;
-  src.row0 = 0; src.vblock = 0;
-  const int listed = sel_blocks ? n_sel : (rows + HBLK - 1) / HBLK;
-  hack_attend(src, listed, q8, qmeta, scale, group, chunk_blocks, part);
-}
-
-// Homomorphic decode over n_sel value blocks per head in the group layout, spread over
-// pages (see HackPagedSrc).
-extern "C" __global__ void hack_paged(
-    const unsigned long long* __restrict__ pages, const unsigned long long* __restrict__ masks,
-    const int* __restrict__ rows_of, int n_sel, int page_bytes,
-    const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale, int group,
-    int chunk_blocks, float* __restrict__ part) {
-  HackPagedSrc src;
-  src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;
-  src.page_bytes = page_bytes; src.pg = pages;
-  src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;
-  hack_attend(src, n_sel, q8, qmeta, scale, group, chunk_blocks, part);
-}
+// Per group size G: hack_partial_g{G}, homomorphic decode over the arrays of `upload_hack`
+// (every value block, or with `sel_blocks` a sparse plan's n_sel listed blocks per head and
+// their 64-bit row masks); hack_paged_g{G}, over n_sel value blocks per head in the group
+// layout spread over pages (see HackPagedSrc).
+#define HACK_KERNELS(G)                                                                                      \
+  extern "C" __global__ void hack_partial_g##G(                                                             \
+      const unsigned* __restrict__ kc, const unsigned short* __restrict__ kmin,                              \
+      const unsigned short* __restrict__ kscale, const unsigned short* __restrict__ ksum,                    \
+      const unsigned char* __restrict__ vc, const unsigned short* __restrict__ vmin,                         \
+      const unsigned short* __restrict__ vscale, int rows, const unsigned* __restrict__ q8,                  \
+      const float* __restrict__ qmeta, float scale, int chunk_blocks, float* __restrict__ part,               \
+      const int* __restrict__ sel_blocks, const unsigned long long* __restrict__ sel_masks, int n_sel) {      \
+    HackArraysSrc src;                                                                                       \
+    src.kc = kc; src.kmin = kmin; src.kscale = kscale; src.ksum = ksum;                                      \
+    src.vc = vc; src.vmin = vmin; src.vscale = vscale; src.rows = rows;                                      \
+    src.sel_blocks = sel_blocks; src.sel_masks = sel_masks; src.n_sel = n_sel;                               \
+    src.row0 = 0; src.vblock = 0;                                                                            \
+    const int listed = sel_blocks ? n_sel : (rows + HBLK - 1) / HBLK;                                        \
+    hack_attend<G>(src, listed, q8, qmeta, scale, chunk_blocks, part);                                       \
+  }                                                                                                          \
+  extern "C" __global__ void hack_paged_g##G(                                                               \
+      const unsigned long long* __restrict__ pages, const unsigned long long* __restrict__ masks,             \
+      const int* __restrict__ rows_of, int n_sel, int page_bytes, const unsigned* __restrict__ q8,           \
+      const float* __restrict__ qmeta, float scale, int chunk_blocks, float* __restrict__ part) {             \
+    HackPagedSrc src;                                                                                        \
+    src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;                          \
+    src.page_bytes = page_bytes; src.pg = pages;                                                             \
+    src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
+    hack_attend<G>(src, n_sel, q8, qmeta, scale, chunk_blocks, part);                                        \
+  }
+HACK_KERNELS(1)
+HACK_KERNELS(2)
+HACK_KERNELS(3)
+HACK_KERNELS(4)
+HACK_KERNELS(5)
+HACK_KERNELS(6)
+HACK_KERNELS(7)
+HACK_KERNELS(8)
 
 // Dequantize-then-attend's first half: writes the f16 keys and values of every row
 // ([kv_head][rows][HEAD_DIM]) from the 2-bit form, one CTA per (value block, KV head).

@@ -140,8 +140,9 @@ fn row_masks(ranges: &[Vec<std::ops::Range<usize>>], rows: usize) -> (Vec<i32>, 
     (blocks, masks, n)
 }
 
-/// 8-bit query codes per 64-dim partition (packed four to a word, dimension order) and per
-/// partition `[scale, minimum, scale·Σcodes + 64·minimum]`: what `hack_partial` reads.
+/// 8-bit query codes per 64-dim partition (packed four to a word, in the order of
+/// `hack.cu`'s score loop) and per partition `[scale, minimum, scale·Σcodes + 64·minimum]`:
+/// what the hack kernels read.
 fn quantize_queries(q: &[f32], d: usize) -> (Vec<u32>, Vec<f32>) {
     // With d a multiple of 64, 64-value partitions of the whole query never cross heads.
     debug_assert!(d.is_multiple_of(BLOCK));
@@ -152,7 +153,13 @@ fn quantize_queries(q: &[f32], d: usize) -> (Vec<u32>, Vec<f32>) {
             [sc, lo, sc * q8.sums[k] as f32 + BLOCK as f32 * lo]
         })
         .collect();
-    let words = q8.codes.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
+    // Per 16 dimensions, word s holds dims s, 4 + s, 8 + s, 12 + s: the order in which the
+    // kernel isolates key codes (`(key word >> 2s) & 0x03030303`, byte i = dim 4i + s).
+    let words = q8
+        .codes
+        .chunks_exact(16)
+        .flat_map(|c| (0..4).map(move |s| u32::from_le_bytes([c[s], c[4 + s], c[8 + s], c[12 + s]])))
+        .collect();
     (words, meta)
 }
 
@@ -166,15 +173,25 @@ fn hack_grid(job: &HackJob) -> LaunchConfig {
 }
 
 impl GpuBackend {
-    /// A hack2 kernel, or the typed error for a head dimension it was not compiled for.
-    fn hack_kernel<'a>(&self, f: &'a Option<CudaFunction>) -> Result<&'a CudaFunction> {
-        f.as_ref().ok_or_else(|| Error::InvalidArgument {
+    /// The hack2 kernel of `f` for a GQA group of `group` heads, or the typed error for a
+    /// head dimension the kernels were not compiled for (or a group past MAX_GROUP).
+    fn hack_kernel<'a>(&self, f: &'a Option<Vec<CudaFunction>>, group: usize) -> Result<&'a CudaFunction> {
+        let kernels = f.as_ref().ok_or_else(|| self.hack_head_dim_error())?;
+        kernels.get(group.wrapping_sub(1)).ok_or_else(|| Error::InvalidArgument {
+            what: "group",
+            message: format!("the hack2 kernels serve groups of 1 to {MAX_GROUP} query heads, got {group}"),
+        })
+    }
+
+    /// The typed error for a head dimension the hack2 kernels were not compiled for.
+    fn hack_head_dim_error(&self) -> Error {
+        Error::InvalidArgument {
             what: "head_dim",
             message: format!(
                 "the GPU hack2 kernels need a head dimension that is a multiple of 64, got {}",
                 self.head_dim
             ),
-        })
+        }
     }
 
     /// Copies the 2-bit rows of every KV head (all with the same row count, Π = 64) to
@@ -183,7 +200,7 @@ impl GpuBackend {
         let d = self.head_dim;
         let rows = heads.first().map_or(0, HackRows::rows);
         let bad = |message: String| Err(Error::InvalidArgument { what: "hack rows", message });
-        self.hack_kernel(&self.hack_partial)?;
+        self.hack_kernel(&self.hack_partial, 1)?;
         if heads.iter().any(|h| h.rows() != rows || h.params().partition != BLOCK) {
             return bad("every head needs the same row count and partition Π = 64".into());
         }
@@ -221,7 +238,7 @@ impl GpuBackend {
     /// Copies the 2-bit rows of every KV head (Π = 64) to device memory as value blocks in
     /// the group layout over pages of `page_bytes`, placed in an order shuffled by `seed`.
     pub fn upload_hack_pages(&self, heads: &[HackRows], page_bytes: usize, seed: u64) -> Result<DevicePages> {
-        self.hack_kernel(&self.hack_paged)?;
+        self.hack_kernel(&self.hack_paged, 1)?;
         if page_bytes == 0 || !page_bytes.is_multiple_of(4) || heads.iter().any(|h| h.params().partition != BLOCK) {
             return Err(Error::InvalidArgument {
                 what: "pages",
@@ -333,7 +350,7 @@ impl GpuBackend {
         groups: &[Vec<PagedGroup>],
         page_bytes: usize,
     ) -> Result<HackJob> {
-        self.hack_kernel(&self.hack_paged)?;
+        self.hack_kernel(&self.hack_paged, 1)?;
         self.check_hack_shape(shape, q, groups.len())?;
         let bad = |message: String| Err(Error::InvalidArgument { what: "paged 2-bit groups", message });
         if page_bytes == 0 || !page_bytes.is_multiple_of(4) {
@@ -425,19 +442,19 @@ impl GpuBackend {
     /// [`GpuBackend::prepare_hack_rows`] for it) and the merge of its partials.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_hack(&self, dev: &DeviceHack, job: &mut HackJob) -> Result<()> {
-        let f = self.hack_kernel(&self.hack_partial)?;
         let sh = job.shape;
+        let f = self.hack_kernel(&self.hack_partial, sh.group())?;
         if sh.kv_heads != dev.kv_heads || matches!(job.sel, Selection::Paged { .. }) {
             return Err(Error::InvalidArgument {
                 what: "hack job",
                 message: "the job was not prepared for these rows (prepare_hack or prepare_hack_rows)".into(),
             });
         }
-        let (rows, group, chunk_blocks) = (dev.rows as i32, sh.group() as i32, job.chunk_blocks as i32);
+        let (rows, chunk_blocks) = (dev.rows as i32, job.chunk_blocks as i32);
         let cfg = hack_grid(job);
         let mut b = self.stream.launch_builder(f);
         b.arg(&dev.kc).arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vc).arg(&dev.vmin).arg(&dev.vscale);
-        b.arg(&rows).arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&group).arg(&chunk_blocks).arg(&mut job.part);
+        b.arg(&rows).arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&chunk_blocks).arg(&mut job.part);
         // Dense: null selection pointers (the kernel then walks every block).
         let null = 0u64;
         let n_sel = match &job.sel {
@@ -463,7 +480,7 @@ impl GpuBackend {
     /// [`GpuBackend::fetch_hack_partials`] returns.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn launch_hack_paged(&self, job: &mut HackJob) -> Result<()> {
-        let f = self.hack_kernel(&self.hack_paged)?;
+        let f = self.hack_kernel(&self.hack_paged, job.shape.group())?;
         let Selection::Paged { pages, masks, rows, n, page_bytes } = &job.sel else {
             return Err(Error::InvalidArgument {
                 what: "hack job",
@@ -471,11 +488,11 @@ impl GpuBackend {
             });
         };
         let (n, page_bytes) = (*n as i32, *page_bytes as i32);
-        let (group, chunk_blocks) = (job.shape.group() as i32, job.chunk_blocks as i32);
+        let chunk_blocks = job.chunk_blocks as i32;
         let cfg = hack_grid(job);
         let mut b = self.stream.launch_builder(f);
         b.arg(pages).arg(masks).arg(rows).arg(&n).arg(&page_bytes);
-        b.arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&group).arg(&chunk_blocks).arg(&mut job.part);
+        b.arg(&job.q8).arg(&job.qmeta).arg(&job.scale).arg(&chunk_blocks).arg(&mut job.part);
         // SAFETY: pages/masks/rows hold kv_heads × n entries (MAX_PAGES addresses each),
         // every group's row count, mask and page count checked in prepare_hack_paged against
         // its layout for this head dimension (the kernel reads only the group's bytes, below
@@ -516,7 +533,7 @@ impl GpuBackend {
     /// Enqueues the dequantization of `dev` into the f16 buffers `kv`.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub fn dequantize_hack(&self, dev: &DeviceHack, kv: &mut DeviceKv) -> Result<()> {
-        let f = self.hack_kernel(&self.hack_dequant)?;
+        let f = self.hack_dequant.as_ref().ok_or_else(|| self.hack_head_dim_error())?;
         if kv.rows != dev.rows || kv.keys.len() != dev.kv_heads * dev.rows * self.head_dim {
             return Err(Error::ShapeMismatch {
                 what: "f16 buffers for the dequantized rows",

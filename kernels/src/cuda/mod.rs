@@ -75,8 +75,9 @@ pub struct GpuBackend {
     /// The whole index build on the device (`build.cu`).
     build: BuildKernels,
     /// The hack2 kernels (compiled for head dimensions that are a multiple of 64).
-    hack_partial: Option<CudaFunction>,
-    hack_paged: Option<CudaFunction>,
+    /// `hack_partial_g{G}` and `hack_paged_g{G}` for G = 1..=MAX_GROUP (index G − 1).
+    hack_partial: Option<Vec<CudaFunction>>,
+    hack_paged: Option<Vec<CudaFunction>>,
     hack_dequant: Option<CudaFunction>,
     head_dim: usize,
 }
@@ -265,7 +266,7 @@ impl GpuBackend {
             means: load("lay_means")?,
         };
         let (hack_partial, hack_paged, hack_dequant) = if head_dim.is_multiple_of(64) {
-            (Some(load("hack_partial")?), Some(load("hack_paged")?), Some(load("hack_dequant")?))
+            (Some(per_group("hack_partial")?), Some(per_group("hack_paged")?), Some(load("hack_dequant")?))
         } else {
             (None, None, None)
         };
