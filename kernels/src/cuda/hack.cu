@@ -16,9 +16,12 @@
 #define HACK_THREADS 128
 #define P_LEVELS 127.f
 
-// One byte of four 2-bit codes → four bytes, one code each (code i in byte i).
+// One byte of four 2-bit codes → four bytes, one code each (code i in byte i), by two
+// multiplies: codes 0 and 2 (x & 0x33) times 1 + 2^12 land in bytes 0 and 2, codes 1 and 3
+// (x & 0xcc) times 2^6 + 2^18 in bytes 1 and 3; the partial products never overlap, so
+// the sums carry nothing into the bits the mask keeps.
 __device__ __forceinline__ unsigned spread4(unsigned x) {
-  return (x & 3u) | ((x >> 2 & 3u) << 8) | ((x >> 4 & 3u) << 16) | ((x >> 6 & 3u) << 24);
+  return ((x & 0x33u) * 0x1001u + (x & 0xccu) * 0x40040u) & 0x03030303u;
 }
 
 // Where the attention reads the 2-bit rows of one value block: `at(h, i)` moves to the
@@ -111,10 +114,10 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
                             float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
-  __shared__ unsigned q_s[G][HEAD_DIM / 4];
+  __shared__ __align__(16) unsigned q_s[G][HEAD_DIM / 4];
   __shared__ float qm_s[G][KP][3];
   __shared__ float score_s[G][HBLK];
-  __shared__ unsigned p8_s[G][HBLK / 4];
+  __shared__ __align__(16) unsigned p8_s[G][HBLK / 4];
   __shared__ float m_s[G], l_s[G], corr_s[G], step_s[G], psum_s[G];
   for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
     q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
@@ -149,9 +152,12 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
       if (live) src.kmeta(r, k, sk, mk, ks);
 #pragma unroll
       for (int g = 0; g < G; g++) {
-        unsigned acc = 0;
-#pragma unroll
-        for (int s = 0; s < 4; s++) acc = __dp4a(c4[s], q_s[g][4 * w + s], acc);
+        // This lane's four query words in one 16-byte shared load.
+        const uint4 qw = reinterpret_cast<const uint4*>(q_s[g])[w];
+        unsigned acc = __dp4a(c4[0], qw.x, 0u);
+        acc = __dp4a(c4[1], qw.y, acc);
+        acc = __dp4a(c4[2], qw.z, acc);
+        acc = __dp4a(c4[3], qw.w, acc);
         acc += __shfl_xor_sync(0xffffffffu, acc, 1);
         acc += __shfl_xor_sync(0xffffffffu, acc, 2);
         const float sq = qm_s[g][k][0], mq = qm_s[g][k][1], cq = qm_s[g][k][2];
@@ -198,11 +204,20 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
         unsigned acc[G];
 #pragma unroll
         for (int g = 0; g < G; g++) acc[g] = 0;
-#pragma unroll 4
-        for (int qi = 0; qi < HBLK / 4; qi++) {
-          const unsigned sp = spread4(src.vbyte(qi, ch));
+        // Four quads a step: each head's four probability words in one 16-byte shared load.
 #pragma unroll
-          for (int g = 0; g < G; g++) acc[g] = __dp4a(sp, p8_s[g][qi], acc[g]);
+        for (int q4 = 0; q4 < HBLK / 16; q4++) {
+          unsigned sp[4];
+#pragma unroll
+          for (int u = 0; u < 4; u++) sp[u] = spread4(src.vbyte(4 * q4 + u, ch));
+#pragma unroll
+          for (int g = 0; g < G; g++) {
+            const uint4 pw = reinterpret_cast<const uint4*>(p8_s[g])[q4];
+            acc[g] = __dp4a(sp[0], pw.x, acc[g]);
+            acc[g] = __dp4a(sp[1], pw.y, acc[g]);
+            acc[g] = __dp4a(sp[2], pw.z, acc[g]);
+            acc[g] = __dp4a(sp[3], pw.w, acc[g]);
+          }
         }
         float sv, mv;
         src.vmeta(ch, sv, mv);
