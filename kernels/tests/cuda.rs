@@ -347,41 +347,46 @@ fn homomorphic_decode_over_paged_groups_on_the_gpu_equals_the_cpu_kernel() {
     let tokens = 5000;
     let (k, v, q) = data(&shape, tokens, 91);
     let heads = hack_heads(&shape, tokens, &k, &v);
-    let page = 2048;
     let blocks = tokens.div_ceil(64);
-    // Every value block's group bytes in 2 KiB pages at shuffled places of one buffer, as
-    // the buffer manager scatters a cluster's blocks.
-    let pages = gpu.upload_hack_pages(&heads, page, 13).unwrap();
-    assert_eq!(pages.groups().iter().map(Vec::len).collect::<Vec<_>>(), vec![blocks; shape.kv_heads]);
-    // Per head: a different subset of blocks with random row masks; head 2 also lists the
-    // short last block, head 5 every row of every block.
-    let mut rng = SplitMix64::new(17);
     let mut groups: Vec<Vec<attnstore_kernels::cuda::PagedGroup>> = Vec::new();
-    let mut runs: Vec<Vec<std::ops::Range<usize>>> = Vec::new();
-    for (h, all_blocks) in pages.groups().iter().enumerate() {
-        let (mut list, mut rows) = (Vec::new(), Vec::new());
-        for (b, all) in all_blocks.iter().enumerate() {
-            let mask = match h {
-                5 => all.mask,
-                2 if b == blocks - 1 => all.mask,
-                _ if rng.below(3) == 0 => (rng.next_u64() & rng.next_u64()) & all.mask,
-                _ => 0,
-            };
-            if mask == 0 {
-                continue;
+    // Pages of the buffer manager's 2 KiB (a power of two: the kernel shifts) and of 1984
+    // bytes (it divides).
+    for page in [2048, 1984] {
+        // Every value block's group bytes in pages at shuffled places of one buffer, as the
+        // buffer manager scatters a cluster's blocks.
+        let pages = gpu.upload_hack_pages(&heads, page, 13).unwrap();
+        assert_eq!(pages.groups().iter().map(Vec::len).collect::<Vec<_>>(), vec![blocks; shape.kv_heads]);
+        // Per head: a different subset of blocks with random row masks; head 2 also lists
+        // the short last block, head 5 every row of every block.
+        let mut rng = SplitMix64::new(17);
+        let mut runs: Vec<Vec<std::ops::Range<usize>>> = Vec::new();
+        groups.clear();
+        for (h, all_blocks) in pages.groups().iter().enumerate() {
+            let (mut list, mut rows) = (Vec::new(), Vec::new());
+            for (b, all) in all_blocks.iter().enumerate() {
+                let mask = match h {
+                    5 => all.mask,
+                    2 if b == blocks - 1 => all.mask,
+                    _ if rng.below(3) == 0 => (rng.next_u64() & rng.next_u64()) & all.mask,
+                    _ => 0,
+                };
+                if mask == 0 {
+                    continue;
+                }
+                list.push(attnstore_kernels::cuda::PagedGroup { mask, ..all.clone() });
+                rows.extend((0..64).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
             }
-            list.push(attnstore_kernels::cuda::PagedGroup { mask, ..all.clone() });
-            rows.extend((0..64).filter(|r| mask >> r & 1 == 1).map(|r| b * 64 + r..b * 64 + r + 1));
+            groups.push(list);
+            runs.push(rows);
         }
-        groups.push(list);
-        runs.push(rows);
+        let cpu = cpu_homomorphic(&heads, &shape, &q, &runs);
+        let mut job = gpu.prepare_hack_paged(&shape, &q, &groups, page).unwrap();
+        gpu.launch_hack_paged(&mut job).unwrap();
+        let got: Vec<f32> = gpu.fetch_hack_partials(&job).unwrap().iter().flat_map(|p| p.finish()).collect();
+        let err = rel_l2(&got, &cpu);
+        assert!(err <= 1e-3, "paged groups, pages of {page} bytes: GPU vs CPU homomorphic {err}");
     }
-    let cpu = cpu_homomorphic(&heads, &shape, &q, &runs);
-    let mut job = gpu.prepare_hack_paged(&shape, &q, &groups, page).unwrap();
-    gpu.launch_hack_paged(&mut job).unwrap();
-    let got: Vec<f32> = gpu.fetch_hack_partials(&job).unwrap().iter().flat_map(|p| p.finish()).collect();
-    let err = rel_l2(&got, &cpu);
-    assert!(err <= 1e-3, "paged groups: GPU vs CPU homomorphic {err}");
+    let page = 1984;
     // Groups that do not fit their layout are typed errors.
     let mut bad = groups.clone();
     bad[0][0].pages.pop();

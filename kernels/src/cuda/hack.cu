@@ -66,7 +66,7 @@ struct HackArraysSrc {
 #define MAX_PAGES 8
 struct HackPagedSrc {
   const unsigned long long* pages; const unsigned long long* masks; const int* rows_of;
-  int n_sel; int page_bytes;
+  int n_sel; int page_bytes; int page_shift;
   const unsigned long long* pg;
   int vc_off, kmin_off, kscale_off, ksum_off, vmin_off, vscale_off;
   __device__ unsigned long long at(int h, int i) {
@@ -81,8 +81,11 @@ struct HackPagedSrc {
     vscale_off = vmin_off + 2 * HEAD_DIM;
     return masks[g];
   }
+  // With pages of a power of two bytes (the buffer manager's 2 KiB), a shift and a mask;
+  // otherwise a division.
   __device__ const unsigned char* byte(int off) const {
-    return reinterpret_cast<const unsigned char*>(pg[off / page_bytes]) + off % page_bytes;
+    const int p = page_shift >= 0 ? off >> page_shift : off / page_bytes;
+    return reinterpret_cast<const unsigned char*>(pg[p]) + (off - p * page_bytes);
   }
   __device__ unsigned short half_at(int off) const { return *reinterpret_cast<const unsigned short*>(byte(off)); }
   __device__ unsigned kword(int r, int w) const {
@@ -266,7 +269,8 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
       const float* __restrict__ qmeta, float scale, int chunk_blocks, float* __restrict__ part) {             \
     HackPagedSrc src;                                                                                        \
     src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;                          \
-    src.page_bytes = page_bytes; src.pg = pages;                                                             \
+    src.page_bytes = page_bytes; src.page_shift = page_bytes & (page_bytes - 1) ? -1 : __ffs(page_bytes) - 1; \
+    src.pg = pages;                                                             \
     src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
     hack_attend<G>(src, n_sel, q8, qmeta, scale, chunk_blocks, part);                                        \
   }
