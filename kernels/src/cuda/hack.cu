@@ -32,6 +32,7 @@ __device__ __forceinline__ unsigned spread4(unsigned x) {
 // Every head's rows in the arrays of `upload_hack`, one after another; all blocks, or a
 // sparse plan's listed blocks and row masks.
 struct HackArraysSrc {
+  static constexpr bool SYNC_AFTER_AT = false;
   const unsigned* kc; const unsigned short* kmin; const unsigned short* kscale;
   const unsigned short* ksum; const unsigned char* vc; const unsigned short* vmin;
   const unsigned short* vscale; int rows;
@@ -64,14 +65,18 @@ struct HackArraysSrc {
 // read in the pinned Host arena or the Gpu tier. Listed block i of head h has its page
 // addresses at pages[(h·n_sel + i)·MAX_PAGES…], its row count and its mask.
 #define MAX_PAGES 8
+// The page addresses of the block a CTA is at, loaded once per block by `at` (a load of
+// the address from global memory on every byte access cost the paged kernel ~50%).
+__shared__ unsigned long long hack_pages_s[MAX_PAGES];
 struct HackPagedSrc {
+  // `at` writes shared memory that every thread then reads: a barrier must follow it.
+  static constexpr bool SYNC_AFTER_AT = true;
   const unsigned long long* pages; const unsigned long long* masks; const int* rows_of;
   int n_sel; int page_bytes; int page_shift;
-  const unsigned long long* pg;
   int vc_off, kmin_off, kscale_off, ksum_off, vmin_off, vscale_off;
   __device__ unsigned long long at(int h, int i) {
     const long long g = (long long)h * n_sel + i;
-    pg = pages + g * MAX_PAGES;
+    if (threadIdx.x < MAX_PAGES) hack_pages_s[threadIdx.x] = pages[g * MAX_PAGES + threadIdx.x];
     const int n = rows_of[g];
     vc_off = n * (HEAD_DIM / 4);
     kmin_off = vc_off + (HBLK / 4) * HEAD_DIM;
@@ -85,7 +90,7 @@ struct HackPagedSrc {
   // otherwise a division.
   __device__ const unsigned char* byte(int off) const {
     const int p = page_shift >= 0 ? off >> page_shift : off / page_bytes;
-    return reinterpret_cast<const unsigned char*>(pg[p]) + (off - p * page_bytes);
+    return reinterpret_cast<const unsigned char*>(hack_pages_s[p]) + (off - p * page_bytes);
   }
   __device__ unsigned short half_at(int off) const { return *reinterpret_cast<const unsigned short*>(byte(off)); }
   __device__ unsigned kword(int r, int w) const {
@@ -137,6 +142,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
   const int b0 = chunk * chunk_blocks, b1 = min(listed, b0 + chunk_blocks);
   for (int i = b0; i < b1; i++) {
     const unsigned long long mask = src.at(h, i);
+    if (Src::SYNC_AFTER_AT) __syncthreads();
     // No row to attend (a padding entry): nothing read, the softmax state is unchanged.
     // The mask is the same for the whole CTA, so every thread skips the barriers alike.
     if (mask == 0ull) continue;
@@ -270,7 +276,6 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     HackPagedSrc src;                                                                                        \
     src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;                          \
     src.page_bytes = page_bytes; src.page_shift = page_bytes & (page_bytes - 1) ? -1 : __ffs(page_bytes) - 1; \
-    src.pg = pages;                                                             \
     src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
     hack_attend<G>(src, n_sel, q8, qmeta, scale, chunk_blocks, part);                                        \
   }
