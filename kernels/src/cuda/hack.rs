@@ -1,6 +1,8 @@
 //! The GPU side of the `hack2` codec: 2-bit rows of every KV head in device memory,
-//! homomorphic decode attention over them (`hack_partial` + the shared merge kernel), and
-//! the dequantize-then-attend baseline (`hack_dequant`, then the exact f16 kernel).
+//! homomorphic decode attention over them (`hack_partial_g{G}` + the shared merge kernel)
+//! or over value blocks read in place from pages such as the buffer manager's blocks
+//! (`hack_paged_g{G}`), one kernel per GQA group size, and the dequantize-then-attend
+//! baseline (`hack_dequant`, then the exact f16 kernel).
 
 use super::{device_address, gpu_err, DeviceKv, GpuBackend, MAX_GROUP};
 use crate::cpu::hack::{HackParams, Quantized8};
