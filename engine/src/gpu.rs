@@ -640,8 +640,7 @@ impl Engine {
         let (g, d) = (sh.group(), sh.head_dim);
         // An exact plan is a scan: its pins log no accesses (as on the CPU).
         let reader = if works.iter().all(|w| w.scan) { manager.scan_reader() } else { manager.reader() };
-        let locations: Vec<_> =
-            works.iter().flat_map(|w| w.groups.iter().flat_map(|x| x.locations.iter().copied())).collect();
+        let locations: Vec<_> = works.iter().flat_map(|w| w.locations.iter().copied()).collect();
         let pins = reader.pin_all(&locations).into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
         let page = manager.layout().block_bytes();
         let gpu_base = manager.gpu_device_base();
@@ -651,8 +650,8 @@ impl Engine {
         for w in works {
             let mut list = Vec::with_capacity(w.groups.len());
             for grp in &w.groups {
-                let mut pages = Vec::with_capacity(grp.locations.len());
-                for pin in pinned.by_ref().take(grp.locations.len()) {
+                let mut pages = Vec::with_capacity(grp.blocks as usize);
+                for pin in pinned.by_ref().take(grp.blocks as usize) {
                     let Some(slot) = pin.slot() else { return Ok(None) }; // a Disk read: CPU
                     let base = match (pin.tier(), gpu_base) {
                         (Tier::Gpu, Some(b)) => {

@@ -111,26 +111,22 @@ impl BlockStore {
 
     /// The current block lists of `keys` (for plans: the tier each block is served from).
     pub(crate) fn lookup(&self, keys: &[ClusterKey]) -> Result<Vec<BlockLocation>> {
-        let reader = self.buffers.reader();
-        let mut found = Vec::with_capacity(keys.len());
-        reader.clusters(keys, &mut found);
-        let mut out = Vec::new();
-        for (key, blocks) in keys.iter().zip(found) {
-            out.extend(blocks.ok_or_else(|| missing(key))?);
-        }
-        Ok(out)
+        Ok(self.lookup_counted(keys)?.0)
     }
 
-    /// The current block list of each of `keys`, in order; a key not in the mapping table is
-    /// a typed error.
-    pub(crate) fn lookup_each(&self, keys: &[ClusterKey]) -> Result<Vec<Vec<BlockLocation>>> {
+    /// The current block lists of `keys`, one after another, and how many blocks each has;
+    /// a key not in the mapping table is a typed error.
+    pub(crate) fn lookup_counted(&self, keys: &[ClusterKey]) -> Result<(Vec<BlockLocation>, Vec<usize>)> {
         let reader = self.buffers.reader();
         let mut found = Vec::with_capacity(keys.len());
         reader.clusters(keys, &mut found);
-        keys.iter()
-            .zip(found)
-            .map(|(key, blocks)| Ok(blocks.ok_or_else(|| missing(key))?.into_iter().collect()))
-            .collect()
+        let (mut out, mut counts) = (Vec::new(), Vec::with_capacity(keys.len()));
+        for (key, blocks) in keys.iter().zip(found) {
+            let blocks = blocks.ok_or_else(|| missing(key))?;
+            counts.push(blocks.len());
+            out.extend(blocks);
+        }
+        Ok((out, counts))
     }
 }
 

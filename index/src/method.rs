@@ -189,12 +189,13 @@ pub struct GpuHeadWork {
 }
 
 /// One value block of a `hack2` layer's 2-bit rows (Π = 64 rows in the group layout of
-/// `HackRows::group_bytes`), as a GPU step reads it in place: its blocks in the buffer
-/// manager, in byte order, the rows it holds and the rows to attend.
+/// `HackRows::group_bytes`), as a GPU step reads it in place: how many buffer-manager blocks
+/// its bytes span (its run of [`GpuHackWork::locations`]), the rows it holds and the rows to
+/// attend.
 #[derive(Debug, Clone)]
 pub struct GpuHackGroup {
-    /// The buffer-manager blocks the group's bytes are spread over, in order.
-    pub locations: Vec<attnstore_buffer::BlockLocation>,
+    /// Buffer-manager blocks the group's bytes are spread over.
+    pub blocks: u32,
     /// Rows the group holds (Π, or fewer for a segment's last value block).
     pub rows: u32,
     /// The rows to attend: bit `r` for row `r` of the group.
@@ -207,6 +208,8 @@ pub struct GpuHackGroup {
 pub struct GpuHackWork {
     /// Value blocks with rows the plan attends exactly, each listed once.
     pub groups: Vec<GpuHackGroup>,
+    /// The groups' buffer-manager blocks, group after group, each group's in byte order.
+    pub locations: Vec<attnstore_buffer::BlockLocation>,
     /// The partial of each query head of the group over what stays on the CPU: the steady
     /// zone and the estimation zone.
     pub cpu: Vec<Partial>,

@@ -282,15 +282,7 @@ fn read_groups(
     blocks: &[usize],
 ) -> Result<Vec<Vec<u16>>> {
     let keys: Vec<_> = blocks.iter().map(|&b| store.key(head, g.first + b as u32)).collect();
-    let mut found = Vec::with_capacity(keys.len());
-    reader.clusters(&keys, &mut found);
-    let mut locations = Vec::new();
-    let mut counts = Vec::with_capacity(keys.len());
-    for (f, k) in found.into_iter().zip(&keys) {
-        let f = f.ok_or_else(|| missing(k))?;
-        counts.push(f.len());
-        locations.extend((0..f.len()).filter_map(|i| f.get(i)));
-    }
+    let (locations, counts) = store.lookup_counted(&keys)?;
     let mut pins = reader.pin_all(&locations).into_iter();
     let mut out = Vec::with_capacity(blocks.len());
     for (&b, &n) in blocks.iter().zip(&counts) {

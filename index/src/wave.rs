@@ -476,17 +476,31 @@ impl<E: Element> WaveIndex<E> {
         Ok(())
     }
 
-    /// [`AccessMethod::gpu_work`] for f16 rows homed in `store`.
-    fn gpu_work_f16(&self, store: &BlockStore, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Result<GpuHeadWork> {
+    /// What a GPU step of `kv_head` under `plan` leaves to the CPU: the partials of the query
+    /// group `q` over the steady zone and, for a sparse plan, its (one) selection's
+    /// estimation zone.
+    fn cpu_zones(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Vec<Partial> {
         let d = self.head_dim;
-        let g = q.len() / d;
         let head = &self.heads[kv_head];
-        let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
         let scale = 1.0 / (d as f32).sqrt();
-        let mut cpu = vec![Partial::empty(d); g];
+        let mut cpu = vec![Partial::empty(d); q.len() / d];
         let mut scratch = Scratch::default();
         attend_rows(q, scale, &head.sink_keys, &head.sink_values, &mut cpu, &mut scratch);
         attend_rows(q, scale, &head.tail_keys, &head.tail_values, &mut cpu, &mut scratch);
+        if let Some(sel) = plan.selections.first().filter(|_| !plan.exact) {
+            for (i, e) in head.dir.estimate(sel, d).iter().enumerate() {
+                cpu[sel.first_head + i].merge(e);
+            }
+        }
+        cpu
+    }
+
+    /// [`AccessMethod::gpu_work`] for f16 rows homed in `store`.
+    fn gpu_work_f16(&self, store: &BlockStore, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Result<GpuHeadWork> {
+        let d = self.head_dim;
+        let head = &self.heads[kv_head];
+        let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
+        let cpu = self.cpu_zones(kv_head, q, plan);
         // The clusters attended exactly and their block lists.
         let (ids, found): (Vec<u32>, Vec<attnstore_buffer::BlockLocation>) = if plan.exact {
             let ids: Vec<u32> = (0..head.dir.len() as u32).collect();
@@ -500,10 +514,6 @@ impl<E: Element> WaveIndex<E> {
             } else {
                 sel.blocks.clone()
             };
-            let estimated = head.dir.estimate(sel, d);
-            for (i, e) in estimated.iter().enumerate() {
-                cpu[sel.first_head + i].merge(e);
-            }
             (sel.retrieve_ids.clone(), found)
         } else {
             (Vec::new(), Vec::new())
@@ -534,14 +544,8 @@ impl<E: Element> WaveIndex<E> {
         q: &[f32],
         plan: &HeadPlan,
     ) -> Result<GpuHackWork> {
-        let d = self.head_dim;
-        let g = q.len() / d;
         let head = &self.heads[kv_head];
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut cpu = vec![Partial::empty(d); g];
-        let mut scratch = Scratch::default();
-        attend_rows(q, scale, &head.sink_keys, &head.sink_values, &mut cpu, &mut scratch);
-        attend_rows(q, scale, &head.tail_keys, &head.tail_values, &mut cpu, &mut scratch);
+        let cpu = self.cpu_zones(kv_head, q, plan);
         let groups_of = |unit: usize| {
             head.segments.get(unit).and_then(|s| s.groups.as_ref()).ok_or_else(|| {
                 Error::MissingRows(format!("segment {unit} of head {kv_head} is not homed as 2-bit value blocks"))
@@ -557,9 +561,6 @@ impl<E: Element> WaveIndex<E> {
                 }
             }
         } else if let Some(sel) = plan.selections.first() {
-            for (i, e) in head.dir.estimate(sel, d).iter().enumerate() {
-                cpu[sel.first_head + i].merge(e);
-            }
             for span in &sel.retrieve {
                 let (unit, p) = (span.unit as usize, groups_of(span.unit as usize)?.params.partition);
                 for row in span.start as usize..span.end as usize {
@@ -571,15 +572,15 @@ impl<E: Element> WaveIndex<E> {
             .keys()
             .map(|&(unit, b)| Ok(store.key(kv_head, groups_of(unit)?.first + b as u32)))
             .collect::<Result<_>>()?;
-        let groups = store
-            .lookup_each(&keys)?
-            .into_iter()
+        let (locations, counts) = store.lookup_counted(&keys)?;
+        let groups = counts
+            .iter()
             .zip(&wanted)
-            .map(|(locations, (&(unit, b), &mask))| {
-                Ok(GpuHackGroup { locations, rows: groups_of(unit)?.rows_in(b) as u32, mask })
+            .map(|(&n, (&(unit, b), &mask))| {
+                Ok(GpuHackGroup { blocks: n as u32, rows: groups_of(unit)?.rows_in(b) as u32, mask })
             })
             .collect::<Result<_>>()?;
-        Ok(GpuHackWork { groups, cpu, scan: plan.exact })
+        Ok(GpuHackWork { groups, locations, cpu, scan: plan.exact })
     }
 
     /// The index's structure (see [`WaveLayout`]).

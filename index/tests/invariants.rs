@@ -169,9 +169,12 @@ fn emulate_gpu_hack_step(
     let mut scratch = HackScratch::default();
     let reader = manager.reader();
     let mut rows = 0;
+    let mut at = 0;
     for group in &work.groups {
         let mut bytes = Vec::new();
-        for pin in reader.pin_all(&group.locations) {
+        let locations = &work.locations[at..at + group.blocks as usize];
+        at += group.blocks as usize;
+        for pin in reader.pin_all(locations) {
             bytes.extend_from_slice(&pin.expect("a block in memory pins"));
         }
         let aligned: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], *b.get(1).unwrap_or(&0)])).collect();
