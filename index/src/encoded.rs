@@ -1,16 +1,23 @@
-//! A wave index whose segments are stored in 2-bit form (the `hack2` codec), taken apart
-//! for a checkpoint and put back together on recovery.
+//! An index whose rows are stored in 2-bit form (the `hack2` codec), taken apart for a
+//! checkpoint and put back together on recovery.
 //!
-//! A `hack2` segment drops its plain rows once they are encoded, so the 2-bit rows, the
-//! clusters' mean keys and values, and the rows the index keeps plain (sink, local window,
-//! pending tokens) are everything there is of it: a durable engine writes exactly this to
-//! disk and frees the plain copy its data files held ([`crate::WaveIndex::encoded_home`],
-//! [`crate::WaveIndex::restore_encoded`]).
+//! A `hack2` wave segment drops its plain rows once they are encoded, so the 2-bit rows,
+//! the clusters' mean keys and values, and the rows the index keeps plain (sink, local
+//! window, pending tokens) are everything there is of it: a durable engine writes exactly
+//! this to disk and frees the plain copy its data files held
+//! ([`crate::WaveIndex::encoded_home`], [`crate::WaveIndex::restore_encoded`]).
+//!
+//! A `hack2` PQ index has the same shape with no clusters: its base rows past the sink, in
+//! 2-bit form, cut into pieces ("segments") of whole value blocks so that no file grows past
+//! one record; its sink rows and its decode tokens (which stay plain) as the steady rows; and
+//! its codebooks and codes in its [`crate::PqSnapshot`], which a checkpoint keeps as the
+//! layer's index layout ([`crate::PqIndex::encoded_home`], [`crate::PqIndex::restore_encoded`]).
 
 use attnstore_kernels::HackRows;
 use half::f16;
 
-/// One KV head of one segment in 2-bit form.
+/// One KV head of one segment in 2-bit form (a PQ index's segments have no clusters: their
+/// sizes, positions and means are empty, their rows in position order).
 #[derive(Debug, Clone)]
 pub struct EncodedHead {
     /// Tokens of each (non-empty) cluster, in storage order.
@@ -49,8 +56,8 @@ pub struct SteadyHead {
     pub tail_values: Vec<f16>,
 }
 
-/// A `hack2` wave index as a checkpoint keeps it: where its zones lie, its plain rows and
-/// (from some segment on) its segments in 2-bit form.
+/// A `hack2` index as a checkpoint keeps it: where its zones lie, its plain rows and (from
+/// some segment on) its segments in 2-bit form.
 #[derive(Debug, Clone, Default)]
 pub struct EncodedHome {
     /// Tokens covered.
@@ -65,6 +72,10 @@ pub struct EncodedHome {
     pub steady: Vec<SteadyHead>,
     /// Segments `segment_count - segments.len()..`, in order.
     pub segments: Vec<EncodedSegment>,
+    /// A PQ index's codebooks and codes, which a restore needs with its rows. A checkpoint
+    /// writes them as the layer's index layout (not in the home), so
+    /// [`crate::PqIndex::encoded_home`] leaves this `None` and recovery fills it in.
+    pub pq: Option<crate::PqSnapshot>,
 }
 
 impl EncodedHome {

@@ -706,6 +706,7 @@ impl<E: Element> WaveIndex<E> {
             segment_count,
             steady,
             segments,
+            pq: None,
         }))
     }
 

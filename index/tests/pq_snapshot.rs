@@ -137,3 +137,92 @@ fn a_snapshot_that_does_not_fit_is_a_typed_error_and_changes_nothing() {
     let mut pq = build(None, &k, &v, total, total);
     assert!(pq.restore(&good, &k, &v).is_err());
 }
+
+#[test]
+fn a_hack2_pq_index_restored_from_its_encoded_home_is_the_index_it_came_from() {
+    let shape = AttnShape::new(8, HEADS, D).unwrap();
+    let (total, prefill) = (5600, 5000);
+    let (k, v) = (randn(shape.kv_len(total), 5, 1.0), randn(shape.kv_len(total), 6, 1.0));
+    let hack = Some(HackParams::new(16).unwrap());
+    let original = build(hack, &k, &v, total, prefill);
+    // Base rows past the sink in pieces of 128 blocks of 16 rows: 2048, 2048 and the rest.
+    assert_eq!(original.encoded_segments(), Some(3));
+    assert_eq!(build(None, &k, &v, total, prefill).encoded_segments(), None, "plain rows: no 2-bit home");
+    assert_eq!(build(hack, &k, &v, 200, 200).encoded_segments(), None, "no codebooks yet: no 2-bit home");
+    let home = original.encoded_home(0).unwrap().unwrap();
+    assert_eq!((home.segments.len(), home.tail_start, home.tokens), (3, prefill as u64, total as u64));
+    assert_eq!(home.segments.iter().map(|s| s.len).sum::<u64>(), prefill as u64 - home.sink_len);
+    assert!(home.pq.is_none(), "the codebooks are the layer's layout, not part of the home");
+    // A later checkpoint writes no segment again: the base never changes.
+    let later = original.encoded_home(3).unwrap().unwrap();
+    assert!(later.segments.is_empty() && later.steady == home.steady);
+
+    let mut without = empty(hack);
+    let err = without.restore_encoded(home.clone()).unwrap_err();
+    assert!(err.to_string().contains("carries no codebooks"), "{err}");
+    let snapshot = original.snapshot();
+    let with = |mut h: attnstore_index::EncodedHome| {
+        h.pq = snapshot.clone();
+        h
+    };
+    let mut restored = empty(hack);
+    AccessMethod::restore_encoded(&mut restored, with(home.clone())).unwrap();
+    assert_eq!(restored.snapshot(), original.snapshot());
+    assert_eq!(restored.stats(), original.stats());
+    for h in 0..HEADS {
+        for p in [4, 2100, 4999, 5300, total - 40] {
+            assert_eq!(restored.codes_of(h, p), original.codes_of(h, p), "head {h} position {p}");
+        }
+    }
+    let mut original = original;
+    for round in 0..2 {
+        for seed in 0..3 {
+            let q = randn(shape.query_len(), 20 + seed, 2.0);
+            assert_eq!(run(&restored, &shape, &q, None), run(&original, &shape, &q, None), "exact, round {round}");
+            let zone = ZoneBudget { retrieve_tokens: 100, estimate_tokens: 0, mode: SelectionMode::PerKvHead };
+            for h in 0..HEADS {
+                let qh = &q[h * 4 * D..(h + 1) * 4 * D];
+                assert_eq!(restored.plan_head(h, qh, &zone), original.plan_head(h, qh, &zone));
+            }
+            assert_eq!(run(&restored, &shape, &q, Some(&zone)), run(&original, &shape, &q, Some(&zone)));
+        }
+        // Decoding goes on the same way from the restored index.
+        let more = 300;
+        let (k2, v2) = (randn(shape.kv_len(more), 30 + round, 1.0), randn(shape.kv_len(more), 40 + round, 1.0));
+        for pq in [&mut original, &mut restored] {
+            append_in_batches(pq, (&k2, &v2), (HEADS, D), more, 0);
+        }
+        assert_eq!(restored.stats(), original.stats());
+    }
+
+    // Homes that do not fit are typed errors that change nothing.
+    let mut broken: Vec<(&str, attnstore_index::EncodedHome)> = Vec::new();
+    let mut h = with(home.clone());
+    h.segments.pop();
+    broken.push(("a missing segment", h));
+    let mut h = with(home.clone());
+    h.segment_count -= 1;
+    h.segments.remove(1);
+    broken.push(("a gap between segments", h));
+    let mut h = with(home.clone());
+    h.steady[1].tail_keys.pop();
+    broken.push(("a short tail row", h));
+    let mut h = with(home.clone());
+    h.steady[0].sink_values[3] = f16::NAN;
+    broken.push(("a NaN sink value", h));
+    let mut h = with(home.clone());
+    h.tail_start -= 1;
+    broken.push(("a base that is not the codebooks'", h));
+    let mut h = with(home.clone());
+    h.segments[2].heads[0] = h.segments[1].heads[0].clone();
+    broken.push(("a head with another segment's row count", h));
+    for (what, h) in broken {
+        let mut pq = empty(hack);
+        let err = pq.restore_encoded(h).unwrap_err();
+        assert!(err.to_string().contains("encoded pq index"), "{what}: {err}");
+        assert_eq!(pq.stats().tokens, 0, "{what}");
+        assert!(pq.snapshot().is_none(), "{what}");
+    }
+    assert!(empty(None).restore_encoded(with(home.clone())).is_err(), "an index without the codec");
+    assert!(restored.restore_encoded(with(home)).is_err(), "a non-empty index");
+}

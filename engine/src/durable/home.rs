@@ -399,6 +399,7 @@ pub(crate) fn read_home(
         segment_count: segments.len(),
         steady,
         segments,
+        pq: None,
     };
     let state = HomeState { segment_crcs: r.segments, data_bytes: r.data_bytes, punched: 0 };
     Ok(Some(LoadedHome { home, data_bytes: r.data_bytes, chunks: r.chunks, tokens: r.tokens, state, bytes }))

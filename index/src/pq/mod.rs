@@ -12,6 +12,7 @@
 mod adaptive;
 mod build;
 mod codes;
+mod home;
 mod params;
 mod snapshot;
 
@@ -602,6 +603,19 @@ impl<E: Element> AccessMethod for PqIndex<E> {
     fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
         let IndexLayout::Pq(snapshot) = layout else { return Err(layout.wrong_method("pq")) };
         PqIndex::restore(self, snapshot, keys, values)?;
+        Ok(true)
+    }
+
+    fn encoded_segments(&self) -> Option<usize> {
+        PqIndex::encoded_segments(self)
+    }
+
+    fn encoded_home(&self, from_segment: usize) -> Option<Result<crate::EncodedHome>> {
+        PqIndex::encoded_home(self, from_segment)
+    }
+
+    fn restore_encoded(&mut self, home: crate::EncodedHome) -> Result<bool> {
+        PqIndex::restore_encoded(self, home)?;
         Ok(true)
     }
 }

@@ -72,38 +72,59 @@ impl<E: Element> PqIndex<E> {
     /// naming no centroid) is a typed error and changes nothing.
     pub fn restore(&mut self, snapshot: &PqSnapshot, keys: &[f32], values: &[f32]) -> Result<()> {
         let started = Instant::now();
-        let bad = |message: String| Error::InvalidParameter { what: "pq snapshot", message };
         if self.tokens > 0 {
-            return Err(bad("only an empty index can be restored".into()));
+            return Err(bad_snapshot("only an empty index can be restored".into()));
         }
         let (h, d) = (self.kv_heads, self.head_dim);
         let n = batch_tokens(h, d, keys, values)?;
         if n as u64 != snapshot.tokens {
-            return Err(bad(format!("the snapshot covers {} tokens, the KV given has {n}", snapshot.tokens)));
+            return Err(bad_snapshot(format!("the snapshot covers {} tokens, the KV given has {n}", snapshot.tokens)));
         }
+        let (start, built) = self.checked_built(snapshot, started)?;
+        // Everything is checked: from here on nothing fails but the codec's own row checks,
+        // which the same KV passed when it was first ingested.
+        for (hh, kv) in self.heads.iter_mut().enumerate() {
+            push_narrow(&mut kv.tail_keys, &keys[hh * n * d..(hh + 1) * n * d]);
+            push_narrow(&mut kv.tail_values, &values[hh * n * d..(hh + 1) * n * d]);
+        }
+        self.tokens = n;
+        if let Err(e) = self.make_base(start, built.layout) {
+            *self = Self::new(self.params, h, d)?.with_codec(self.codec)?;
+            return Err(e);
+        }
+        self.build = Some(BuildSlot::ready(built));
+        Ok(())
+    }
+
+    /// The build `snapshot` describes, once it passes every check against this index's
+    /// parameters at `snapshot.tokens` tokens, and the first coded position.
+    pub(super) fn checked_built(&self, snapshot: &PqSnapshot, started: Instant) -> Result<(usize, Built)> {
+        let (h, d) = (self.kv_heads, self.head_dim);
+        let n = usize::try_from(snapshot.tokens)
+            .map_err(|_| bad_snapshot(format!("{} tokens do not fit in memory", snapshot.tokens)))?;
         let layout = self.params.layout(n);
         if snapshot.layout() != layout {
-            return Err(bad(format!(
+            return Err(bad_snapshot(format!(
                 "m = {}, b = {} does not match this index's layout at {n} tokens (m = {}, b = {})",
                 snapshot.subspaces, snapshot.bits, layout.subspaces, layout.bits
             )));
         }
         let Some((start, end)) = self.build_range(n) else {
-            return Err(bad(format!("{n} tokens are too few for a codebook build")));
+            return Err(bad_snapshot(format!("{n} tokens are too few for a codebook build")));
         };
         if (snapshot.start, snapshot.end) != (start as u64, end as u64) {
-            return Err(bad(format!(
+            return Err(bad_snapshot(format!(
                 "coded range {}..{} is not this index's {start}..{end} at {n} tokens",
                 snapshot.start, snapshot.end
             )));
         }
         let codes = snapshot.codes as usize;
         if codes == 0 || codes > layout.codes() {
-            return Err(bad(format!("{codes} centroids per sub-space: expected 1..={}", layout.codes())));
+            return Err(bad_snapshot(format!("{codes} centroids per sub-space: expected 1..={}", layout.codes())));
         }
         let book_len = layout.subspaces * codes * (d / layout.subspaces);
         if snapshot.codebooks.len() != h || snapshot.packed.len() != h {
-            return Err(bad(format!(
+            return Err(bad_snapshot(format!(
                 "{} codebooks and {} code streams for {h} KV heads",
                 snapshot.codebooks.len(),
                 snapshot.packed.len()
@@ -117,24 +138,13 @@ impl<E: Element> PqIndex<E> {
             });
         }
         if snapshot.codebooks.iter().flatten().any(|c| !c.is_finite()) {
-            return Err(bad("a codebook holds a non-finite centroid".into()));
+            return Err(bad_snapshot("a codebook holds a non-finite centroid".into()));
         }
         let packed = snapshot
             .packed
             .iter()
             .map(|bytes| PackedCodes::from_packed(layout, end - start, bytes.clone(), codes))
             .collect::<Result<Vec<_>>>()?;
-        // Everything is checked: from here on nothing fails but the codec's own row checks,
-        // which the same KV passed when it was first ingested.
-        for (hh, kv) in self.heads.iter_mut().enumerate() {
-            push_narrow(&mut kv.tail_keys, &keys[hh * n * d..(hh + 1) * n * d]);
-            push_narrow(&mut kv.tail_values, &values[hh * n * d..(hh + 1) * n * d]);
-        }
-        self.tokens = n;
-        if let Err(e) = self.make_base(start, layout) {
-            *self = Self::new(self.params, h, d)?.with_codec(self.codec)?;
-            return Err(e);
-        }
         let codebooks = snapshot.codebooks.clone();
         let codebooks_t = codebooks.iter().map(|b| transpose_codebooks(b, layout.subspaces, codes)).collect();
         let report = BuildReport {
@@ -150,9 +160,12 @@ impl<E: Element> PqIndex<E> {
             predicted: None,
             elapsed: started.elapsed(),
         };
-        self.build = Some(BuildSlot::ready(Built { layout, codes, codebooks, codebooks_t, packed, end, report }));
-        Ok(())
+        Ok((start, Built { layout, codes, codebooks, codebooks_t, packed, end, report }))
     }
+}
+
+fn bad_snapshot(message: String) -> Error {
+    Error::InvalidParameter { what: "pq snapshot", message }
 }
 
 impl PqSnapshot {

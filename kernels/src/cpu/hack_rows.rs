@@ -361,6 +361,37 @@ impl HackRows {
         HackView { params: self.params, d: self.d, rows: self.rows, k_parts: self.k_parts, a: self.arrays() }
     }
 
+    /// Rows `range` as a view of their own (row 0 of the view is row `range.start`), for
+    /// storing long row runs in pieces. The range must lie on value-block boundaries: it
+    /// starts at a multiple of Π and ends at one or at the last row; anything else is a
+    /// typed error.
+    pub fn view_rows(&self, range: Range<usize>) -> Result<HackView<'_>> {
+        let p = self.params.partition;
+        let whole = range.start.is_multiple_of(p) && (range.end.is_multiple_of(p) || range.end == self.rows);
+        if range.start > range.end || range.end > self.rows || !whole {
+            return Err(Error::InvalidArgument {
+                what: "2-bit row range",
+                message: format!(
+                    "rows {range:?} of {}: expected a range within them on value-block boundaries (multiples of Π = {p})",
+                    self.rows
+                ),
+            });
+        }
+        let (d, kp) = (self.d, self.k_parts);
+        let blocks = range.start / p..range.end.div_ceil(p);
+        let meta = range.start * kp..range.end * kp;
+        let a = HackArrays {
+            key_codes: &self.k_codes[range.start * d / 4..range.end * d / 4],
+            key_min: &self.k_min[meta.clone()],
+            key_scale: &self.k_scale[meta.clone()],
+            key_sum: &self.k_sum[meta],
+            value_codes: &self.v_codes[blocks.start * p / 4 * d..blocks.end * p / 4 * d],
+            value_min: &self.v_min[blocks.start * d..blocks.end * d],
+            value_scale: &self.v_scale[blocks.start * d..blocks.end * d],
+        };
+        Ok(HackView { params: self.params, d, rows: range.len(), k_parts: kp, a })
+    }
+
     /// Folds the rows of `ranges` into the partials of the `parts.len()` query heads of `q`
     /// ([`HackView::attend`] over all rows).
     pub fn attend(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial], s: &mut HackScratch) {
@@ -396,16 +427,31 @@ impl HackRows {
         out
     }
 
-    /// Rows rebuilt from their value blocks in order (each a full block but the last), every
-    /// array checked as [`HackRows::from_arrays`] does.
+    /// Rows rebuilt from views of consecutive rows in order: value blocks
+    /// ([`HackView::from_group`]) or longer runs ([`HackRows::view_rows`]), each whole blocks
+    /// but the last, every array checked as [`HackRows::from_arrays`] does.
     pub fn from_groups(head_dim: usize, params: HackParams, groups: &[HackView<'_>]) -> Result<Self> {
         let mut a = (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
         let mut rows = 0;
         for (i, v) in groups.iter().enumerate() {
-            if v.rows != params.partition && i + 1 < groups.len() {
+            if (v.d, v.params) != (head_dim, params) {
                 return Err(Error::InvalidArgument {
                     what: "2-bit groups",
-                    message: format!("group {i} of {} holds {} rows: only the last may be short", groups.len(), v.rows),
+                    message: format!(
+                        "group {i} holds rows of d = {} with Π = {}, expected d = {head_dim} with Π = {}",
+                        v.d, v.params.partition, params.partition
+                    ),
+                });
+            }
+            if !v.rows.is_multiple_of(params.partition) && i + 1 < groups.len() {
+                return Err(Error::InvalidArgument {
+                    what: "2-bit groups",
+                    message: format!(
+                        "group {i} of {} holds {} rows, not whole blocks of {}: only the last may be short",
+                        groups.len(),
+                        v.rows,
+                        params.partition
+                    ),
                 });
             }
             rows += v.rows;
@@ -470,6 +516,25 @@ impl<'a> HackView<'a> {
     /// Rows in view.
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// The rows in view as a store of their own (a copy of the arrays; no checks are
+    /// repeated: a view's lengths were checked when it was made).
+    pub fn to_rows(&self) -> HackRows {
+        let a = self.a;
+        HackRows {
+            params: self.params,
+            d: self.d,
+            rows: self.rows,
+            k_parts: self.k_parts,
+            k_codes: a.key_codes.to_vec(),
+            k_min: a.key_min.to_vec(),
+            k_scale: a.key_scale.to_vec(),
+            k_sum: a.key_sum.to_vec(),
+            v_codes: a.value_codes.to_vec(),
+            v_min: a.value_min.to_vec(),
+            v_scale: a.value_scale.to_vec(),
+        }
     }
 
     /// The arrays in view.
@@ -1057,6 +1122,46 @@ mod tests {
         scales[3] = f16::NAN;
         let err = HackRows::from_arrays(d, rows.params(), 150, HackArrays { value_scale: &scales, ..a }).unwrap_err();
         assert!(err.to_string().contains("value scale 3"), "{err}");
+    }
+
+    #[test]
+    fn row_runs_on_block_boundaries_split_and_join_back_to_the_same_rows() {
+        for (d, partition, tokens) in [(128, 64, 300), (64, 32, 96), (36, 16, 21)] {
+            let params = HackParams::new(partition).unwrap();
+            let mut rows = HackRows::new(d, params).unwrap();
+            rows.push_rows(&randn(tokens * d, 41), &randn(tokens * d, 42), &mut SplitMix64::new(43)).unwrap();
+            // Pieces of two blocks, the last one short when the rows are.
+            let cuts: Vec<usize> = (0..tokens).step_by(2 * partition).chain([tokens]).collect();
+            let pieces: Vec<HackView<'_>> = cuts.windows(2).map(|w| rows.view_rows(w[0]..w[1]).unwrap()).collect();
+            let q = randn(2 * d, 44);
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut whole = vec![Partial::empty(d); 2];
+            rows.attend(&q, scale, &[0..tokens], &mut whole, &mut HackScratch::default());
+            let mut parts = vec![Partial::empty(d); 2];
+            for v in &pieces {
+                v.attend(&q, scale, &[0..v.rows()], &mut parts, &mut HackScratch::default());
+            }
+            for (a, b) in whole.iter().zip(&parts) {
+                let (a, b) = (a.clone().finish(), b.clone().finish());
+                let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+                assert!(err < 1e-4, "d={d}: pieces attend as the whole ({err})");
+            }
+            let again = HackRows::from_groups(d, params, &pieces).unwrap();
+            assert_eq!(again.rows(), tokens);
+            let copies: Vec<HackRows> = pieces.iter().map(HackView::to_rows).collect();
+            assert_eq!(copies.iter().map(HackRows::rows).sum::<usize>(), tokens);
+            assert_eq!(copies[0].decode_rows(0..pieces[0].rows()), rows.decode_rows(0..pieces[0].rows()));
+            assert_eq!(again.decode_rows(0..tokens), rows.decode_rows(0..tokens), "d={d}");
+            assert_eq!(again.bytes(), rows.bytes());
+            // Off a block boundary, past the end, or pieces of another shape: typed errors.
+            assert!(rows.view_rows(1..partition).is_err());
+            assert!(rows.view_rows(0..tokens + 1).is_err());
+            if tokens > partition + 1 {
+                assert!(rows.view_rows(0..partition + 1).is_err());
+            }
+            let other = HackParams::new(if partition == 16 { 32 } else { 16 }).unwrap();
+            assert!(HackRows::from_groups(d, other, &pieces).is_err());
+        }
     }
 
     #[test]
