@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use attnstore::{
     AttnShape, Budget, Codec, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, HackParams, IndexRebuild,
-    Method, Request, WaveParams,
+    Method, PqParams, Request, WaveParams,
 };
 use attnstore_kernels::random::SplitMix64;
 
@@ -34,18 +34,27 @@ fn shape() -> AttnShape {
     AttnShape::new(4, 2, 16).unwrap()
 }
 
-/// Thread with the `hack2` context: its checkpoints move its tokens to 2-bit segment files
-/// and punch them out of its data file.
+/// Thread with the `hack2` wave context: its checkpoints move its tokens to 2-bit segment
+/// files and punch them out of its data file.
 const HACK2_THREAD: usize = 2;
+/// Thread with the `hack2` PQ context: once its codebooks are trained, its checkpoints move
+/// its base rows to 2-bit segment files (its codebooks to its layout file) and punch them out.
+const PQ_HACK2_THREAD: usize = 3;
 
-/// Thread `t`'s context: wave index (small segments) for even threads, flat for odd ones;
-/// thread [`HACK2_THREAD`]'s wave index stores its segments in 2-bit form.
+/// Thread `t`'s context: wave index (small segments) for even threads, flat for thread 1;
+/// thread [`HACK2_THREAD`]'s wave index stores its segments in 2-bit form and thread
+/// [`PQ_HACK2_THREAD`]'s PQ index its base rows.
 fn spec(t: usize) -> ContextSpec {
     let wave = WaveParams { segment_tokens: 128, decode_segment_tokens: 32, local_tokens: 8, ..WaveParams::default() };
-    let method = if t.is_multiple_of(2) { Method::Wave(wave) } else { Method::Flat };
+    let pq = PqParams { min_build_tokens: 64, local_tokens: 8, ..PqParams::default() };
+    let method = match t {
+        PQ_HACK2_THREAD => Method::Pq(pq),
+        _ if t.is_multiple_of(2) => Method::Wave(wave),
+        _ => Method::Flat,
+    };
     let spec = ContextSpec::new(shape(), 1).with_method(method);
     match t {
-        HACK2_THREAD => spec.with_codec(Codec::Hack2(HackParams::new(16).unwrap())),
+        HACK2_THREAD | PQ_HACK2_THREAD => spec.with_codec(Codec::Hack2(HackParams::new(16).unwrap())),
         _ => spec,
     }
 }
@@ -182,19 +191,20 @@ fn attention(engine: &Engine, ctx: ContextId, step: u64) -> Vec<Vec<f32>> {
         .collect()
 }
 
-/// Reopens `dir` and checks it against what the child printed; returns batches recovered
-/// and how many of them came from a 2-bit home rather than the data file.
-fn verify(dir: &Path, printed: &Printed, round: usize) -> (usize, usize) {
+/// Reopens `dir` and checks it against what the child printed; returns batches recovered,
+/// how many of them came from a 2-bit home rather than the data file, and how many of those
+/// from the PQ context's.
+fn verify(dir: &Path, printed: &Printed, round: usize) -> (usize, usize, usize) {
     let engine = Engine::open(dir, EngineConfig::default()).unwrap_or_else(|e| panic!("round {round}: reopen: {e}"));
     let contexts = engine.contexts();
-    let (mut total, mut from_homes) = (0, 0);
+    let (mut total, mut from_homes, mut from_pq_homes) = (0, 0, 0);
     for (t, &ctx) in contexts.iter().enumerate().take(THREADS) {
         let stored = engine.stored_batches(ctx, 0).unwrap();
         let n = batches_held(&engine, ctx, t);
         // Only a hack2 layer's data file may have handed batches to its 2-bit home.
         let homed = n - stored.len();
         assert!(
-            homed == 0 || t == HACK2_THREAD,
+            homed == 0 || t == HACK2_THREAD || t == PQ_HACK2_THREAD,
             "round {round} thread {t}: {homed} batches missing from its data file"
         );
         assert!(
@@ -222,6 +232,11 @@ fn verify(dir: &Path, printed: &Printed, round: usize) -> (usize, usize) {
             ingest(&reference, rctx, t, i).unwrap();
         }
         if n > 0 {
+            // A PQ index plans exactly until its codebooks are trained (in the background):
+            // compare trained with trained.
+            for (e, c) in [(&engine, ctx), (&reference, rctx)] {
+                assert!(e.wait_index(c, 0, Duration::from_secs(60)).unwrap(), "round {round} thread {t}: no index");
+            }
             assert_eq!(
                 attention(&engine, ctx, round as u64),
                 attention(&reference, rctx, round as u64),
@@ -230,8 +245,11 @@ fn verify(dir: &Path, printed: &Printed, round: usize) -> (usize, usize) {
         }
         total += n;
         from_homes += homed;
+        if t == PQ_HACK2_THREAD {
+            from_pq_homes += homed;
+        }
     }
-    (total, from_homes)
+    (total, from_homes, from_pq_homes)
 }
 
 /// Rounds run as this many independent streams at once (each with its own directories and
@@ -245,6 +263,8 @@ struct Tally {
     recovered: usize,
     /// Batches recovered from a 2-bit home, summed over rounds.
     from_homes: usize,
+    /// Of those, batches recovered from the PQ context's 2-bit home.
+    from_pq_homes: usize,
     checkpoints: usize,
     killed_before_ready: usize,
 }
@@ -294,9 +314,10 @@ fn run_stream(stream: usize, rounds: usize, seed: u64) -> Tally {
         let printed = parse(&lines);
         tally.acked += printed.acks;
         tally.checkpoints += printed.checkpoints;
-        let (recovered, from_homes) = verify(dir.path(), &printed, round);
+        let (recovered, from_homes, from_pq_homes) = verify(dir.path(), &printed, round);
         tally.recovered = recovered;
         tally.from_homes += from_homes;
+        tally.from_pq_homes += from_pq_homes;
     }
     tally
 }
@@ -315,13 +336,15 @@ fn sigkill_at_random_moments_never_loses_an_acknowledged_append_nor_shows_an_uns
     eprintln!(
         "crash test: {rounds} rounds in {STREAMS} streams in {:.1} s, {} killed during startup/recovery, \
          {} checkpoints, {acked_total} appends acknowledged, last directories hold {} batches, \
-         {} batches recovered from 2-bit homes over all rounds",
+         {} batches recovered from 2-bit homes over all rounds ({} of them the PQ context's)",
         started.elapsed().as_secs_f64(),
         sum(|t| t.killed_before_ready),
         sum(|t| t.checkpoints),
         sum(|t| t.recovered),
         sum(|t| t.from_homes),
+        sum(|t| t.from_pq_homes),
     );
     assert!(acked_total > rounds, "the children acknowledged too little for the test to mean anything");
     assert!(rounds < 40 || sum(|t| t.from_homes) > 0, "no round recovered a hack2 layer from its 2-bit home");
+    assert!(rounds < 40 || sum(|t| t.from_pq_homes) > 0, "no round recovered the hack2 PQ layer from its 2-bit home");
 }

@@ -3,7 +3,8 @@
 //! file's f16 chunks for those tokens punched out. Recovery restores the index from them
 //! with nothing recomputed (attention equals an engine that never restarted), later
 //! checkpoints write only the new segments, and a home the manifest relies on that is
-//! missing or damaged is a typed error, never a silent rebuild.
+//! missing or damaged is a typed error, never a silent rebuild. A durable `hack2` PQ
+//! context does the same: its base rows in 2-bit pieces, its codebooks in its layout file.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
@@ -12,8 +13,9 @@ use attnstore::durable::{check, DATA_DIR};
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, Codec, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, Error, HackParams,
-    IndexRebuild, Method, Request, WaveParams,
+    IndexRebuild, Method, PqParams, Request, WaveParams,
 };
+use std::time::Duration;
 
 fn shape() -> AttnShape {
     AttnShape::new(8, 2, 64).unwrap()
@@ -209,4 +211,107 @@ fn hack2_rows_homed_in_the_buffer_manager_checkpoint_and_recover_the_same() {
     for step in 2..4 {
         assert_eq!(outputs(&engine, ctx, &synth, step), outputs(&reference, rctx, &synth, step));
     }
+}
+
+fn pq_spec() -> ContextSpec {
+    let pq = PqParams { min_build_tokens: 512, local_tokens: 32, ..PqParams::default() };
+    ContextSpec::new(shape(), 1).with_method(Method::Pq(pq)).with_codec(Codec::Hack2(HackParams::default()))
+}
+
+fn wait_built(engine: &Engine, ctx: ContextId) {
+    assert!(engine.wait_index(ctx, 0, Duration::from_secs(120)).unwrap(), "codebooks trained");
+}
+
+#[test]
+fn a_hack2_pq_context_is_stored_in_2_bit_form_after_a_checkpoint_and_recovers_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth(3000, 7);
+    let reference = Engine::in_memory(EngineConfig::default()).unwrap();
+    let rctx = reference.create_context(pq_spec()).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(pq_spec()).unwrap();
+    feed(&[(&engine, ctx), (&reference, rctx)], &synth, 0, 2000);
+    wait_built(&engine, ctx);
+    wait_built(&reference, rctx);
+    feed(&[(&engine, ctx), (&reference, rctx)], &synth, 2000, 2400);
+    let f16_bytes = 2400 * 2 * shape().kv_heads * shape().head_dim * 2;
+    let data = dir.path().join(DATA_DIR);
+    let before = allocated(&data);
+
+    // The home needs the codebooks: both go to disk in the same checkpoint.
+    let first = engine.checkpoint().unwrap();
+    assert_eq!((first.homes_written, first.layouts_written), (1, 1), "{first:?}");
+    let punched = first.data_bytes_freed > 0;
+    if punched {
+        let after = allocated(&data);
+        assert!(after * 10 < before, "data file {before} → {after} allocated bytes");
+        let on_disk = allocated(dir.path()) - allocated(&dir.path().join("wal"));
+        let ratio = on_disk as f64 / f16_bytes as f64;
+        // 2-bit base rows (0.16), the 400 decode tokens in f16 (1/6 of the tokens), PQ codes.
+        println!("2400 tokens: {on_disk} B on disk besides the log, {ratio:.3} of f16 ({f16_bytes} B)");
+        assert!(ratio < 0.5, "{ratio}");
+    } else {
+        println!("this file system cannot punch holes: the data file keeps its bytes (unread)");
+    }
+    let before_restart = outputs(&engine, ctx, &synth, 1);
+    assert_eq!(before_restart, outputs(&reference, rctx, &synth, 1));
+    drop(engine);
+
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let report = engine.recovery_report().unwrap();
+    assert_eq!(report.homes_restored, 1, "{report}");
+    assert!(report.layout_errors.is_empty(), "{:?}", report.layout_errors);
+    assert_eq!(engine.stats(ctx, 0).unwrap(), reference.stats(rctx, 0).unwrap());
+    assert_eq!(outputs(&engine, ctx, &synth, 1), before_restart);
+    assert_eq!(outputs(&engine, ctx, &synth, 2), outputs(&reference, rctx, &synth, 2));
+
+    // Decode goes on; the next checkpoint writes a new home, no segment and no layout again.
+    feed(&[(&engine, ctx), (&reference, rctx)], &synth, 2400, 3000);
+    let second = engine.checkpoint().unwrap();
+    assert_eq!((second.homes_written, second.layouts_written), (1, 0), "{second:?}");
+    let layer = &check(dir.path()).unwrap().layers[0];
+    assert!(layer.homed_bytes > 0 && layer.home_segments == 1, "{layer:?}");
+    drop(engine);
+    for rebuild in [IndexRebuild::Blocking, IndexRebuild::Background] {
+        let config = DurableConfig { index_rebuild: rebuild, ..DurableConfig::default() };
+        let engine = Engine::open_with(dir.path(), EngineConfig::default(), config).unwrap();
+        let report = engine.recovery_report().unwrap();
+        assert_eq!((report.homes_restored, report.background_rebuild_layers), (1, 0), "{rebuild:?}: {report}");
+        assert_eq!(outputs(&engine, ctx, &synth, 3), outputs(&reference, rctx, &synth, 3), "{rebuild:?}");
+        if punched {
+            assert!(engine.stored_batches(ctx, 0).unwrap().is_empty());
+        }
+    }
+
+    // The codebooks are part of what the home relies on: without them it is a typed error.
+    let layout = dir.path().join("index").join(format!("ctx-{}-layer-0.pq", ctx.0));
+    let saved = std::fs::read(&layout).unwrap();
+    std::fs::remove_file(&layout).unwrap();
+    match Engine::open(dir.path(), EngineConfig::default()) {
+        Err(Error::Corrupt { detail, .. }) => {
+            assert!(detail.contains("codebooks") && detail.contains("live only there"), "{detail}")
+        }
+        Err(e) => panic!("expected Corrupt, got {e}"),
+        Ok(_) => panic!("opened without the codebooks its home relies on"),
+    }
+    std::fs::write(&layout, &saved).unwrap();
+    assert_eq!(Engine::open(dir.path(), EngineConfig::default()).unwrap().recovery_report().unwrap().homes_restored, 1);
+}
+
+#[test]
+fn a_hack2_pq_context_checkpointed_before_its_codebooks_keeps_its_data_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = synth(400, 9);
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(pq_spec()).unwrap();
+    // 400 tokens: fewer than a build needs, so there are no codebooks and no 2-bit rows.
+    let (k, v) = synth.slice(0, 400);
+    engine.prefill(ctx, 0, &k, &v).unwrap();
+    let report = engine.checkpoint().unwrap();
+    assert_eq!((report.homes_written, report.data_bytes_freed), (0, 0), "{report:?}");
+    let before = outputs(&engine, ctx, &synth, 1);
+    drop(engine);
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    assert_eq!(engine.recovery_report().unwrap().homes_restored, 0);
+    assert_eq!(outputs(&engine, ctx, &synth, 1), before);
 }

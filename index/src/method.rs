@@ -367,7 +367,8 @@ pub trait AccessMethod: Send + Sync {
         Ok(false)
     }
     /// Segments the index holds in 2-bit form (`hack2`), or `None` when it has no encoded
-    /// home to checkpoint (see [`crate::WaveIndex::encoded_home`]).
+    /// home to checkpoint (see [`crate::WaveIndex::encoded_home`],
+    /// [`crate::PqIndex::encoded_home`]).
     fn encoded_segments(&self) -> Option<usize> {
         None
     }

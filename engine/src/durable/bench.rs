@@ -286,9 +286,10 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         (Method::default(), crate::Codec::F16),
         (Method::Pq(crate::PqParams::default()), crate::Codec::F16),
         (Method::default(), hack2),
+        (Method::Pq(crate::PqParams::default()), hack2),
     ];
-    // Bytes on disk of the f16 wave context (the same run's baseline of the hack2 one).
-    let mut wave_f16_disk = None;
+    // Bytes on disk of each method's f16 context (the same run's baseline of its hack2 one).
+    let mut f16_disk = std::collections::BTreeMap::new();
     for (method, codec) in conditions {
         let dir = cfg.dir.join(format!("context-{}-{codec}", method.name()));
         fresh(&dir)?;
@@ -350,10 +351,13 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             (data + index) as f64 / f16_kv as f64,
             mb(f16_kv)
         ));
-        match (codec, wave_f16_disk) {
-            (crate::Codec::F16, _) if method == Method::default() => wave_f16_disk = Some(data + index),
-            (crate::Codec::Hack2(_), Some(base)) => p(out, format!(
-                "  ratio on-disk bytes hack2 / f16 wave context (same run): {:.3}; {} layers restored from 2-bit homes ({:.1} MB of segment files)",
+        match (codec, f16_disk.get(method.name())) {
+            (crate::Codec::F16, _) => {
+                f16_disk.insert(method.name(), data + index);
+            }
+            (crate::Codec::Hack2(_), Some(&base)) => p(out, format!(
+                "  ratio on-disk bytes hack2 / f16 {} context (same run): {:.3}; {} layers restored from 2-bit homes ({:.1} MB of segment files and homes)",
+                method.name(),
                 (data + index) as f64 / base as f64,
                 report.homes_restored,
                 mb(report.home_bytes_loaded)

@@ -1,8 +1,9 @@
-//! The on-disk home of `hack2` wave layers: 2-bit segment files.
+//! The on-disk home of `hack2` wave and PQ layers: 2-bit segment files.
 //!
 //! A `hack2` wave index encodes each segment once, when it is built, and drops its plain
-//! rows (`docs/codec.md`). Until a checkpoint the data file's f16 chunks are the only
-//! durable copy of those tokens. At a checkpoint the layer's **encoded home** is written to
+//! rows; a `hack2` PQ index encodes its base rows once, when its codebook build starts
+//! (`docs/codec.md`). Until a checkpoint the data file's f16 chunks are the only durable
+//! copy of those tokens. At a checkpoint the layer's **encoded home** is written to
 //! `DIR/index/`, each file framed and checksummed like the manifest and replaced atomically:
 //!
 //! - `ctx-<id>-layer-<l>-seg-<u>.h2`, one per segment, written once (segments never change):
@@ -12,6 +13,12 @@
 //!   file bytes, chunks and tokens it covers, the sink and tail rows the index keeps in f16,
 //!   and the crc32c of every segment file's payload, so a home never pairs with a segment
 //!   file it was not written with.
+//!
+//! A PQ layer's segments are its base rows past the sink in pieces of 128 value blocks (no
+//! clusters: sizes, positions and means are empty), its tail rows every token after the
+//! base (decode tokens stay f16), and its codebooks and codes are its layout file
+//! (`ctx-<id>-layer-<l>.pq`), written in the same checkpoint before the home; a home is not
+//! written while that layout is not on disk, and recovery needs both.
 //!
 //! Once the manifest records the covered bytes, the data file's range before them is
 //! punched out (`fallocate(PUNCH_HOLE)`): on disk the layer is its 2-bit segments, its f16
@@ -228,6 +235,9 @@ pub(crate) struct HomeJob {
     pub chunks: u64,
     pub tokens: u64,
     pub head_dim: usize,
+    /// The index layout end the home depends on (a PQ layer's codebooks): the home is
+    /// written only when that layout is on disk.
+    pub layout_end: Option<u64>,
 }
 
 /// Writes the new segment files of `job` and then its home (each atomically); returns the
@@ -431,7 +441,7 @@ pub(crate) mod tests {
     fn job(w: &WaveIndex<f16>, from: usize, data_bytes: u64) -> HomeJob {
         let home = w.encoded_home(from).unwrap().unwrap();
         let tokens = home.tokens;
-        HomeJob { context: 7, layer: 1, home, data_bytes, chunks: 2, tokens, head_dim: D }
+        HomeJob { context: 7, layer: 1, home, data_bytes, chunks: 2, tokens, head_dim: D, layout_end: None }
     }
 
     /// A home record's payload (a fuzz seed).

@@ -357,6 +357,11 @@ impl Durable {
         let (mut written, mut bytes) = (0, 0);
         for job in jobs {
             let key = (job.context, job.layer);
+            if job.layout_end.is_some_and(|end| self.layouts.lock().get(&key) != Some(&end)) {
+                // Its layout (the codebooks) is not on disk: too large for one file. The
+                // layer keeps its data file as its home.
+                continue;
+            }
             let known = self.homes.lock().get(&key).cloned().unwrap_or_default();
             if let Some((state, n)) = home::write_home(&*self.storage, &self.dir, job, &known)? {
                 self.homes.lock().insert(key, state);
@@ -456,8 +461,9 @@ impl Engine {
     /// Writes a manifest of the whole catalog atomically and deletes the log files it
     /// covers; appends wait while it runs. Index layouts that changed are written first;
     /// `hack2` wave layers instead get their 2-bit home (new segment files and the home),
-    /// and once the manifest records it the f16 chunks it holds are punched out of the data
-    /// file (`durable/home.rs`).
+    /// `hack2` PQ layers get both (their home needs their codebooks), and once the
+    /// manifest records a home the f16 chunks it holds are punched out of the data file
+    /// (`durable/home.rs`).
     pub fn checkpoint(&self) -> Result<CheckpointReport> {
         let durable = self.durable("checkpoint")?;
         let (mut layouts, mut pending, mut homes) = (Vec::new(), 0, Vec::new());
@@ -475,6 +481,9 @@ impl Engine {
                         let known = durable.homes.lock().get(&(id.0, layer)).cloned().unwrap_or_default();
                         let catalog = durable.catalog.lock();
                         let Some(c) = catalog.contexts.get(&id.0).map(|c| &c.layers[layer]) else { continue };
+                        // A PQ home holds rows only: its codebooks and codes are the
+                        // layer's layout, written below, and the home needs that file.
+                        let needs_layout = guard.method.name() == "pq";
                         if c.committed_bytes != known.data_bytes {
                             if let Some(home) = guard.method.encoded_home(known.segment_crcs.len()) {
                                 homes.push(home::HomeJob {
@@ -485,10 +494,13 @@ impl Engine {
                                     chunks: c.chunks,
                                     tokens: c.tokens,
                                     head_dim: ctx.spec.shape.head_dim,
+                                    layout_end: if needs_layout { guard.method.layout_end() } else { None },
                                 });
                             }
                         }
-                        continue;
+                        if !needs_layout {
+                            continue;
+                        }
                     }
                 }
                 match guard.method.layout_end() {

@@ -379,10 +379,11 @@ fn read_layer(
     Ok((tokens, committed.committed_bytes - start.offset))
 }
 
-/// The 2-bit home of a `hack2` wave layer, when it has one that fits its committed data:
-/// `Ok(None)` when it has none (or one not to rely on, reason pushed to `unusable`), an
-/// error when the manifest relies on a home that is missing or does not fit (the data file
-/// no longer holds those tokens).
+/// The 2-bit home of a `hack2` wave or PQ layer, when it has one that fits its committed
+/// data (a PQ home with its codebooks, read from the layer's layout file): `Ok(None)` when
+/// it has none (or one not to rely on, reason pushed to `unusable`), an error when the
+/// manifest relies on a home that is missing or does not fit (the data file no longer
+/// holds those tokens).
 fn usable_home(
     dir: &Path,
     state: &State,
@@ -390,27 +391,42 @@ fn usable_home(
     unusable: &mut Vec<String>,
 ) -> Result<Option<super::home::LoadedHome>> {
     let ctx = &state.contexts[&context];
-    let (Some(params), Method::Wave(_), LayerKind::Global) =
+    let (Some(params), Method::Wave(_) | Method::Pq(_), LayerKind::Global) =
         (ctx.spec.codec.hack(), ctx.spec.method, ctx.spec.layers[layer])
     else {
         return Ok(None);
     };
+    let pq = matches!(ctx.spec.method, Method::Pq(_));
     let relied_on = state.homes.get(&(context, layer)).copied().unwrap_or(0);
     let committed = ctx.layers[layer];
     let shape = (ctx.spec.shape.kv_heads, ctx.spec.shape.head_dim);
     let why = match read_home(dir, context, layer, shape, params) {
-        Ok(Some(h)) => {
+        Ok(Some(mut h)) => {
             let fits = h.data_bytes >= relied_on
                 && h.data_bytes <= committed.committed_bytes
                 && h.tokens <= committed.tokens
                 && h.chunks <= committed.chunks;
-            if fits {
+            if fits && !pq {
                 return Ok(Some(h));
             }
-            format!(
+            if fits {
+                // A PQ home holds rows; its codebooks and codes are the layer's layout.
+                match super::layout::read_layout(dir, context, layer, "pq") {
+                    Ok(Some(attnstore_index::IndexLayout::Pq(snapshot))) => {
+                        h.home.pq = Some(snapshot);
+                        return Ok(Some(h));
+                    }
+                    Ok(_) => format!(
+                        "home of context {context} layer {layer}: its codebooks (the pq layout file) are missing"
+                    ),
+                    Err(why) => format!("home of context {context} layer {layer}: its codebooks: {why}"),
+                }
+            } else {
+                format!(
                 "home of context {context} layer {layer}: covers {} data bytes ({} tokens, {} chunks), the layer has {} committed ({} tokens, {} chunks) and the manifest relies on {relied_on}",
                 h.data_bytes, h.tokens, h.chunks, committed.committed_bytes, committed.tokens, committed.chunks
-            )
+                )
+            }
         }
         Ok(None) if relied_on == 0 => return Ok(None),
         Ok(None) => format!("home of context {context} layer {layer}: missing"),
@@ -496,6 +512,9 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
     let background = durable.index_rebuild == IndexRebuild::Background;
     let mut jobs = Vec::new();
     let mut homes = BTreeMap::new();
+    // Index layouts on disk that the recovered indexes hold as they are (a checkpoint
+    // rewrites a layout only when its end moved).
+    let mut layout_ends = BTreeMap::new();
     for (&context, ctx) in &state.contexts {
         let id = ContextId(context);
         engine.insert_context(id, ctx.spec.clone())?;
@@ -542,8 +561,10 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                 let started = Instant::now();
                 let (start, bytes) = (Start { offset: h.data_bytes, tokens: h.tokens, chunks: h.chunks }, h.bytes);
                 let state_on_disk = HomeState { punched: relied_on, ..h.state };
+                let layout_end = h.home.pq.as_ref().map(|s| s.end);
                 match engine.restore_encoded_layer(id, layer, h.home) {
                     Ok(()) => {
+                        layout_ends.extend(layout_end.map(|end| ((context, layer), end)));
                         report.rebuild_time += started.elapsed();
                         let read = Instant::now();
                         let (tokens, kv_bytes) = read_layer(dir, &state, (context, layer), start, |batch| {
@@ -597,7 +618,10 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                 let file = super::layout::layout_name(context, layer, layout.method()).unwrap_or_default();
                 let restored = match super::layout::split_at(&held, layout.tokens(), ctx.spec.shape.kv_heads) {
                     Some((keys, values, cut)) => match engine.restore_layer(id, layer, &layout, &keys, &values) {
-                        Ok(()) => Some(cut),
+                        Ok(()) => {
+                            layout_ends.insert((context, layer), layout.indexed_end());
+                            Some(cut)
+                        }
                         Err(e) => {
                             report.layout_errors.push(format!("{file}: {e}"));
                             None
@@ -670,7 +694,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         _lock: lock,
         report,
         rebuild: progress,
-        layouts: Mutex::new(std::collections::BTreeMap::new()),
+        layouts: Mutex::new(layout_ends),
         homes: Mutex::new(homes),
     });
     if !jobs.is_empty() {
