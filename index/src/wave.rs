@@ -13,7 +13,7 @@ use crate::method::{
 };
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment, Homed};
 use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
-use attnstore_kernels::cpu::scoring::{score_group, select_zones};
+use attnstore_kernels::cpu::scoring::{score_group_into, select_zones};
 use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
 use half::f16;
 use rayon::prelude::*;
@@ -154,13 +154,14 @@ enum Work<'a, R: ?Sized> {
 }
 
 /// Each centroid's best score over the heads of a group (`scores[j]`: head `j`'s scores).
-fn group_max(scores: &[Vec<f32>]) -> Vec<f32> {
-    let mut best = scores.first().cloned().unwrap_or_default();
-    for s in scores.iter().skip(1) {
+/// The best of each column of `scores` (one row per query head) into `best`.
+fn group_max_into(scores: &[&mut [f32]], best: &mut [f32]) {
+    let Some((first, rest)) = scores.split_first() else { return };
+    best.copy_from_slice(&first[..best.len()]);
+    for s in rest {
         // A plain comparison vectorizes (scores are finite); f32::max's NaN rule does not.
-        best.iter_mut().zip(s).for_each(|(b, &x)| *b = if x > *b { x } else { *b });
+        best.iter_mut().zip(s.iter()).for_each(|(b, &x)| *b = if x > *b { x } else { *b });
     }
-    best
 }
 
 /// Runs `jobs` on rayon threads, each attending into fresh partials of `heads` query heads,
@@ -957,24 +958,28 @@ impl<E: Element> WaveIndex<E> {
         // Centroid scoring in chunks on rayon threads: with more cores than KV heads the
         // planner would otherwise leave most of them idle. Each chunk takes its best scores
         // while they are in L1.
-        let chunks: Vec<(Vec<Vec<f32>>, Vec<f32>)> = dir
-            .centroids
-            .par_chunks(SCORE_CHUNK * d)
-            .map(|rows| {
-                let mut s = vec![Vec::new(); g];
-                score_group(q, g, rows, scale, &mut s);
-                let top = if best { group_max(&s) } else { Vec::new() };
-                (s, top)
-            })
-            .collect();
-        let scores = (0..g)
-            .map(|j| {
-                let mut s = Vec::with_capacity(dir.len());
-                chunks.iter().for_each(|c| s.extend_from_slice(&c.0[j]));
-                s
-            })
-            .collect();
-        (scores, chunks.iter().flat_map(|c| c.1.iter().copied()).collect())
+        // Each chunk writes its scores (and best scores) in place: no per-chunk vectors to
+        // allocate and concatenate after the parallel pass.
+        let n = dir.len();
+        let mut scores = vec![vec![0.0f32; n]; g];
+        let mut best_scores = vec![0.0f32; if best { n } else { 0 }];
+        let mut pieces: Vec<(Vec<&mut [f32]>, &mut [f32])> = Vec::with_capacity(n.div_ceil(SCORE_CHUNK));
+        let mut best_pieces = best_scores.chunks_mut(SCORE_CHUNK);
+        for _ in 0..n.div_ceil(SCORE_CHUNK) {
+            pieces.push((Vec::with_capacity(g), best_pieces.next().unwrap_or_default()));
+        }
+        for s in &mut scores {
+            for (piece, part) in pieces.iter_mut().zip(s.chunks_mut(SCORE_CHUNK)) {
+                piece.0.push(part);
+            }
+        }
+        pieces.into_par_iter().zip(dir.centroids.par_chunks(SCORE_CHUNK * d)).for_each(|((mut out, top), rows)| {
+            score_group_into(q, g, rows, scale, &mut out);
+            if best {
+                group_max_into(&out, top);
+            }
+        });
+        (scores, best_scores)
     }
 
     /// [`AccessMethod::arena_layer`] of an f16 index homed in `store`.

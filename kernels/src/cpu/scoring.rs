@@ -28,9 +28,19 @@ pub fn score_group<E: Element>(q: &[f32], g: usize, rows: &[E], scale: f32, out:
         o.clear();
         o.resize(n, 0.0);
     }
+    let mut slices: Vec<&mut [f32]> = out.iter_mut().map(Vec::as_mut_slice).collect();
+    score_group_into(q, g, rows, scale, &mut slices);
+}
+
+/// [`score_group`] into slices the caller owns (`out[j]`: at least `n` scores of head `j`),
+/// so scores computed in pieces on several threads land in place, with no copies after.
+pub fn score_group_into<E: Element>(q: &[f32], g: usize, rows: &[E], scale: f32, out: &mut [&mut [f32]]) {
+    let d = q.len() / g.max(1);
     if !d.is_multiple_of(8) {
+        let mut one = Vec::new();
         for (j, qj) in q.chunks_exact(d).enumerate() {
-            score_rows(qj, rows, scale, &mut out[j]);
+            score_rows(qj, rows, scale, &mut one);
+            out[j][..one.len()].copy_from_slice(&one);
         }
         return;
     }
