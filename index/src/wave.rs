@@ -201,10 +201,10 @@ fn attend_jobs_from<J: Sync>(
     let partials: Vec<Vec<Partial>> = jobs
         .par_iter()
         .map_init(
-            || primed.clone(),
+            || PooledScratch::from(primed),
             |sc, job| {
                 let mut p = vec![Partial::empty(d); heads];
-                run(job, &mut p, sc)?;
+                run(job, &mut p, sc.get())?;
                 Ok(p)
             },
         )
@@ -213,6 +213,37 @@ fn attend_jobs_from<J: Sync>(
         parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
     }
     Ok(())
+}
+
+thread_local! {
+    /// Each thread's attention scratch between tasks: a fresh one would allocate and zero its
+    /// tile and gather buffers (~70 KB) again for every rayon split of every step.
+    static SCRATCH: std::cell::RefCell<Option<Scratch>> = const { std::cell::RefCell::new(None) };
+}
+
+/// A task's scratch: the thread's kept one (or a new one) with `primed`'s 2-bit query state,
+/// handed back to the thread when the task's split is done. Scratch contents never leak
+/// between uses: every kernel sizes and fills what it reads.
+struct PooledScratch(Option<Scratch>);
+
+impl PooledScratch {
+    fn from(primed: &Scratch) -> Self {
+        let mut s = SCRATCH.with(|c| c.borrow_mut().take()).unwrap_or_default();
+        s.hack.clone_from(&primed.hack);
+        Self(Some(s))
+    }
+
+    fn get(&mut self) -> &mut Scratch {
+        self.0.get_or_insert_with(Scratch::default)
+    }
+}
+
+impl Drop for PooledScratch {
+    fn drop(&mut self) {
+        if let Some(s) = self.0.take() {
+            SCRATCH.with(|c| *c.borrow_mut() = Some(s));
+        }
+    }
 }
 
 #[derive(Debug, Clone, Default)]
