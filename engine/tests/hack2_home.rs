@@ -75,6 +75,30 @@ fn allocated(dir: &Path) -> u64 {
         .sum()
 }
 
+/// Checkpoints a durable engine holding one context of 2400 tokens in its data file, and
+/// when the file system punched the homed bytes out, checks that the data file shrank to a
+/// tenth and that everything besides the log is under `max_ratio` of the f16 KV. Returns the
+/// report and whether bytes were punched.
+fn checkpoint_2400(engine: &Engine, dir: &Path, max_ratio: f64) -> (attnstore::durable::CheckpointReport, bool) {
+    let f16_bytes = 2400 * 2 * shape().kv_heads * shape().head_dim * 2;
+    let data = dir.join(DATA_DIR);
+    let before = allocated(&data);
+    assert!(before as usize >= f16_bytes, "the data file holds f16 rows: {before} B");
+    let report = engine.checkpoint().unwrap();
+    let punched = report.data_bytes_freed > 0;
+    if punched {
+        let after = allocated(&data);
+        assert!(after * 10 < before, "data file {before} → {after} allocated bytes");
+        let on_disk = allocated(dir) - allocated(&dir.join("wal"));
+        let ratio = on_disk as f64 / f16_bytes as f64;
+        println!("2400 tokens: {on_disk} B on disk besides the log, {ratio:.3} of f16 ({f16_bytes} B)");
+        assert!(ratio < max_ratio, "{ratio}");
+    } else {
+        println!("this file system cannot punch holes: the data file keeps its bytes (unread)");
+    }
+    (report, punched)
+}
+
 #[test]
 fn a_hack2_context_is_stored_in_2_bit_form_after_a_checkpoint_and_recovers_exactly() {
     let dir = tempfile::tempdir().unwrap();
@@ -84,24 +108,8 @@ fn a_hack2_context_is_stored_in_2_bit_form_after_a_checkpoint_and_recovers_exact
     let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
     let ctx = engine.create_context(spec()).unwrap();
     feed(&[(&engine, ctx), (&reference, rctx)], &synth, 0, 2400);
-    let f16_bytes = 2400 * 2 * shape().kv_heads * shape().head_dim * 2;
-    let data = dir.path().join(DATA_DIR);
-    let before = allocated(&data);
-    assert!(before as usize >= f16_bytes, "the data file holds f16 rows: {before} B");
-
-    let first = engine.checkpoint().unwrap();
+    let (first, punched) = checkpoint_2400(&engine, dir.path(), 0.3);
     assert_eq!((first.homes_written, first.layouts_written), (1, 0), "{first:?}");
-    let punched = first.data_bytes_freed > 0;
-    if punched {
-        let after = allocated(&data);
-        assert!(after * 10 < before, "data file {before} → {after} allocated bytes");
-        let on_disk = allocated(dir.path()) - allocated(&dir.path().join("wal"));
-        let ratio = on_disk as f64 / f16_bytes as f64;
-        println!("2400 tokens: {on_disk} B on disk besides the log, {ratio:.3} of f16 ({f16_bytes} B)");
-        assert!(ratio < 0.3, "{ratio}");
-    } else {
-        println!("this file system cannot punch holes: the data file keeps its bytes (unread)");
-    }
     let before_restart = outputs(&engine, ctx, &synth, 1);
     assert_eq!(before_restart, outputs(&reference, rctx, &synth, 1));
     drop(engine);
@@ -234,25 +242,10 @@ fn a_hack2_pq_context_is_stored_in_2_bit_form_after_a_checkpoint_and_recovers_ex
     wait_built(&engine, ctx);
     wait_built(&reference, rctx);
     feed(&[(&engine, ctx), (&reference, rctx)], &synth, 2000, 2400);
-    let f16_bytes = 2400 * 2 * shape().kv_heads * shape().head_dim * 2;
-    let data = dir.path().join(DATA_DIR);
-    let before = allocated(&data);
-
-    // The home needs the codebooks: both go to disk in the same checkpoint.
-    let first = engine.checkpoint().unwrap();
+    // The home needs the codebooks: both go to disk in the same checkpoint. On disk: 2-bit
+    // base rows (0.16 of f16), the 400 decode tokens in f16 (1/6 of the tokens), PQ codes.
+    let (first, punched) = checkpoint_2400(&engine, dir.path(), 0.5);
     assert_eq!((first.homes_written, first.layouts_written), (1, 1), "{first:?}");
-    let punched = first.data_bytes_freed > 0;
-    if punched {
-        let after = allocated(&data);
-        assert!(after * 10 < before, "data file {before} → {after} allocated bytes");
-        let on_disk = allocated(dir.path()) - allocated(&dir.path().join("wal"));
-        let ratio = on_disk as f64 / f16_bytes as f64;
-        // 2-bit base rows (0.16), the 400 decode tokens in f16 (1/6 of the tokens), PQ codes.
-        println!("2400 tokens: {on_disk} B on disk besides the log, {ratio:.3} of f16 ({f16_bytes} B)");
-        assert!(ratio < 0.5, "{ratio}");
-    } else {
-        println!("this file system cannot punch holes: the data file keeps its bytes (unread)");
-    }
     let before_restart = outputs(&engine, ctx, &synth, 1);
     assert_eq!(before_restart, outputs(&reference, rctx, &synth, 1));
     drop(engine);

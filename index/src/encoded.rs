@@ -79,6 +79,29 @@ pub struct EncodedHome {
 }
 
 impl EncodedHome {
+    /// Checks the plain rows against `heads` KV heads of `d` values: per head the sink
+    /// (`sink_len` rows) and the tail (`tokens - tail_start` rows), every value finite; the
+    /// error says what did not fit.
+    pub(crate) fn check_steady(&self, heads: usize, d: usize) -> std::result::Result<(), String> {
+        let (sink, tail) = (self.sink_len as usize, self.tokens.saturating_sub(self.tail_start) as usize);
+        if self.steady.len() != heads {
+            return Err(format!("plain rows of {} heads, the index has {heads}", self.steady.len()));
+        }
+        for (head, st) in self.steady.iter().enumerate() {
+            let lens = [st.sink_keys.len(), st.sink_values.len(), st.tail_keys.len(), st.tail_values.len()];
+            if lens != [sink * d, sink * d, tail * d, tail * d] {
+                return Err(format!(
+                    "head {head}: plain rows of {lens:?} values, expected sink {sink} and tail {tail} rows of {d}"
+                ));
+            }
+            let rows = [&st.sink_keys, &st.sink_values, &st.tail_keys, &st.tail_values];
+            if rows.iter().any(|r| r.iter().any(|x| !x.is_finite())) {
+                return Err(format!("head {head}: a plain row holds NaN or Inf"));
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of the encoded rows and cluster means it carries, and of its plain rows.
     pub fn bytes(&self) -> (usize, usize) {
         let encoded = self

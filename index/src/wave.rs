@@ -780,22 +780,8 @@ impl<E: Element> WaveIndex<E> {
         };
         self.check_layout(&layout)?;
         let (h, d) = (self.kv_heads, self.head_dim);
-        let (sink, tail) = (home.sink_len as usize, (home.tokens - home.tail_start) as usize);
-        if home.steady.len() != h {
-            return Err(bad(format!("plain rows of {} heads, the index has {h}", home.steady.len())));
-        }
-        for (head, st) in home.steady.iter().enumerate() {
-            let lens = [st.sink_keys.len(), st.sink_values.len(), st.tail_keys.len(), st.tail_values.len()];
-            if lens != [sink * d, sink * d, tail * d, tail * d] {
-                return Err(bad(format!(
-                    "head {head}: plain rows of {lens:?} values, expected sink {sink} and tail {tail} rows of {d}"
-                )));
-            }
-            let rows = [&st.sink_keys, &st.sink_values, &st.tail_keys, &st.tail_values];
-            if rows.iter().any(|r| r.iter().any(|x| !x.is_finite())) {
-                return Err(bad(format!("head {head}: a plain row holds NaN or Inf")));
-            }
-        }
+        let sink = home.sink_len as usize;
+        home.check_steady(h, d).map_err(bad)?;
         let mut jobs = Vec::new();
         let mut built = Vec::new();
         for (u, seg) in home.segments.into_iter().enumerate() {

@@ -164,23 +164,7 @@ impl<E: Element> PqIndex<E> {
         if next != base {
             return Err(bad(format!("its segments cover tokens {start}..{next}, the base region ends at {base}")));
         }
-        let tail = (tokens - base) as usize;
-        let sink = sink as usize;
-        if home.steady.len() != h {
-            return Err(bad(format!("plain rows of {} heads, the index has {h}", home.steady.len())));
-        }
-        for (head, st) in home.steady.iter().enumerate() {
-            let lens = [st.sink_keys.len(), st.sink_values.len(), st.tail_keys.len(), st.tail_values.len()];
-            if lens != [sink * d, sink * d, tail * d, tail * d] {
-                return Err(bad(format!(
-                    "head {head}: plain rows of {lens:?} values, expected sink {sink} and tail {tail} rows of {d}"
-                )));
-            }
-            let rows = [&st.sink_keys, &st.sink_values, &st.tail_keys, &st.tail_values];
-            if rows.iter().any(|r| r.iter().any(|x| !x.is_finite())) {
-                return Err(bad(format!("head {head}: a plain row holds NaN or Inf")));
-            }
-        }
+        home.check_steady(h, d).map_err(bad)?;
         let coded = (0..h)
             .map(|head| {
                 let views: Vec<HackView<'_>> = home.segments.iter().map(|s| s.heads[head].rows.view()).collect();
