@@ -10,6 +10,8 @@
 #   bash benches/gpu/perf-stage.sh
 #   (device) .gpu/perf/run record -e cpu-clock -F 499 -D 9000 -o $OUT/x.data .gpu/cpu/profile_wave
 #   (here)   .gpu/perf/run report -i <files_at>/x.data --stdio --no-children --sort dso,symbol
+#   (call graphs: a build with RUSTFLAGS="-C force-frame-pointers=yes -C target-cpu=x86-64-v3",
+#    `record -g`, then `perf script > s.txt; python3 benches/gpu/perf_stacks.py s.txt`)
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 perf=$(command -v perf)
