@@ -13,7 +13,7 @@
 //! its codebooks and codes in its [`crate::PqSnapshot`], which a checkpoint keeps as the
 //! layer's index layout ([`crate::PqIndex::encoded_home`], [`crate::PqIndex::restore_encoded`]).
 
-use attnstore_kernels::HackRows;
+use attnstore_kernels::{Element, HackRows};
 use half::f16;
 
 /// One KV head of one segment in 2-bit form (a PQ index's segments have no clusters: their
@@ -54,6 +54,31 @@ pub struct SteadyHead {
     pub tail_keys: Vec<f16>,
     /// Values of tokens `tail_start..tokens`.
     pub tail_values: Vec<f16>,
+}
+
+impl SteadyHead {
+    /// One head's plain rows as the index holds them (`E` is f16: a `hack2` context keeps
+    /// f16 plain rows, taken bit for bit).
+    pub(crate) fn of<E: Element>(sink_keys: &[E], sink_values: &[E], tail_keys: &[E], tail_values: &[E]) -> Self {
+        Self {
+            sink_keys: halves(sink_keys),
+            sink_values: halves(sink_values),
+            tail_keys: halves(tail_keys),
+            tail_values: halves(tail_values),
+        }
+    }
+
+    /// The rows in the index's plain type: sink keys, sink values, tail keys, tail values.
+    pub(crate) fn plain<E: Element>(&self) -> [Vec<E>; 4] {
+        let plain = |x: &[f16]| x.iter().map(|v| E::from_f32(v.to_f32())).collect();
+        [plain(&self.sink_keys), plain(&self.sink_values), plain(&self.tail_keys), plain(&self.tail_values)]
+    }
+}
+
+/// Rows of an f16 index (`E` is f16) as f16 values, bit for bit.
+pub(crate) fn halves<E: Element>(x: &[E]) -> Vec<f16> {
+    debug_assert_eq!(E::DTYPE, attnstore_kernels::DType::F16);
+    bytemuck::cast_slice::<E, u16>(x).iter().map(|&b| f16::from_bits(b)).collect()
 }
 
 /// A `hack2` index as a checkpoint keeps it: where its zones lie, its plain rows and (from

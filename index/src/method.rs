@@ -366,6 +366,12 @@ pub trait AccessMethod: Send + Sync {
         let _ = (layout, keys, values);
         Ok(false)
     }
+    /// True when the encoded home holds rows only and a restore also needs the index's
+    /// [`AccessMethod::layout`] (a PQ index's codebooks); a wave home carries its whole
+    /// index.
+    fn home_needs_layout(&self) -> bool {
+        false
+    }
     /// Segments the index holds in 2-bit form (`hack2`), or `None` when it has no encoded
     /// home to checkpoint (see [`crate::WaveIndex::encoded_home`],
     /// [`crate::PqIndex::encoded_home`]).

@@ -5,7 +5,7 @@
 
 use crate::blocks::{attend_clusters, BlockStore, ClusterBlocks, ClusterRows};
 use crate::directory::Directory;
-use crate::encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
+use crate::encoded::{halves, EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
 use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHackGroup, GpuHackWork,
@@ -694,18 +694,10 @@ impl<E: Element> WaveIndex<E> {
             return None; // a hack2 context's plain type is f16 (ContextSpec checks it)
         }
         let d = self.head_dim;
-        // E is f16 here: its bits as they are.
-        let halves =
-            |x: &[E]| -> Vec<f16> { bytemuck::cast_slice::<E, u16>(x).iter().map(|&b| f16::from_bits(b)).collect() };
         let steady = self
             .heads
             .iter()
-            .map(|s| SteadyHead {
-                sink_keys: halves(&s.sink_keys),
-                sink_values: halves(&s.sink_values),
-                tail_keys: halves(&s.tail_keys),
-                tail_values: halves(&s.tail_values),
-            })
+            .map(|s| SteadyHead::of(&s.sink_keys, &s.sink_values, &s.tail_keys, &s.tail_values))
             .collect();
         let segment_count = self.heads.first().map_or(0, |s| s.segments.len());
         let layout = self.layout();
@@ -825,12 +817,8 @@ impl<E: Element> WaveIndex<E> {
         }
         // Segment-major order keeps each head's segments in order, as `push_segments` needs.
         self.push_segments(&jobs, 0, built)?;
-        let plain = |to: &mut Vec<E>, x: &[f16]| to.extend(x.iter().map(|v| E::from_f32(v.to_f32())));
         for (store, st) in self.heads.iter_mut().zip(&home.steady) {
-            plain(&mut store.sink_keys, &st.sink_keys);
-            plain(&mut store.sink_values, &st.sink_values);
-            plain(&mut store.tail_keys, &st.tail_keys);
-            plain(&mut store.tail_values, &st.tail_values);
+            [store.sink_keys, store.sink_values, store.tail_keys, store.tail_values] = st.plain();
         }
         (self.tokens, self.sink_len, self.tail_start) = (home.tokens as usize, sink, home.tail_start as usize);
         Ok(())

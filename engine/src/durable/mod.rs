@@ -483,7 +483,7 @@ impl Engine {
                         let Some(c) = catalog.contexts.get(&id.0).map(|c| &c.layers[layer]) else { continue };
                         // A PQ home holds rows only: its codebooks and codes are the
                         // layer's layout, written below, and the home needs that file.
-                        let needs_layout = guard.method.name() == "pq";
+                        let needs_layout = guard.method.home_needs_layout();
                         if c.committed_bytes != known.data_bytes {
                             if let Some(home) = guard.method.encoded_home(known.segment_crcs.len()) {
                                 homes.push(home::HomeJob {

@@ -406,10 +406,14 @@ fn usable_home(
                 && h.data_bytes <= committed.committed_bytes
                 && h.tokens <= committed.tokens
                 && h.chunks <= committed.chunks;
-            if fits && !pq {
+            if !fits {
+                format!(
+                    "home of context {context} layer {layer}: covers {} data bytes ({} tokens, {} chunks), the layer has {} committed ({} tokens, {} chunks) and the manifest relies on {relied_on}",
+                    h.data_bytes, h.tokens, h.chunks, committed.committed_bytes, committed.tokens, committed.chunks
+                )
+            } else if !pq {
                 return Ok(Some(h));
-            }
-            if fits {
+            } else {
                 // A PQ home holds rows; its codebooks and codes are the layer's layout.
                 match super::layout::read_layout(dir, context, layer, "pq") {
                     Ok(Some(attnstore_index::IndexLayout::Pq(snapshot))) => {
@@ -421,11 +425,6 @@ fn usable_home(
                     ),
                     Err(why) => format!("home of context {context} layer {layer}: its codebooks: {why}"),
                 }
-            } else {
-                format!(
-                "home of context {context} layer {layer}: covers {} data bytes ({} tokens, {} chunks), the layer has {} committed ({} tokens, {} chunks) and the manifest relies on {relied_on}",
-                h.data_bytes, h.tokens, h.chunks, committed.committed_bytes, committed.tokens, committed.chunks
-                )
             }
         }
         Ok(None) if relied_on == 0 => return Ok(None),

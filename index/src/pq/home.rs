@@ -17,7 +17,6 @@ use super::PqIndex;
 use crate::encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
 use attnstore_kernels::{DType, Element, HackRows, HackView};
-use half::f16;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -49,18 +48,10 @@ impl<E: Element> PqIndex<E> {
     pub fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
         let count = self.encoded_segments()?;
         let per = self.home_segment_rows()?;
-        // E is f16 here: its bits as they are.
-        let halves =
-            |x: &[E]| -> Vec<f16> { bytemuck::cast_slice::<E, u16>(x).iter().map(|&b| f16::from_bits(b)).collect() };
         let steady = self
             .heads
             .iter()
-            .map(|kv| SteadyHead {
-                sink_keys: halves(&kv.base_keys),
-                sink_values: halves(&kv.base_values),
-                tail_keys: halves(&kv.tail_keys),
-                tail_values: halves(&kv.tail_values),
-            })
+            .map(|kv| SteadyHead::of(&kv.base_keys, &kv.base_values, &kv.tail_keys, &kv.tail_values))
             .collect();
         let base = self.heads[0].hack.as_ref().map_or(0, HackRows::rows);
         let mut segments = Vec::with_capacity(count.saturating_sub(from_segment));
@@ -172,13 +163,11 @@ impl<E: Element> PqIndex<E> {
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
         // Everything is checked: install.
-        let plain = |x: &[f16]| -> Vec<E> { x.iter().map(|v| E::from_f32(v.to_f32())).collect() };
         for ((kv, st), rows) in self.heads.iter_mut().zip(&home.steady).zip(coded) {
-            kv.base_keys = Arc::new(plain(&st.sink_keys));
-            kv.base_values = plain(&st.sink_values);
+            let [sink_keys, sink_values, tail_keys, tail_values] = st.plain();
+            (kv.base_keys, kv.base_values, kv.tail_keys, kv.tail_values) =
+                (Arc::new(sink_keys), sink_values, tail_keys, tail_values);
             kv.hack = Some(rows);
-            kv.tail_keys = plain(&st.tail_keys);
-            kv.tail_values = plain(&st.tail_values);
         }
         let layout = built.layout;
         self.tokens = tokens as usize;

@@ -610,6 +610,10 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         PqIndex::encoded_segments(self)
     }
 
+    fn home_needs_layout(&self) -> bool {
+        true
+    }
+
     fn encoded_home(&self, from_segment: usize) -> Option<Result<crate::EncodedHome>> {
         PqIndex::encoded_home(self, from_segment)
     }

@@ -408,22 +408,22 @@ impl HackRows {
     /// sums (per row and key partition) and value minima and scales (per channel), all
     /// little-endian.
     pub fn group_bytes(&self, g: usize) -> Vec<u8> {
-        let (d, p, kp) = (self.d, self.params.partition, self.k_parts);
+        let p = self.params.partition;
         let rows = g * p..((g + 1) * p).min(self.rows);
-        let n = rows.len();
-        let mut out = Vec::with_capacity(HackView::group_len(d, self.params, n));
-        out.extend_from_slice(&self.k_codes[rows.start * d / 4..rows.end * d / 4]);
-        out.extend_from_slice(&self.v_codes[g * p / 4 * d..(g + 1) * p / 4 * d]);
+        // One block's range is always on block boundaries.
+        let a = self.view_rows(rows.clone()).expect("a value block's rows").a;
+        let mut out = Vec::with_capacity(HackView::group_len(self.d, self.params, rows.len()));
+        out.extend_from_slice(a.key_codes);
+        out.extend_from_slice(a.value_codes);
         if out.len() % 2 == 1 {
             out.push(0);
         }
-        let meta = rows.start * kp..rows.end * kp;
         let halves = |x: &[f16], out: &mut Vec<u8>| out.extend(x.iter().flat_map(|v| v.to_bits().to_le_bytes()));
-        halves(&self.k_min[meta.clone()], &mut out);
-        halves(&self.k_scale[meta.clone()], &mut out);
-        out.extend(self.k_sum[meta].iter().flat_map(|v| v.to_le_bytes()));
-        halves(&self.v_min[g * d..(g + 1) * d], &mut out);
-        halves(&self.v_scale[g * d..(g + 1) * d], &mut out);
+        halves(a.key_min, &mut out);
+        halves(a.key_scale, &mut out);
+        out.extend(a.key_sum.iter().flat_map(|v| v.to_le_bytes()));
+        halves(a.value_min, &mut out);
+        halves(a.value_scale, &mut out);
         out
     }
 
