@@ -139,6 +139,15 @@ pub enum Error {
         /// The lock file.
         lock: PathBuf,
     },
+    /// The directory is not an engine directory (it has no `IDENTITY` file) and was not to be
+    /// made one: nothing in it was changed.
+    #[error("{}: not an attnstore engine directory: found {found}", dir.display())]
+    NotAnEngineDirectory {
+        /// The directory.
+        dir: PathBuf,
+        /// What is there instead.
+        found: String,
+    },
     /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
     #[error("{0} needs a durable engine (Engine::open), this one is in memory")]
     NotDurable(&'static str),

@@ -173,30 +173,66 @@ fn five_batches() -> (tempfile::TempDir, ContextId, PathBuf) {
 }
 
 #[test]
-fn truncating_the_log_at_every_byte_of_the_last_record_recovers_the_prefix() {
+fn a_crash_in_the_last_log_write_recovers_the_prefix_and_appends_go_on_in_the_same_file() {
     let (dir, ctx, log) = five_batches();
     let full = std::fs::read(&log).unwrap();
-    let records = attnstore_wal::RecordReader::open_log(&full).unwrap().map(|r| r.unwrap().offset).collect::<Vec<_>>();
-    let last = *records.last().unwrap();
+    let ends = attnstore_wal::RecordReader::open_log(&full).unwrap().map(|r| r.unwrap().end()).collect::<Vec<_>>();
+    let written = *ends.last().unwrap();
     let copy = tempfile::tempdir().unwrap();
-    for cut in last..=full.len() {
+    let sector = attnstore_wal::SECTOR_BYTES;
+    // The last group write lands up to some sector boundary; the rest stays zero.
+    for landed in (sector..written).step_by(sector) {
         // Work on a copy: recovery repairs what it opens.
         let _ = std::fs::remove_dir_all(copy.path());
         copy_dir(dir.path(), copy.path());
-        std::fs::write(copy.path().join(WAL_DIR).join(log.file_name().unwrap()), &full[..cut]).unwrap();
-        let engine = Engine::open(copy.path(), EngineConfig::default()).unwrap_or_else(|e| panic!("cut {cut}: {e}"));
+        let mut crashed = full.clone();
+        crashed[landed..].fill(0);
+        std::fs::write(copy.path().join(WAL_DIR).join(log.file_name().unwrap()), &crashed).unwrap();
+        let engine =
+            Engine::open(copy.path(), EngineConfig::default()).unwrap_or_else(|e| panic!("landed {landed}: {e}"));
         let report = engine.recovery_report().unwrap();
-        assert_eq!(report.torn_tail.is_some(), cut != last && cut != full.len(), "cut {cut}");
-        // The last record is layer 1 of batch 4: without it layer 1 holds 4 batches.
-        let layer1 = engine.stored_batches(ctx, 1).unwrap().len();
-        assert_eq!(layer1, if cut == full.len() { 5 } else { 4 }, "cut {cut}");
-        assert_eq!(engine.stored_batches(ctx, 0).unwrap().len(), 5);
-        if cut != full.len() {
-            // The orphaned chunk of layer 1 was cut from its data file.
-            assert!(report.uncommitted_data_bytes > 0, "cut {cut}");
+        let whole = ends.iter().filter(|&&end| end <= landed).count();
+        assert_eq!(report.torn_tail.is_some(), !ends.contains(&landed), "landed {landed}");
+        // One create record, then one append per (batch, layer).
+        let batches = engine.stored_batches(ctx, 0).unwrap().len() + engine.stored_batches(ctx, 1).unwrap().len();
+        assert_eq!(batches, whole - 1, "landed {landed}");
+        let files_before = list_log_files(&copy.path().join(WAL_DIR)).unwrap().len();
+        let (k, v) = synth().slice(0, 2);
+        engine.append(ctx, 0, &k, &v).unwrap();
+        drop(engine);
+        let check = attnstore::durable::check(copy.path()).unwrap();
+        assert_eq!((check.torn_tail, check.log_files.len()), (None, files_before), "landed {landed}");
+    }
+}
+
+#[test]
+fn a_truncated_log_is_damage_unless_point_in_time_recovery_is_asked_for_and_then_reports_the_cut() {
+    let (dir, ctx, log) = five_batches();
+    let full = std::fs::read(&log).unwrap();
+    let ends = attnstore_wal::RecordReader::open_log(&full).unwrap().map(|r| r.unwrap().end()).collect::<Vec<_>>();
+    let copy = tempfile::tempdir().unwrap();
+    for cut in [0, 20, 40, ends[0] + 3, ends[ends.len() - 2], *ends.last().unwrap() - 1, *ends.last().unwrap()] {
+        let _ = std::fs::remove_dir_all(copy.path());
+        copy_dir(dir.path(), copy.path());
+        let path = copy.path().join(WAL_DIR).join(log.file_name().unwrap());
+        std::fs::write(&path, &full[..cut]).unwrap();
+        let error = Engine::open(copy.path(), EngineConfig::default()).err().expect("a truncated log is refused");
+        assert!(error.to_string().contains(&*log.file_name().unwrap().to_string_lossy()), "cut {cut}: {error}");
+        assert!(attnstore::durable::check(copy.path()).is_err(), "check fails too at cut {cut}");
+        let pit = DurableConfig { recovery: attnstore_wal::RecoveryMode::PointInTime, ..DurableConfig::default() };
+        let engine = Engine::open_with(copy.path(), EngineConfig::default(), pit).unwrap();
+        let report = engine.recovery_report().unwrap();
+        let cut_at = report.log_cut.clone().expect("the cut is reported");
+        let kept = ends.iter().filter(|&&end| end <= cut).count();
+        assert_eq!(cut_at.next_lsn, 1 + kept as u64, "cut {cut}");
+        if kept > 0 {
+            let batches = engine.stored_batches(ctx, 0).unwrap().len() + engine.stored_batches(ctx, 1).unwrap().len();
+            assert_eq!(batches, kept - 1, "cut {cut}");
+        } else {
+            assert!(engine.stats(ctx, 0).is_err(), "the context's creation was cut too");
         }
         drop(engine);
-        assert_eq!(attnstore::durable::check(copy.path()).unwrap().torn_tail, None, "repaired at cut {cut}");
+        assert!(attnstore::durable::check(copy.path()).is_ok(), "repaired at cut {cut}");
     }
 }
 
@@ -314,7 +350,7 @@ fn a_full_disk_during_the_log_write_or_a_failed_fsync_poisons_and_reopen_recover
             ingest(&engine, ctx, &synth, i).unwrap();
         }
         let (k, v) = synth.slice(400, 402);
-        let chunk_bytes = 28 + 2 * 2 * 16 * 2 * 2;
+        let chunk_bytes = 48 + 2 * 2 * 16 * 2 * 2;
         if fail_sync {
             storage.fail_syncs(true);
         } else {

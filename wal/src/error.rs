@@ -21,7 +21,7 @@ pub enum Error {
         got_bytes: usize,
     },
     /// The file does not start with the log magic: it is not an attnstore log.
-    #[error("not an attnstore wal: expected magic {expected:?}, got {got:?}")]
+    #[error("not an attnstore log or manifest file: expected magic {}, got {}", printable(expected), printable(got))]
     BadMagic {
         /// The log magic, [`MAGIC`](crate::MAGIC).
         expected: [u8; 8],
@@ -44,7 +44,9 @@ pub enum Error {
         /// The version in the header.
         got: u32,
     },
-    /// A frame's crc32c does not match and more log follows it: corruption, not a torn write.
+    /// A frame's crc32c does not match and no crash can explain it (no unwritten sector, or
+    /// later records follow): damage, not a torn write. `got` is 0 when its payload runs past
+    /// the file's written bytes.
     #[error("wal record at offset {offset}: checksum mismatch, stored {expected:#010x}, computed {got:#010x}")]
     ChecksumMismatch {
         /// Offset of the frame.
@@ -52,6 +54,19 @@ pub enum Error {
         /// The crc32c stored in the frame.
         expected: u32,
         /// The crc32c computed over the frame's kind and payload.
+        got: u32,
+    },
+    /// A frame's head (length, kind, checksum) does not match its own checksum, and no crash
+    /// can explain it.
+    #[error(
+        "wal record at offset {offset}: frame head checksum mismatch, stored {expected:#010x}, computed {got:#010x}"
+    )]
+    FrameHeadMismatch {
+        /// Offset of the frame.
+        offset: usize,
+        /// The head crc32c stored in the frame.
+        expected: u32,
+        /// The crc32c computed over the frame's head.
         got: u32,
     },
     /// A frame's length field is over the reader's maximum record size.
@@ -81,7 +96,7 @@ pub enum Error {
         got_bytes: usize,
     },
     /// An operating-system call on a log, manifest or data file failed.
-    #[error("{op} {path}: {kind:?}: {message}")]
+    #[error("{op} {}: {message}", path.display())]
     Io {
         /// What was being done (`"write"`, `"fsync"`, `"create"`, ...).
         op: &'static str,
@@ -111,7 +126,7 @@ pub enum Error {
         next: u64,
     },
     /// A record error inside a named file (the inner error carries the offset).
-    #[error("{file}: {source}")]
+    #[error("{}: {source}", file.display())]
     InFile {
         /// The log or manifest file.
         file: PathBuf,
@@ -120,7 +135,7 @@ pub enum Error {
     },
     /// A log file other than the last one ends in a torn record: only the newest file can
     /// have been cut short by a crash, so this is damage.
-    #[error("{file}: torn record at offset {offset} in a log file that is not the last one")]
+    #[error("{}: torn record at offset {offset} in a log file that is not the newest one (finished files are synced before the next starts: this is damage)", file.display())]
     TornBeforeLastFile {
         /// The log file.
         file: PathBuf,
@@ -128,7 +143,7 @@ pub enum Error {
         offset: usize,
     },
     /// The log sequence numbers of consecutive log files do not join up: a file is missing.
-    #[error("{file}: log starts at lsn {got}, expected lsn {expected} (a log file is missing)")]
+    #[error("{}: log starts at lsn {got}, expected lsn {expected} (a log file is missing)", file.display())]
     LsnGap {
         /// The log file that starts too late.
         file: PathBuf,
@@ -138,13 +153,67 @@ pub enum Error {
         got: u64,
     },
     /// A manifest is not exactly one checkpoint record after the file header.
-    #[error("{file}: manifest malformed: {detail}")]
+    #[error("{}: malformed: {detail}", file.display())]
     BadManifest {
         /// The manifest file.
         file: PathBuf,
         /// What was expected and what came.
         detail: String,
     },
+    /// The file belongs to another engine directory (its header names another directory id).
+    #[error("the file belongs to another engine directory: expected directory id {expected:#018x}, got {got:#018x}")]
+    ForeignDirectory {
+        /// This directory's id.
+        expected: u64,
+        /// The id in the file's header.
+        got: u64,
+    },
+    /// The file belongs to another place in this directory (another log position, or
+    /// another file name: kind, context, layer or unit), e.g. copied or renamed over this one.
+    #[error("the file belongs to another place in this directory: expected file id {expected:#018x}, got {got:#018x} (copied or renamed from another file?)")]
+    Misplaced {
+        /// The id this place expects.
+        expected: u64,
+        /// The id in the file's header.
+        got: u64,
+    },
+    /// A log file is shorter than the length it was created with: a crash never shortens a
+    /// preallocated file, so bytes (possibly acknowledged records) were cut off.
+    #[error("{}: log file is {got_bytes} bytes, it was created with {expected_bytes}: cut short after it was written (acknowledged records may be lost; `recover --point-in-time` accepts the loss)", file.display())]
+    LogTruncated {
+        /// The log file.
+        file: PathBuf,
+        /// The length it was created with.
+        expected_bytes: u64,
+        /// Its length now.
+        got_bytes: u64,
+    },
+    /// A file the engine reads is not a regular file (a directory, a device such as
+    /// `/dev/zero`, a socket) or is a link to nothing.
+    #[error("{}: expected a regular file, found {found}", path.display())]
+    NotRegularFile {
+        /// The path.
+        path: PathBuf,
+        /// What is there.
+        found: String,
+    },
+    /// A file is larger than anything the engine writes there: it is not read.
+    #[error("{}: {got_bytes} bytes, more than the {max_bytes} such a file can hold: not read", path.display())]
+    FileTooLarge {
+        /// The path.
+        path: PathBuf,
+        /// The largest size such a file can have.
+        max_bytes: u64,
+        /// Its size.
+        got_bytes: u64,
+    },
+}
+
+fn printable(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .map(|&b| if b.is_ascii_graphic() { char::from(b).to_string() } else { format!("\\x{b:02x}") })
+        .collect()
 }
 
 impl Error {
@@ -156,7 +225,14 @@ impl Error {
     /// Names the file a record error was found in.
     pub fn in_file(self, file: impl Into<PathBuf>) -> Self {
         match self {
-            Error::InFile { .. } => self,
+            Error::InFile { .. }
+            | Error::Io { .. }
+            | Error::TornBeforeLastFile { .. }
+            | Error::LsnGap { .. }
+            | Error::BadManifest { .. }
+            | Error::LogTruncated { .. }
+            | Error::NotRegularFile { .. }
+            | Error::FileTooLarge { .. } => self,
             other => Error::InFile { file: file.into(), source: Box::new(other) },
         }
     }
@@ -165,6 +241,7 @@ impl Error {
     pub fn offset(&self) -> Option<usize> {
         match self {
             Error::ChecksumMismatch { offset, .. }
+            | Error::FrameHeadMismatch { offset, .. }
             | Error::RecordTooLarge { offset, .. }
             | Error::UnknownRecordKind { offset, .. } => Some(*offset),
             Error::InFile { source, .. } => source.offset(),

@@ -4,43 +4,53 @@
 //! It decodes arbitrary bytes as a log and as a manifest, and panics when a decoder
 //! contradicts itself.
 
-use crate::{decode_manifest, encode_record, FileHeader, RecordKind, RecordReader, Tail};
+use crate::{
+    decode_manifest, encode_manifest, encode_record, encode_record_in, FileHeader, FileIdentity, RecordReader, Tail,
+};
 
 /// Body of the `wal_decode` fuzz target: decodes `data` as a log file (header, then
-/// frames) and as bare frames, and panics if the decoder contradicts itself: records not
-/// contiguous, an error anywhere but at the frame after the last record, a tail beyond
-/// the buffer, or records that do not re-encode to exactly the bytes they were read from.
-/// It also decodes `data` as a manifest: an accepted manifest must re-encode to `data`.
+/// frames bound to the header's identity) and as bare frames, and panics if the decoder
+/// contradicts itself: records not contiguous, an error anywhere but at the frame after the
+/// last record, a clean end with anything but zeros after it, a torn tail at the buffer's
+/// end, or records that do not re-encode to exactly the bytes they were read from. It also
+/// decodes `data` as a manifest of the identity its header names: an accepted manifest must
+/// re-encode to `data`.
 pub fn fuzz_decode(data: &[u8]) {
-    if let Ok(payload) = decode_manifest(std::path::Path::new("fuzz-input"), data) {
-        let mut manifest = FileHeader::new().encode().to_vec();
-        encode_record(RecordKind::Checkpoint, payload, &mut manifest).expect("a decoded payload is re-encodable");
-        assert!(manifest == data, "an accepted manifest is exactly header + one checkpoint record");
-    }
     if let Ok(header) = FileHeader::decode(data) {
+        let identity = header.identity();
+        if let Ok(payload) = decode_manifest(std::path::Path::new("fuzz-input"), data, identity) {
+            let manifest = encode_manifest(identity, payload).expect("a decoded payload is re-encodable");
+            assert!(manifest == data, "an accepted manifest is exactly header + one checkpoint record");
+        }
         assert_eq!(header.encode()[..], data[..FileHeader::SIZE], "a decoded header re-encodes to its bytes");
         let reader = RecordReader::open_log(data).expect("open_log accepts what FileHeader::decode accepts");
-        check_reader(data, FileHeader::SIZE, reader);
+        check_reader(data, FileHeader::SIZE, Some(identity), reader);
     }
-    check_reader(data, 0, RecordReader::new(data));
+    check_reader(data, 0, None, RecordReader::new(data));
     // A small limit reaches the record-too-large path with small inputs.
-    check_reader(data, 0, RecordReader::new(data).with_max_record_bytes(32));
+    check_reader(data, 0, None, RecordReader::new(data).with_max_record_bytes(32));
 }
 
-fn check_reader(data: &[u8], start: usize, mut reader: RecordReader<'_>) {
+fn check_reader(data: &[u8], start: usize, identity: Option<FileIdentity>, mut reader: RecordReader<'_>) {
     let mut reencoded = Vec::new();
     let mut position = start;
+    let mut ordinal = 0;
     let valid_up_to = loop {
         match reader.next() {
             Some(Ok(record)) => {
                 assert_eq!(record.offset, position, "records are contiguous");
-                encode_record(record.kind, record.payload, &mut reencoded).expect("a decoded payload is re-encodable");
+                match identity {
+                    Some(identity) => encode_record_in(identity, ordinal, record.kind, record.payload, &mut reencoded),
+                    None => encode_record(record.kind, record.payload, &mut reencoded),
+                }
+                .expect("a decoded payload is re-encodable");
+                ordinal += 1;
                 position = record.end();
                 assert_eq!(reader.position(), position, "the reader moves to the end of the record");
             }
             Some(Err(error)) => {
-                assert_eq!(error.offset(), Some(position), "corruption is reported at the frame after the last record");
-                assert!(reader.next().is_none() && reader.tail().is_none(), "the reader stops at corruption");
+                assert_eq!(error.offset(), Some(position), "damage is reported at the frame after the last record");
+                assert!(reader.next().is_none() && reader.tail().is_none(), "the reader stops at damage");
                 break position;
             }
             None => {
@@ -48,7 +58,7 @@ fn check_reader(data: &[u8], start: usize, mut reader: RecordReader<'_>) {
                 assert_eq!(tail.valid_up_to(), position, "the tail is at the end of the last record");
                 match tail {
                     Tail::Clean { valid_up_to } => {
-                        assert_eq!(valid_up_to, data.len(), "a clean end is the buffer's end")
+                        assert!(data[valid_up_to..].iter().all(|&b| b == 0), "a clean end has only zeros after it")
                     }
                     Tail::Torn { valid_up_to } => assert!(valid_up_to < data.len(), "a torn tail leaves bytes behind"),
                 }
@@ -63,55 +73,65 @@ fn check_reader(data: &[u8], start: usize, mut reader: RecordReader<'_>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sample_log::{sample_log, SplitMix64};
-    use crate::FORMAT_VERSION;
+    use crate::sample_log::{sample_log, SplitMix64, SAMPLE_ID};
+    use crate::{RecordKind, FORMAT_VERSION, SECTOR_BYTES};
 
     /// The seed corpus of `fuzz/corpus/wal_decode`: one file per case of the torn-tail vs
-    /// corruption rule, each well under 4 KiB.
+    /// damage rule, each well under 4 KiB.
     fn seed_corpus() -> Vec<(&'static str, Vec<u8>)> {
-        let header = FileHeader::new().encode().to_vec();
+        let id = SAMPLE_ID;
+        let header = FileHeader::new(id, 0).encode().to_vec();
         let (small, _) = sample_log(1, 12, 24);
         let mut every_kind = header.clone();
-        for kind in RecordKind::ALL {
-            encode_record(kind, format!("{kind:?} payload").as_bytes(), &mut every_kind).unwrap();
+        for (i, kind) in RecordKind::ALL.into_iter().enumerate() {
+            encode_record_in(id, i as u64, kind, format!("{kind:?} payload").as_bytes(), &mut every_kind).unwrap();
         }
         let mut empty_payloads = header.clone();
-        for kind in RecordKind::ALL {
-            encode_record(kind, &[], &mut empty_payloads).unwrap();
+        for (i, kind) in RecordKind::ALL.into_iter().enumerate() {
+            encode_record_in(id, i as u64, kind, &[], &mut empty_payloads).unwrap();
         }
         let with = |bytes: &[u8], edit: &dyn Fn(&mut Vec<u8>)| {
             let mut bytes = bytes.to_vec();
             edit(&mut bytes);
             bytes
         };
-        let mut manifest = header.clone();
-        encode_record(RecordKind::Checkpoint, b"catalog", &mut manifest).unwrap();
+        let manifest = encode_manifest(id, b"catalog").unwrap();
         let mut unknown_kind = header.clone();
-        encode_record(RecordKind::AppendKv, b"kv", &mut unknown_kind).unwrap();
-        unknown_kind[FileHeader::SIZE + 8] = 0x2a;
-        let crc = crc32c::crc32c_append(crc32c::crc32c(&[0x2a]), b"kv");
-        unknown_kind[FileHeader::SIZE + 4..FileHeader::SIZE + 8].copy_from_slice(&crc.to_le_bytes());
+        crate::record::encode_raw(id, 0, 0x2a, b"kv", &mut unknown_kind);
+        // A long last record whose second sector never landed: a torn write.
+        let mut long = every_kind.clone();
+        encode_record_in(id, 5, RecordKind::AppendKv, &[0x5a; 700], &mut long).unwrap();
         vec![
             ("header_only", header.clone()),
             ("valid_every_kind", every_kind.clone()),
             ("valid_empty_payloads", empty_payloads),
             ("valid_small_records", small.clone()),
             ("valid_manifest", manifest.clone()),
-            ("torn_manifest", manifest[..manifest.len() - 1].to_vec()),
+            ("valid_zero_filled_tail", with(&small, &|log| log.resize(log.len() + 64, 0))),
+            ("corrupt_manifest_cut", manifest[..manifest.len() - 1].to_vec()),
             ("bare_frames_without_header", every_kind[FileHeader::SIZE..].to_vec()),
-            ("torn_inside_frame_header", small[..FileHeader::SIZE + 5].to_vec()),
-            ("torn_inside_payload", every_kind[..every_kind.len() - 3].to_vec()),
-            ("torn_last_checksum_mismatch", with(&every_kind, &|log| *log.last_mut().unwrap() ^= 1)),
-            ("torn_zero_filled_tail", with(&small, &|log| log.resize(log.len() + 64, 0))),
+            ("corrupt_inside_frame_header", small[..FileHeader::SIZE + 5].to_vec()),
+            ("corrupt_inside_payload", every_kind[..every_kind.len() - 3].to_vec()),
+            ("corrupt_last_bit_flip", with(&every_kind, &|log| *log.last_mut().unwrap() ^= 1)),
+            ("torn_unwritten_sector", with(&long, &|log| log[SECTOR_BYTES..].fill(0))),
+            ("torn_cut_at_sector", long[..SECTOR_BYTES].to_vec()),
             ("corrupt_checksum_mid_log", with(&every_kind, &|log| log[FileHeader::SIZE + 10] ^= 0x80)),
             ("corrupt_length_over_max", with(&every_kind, &|log| log[FileHeader::SIZE + 3] = 0xff)),
-            ("length_past_end_reads_as_torn", with(&every_kind, &|log| log[FileHeader::SIZE + 1] = 0x10)),
+            ("corrupt_length_past_end", with(&every_kind, &|log| log[FileHeader::SIZE + 1] = 0x10)),
             ("corrupt_unknown_kind", unknown_kind),
+            (
+                "corrupt_other_place",
+                with(&every_kind, &|log| {
+                    let moved = FileHeader::new(FileIdentity { file_id: 2, ..id }, 0).encode();
+                    log[..FileHeader::SIZE].copy_from_slice(&moved);
+                }),
+            ),
             ("bad_magic", with(&every_kind, &|log| log[0] = b'X')),
             ("bad_header_checksum", with(&every_kind, &|log| log[12] ^= 0x01)),
             (
                 "unknown_version",
-                [&FileHeader::with_version(FORMAT_VERSION + 1).encode()[..], &every_kind[16..]].concat(),
+                [&FileHeader::with_version(FORMAT_VERSION + 1, id, 0).encode()[..], &every_kind[FileHeader::SIZE..]]
+                    .concat(),
             ),
             ("truncated_header", header[..10].to_vec()),
         ]
@@ -135,7 +155,7 @@ mod tests {
             assert!(bytes.len() < 4096, "{name} is {} bytes", bytes.len());
             let expected = match name.split('_').next().unwrap() {
                 "header" | "valid" => "clean",
-                "torn" | "length" => "torn",
+                "torn" => "torn",
                 "corrupt" => "corrupt",
                 _ => "bad header",
             };

@@ -1,7 +1,10 @@
 //! Seeded test inputs: a tiny RNG and valid logs built with it, so tests need no `rand`
 //! and every failure replays from its seed.
 
-use crate::{encode_record, FileHeader, RecordKind};
+use crate::{encode_record_in, FileHeader, FileIdentity, RecordKind};
+
+/// The identity of the sample logs.
+pub(crate) const SAMPLE_ID: FileIdentity = FileIdentity { dir_id: 0xa77e, file_id: 1 };
 
 /// SplitMix64 (Steele, Lea, Flood 2014): one add and three xor-shift-multiplies per draw.
 pub(crate) struct SplitMix64(u64);
@@ -32,12 +35,12 @@ pub(crate) type Written = Vec<(RecordKind, Vec<u8>)>;
 /// `max_payload_bytes`, and the records as written.
 pub(crate) fn sample_log(seed: u64, records: usize, max_payload_bytes: usize) -> (Vec<u8>, Written) {
     let mut rng = SplitMix64::new(seed);
-    let mut log = FileHeader::new().encode().to_vec();
-    let written: Written = (0..records)
-        .map(|_| {
+    let mut log = FileHeader::new(SAMPLE_ID, 0).encode().to_vec();
+    let written: Written = (0..records as u64)
+        .map(|ordinal| {
             let kind = RecordKind::ALL[rng.below(RecordKind::ALL.len())];
             let payload: Vec<u8> = (0..rng.below(max_payload_bytes + 1)).map(|_| rng.next_u64() as u8).collect();
-            encode_record(kind, &payload, &mut log).expect("sample payloads are small");
+            encode_record_in(SAMPLE_ID, ordinal, kind, &payload, &mut log).expect("sample payloads are small");
             (kind, payload)
         })
         .collect();

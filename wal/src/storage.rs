@@ -95,8 +95,9 @@ impl Storage for StdStorage {
 /// A [`StdStorage`] that fails on command, for tests of full disks and failed fsyncs.
 ///
 /// Writes consume a byte budget shared by every file it opened; the write that crosses the
-/// budget writes the bytes that still fit (a partial write, as a full disk leaves) and
-/// fails with [`io::ErrorKind::StorageFull`]. Syncs fail with an I/O error while
+/// budget writes the whole sectors ([`SECTOR_BYTES`](crate::SECTOR_BYTES), by file offset)
+/// that still fit (a partial write, as a full disk leaves: the file system allocates whole
+/// blocks) and fails with [`io::ErrorKind::StorageFull`]. Syncs fail with an I/O error while
 /// [`fail_syncs`](Self::fail_syncs) is set.
 #[derive(Debug, Clone, Default)]
 pub struct FaultyStorage {
@@ -154,7 +155,10 @@ impl StorageFile for FaultyFile {
         if granted >= want {
             return FileExt::write_all_at(&self.file, bytes, offset);
         }
-        FileExt::write_all_at(&self.file, &bytes[..granted as usize], offset)?;
+        // Whole sectors only: where the granted bytes end is rounded down to a sector boundary.
+        let sector = crate::SECTOR_BYTES as u64;
+        let fits = ((offset + granted) / sector * sector).saturating_sub(offset).min(granted);
+        FileExt::write_all_at(&self.file, &bytes[..fits as usize], offset)?;
         Err(io::Error::new(io::ErrorKind::StorageFull, "injected: no space left on device"))
     }
 

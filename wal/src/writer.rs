@@ -14,8 +14,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
+use crate::record::seal_frame;
+use crate::replay::LogReplay;
 use crate::storage::{Storage, StorageFile};
-use crate::{encode_record, Error, FileHeader, RecordKind, FRAME_HEADER_BYTES};
+use crate::{encode_record, Error, FileHeader, FileIdentity, RecordKind, FRAME_HEADER_BYTES};
 
 /// Log sequence number: the position of a record in the log, counting from 1 over the
 /// whole life of a directory (log file names carry the LSN of their first record).
@@ -40,7 +42,8 @@ pub enum SyncPolicy {
 pub struct WriterConfig {
     /// When records become durable.
     pub policy: SyncPolicy,
-    /// A new log file is started once the current one holds this many bytes.
+    /// A new log file is started once the current one holds this many bytes; each file is
+    /// created with this length (sparse, zero-filled), so a crash never leaves it shorter.
     pub max_file_bytes: u64,
 }
 
@@ -86,6 +89,8 @@ pub struct LogWriter {
 
 struct Shared {
     dir: PathBuf,
+    /// The engine directory's id: in every file header and every frame checksum.
+    dir_id: u64,
     storage: Arc<dyn Storage>,
     config: WriterConfig,
     state: Mutex<State>,
@@ -151,43 +156,97 @@ fn sync_all(files: &[Arc<dyn StorageFile>]) -> std::io::Result<()> {
 /// Queued bytes at which [`LogWriter::submit`] writes them out (without fsync) itself.
 pub const SUBMIT_WRITE_BYTES: usize = 4 << 20;
 
-/// Creates log file `first_lsn` in `dir` holding just the header, synced, directory synced.
-fn create_log_file(storage: &dyn Storage, dir: &Path, first_lsn: Lsn) -> Result<Arc<dyn StorageFile>, Error> {
+/// Creates log file `first_lsn` in `dir`: its header, its length set to `reserved_bytes`
+/// (zero-filled, sparse), synced under a temporary name and then renamed, directory synced.
+/// A log file is therefore never seen without its whole header and length, and a shorter
+/// one was cut after it was made.
+fn create_log_file(
+    storage: &dyn Storage,
+    dir: &Path,
+    dir_id: u64,
+    first_lsn: Lsn,
+    reserved_bytes: u64,
+) -> Result<Arc<dyn StorageFile>, Error> {
     let path = dir.join(log_file_name(first_lsn));
-    let file = storage.create(&path).map_err(|e| Error::io("create", &path, &e))?;
-    file.write_all_at(&FileHeader::new().encode(), 0).map_err(|e| Error::io("write", &path, &e))?;
-    file.sync_data().map_err(|e| Error::io("fsync", &path, &e))?;
+    let tmp = dir.join(format!("{}.tmp", log_file_name(first_lsn)));
+    let reserved_bytes = reserved_bytes.max(FileHeader::SIZE as u64);
+    let header = FileHeader::new(FileIdentity::log(dir_id, first_lsn), reserved_bytes);
+    let file = storage.create(&tmp).map_err(|e| Error::io("create", &tmp, &e))?;
+    file.write_all_at(&header.encode(), 0).map_err(|e| Error::io("write", &tmp, &e))?;
+    file.set_len(reserved_bytes).map_err(|e| Error::io("extend", &tmp, &e))?;
+    file.sync_data().map_err(|e| Error::io("fsync", &tmp, &e))?;
+    storage.rename(&tmp, &path).map_err(|e| Error::io("rename", &tmp, &e))?;
     storage.sync_dir(dir).map_err(|e| Error::io("fsync dir", dir, &e))?;
     Ok(file)
 }
 
+/// Where a writer starts: the file it writes to and the position in it.
+struct Start {
+    file: Arc<dyn StorageFile>,
+    file_first_lsn: Lsn,
+    file_bytes: u64,
+    next_lsn: Lsn,
+}
+
 impl LogWriter {
-    /// Starts a new log file in `dir` whose first record will get `first_lsn` (the LSN after
-    /// the last record recovered), and the background flusher for [`SyncPolicy::Interval`].
+    /// Starts a new log file in `dir` (of the engine directory `dir_id`) whose first record
+    /// will get `first_lsn`, and the background flusher for [`SyncPolicy::Interval`].
     pub fn create(
         dir: &Path,
         storage: Arc<dyn Storage>,
         config: WriterConfig,
+        dir_id: u64,
         first_lsn: Lsn,
     ) -> Result<LogWriter, Error> {
-        let file = create_log_file(&*storage, dir, first_lsn)?;
+        let file = create_log_file(&*storage, dir, dir_id, first_lsn, config.max_file_bytes)?;
+        let start = Start { file, file_first_lsn: first_lsn, file_bytes: FileHeader::SIZE as u64, next_lsn: first_lsn };
+        Self::start(dir, storage, config, dir_id, start)
+    }
+
+    /// Continues the log that `replay` read from `dir` (already [repaired](LogReplay::repair)):
+    /// appends go on in its newest file after the last whole record, so reopening does not
+    /// leave a file behind each time; a new file is started only where there is none.
+    pub fn resume(
+        dir: &Path,
+        storage: Arc<dyn Storage>,
+        config: WriterConfig,
+        dir_id: u64,
+        replay: &LogReplay,
+    ) -> Result<LogWriter, Error> {
+        crate::replay::remove_unfinished_files(dir)?;
+        let Some(last) = replay.files.last().filter(|last| last.end > 0) else {
+            return Self::create(dir, storage, config, dir_id, replay.next_lsn);
+        };
+        let file = storage.open(&last.path).map_err(|e| Error::io("open", &last.path, &e))?;
+        let start = Start { file, file_first_lsn: last.first_lsn, file_bytes: last.end, next_lsn: replay.next_lsn };
+        Self::start(dir, storage, config, dir_id, start)
+    }
+
+    fn start(
+        dir: &Path,
+        storage: Arc<dyn Storage>,
+        config: WriterConfig,
+        dir_id: u64,
+        start: Start,
+    ) -> Result<LogWriter, Error> {
         let state = State {
             pending: Vec::new(),
             pending_deps: Vec::new(),
             unsynced_deps: Vec::new(),
-            next_lsn: first_lsn,
-            written_end: first_lsn,
-            durable_end: first_lsn,
+            next_lsn: start.next_lsn,
+            written_end: start.next_lsn,
+            durable_end: start.next_lsn,
             leader: false,
-            file,
-            file_first_lsn: first_lsn,
-            file_bytes: FileHeader::SIZE as u64,
+            file: start.file,
+            file_first_lsn: start.file_first_lsn,
+            file_bytes: start.file_bytes,
             poisoned: None,
             closed: false,
             stats: WriterStats::default(),
         };
         let shared = Arc::new(Shared {
             dir: dir.to_path_buf(),
+            dir_id,
             storage,
             config,
             state: Mutex::new(state),
@@ -272,6 +331,8 @@ impl LogWriter {
         st.usable()?;
         let lsn = st.next_lsn;
         st.next_lsn += 1;
+        // Bound to its LSN: a frame is valid at its place in the log only.
+        seal_frame(&mut frame, self.shared.dir_id, lsn);
         st.pending.extend_from_slice(&frame);
         st.stats.records += 1;
         if let Some(dep) = dependency {
@@ -411,7 +472,12 @@ impl Shared {
                 // A finished file is synced whatever the policy: only the newest file may end torn.
                 let old_path = self.dir.join(log_file_name(old_first));
                 old_file.sync_data().map_err(|e| Error::io("fsync", &old_path, &e))?;
-                (create_log_file(&*self.storage, &self.dir, first_lsn)?, FileHeader::SIZE as u64, true)
+                let reserved = self.config.max_file_bytes;
+                (
+                    create_log_file(&*self.storage, &self.dir, self.dir_id, first_lsn, reserved)?,
+                    FileHeader::SIZE as u64,
+                    true,
+                )
             } else {
                 (old_file, file_bytes, false)
             };
@@ -480,15 +546,20 @@ impl Shared {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::replay::replay_dir;
     use crate::storage::{FaultyStorage, StdStorage};
+
+    const DIR_ID: u64 = 0xd0d0;
+
+    fn replay_dir(dir: &Path, from: Lsn) -> Result<crate::LogReplay, Error> {
+        crate::replay_dir(dir, DIR_ID, from, crate::RecoveryMode::Strict)
+    }
 
     fn tempdir() -> tempfile::TempDir {
         tempfile::tempdir().unwrap()
     }
 
     fn writer(dir: &Path, policy: SyncPolicy, max_file_bytes: u64) -> LogWriter {
-        LogWriter::create(dir, Arc::new(StdStorage), WriterConfig { policy, max_file_bytes }, 1).unwrap()
+        LogWriter::create(dir, Arc::new(StdStorage), WriterConfig { policy, max_file_bytes }, DIR_ID, 1).unwrap()
     }
 
     #[test]
@@ -571,7 +642,7 @@ mod tests {
         let dir = tempdir();
         let storage = FaultyStorage::new();
         let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 64 << 20 };
-        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, 1).unwrap();
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, DIR_ID, 1).unwrap();
         let payload = vec![7u8; 64 << 10];
         let records = SUBMIT_WRITE_BYTES / payload.len() + 2;
         let last = (0..records).map(|_| log.submit(RecordKind::AppendKv, &payload, None).unwrap()).last().unwrap();
@@ -623,7 +694,7 @@ mod tests {
         let dir = tempdir();
         let storage = FaultyStorage::new();
         let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 1 << 20 };
-        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, 1).unwrap();
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, DIR_ID, 1).unwrap();
         log.append(RecordKind::AppendKv, b"one").unwrap();
         storage.fail_syncs(true);
         let err = log.append(RecordKind::AppendKv, b"two").unwrap_err();
@@ -640,16 +711,19 @@ mod tests {
         let dir = tempdir();
         let storage = FaultyStorage::new();
         let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 1 << 20 };
-        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, 1).unwrap();
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, DIR_ID, 1).unwrap();
         log.append(RecordKind::AppendKv, &[1; 100]).unwrap();
-        storage.set_write_budget(50);
-        let err = log.append(RecordKind::AppendKv, &[2; 100]).unwrap_err();
-        assert!(matches!(err, Error::Poisoned { ref cause } if cause.contains("StorageFull")), "{err}");
+        // The disk fills part-way through the next record: its first sectors land, not the rest.
+        storage.set_write_budget(1000);
+        let err = log.append(RecordKind::AppendKv, &[2; 2000]).unwrap_err();
+        assert!(matches!(err, Error::Poisoned { ref cause } if cause.contains("no space left")), "{err}");
         drop(log);
         let replay = replay_dir(dir.path(), 1).unwrap();
         assert_eq!(replay.records.len(), 1);
         let torn = replay.torn.as_ref().expect("the partial frame is a torn tail");
-        assert_eq!(torn.file_bytes - torn.valid_up_to, 50);
+        let first_end = (FileHeader::SIZE + FRAME_HEADER_BYTES + 100) as u64;
+        assert_eq!(torn.valid_up_to, first_end);
+        assert!(torn.file_bytes > first_end);
         replay.repair(&StdStorage).unwrap();
         let again = replay_dir(dir.path(), 1).unwrap();
         assert!(again.torn.is_none());

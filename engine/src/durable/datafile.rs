@@ -1,11 +1,13 @@
 //! KV data files: one append-only file per (context, layer), a sequence of chunks, one per
-//! prefill or append batch. A chunk is a fixed 28-byte little-endian header (`zerocopy`)
+//! prefill or append batch. A chunk is a fixed 48-byte little-endian header (`zerocopy`)
 //! followed by the batch's keys then values in the context's storage type, head-major
 //! (`kv_heads × tokens × head_dim`), exactly the bytes the access method stores.
 //!
 //! The header has its own crc32c and the payload's crc32c, so a reader never believes a
-//! size it has not checked; the WAL record that makes a chunk visible repeats its offset,
-//! length and payload crc.
+//! size it has not checked; it names its owner (engine directory, context, layer) and its
+//! checksum covers its offset too, so a chunk read from another file or another place is
+//! refused. The WAL record that makes a chunk visible repeats its offset, length and
+//! payload crc.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -21,11 +23,12 @@ use crate::error::{Error, Result};
 
 /// Magic of every chunk header.
 const CHUNK_MAGIC: [u8; 4] = *b"ATKV";
-/// Chunk format version.
-const CHUNK_VERSION: u8 = 1;
+/// Chunk format version (2: the header names its owner and its checksum covers its offset).
+const CHUNK_VERSION: u8 = 2;
 const FLAG_PREFILL: u8 = 1;
 
-/// The fixed header of a chunk; `header_crc` covers the 24 bytes before it.
+/// The fixed header of a chunk; `header_crc` covers the chunk's offset in its file, then
+/// the 44 bytes before it.
 #[derive(FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
 #[repr(C)]
 struct ChunkHeader {
@@ -37,11 +40,28 @@ struct ChunkHeader {
     tokens: U32,
     payload_bytes: U64,
     payload_crc: U32,
+    context: U64,
+    layer: U32,
+    dir_id: U64,
     header_crc: U32,
 }
 
+impl ChunkHeader {
+    fn computed_crc(&self, offset: u64) -> u32 {
+        crc32c::crc32c_append(crc32c::crc32c(&offset.to_le_bytes()), &self.as_bytes()[..CHUNK_HEADER_BYTES - 4])
+    }
+}
+
+/// Whose chunks a data file holds: the engine directory, the context and the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ChunkOwner {
+    pub dir_id: u64,
+    pub context: u64,
+    pub layer: u32,
+}
+
 /// Size of a chunk header in bytes.
-pub(crate) const CHUNK_HEADER_BYTES: usize = 28;
+pub(crate) const CHUNK_HEADER_BYTES: usize = 48;
 const _: () = assert!(CHUNK_HEADER_BYTES == size_of::<ChunkHeader>());
 
 fn dtype_code(dtype: DType) -> u8 {
@@ -93,8 +113,16 @@ fn push_elements(out: &mut Vec<u8>, dtype: DType, src: &[f32]) {
     }
 }
 
-/// Encodes one batch (`keys`/`values` in f32, converted to `dtype` as the index stores them).
-pub(crate) fn encode_chunk(dtype: DType, prefill: bool, tokens: usize, keys: &[f32], values: &[f32]) -> EncodedChunk {
+/// Encodes one batch (`keys`/`values` in f32, converted to `dtype` as the index stores them)
+/// as the chunk of `owner` at `offset` of its data file.
+pub(crate) fn encode_chunk(
+    (owner, offset): (ChunkOwner, u64),
+    dtype: DType,
+    prefill: bool,
+    tokens: usize,
+    keys: &[f32],
+    values: &[f32],
+) -> EncodedChunk {
     let payload_bytes = (keys.len() + values.len()) * dtype.size_bytes();
     let mut bytes = Vec::with_capacity(CHUNK_HEADER_BYTES + payload_bytes);
     bytes.resize(CHUNK_HEADER_BYTES, 0);
@@ -110,9 +138,12 @@ pub(crate) fn encode_chunk(dtype: DType, prefill: bool, tokens: usize, keys: &[f
         tokens: U32::new(u32::try_from(tokens).expect("a batch of more than 4G tokens cannot be in memory")),
         payload_bytes: U64::new(payload_bytes as u64),
         payload_crc: U32::new(payload_crc),
+        context: U64::new(owner.context),
+        layer: U32::new(owner.layer),
+        dir_id: U64::new(owner.dir_id),
         header_crc: U32::ZERO,
     };
-    header.header_crc = U32::new(crc32c::crc32c(&header.as_bytes()[..CHUNK_HEADER_BYTES - 4]));
+    header.header_crc = U32::new(header.computed_crc(offset));
     bytes[..CHUNK_HEADER_BYTES].copy_from_slice(header.as_bytes());
     EncodedChunk { bytes, payload_crc }
 }
@@ -156,6 +187,7 @@ fn decode_elements(dtype: DType, bytes: &[u8]) -> Vec<f32> {
 /// `committed_bytes`; bytes after it (an uncommitted chunk) are not read.
 pub(crate) struct ChunkReader {
     path: PathBuf,
+    owner: ChunkOwner,
     file: File,
     offset: u64,
     committed_bytes: u64,
@@ -164,16 +196,18 @@ pub(crate) struct ChunkReader {
 }
 
 impl ChunkReader {
-    /// Opens `path`; fails with a typed error if it is missing or shorter than `committed_bytes`.
-    pub fn open(path: &Path, committed_bytes: u64, dtype: DType, row_elements: usize) -> Result<Self> {
-        let file = match File::open(path) {
-            Ok(file) => file,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                return Err(Error::MissingDataFile { file: path.to_path_buf(), committed_bytes })
-            }
-            Err(e) => return Err(attnstore_wal::Error::io("open", path, &e).into()),
+    /// Opens `path`, the data file of `owner`; fails with a typed error if it is missing, not
+    /// a regular file, or shorter than `committed_bytes`.
+    pub fn open(
+        path: &Path,
+        owner: ChunkOwner,
+        committed_bytes: u64,
+        dtype: DType,
+        row_elements: usize,
+    ) -> Result<Self> {
+        let Some((file, len)) = attnstore_wal::open_regular(path, u64::MAX)? else {
+            return Err(Error::MissingDataFile { file: path.to_path_buf(), committed_bytes });
         };
-        let len = file.metadata().map_err(|e| attnstore_wal::Error::io("stat", path, &e))?.len();
         if len < committed_bytes {
             return Err(Error::DataFileShort {
                 file: path.to_path_buf(),
@@ -181,7 +215,7 @@ impl ChunkReader {
                 got_bytes: len,
             });
         }
-        Ok(Self { path: path.to_path_buf(), file, offset: 0, committed_bytes, dtype, row_elements })
+        Ok(Self { path: path.to_path_buf(), owner, file, offset: 0, committed_bytes, dtype, row_elements })
     }
 
     /// Starts reading at `offset`, which must be the start of a committed chunk.
@@ -214,13 +248,28 @@ impl ChunkReader {
         self.read_at(&mut raw, offset)?;
         let header = ChunkHeader::read_from_bytes(&raw).expect("the buffer is exactly one header");
         if header.magic != CHUNK_MAGIC {
-            return Err(self.corrupt(offset, format!("expected chunk magic {CHUNK_MAGIC:?}, got {:?}", header.magic)));
+            let got = String::from_utf8_lossy(&header.magic).into_owned();
+            return Err(self.corrupt(offset, format!("expected chunk magic ATKV, got {got:?}")));
         }
-        let crc = crc32c::crc32c(&raw[..CHUNK_HEADER_BYTES - 4]);
+        let crc = header.computed_crc(offset);
         if crc != header.header_crc.get() {
             return Err(self.corrupt(
                 offset,
-                format!("chunk header checksum: stored {:#010x}, computed {crc:#010x}", header.header_crc.get()),
+                format!(
+                    "chunk header checksum: stored {:#010x}, computed {crc:#010x} (damaged, or a chunk from another offset)",
+                    header.header_crc.get()
+                ),
+            ));
+        }
+        let owner =
+            ChunkOwner { dir_id: header.dir_id.get(), context: header.context.get(), layer: header.layer.get() };
+        if owner != self.owner {
+            return Err(self.corrupt(
+                offset,
+                format!(
+                    "the chunk belongs to context {} layer {} of engine directory {:#018x}, expected context {} layer {} of {:#018x} (a data file copied from elsewhere?)",
+                    owner.context, owner.layer, owner.dir_id, self.owner.context, self.owner.layer, self.owner.dir_id
+                ),
             ));
         }
         if header.version != CHUNK_VERSION || header.dtype != dtype_code(self.dtype) {
@@ -276,6 +325,32 @@ impl ChunkReader {
 mod tests {
     use super::*;
 
+    const OWNER: ChunkOwner = ChunkOwner { dir_id: 0xd, context: 4, layer: 1 };
+
+    #[test]
+    fn a_chunk_of_another_owner_or_offset_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.kv");
+        let rows = vec![0.5f32; 8];
+        let chunk = encode_chunk((OWNER, 0), DType::F16, true, 1, &rows, &rows);
+        std::fs::write(&path, &chunk.bytes).unwrap();
+        for other in
+            [ChunkOwner { dir_id: 0xe, ..OWNER }, ChunkOwner { context: 5, ..OWNER }, ChunkOwner { layer: 0, ..OWNER }]
+        {
+            let mut reader = ChunkReader::open(&path, other, chunk.bytes.len() as u64, DType::F16, 8).unwrap();
+            let err = reader.next_chunk().unwrap_err();
+            assert!(err.to_string().contains("belongs to"), "{err}");
+        }
+        let moved = [encode_chunk((OWNER, 0), DType::F16, true, 1, &rows, &rows).bytes, chunk.bytes.clone()].concat();
+        std::fs::write(&path, &moved).unwrap();
+        let mut reader = ChunkReader::open(&path, OWNER, moved.len() as u64, DType::F16, 8).unwrap();
+        reader.next_chunk().unwrap();
+        assert!(
+            matches!(reader.next_chunk(), Err(Error::Corrupt { .. })),
+            "a chunk written for offset 0 read at another"
+        );
+    }
+
     #[test]
     fn data_file_names_parse_back() {
         assert_eq!(parse_data_file_name(&data_file_name(12, 3)), Some((12, 3)));
@@ -289,11 +364,11 @@ mod tests {
         let values: Vec<f32> = keys.iter().map(|x| x * 2.0).collect();
         for dtype in [DType::F32, DType::F16, DType::Bf16] {
             let path = dir.path().join(format!("{dtype}.kv"));
-            let first = encode_chunk(dtype, true, 3, &keys, &values);
-            let second = encode_chunk(dtype, false, 3, &values, &keys);
+            let first = encode_chunk((OWNER, 0), dtype, true, 3, &keys, &values);
+            let second = encode_chunk((OWNER, first.bytes.len() as u64), dtype, false, 3, &values, &keys);
             let file = [first.bytes.clone(), second.bytes.clone()].concat();
             std::fs::write(&path, &file).unwrap();
-            let mut reader = ChunkReader::open(&path, file.len() as u64, dtype, 8).unwrap();
+            let mut reader = ChunkReader::open(&path, OWNER, file.len() as u64, dtype, 8).unwrap();
             let a = reader.next_chunk().unwrap().unwrap();
             let b = reader.next_chunk().unwrap().unwrap();
             assert!(reader.next_chunk().unwrap().is_none());
@@ -308,7 +383,7 @@ mod tests {
                 let mut damaged = file.clone();
                 damaged[at] ^= 0x04;
                 std::fs::write(&path, &damaged).unwrap();
-                let mut reader = ChunkReader::open(&path, file.len() as u64, dtype, 8).unwrap();
+                let mut reader = ChunkReader::open(&path, OWNER, file.len() as u64, dtype, 8).unwrap();
                 let outcome = (|| -> Result<()> {
                     while reader.next_chunk()?.is_some() {}
                     Ok(())

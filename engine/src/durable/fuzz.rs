@@ -20,8 +20,10 @@ use super::records::{
 /// payload; panics if an accepted value does not come back unchanged from a round trip.
 pub fn fuzz_decode_catalog(data: &[u8]) {
     attnstore_wal::fuzz_decode(data);
-    if let Ok(payload) = attnstore_wal::decode_manifest(Path::new("fuzz-input"), data) {
-        check_catalog(payload);
+    if let Ok(header) = attnstore_wal::FileHeader::decode(data) {
+        if let Ok(payload) = attnstore_wal::decode_manifest(Path::new("fuzz-input"), data, header.identity()) {
+            check_catalog(payload);
+        }
     }
     check_catalog(data);
     round_trips::<CreateContextRecord>(data);
@@ -89,8 +91,8 @@ pub(crate) mod tests {
             homes: vec![ManifestHome { context: 1, layer: 1, data_bytes: 2048 }],
         };
         let catalog = encode(&manifest);
-        let mut file = attnstore_wal::FileHeader::new().encode().to_vec();
-        attnstore_wal::encode_record(attnstore_wal::RecordKind::Checkpoint, &catalog, &mut file).unwrap();
+        let identity = attnstore_wal::FileIdentity::named(1, "MANIFEST");
+        let file = attnstore_wal::encode_manifest(identity, &catalog).unwrap();
         let append = AppendRecord {
             context: 1,
             layer: 0,

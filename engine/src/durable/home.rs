@@ -35,6 +35,7 @@ use attnstore_wal::{read_manifest, write_manifest, Storage, MAX_RECORD_BYTES};
 use half::f16;
 use serde::{Deserialize, Serialize};
 
+use super::identity::EngineDir;
 use super::layout::INDEX_DIR;
 use super::records::{decode, encode};
 use crate::error::Result;
@@ -245,7 +246,7 @@ pub(crate) struct HomeJob {
 /// (64 MiB): the layer then keeps its f16 data file as its home.
 pub(crate) fn write_home(
     storage: &dyn Storage,
-    dir: &Path,
+    dir: &EngineDir,
     job: &HomeJob,
     known: &HomeState,
 ) -> Result<Option<(HomeState, usize)>> {
@@ -274,7 +275,8 @@ pub(crate) fn write_home(
         if payload.len() > MAX_RECORD_BYTES as usize {
             return Ok(None);
         }
-        write_manifest(storage, &index_dir, &segment_name(job.context, job.layer, unit), &payload)?;
+        let name = segment_name(job.context, job.layer, unit);
+        write_manifest(storage, &index_dir, &name, dir.index_file(&name), &payload)?;
         crcs.push(crc32c::crc32c(&payload));
         written += payload.len();
     }
@@ -302,7 +304,8 @@ pub(crate) fn write_home(
     if payload.len() > MAX_RECORD_BYTES as usize {
         return Ok(None);
     }
-    write_manifest(storage, &index_dir, &home_name(job.context, job.layer), &payload)?;
+    let name = home_name(job.context, job.layer);
+    write_manifest(storage, &index_dir, &name, dir.index_file(&name), &payload)?;
     written += payload.len();
     let state = HomeState { segment_crcs: crcs, data_bytes: job.data_bytes, punched: known.punched };
     Ok(Some((state, written)))
@@ -324,7 +327,7 @@ pub(crate) struct LoadedHome {
 /// frame or checksum that fails, a segment file missing or not the one the home was written
 /// with, arrays that do not fit).
 pub(crate) fn read_home(
-    dir: &Path,
+    dir: &EngineDir,
     context: u64,
     layer: usize,
     (kv_heads, head_dim): (usize, usize),
@@ -333,7 +336,7 @@ pub(crate) fn read_home(
     let index_dir = dir.join(INDEX_DIR);
     let name = home_name(context, layer);
     let path = index_dir.join(&name);
-    let payload = match read_manifest(&index_dir, &name) {
+    let payload = match read_manifest(&index_dir, &name, dir.index_file(&name)) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -355,7 +358,7 @@ pub(crate) fn read_home(
     for (unit, &crc) in r.segments.iter().enumerate() {
         let name = segment_name(context, layer, unit);
         let seg_path = index_dir.join(&name);
-        let payload = match read_manifest(&index_dir, &name) {
+        let payload = match read_manifest(&index_dir, &name, dir.index_file(&name)) {
             Ok(Some(p)) => p,
             Ok(None) => {
                 return Err(format!("{}: missing (the home lists {} segments)", seg_path.display(), r.segments.len()))
@@ -448,8 +451,16 @@ pub(crate) mod tests {
     pub(crate) fn home_payload() -> Vec<u8> {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join(INDEX_DIR)).unwrap();
-        write_home(&StdStorage, dir.path(), &job(&index(), 0, 4096), &HomeState::default()).unwrap().unwrap();
-        read_manifest(&dir.path().join(INDEX_DIR), &home_name(7, 1)).unwrap().unwrap()
+        write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&index(), 0, 4096), &HomeState::default())
+            .unwrap()
+            .unwrap();
+        read_manifest(
+            &dir.path().join(INDEX_DIR),
+            &home_name(7, 1),
+            EngineDir::new(dir.path(), 9).index_file(&home_name(7, 1)),
+        )
+        .unwrap()
+        .unwrap()
     }
 
     /// A segment record's payload (a fuzz seed).
@@ -474,11 +485,13 @@ pub(crate) mod tests {
         let segments = AccessMethod::encoded_segments(&w).unwrap();
         assert!(segments >= 3, "{segments} segments");
         let (state, bytes) =
-            write_home(&StdStorage, dir.path(), &job(&w, 0, 4096), &HomeState::default()).unwrap().unwrap();
+            write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&w, 0, 4096), &HomeState::default())
+                .unwrap()
+                .unwrap();
         assert_eq!((state.segment_crcs.len(), state.data_bytes), (segments, 4096));
         assert!(bytes > 0);
         let params = HackParams::new(16).unwrap();
-        let loaded = read_home(dir.path(), 7, 1, (HEADS, D), params).unwrap().unwrap();
+        let loaded = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), params).unwrap().unwrap();
         assert_eq!((loaded.data_bytes, loaded.chunks, loaded.tokens), (4096, 2, 190));
         assert_eq!(loaded.state, state);
         let mut again = WaveIndex::<f16>::new(*w.params(), HEADS, D).unwrap().with_codec(Some(params)).unwrap();
@@ -494,22 +507,26 @@ pub(crate) mod tests {
             b.iter().map(|p| p.clone().finish()).collect::<Vec<_>>()
         );
         // A later checkpoint writes only the segments that are new: none here.
-        let (later, _) = write_home(&StdStorage, dir.path(), &job(&w, segments, 8192), &state).unwrap().unwrap();
+        let (later, _) =
+            write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&w, segments, 8192), &state).unwrap().unwrap();
         assert_eq!(later.segment_crcs, state.segment_crcs);
         // Not this layer's, a segment file replaced by another, a missing one.
-        assert!(read_home(dir.path(), 7, 2, (HEADS, D), params).unwrap().is_none());
+        assert!(read_home(&EngineDir::new(dir.path(), 9), 7, 2, (HEADS, D), params).unwrap().is_none());
         let index_dir = dir.path().join(INDEX_DIR);
         std::fs::copy(index_dir.join(segment_name(7, 1, 0)), index_dir.join(segment_name(7, 1, 1))).unwrap();
-        let why = read_home(dir.path(), 7, 1, (HEADS, D), params).err().unwrap();
-        assert!(why.contains("seg-1.h2: not the segment file the home was written with"), "{why}");
+        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), params).err().unwrap();
+        assert!(why.contains("seg-1.h2") && why.contains("another place"), "{why}");
         std::fs::remove_file(index_dir.join(segment_name(7, 1, 1))).unwrap();
-        let why = read_home(dir.path(), 7, 1, (HEADS, D), params).err().unwrap();
+        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), params).err().unwrap();
         assert!(why.contains("seg-1.h2: missing"), "{why}");
         // Another head count or codec does not fit.
-        write_home(&StdStorage, dir.path(), &job(&w, 0, 4096), &HomeState::default()).unwrap().unwrap();
-        let why = read_home(dir.path(), 7, 1, (HEADS, D), HackParams::new(32).unwrap()).err().unwrap();
+        write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&w, 0, 4096), &HomeState::default())
+            .unwrap()
+            .unwrap();
+        let why =
+            read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), HackParams::new(32).unwrap()).err().unwrap();
         assert!(why.contains("does not fit"), "{why}");
-        let why = read_home(dir.path(), 7, 1, (HEADS + 1, D), params).err().unwrap();
+        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS + 1, D), params).err().unwrap();
         assert!(why.contains("plain rows of 2 heads"), "{why}");
     }
 }

@@ -19,6 +19,7 @@ use attnstore_index::{HeadLayout, IndexLayout, PqSnapshot, SegmentLayout, WaveLa
 use attnstore_wal::{read_manifest, write_manifest, Storage, MAX_RECORD_BYTES};
 use serde::{Deserialize, Serialize};
 
+use super::identity::EngineDir;
 use super::records::{decode, encode};
 use crate::error::Result;
 
@@ -147,7 +148,7 @@ impl PqRecord {
 /// be (the layer is then rebuilt from its KV on reopen, as without a checkpoint).
 pub(crate) fn write_layout(
     storage: &dyn Storage,
-    dir: &Path,
+    dir: &EngineDir,
     context: u64,
     layer: usize,
     layout: &IndexLayout,
@@ -160,7 +161,7 @@ pub(crate) fn write_layout(
         return Ok(None);
     }
     let name = layout_name(context, layer, layout.method()).expect("every IndexLayout kind has a suffix");
-    write_manifest(storage, &dir.join(INDEX_DIR), &name, &payload)?;
+    write_manifest(storage, &dir.join(INDEX_DIR), &name, dir.index_file(&name), &payload)?;
     Ok(Some(payload.len()))
 }
 
@@ -168,7 +169,7 @@ pub(crate) fn write_layout(
 /// none, `Err(why)` when the file is unusable (bad frame or checksum, does not decode,
 /// belongs to another layer).
 pub(crate) fn read_layout(
-    dir: &Path,
+    dir: &EngineDir,
     context: u64,
     layer: usize,
     method: &str,
@@ -176,7 +177,7 @@ pub(crate) fn read_layout(
     let Some(name) = layout_name(context, layer, method) else { return Ok(None) };
     let index_dir = dir.join(INDEX_DIR);
     let path = index_dir.join(&name);
-    let payload = match read_manifest(&index_dir, &name) {
+    let payload = match read_manifest(&index_dir, &name, dir.index_file(&name)) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(None),
         Err(e) => return Err(format!("{}: {e}", path.display())),
@@ -285,19 +286,25 @@ mod tests {
         std::fs::create_dir_all(dir.path().join(INDEX_DIR)).unwrap();
         let layout = IndexLayout::Wave(wave_layout());
         let pq = IndexLayout::Pq(pq_snapshot());
-        write_layout(&StdStorage, dir.path(), 3, 1, &layout).unwrap().unwrap();
-        write_layout(&StdStorage, dir.path(), 3, 2, &pq).unwrap().unwrap();
-        assert_eq!(read_layout(dir.path(), 3, 1, "wave").unwrap(), Some(layout.clone()));
-        assert_eq!(read_layout(dir.path(), 3, 2, "pq").unwrap(), Some(pq.clone()));
-        assert_eq!(read_layout(dir.path(), 3, 2, "wave").unwrap(), None);
-        assert_eq!(read_layout(dir.path(), 3, 1, "flat").unwrap(), None);
+        write_layout(&StdStorage, &EngineDir::new(dir.path(), 9), 3, 1, &layout).unwrap().unwrap();
+        write_layout(&StdStorage, &EngineDir::new(dir.path(), 9), 3, 2, &pq).unwrap().unwrap();
+        assert_eq!(read_layout(&EngineDir::new(dir.path(), 9), 3, 1, "wave").unwrap(), Some(layout.clone()));
+        assert_eq!(read_layout(&EngineDir::new(dir.path(), 9), 3, 2, "pq").unwrap(), Some(pq.clone()));
+        assert_eq!(read_layout(&EngineDir::new(dir.path(), 9), 3, 2, "wave").unwrap(), None);
+        assert_eq!(read_layout(&EngineDir::new(dir.path(), 9), 3, 1, "flat").unwrap(), None);
         // Another layer's file under this name is refused.
         let index = dir.path().join(INDEX_DIR);
         let name = |c, l, m| layout_name(c, l, m).unwrap();
         std::fs::copy(index.join(name(3, 1, "wave")), index.join(name(4, 0, "wave"))).unwrap();
-        assert!(read_layout(dir.path(), 4, 0, "wave").unwrap_err().contains("not context 4"));
+        let why = read_layout(&EngineDir::new(dir.path(), 9), 4, 0, "wave").unwrap_err();
+        assert!(why.contains("another place"), "{why}");
         std::fs::copy(index.join(name(3, 2, "pq")), index.join(name(4, 0, "pq"))).unwrap();
-        assert!(read_layout(dir.path(), 4, 0, "pq").unwrap_err().contains("not context 4"));
+        let why = read_layout(&EngineDir::new(dir.path(), 9), 4, 0, "pq").unwrap_err();
+        assert!(why.contains("another place"), "{why}");
+        // Another engine directory's file in its place is refused too.
+        assert!(read_layout(&EngineDir::new(dir.path(), 10), 3, 1, "wave")
+            .unwrap_err()
+            .contains("another engine directory"));
         // A flipped bit is refused.
         for (layer, method) in [(1, "wave"), (2, "pq")] {
             let path = index.join(name(3, layer, method));
@@ -305,7 +312,7 @@ mod tests {
             let last = bytes.len() - 3;
             bytes[last] ^= 1;
             std::fs::write(&path, bytes).unwrap();
-            assert!(read_layout(dir.path(), 3, layer, method).is_err(), "{method}");
+            assert!(read_layout(&EngineDir::new(dir.path(), 9), 3, layer, method).is_err(), "{method}");
         }
         // Stale files go, of both kinds; files that are not layouts stay.
         std::fs::write(index.join("notes.txt"), b"keep").unwrap();

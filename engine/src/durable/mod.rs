@@ -2,6 +2,7 @@
 //! recovery, under one directory:
 //!
 //! ```text
+//! DIR/IDENTITY                       the directory's random id (in every file's checksums)
 //! DIR/LOCK                           flock held while an engine has the directory open
 //! DIR/MANIFEST                       catalog as of the last checkpoint (atomic replace)
 //! DIR/wal/wal-<first lsn>.log        log files (attnstore-wal framing)
@@ -18,6 +19,7 @@ pub mod bench;
 mod datafile;
 mod fuzz;
 mod home;
+mod identity;
 mod layout;
 mod rebuild;
 mod records;
@@ -27,7 +29,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use attnstore_wal::{write_manifest, LogWriter, Lsn, RecordKind, StdStorage, Storage, StorageFile, WriterConfig};
+use attnstore_wal::{
+    write_manifest, LogWriter, Lsn, RecordKind, RecoveryMode, StdStorage, Storage, StorageFile, WriterConfig,
+};
 use parking_lot::{Mutex, RwLock};
 
 use crate::context::ContextId;
@@ -35,8 +39,11 @@ use crate::engine::{Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::spec::ContextSpec;
 
+use datafile::ChunkOwner;
 pub use datafile::StoredBatch;
 pub use fuzz::fuzz_decode_catalog;
+use identity::EngineDir;
+pub use identity::IDENTITY_FILE;
 pub use rebuild::IndexRebuild;
 use records::{
     encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,
@@ -62,11 +69,24 @@ pub struct DurableConfig {
     pub storage: Arc<dyn Storage>,
     /// Whether opening waits for recovered indexes to be rebuilt.
     pub index_rebuild: IndexRebuild,
+    /// What recovery does with damage that may hide acknowledged appends: refuse to open
+    /// (the default), or cut the log there and report what was cut
+    /// ([`RecoveryReport::log_cut`]).
+    pub recovery: RecoveryMode,
+    /// Whether a directory that does not exist, or is empty, is made an engine directory
+    /// (default `true`). A directory with other files in it is never made one.
+    pub create: bool,
 }
 
 impl Default for DurableConfig {
     fn default() -> Self {
-        Self { wal: WriterConfig::default(), storage: Arc::new(StdStorage), index_rebuild: IndexRebuild::Blocking }
+        Self {
+            wal: WriterConfig::default(),
+            storage: Arc::new(StdStorage),
+            index_rebuild: IndexRebuild::Blocking,
+            recovery: RecoveryMode::Strict,
+            create: true,
+        }
     }
 }
 
@@ -104,7 +124,7 @@ pub struct CheckpointReport {
 
 /// The durable state attached to an [`Engine`] made by [`Engine::open`].
 pub(crate) struct Durable {
-    dir: PathBuf,
+    dir: EngineDir,
     storage: Arc<dyn Storage>,
     wal: LogWriter,
     /// Appends, creates and drops hold it shared; a checkpoint holds it exclusively, so the
@@ -160,6 +180,10 @@ fn data_path(dir: &Path, context: u64, layer: usize) -> PathBuf {
 impl Durable {
     fn data_dir(&self) -> PathBuf {
         self.dir.join(DATA_DIR)
+    }
+
+    fn owner(&self, id: ContextId, layer: usize) -> ChunkOwner {
+        ChunkOwner { dir_id: self.dir.id, context: id.0, layer: layer as u32 }
     }
 
     pub(crate) fn log_create(&self, id: ContextId, spec: &ContextSpec) -> Result<()> {
@@ -232,7 +256,7 @@ impl Durable {
             }
             (state.file.clone().expect("opened above"), state.committed_bytes)
         };
-        let chunk = datafile::encode_chunk(spec.dtype, prefill, tokens, keys, values);
+        let chunk = datafile::encode_chunk((self.owner(id, layer), offset), spec.dtype, prefill, tokens, keys, values);
         // A failed write (e.g. a full disk) leaves at most garbage after the committed end,
         // which the next write at the same offset overwrites and recovery truncates.
         file.write_all_at(&chunk.bytes, offset).map_err(|e| attnstore_wal::Error::io("write", &path, &e))?;
@@ -317,7 +341,7 @@ impl Durable {
                 .collect(),
         };
         let payload = encode(&manifest);
-        write_manifest(&*self.storage, &self.dir, MANIFEST_FILE, &payload)?;
+        write_manifest(&*self.storage, &self.dir, MANIFEST_FILE, self.dir.file(MANIFEST_FILE), &payload)?;
         catalog.generation = generation;
         drop(catalog);
         self.wal.append(RecordKind::Checkpoint, &encode(&CheckpointRecord { generation }))?;
@@ -410,8 +434,9 @@ impl Durable {
         let row = spec.shape.kv_heads * spec.shape.head_dim;
         // Bytes a 2-bit home holds may be punched out: read from where they end.
         let punched = self.homes.lock().get(&(id.0, layer)).map_or(0, |h| h.punched);
-        let mut reader = datafile::ChunkReader::open(&data_path(&self.dir, id.0, layer), committed, spec.dtype, row)?
-            .starting_at(punched);
+        let path = data_path(&self.dir, id.0, layer);
+        let mut reader =
+            datafile::ChunkReader::open(&path, self.owner(id, layer), committed, spec.dtype, row)?.starting_at(punched);
         let mut batches = Vec::new();
         while let Some(batch) = reader.next_chunk()? {
             batches.push(batch);

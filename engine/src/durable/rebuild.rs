@@ -69,7 +69,8 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
     let path = data_path(&durable.dir, job.id.0, job.layer);
     let row = spec.shape.kv_heads * spec.shape.head_dim;
     let mut method = make_method(spec, spec.layers[job.layer], job.blocks.clone())?;
-    let mut reader = ChunkReader::open(&path, job.loaded_bytes, spec.dtype, row)?;
+    let owner = durable.owner(job.id, job.layer);
+    let mut reader = ChunkReader::open(&path, owner, job.loaded_bytes, spec.dtype, row)?;
     // A checkpointed layout (wave and PQ layers) restores the tokens it covers without
     // clustering or training; one that is missing or does not fit leaves the plain rebuild.
     let layout = super::layout::read_layout(&durable.dir, job.id.0, job.layer, method.name()).ok().flatten();
@@ -98,7 +99,7 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
     let committed = durable.catalog.lock().contexts.get(&job.id.0).map(|c| c.layers[job.layer].committed_bytes);
     let Some(committed) = committed else { return Ok(()) }; // dropped meanwhile
     if committed > job.loaded_bytes {
-        let mut reader = ChunkReader::open(&path, committed, spec.dtype, row)?.starting_at(job.loaded_bytes);
+        let mut reader = ChunkReader::open(&path, owner, committed, spec.dtype, row)?.starting_at(job.loaded_bytes);
         while let Some(batch) = reader.next_chunk()? {
             apply(&mut *method, &batch)?;
         }

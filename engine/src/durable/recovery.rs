@@ -12,11 +12,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use attnstore_wal::{read_manifest, replay_dir, LogFileSummary, LogReplay, LogWriter, Lsn, RecordKind, TornTail};
+use attnstore_wal::{
+    read_manifest, replay_dir, LogCut, LogFileSummary, LogReplay, LogWriter, Lsn, RecordKind, RecoveryMode, TornTail,
+};
 use parking_lot::{Mutex, RwLock};
 
+use super::datafile::ChunkOwner;
 use super::datafile::{parse_data_file_name, ChunkReader, StoredBatch};
 use super::home::{read_home, HomeState};
+use super::identity::EngineDir;
 use super::rebuild::{self, IndexRebuild, RebuildJob, RebuildProgress};
 use super::records::{
     decode, decode_catalog, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord,
@@ -47,6 +51,12 @@ pub struct RecoveryReport {
     pub skipped_appends: u64,
     /// The torn log tail that was cut off, if a crash left one.
     pub torn_tail: Option<TornTail>,
+    /// Under point-in-time recovery ([`RecoveryMode::PointInTime`]): the damage the log
+    /// was cut at, and what was dropped with it (acknowledged appends may be among it).
+    pub log_cut: Option<LogCut>,
+    /// Data files cut back to what the log commits, and the bytes cut from each (chunks
+    /// whose records never committed, or were cut with a damaged log).
+    pub data_files_cut: Vec<(PathBuf, u64)>,
     /// Bytes after the committed end of data files (chunks whose record never committed), cut off.
     pub uncommitted_data_bytes: u64,
     /// Data files of contexts that no longer exist, deleted.
@@ -125,6 +135,21 @@ impl fmt::Display for RecoveryReport {
             )?,
             None => writeln!(f, "torn tail: none")?,
         }
+        if let Some(cut) = &self.log_cut {
+            writeln!(
+                f,
+                "POINT-IN-TIME RECOVERY: the log was cut at {} offset {} (records from lsn {} on are gone: {} bytes dropped, {} later log files removed), because: {}",
+                cut.file.display(),
+                cut.offset,
+                cut.next_lsn,
+                cut.bytes_dropped,
+                cut.later_files.len(),
+                cut.damage
+            )?;
+        }
+        for (file, bytes) in &self.data_files_cut {
+            writeln!(f, "data file {} cut by {bytes} bytes the log does not commit", file.display())?;
+        }
         writeln!(
             f,
             "data: {} contexts, {} layers, {} tokens, {} KV bytes verified; {} uncommitted bytes cut; {} orphan files removed",
@@ -197,10 +222,11 @@ pub(crate) struct CommittedContext {
     pub layers: Vec<super::records::ManifestLayer>,
 }
 
-/// Reads manifest and log of `dir` into the committed catalog.
-pub(crate) fn read_state(dir: &Path) -> Result<State> {
+/// Reads manifest and log of `dir` into the committed catalog; damage in the log is an
+/// error, or under [`RecoveryMode::PointInTime`] the end of the log.
+pub(crate) fn read_state(dir: &EngineDir, mode: RecoveryMode) -> Result<State> {
     let manifest_path = dir.join(MANIFEST_FILE);
-    let manifest: Option<Manifest> = match read_manifest(dir, MANIFEST_FILE)? {
+    let manifest: Option<Manifest> = match read_manifest(dir, MANIFEST_FILE, dir.file(MANIFEST_FILE))? {
         Some(payload) => Some(decode_catalog(&payload).map_err(|detail| Error::Corrupt {
             file: manifest_path.clone(),
             offset: attnstore_wal::FileHeader::SIZE as u64,
@@ -234,7 +260,7 @@ pub(crate) fn read_state(dir: &Path) -> Result<State> {
             }
         }
     }
-    let replay = replay_dir(&dir.join(WAL_DIR), wal_start_lsn)?;
+    let replay = replay_dir(&dir.join(WAL_DIR), dir.id, wal_start_lsn, mode)?;
     // An opened directory always keeps the log file it continues in: with none left, a
     // checkpointed or written directory has lost its log (do not treat it as empty).
     if replay.files.is_empty() && (manifest.is_some() || !data_files(dir)?.is_empty()) {
@@ -264,7 +290,7 @@ pub(crate) fn read_state(dir: &Path) -> Result<State> {
         let corrupt =
             |detail: String| Error::Corrupt { file: record.file.clone(), offset: record.offset as u64, detail };
         let bad_payload =
-            |e: String| corrupt(format!("{:?} record (lsn {}) does not decode: {e}", record.kind, record.lsn));
+            |e: String| corrupt(format!("{} record (lsn {}) does not decode: {e}", record.kind, record.lsn));
         match record.kind {
             RecordKind::CreateContext => {
                 let r: CreateContextRecord = decode(&record.payload).map_err(bad_payload)?;
@@ -336,7 +362,7 @@ struct Start {
 /// Reads and verifies the committed chunks of one layer from `start`, cross-checking the
 /// payload crc of every chunk the replayed log named, and the token count.
 fn read_layer(
-    dir: &Path,
+    dir: &EngineDir,
     state: &State,
     (context, layer): (u64, usize),
     start: Start,
@@ -346,8 +372,9 @@ fn read_layer(
     let committed = ctx.layers[layer];
     let path = data_path(dir, context, layer);
     let row = ctx.spec.shape.kv_heads * ctx.spec.shape.head_dim;
+    let owner = ChunkOwner { dir_id: dir.id, context, layer: layer as u32 };
     let mut reader =
-        ChunkReader::open(&path, committed.committed_bytes, ctx.spec.dtype, row)?.starting_at(start.offset);
+        ChunkReader::open(&path, owner, committed.committed_bytes, ctx.spec.dtype, row)?.starting_at(start.offset);
     let (mut tokens, mut chunks) = (start.tokens, start.chunks);
     while let Some(batch) = reader.next_chunk()? {
         if let Some(&logged) = state.logged_crcs.get(&(context, layer, batch.offset)) {
@@ -385,7 +412,7 @@ fn read_layer(
 /// manifest relies on a home that is missing or does not fit (the data file no longer
 /// holds those tokens).
 fn usable_home(
-    dir: &Path,
+    dir: &EngineDir,
     state: &State,
     (context, layer): (u64, usize),
     unusable: &mut Vec<String>,
@@ -471,9 +498,17 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Er
 }
 
 /// Takes an exclusive `flock` on `DIR/LOCK`, held as long as the returned file is open
-/// (the OS releases it when the process dies, so a crash never leaves it behind).
+/// (the OS releases it when the process dies, so a crash never leaves it behind). The lock
+/// file must be a regular file: a link or anything else there is refused, not followed.
 fn lock_directory(dir: &Path) -> Result<std::fs::File> {
     let path = dir.join(LOCK_FILE);
+    match std::fs::symlink_metadata(&path) {
+        Ok(meta) if !meta.file_type().is_file() => {
+            let found = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
+            return Err(attnstore_wal::Error::NotRegularFile { path, found: found.into() }.into());
+        }
+        _ => {}
+    }
     let file =
         std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io("open", &path))?;
     match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
@@ -487,14 +522,24 @@ fn lock_directory(dir: &Path) -> Result<std::fs::File> {
 pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
     let started = Instant::now();
     let storage = durable.storage.clone();
-    for sub in [dir.to_path_buf(), dir.join(WAL_DIR), dir.join(DATA_DIR), dir.join(super::layout::INDEX_DIR)] {
-        std::fs::create_dir_all(&sub).map_err(io("create dir", &sub))?;
+    // Nothing is written to a directory that is not an engine directory.
+    let engine_dir = EngineDir::open(&*storage, dir, durable.create)?;
+    for sub in [dir.join(WAL_DIR), dir.join(DATA_DIR), dir.join(super::layout::INDEX_DIR)] {
+        match std::fs::symlink_metadata(&sub) {
+            Ok(meta) if !meta.is_dir() => {
+                let found = "not a directory".to_string();
+                return Err(attnstore_wal::Error::NotRegularFile { path: sub, found }.into());
+            }
+            Ok(_) => {}
+            Err(_) => std::fs::create_dir(&sub).map_err(io("create dir", &sub))?,
+        }
     }
     storage.sync_dir(dir).map_err(io("fsync dir", dir))?;
     let lock = lock_directory(dir)?;
     // A checkpoint that died before its rename leaves the new manifest half-made; the old one stands.
     let _ = std::fs::remove_file(dir.join(format!("{MANIFEST_FILE}.tmp")));
-    let state = read_state(dir)?;
+    let dir = &engine_dir;
+    let state = read_state(dir, durable.recovery)?;
     state.replay.repair(&*storage)?;
     let mut report = RecoveryReport {
         manifest_generation: state.manifest_generation,
@@ -503,6 +548,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
         replayed: state.replayed,
         skipped_appends: state.skipped_appends,
         torn_tail: state.replay.torn.clone(),
+        log_cut: state.replay.cut.clone(),
         contexts: state.contexts.len(),
         next_lsn: state.replay.next_lsn,
         ..RecoveryReport::default()
@@ -547,6 +593,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
             if let Ok(meta) = std::fs::metadata(&path) {
                 if meta.len() > committed {
                     report.uncommitted_data_bytes += meta.len() - committed;
+                    report.data_files_cut.push((path.clone(), meta.len() - committed));
                     let file = storage.open(&path).map_err(io("open", &path))?;
                     file.set_len(committed).map_err(io("truncate", &path))?;
                     file.sync_data().map_err(io("fsync", &path))?;
@@ -658,7 +705,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
     }
     let live = state.contexts.iter().flat_map(|(&c, ctx)| (0..ctx.layers.len()).map(move |l| (c, l))).collect();
     report.stale_layout_files = super::layout::remove_stale(dir, &live);
-    let wal = LogWriter::create(&dir.join(WAL_DIR), storage.clone(), durable.wal, state.replay.next_lsn)?;
+    let wal = LogWriter::resume(&dir.join(WAL_DIR), storage.clone(), durable.wal, dir.id, &state.replay)?;
     let catalog = Catalog {
         generation: state.manifest_generation.unwrap_or(0),
         contexts: state
@@ -684,7 +731,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
     let progress = RebuildProgress::default();
     progress.state.lock().pending_layers = jobs.len();
     let attached = Arc::new(Durable {
-        dir: dir.to_path_buf(),
+        dir: engine_dir.clone(),
         storage,
         wal,
         gate: RwLock::new(()),
@@ -751,27 +798,44 @@ pub struct CheckReport {
     pub layers: Vec<LayerCheck>,
     /// Data files of contexts that do not exist.
     pub orphan_data_files: Vec<PathBuf>,
+    /// Damage that costs no committed data (an index layout or a 2-bit home that recovery
+    /// would not use and rebuild from the KV instead), each naming its file.
+    pub problems: Vec<String>,
 }
 
-/// Verifies every checksum in an engine directory (manifest, every log record, every
-/// committed chunk) without changing anything. Corruption is the typed error that opening
-/// would fail with.
-pub fn check(dir: &Path) -> Result<CheckReport> {
-    if !dir.is_dir() {
-        let e = std::io::Error::new(std::io::ErrorKind::NotFound, "not a directory");
-        return Err(attnstore_wal::Error::io("open", dir, &e).into());
+impl CheckReport {
+    /// Whether everything checked is intact.
+    pub fn is_clean(&self) -> bool {
+        self.problems.is_empty()
     }
-    let state = read_state(dir)?;
+}
+
+/// Verifies every checksum in an engine directory (its identity, the manifest, every log
+/// record, every committed chunk, the 2-bit homes and segments, the index layouts) without
+/// changing anything. Damage that opening would fail on is that typed error; damage that
+/// opening repairs by rebuilding is listed in [`CheckReport::problems`].
+pub fn check(dir: &Path) -> Result<CheckReport> {
+    // Not `create`: a directory that is not an engine directory is refused, never made one.
+    let engine_dir = EngineDir::open(&attnstore_wal::StdStorage, dir, false)?;
+    let dir = &engine_dir;
+    let state = read_state(dir, RecoveryMode::Strict)?;
     let mut layers = Vec::new();
+    let mut problems = Vec::new();
     for (&context, ctx) in &state.contexts {
         for (layer, committed) in ctx.layers.iter().enumerate() {
             let file = data_path(dir, context, layer);
             let on_disk = std::fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
-            let mut unusable = Vec::new();
             let home = match committed.committed_bytes {
                 0 => None,
-                _ => usable_home(dir, &state, (context, layer), &mut unusable)?,
+                _ => usable_home(dir, &state, (context, layer), &mut problems)?,
             };
+            // Index layouts are read and decoded as recovery would; an unusable one costs a
+            // rebuild from the KV, never data, but it is damage all the same.
+            if ctx.spec.layers[layer] == LayerKind::Global && home.is_none() {
+                if let Err(why) = super::layout::read_layout(dir, context, layer, ctx.spec.method.name()) {
+                    problems.push(format!("index layout unusable (recovery rebuilds it from the KV): {why}"));
+                }
+            }
             let (start, home_segments) = home.map_or((Start::default(), 0), |h| {
                 (Start { offset: h.data_bytes, tokens: h.tokens, chunks: h.chunks }, h.home.segments.len())
             });
@@ -805,12 +869,12 @@ pub fn check(dir: &Path) -> Result<CheckReport> {
             .map(|(&c, ctx)| {
                 let s = &ctx.spec;
                 let words = format!(
-                    "{} q heads / {} kv heads, d={}, {} layers, {}, {}",
+                    "{} q heads / {} kv heads, d={}, {} layers, codec {}, {}",
                     s.shape.q_heads,
                     s.shape.kv_heads,
                     s.shape.head_dim,
                     s.layers.len(),
-                    s.dtype,
+                    s.codec,
                     s.method.name()
                 );
                 (c, words)
@@ -818,6 +882,7 @@ pub fn check(dir: &Path) -> Result<CheckReport> {
             .collect(),
         layers,
         orphan_data_files,
+        problems,
     })
 }
 
@@ -876,6 +941,12 @@ impl fmt::Display for CheckReport {
         for p in &self.orphan_data_files {
             writeln!(f, "orphan data file (context gone): {}", p.display())?;
         }
-        write!(f, "ok")
+        for p in &self.problems {
+            writeln!(f, "DAMAGE: {p}")?;
+        }
+        match self.problems.len() {
+            0 => write!(f, "ok"),
+            n => write!(f, "damaged: {n} problems (no committed data is lost; recovery rebuilds what is listed)"),
+        }
     }
 }
