@@ -124,12 +124,20 @@ pub enum Error {
     },
     /// The log files a directory must have are gone (every opened directory keeps at least
     /// the file its log continues in).
-    #[error("{dir}: no log file found, expected one holding lsn {expected_lsn}")]
+    #[error("{file}: missing, the log must continue there (at lsn {expected_lsn})")]
     MissingLog {
-        /// The log directory.
-        dir: PathBuf,
+        /// The log file that should be there.
+        file: PathBuf,
         /// The LSN replay must start at.
         expected_lsn: u64,
+    },
+    /// A file the directory must have is gone.
+    #[error("{file}: missing: {why}")]
+    MissingFile {
+        /// The file.
+        file: PathBuf,
+        /// How recovery knows it should be there.
+        why: String,
     },
     /// Another engine (in this or another process) has the directory open.
     #[error("{dir}: already opened by another engine (lock file {lock} is held)")]

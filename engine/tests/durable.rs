@@ -492,8 +492,8 @@ fn a_damaged_manifest_or_a_missing_log_file_is_a_typed_error_naming_the_file() {
         [attnstore::durable::check(dir.path()).err(), Engine::open(dir.path(), EngineConfig::default()).err()]
     {
         match outcome {
-            Some(Error::MissingLog { dir: wal, expected_lsn }) => {
-                assert_eq!(wal, dir.path().join(WAL_DIR));
+            Some(Error::MissingLog { file, expected_lsn }) => {
+                assert_eq!(file, dir.path().join(WAL_DIR).join(attnstore_wal::log_file_name(expected_lsn)));
                 assert!(expected_lsn > 1);
             }
             other => panic!("{other:?}"),

@@ -13,7 +13,7 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Error {
     /// The buffer ends before the fixed file header does.
-    #[error("wal header truncated: expected {expected_bytes} bytes, got {got_bytes}")]
+    #[error("file header truncated: expected {expected_bytes} bytes, got {got_bytes}")]
     HeaderTruncated {
         /// Size of the file header.
         expected_bytes: usize,
@@ -29,7 +29,7 @@ pub enum Error {
         got: [u8; 8],
     },
     /// The header's crc32c does not match its bytes.
-    #[error("wal header checksum mismatch: stored {expected:#010x}, computed {got:#010x}")]
+    #[error("file header checksum mismatch: stored {expected:#010x}, computed {got:#010x}")]
     HeaderChecksumMismatch {
         /// The crc32c stored in the header.
         expected: u32,
@@ -37,7 +37,7 @@ pub enum Error {
         got: u32,
     },
     /// The header is intact but names a format version this build cannot read.
-    #[error("unsupported wal format version: expected {expected}, got {got}")]
+    #[error("unsupported log or manifest format version: expected {expected}, got {got}")]
     UnsupportedVersion {
         /// The version this build reads, [`FORMAT_VERSION`](crate::FORMAT_VERSION).
         expected: u32,
@@ -47,7 +47,7 @@ pub enum Error {
     /// A frame's crc32c does not match and no crash can explain it (no unwritten sector, or
     /// later records follow): damage, not a torn write. `got` is 0 when its payload runs past
     /// the file's written bytes.
-    #[error("wal record at offset {offset}: checksum mismatch, stored {expected:#010x}, computed {got:#010x}")]
+    #[error("record at offset {offset}: checksum mismatch, stored {expected:#010x}, computed {got:#010x}")]
     ChecksumMismatch {
         /// Offset of the frame.
         offset: usize,
@@ -58,9 +58,7 @@ pub enum Error {
     },
     /// A frame's head (length, kind, checksum) does not match its own checksum, and no crash
     /// can explain it.
-    #[error(
-        "wal record at offset {offset}: frame head checksum mismatch, stored {expected:#010x}, computed {got:#010x}"
-    )]
+    #[error("record at offset {offset}: frame head checksum mismatch, stored {expected:#010x}, computed {got:#010x}")]
     FrameHeadMismatch {
         /// Offset of the frame.
         offset: usize,
@@ -70,7 +68,7 @@ pub enum Error {
         got: u32,
     },
     /// A frame's length field is over the reader's maximum record size.
-    #[error("wal record at offset {offset}: length {got_bytes} over the maximum of {max_bytes} bytes")]
+    #[error("record at offset {offset}: length {got_bytes} over the maximum of {max_bytes} bytes")]
     RecordTooLarge {
         /// Offset of the frame.
         offset: usize,
@@ -80,7 +78,7 @@ pub enum Error {
         got_bytes: u32,
     },
     /// A frame passes its checksum but its kind code is not a known [`RecordKind`](crate::RecordKind).
-    #[error("wal record at offset {offset}: unknown record kind code {code}")]
+    #[error("record at offset {offset}: unknown record kind code {code}")]
     UnknownRecordKind {
         /// Offset of the frame.
         offset: usize,
@@ -88,7 +86,7 @@ pub enum Error {
         code: u8,
     },
     /// [`encode_record`](crate::encode_record) was given a payload over [`MAX_RECORD_BYTES`](crate::MAX_RECORD_BYTES).
-    #[error("wal payload of {got_bytes} bytes over the maximum of {max_bytes} bytes")]
+    #[error("record payload of {got_bytes} bytes over the maximum of {max_bytes} bytes")]
     PayloadTooLarge {
         /// The largest payload a frame may carry.
         max_bytes: usize,

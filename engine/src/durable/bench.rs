@@ -38,6 +38,40 @@ pub struct WalBenchConfig {
     pub shape: AttnShape,
 }
 
+impl WalBenchConfig {
+    /// Checks that every count is at least 1 (a rate over no records, threads or tokens means
+    /// nothing) and that the shape is usable.
+    pub fn validate(&self) -> Result<()> {
+        let counts = [
+            ("threads", self.threads, "appending threads"),
+            ("records_per_thread", self.records_per_thread, "records (and engine batches) per thread"),
+            ("pipeline", self.pipeline, "records in flight per thread in the pipelined condition"),
+            ("batch_tokens", self.batch_tokens, "tokens per engine append batch"),
+            ("layers", self.layers, "layers of the long context"),
+        ];
+        for (name, value, what) in counts {
+            if value == 0 {
+                return Err(crate::Error::InvalidSpec(format!(
+                    "bench-wal {name} ({what}) must be at least 1, got 0: rates over nothing mean nothing"
+                )));
+            }
+        }
+        ContextSpec::new(self.shape, self.layers).validate()
+    }
+
+    /// Bytes the long-context figures hold at their peak with a context of `tokens` tokens
+    /// (0: they are skipped): the synthetic f32 keys and values, and one engine's context of
+    /// `layers` layers in f16 (the largest of the conditions; each engine is dropped before
+    /// the next opens). `None` past `u64`.
+    pub fn context_bytes_needed(&self, tokens: usize) -> Option<u64> {
+        if tokens == 0 {
+            return Some(0);
+        }
+        let stored = crate::bench::memory::context_bytes(&self.shape, crate::Codec::F16, tokens)?;
+        crate::bench::memory::run_bytes(&self.shape, tokens, stored.checked_mul(self.layers as u64))
+    }
+}
+
 /// Bytes the files under `dir` occupy on disk (allocated blocks: punched holes do not count).
 fn allocated(dir: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
@@ -68,7 +102,8 @@ fn run_appenders(
     work: impl Fn(&LogWriter) -> Result<()> + Sync,
 ) -> Result<(Duration, WriterStats)> {
     fresh(dir)?;
-    let log = LogWriter::create(dir, Arc::new(StdStorage), config, 1)?;
+    // A scratch log no engine replays: any directory id serves; its first record gets lsn 1.
+    let log = LogWriter::create(dir, Arc::new(StdStorage), config, 1, 1)?;
     let started = Instant::now();
     std::thread::scope(|s| -> Result<()> {
         let handles: Vec<_> = (0..threads).map(|_| s.spawn(|| work(&log))).collect();
@@ -114,8 +149,8 @@ fn engine_appends(cfg: &WalBenchConfig, dir: &Path, pipeline: Option<usize>) -> 
     let shape = cfg.shape;
     let engine = Engine::open(dir, EngineConfig::default())?;
     let spec = ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F16);
-    let contexts = (0..cfg.threads.max(1)).map(|_| engine.create_context(spec.clone())).collect::<Result<Vec<_>>>()?;
-    let kv: Vec<f32> = (0..shape.kv_len(cfg.batch_tokens.max(1))).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
+    let contexts = (0..cfg.threads).map(|_| engine.create_context(spec.clone())).collect::<Result<Vec<_>>>()?;
+    let kv: Vec<f32> = (0..shape.kv_len(cfg.batch_tokens)).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
     let syncs_before = engine.wal_stats()?.syncs;
     let started = Instant::now();
     std::thread::scope(|s| -> Result<()> {
@@ -125,15 +160,15 @@ fn engine_appends(cfg: &WalBenchConfig, dir: &Path, pipeline: Option<usize>) -> 
                 let (engine, kv) = (&engine, &kv);
                 s.spawn(move || -> Result<()> {
                     let Some(pipeline) = pipeline else {
-                        for _ in 0..cfg.records_per_thread.max(1) {
+                        for _ in 0..cfg.records_per_thread {
                             engine.append(ctx, 0, kv, kv)?;
                         }
                         return Ok(());
                     };
                     let mut inflight = std::collections::VecDeque::with_capacity(pipeline + 1);
-                    for _ in 0..cfg.records_per_thread.max(1) {
+                    for _ in 0..cfg.records_per_thread {
                         inflight.push_back(engine.submit_append(ctx, 0, kv, kv)?);
-                        if inflight.len() > pipeline.max(1) {
+                        if inflight.len() > pipeline {
                             engine.wait_durable(inflight.pop_front().expect("non-empty"))?;
                         }
                     }
@@ -153,6 +188,7 @@ fn engine_appends(cfg: &WalBenchConfig, dir: &Path, pipeline: Option<usize>) -> 
 
 /// Runs the bench, printing each figure as it is measured; removes its scratch directory.
 pub fn run(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
+    cfg.validate()?;
     let outcome = measure(cfg, out);
     let _ = std::fs::remove_dir_all(&cfg.dir);
     outcome
@@ -164,8 +200,8 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         let _ = out.flush();
     };
     fresh(&cfg.dir)?;
-    let threads = cfg.threads.max(1);
-    let records = threads * cfg.records_per_thread.max(1);
+    let threads = cfg.threads;
+    let records = threads * cfg.records_per_thread;
 
     // 1. WAL records: group commit vs one sequential write + fsync of the same frame bytes.
     let frame = attnstore_wal::FRAME_HEADER_BYTES + cfg.record_bytes;
@@ -188,7 +224,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 64 << 20 };
     let payload = vec![0xa5_u8; cfg.record_bytes];
     let (group, stats) = run_appenders(&wal_dir, config, threads, |log| {
-        for _ in 0..cfg.records_per_thread.max(1) {
+        for _ in 0..cfg.records_per_thread {
             log.append(RecordKind::AppendKv, &payload)?;
         }
         Ok(())
@@ -216,10 +252,10 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
 
     // 1b. The same records pipelined: each thread keeps `pipeline` records in flight
     // (`submit`), and a record counts as appended only once `wait_durable` acknowledged it.
-    let pipeline = cfg.pipeline.max(1);
+    let pipeline = cfg.pipeline;
     let (pipelined, stats) = run_appenders(&wal_dir, config, threads, |log| {
         let mut inflight = std::collections::VecDeque::with_capacity(pipeline + 1);
-        for _ in 0..cfg.records_per_thread.max(1) {
+        for _ in 0..cfg.records_per_thread {
             inflight.push_back(log.submit(RecordKind::AppendKv, &payload, None)?);
             if inflight.len() > pipeline {
                 log.wait_durable(inflight.pop_front().unwrap_or_default())?;
@@ -239,7 +275,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     // 2. Engine appends (KV batches through data files and the log) vs the same chunk bytes
     // written sequentially: each batch acknowledged before the next, and pipelined.
     let shape = cfg.shape;
-    let batch_tokens = cfg.batch_tokens.max(1);
+    let batch_tokens = cfg.batch_tokens;
     let (appended, wal_stats) = engine_appends(cfg, &cfg.dir.join("engine-append"), None)?;
     let (pipelined, pipelined_stats) = engine_appends(cfg, &cfg.dir.join("engine-pipelined"), Some(pipeline))?;
     let chunk = super::datafile::CHUNK_HEADER_BYTES + 2 * shape.kv_len(batch_tokens) * 2;
@@ -293,7 +329,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     for (method, codec) in conditions {
         let dir = cfg.dir.join(format!("context-{}-{codec}", method.name()));
         fresh(&dir)?;
-        let spec = ContextSpec::new(shape, cfg.layers.max(1)).with_method(method).with_codec(codec);
+        let spec = ContextSpec::new(shape, cfg.layers).with_method(method).with_codec(codec);
         // Recompute: an in-memory engine ingests the prompt's KV and builds the index.
         let recompute = {
             let engine = Engine::in_memory(EngineConfig::default())?;

@@ -339,7 +339,7 @@ pub(crate) fn read_home(
     let payload = match read_manifest(&index_dir, &name, dir.index_file(&name)) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(super::named(&path, &e)),
     };
     let mut bytes = payload.len() as u64;
     let r: HomeRecord = decode(&payload).map_err(|e| format!("{}: does not decode: {e}", path.display()))?;
@@ -363,7 +363,7 @@ pub(crate) fn read_home(
             Ok(None) => {
                 return Err(format!("{}: missing (the home lists {} segments)", seg_path.display(), r.segments.len()))
             }
-            Err(e) => return Err(format!("{}: {e}", seg_path.display())),
+            Err(e) => return Err(super::named(&seg_path, &e)),
         };
         if crc32c::crc32c(&payload) != crc {
             return Err(format!("{}: not the segment file the home was written with", seg_path.display()));

@@ -180,7 +180,7 @@ pub(crate) fn read_layout(
     let payload = match read_manifest(&index_dir, &name, dir.index_file(&name)) {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(None),
-        Err(e) => return Err(format!("{}: {e}", path.display())),
+        Err(e) => return Err(super::named(&path, &e)),
     };
     let undecodable = |e: String| format!("{}: does not decode: {e}", path.display());
     let (owner, layout) = match method {

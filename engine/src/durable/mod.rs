@@ -173,6 +173,15 @@ impl CatalogLayer {
     }
 }
 
+/// `error` as a message that names `path` once (a WAL error about a file names it already).
+fn named(path: &Path, error: &attnstore_wal::Error) -> String {
+    let message = error.to_string();
+    match message.starts_with(&path.display().to_string()) {
+        true => message,
+        false => format!("{}: {message}", path.display()),
+    }
+}
+
 fn data_path(dir: &Path, context: u64, layer: usize) -> PathBuf {
     dir.join(DATA_DIR).join(datafile::data_file_name(context, layer))
 }

@@ -235,6 +235,18 @@ pub(crate) fn read_state(dir: &EngineDir, mode: RecoveryMode) -> Result<State> {
         None => None,
     };
     let wal_start_lsn = manifest.as_ref().map_or(1, |m| m.wal_start_lsn);
+    if manifest.is_none() {
+        // Without a checkpoint the log starts at lsn 1; a later start means a checkpoint
+        // deleted the log before it, and its manifest is what is missing.
+        if let Some((first, _)) = attnstore_wal::list_log_files(&dir.join(WAL_DIR))?.first() {
+            if *first > 1 {
+                return Err(Error::MissingFile {
+                    file: manifest_path,
+                    why: format!("the log starts at lsn {first}, so a checkpoint was written and its manifest is gone"),
+                });
+            }
+        }
+    }
     let mut contexts = BTreeMap::new();
     let mut next_context_id = 1;
     if let Some(m) = &manifest {
@@ -264,7 +276,8 @@ pub(crate) fn read_state(dir: &EngineDir, mode: RecoveryMode) -> Result<State> {
     // An opened directory always keeps the log file it continues in: with none left, a
     // checkpointed or written directory has lost its log (do not treat it as empty).
     if replay.files.is_empty() && (manifest.is_some() || !data_files(dir)?.is_empty()) {
-        return Err(Error::MissingLog { dir: dir.join(WAL_DIR), expected_lsn: wal_start_lsn });
+        let expected = dir.join(WAL_DIR).join(attnstore_wal::log_file_name(wal_start_lsn));
+        return Err(Error::MissingLog { file: expected, expected_lsn: wal_start_lsn });
     }
     // Appends to a context dropped later in the log are skipped: its files may be gone.
     let mut dropped_later = std::collections::HashSet::new();
@@ -448,7 +461,10 @@ fn usable_home(
                         return Ok(Some(h));
                     }
                     Ok(_) => format!(
-                        "home of context {context} layer {layer}: its codebooks (the pq layout file) are missing"
+                        "home of context {context} layer {layer}: its codebooks ({}) are missing",
+                        dir.join(super::layout::INDEX_DIR)
+                            .join(super::layout::layout_name(context, layer, "pq").unwrap_or_default())
+                            .display()
                     ),
                     Err(why) => format!("home of context {context} layer {layer}: its codebooks: {why}"),
                 }
@@ -497,18 +513,24 @@ fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Er
     move |e| attnstore_wal::Error::io(op, path, &e).into()
 }
 
-/// Takes an exclusive `flock` on `DIR/LOCK`, held as long as the returned file is open
-/// (the OS releases it when the process dies, so a crash never leaves it behind). The lock
-/// file must be a regular file: a link or anything else there is refused, not followed.
-fn lock_directory(dir: &Path) -> Result<std::fs::File> {
+/// Checks that `DIR/LOCK`, if there, is a regular file (not a link, a directory or a device).
+fn check_lock_file(dir: &Path) -> Result<()> {
     let path = dir.join(LOCK_FILE);
     match std::fs::symlink_metadata(&path) {
         Ok(meta) if !meta.file_type().is_file() => {
             let found = if meta.file_type().is_symlink() { "a symbolic link" } else { "not a regular file" };
-            return Err(attnstore_wal::Error::NotRegularFile { path, found: found.into() }.into());
+            Err(attnstore_wal::Error::NotRegularFile { path, found: found.into() }.into())
         }
-        _ => {}
+        _ => Ok(()),
     }
+}
+
+/// Takes an exclusive `flock` on `DIR/LOCK`, held as long as the returned file is open
+/// (the OS releases it when the process dies, so a crash never leaves it behind). The lock
+/// file must be a regular file: a link or anything else there is refused, not followed.
+fn lock_directory(dir: &Path) -> Result<std::fs::File> {
+    check_lock_file(dir)?;
+    let path = dir.join(LOCK_FILE);
     let file =
         std::fs::OpenOptions::new().create(true).truncate(false).write(true).open(&path).map_err(io("open", &path))?;
     match rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive) {
@@ -817,6 +839,7 @@ impl CheckReport {
 pub fn check(dir: &Path) -> Result<CheckReport> {
     // Not `create`: a directory that is not an engine directory is refused, never made one.
     let engine_dir = EngineDir::open(&attnstore_wal::StdStorage, dir, false)?;
+    check_lock_file(dir)?;
     let dir = &engine_dir;
     let state = read_state(dir, RecoveryMode::Strict)?;
     let mut layers = Vec::new();
