@@ -18,6 +18,7 @@
 pub mod bench;
 mod datafile;
 mod fuzz;
+mod fuzz_recover;
 mod home;
 mod identity;
 mod layout;
@@ -42,6 +43,7 @@ use crate::spec::ContextSpec;
 use datafile::ChunkOwner;
 pub use datafile::StoredBatch;
 pub use fuzz::fuzz_decode_catalog;
+pub use fuzz_recover::fuzz_recover;
 use identity::EngineDir;
 pub use identity::IDENTITY_FILE;
 pub use rebuild::IndexRebuild;
