@@ -155,17 +155,12 @@ impl Tail {
     }
 }
 
-fn frame_crc(kind_code: u8, payload: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(&[kind_code]), payload)
-}
-
-/// The crc a frame carries: over the seed of its place (if it has one), then its body (kind
-/// and payload, `body_bytes` long, whose own crc is `body_crc`).
-fn sealed_crc(seed: Option<u32>, body_crc: u32, body_bytes: usize) -> u32 {
-    match seed {
-        Some(seed) => crc32c::crc32c_combine(seed, body_crc, body_bytes),
-        None => body_crc,
-    }
+/// The crc a frame carries: over the seed of its place (if it has one; the seed is the
+/// crc32c of the place's 16 bytes, so appending to it continues that crc), then its kind
+/// byte and payload. Computed in one pass: no crc combination, whose cost grows with the
+/// payload's length in matrix products.
+fn frame_crc(seed: Option<u32>, kind_code: u8, payload: &[u8]) -> u32 {
+    crc32c::crc32c_append(crc32c::crc32c_append(seed.unwrap_or(0), &[kind_code]), payload)
 }
 
 fn encode_frame(kind: RecordKind, payload: &[u8], seed: Option<u32>, out: &mut Vec<u8>) -> Result<(), Error> {
@@ -173,7 +168,7 @@ fn encode_frame(kind: RecordKind, payload: &[u8], seed: Option<u32>, out: &mut V
         .ok()
         .filter(|&len| len <= MAX_RECORD_BYTES)
         .ok_or(Error::PayloadTooLarge { max_bytes: MAX_RECORD_BYTES as usize, got_bytes: payload.len() })?;
-    let crc = sealed_crc(seed, frame_crc(kind.code(), payload), 1 + payload.len());
+    let crc = frame_crc(seed, kind.code(), payload);
     let header = FrameHeader::new(len, kind.code(), crc);
     out.reserve(FRAME_HEADER_BYTES + payload.len());
     out.extend_from_slice(header.as_bytes());
@@ -202,18 +197,31 @@ pub fn encode_record_in(
 /// A frame with any kind code, for tests of unknown kinds.
 #[cfg(test)]
 pub(crate) fn encode_raw(identity: FileIdentity, ordinal: u64, kind_code: u8, payload: &[u8], out: &mut Vec<u8>) {
-    let crc = sealed_crc(Some(identity.frame_seed(ordinal)), frame_crc(kind_code, payload), 1 + payload.len());
+    let crc = frame_crc(Some(identity.frame_seed(ordinal)), kind_code, payload);
     out.extend_from_slice(FrameHeader::new(payload.len() as u32, kind_code, crc).as_bytes());
     out.extend_from_slice(payload);
 }
 
-/// Re-seals a bare frame made by [`encode_record`] as the record at `key` (its LSN) of the
-/// log of `dir_id`; the writer encodes frames before their LSN is known.
+/// A frame whose checksum is left for [`seal_frame`] to fill in.
+pub(crate) fn encode_unsealed(kind: RecordKind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), Error> {
+    let len = u32::try_from(payload.len())
+        .ok()
+        .filter(|&len| len <= MAX_RECORD_BYTES)
+        .ok_or(Error::PayloadTooLarge { max_bytes: MAX_RECORD_BYTES as usize, got_bytes: payload.len() })?;
+    out.reserve(FRAME_HEADER_BYTES + payload.len());
+    out.extend_from_slice(FrameHeader::new(len, kind.code(), 0).as_bytes());
+    out.extend_from_slice(payload);
+    Ok(())
+}
+
+/// Seals a frame made by [`encode_unsealed`] (or [`encode_record`]) as the record at `key` (its LSN) of the
+/// log of `dir_id`; the writer encodes frames before their LSN is known and seals them under
+/// its lock (one crc32c pass over the payload, at memory speed).
 pub(crate) fn seal_frame(frame: &mut [u8], dir_id: u64, key: u64) {
     let (head, payload) = frame.split_at_mut(FRAME_HEADER_BYTES);
     let header = FrameHeader::read_from_bytes(head).expect("a frame starts with its header");
     let seed = FileIdentity { dir_id, file_id: key }.frame_seed(0);
-    let crc = sealed_crc(Some(seed), header.crc.get(), 1 + payload.len());
+    let crc = frame_crc(Some(seed), header.kind, payload);
     head.copy_from_slice(FrameHeader::new(header.len.get(), header.kind, crc).as_bytes());
 }
 
@@ -322,14 +330,13 @@ impl<'a> RecordReader<'a> {
                 return false;
             }
             let Some(payload) = rest.get(..header.len.get() as usize) else { return false };
-            let body = frame_crc(header.kind, payload);
             match self.identity {
                 // The next records of a log file (a torn group is far shorter than 4096 records).
                 Some(identity) => (1..=4096).any(|k| {
                     let seed = identity.frame_seed(self.ordinal + k);
-                    sealed_crc(Some(seed), body, 1 + payload.len()) == header.crc.get()
+                    frame_crc(Some(seed), header.kind, payload) == header.crc.get()
                 }),
-                None => body == header.crc.get(),
+                None => frame_crc(None, header.kind, payload) == header.crc.get(),
             }
         })
     }
@@ -368,7 +375,7 @@ impl<'a> RecordReader<'a> {
             let error = Error::ChecksumMismatch { offset, expected: header.crc.get(), got: 0 };
             return torn_or(error, end);
         };
-        let computed = sealed_crc(seed, frame_crc(header.kind, payload), 1 + payload.len());
+        let computed = frame_crc(seed, header.kind, payload);
         if computed != header.crc.get() {
             return torn_or(Error::ChecksumMismatch { offset, expected: header.crc.get(), got: computed }, end);
         }

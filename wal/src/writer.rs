@@ -14,10 +14,10 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::record::seal_frame;
+use crate::record::{encode_unsealed, seal_frame};
 use crate::replay::LogReplay;
 use crate::storage::{Storage, StorageFile};
-use crate::{encode_record, Error, FileHeader, FileIdentity, RecordKind, FRAME_HEADER_BYTES};
+use crate::{Error, FileHeader, FileIdentity, RecordKind, FRAME_HEADER_BYTES};
 
 /// Log sequence number: the position of a record in the log, counting from 1 over the
 /// whole life of a directory (log file names carry the LSN of their first record).
@@ -326,7 +326,7 @@ impl LogWriter {
         dependency: Option<Arc<dyn StorageFile>>,
     ) -> Result<(MutexGuard<'_, State>, Lsn), Error> {
         let mut frame = Vec::with_capacity(FRAME_HEADER_BYTES + payload.len());
-        encode_record(kind, payload, &mut frame)?;
+        encode_unsealed(kind, payload, &mut frame)?;
         let mut st = self.shared.state.lock();
         st.usable()?;
         let lsn = st.next_lsn;
