@@ -66,6 +66,7 @@ fn scratch(what: &str) -> PathBuf {
 fn template() -> &'static Template {
     static TEMPLATE: OnceLock<Template> = OnceLock::new();
     TEMPLATE.get_or_init(|| {
+        remove_stale_scratch();
         let dir = scratch("template");
         let engine = Engine::open_with(&dir, EngineConfig::default(), config()).expect("a new engine directory");
         let contexts: Vec<ContextId> = (0..3).map(|t| engine.create_context(spec(t)).expect("a valid spec")).collect();
@@ -93,6 +94,20 @@ fn template() -> &'static Template {
         files.sort();
         Template { dir, files, contexts, tokens, expected }
     })
+}
+
+/// Removes the scratch directories of processes that are gone (a template lives as long as
+/// its process and is never removed by it).
+fn remove_stale_scratch() {
+    let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some(rest) = name.strip_prefix("attnstore-fuzz-recover-") else { continue };
+        let pid = rest.split('-').next().unwrap_or_default();
+        if !Path::new("/proc").join(pid).exists() {
+            let _ = std::fs::remove_dir_all(entry.path());
+        }
+    }
 }
 
 fn collect_files(root: &Path, rel: &Path, out: &mut Vec<PathBuf>) {

@@ -112,8 +112,13 @@ impl EngineDir {
         if names.is_empty() && create {
             return Self::create(storage, path);
         }
+        let engine_like = names.iter().any(|n| ["MANIFEST", "wal", "data", "index", "LOCK"].contains(&n.as_str()));
         let found = match names.len() {
             0 => "an empty directory (open it with creation allowed to make it one)".to_string(),
+            _ if engine_like => format!(
+                "an engine directory without its {IDENTITY_FILE} file ({}): written by a build of log format 1, which this build does not read, or {IDENTITY_FILE} was deleted",
+                names.join(", ")
+            ),
             _ => {
                 let shown: Vec<&str> = names.iter().take(5).map(String::as_str).collect();
                 let more = if names.len() > 5 { format!(" and {} more", names.len() - 5) } else { String::new() };
