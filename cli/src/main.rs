@@ -6,7 +6,7 @@
 
 mod model;
 
-use attnstore::bench::{self, BenchConfig, BenchMethod};
+use attnstore::bench::{self, memory, BenchConfig, BenchMethod};
 use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method,
@@ -31,7 +31,16 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Benchmark exact attention, wave sparse attention and an oracle top-k on synthetic KV.
+    /// Benchmark sparse against exact attention on one layer of synthetic KV per --tokens
+    /// length, or their accuracy on a captured real trace (--trace).
+    ///
+    /// On synthetic KV one run measures a memory-read ceiling and exact attention, the index
+    /// builds of the methods measured, their sparse plans (--method: wave for every --estimate
+    /// and --selection, PQ for every --selection), PQ scoring against exact q·k scores, an
+    /// oracle top-k attending as many tokens exactly, and with --codec hack2 exact attention
+    /// over the 2-bit rows. Decode times come with exact attention timed in the same loop,
+    /// the output error and the recall of the true top-k. A length whose run cannot fit in
+    /// the available memory is refused before anything is allocated.
     Bench(BenchArgs),
     /// Print the plan (EXPLAIN) of one decode step over a synthetic context.
     Explain(ExplainArgs),
@@ -39,15 +48,21 @@ enum Command {
     /// run (decode steps on both), then print the buffer manager's tiers: capacity, used,
     /// hit ratio, bytes and latency moved, evictions, dropped access records, failures.
     Inspect(InspectArgs),
-    /// Verify every checksum of a durable engine directory and print what is there (read-only).
+    /// Verify every checksum of a durable engine directory and print what is there
+    /// (read-only); exits 1 on any damage, naming the file.
     Check {
-        /// The engine directory.
+        /// The engine directory (never made one if it is not).
         dir: PathBuf,
     },
-    /// Open a durable engine directory, run recovery (cuts torn tails) and report what replay did.
+    /// Open a durable engine directory, run recovery (zeroes the torn tail a crash left) and
+    /// report what replay did; refuses damage that may hide acknowledged appends.
     Recover {
-        /// The engine directory.
+        /// The engine directory (never made one if it is not).
         dir: PathBuf,
+        /// Accept losing acknowledged appends: cut the log at the first damage (and the data
+        /// its dropped records committed) instead of refusing, and print exactly what was cut.
+        #[arg(long)]
+        point_in_time: bool,
     },
     /// Benchmark group commit, recovery time per GB and the first attention after reopening.
     BenchWal(BenchWalArgs),
@@ -66,27 +81,28 @@ struct BenchWalArgs {
     /// Scratch directory (created, and deleted at the end).
     #[arg(long, default_value = "target/bench-wal")]
     dir: PathBuf,
-    /// Appending threads.
-    #[arg(long, default_value_t = 8)]
+    /// Appending threads (at least 1).
+    #[arg(long, default_value_t = 8, value_parser = parse_count)]
     threads: usize,
-    /// Records (and engine batches) per thread.
-    #[arg(long, default_value_t = 500)]
+    /// Records (and engine batches) per thread (at least 1).
+    #[arg(long, default_value_t = 500, value_parser = parse_count)]
     records: usize,
     /// Payload bytes per WAL record.
     #[arg(long, default_value_t = 4096)]
     record_bytes: usize,
     /// WAL records each thread keeps in flight in the pipelined group-commit condition
-    /// (submitted, then acknowledged by waiting for durability)
-    #[arg(long, default_value_t = 64)]
+    /// (submitted, then acknowledged by waiting for durability; at least 1).
+    #[arg(long, default_value_t = 64, value_parser = parse_count)]
     pipeline: usize,
-    /// Tokens per engine append batch.
-    #[arg(long, default_value_t = 16)]
+    /// Tokens per engine append batch (at least 1).
+    #[arg(long, default_value_t = 16, value_parser = parse_count)]
     batch_tokens: usize,
     /// Tokens of the long context (K and M suffixes allowed); 0 skips the recovery figures.
+    /// A context that cannot fit in the available memory is refused up front.
     #[arg(long, default_value = "128K", value_parser = parse_tokens_or_zero)]
     tokens: usize,
-    /// Layers of the long context.
-    #[arg(long, default_value_t = 1)]
+    /// Layers of the long context (at least 1).
+    #[arg(long, default_value_t = 1, value_parser = parse_count)]
     layers: usize,
     #[command(flatten)]
     shape: ShapeArgs,
@@ -142,7 +158,8 @@ impl BudgetArgs {
 
 #[derive(Args)]
 struct BenchArgs {
-    /// Context lengths, comma separated (K and M suffixes allowed).
+    /// Context lengths, comma separated (K and M suffixes allowed). A length that cannot fit
+    /// in the available memory is refused before anything is allocated.
     #[arg(long, default_value = "32K,128K", value_delimiter = ',', value_parser = parse_tokens)]
     tokens: Vec<usize>,
     #[command(flatten)]
@@ -155,11 +172,11 @@ struct BenchArgs {
     /// Selection modes to compare: per-kv-head, per-query-head.
     #[arg(long, default_value = "per-kv-head,per-query-head", value_delimiter = ',', value_parser = parse_mode)]
     selection: Vec<SelectionMode>,
-    /// Decode steps (distinct queries) per configuration.
-    #[arg(long, default_value_t = 4)]
+    /// Decode steps (distinct queries) per configuration (at least 1).
+    #[arg(long, default_value_t = 4, value_parser = parse_count)]
     queries: usize,
-    /// Timed repetitions per query.
-    #[arg(long, default_value_t = 5)]
+    /// Timed repetitions per query (at least 1; the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = parse_count)]
     reps: usize,
     /// Access methods to measure: wave, pq, or all (comma separated). The exact baseline and
     /// the oracle top-k always run.
@@ -216,8 +233,8 @@ struct InspectArgs {
     shape: ShapeArgs,
     #[command(flatten)]
     budget: BudgetArgs,
-    /// Sparse decode steps (distinct queries).
-    #[arg(long, default_value_t = 200)]
+    /// Sparse decode steps (distinct queries; at least 1).
+    #[arg(long, default_value_t = 200, value_parser = parse_count)]
     steps: usize,
     /// Of those, steps that also run an exact plan on both engines.
     #[arg(long, default_value_t = 3)]
@@ -238,7 +255,8 @@ struct InspectArgs {
     /// Do not run the asynchronous maintainer (nothing is admitted into the Gpu tier).
     #[arg(long)]
     no_maintainer: bool,
-    /// Block size in bytes (a multiple of 512).
+    /// Block size in bytes: a positive multiple of 64 (the cache line); with --spill-dir a
+    /// multiple of 512, since the Disk tier reads and writes blocks with O_DIRECT.
     #[arg(long, default_value_t = 2048)]
     block_bytes: usize,
 }
@@ -262,6 +280,21 @@ pub(crate) fn parse_tokens(s: &str) -> Result<usize, String> {
         Some(v) if v > 0 => Ok(v),
         _ => Err(format!("token count {s:?} must be positive and fit in memory")),
     }
+}
+
+/// A count that must be at least 1 (threads, records, steps, repetitions).
+pub(crate) fn parse_count(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(0) => Err("must be at least 1, got 0".into()),
+        Ok(n) => Ok(n),
+        Err(_) => Err(format!("{s:?} is not a count: expected a whole number of at least 1")),
+    }
+}
+
+/// Refuses a synthetic context of `tokens` tokens whose run needs more bytes (`needed`, a
+/// function of the token count) than the memory available, before anything is allocated.
+fn check_memory(what: &str, tokens: usize, needed: impl Fn(usize) -> Option<u64>) -> Result<(), String> {
+    memory::check_fits(what, tokens, memory::available_bytes(), needed).map_err(|e| e.to_string())
 }
 
 fn parse_tokens_or_zero(s: &str) -> Result<usize, String> {
@@ -339,8 +372,8 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         shape,
         dtype: codec_of(&args.shape).plain_dtype(),
         codec: codec_of(&args.shape),
-        queries: args.queries.max(1),
-        reps: args.reps.max(1),
+        queries: args.queries,
+        reps: args.reps,
         retrieve: args.budget.retrieve,
         retrieve_floor: args.budget.retrieve_floor,
         estimates: args.estimate,
@@ -354,6 +387,9 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         },
         pq_build_budget: args.pq_build_budget_ms.map(Duration::from_millis),
     };
+    if let Some(&most) = cfg.tokens.iter().max() {
+        check_memory("bench --tokens", most, |t| cfg.bytes_needed(t))?;
+    }
     let json = args.json;
     if !json {
         println!(
@@ -394,10 +430,14 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
         args.budget.budget().with_estimate(args.estimate).with_mode(args.selection)
     };
     budget.validate().map_err(|e| e.to_string())?;
+    let codec = codec_of(&args.shape);
+    check_memory("explain --tokens", args.tokens, |t| {
+        memory::run_bytes(&shape, t, memory::context_bytes(&shape, codec, t))
+    })?;
     let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
     let spec = ContextSpec::new(shape, 1)
         .with_dtype(args.shape.dtype)
-        .with_codec(codec_of(&args.shape))
+        .with_codec(codec)
         .with_method(args.method);
     let ctx = engine.create_context(spec).map_err(|e| e.to_string())?;
     let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
@@ -443,6 +483,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         seed: args.shape.seed,
         progress: true,
     };
+    check_memory("inspect --tokens", cfg.tokens, |t| cfg.bytes_needed(t))?;
     let report = attnstore::bench::inspect(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
     if !report.stats.gpu_on_device && !args.no_maintainer && cfg.buffers.gpu_blocks > 0 {
         eprintln!(
@@ -475,14 +516,24 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
 fn check(dir: PathBuf) -> Result<(), String> {
     let report = attnstore::durable::check(&dir).map_err(|e| format!("check failed: {e}"))?;
     println!("{report}");
-    Ok(())
+    match report.is_clean() {
+        true => Ok(()),
+        false => Err(format!("check found damage in {} (listed above)", dir.display())),
+    }
 }
 
-fn recover(dir: PathBuf) -> Result<(), String> {
-    if !dir.is_dir() {
-        return Err(format!("{} is not a directory", dir.display()));
-    }
-    let engine = Engine::open(&dir, EngineConfig::default()).map_err(|e| format!("recovery failed: {e}"))?;
+fn recover(dir: PathBuf, point_in_time: bool) -> Result<(), String> {
+    let recovery = match point_in_time {
+        true => attnstore::durable::RecoveryMode::PointInTime,
+        false => attnstore::durable::RecoveryMode::Strict,
+    };
+    let durable = attnstore::DurableConfig { create: false, recovery, ..attnstore::DurableConfig::default() };
+    let engine = Engine::open_with(&dir, EngineConfig::default(), durable).map_err(|e| match point_in_time {
+        true => format!("recovery failed: {e}"),
+        false => format!(
+            "recovery failed: {e}\n(`attnstore recover --point-in-time` cuts a damaged log at the damage, accepting the loss of what follows)"
+        ),
+    })?;
     if let Some(report) = engine.recovery_report() {
         println!("{report}");
     }
@@ -501,6 +552,8 @@ fn bench_wal(args: BenchWalArgs) -> Result<(), String> {
         layers: args.layers,
         shape: shape_of(&args.shape)?,
     };
+    cfg.validate().map_err(|e| e.to_string())?;
+    check_memory("bench-wal --tokens", cfg.context_tokens, |t| cfg.context_bytes_needed(t))?;
     println!("attnstore bench-wal in {} ({} CPU threads)", cfg.dir.display(), rayon::current_num_threads());
     attnstore::durable::bench::run(&cfg, &mut std::io::stdout()).map_err(|e| e.to_string())
 }
@@ -512,7 +565,7 @@ fn main() -> ExitCode {
         Command::Explain(a) => explain(a),
         Command::Inspect(a) => inspect(a),
         Command::Check { dir } => check(dir),
-        Command::Recover { dir } => recover(dir),
+        Command::Recover { dir, point_in_time } => recover(dir, point_in_time),
         Command::BenchWal(a) => bench_wal(a),
         Command::Generate(a) => model::generate(a),
         Command::Capture(a) => model::capture(a),

@@ -28,20 +28,25 @@ fn check_verifies_and_describes_a_directory_recover_cuts_a_torn_tail_and_corrupt
     let (ok, text) = attnstore(&["check", path]);
     assert!(ok, "{text}");
     assert!(text.contains("manifest: generation 1"), "{text}");
-    assert!(text.contains("context 1: 4 q heads / 2 kv heads, d=8, 2 layers, f16, flat"), "{text}");
+    assert!(text.contains("context 1: 4 q heads / 2 kv heads, d=8, 2 layers, codec f16, flat"), "{text}");
     assert!(text.contains("context 1 layer 0: 11 tokens in 2 chunks"), "{text}");
 
-    // Tear the last log record: recover reports and cuts it; check is clean afterwards.
+    // Cut the log short: that is damage, not a crash (log files are preallocated). Check and
+    // recover refuse, naming the file; recover --point-in-time cuts and says what it cut.
     let log = attnstore_wal::list_log_files(&dir.path().join(WAL_DIR)).unwrap().pop().unwrap().1;
-    let len = std::fs::metadata(&log).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&log).unwrap().set_len(len - 3).unwrap();
+    let log_name = log.file_name().unwrap().to_string_lossy().into_owned();
+    let written = std::fs::read(&log).unwrap();
+    let end = written.iter().rposition(|&b| b != 0).unwrap() + 1;
+    std::fs::OpenOptions::new().write(true).open(&log).unwrap().set_len(end as u64 - 3).unwrap();
     let (ok, text) = attnstore(&["check", path]);
-    assert!(ok && text.contains("torn tail"), "{text}");
+    assert!(!ok && text.contains(&log_name) && text.contains("cut short"), "{text}");
     let (ok, text) = attnstore(&["recover", path]);
-    assert!(ok && text.contains("bytes dropped"), "{text}");
-    assert!(text.contains("10 tokens"), "the torn append is gone: {text}");
+    assert!(!ok && text.contains(&log_name) && text.contains("--point-in-time"), "{text}");
+    let (ok, text) = attnstore(&["recover", "--point-in-time", path]);
+    assert!(ok && text.contains("POINT-IN-TIME RECOVERY") && text.contains(&log_name), "{text}");
+    assert!(text.contains("10 tokens"), "the cut append is gone: {text}");
     let (ok, text) = attnstore(&["check", path]);
-    assert!(ok && !text.contains("torn tail"), "{text}");
+    assert!(ok && text.ends_with("ok\n"), "{text}");
 
     // A flipped bit in a data file: check fails and names the file and offset.
     let data = dir.path().join(DATA_DIR).join("ctx-0000000001-layer-0000.kv");
@@ -51,4 +56,24 @@ fn check_verifies_and_describes_a_directory_recover_cuts_a_torn_tail_and_corrupt
     let (ok, text) = attnstore(&["check", path]);
     assert!(!ok, "{text}");
     assert!(text.contains("ctx-0000000001-layer-0000.kv: corrupt at offset 0"), "{text}");
+}
+
+#[test]
+fn check_and_recover_refuse_a_directory_that_is_not_an_engine_directory_and_change_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().to_str().unwrap();
+    for command in ["check", "recover"] {
+        let (ok, text) = attnstore(&[command, path]);
+        assert!(!ok && text.contains("not an attnstore engine directory") && text.contains("empty"), "{text}");
+    }
+    std::fs::write(dir.path().join("notes.txt"), b"mine").unwrap();
+    for command in ["check", "recover"] {
+        let (ok, text) = attnstore(&[command, path]);
+        assert!(!ok && text.contains("notes.txt"), "{text}");
+    }
+    let missing = dir.path().join("missing");
+    let (ok, text) = attnstore(&["recover", missing.to_str().unwrap()]);
+    assert!(!ok && text.contains("does not exist"), "{text}");
+    let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(names, vec![std::ffi::OsString::from("notes.txt")], "nothing was written");
 }

@@ -30,9 +30,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use attnstore_wal::{
-    write_manifest, LogWriter, Lsn, RecordKind, RecoveryMode, StdStorage, Storage, StorageFile, WriterConfig,
-};
+use attnstore_wal::{write_manifest, LogWriter, Lsn, RecordKind, StdStorage, Storage, StorageFile, WriterConfig};
 use parking_lot::{Mutex, RwLock};
 
 use crate::context::ContextId;
@@ -40,6 +38,7 @@ use crate::engine::{Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::spec::ContextSpec;
 
+pub use attnstore_wal::{LogCut, RecoveryMode};
 use datafile::ChunkOwner;
 pub use datafile::StoredBatch;
 pub use fuzz::fuzz_decode_catalog;
