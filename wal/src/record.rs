@@ -331,8 +331,9 @@ impl<'a> RecordReader<'a> {
             }
             let Some(payload) = rest.get(..header.len.get() as usize) else { return false };
             match self.identity {
-                // The next records of a log file (a torn group is far shorter than 4096 records).
-                Some(identity) => (1..=4096).any(|k| {
+                // The next records of a log file: the k-th one after the failing frame starts at
+                // least k frame heads after it (and a torn group is far shorter than 4096 records).
+                Some(identity) => (1..=((at - from) / FRAME_HEADER_BYTES).min(4096) as u64).any(|k| {
                     let seed = identity.frame_seed(self.ordinal + k);
                     frame_crc(Some(seed), header.kind, payload) == header.crc.get()
                 }),
