@@ -432,13 +432,10 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     budget.validate().map_err(|e| e.to_string())?;
     let codec = codec_of(&args.shape);
     check_memory("explain --tokens", args.tokens, |t| {
-        memory::run_bytes(&shape, t, memory::context_bytes(&shape, codec, t))
+        memory::run_bytes(&shape, t, memory::context_bytes(&shape, codec, &args.method, t))
     })?;
     let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
-    let spec = ContextSpec::new(shape, 1)
-        .with_dtype(args.shape.dtype)
-        .with_codec(codec)
-        .with_method(args.method);
+    let spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype).with_codec(codec).with_method(args.method);
     let ctx = engine.create_context(spec).map_err(|e| e.to_string())?;
     let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
     engine.prefill(ctx, 0, &synth.keys, &synth.values).map_err(|e| e.to_string())?;

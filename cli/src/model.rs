@@ -22,8 +22,8 @@ pub struct ModelArgs {
     /// between methods into different tokens).
     #[arg(long, value_parser = parse_weights)]
     weights: Option<Weights>,
-    /// Prefill chunk (tokens).
-    #[arg(long, default_value_t = 256)]
+    /// Prefill chunk (tokens; at least 1).
+    #[arg(long, default_value_t = 256, value_parser = crate::parse_count)]
     chunk: usize,
 }
 
@@ -72,8 +72,9 @@ pub struct GenerateArgs {
     /// The prompt (a user turn; the chat template is applied unless --raw).
     #[arg(long)]
     prompt_file: PathBuf,
-    /// Tokens to generate at most.
-    #[arg(long, default_value_t = 128)]
+    /// Tokens to generate at most (at least 1; with the prompt they must fit in the model's
+    /// context).
+    #[arg(long, default_value_t = 128, value_parser = crate::parse_count)]
     max_tokens: usize,
     /// Feed the file's text as is, without the chat template.
     #[arg(long)]
@@ -112,14 +113,19 @@ pub struct EvalArgs {
     /// Prompt lengths for agreement and attention error (K suffix allowed).
     #[arg(long, default_value = "2K,4K,8K", value_delimiter = ',', value_parser = crate::parse_tokens)]
     lengths: Vec<usize>,
-    /// Methods compared with exact: wave, pq, topk.
+    /// Methods compared with exact attention: wave, pq, topk (or oracle: top-k of the true
+    /// scores), and exact, which adds rows only with a 2-bit --codec (exact attention over
+    /// the 2-bit rows; over f16 it is the reference itself and is skipped).
     #[arg(long, default_value = "wave,pq,topk", value_delimiter = ',', value_parser = parse_method)]
     methods: Vec<AttnMethod>,
-    /// Budget scales relative to the default budget.
-    #[arg(long, default_value = "0.5,1,2", value_delimiter = ',')]
+    /// Budget scales relative to the default budget (each positive: retrieval fraction and
+    /// token floor are multiplied by it).
+    #[arg(long, default_value = "0.5,1,2", value_delimiter = ',', value_parser = parse_scale)]
     scales: Vec<f64>,
-    /// Tokens of the exact continuation (teacher-forced and free-running agreement).
-    #[arg(long, default_value_t = 64)]
+    /// Tokens of the exact continuation (teacher-forced and free-running agreement): at
+    /// least 2, since the first comes from the prompt's logits and agreement is measured
+    /// from the second on.
+    #[arg(long, default_value_t = 64, value_parser = parse_gen_tokens)]
     gen_tokens: usize,
     /// Skip the passkey test.
     #[arg(long)]
@@ -130,8 +136,9 @@ pub struct EvalArgs {
     /// Passkey prompt lengths.
     #[arg(long, default_value = "1K,2K,4K,8K", value_delimiter = ',', value_parser = crate::parse_tokens)]
     passkey_lengths: Vec<usize>,
-    /// Needle depths.
-    #[arg(long, default_value = "0.1,0.5,0.9", value_delimiter = ',')]
+    /// Needle depths: where the secret number sits in the haystack, as a fraction of it
+    /// (0 at the start, 1 at the end), each in 0..=1; one passkey trial per depth.
+    #[arg(long, default_value = "0.1,0.5,0.9", value_delimiter = ',', value_parser = parse_depth)]
     passkey_depths: Vec<f64>,
     /// Seed of the pass keys.
     #[arg(long, default_value_t = 7)]
@@ -173,6 +180,50 @@ fn parse_method(s: &str) -> Result<AttnMethod, String> {
     AttnMethod::parse(s.trim()).map_err(|e| e.to_string())
 }
 
+/// A budget scale: finite and positive.
+fn parse_scale(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
+        Ok(x) => Err(format!("budget scale {x} must be a positive number (1 is the default budget)")),
+        Err(_) => Err(format!("{s:?} is not a budget scale: expected a positive number such as 0.5, 1 or 2")),
+    }
+}
+
+/// A needle depth: a fraction of the haystack in 0..=1.
+fn parse_depth(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(x) if (0.0..=1.0).contains(&x) => Ok(x),
+        Ok(x) => Err(format!(
+            "passkey depth {x} is outside 0..=1: a depth is the fraction of the haystack before the needle \
+             (0 at the start, 1 at the end)"
+        )),
+        Err(_) => Err(format!("{s:?} is not a passkey depth: expected a fraction in 0..=1 such as 0.5")),
+    }
+}
+
+/// Tokens of the exact continuation: at least 2 (the first token comes from the prompt's
+/// logits; teacher-forced agreement is measured from the second on).
+fn parse_gen_tokens(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(n) if n >= 2 => Ok(n),
+        Ok(n) => Err(format!(
+            "{n} generated tokens leave nothing to compare: at least 2 are needed (the first comes from the \
+             prompt, agreement is measured from the second on)"
+        )),
+        Err(_) => Err(format!("{s:?} is not a token count: expected a whole number of at least 2")),
+    }
+}
+
+/// The text of a prompt file, checked before the model is loaded: readable, UTF-8 and not
+/// blank.
+fn read_prompt(file: &std::path::Path) -> Result<String, String> {
+    let text = std::fs::read_to_string(file).map_err(|e| format!("prompt file {}: {e}", file.display()))?;
+    if text.trim().is_empty() {
+        return Err(format!("prompt file {} is empty: the prompt needs at least one token", file.display()));
+    }
+    Ok(text)
+}
+
 fn load(args: &ModelArgs, default: Weights) -> Result<Model, String> {
     let path = args.model.clone().unwrap_or_else(default_model_path);
     let start = Instant::now();
@@ -182,9 +233,9 @@ fn load(args: &ModelArgs, default: Weights) -> Result<Model, String> {
     Ok(model)
 }
 
-fn prompt_ids(model: &Model, file: &std::path::Path, raw: bool) -> Result<Vec<u32>, String> {
-    let text = std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))?;
-    let text = if raw { text } else { Tokenizer::chat_prompt(text.trim()) };
+/// Token ids of a prompt text (from [`read_prompt`]), inside the chat template unless `raw`.
+fn prompt_ids(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>, String> {
+    let text = if raw { text.to_string() } else { Tokenizer::chat_prompt(text.trim()) };
     model.tokenizer().encode(&text).map_err(|e| e.to_string())
 }
 
@@ -209,11 +260,27 @@ fn prefill(model: &Model, ids: &[u32], chunk: usize) -> Result<attnstore_runtime
 
 /// `attnstore generate`.
 pub fn generate(args: GenerateArgs) -> Result<(), String> {
+    // Everything that can be checked without the model is checked before loading it.
+    let config = AttnConfig { budget: args.budget.budget()?, codec: args.budget.codec, ..AttnConfig::new(args.method) };
+    let text = read_prompt(&args.prompt_file)?;
     let model = load(&args.model, Weights::Quantized)?;
-    let ids = prompt_ids(&model, &args.prompt_file, args.raw)?;
+    let ids = prompt_ids(&model, &text, args.raw)?;
+    // The last generated token is not fed back: prompt + max_tokens - 1 positions are used.
+    let context = model.config().context_length;
+    if ids.len() > context {
+        return Err(format!("the prompt's {} tokens exceed the model's context of {context} tokens", ids.len()));
+    }
+    if ids.len() + args.max_tokens - 1 > context {
+        return Err(format!(
+            "the prompt's {} tokens and --max-tokens {} exceed the model's context of {context} tokens: \
+             at most {} tokens can be generated after this prompt",
+            ids.len(),
+            args.max_tokens,
+            (context + 1).saturating_sub(ids.len())
+        ));
+    }
     let p = prefill(&model, &ids, args.model.chunk)?;
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
-    let config = AttnConfig { budget: args.budget.budget()?, codec: args.budget.codec, ..AttnConfig::new(args.method) };
     let mut session = Session::new(&model, &engine, config, &p, false).map_err(|e| e.to_string())?;
     let tok = model.tokenizer();
     let start = Instant::now();
@@ -262,8 +329,9 @@ pub fn generate(args: GenerateArgs) -> Result<(), String> {
 
 /// `attnstore capture`.
 pub fn capture(args: CaptureArgs) -> Result<(), String> {
+    let text = read_prompt(&args.prompt_file)?;
     let model = load(&args.model, Weights::Quantized)?;
-    let ids = prompt_ids(&model, &args.prompt_file, args.raw)?;
+    let ids = prompt_ids(&model, &text, args.raw)?;
     let pb = bar(ids.len(), "prefill");
     let meta =
         trace::capture(&model, &ids, args.model.chunk, args.steps, &args.out, &mut |n| pb.set_position(n as u64))
@@ -360,7 +428,8 @@ fn trace_table(rows: &[TraceRow]) -> String {
 
 /// `attnstore eval`.
 pub fn eval(args: EvalArgs) -> Result<(), String> {
-    let model = load(&args.model, Weights::Dequantized)?;
+    // Everything that can be checked without the model is checked before loading it (the
+    // parsers have checked scales, depths and --gen-tokens).
     let base = args.budget.budget()?;
     let mut variants = Vec::new();
     let codec = args.budget.codec;
@@ -370,32 +439,47 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
             continue;
         }
         for &s in &args.scales {
-            if !(s.is_finite() && s > 0.0) {
-                return Err(format!("budget scale {s} must be positive"));
-            }
-            variants.push((AttnConfig { budget: base, codec, ..AttnConfig::new(m) }.scaled(s), s));
+            let config = AttnConfig { budget: base, codec, ..AttnConfig::new(m) }.scaled(s);
+            config.budget.validate().map_err(|e| format!("budget scale {s}: {e}"))?;
+            variants.push((config, s));
         }
     }
-    let config = EvalConfig {
-        lengths: args.lengths,
-        variants,
-        gen_tokens: args.gen_tokens.max(2),
-        passkey_lengths: if args.skip_passkey { Vec::new() } else { args.passkey_lengths },
-        passkey_depths: args.passkey_depths,
-        seed: args.seed,
-        chunk: args.model.chunk,
-        summary_text: match &args.summary_text {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
-                let name = path.file_stem().map_or_else(|| "text".into(), |s| s.to_string_lossy().into_owned());
-                Some((name, text))
-            }
-            None => None,
-        },
+    if variants.is_empty() {
+        return Err(format!(
+            "--methods {} leaves nothing to compare with exact attention over {codec}: name wave, pq or topk \
+             (exact is a variant only with a 2-bit --codec such as hack2)",
+            args.methods.iter().map(|m| m.name()).collect::<Vec<_>>().join(",")
+        ));
+    }
+    let summary_text = match &args.summary_text {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+            let name = path.file_stem().map_or_else(|| "text".into(), |s| s.to_string_lossy().into_owned());
+            Some((name, text))
+        }
+        None => None,
     };
     let json_file = match &args.json_out {
         Some(p) => Some(std::fs::File::create(p).map_err(|e| format!("{}: {e}", p.display()))?),
         None => None,
+    };
+    let model = load(&args.model, Weights::Dequantized)?;
+    let context = model.config().context_length;
+    if args.gen_tokens >= context {
+        return Err(format!(
+            "--gen-tokens {} leaves no room for a prompt in the model's context of {context} tokens",
+            args.gen_tokens
+        ));
+    }
+    let config = EvalConfig {
+        lengths: args.lengths,
+        variants,
+        gen_tokens: args.gen_tokens,
+        passkey_lengths: if args.skip_passkey { Vec::new() } else { args.passkey_lengths },
+        passkey_depths: args.passkey_depths,
+        seed: args.seed,
+        chunk: args.model.chunk,
+        summary_text,
     };
     let json_file = std::cell::RefCell::new(json_file);
     let emit = |line: String| {
@@ -475,8 +559,9 @@ fn passkey_table(rows: &[PasskeyRow]) -> String {
 /// `attnstore argmax`: the exact method's greedy continuation, then per position of prompt
 /// and continuation the teacher-forced argmax, written as JSON for scripts/llamacpp-check.
 pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
+    let text = read_prompt(&args.prompt_file)?;
     let model = load(&args.model, Weights::Quantized)?;
-    let ids = prompt_ids(&model, &args.prompt_file, false)?;
+    let ids = prompt_ids(&model, &text, false)?;
     let p = prefill(&model, &ids, args.model.chunk)?;
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
     let mut s =
@@ -492,7 +577,7 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
         "prompt_tokens": ids.len(),
         "argmax_from": ids.len() - 1,
         "argmax": cont,
-        "prompt_text": Tokenizer::chat_prompt(std::fs::read_to_string(&args.prompt_file).unwrap_or_default().trim()),
+        "prompt_text": Tokenizer::chat_prompt(text.trim()),
     });
     std::fs::write(&args.out, serde_json::to_vec(&value).expect("serializes"))
         .map_err(|e| format!("{}: {e}", args.out.display()))?;

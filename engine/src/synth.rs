@@ -32,6 +32,22 @@ impl SynthParams {
     pub fn new(shape: AttnShape, tokens: usize, seed: u64) -> Self {
         Self { shape, tokens, seed, tokens_per_topic: 512, mean_run_tokens: 64, outlier_channels: 4, key_noise: 0.7 }
     }
+
+    /// Bytes of the generated keys and values (f32: `2 × kv_heads × tokens × head_dim × 4`);
+    /// `None` past `u64`.
+    pub fn kv_bytes(&self) -> Option<u64> {
+        let s = self.shape;
+        [s.kv_heads, self.tokens, s.head_dim].into_iter().try_fold(8u64, |acc, n| acc.checked_mul(n as u64))
+    }
+
+    /// Resident bytes [`SynthContext::generate`] holds at its peak: every head's rows,
+    /// generated in parallel, and the head-major keys and values they are copied into one
+    /// head at a time (each head's rows are freed once copied): [`SynthParams::kv_bytes`]
+    /// and one head more. `None` past `u64`.
+    pub fn peak_bytes(&self) -> Option<u64> {
+        let all = self.kv_bytes()?;
+        all.checked_add(all / self.shape.kv_heads.max(1) as u64)
+    }
 }
 
 /// A generated context: keys and values `kv_heads × tokens × head_dim` (f32), plus the
@@ -155,5 +171,15 @@ mod tests {
         let (k, _) = a.slice(10, 12);
         assert_eq!(&k[..16], &a.keys[10 * 16..11 * 16]);
         assert_eq!(&k[32..48], &a.keys[(300 + 10) * 16..(300 + 11) * 16]);
+    }
+
+    #[test]
+    fn kv_bytes_count_the_f32_keys_and_values_and_overflow_gives_none() {
+        let shape = AttnShape::new(4, 2, 16).unwrap();
+        let p = SynthParams::new(shape, 300, 1);
+        let c = SynthContext::generate(p);
+        assert_eq!(p.kv_bytes(), Some(((c.keys.len() + c.values.len()) * 4) as u64));
+        assert_eq!(p.peak_bytes(), Some(p.kv_bytes().unwrap() / 2 * 3));
+        assert_eq!(SynthParams::new(shape, usize::MAX, 1).kv_bytes(), None);
     }
 }

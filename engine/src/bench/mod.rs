@@ -3,6 +3,7 @@
 //! on synthetic contexts. Prints ratios against same-run baselines plus absolute figures (BENCH.md).
 
 mod inspect;
+pub mod memory;
 mod report;
 
 pub use inspect::{blocks_for_codec, blocks_for_context, inspect, InspectConfig, InspectReport};
@@ -68,6 +69,27 @@ pub enum BenchMethod {
     Wave,
     /// The PQ index (PQCache).
     Pq,
+}
+
+impl BenchConfig {
+    /// Bytes a run over `tokens` tokens holds at its peak (see [`memory::run_bytes`]): the
+    /// synthetic f32 keys and values, their copies in the baseline's type, the memory-read
+    /// baseline's buffer of the same size (freed before the engine's contexts are made),
+    /// and the flat, wave and PQ contexts the methods measured need. `None` past `u64`.
+    pub fn bytes_needed(&self, tokens: usize) -> Option<u64> {
+        let shape = &self.shape;
+        let f32_kv = crate::synth::SynthParams::new(*shape, tokens, self.seed).kv_bytes()?;
+        let copies = f32_kv / 4 * self.dtype.size_bytes() as u64;
+        let stored = |codec: Codec, method: Method| memory::context_bytes(shape, codec, &method, tokens);
+        let mut contexts = stored(Codec::from(self.dtype), Method::Flat)?;
+        if self.methods.contains(&BenchMethod::Wave) || self.codec.hack().is_some() {
+            contexts = contexts.checked_add(stored(self.codec, Method::Wave(WaveParams::default()))?)?;
+        }
+        if self.methods.contains(&BenchMethod::Pq) {
+            contexts = contexts.checked_add(stored(self.codec, Method::Pq(PqParams::default()))?)?;
+        }
+        memory::run_bytes(shape, tokens, copies.checked_add(copies.max(contexts)))
+    }
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {

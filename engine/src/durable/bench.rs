@@ -60,15 +60,19 @@ impl WalBenchConfig {
     }
 
     /// Bytes the long-context figures hold at their peak with a context of `tokens` tokens
-    /// (0: they are skipped): the synthetic f32 keys and values, and one engine's context of
-    /// `layers` layers in f16 (the largest of the conditions; each engine is dropped before
-    /// the next opens). `None` past `u64`.
+    /// (0: they are skipped): the synthetic f32 keys and values, and per layer twice a wave
+    /// f16 context (the largest of the conditions: each engine is dropped before the next
+    /// opens, but the allocator keeps much of what one freed) plus its f16 rows read back
+    /// on reopening. Measured: peak RSS of `attnstore bench-wal --tokens 64K` 1.83 GiB,
+    /// estimated 2.08 GiB. `None` past `u64`.
     pub fn context_bytes_needed(&self, tokens: usize) -> Option<u64> {
         if tokens == 0 {
             return Some(0);
         }
-        let stored = crate::bench::memory::context_bytes(&self.shape, crate::Codec::F16, tokens)?;
-        crate::bench::memory::run_bytes(&self.shape, tokens, stored.checked_mul(self.layers as u64))
+        let memory =
+            |method: &Method| crate::bench::memory::context_bytes(&self.shape, crate::Codec::F16, method, tokens);
+        let per_layer = memory(&Method::default())?.checked_mul(2)?.checked_add(memory(&Method::Flat)?)?;
+        crate::bench::memory::run_bytes(&self.shape, tokens, per_layer.checked_mul(self.layers as u64))
     }
 }
 
