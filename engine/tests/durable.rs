@@ -2,6 +2,9 @@
 //! uncommitted data are cut, corruption and missing files are typed errors naming the file
 //! and offset, and a full disk or failed fsync never leaves half-visible batches.
 
+mod common;
+use common::copy_dir;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -233,19 +236,6 @@ fn a_truncated_log_is_damage_unless_point_in_time_recovery_is_asked_for_and_then
         }
         drop(engine);
         assert!(attnstore::durable::check(copy.path()).is_ok(), "repaired at cut {cut}");
-    }
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
     }
 }
 

@@ -12,6 +12,9 @@
 //! Never an acknowledged batch silently missing, never wrong bytes served. Open and check
 //! must also agree: a directory that `check` passes clean opens.
 
+mod common;
+use common::copy_dir;
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -141,19 +144,6 @@ enum Fault {
     DanglingLink,
     LinkTo(&'static str),
     SwapWith,
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for entry in std::fs::read_dir(from).unwrap() {
-        let entry = entry.unwrap();
-        let target = to.join(entry.file_name());
-        if entry.file_type().unwrap().is_dir() {
-            copy_dir(&entry.path(), &target);
-        } else {
-            std::fs::copy(entry.path(), target).unwrap();
-        }
-    }
 }
 
 /// Every file of `dir` (relative paths), in a stable order.
