@@ -141,6 +141,11 @@ fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
 fn apply(dir: &Path, files: &[PathBuf], op: [u8; 4]) {
     let file = &files[op[0] as usize % files.len()];
     let path = dir.join(file);
+    // An earlier fault may have put a link (to `/dev/zero`, say) or a directory here: the
+    // harness itself reads only regular files.
+    if !std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_file()) {
+        return;
+    }
     let Ok(mut bytes) = std::fs::read(&path) else { return };
     let at = |len: usize| if len == 0 { 0 } else { usize::from(u16::from_le_bytes([op[2], op[3]])) * len / 65536 };
     let value = op[3] | 1;
@@ -165,8 +170,9 @@ fn apply(dir: &Path, files: &[PathBuf], op: [u8; 4]) {
         4 => std::fs::remove_file(&path),
         5 => {
             let other = dir.join(&files[op[2] as usize % files.len()]);
+            let regular = std::fs::symlink_metadata(&other).is_ok_and(|m| m.file_type().is_file());
             match std::fs::read(&other) {
-                Ok(theirs) if other != path => {
+                Ok(theirs) if regular && other != path => {
                     std::fs::write(&path, theirs).and_then(|()| std::fs::write(&other, bytes))
                 }
                 _ => Ok(()),
