@@ -170,11 +170,11 @@ fn apply(dir: &Path, files: &[PathBuf], op: [u8; 4]) {
         4 => std::fs::remove_file(&path),
         5 => {
             let other = dir.join(&files[op[2] as usize % files.len()]);
-            let regular = std::fs::symlink_metadata(&other).is_ok_and(|m| m.file_type().is_file());
+            if other == path || !std::fs::symlink_metadata(&other).is_ok_and(|m| m.file_type().is_file()) {
+                return;
+            }
             match std::fs::read(&other) {
-                Ok(theirs) if regular && other != path => {
-                    std::fs::write(&path, theirs).and_then(|()| std::fs::write(&other, bytes))
-                }
+                Ok(theirs) => std::fs::write(&path, theirs).and_then(|()| std::fs::write(&other, bytes)),
                 _ => Ok(()),
             }
         }
