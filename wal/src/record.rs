@@ -164,12 +164,16 @@ fn frame_crc(seed: Option<u32>, kind_code: u8, payload: &[u8]) -> u32 {
 }
 
 fn encode_frame(kind: RecordKind, payload: &[u8], seed: Option<u32>, out: &mut Vec<u8>) -> Result<(), Error> {
+    push_frame(kind, payload, || frame_crc(seed, kind.code(), payload), out)
+}
+
+/// Appends the frame of `payload` with the crc `crc` gives, once the length is known to fit.
+fn push_frame(kind: RecordKind, payload: &[u8], crc: impl FnOnce() -> u32, out: &mut Vec<u8>) -> Result<(), Error> {
     let len = u32::try_from(payload.len())
         .ok()
         .filter(|&len| len <= MAX_RECORD_BYTES)
         .ok_or(Error::PayloadTooLarge { max_bytes: MAX_RECORD_BYTES as usize, got_bytes: payload.len() })?;
-    let crc = frame_crc(seed, kind.code(), payload);
-    let header = FrameHeader::new(len, kind.code(), crc);
+    let header = FrameHeader::new(len, kind.code(), crc());
     out.reserve(FRAME_HEADER_BYTES + payload.len());
     out.extend_from_slice(header.as_bytes());
     out.extend_from_slice(payload);
@@ -204,14 +208,7 @@ pub(crate) fn encode_raw(identity: FileIdentity, ordinal: u64, kind_code: u8, pa
 
 /// A frame whose checksum is left for [`seal_frame`] to fill in.
 pub(crate) fn encode_unsealed(kind: RecordKind, payload: &[u8], out: &mut Vec<u8>) -> Result<(), Error> {
-    let len = u32::try_from(payload.len())
-        .ok()
-        .filter(|&len| len <= MAX_RECORD_BYTES)
-        .ok_or(Error::PayloadTooLarge { max_bytes: MAX_RECORD_BYTES as usize, got_bytes: payload.len() })?;
-    out.reserve(FRAME_HEADER_BYTES + payload.len());
-    out.extend_from_slice(FrameHeader::new(len, kind.code(), 0).as_bytes());
-    out.extend_from_slice(payload);
-    Ok(())
+    push_frame(kind, payload, || 0, out)
 }
 
 /// Seals a frame made by [`encode_unsealed`] (or [`encode_record`]) as the record at `key` (its LSN) of the
