@@ -1,9 +1,10 @@
 //! A context in the catalog: its spec and, per layer, the access method holding its KV.
 
 use crate::error::Result;
+use crate::exec::home::BlockStore;
 use crate::spec::{ContextSpec, LayerKind, Method};
 use attnstore_buffer::{BufferManager, Reservation};
-use attnstore_index::{AccessMethod, BlockStore, FlatIndex, PqIndex, WaveIndex, WindowIndex};
+use attnstore_index::{AccessMethod, FlatIndex, PqIndex, WaveIndex, WindowIndex};
 use attnstore_kernels::{DType, Element};
 use half::{bf16, f16};
 use parking_lot::RwLock;
@@ -24,6 +25,9 @@ impl fmt::Display for ContextId {
 pub(crate) struct Layer {
     pub kind: LayerKind,
     pub method: Box<dyn AccessMethod>,
+    /// Where the method homes indexed rows in the engine's buffer manager (wave layers
+    /// use it; the executor reads homed rows through it).
+    pub home: Option<BlockStore>,
     /// Host memory held for this layer's KV.
     pub reservation: Option<Reservation>,
     /// Bumped by every prefill or append, so a plan can tell it is stale.
@@ -47,10 +51,11 @@ impl Context {
             .iter()
             .enumerate()
             .map(|(layer, &kind)| {
-                let blocks = buffers.map(|b| BlockStore::new(Arc::clone(b), id.0, layer as u32));
+                let home = buffers.map(|b| BlockStore::new(Arc::clone(b), id.0, layer as u32));
                 Ok(RwLock::new(Layer {
                     kind,
-                    method: make_method(&spec, kind, blocks)?,
+                    method: make_method(&spec, kind, home.as_ref())?,
+                    home,
                     reservation: None,
                     version: 0,
                     prefilled: false,
@@ -62,25 +67,25 @@ impl Context {
     }
 }
 
-/// The access method of one layer; `blocks` homes a wave index's segment rows in the buffer
+/// The access method of one layer; `home` homes a wave index's segment rows in the buffer
 /// manager, plain or 2-bit (`hack2`) (ignored by other methods).
 pub(crate) fn make_method(
     spec: &ContextSpec,
     kind: LayerKind,
-    blocks: Option<BlockStore>,
+    home: Option<&BlockStore>,
 ) -> Result<Box<dyn AccessMethod>> {
     fn typed<E: Element>(
         spec: &ContextSpec,
         kind: LayerKind,
-        blocks: Option<BlockStore>,
+        home: Option<&BlockStore>,
     ) -> Result<Box<dyn AccessMethod>> {
         let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
         Ok(match (kind, spec.method) {
             (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
             (LayerKind::Global, Method::Wave(p)) => {
                 let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?;
-                match blocks {
-                    Some(store) => Box::new(index.with_blocks(store)?),
+                match home {
+                    Some(store) => Box::new(index.with_home(Arc::new(store.clone()))?),
                     _ => Box::new(index),
                 }
             }
@@ -89,8 +94,8 @@ pub(crate) fn make_method(
         })
     }
     match spec.dtype {
-        DType::F32 => typed::<f32>(spec, kind, blocks),
-        DType::F16 => typed::<f16>(spec, kind, blocks),
-        DType::Bf16 => typed::<bf16>(spec, kind, blocks),
+        DType::F32 => typed::<f32>(spec, kind, home),
+        DType::F16 => typed::<f16>(spec, kind, home),
+        DType::Bf16 => typed::<bf16>(spec, kind, home),
     }
 }

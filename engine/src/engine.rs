@@ -8,7 +8,7 @@ use crate::error::{check_finite, Error, Result};
 use crate::plan::{Plan, Request};
 use crate::spec::{ContextSpec, LayerKind};
 use attnstore_buffer::{BlockLayout, MemoryBudget, Tier};
-use attnstore_index::{BuildReport, HeadPlan, IndexStats, ZoneBudget};
+use attnstore_index::{BuildReport, IndexStats};
 use parking_lot::RwLock;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -453,25 +453,7 @@ impl Engine {
             })
             .collect::<Result<Vec<_>>>()?;
         let layers: Vec<&Layer> = guards.iter().map(|g| &**g).collect();
-        crate::execute::run(plan, &layers)
-    }
-
-    /// The per-KV-head plans the CPU executor runs for `r`: its own, or for a device-selected
-    /// plan the same zones chosen on the CPU (the retrieval zone's tokens, every other
-    /// cluster estimated).
-    pub(crate) fn cpu_heads<'p>(r: &'p crate::plan::RequestPlan, layer: &Layer) -> std::borrow::Cow<'p, [HeadPlan]> {
-        let Some(dev) = &r.device else { return std::borrow::Cow::Borrowed(&r.heads) };
-        let zone = ZoneBudget {
-            retrieve_tokens: dev.retrieve_tokens,
-            estimate_tokens: usize::MAX,
-            mode: attnstore_index::SelectionMode::PerKvHead,
-        };
-        let (g, d) = (r.shape.group(), r.shape.head_dim);
-        std::borrow::Cow::Owned(
-            (0..r.shape.kv_heads)
-                .map(|h| layer.method.plan_head(h, &r.queries[h * g * d..(h + 1) * g * d], &zone))
-                .collect(),
-        )
+        crate::exec::run(plan, &layers)
     }
 
     /// Token positions that query head `q_head` of request `request` attends exactly under
@@ -489,7 +471,7 @@ impl Engine {
         let guard = layer_of(&ctx, r.context, r.layer)?.read_recursive();
         check_fresh(r, &guard)?;
         let g = r.shape.group();
-        let heads = Engine::cpu_heads(r, &guard);
+        let (heads, _) = crate::exec::cpu_heads(r, &guard);
         Ok(guard.method.exact_positions(q_head / g, &heads[q_head / g], q_head % g))
     }
 

@@ -82,7 +82,7 @@ pub enum Error {
     },
     /// An access method rejected its input or parameters.
     #[error(transparent)]
-    Index(#[from] attnstore_index::Error),
+    Index(attnstore_index::Error),
     /// A kernel rejected its input.
     #[error(transparent)]
     Kernel(#[from] attnstore_kernels::Error),
@@ -159,6 +159,19 @@ pub enum Error {
     /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
     #[error("{0} needs a durable engine (Engine::open), this one is in memory")]
     NotDurable(&'static str),
+}
+
+impl From<attnstore_index::Error> for Error {
+    /// An index error, except that a failure of the buffer manager homing the index's rows
+    /// comes back as the buffer manager's own [`Error::Buffer`].
+    fn from(e: attnstore_index::Error) -> Self {
+        if let attnstore_index::Error::Home(home) = &e {
+            if let Some(buffer) = home.0.downcast_ref::<attnstore_buffer::Error>() {
+                return Error::Buffer(buffer.clone());
+            }
+        }
+        Error::Index(e)
+    }
 }
 
 /// Result alias of this crate.

@@ -2,7 +2,7 @@
 //! them where the buffer manager keeps them — Gpu-tier hits from device memory, the rest
 //! zero-copy from the pinned, device-mapped Host arena — in one decode kernel launch per
 //! request; the steady zone (a few dozen rows per head) and the estimation zone are computed
-//! on the CPU (`AccessMethod::gpu_work`) and merged with the GPU's partials by log-sum-exp.
+//! on the CPU (`exec::device::gpu_work`) and merged with the GPU's partials by log-sum-exp.
 //!
 //! Blocks are pinned (CPU latches) from before the launch until the results are back, so the
 //! maintainer can neither evict nor overwrite a slot a kernel reads. Requests the GPU cannot
@@ -28,7 +28,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
-use attnstore_index::GpuHackWork;
 use attnstore_kernels::cuda::{
     ArenaCache, DeviceWave, GpuBackend, KvPointers, PagedGroup, RowRef, SharedRows, WaveBatch, WaveCache, WaveFetched,
     WaveJob, WaveStep,
@@ -40,6 +39,7 @@ use rayon::prelude::*;
 use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
+use crate::exec::device::{gpu_hack_work, gpu_work, GpuHackWork};
 use crate::plan::{Plan, RequestPlan};
 
 /// Steady-zone rows a device copy holds beyond the zone's length when it is made (decode
@@ -109,12 +109,18 @@ impl GpuExec {
 
 /// `layer`'s device copy: `cached` brought up to date (steady rows appended), or made anew
 /// when there is none, a segment was added or the steady zone outgrew it. `None` when the
-/// layer cannot run on the device (see `AccessMethod::arena_layer`; e.g. a block spilled).
-fn device_layer(gpu: &GpuBackend, cached: Option<DeviceLayer>, layer: &Layer) -> Result<Option<DeviceLayer>> {
+/// layer cannot run on the device (see `exec::device::arena_layer`; e.g. a block spilled).
+fn device_layer(
+    gpu: &GpuBackend,
+    cached: Option<DeviceLayer>,
+    layer: &Layer,
+    kv_heads: usize,
+    d: usize,
+) -> Result<Option<DeviceLayer>> {
     let indexed = layer.method.stats().indexed_tokens;
     if let Some(mut dl) = cached.filter(|dl| dl.indexed == indexed) {
         let synced = dl.wave.steady_rows();
-        let Some(rows) = layer.method.steady_rows_from(synced) else { return Ok(None) };
+        let Some(rows) = layer.method.clustered().and_then(|c| c.steady_rows_from(synced)) else { return Ok(None) };
         if rows.len >= synced && rows.len <= dl.wave.steady_capacity() {
             if rows.len > synced {
                 gpu.set_steady(&mut dl.wave, synced, &rows.keys, &rows.values)?;
@@ -122,12 +128,12 @@ fn device_layer(gpu: &GpuBackend, cached: Option<DeviceLayer>, layer: &Layer) ->
             return Ok(Some(dl));
         }
     }
-    let arena = match layer.method.arena_layer() {
+    let arena = match crate::exec::device::arena_layer(layer, kv_heads, d) {
         Some(Ok(arena)) => arena,
         // Not servable here (or a block not in the Host arena): the CPU runs it.
         None | Some(Err(_)) => return Ok(None),
     };
-    let Some(steady) = layer.method.steady_rows_from(0) else { return Ok(None) };
+    let Some(steady) = layer.method.clustered().and_then(|c| c.steady_rows_from(0)) else { return Ok(None) };
     let mut wave = gpu.upload_arena_wave(&arena.wave, steady.len + STEADY_SLACK)?;
     gpu.set_steady(&mut wave, 0, &steady.keys, &steady.values)?;
     Ok(Some(DeviceLayer {
@@ -470,7 +476,7 @@ impl Engine {
         let key = (r.context, r.layer);
         let gpu = self.gpu.backend(d)?;
         let cached = state.layers.remove(&key);
-        let Some(mut dl) = device_layer(&gpu, cached, layer)? else { return Ok(None) };
+        let Some(mut dl) = device_layer(&gpu, cached, layer, r.shape.kv_heads, d)? else { return Ok(None) };
         let job = match dl.jobs.iter().position(|(n, _)| *n == dev.clusters_per_head) {
             Some(at) => at,
             None => {
@@ -527,11 +533,15 @@ impl Engine {
                 }
             };
             let (g, d) = (r.shape.group(), r.shape.head_dim);
-            let heads = (0..r.shape.kv_heads)
-                .map(|h| guard.method.plan_head_retrieving(h, &r.queries[h * g * d..(h + 1) * g * d], &selection[h]))
-                .collect::<Option<Vec<_>>>()
+            let clustered = guard
+                .method
+                .clustered()
+                .filter(|c| c.storage() == attnstore_index::RowStorage::Homed)
                 .ok_or_else(|| Error::InvalidSpec(format!("{} layer {} cannot be analyzed", r.context, r.layer)))?;
-            *r = r.chosen(heads, self.config());
+            let heads = (0..r.shape.kv_heads)
+                .map(|h| clustered.plan_head_retrieving(h, &r.queries[h * g * d..(h + 1) * g * d], &selection[h]))
+                .collect::<Vec<_>>();
+            *r = r.chosen(heads, &guard, self.config());
         }
         Ok(out)
     }
@@ -548,10 +558,10 @@ impl Engine {
         let sh = r.shape;
         let (g, d) = (sh.group(), sh.head_dim);
         // Per KV head on rayon threads (the estimation partials are CPU work).
-        let method = &guard.method;
+        let layer: &crate::context::Layer = &guard;
         let hack: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
-            .map(|h| method.gpu_hack_work(h, &r.queries[h * g * d..(h + 1) * g * d], &r.heads[h]))
+            .map(|h| gpu_hack_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h]))
             .collect();
         if let Some(works) = hack {
             let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
@@ -560,7 +570,7 @@ impl Engine {
         }
         let works: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
-            .map(|h| method.gpu_work(h, &r.queries[h * g * d..(h + 1) * g * d], &r.heads[h]))
+            .map(|h| gpu_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], &r.blocks[h]))
             .collect();
         let Some(works) = works else { return Ok(None) };
         let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;

@@ -15,7 +15,7 @@ mod context;
 pub mod durable;
 mod engine;
 mod error;
-mod execute;
+mod exec;
 mod explain;
 #[cfg(feature = "cuda")]
 mod gpu;
@@ -27,7 +27,7 @@ pub mod synth;
 
 pub mod bench;
 
-pub use attnstore_buffer::{BlockLayout, BufferStats, ReplacerKind, Tier, TierStats};
+pub use attnstore_buffer::{BlockLayout, BlockLocation, BufferStats, ReplacerKind, Tier, TierStats};
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
 pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
 pub use budget::{Budget, EstimateShare};
@@ -36,6 +36,7 @@ pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{AppendTicket, Engine, EngineConfig};
 pub use error::{Error, Result};
+pub use exec::execute_head;
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;
 pub use plan::{DeviceSelection, Plan, PlanCost, Request, RequestPlan, Strategy};

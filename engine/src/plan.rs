@@ -121,6 +121,11 @@ pub struct RequestPlan {
     /// One plan per KV head (a device-selected plan's hold only the steady zone: its
     /// clusters are chosen at execution).
     pub heads: Vec<HeadPlan>,
+    /// Per KV head and selection, the blocks of the retrieved clusters as the buffer
+    /// manager's mapping table gave them at planning time (each one's source tier is
+    /// `location.tier()`; execution pins exactly these). Empty lists when the rows are not
+    /// homed per cluster.
+    pub blocks: Vec<Vec<Vec<attnstore_buffer::BlockLocation>>>,
     /// Set when the clusters are chosen on the GPU at execution ([`crate::Engine::plan_gpu`]).
     pub device: Option<DeviceSelection>,
     /// What the plan touches.
@@ -168,11 +173,12 @@ impl RequestPlan {
     /// This plan with its clusters chosen as `heads` (a device-selected plan, analyzed after
     /// the GPU chose them): an ordinary sparse plan, its cost counted from `heads`.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "used by the GPU executor"))]
-    pub(crate) fn chosen(&self, heads: Vec<HeadPlan>, config: &EngineConfig) -> RequestPlan {
+    pub(crate) fn chosen(&self, heads: Vec<HeadPlan>, layer: &Layer, config: &EngineConfig) -> RequestPlan {
         let row_bytes = self.shape.head_dim * self.dtype.size_bytes();
         let rows = RowBytes { plain: 2 * row_bytes, indexed: self.codec.kv_row_bytes(self.shape.head_dim) };
-        let cost = cost_of(&heads, self.tokens, rows, self.cost.exact_bytes, config);
-        RequestPlan { heads, device: None, cost, ..self.clone() }
+        let blocks = crate::exec::record_blocks(layer, &heads);
+        let cost = cost_of(&heads, &blocks, self.tokens, rows, self.cost.exact_bytes, config);
+        RequestPlan { heads, blocks, device: None, cost, ..self.clone() }
     }
 }
 
@@ -268,8 +274,10 @@ pub(crate) fn plan_request(
         }
         _ => None,
     };
-    let (strategy, heads): (Strategy, Vec<HeadPlan>) = match exact_reason {
-        Some(reason) => (Strategy::Exact { reason }, (0..shape.kv_heads).map(|_| layer.method.plan_exact()).collect()),
+    let (strategy, (heads, blocks)): (Strategy, (Vec<HeadPlan>, Vec<_>)) = match exact_reason {
+        Some(reason) => {
+            (Strategy::Exact { reason }, (0..shape.kv_heads).map(|_| (layer.method.plan_exact(), Vec::new())).unzip())
+        }
         None if device.is_some() => {
             let steady = HeadPlan {
                 exact: false,
@@ -277,17 +285,21 @@ pub(crate) fn plan_request(
                 pending_tokens: stats.pending_tokens,
                 selections: Vec::new(),
             };
-            (Strategy::Sparse { zone }, vec![steady; shape.kv_heads])
+            (Strategy::Sparse { zone }, (vec![steady; shape.kv_heads], vec![Vec::new(); shape.kv_heads]))
         }
         None => (
             Strategy::Sparse { zone },
             (0..shape.kv_heads)
                 .into_par_iter()
-                .map(|h| layer.method.plan_head(h, &q[h * g * d..(h + 1) * g * d], &zone))
-                .collect(),
+                .map(|h| {
+                    let plan = layer.method.plan_head(h, &q[h * g * d..(h + 1) * g * d], &zone);
+                    let blocks = crate::exec::record_head_blocks(layer, h, &plan);
+                    (plan, blocks)
+                })
+                .unzip(),
         ),
     };
-    let mut cost = cost_of(&heads, tokens, rows, exact_bytes, config);
+    let mut cost = cost_of(&heads, &blocks, tokens, rows, exact_bytes, config);
     if let Some(dev) = &device {
         device_cost(&mut cost, dev, shape.kv_heads, row_bytes, rows);
     }
@@ -304,6 +316,7 @@ pub(crate) fn plan_request(
         queries: request.queries.clone(),
         strategy,
         heads,
+        blocks,
         device,
         cost,
     })
@@ -368,12 +381,19 @@ impl RowBytes {
     }
 }
 
-fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize, config: &EngineConfig) -> PlanCost {
+fn cost_of(
+    heads: &[HeadPlan],
+    blocks: &[crate::exec::HeadBlocks],
+    tokens: usize,
+    rows: RowBytes,
+    exact_bytes: usize,
+    config: &EngineConfig,
+) -> PlanCost {
     let mut c = PlanCost { exact_bytes, ..PlanCost::default() };
     let row_bytes = rows.plain / 2;
     // Retrieved rows read from buffer-manager blocks: their row bytes, and block bytes per tier.
     let (mut buffered_rows, mut buffered_bytes) = (0, [0usize; 3]);
-    for head in heads {
+    for (h, head) in heads.iter().enumerate() {
         c.steady_tokens = head.steady_tokens;
         c.pending_tokens = head.pending_tokens;
         if head.exact {
@@ -382,10 +402,11 @@ fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize
         }
         c.kv_bytes += head.steady_tokens * rows.plain;
         let (mut scored, mut scored_bytes) = (0, 0);
-        for s in &head.selections {
+        for (i, s) in head.selections.iter().enumerate() {
             c.retrieve_clusters += s.retrieve_clusters;
             c.retrieve_tokens += s.retrieve_tokens;
-            if s.blocks.is_empty() {
+            let recorded = blocks.get(h).and_then(|b| b.get(i)).map_or(&[][..], |b| &b[..]);
+            if recorded.is_empty() {
                 let blocks = s
                     .retrieve
                     .iter()
@@ -394,12 +415,12 @@ fn cost_of(heads: &[HeadPlan], tokens: usize, rows: RowBytes, exact_bytes: usize
                 c.retrieve_blocks += blocks;
                 c.tier_blocks[Tier::Host as usize] += blocks;
             } else {
-                let per_tier = attnstore_index::blocks_per_tier(&s.blocks);
+                let per_tier = crate::exec::blocks_per_tier(recorded);
                 for (t, n) in per_tier.into_iter().enumerate() {
                     c.tier_blocks[t] += n;
                     buffered_bytes[t] += n * config.block.block_bytes();
                 }
-                c.retrieve_blocks += s.blocks.len();
+                c.retrieve_blocks += recorded.len();
                 buffered_rows += rows.indexed_bytes(s.retrieve_tokens);
                 c.buffered = true;
             }

@@ -49,12 +49,6 @@ impl<E: Element> Directory<E> {
         }
     }
 
-    /// The estimation partials of `sel`'s query heads (`d`: head dimension).
-    pub(crate) fn estimate(&self, sel: &Selection, d: usize) -> Vec<Partial> {
-        let zone = self.estimate_zone(sel);
-        zone.partials(0..zone.len(), d)
-    }
-
     /// The estimation zone of `sel`, ready to be estimated whole or in column ranges.
     ///
     /// When every cluster is either retrieved or estimated (the `rest` share), the zone runs
@@ -62,7 +56,7 @@ impl<E: Element> Directory<E> {
     /// value means then stream from contiguous memory instead of being gathered through the
     /// id list (at 128K tokens, 8K clusters per head, the step's execution went from about
     /// 5.1 to 4.6 ms on a 2-core VM; the pass is bound by memory bandwidth either way).
-    pub(crate) fn estimate_zone<'a>(&'a self, sel: &'a Selection) -> EstimateZone<'a, E> {
+    pub(crate) fn estimate_zone<'a>(&'a self, sel: &'a Selection) -> ClusterZone<'a, E> {
         let n = sel.estimate.len();
         if n > 0 && n + sel.retrieve_ids.len() == self.len() {
             let all = self.len();
@@ -73,10 +67,10 @@ impl<E: Element> Directory<E> {
                 }
             }
             let sizes = self.sizes.iter().map(|&s| s as f32).collect();
-            return EstimateZone { dir: self, ids: None, scores: Cow::Owned(scores), sizes, heads: sel.heads };
+            return ClusterZone { dir: self, ids: None, scores: Cow::Owned(scores), sizes, heads: sel.heads };
         }
         let sizes = sel.estimate.iter().map(|&id| self.sizes[id as usize] as f32).collect();
-        EstimateZone {
+        ClusterZone {
             dir: self,
             ids: Some(&sel.estimate),
             scores: Cow::Borrowed(&sel.estimate_scores),
@@ -96,7 +90,7 @@ impl<E: Element> Directory<E> {
 /// The clusters a selection estimates, as columns: each column is one cluster with its size
 /// and every query head's score. Estimating disjoint column ranges and merging the partials
 /// gives the whole zone's partials (up to rounding), so a long zone can be spread over threads.
-pub(crate) struct EstimateZone<'a, E> {
+pub(crate) struct ClusterZone<'a, E> {
     dir: &'a Directory<E>,
     /// Directory id of each column; `None` when the columns are the whole directory.
     ids: Option<&'a [u32]>,
@@ -106,14 +100,12 @@ pub(crate) struct EstimateZone<'a, E> {
     heads: usize,
 }
 
-impl<E: Element> EstimateZone<'_, E> {
-    /// Number of columns.
-    pub(crate) fn len(&self) -> usize {
+impl<E: Element> crate::rows::EstimateZone for ClusterZone<'_, E> {
+    fn len(&self) -> usize {
         self.sizes.len()
     }
 
-    /// The estimation partials of columns `cols` (`d`: head dimension).
-    pub(crate) fn partials(&self, cols: Range<usize>, d: usize) -> Vec<Partial> {
+    fn partials(&self, cols: Range<usize>, d: usize) -> Vec<Partial> {
         let means = &self.dir.value_means;
         let id = |c: usize| self.ids.map_or(c, |ids| ids[c] as usize);
         estimate_group_strided(

@@ -24,10 +24,10 @@ pub enum Error {
     /// A kernel rejected its input.
     #[error(transparent)]
     Kernel(#[from] attnstore_kernels::Error),
-    /// The buffer manager could not store or serve rows (full tiers, a corrupt or lost
-    /// block, an I/O failure, a lock timeout): never served as data.
-    #[error("buffer manager: {0}")]
-    Buffer(#[from] attnstore_buffer::Error),
+    /// The row home could not store or serve rows (full tiers, a corrupt or lost block, an
+    /// I/O failure, a lock timeout): never served as data.
+    #[error("row home: {0}")]
+    Home(crate::home::HomeError),
     /// Rows the index expected in the buffer manager are not mapped there.
     #[error("missing rows: {0}")]
     MissingRows(String),

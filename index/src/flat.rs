@@ -6,9 +6,9 @@ use crate::method::{
     batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection,
     SelectionMode, ZoneBudget,
 };
-use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
+use crate::rows::{HeadRows, PlainRows, Run, SelectionRows};
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
-use attnstore_kernels::{Element, Partial};
+use attnstore_kernels::Element;
 
 /// Exact access method over the KV heads of one layer.
 #[derive(Debug, Clone)]
@@ -96,25 +96,34 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
         HeadPlan { exact: false, steady_tokens: 0, pending_tokens: 0, selections }
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
+    fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a> {
         let d = self.head_dim;
-        let scale = 1.0 / (d as f32).sqrt();
         let (keys, values) = (&self.keys[kv_head], &self.values[kv_head]);
-        let mut parts = vec![Partial::empty(d); q.len() / d];
         if plan.exact {
-            attend_rows(q, scale, keys, values, &mut parts, scratch);
-            return Ok(parts);
+            return HeadRows { steady: vec![Run::Plain(vec![PlainRows::of(keys, values)])], ..HeadRows::default() };
         }
-        for sel in &plan.selections {
-            let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
-            let out = &mut parts[sel.first_head..sel.first_head + sel.heads];
-            let rows = sel.retrieve.iter().map(|span| {
-                let rows = span.start as usize * d..span.end as usize * d;
-                (&keys[rows.clone()], &values[rows])
-            });
-            attend_spans(qs, scale, rows, out, scratch);
-        }
-        Ok(parts)
+        let selections = plan
+            .selections
+            .iter()
+            .map(|sel| {
+                let rows = sel
+                    .retrieve
+                    .iter()
+                    .map(|span| {
+                        let rows = span.start as usize * d..span.end as usize * d;
+                        PlainRows::of(&keys[rows.clone()], &values[rows])
+                    })
+                    .collect();
+                SelectionRows {
+                    first_head: sel.first_head,
+                    heads: sel.heads,
+                    retrieve: vec![vec![Run::Plain(rows)]],
+                    clusters: Vec::new(),
+                    estimate: None,
+                }
+            })
+            .collect();
+        HeadRows { selections, ..HeadRows::default() }
     }
 
     fn exact_positions(&self, _kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {

@@ -1,9 +1,9 @@
 //! The access-method contract and the plan data it produces (decide, then execute).
 
 use crate::error::{Error, Result};
-use attnstore_kernels::cpu::attention::Scratch;
-use attnstore_kernels::Element;
-use attnstore_kernels::Partial;
+use crate::rows::HeadRows;
+use attnstore_kernels::{DType, Element};
+use half::f16;
 
 /// How clusters are chosen for the query heads of one GQA group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -137,11 +137,6 @@ pub struct Selection {
     pub retrieve_clusters: usize,
     /// Directory ids of the retrieved clusters, ascending (row order).
     pub retrieve_ids: Vec<u32>,
-    /// The retrieved clusters' blocks as the buffer manager's mapping table gave them at
-    /// planning time (each cluster's blocks, in `retrieve_ids` order): each
-    /// one's source tier is `location.tier()`. Empty when the rows are not homed in a buffer
-    /// manager.
-    pub blocks: Vec<attnstore_buffer::BlockLocation>,
     /// Tokens attended exactly in the retrieval zone.
     pub retrieve_tokens: usize,
     /// Directory ids of the clusters estimated.
@@ -173,73 +168,7 @@ pub struct HeadPlan {
     pub selections: Vec<Selection>,
 }
 
-/// What a GPU executor needs for one KV head of a plan whose exactly attended rows beyond
-/// the steady zone live in the buffer manager ([`AccessMethod::gpu_work`]).
-#[derive(Debug, Clone, PartialEq)]
-pub struct GpuHeadWork {
-    /// Blocks of the other exactly attended rows and the tokens valid in each (the first
-    /// `n` of the block's `R`), as the plan (or, for exact plans, a lookup now) found them.
-    pub blocks: Vec<(attnstore_buffer::BlockLocation, u32)>,
-    /// Tokens per block (`R`).
-    pub tokens_per_block: usize,
-    /// The partial of each query head of the group over what stays on the CPU: the steady
-    /// zone (sink, pending, local window: a few dozen rows, cheaper here than an upload and
-    /// a second launch) and the estimation zone.
-    pub cpu: Vec<Partial>,
-}
-
-/// One value block of a `hack2` layer's 2-bit rows (Π = 64 rows in the group layout of
-/// `HackRows::group_bytes`), as a GPU step reads it in place: how many buffer-manager blocks
-/// its bytes span (its run of [`GpuHackWork::locations`]), the rows it holds and the rows to
-/// attend.
-#[derive(Debug, Clone)]
-pub struct GpuHackGroup {
-    /// Buffer-manager blocks the group's bytes are spread over.
-    pub blocks: u32,
-    /// Rows the group holds (Π, or fewer for a segment's last value block).
-    pub rows: u32,
-    /// The rows to attend: bit `r` for row `r` of the group.
-    pub mask: u64,
-}
-
-/// The GPU executor's inputs for one KV head of a layer whose indexed rows are 2-bit
-/// value blocks homed in the buffer manager ([`AccessMethod::gpu_hack_work`]).
-#[derive(Debug, Clone)]
-pub struct GpuHackWork {
-    /// Value blocks with rows the plan attends exactly, each listed once.
-    pub groups: Vec<GpuHackGroup>,
-    /// The groups' buffer-manager blocks, group after group, each group's in byte order.
-    pub locations: Vec<attnstore_buffer::BlockLocation>,
-    /// The partial of each query head of the group over what stays on the CPU: the steady
-    /// zone and the estimation zone.
-    pub cpu: Vec<Partial>,
-    /// The plan is exact: its reads are a scan (pinned without logging accesses, so an
-    /// exact plan neither admits nor evicts what sparse plans re-read).
-    pub scan: bool,
-}
-
-/// A wave layer as a GPU step over the buffer manager's Host arena reads it
-/// ([`AccessMethod::arena_layer`]).
-#[derive(Debug, Clone)]
-pub struct ArenaLayer {
-    /// Meta index and the arena row of every indexed row: row `i` of a cluster sits in its
-    /// block `i / R` at arena row `host slot × 2R + i mod R` (V rows `R` rows later).
-    pub wave: attnstore_kernels::ArenaWave,
-    /// Tokens per block (`R`).
-    pub tokens_per_block: usize,
-    /// The first token after the last segment: it moves exactly when the indexed part
-    /// changes, so a device copy is current while it is equal.
-    pub indexed_end: usize,
-    /// Real clusters of each head (the device's ids past them are padding).
-    pub real_clusters: Vec<usize>,
-    /// Context of the buffer manager's cluster keys (`ClusterKey { context, layer, head,
-    /// cluster: directory id }`).
-    pub context: u64,
-    /// Layer of those keys.
-    pub layer: u32,
-}
-
-/// Steady-zone rows for a device copy ([`AccessMethod::steady_rows_from`]).
+/// Steady-zone rows for a device copy ([`Clustered::steady_rows_from`]).
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct SteadyRows {
     /// Rows in the whole zone.
@@ -269,12 +198,19 @@ pub struct IndexStats {
     pub indexed_tokens: usize,
 }
 
-/// An access method over the KV of all KV heads of one layer.
+/// An access method over the KV of all KV heads of one layer: it ingests KV, plans, and
+/// names the rows a plan reads; it does not execute (the engine's executor does).
 ///
-/// Contract: `plan_head` never reads KV rows beyond meta data and never mutates; a plan made
-/// with budgets that cover every token (or `exact = true`) makes `execute_head` return
-/// exactly the partials of full attention; `append` validates its input completely before
-/// it changes anything.
+/// Contract:
+/// - `append`/`prefill` validate their input completely before they change anything, and a
+///   failure (e.g. the row home is full) leaves the method as it was;
+/// - `plan_head` reads only meta data (centroids, codes), never KV rows, and never mutates;
+/// - `head_rows` names rows without touching tiers: runs in the method's memory, clusters
+///   or value blocks by their [`RowHome`](crate::RowHome) ids, and estimation zones;
+/// - a plan made with budgets that cover every token (or `plan_exact`) names every token's
+///   row exactly once, so executing it gives exactly the partials of full attention;
+/// - snapshot methods (`layout` .. `restore_encoded`) are for methods that checkpoint an
+///   index; the defaults keep nothing and restore nothing.
 pub trait AccessMethod: Send + Sync {
     /// Name for EXPLAIN and JSON (`"wave"`, `"flat"`, `"pq"`).
     fn name(&self) -> &'static str;
@@ -291,9 +227,13 @@ pub trait AccessMethod: Send + Sync {
     fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan;
     /// A plan that attends every token exactly.
     fn plan_exact(&self) -> HeadPlan;
-    /// The partials of the group's query heads under `plan` (one per query head). Fails only
-    /// when stored rows cannot be read (a block that is corrupt, lost or unreadable).
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>>;
+    /// The rows the group's query heads read under `plan` (a plan this method made for
+    /// `kv_head`), in the order their partials merge.
+    fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a>;
+    /// The cluster directory a device step plans over, for clustered methods (wave).
+    fn clustered(&self) -> Option<&dyn Clustered> {
+        None
+    }
     /// Token positions attended exactly by query head `j` of the group under `plan`
     /// (for recall measurements).
     fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32>;
@@ -309,44 +249,6 @@ pub trait AccessMethod: Send + Sync {
     /// `Ok(true)` when that changed what plans see; a no-op for other methods.
     fn catch_up(&mut self) -> Result<bool> {
         Ok(false)
-    }
-    /// The GPU executor's inputs for `kv_head` under `plan` (`q`: the group's queries), or
-    /// `None` when this method cannot serve the plan from the buffer manager on the GPU
-    /// (rows not homed there, not f16, or one selection per query head): the caller then
-    /// runs [`AccessMethod::execute_head`] on the CPU.
-    fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
-        let _ = (kv_head, q, plan);
-        None
-    }
-    /// [`AccessMethod::gpu_work`] for a layer whose indexed rows are 2-bit (`hack2`, Π = 64)
-    /// value blocks homed in the buffer manager: the blocks a GPU homomorphic kernel reads in
-    /// place and the CPU's partials, or `None` when the rows are not such blocks or the plan
-    /// has one selection per query head (the caller then runs the CPU executor).
-    fn gpu_hack_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHackWork>> {
-        let _ = (kv_head, q, plan);
-        None
-    }
-    /// The layer as a GPU decode step that selects its clusters on the device reads it
-    /// ([`ArenaLayer`]), or `None` when this method cannot be served that way (not a wave
-    /// index, rows not homed in the buffer manager, not f16, hack2 rows, nothing indexed).
-    /// An error when a block is not in the Host arena (spilled or lost): run on the CPU.
-    fn arena_layer(&self) -> Option<Result<ArenaLayer>> {
-        None
-    }
-    /// Steady-zone rows (sink, then pending and local tokens) from row `from` on, as f16 bits
-    /// row-major over KV heads (`rows × kv_heads × head_dim` keys, then values), with the
-    /// zone's length; `None` where [`AccessMethod::arena_layer`] is.
-    fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
-        let _ = from;
-        None
-    }
-    /// The plan of `kv_head` that retrieves exactly the directory clusters `retrieve` for the
-    /// whole group and estimates every other cluster (what a device-selected step computed),
-    /// or `None` where [`AccessMethod::arena_layer`] is. Ids past the directory are ignored
-    /// (the device's padding).
-    fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> Option<HeadPlan> {
-        let _ = (kv_head, q, retrieve);
-        None
     }
     /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:
     /// nothing worth keeping, or not built yet; recovery rebuilds from the KV).
@@ -379,7 +281,7 @@ pub trait AccessMethod: Send + Sync {
         None
     }
     /// The encoded home a checkpoint writes: zones, plain rows, segments `from_segment..`
-    /// (an error when rows homed in a buffer manager cannot be read back).
+    /// (an error when rows in the row home cannot be read back).
     fn encoded_home(&self, from_segment: usize) -> Option<Result<crate::EncodedHome>> {
         let _ = from_segment;
         None
@@ -391,6 +293,47 @@ pub trait AccessMethod: Send + Sync {
         let _ = home;
         Ok(false)
     }
+}
+
+/// Where a clustered method's indexed rows are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowStorage {
+    /// In the method's memory (plain or 2-bit).
+    Memory,
+    /// Plain rows in the row home, one home cluster per directory cluster (same ids).
+    Homed,
+    /// 2-bit rows in the row home, one home cluster per value block.
+    HomedEncoded,
+}
+
+/// A method organized in clusters with a directory of their meta data (wave): what a
+/// device step needs to choose clusters itself and read their rows in place.
+///
+/// Contract: `cluster_sizes` and `directory_f16` list the same clusters in directory order;
+/// with [`RowStorage::Homed`] cluster `c`'s rows are home cluster `c` of the KV head;
+/// `plan_head_retrieving` plans exactly as `plan_head` would have with that choice.
+pub trait Clustered: Sync {
+    /// Where the indexed rows are.
+    fn storage(&self) -> RowStorage;
+    /// Storage type of plain rows.
+    fn dtype(&self) -> DType;
+    /// Tokens of every cluster of `kv_head`, in directory order.
+    fn cluster_sizes(&self, kv_head: usize) -> &[u32];
+    /// Centroids and value means of `kv_head`'s clusters as f16, `clusters × head_dim`.
+    fn directory_f16(&self, kv_head: usize) -> (Vec<f16>, Vec<f16>);
+    /// The first token after the last segment: it moves exactly when the indexed part
+    /// changes, so a device copy of the directory is current while it is equal.
+    fn indexed_end(&self) -> usize;
+    /// Tokens in indexed segments.
+    fn indexed_tokens(&self) -> usize;
+    /// Steady-zone rows (sink, then pending and local tokens) from row `from` on, as f16
+    /// bits row-major over KV heads, with the zone's length; `None` unless rows are f16 and
+    /// plain.
+    fn steady_rows_from(&self, from: usize) -> Option<SteadyRows>;
+    /// The plan of `kv_head` that retrieves exactly the directory clusters `retrieve` for
+    /// the whole group and estimates every other cluster (what a device-selected step
+    /// computed). Ids past the directory are ignored (the device's padding).
+    fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> HeadPlan;
 }
 
 /// What a checkpoint keeps of an access method's index, so that recovery restores it from

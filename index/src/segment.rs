@@ -1,16 +1,16 @@
 //! Building one segment of one head: spherical k-means on the centred keys, then the
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
-use crate::blocks::{attend_clusters, missing, BlockStore, ClusterBlocks, ClusterRows};
 use crate::error::{Error, Result};
-use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
+use crate::home::RowHome;
+use crate::rows::{HomedClusters, HomedGroups, PlainRows, Run};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{Element, HackParams, HackRows, HackView, Partial};
+use attnstore_kernels::{Element, HackParams, HackRows, HackView};
 use std::ops::Range;
 
 /// The KV rows of one head's segment, in cluster order: plain rows, (with the `hack2`
-/// codec) 2-bit rows, or rows homed in the buffer manager; in the last two cases `keys` and
+/// codec) 2-bit rows, or rows homed in the row home; in the last two cases `keys` and
 /// `values` are empty.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct HeadSegment<E> {
@@ -18,62 +18,18 @@ pub(crate) struct HeadSegment<E> {
     pub values: Vec<E>,
     /// The rows in HACK 2-bit form, when the context's codec is `hack2`.
     pub hack: Option<HackRows>,
-    /// Where the rows are when they live in the buffer manager.
+    /// Where the rows are when they live in the row home.
     pub blocks: Option<SegmentBlocks>,
-    /// Where the 2-bit rows are when they live in the buffer manager.
-    pub groups: Option<HackGroups>,
+    /// Where the 2-bit rows are when they live in the row home.
+    pub groups: Option<HomedGroups>,
     /// Original token position of every row.
     pub positions: Vec<u32>,
 }
 
-/// Where a segment's block-homed rows are: the buffer manager, the KV head, and whether
-/// the read is a scan (an exact plan: its pins log no accesses, so it neither admits nor
-/// evicts what sparse plans re-read).
-#[derive(Clone, Copy)]
-pub(crate) struct Homed<'a> {
-    pub store: &'a BlockStore,
-    pub head: usize,
-    pub scan: bool,
-}
-
-/// The 2-bit rows of a segment homed in the buffer manager: value block `i` (Π rows in
-/// storage order, [`HackRows::group_bytes`]) is cluster `first + i` of the head. Value
-/// blocks span clusters, so the unit homed is the block, not the cluster.
-#[derive(Debug, Clone)]
-pub(crate) struct HackGroups {
-    pub first: u32,
-    pub count: u32,
-    pub rows: usize,
-    pub d: usize,
-    pub params: HackParams,
-}
-
-impl HackGroups {
-    /// Rows of value block `b` (Π, or fewer for the last).
-    pub fn rows_in(&self, b: usize) -> usize {
-        let p = self.params.partition;
-        (self.rows - b * p).min(p)
-    }
-
-    /// Bytes of value block `b` in the group layout.
-    fn len_of(&self, b: usize) -> usize {
-        HackView::group_len(self.d, self.params, self.rows_in(b))
-    }
-
-    /// Views of value blocks `blocks` over their copies `buffers` (from [`read_groups`]).
-    fn views<'a>(&self, blocks: &[usize], buffers: &'a [Vec<u16>]) -> Result<Vec<HackView<'a>>> {
-        blocks
-            .iter()
-            .zip(buffers)
-            .map(|(&b, buf)| Ok(HackView::from_group(self.d, self.params, self.rows_in(b), bytemuck::cast_slice(buf))?))
-            .collect()
-    }
-}
-
-/// The clusters of a segment whose rows live in the buffer manager.
+/// The clusters of a segment whose rows live in the row home.
 #[derive(Debug, Clone)]
 pub(crate) struct SegmentBlocks {
-    /// Directory id of the segment's first cluster (its clusters have consecutive ids).
+    /// Home cluster id of the segment's first cluster (its clusters have consecutive ids).
     pub first_cluster: u32,
     /// First row of every cluster, then the segment's row count.
     pub starts: Vec<u32>,
@@ -86,7 +42,7 @@ impl<E> HeadSegment<E> {
     pub fn homed_ids(&self) -> Option<Range<u32>> {
         match (&self.blocks, &self.groups) {
             (Some(b), _) => Some(b.first_cluster..b.first_cluster + b.starts.len() as u32 - 1),
-            (_, Some(g)) => Some(g.first..g.first + g.count),
+            (_, Some(g)) => Some(g.ids()),
             _ => None,
         }
     }
@@ -114,196 +70,111 @@ impl<E: Element> HeadSegment<E> {
             + (self.keys.len() + self.values.len()) * E::DTYPE.size_bytes()
     }
 
-    /// Moves the 2-bit rows into the buffer manager (`store`, KV head `head`), one cluster
-    /// per value block from `first`, and drops them here. All or nothing.
-    pub fn move_hack_to(&mut self, store: &BlockStore, head: usize, first: u32, d: usize) -> Result<()> {
+    /// Moves the 2-bit rows into the row home (KV head `head`), one cluster per value block
+    /// from `first`, and drops them here. All or nothing.
+    pub fn move_hack_to(&mut self, home: &dyn RowHome, head: usize, first: u32, d: usize) -> Result<()> {
         let Some(rows) = &self.hack else { return Ok(()) };
         let count = rows.groups() as u32;
         for g in 0..count {
-            if let Err(e) = store.store_bytes(head, first + g, &rows.group_bytes(g as usize)) {
-                store.free(head, first..first + g);
+            if let Err(e) = home.store_bytes(head, first + g, &rows.group_bytes(g as usize)) {
+                home.free(head, first..first + g);
                 return Err(e);
             }
         }
-        self.groups = Some(HackGroups { first, count, rows: rows.rows(), d, params: rows.params() });
+        self.groups = Some(HomedGroups { first, count, rows: rows.rows(), head_dim: d, params: rows.params() });
         self.hack = None;
         Ok(())
     }
 
-    /// The 2-bit rows, from here or read back from the buffer manager (`store`, KV head
-    /// `head`); `None` for plain rows.
-    pub fn hack_rows(&self, store: Option<(&BlockStore, usize)>) -> Result<Option<HackRows>> {
+    /// The 2-bit rows, from here or read back from the row home (KV head `head`); `None` for
+    /// plain rows.
+    pub fn hack_rows(&self, home: Option<(&dyn RowHome, usize)>) -> Result<Option<HackRows>> {
         if let Some(rows) = &self.hack {
             return Ok(Some(rows.clone()));
         }
         let Some(g) = &self.groups else { return Ok(None) };
-        let (store, head) = store
-            .ok_or_else(|| Error::MissingRows("2-bit rows homed in a buffer manager the index no longer has".into()))?;
-        let blocks: Vec<usize> = (0..g.count as usize).collect();
-        let buffers = read_groups(&store.buffers().scan_reader(), store, head, g, &blocks)?;
-        Ok(Some(HackRows::from_groups(g.d, g.params, &g.views(&blocks, &buffers)?)?))
+        let (home, head) =
+            home.ok_or_else(|| Error::MissingRows("2-bit rows homed in a row home the index no longer has".into()))?;
+        let ids: Vec<u32> = g.ids().collect();
+        let bytes = home.read(head, &ids)?;
+        let mut buffers = Vec::with_capacity(bytes.len());
+        for (b, got) in bytes.iter().enumerate() {
+            let len = g.len_of(b);
+            if got.len() < len {
+                return Err(Error::MissingRows(format!(
+                    "value block {b} of head {head}: {} of its {len} bytes are in the row home",
+                    got.len()
+                )));
+            }
+            // A 2-byte aligned copy: the views read u16 arrays.
+            let mut buf = vec![0u16; len.div_ceil(2)];
+            bytemuck::cast_slice_mut::<u16, u8>(&mut buf)[..len].copy_from_slice(&got[..len]);
+            buffers.push(buf);
+        }
+        let views = buffers
+            .iter()
+            .enumerate()
+            .map(|(b, buf)| Ok(HackView::from_group(g.head_dim, g.params, g.rows_in(b), bytemuck::cast_slice(buf))?))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(HackRows::from_groups(g.head_dim, g.params, &views)?))
     }
 
-    /// Moves the rows into the buffer manager (`store`, KV head `head`) as clusters
-    /// `first_cluster..` with the bounds of `metas`, and drops the plain copy. All or nothing:
-    /// on failure the clusters stored so far are freed and the rows stay here.
+    /// Moves the rows into the row home (KV head `head`) as clusters `first_cluster..` with
+    /// the bounds of `metas`, and drops the plain copy. All or nothing: on failure the
+    /// clusters stored so far are freed and the rows stay here.
     pub fn move_to(
         &mut self,
-        store: &BlockStore,
+        home: &dyn RowHome,
         head: usize,
         first_cluster: u32,
         metas: &[ClusterMeta],
         d: usize,
     ) -> Result<()> {
+        let row_bytes = d * E::DTYPE.size_bytes();
         for (i, m) in metas.iter().enumerate() {
             let rows = m.start as usize * d..m.end as usize * d;
-            if let Err(e) = store.store(head, first_cluster + i as u32, &self.keys[rows.clone()], &self.values[rows], d)
-            {
-                store.free(head, first_cluster..first_cluster + i as u32);
+            let (k, v) = (&self.keys[rows.clone()], &self.values[rows]);
+            if let Err(e) = home.store_rows(
+                head,
+                first_cluster + i as u32,
+                bytemuck::cast_slice(k),
+                bytemuck::cast_slice(v),
+                row_bytes,
+            ) {
+                home.free(head, first_cluster..first_cluster + i as u32);
                 return Err(e);
             }
         }
         let mut starts: Vec<u32> = metas.iter().map(|m| m.start).collect();
         starts.push(self.positions.len() as u32);
-        self.blocks = Some(SegmentBlocks { first_cluster, starts, row_bytes: d * E::DTYPE.size_bytes() });
+        self.blocks = Some(SegmentBlocks { first_cluster, starts, row_bytes });
         self.keys = Vec::new();
         self.values = Vec::new();
         Ok(())
     }
 
-    /// Quantizes the query heads `q` (`g × d`) into `scratch` for this segment's 2-bit rows
-    /// (nothing for plain rows): clones of the scratch attend any segment of the same codec
-    /// without quantizing the queries again.
-    pub fn prime(&self, q: &[f32], g: usize, d: usize, scratch: &mut Scratch) -> Result<()> {
-        let params = match (&self.hack, &self.groups) {
-            (Some(rows), _) => rows.params(),
-            (_, Some(groups)) => groups.params,
-            _ => return Ok(()),
-        };
-        Ok(scratch.hack.quantize(q, g, d, params)?)
+    /// The run that reads this segment's rows `ranges`, wherever they are.
+    pub fn run(&self, ranges: Vec<Range<usize>>) -> Run<'_> {
+        if let Some(groups) = self.groups {
+            return Run::HomedGroups { groups, ranges };
+        }
+        if let Some(b) = &self.blocks {
+            return Run::Homed {
+                clusters: HomedClusters { first: b.first_cluster, starts: &b.starts, dtype: E::DTYPE },
+                ranges,
+            };
+        }
+        if let Some(rows) = &self.hack {
+            return Run::Encoded { rows, ranges };
+        }
+        let d = if self.positions.is_empty() { 0 } else { self.keys.len() / self.positions.len() };
+        Run::Plain(
+            ranges
+                .iter()
+                .map(|r| PlainRows::of(&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]))
+                .collect(),
+        )
     }
-
-    /// Folds the rows of `ranges` into the partials of query heads `q` (`parts.len() × d`).
-    /// `store` says where block-homed rows are ([`Homed`]); pinning them can fail (a corrupt
-    /// or lost block, an I/O error), which is reported, never served.
-    pub fn attend(
-        &self,
-        homed: Option<Homed<'_>>,
-        q: &[f32],
-        scale: f32,
-        ranges: &[Range<usize>],
-        parts: &mut [Partial],
-        scratch: &mut Scratch,
-    ) -> Result<()> {
-        let d = q.len() / parts.len().max(1);
-        let store = homed.map(|h| (h.store, h.head));
-        if let Some(g) = &self.groups {
-            let homed = homed.ok_or_else(|| {
-                Error::MissingRows("2-bit rows homed in a buffer manager the plan does not name".into())
-            })?;
-            let (store, head) = (homed.store, homed.head);
-            // Each value block the ranges touch, its rows local to the block.
-            let p = g.params.partition;
-            let mut wanted: Vec<(usize, Vec<Range<usize>>)> = Vec::new();
-            let mut sorted: Vec<Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).cloned().collect();
-            sorted.sort_unstable_by_key(|r| r.start);
-            for r in sorted {
-                for block in r.start / p..r.end.div_ceil(p) {
-                    let local = r.start.max(block * p) - block * p..r.end.min((block + 1) * p) - block * p;
-                    match wanted.last_mut() {
-                        Some((b, runs)) if *b == block => runs.push(local),
-                        _ => wanted.push((block, vec![local])),
-                    }
-                }
-            }
-            if wanted.is_empty() {
-                return Ok(());
-            }
-            // A scan (an exact plan) must not flush what sparse plans keep re-reading.
-            let reader = if homed.scan { store.buffers().scan_reader() } else { store.buffers().reader() };
-            let blocks: Vec<usize> = wanted.iter().map(|(b, _)| *b).collect();
-            let buffers = read_groups(&reader, store, head, g, &blocks)?;
-            let views = g.views(&blocks, &buffers)?;
-            // The step's queries are quantized once for every block.
-            views[0].quantize_queries(q, parts.len(), &mut scratch.hack);
-            for (view, (_, runs)) in views.iter().zip(&wanted) {
-                view.attend_quantized(scale, runs, parts, &mut scratch.hack);
-            }
-            return Ok(());
-        }
-        if let (Some(b), Some((store, head))) = (&self.blocks, store) {
-            let mut keys = Vec::new();
-            let mut rows = Vec::new();
-            for r in ranges.iter().filter(|r| !r.is_empty()) {
-                let mut c = b.starts.partition_point(|&s| s as usize <= r.start).saturating_sub(1);
-                while c + 1 < b.starts.len() && (b.starts[c] as usize) < r.end {
-                    let (cs, ce) = (b.starts[c] as usize, b.starts[c + 1] as usize);
-                    keys.push(store.key(head, b.first_cluster + c as u32));
-                    rows.push(r.start.max(cs) - cs..r.end.min(ce) - cs);
-                    c += 1;
-                }
-            }
-            // Exact plans read every block once through here: a scan, which must not flush
-            // the Gpu tier (sparse plans pin their recorded blocks with a tracking reader).
-            let reader = store.buffers().scan_reader();
-            let mut found = Vec::with_capacity(keys.len());
-            reader.clusters(&keys, &mut found);
-            let clusters = found
-                .into_iter()
-                .zip(&keys)
-                .zip(rows)
-                .map(|((f, k), rows)| {
-                    Ok(ClusterRows { locations: ClusterBlocks::Live(f.ok_or_else(|| missing(k))?), rows })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
-            return attend_clusters::<E>(&reader, per_block, q, scale, &clusters, parts, scratch);
-        }
-        match &self.hack {
-            Some(rows) => rows.attend(q, scale, ranges, parts, &mut scratch.hack),
-            None => {
-                let spans =
-                    ranges.iter().map(|r| (&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]));
-                attend_spans(q, scale, spans, parts, scratch);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// Value blocks `blocks` of `g`, each copied out of its pinned buffer-manager blocks into a
-/// 2-byte aligned buffer (a block of Π rows spans several 2 KiB blocks, which need not be
-/// adjacent).
-fn read_groups(
-    reader: &attnstore_buffer::Reader<'_>,
-    store: &BlockStore,
-    head: usize,
-    g: &HackGroups,
-    blocks: &[usize],
-) -> Result<Vec<Vec<u16>>> {
-    let keys: Vec<_> = blocks.iter().map(|&b| store.key(head, g.first + b as u32)).collect();
-    let (locations, counts) = store.lookup_counted(&keys)?;
-    let mut pins = reader.pin_all(&locations).into_iter();
-    let mut out = Vec::with_capacity(blocks.len());
-    for (&b, &n) in blocks.iter().zip(&counts) {
-        let len = g.len_of(b);
-        let mut buf = vec![0u16; len.div_ceil(2)];
-        let bytes = &mut bytemuck::cast_slice_mut::<u16, u8>(&mut buf)[..len];
-        let mut at = 0;
-        for _ in 0..n {
-            let pin = pins.next().expect("one pin per location")?;
-            let take = (len - at).min(pin.len());
-            bytes[at..at + take].copy_from_slice(&pin[..take]);
-            at += take;
-        }
-        if at < len {
-            return Err(Error::MissingRows(format!(
-                "value block {b} of head {head}: {at} of its {len} bytes are in the buffer manager"
-            )));
-        }
-        out.push(buf);
-    }
-    Ok(out)
 }
 
 /// One non-empty cluster of a built segment: rows `start..end`, mean key and mean value.

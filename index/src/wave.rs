@@ -3,20 +3,21 @@
 //! of cluster meta data. Decode tokens that leave the local window wait as *pending* tokens
 //! (attended exactly) until a decode segment's worth has collected, then are clustered.
 
-use crate::blocks::{attend_clusters, BlockStore, ClusterBlocks, ClusterRows};
 use crate::directory::Directory;
 use crate::encoded::{halves, EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
+use crate::home::RowHome;
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, ArenaLayer, GpuHackGroup, GpuHackWork,
-    GpuHeadWork, HeadPlan, IndexLayout, IndexStats, Selection, SelectionMode, SteadyRows, ZoneBudget,
+    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, Clustered, HeadPlan, IndexLayout,
+    IndexStats, RowStorage, Selection, SelectionMode, SteadyRows, ZoneBudget,
 };
-use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment, Homed};
-use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
+use crate::rows::{HeadRows, PlainRows, SelectionRows};
+use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
 use attnstore_kernels::cpu::scoring::{score_group_into, select_zones};
-use attnstore_kernels::{ArenaWave, Element, HackParams, HeadClusters, Partial};
+use attnstore_kernels::{Element, HackParams};
 use half::f16;
 use rayon::prelude::*;
+use std::sync::Arc;
 
 /// Structure of a wave index. The defaults are RetroInfer's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,19 +141,6 @@ const EXACT_CHUNK: usize = 2048;
 /// Centroids one rayon task scores while planning.
 const SCORE_CHUNK: usize = 2048;
 
-/// Retrieved clusters one rayon task attends while executing a block-homed plan.
-const CLUSTER_CHUNK: usize = 64;
-
-/// Estimated clusters one rayon task folds in while executing a plan.
-const EST_CHUNK: usize = 512;
-
-/// One rayon job of a plan's execution: a piece of the retrieval zone, or a range of the
-/// estimation zone's columns.
-enum Work<'a, R: ?Sized> {
-    Retrieve(&'a R),
-    Estimate(std::ops::Range<usize>),
-}
-
 /// Each centroid's best score over the heads of a group (`scores[j]`: head `j`'s scores).
 /// The best of each column of `scores` (one row per query head) into `best`.
 fn group_max_into(scores: &[&mut [f32]], best: &mut [f32]) {
@@ -161,88 +149,6 @@ fn group_max_into(scores: &[&mut [f32]], best: &mut [f32]) {
     for s in rest {
         // A plain comparison vectorizes (scores are finite); f32::max's NaN rule does not.
         best.iter_mut().zip(s.iter()).for_each(|(b, &x)| *b = if x > *b { x } else { *b });
-    }
-}
-
-/// Runs `jobs` on rayon threads, each attending into fresh partials of `heads` query heads,
-/// and merges them all into `parts`. With fewer busy threads than cores this spreads one
-/// KV head's work; when every thread is busy rayon runs the jobs in turn on the caller's.
-fn attend_jobs<J: Sync>(
-    jobs: &[J],
-    heads: usize,
-    d: usize,
-    parts: &mut [Partial],
-    run: impl Fn(&J, &mut [Partial], &mut Scratch) -> Result<()> + Sync + Send,
-) -> Result<()> {
-    attend_jobs_from(&Scratch::default(), jobs, heads, d, parts, run)
-}
-
-/// A scratch holding the queries `q` (`g × d`) quantized for the segments' 2-bit rows (all
-/// segments of an index share the codec), to clone into every task of a step; empty for
-/// plain rows.
-fn primed<E: Element>(segments: &[HeadSegment<E>], q: &[f32], g: usize, d: usize) -> Result<Scratch> {
-    let mut scratch = Scratch::default();
-    if let Some(seg) = segments.first() {
-        seg.prime(q, g, d, &mut scratch)?;
-    }
-    Ok(scratch)
-}
-
-/// [`attend_jobs`] with each task's scratch cloned from `primed` (e.g. holding the step's
-/// queries quantized for 2-bit rows, so no task quantizes them again).
-fn attend_jobs_from<J: Sync>(
-    primed: &Scratch,
-    jobs: &[J],
-    heads: usize,
-    d: usize,
-    parts: &mut [Partial],
-    run: impl Fn(&J, &mut [Partial], &mut Scratch) -> Result<()> + Sync + Send,
-) -> Result<()> {
-    let partials: Vec<Vec<Partial>> = jobs
-        .par_iter()
-        .map_init(
-            || PooledScratch::from(primed),
-            |sc, job| {
-                let mut p = vec![Partial::empty(d); heads];
-                run(job, &mut p, sc.get())?;
-                Ok(p)
-            },
-        )
-        .collect::<Result<_>>()?;
-    for p in &partials {
-        parts.iter_mut().zip(p).for_each(|(a, b)| a.merge(b));
-    }
-    Ok(())
-}
-
-thread_local! {
-    /// Each thread's attention scratch between tasks: a fresh one would allocate and zero its
-    /// tile and gather buffers (~70 KB) again for every rayon split of every step.
-    static SCRATCH: std::cell::RefCell<Option<Scratch>> = const { std::cell::RefCell::new(None) };
-}
-
-/// A task's scratch: the thread's kept one (or a new one) with `primed`'s 2-bit query state,
-/// handed back to the thread when the task's split is done. Scratch contents never leak
-/// between uses: every kernel sizes and fills what it reads.
-struct PooledScratch(Option<Scratch>);
-
-impl PooledScratch {
-    fn from(primed: &Scratch) -> Self {
-        let mut s = SCRATCH.with(|c| c.borrow_mut().take()).unwrap_or_default();
-        s.hack.clone_from(&primed.hack);
-        Self(Some(s))
-    }
-
-    fn get(&mut self) -> &mut Scratch {
-        self.0.get_or_insert_with(Scratch::default)
-    }
-}
-
-impl Drop for PooledScratch {
-    fn drop(&mut self) {
-        if let Some(s) = self.0.take() {
-            SCRATCH.with(|c| *c.borrow_mut() = Some(s));
-        }
     }
 }
 
@@ -269,16 +175,17 @@ pub struct WaveIndex<E> {
     tail_start: usize,
     /// Segments are stored in HACK 2-bit form when set (the `hack2` codec).
     hack: Option<HackParams>,
-    /// Segment rows live in the buffer manager when set (one mapping-table entry per cluster).
-    blocks: Option<BlockStore>,
+    /// Segment rows live in this row home when set (one home cluster per cluster, or per
+    /// 2-bit value block).
+    home: Option<Arc<dyn RowHome>>,
 }
 
 impl<E> Drop for WaveIndex<E> {
     fn drop(&mut self) {
-        if let Some(store) = &self.blocks {
+        if let Some(home) = &self.home {
             for (h, head) in self.heads.iter().enumerate() {
                 for ids in head.segments.iter().filter_map(HeadSegment::homed_ids) {
-                    store.free(h, ids);
+                    home.free(h, ids);
                 }
             }
         }
@@ -299,7 +206,7 @@ impl<E: Element> WaveIndex<E> {
             sink_len: 0,
             tail_start: 0,
             hack: None,
-            blocks: None,
+            home: None,
         })
     }
 
@@ -307,7 +214,7 @@ impl<E: Element> WaveIndex<E> {
     /// The steady zone (sink, local window, pending tokens) stays in the plain type.
     pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
         check_codec(self.head_dim, hack)?;
-        if self.blocks.is_some() || self.tokens > 0 {
+        if self.home.is_some() || self.tokens > 0 {
             return Err(Error::InvalidParameter {
                 what: "codec",
                 message: "the codec is chosen on an empty index, before its rows are homed anywhere".into(),
@@ -317,31 +224,29 @@ impl<E: Element> WaveIndex<E> {
         Ok(self)
     }
 
-    /// Homes the rows of every segment built from now on in the buffer manager of `store`:
-    /// one mapping-table entry per cluster, each block `[K × R][V × R]`. Plans record
-    /// each retrieved block's location (and so its tier) when they are made; execution pins
-    /// the blocks. The steady zone and the directory stay in the index. Only for an empty
-    /// index whose rows fit a block. With the `hack2` codec ([`WaveIndex::with_codec`]
-    /// first) the encoded rows are homed instead, one mapping-table entry per value block
-    /// of Π rows (a value block spans clusters; see `HackRows::group_bytes`): the buffer
-    /// manager's tiers then hold and count 2-bit bytes.
-    pub fn with_blocks(mut self, store: BlockStore) -> Result<Self> {
+    /// Homes the rows of every segment built from now on in `home` (the engine's buffer
+    /// manager): one home cluster per directory cluster, with the directory's ids. The
+    /// steady zone and the directory stay in the index. Only for an empty index whose rows
+    /// fit a block. With the `hack2` codec ([`WaveIndex::with_codec`] first) the encoded
+    /// rows are homed instead, one home cluster per value block of Π rows (a value block
+    /// spans clusters; see `HackRows::group_bytes`), numbered on per head.
+    pub fn with_home(mut self, home: Arc<dyn RowHome>) -> Result<Self> {
         if self.tokens > 0 {
             return Err(Error::InvalidParameter {
-                what: "blocks",
-                message: "only an empty index can move its segments to the buffer manager".into(),
+                what: "row home",
+                message: "only an empty index can move its segments to a row home".into(),
             });
         }
         if self.hack.is_none() {
-            store.rows_per_block(self.head_dim * E::DTYPE.size_bytes())?;
+            home.check_row_bytes(self.head_dim * E::DTYPE.size_bytes())?;
         }
-        self.blocks = Some(store);
+        self.home = Some(home);
         Ok(self)
     }
 
-    /// True when segment rows live in a buffer manager.
-    pub fn is_block_backed(&self) -> bool {
-        self.blocks.is_some()
+    /// True when segment rows live in a row home.
+    pub fn is_homed(&self) -> bool {
+        self.home.is_some()
     }
 
     /// The structure parameters.
@@ -473,27 +378,27 @@ impl<E: Element> WaveIndex<E> {
         mut built: Vec<(HeadSegment<E>, Vec<ClusterMeta>)>,
     ) -> Result<()> {
         let d = self.head_dim;
-        if let (Some(blocks), Some(_)) = (&self.blocks, self.hack) {
+        if let (Some(home), Some(_)) = (self.home.as_deref(), self.hack) {
             // 2-bit rows: one cluster per value block, numbered on from the head's last one.
             let end = |s: &HeadStore<E>| s.segments.iter().filter_map(HeadSegment::homed_ids).map(|r| r.end).max();
             let first: Vec<u32> = self.heads.iter().map(|s| end(s).unwrap_or(0)).collect();
             let mut next = first.clone();
             for (&(h, _), (seg, _)) in jobs.iter().zip(built.iter_mut()) {
-                if let Err(e) = seg.move_hack_to(blocks, h, next[h], d) {
+                if let Err(e) = seg.move_hack_to(home, h, next[h], d) {
                     for (head, (&a, &b)) in first.iter().zip(&next).enumerate() {
-                        blocks.free(head, a..b);
+                        home.free(head, a..b);
                     }
                     return Err(e);
                 }
                 next[h] = seg.homed_ids().map_or(next[h], |r| r.end);
             }
-        } else if let Some(blocks) = &self.blocks {
+        } else if let Some(home) = self.home.as_deref() {
             // Sequentially, in the order the directory numbers clusters; all or nothing.
             let mut next: Vec<u32> = self.heads.iter().map(|s| s.dir.len() as u32).collect();
             for (&(h, _), (seg, metas)) in jobs.iter().zip(built.iter_mut()) {
-                if let Err(e) = seg.move_to(blocks, h, next[h], metas, d) {
+                if let Err(e) = seg.move_to(home, h, next[h], metas, d) {
                     for (head, store) in self.heads.iter().enumerate() {
-                        blocks.free(head, store.dir.len() as u32..next[head]);
+                        home.free(head, store.dir.len() as u32..next[head]);
                     }
                     return Err(e);
                 }
@@ -506,113 +411,6 @@ impl<E: Element> WaveIndex<E> {
             store.segments.push(seg);
         }
         Ok(())
-    }
-
-    /// What a GPU step of `kv_head` under `plan` leaves to the CPU: the partials of the query
-    /// group `q` over the steady zone and, for a sparse plan, its (one) selection's
-    /// estimation zone.
-    fn cpu_zones(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Vec<Partial> {
-        let d = self.head_dim;
-        let head = &self.heads[kv_head];
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut cpu = vec![Partial::empty(d); q.len() / d];
-        let mut scratch = Scratch::default();
-        attend_rows(q, scale, &head.sink_keys, &head.sink_values, &mut cpu, &mut scratch);
-        attend_rows(q, scale, &head.tail_keys, &head.tail_values, &mut cpu, &mut scratch);
-        if let Some(sel) = plan.selections.first().filter(|_| !plan.exact) {
-            for (i, e) in head.dir.estimate(sel, d).iter().enumerate() {
-                cpu[sel.first_head + i].merge(e);
-            }
-        }
-        cpu
-    }
-
-    /// [`AccessMethod::gpu_work`] for f16 rows homed in `store`.
-    fn gpu_work_f16(&self, store: &BlockStore, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Result<GpuHeadWork> {
-        let d = self.head_dim;
-        let head = &self.heads[kv_head];
-        let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
-        let cpu = self.cpu_zones(kv_head, q, plan);
-        // The clusters attended exactly and their block lists.
-        let (ids, found): (Vec<u32>, Vec<attnstore_buffer::BlockLocation>) = if plan.exact {
-            let ids: Vec<u32> = (0..head.dir.len() as u32).collect();
-            let keys: Vec<_> = ids.iter().map(|&id| store.key(kv_head, id)).collect();
-            let found = store.lookup(&keys)?;
-            (ids, found)
-        } else if let Some(sel) = plan.selections.first() {
-            let found = if sel.blocks.is_empty() && !sel.retrieve_ids.is_empty() {
-                let keys: Vec<_> = sel.retrieve_ids.iter().map(|&id| store.key(kv_head, id)).collect();
-                store.lookup(&keys)?
-            } else {
-                sel.blocks.clone()
-            };
-            (sel.retrieve_ids.clone(), found)
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let mut blocks = Vec::with_capacity(found.len());
-        let mut at = 0;
-        for &id in &ids {
-            let size = head.dir.sizes[id as usize] as usize;
-            for b in 0..size.div_ceil(per_block) {
-                let location = *found.get(at).ok_or_else(|| {
-                    Error::MissingRows(format!("the block list ends before cluster {id} of head {kv_head}"))
-                })?;
-                blocks.push((location, (size - b * per_block).min(per_block) as u32));
-                at += 1;
-            }
-        }
-        Ok(GpuHeadWork { blocks, tokens_per_block: per_block, cpu })
-    }
-
-    /// [`AccessMethod::gpu_hack_work`] for a layer whose every segment is homed as 2-bit
-    /// value blocks in `store`: the steady and estimation zones attended here, and each
-    /// value block the plan reads with the mask of its rows to attend (every row of every
-    /// block for an exact plan; a selection's retrieved spans otherwise).
-    fn gpu_hack_work_homed(
-        &self,
-        store: &BlockStore,
-        kv_head: usize,
-        q: &[f32],
-        plan: &HeadPlan,
-    ) -> Result<GpuHackWork> {
-        let head = &self.heads[kv_head];
-        let cpu = self.cpu_zones(kv_head, q, plan);
-        let groups_of = |unit: usize| {
-            head.segments.get(unit).and_then(|s| s.groups.as_ref()).ok_or_else(|| {
-                Error::MissingRows(format!("segment {unit} of head {kv_head} is not homed as 2-bit value blocks"))
-            })
-        };
-        // (segment, value block) → mask of the rows to attend, in row order.
-        let mut wanted = std::collections::BTreeMap::<(usize, usize), u64>::new();
-        if plan.exact {
-            for unit in 0..head.segments.len() {
-                let gr = groups_of(unit)?;
-                for b in 0..gr.count as usize {
-                    wanted.insert((unit, b), low_bits(gr.rows_in(b)));
-                }
-            }
-        } else if let Some(sel) = plan.selections.first() {
-            for span in &sel.retrieve {
-                let (unit, p) = (span.unit as usize, groups_of(span.unit as usize)?.params.partition);
-                for row in span.start as usize..span.end as usize {
-                    *wanted.entry((unit, row / p)).or_default() |= 1u64 << (row % p);
-                }
-            }
-        }
-        let keys: Vec<_> = wanted
-            .keys()
-            .map(|&(unit, b)| Ok(store.key(kv_head, groups_of(unit)?.first + b as u32)))
-            .collect::<Result<_>>()?;
-        let (locations, counts) = store.lookup_counted(&keys)?;
-        let groups = counts
-            .iter()
-            .zip(&wanted)
-            .map(|(&n, (&(unit, b), &mask))| {
-                Ok(GpuHackGroup { blocks: n as u32, rows: groups_of(unit)?.rows_in(b) as u32, mask })
-            })
-            .collect::<Result<_>>()?;
-        Ok(GpuHackWork { groups, locations, cpu, scan: plan.exact })
     }
 
     /// The index's structure (see [`WaveLayout`]).
@@ -708,7 +506,7 @@ impl<E: Element> WaveIndex<E> {
                 // The directory lists each head's clusters segment by segment.
                 let ids: Vec<usize> = (0..store.dir.len()).filter(|&i| store.dir.spans[i].unit as usize == u).collect();
                 let clusters = ids.first().map_or(0..0, |&a| a..a + ids.len());
-                let rows = match store.segments[u].hack_rows(self.blocks.as_ref().map(|b| (b, h))) {
+                let rows = match store.segments[u].hack_rows(self.home.as_deref().map(|b| (b, h))) {
                     Ok(Some(rows)) => rows,
                     Ok(None) => return None,
                     Err(e) => return Some(Err(e)),
@@ -898,7 +696,6 @@ impl<E: Element> WaveIndex<E> {
     #[allow(clippy::too_many_arguments)]
     fn selection(
         &self,
-        kv_head: usize,
         dir: &Directory<E>,
         first_head: usize,
         scores: &[Vec<f32>],
@@ -906,13 +703,12 @@ impl<E: Element> WaveIndex<E> {
         budget: &ZoneBudget,
     ) -> Selection {
         let (retrieve, estimate) = self.select(dir, choice, budget);
-        self.selection_of(kv_head, dir, first_head, scores, retrieve, estimate)
+        self.selection_of(dir, first_head, scores, retrieve, estimate)
     }
 
     /// The selection that retrieves `retrieve` and estimates `estimate` (directory ids).
     fn selection_of(
         &self,
-        kv_head: usize,
         dir: &Directory<E>,
         first_head: usize,
         scores: &[Vec<f32>],
@@ -925,22 +721,11 @@ impl<E: Element> WaveIndex<E> {
         coalesce(&mut spans);
         let estimate_tokens = estimate.iter().map(|&id| dir.sizes[id as usize] as usize).sum::<usize>();
         let estimate_scores = scores.iter().flat_map(|s| estimate.iter().map(|&id| s[id as usize])).collect();
-        // The blocks' locations as of now; a cluster that cannot be found leaves the list
-        // empty and execution looks the clusters up again (and reports what is missing).
-        let blocks = match &self.blocks {
-            // 2-bit rows are homed per value block, not per cluster: execution finds them.
-            Some(store) if self.hack.is_none() => {
-                let keys: Vec<_> = retrieve.iter().map(|&id| store.key(kv_head, id)).collect();
-                store.lookup(&keys).unwrap_or_default()
-            }
-            _ => Vec::new(),
-        };
         Selection {
             first_head,
             heads: scores.len(),
             retrieve: spans,
             retrieve_clusters: retrieve.len(),
-            blocks,
             retrieve_tokens,
             dropped_clusters: dir.len() - retrieve.len() - estimate.len(),
             dropped_tokens: self.indexed_tokens() - retrieve_tokens - estimate_tokens,
@@ -985,65 +770,6 @@ impl<E: Element> WaveIndex<E> {
             }
         });
         (scores, best_scores)
-    }
-
-    /// [`AccessMethod::arena_layer`] of an f16 index homed in `store`.
-    fn arena_layer_f16(&self, store: &BlockStore) -> Result<ArenaLayer> {
-        let d = self.head_dim;
-        let row_bytes = d * E::DTYPE.size_bytes();
-        let per_block = store.rows_per_block(row_bytes)?;
-        if 2 * per_block * row_bytes != store.buffers().layout().block_bytes() {
-            return Err(Error::InvalidParameter {
-                what: "block size",
-                message: format!(
-                    "a device step addresses arena rows as slot × 2R + row: blocks of {} bytes are not 2 × {per_block} rows of {row_bytes} bytes",
-                    store.buffers().layout().block_bytes()
-                ),
-            });
-        }
-        let stride = 2 * per_block;
-        let bits = |x: &[E]| -> Vec<half::f16> { x.iter().map(|v| half::f16::from_f32(v.to_f32())).collect() };
-        let mut rows: Vec<Vec<u32>> = Vec::with_capacity(self.kv_heads);
-        let mut metas = Vec::with_capacity(self.kv_heads);
-        for (h, head) in self.heads.iter().enumerate() {
-            let keys: Vec<_> = (0..head.dir.len() as u32).map(|id| store.key(h, id)).collect();
-            let found = store.lookup(&keys)?;
-            let mut map = Vec::with_capacity(self.indexed_tokens());
-            let mut at = 0;
-            for (id, &size) in head.dir.sizes.iter().enumerate() {
-                for b in 0..(size as usize).div_ceil(per_block) {
-                    let location = found.get(at).ok_or_else(|| {
-                        Error::MissingRows(format!("the block list ends before cluster {id} of head {h}"))
-                    })?;
-                    at += 1;
-                    let (tier, slot) = location.home();
-                    if tier != attnstore_buffer::Tier::Host {
-                        return Err(Error::MissingRows(format!(
-                            "cluster {id} of head {h} has a block homed on {tier:?}, not in the Host arena"
-                        )));
-                    }
-                    let n = (size as usize - b * per_block).min(per_block);
-                    map.extend((0..n).map(|i| (slot as usize * stride + i) as u32));
-                }
-            }
-            rows.push(map);
-            metas.push((bits(&head.dir.centroids), bits(&head.dir.value_means)));
-        }
-        let heads: Vec<HeadClusters<'_>> = self
-            .heads
-            .iter()
-            .zip(&metas)
-            .zip(&rows)
-            .map(|((head, (c, v)), r)| HeadClusters { sizes: &head.dir.sizes, centroids: c, value_means: v, rows: r })
-            .collect();
-        Ok(ArenaLayer {
-            wave: ArenaWave::new(d, &heads)?,
-            tokens_per_block: per_block,
-            indexed_end: self.tail_start,
-            real_clusters: self.heads.iter().map(|h| h.dir.len()).collect(),
-            context: store.context(),
-            layer: store.layer(),
-        })
     }
 
     fn steady_plan(&self) -> HeadPlan {
@@ -1101,13 +827,9 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         let (scores, best) = self.group_scores(dir, q, per_kv_head);
         let scored = traced.map(|t| t.elapsed());
         plan.selections = if per_kv_head {
-            vec![self.selection(kv_head, dir, 0, &scores, &best, budget)]
+            vec![self.selection(dir, 0, &scores, &best, budget)]
         } else {
-            scores
-                .iter()
-                .enumerate()
-                .map(|(j, s)| self.selection(kv_head, dir, j, std::slice::from_ref(s), s, budget))
-                .collect()
+            scores.iter().enumerate().map(|(j, s)| self.selection(dir, j, std::slice::from_ref(s), s, budget)).collect()
         };
         if let (Some(t), Some(scored)) = (traced, scored) {
             eprintln!(
@@ -1119,112 +841,61 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         plan
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
-        let d = self.head_dim;
-        let g = q.len() / d;
-        let scale = 1.0 / (d as f32).sqrt();
+    fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a> {
         let store = &self.heads[kv_head];
-        let blocks = self.blocks.as_ref();
-        let mut parts = vec![Partial::empty(d); g];
-        attend_rows(q, scale, &store.sink_keys, &store.sink_values, &mut parts, scratch);
-        attend_rows(q, scale, &store.tail_keys, &store.tail_values, &mut parts, scratch);
+        let steady = vec![
+            crate::rows::Run::Plain(vec![PlainRows::of(&store.sink_keys, &store.sink_values)]),
+            crate::rows::Run::Plain(vec![PlainRows::of(&store.tail_keys, &store.tail_values)]),
+        ];
         if plan.exact {
-            // Every segment row, in runs of EXACT_CHUNK rows on rayon threads (the executor
-            // parallelizes over KV heads only), merged by log-sum-exp.
-            let jobs: Vec<(usize, std::ops::Range<usize>)> = store
+            // Every segment row, in runs of EXACT_CHUNK rows (parallel jobs merged by
+            // log-sum-exp: the executor parallelizes over KV heads only otherwise).
+            let scan = store
                 .segments
                 .iter()
-                .enumerate()
-                .flat_map(|(i, s)| {
+                .flat_map(|s| {
                     let n = s.positions.len();
-                    (0..n).step_by(EXACT_CHUNK).map(move |a| (i, a..(a + EXACT_CHUNK).min(n)))
+                    (0..n).step_by(EXACT_CHUNK).map(move |a| s.run(vec![a..(a + EXACT_CHUNK).min(n)]))
                 })
                 .collect();
-            // The queries are quantized once for every task (2-bit rows; plain rows: nothing).
-            attend_jobs_from(&primed(&store.segments, q, g, d)?, &jobs, g, d, &mut parts, |(i, rows), p, sc| {
-                let homed = blocks.map(|store| Homed { store, head: kv_head, scan: true });
-                store.segments[*i].attend(homed, q, scale, std::slice::from_ref(rows), p, sc)
-            })?;
-            return Ok(parts);
+            return HeadRows { steady, scan, selections: Vec::new() };
         }
-        for sel in &plan.selections {
-            let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
-            let mut sub = vec![Partial::empty(d); sel.heads];
-            // The estimation zone in pieces of EST_CHUNK clusters, run as jobs beside the
-            // retrieval's: one KV head's zone is ~2K clusters at 128K tokens, too much to
-            // leave on one thread when the cores outnumber the KV heads.
-            let zone = store.dir.estimate_zone(sel);
-            let est_jobs = (0..zone.len()).step_by(EST_CHUNK).map(|a| a..(a + EST_CHUNK).min(zone.len()));
-            let estimate = |cols: &std::ops::Range<usize>, p: &mut [Partial]| {
-                p.iter_mut().zip(zone.partials(cols.clone(), d)).for_each(|(a, b)| a.merge(&b));
-                Ok(())
-            };
-            match blocks {
-                // Block-homed rows: pin the blocks recorded at planning time (a block that
-                // moved since is found through its owner tag).
-                Some(bs) if !sel.blocks.is_empty() => {
-                    let per_block = bs.rows_per_block(d * E::DTYPE.size_bytes())?;
-                    let mut at = 0;
-                    let mut clusters = Vec::with_capacity(sel.retrieve_ids.len());
-                    for &id in &sel.retrieve_ids {
-                        let size = store.dir.sizes[id as usize] as usize;
-                        let n = size.div_ceil(per_block);
-                        let locations = sel.blocks.get(at..at + n).ok_or_else(|| {
-                            Error::MissingRows(format!(
-                                "the plan's block list ends before cluster {id} of head {kv_head}"
-                            ))
-                        })?;
-                        clusters.push(ClusterRows { locations: ClusterBlocks::Recorded(locations), rows: 0..size });
-                        at += n;
-                    }
-                    let jobs: Vec<_> = clusters
-                        .chunks(CLUSTER_CHUNK)
-                        .map(Work::Retrieve)
-                        .chain(est_jobs.map(Work::Estimate))
-                        .collect();
-                    attend_jobs(&jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
-                        Work::Retrieve(c) => {
-                            attend_clusters::<E>(&bs.buffers().reader(), per_block, qs, scale, c, p, sc)
-                        }
-                        Work::Estimate(cols) => estimate(cols, p),
-                    })?;
-                }
-                _ => {
-                    // Spans are sorted by segment (coalesce sorts them): one task per segment.
-                    let jobs: Vec<_> = sel
+        let plain_homed = self.hack.is_none() && self.home.is_some();
+        let selections = plan
+            .selections
+            .iter()
+            .map(|sel| {
+                let (retrieve, clusters) = if plain_homed {
+                    // Whole clusters: the engine reads the blocks its plan recorded.
+                    let sizes = &store.dir.sizes;
+                    (Vec::new(), sel.retrieve_ids.iter().map(|&id| (id, sizes[id as usize] as usize)).collect())
+                } else {
+                    // Spans are sorted by segment (coalesce sorts them): one job per segment.
+                    let jobs = sel
                         .retrieve
                         .chunk_by(|a, b| a.unit == b.unit)
-                        .map(Work::Retrieve)
-                        .chain(est_jobs.map(Work::Estimate))
+                        .map(|runs| {
+                            let ranges = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
+                            vec![store.segments[runs[0].unit as usize].run(ranges)]
+                        })
                         .collect();
-                    attend_jobs_from(
-                        &primed(&store.segments, qs, sel.heads, d)?,
-                        &jobs,
-                        sel.heads,
-                        d,
-                        &mut sub,
-                        |job, p, sc| match job {
-                            Work::Retrieve(runs) => {
-                                let ranges: Vec<_> = runs.iter().map(|r| r.start as usize..r.end as usize).collect();
-                                store.segments[runs[0].unit as usize].attend(
-                                    blocks.map(|store| Homed { store, head: kv_head, scan: false }),
-                                    qs,
-                                    scale,
-                                    &ranges,
-                                    p,
-                                    sc,
-                                )
-                            }
-                            Work::Estimate(cols) => estimate(cols, p),
-                        },
-                    )?;
+                    (jobs, Vec::new())
+                };
+                let zone = store.dir.estimate_zone(sel);
+                SelectionRows {
+                    first_head: sel.first_head,
+                    heads: sel.heads,
+                    retrieve,
+                    clusters,
+                    estimate: Some(Box::new(zone)),
                 }
-            }
-            for (i, part) in sub.iter().enumerate() {
-                parts[sel.first_head + i].merge(part);
-            }
-        }
-        Ok(parts)
+            })
+            .collect();
+        HeadRows { steady, scan: Vec::new(), selections }
+    }
+
+    fn clustered(&self) -> Option<&dyn Clustered> {
+        Some(self)
     }
 
     fn layout(&self) -> Option<IndexLayout> {
@@ -1233,86 +904,6 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
 
     fn layout_end(&self) -> Option<u64> {
         Some(self.tail_start as u64)
-    }
-
-    fn gpu_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHeadWork>> {
-        let store = self.blocks.as_ref()?;
-        if E::DTYPE != attnstore_kernels::DType::F16
-            || self.hack.is_some()
-            || (!plan.exact && plan.selections.len() > 1)
-        {
-            return None;
-        }
-        Some(self.gpu_work_f16(store, kv_head, q, plan))
-    }
-
-    fn gpu_hack_work(&self, kv_head: usize, q: &[f32], plan: &HeadPlan) -> Option<Result<GpuHackWork>> {
-        let store = self.blocks.as_ref()?;
-        let d = self.head_dim;
-        // One mask per KV head serves the whole group: one selection for all its heads.
-        let one_selection = plan.selections.first().is_none_or(|s| s.first_head == 0 && s.heads == q.len() / d);
-        let homed = self.heads[kv_head].segments.iter().all(|s| s.groups.is_some());
-        if self.hack?.partition != 64 || !homed || (!plan.exact && (plan.selections.len() > 1 || !one_selection)) {
-            return None;
-        }
-        Some(self.gpu_hack_work_homed(store, kv_head, q, plan))
-    }
-
-    fn arena_layer(&self) -> Option<Result<ArenaLayer>> {
-        let store = self.blocks.as_ref()?;
-        if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() || self.indexed_tokens() == 0 {
-            return None;
-        }
-        Some(self.arena_layer_f16(store))
-    }
-
-    fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
-        self.blocks.as_ref()?;
-        if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() {
-            return None;
-        }
-        let (d, sink) = (self.head_dim, self.sink_len);
-        let len = sink + self.tail_len();
-        let n = len.saturating_sub(from);
-        let mut out = SteadyRows {
-            len,
-            keys: Vec::with_capacity(n * self.kv_heads * d),
-            values: Vec::with_capacity(n * self.kv_heads * d),
-        };
-        // E is f16 here: its bits as they are.
-        let bits = |x: &[E], to: &mut Vec<u16>| to.extend_from_slice(bytemuck::cast_slice::<E, u16>(x));
-        for i in from..len {
-            for head in &self.heads {
-                let (k, v, at) = if i < sink {
-                    (&head.sink_keys, &head.sink_values, i)
-                } else {
-                    (&head.tail_keys, &head.tail_values, i - sink)
-                };
-                bits(&k[at * d..(at + 1) * d], &mut out.keys);
-                bits(&v[at * d..(at + 1) * d], &mut out.values);
-            }
-        }
-        Some(out)
-    }
-
-    fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> Option<HeadPlan> {
-        self.blocks.as_ref()?;
-        if self.hack.is_some() {
-            return None; // the device path reads plain block-homed rows only
-        }
-        let mut plan = self.steady_plan();
-        let dir = &self.heads[kv_head].dir;
-        if dir.is_empty() {
-            return Some(plan);
-        }
-        let mut chosen = vec![false; dir.len()];
-        retrieve.iter().filter(|&&id| (id as usize) < dir.len()).for_each(|&id| chosen[id as usize] = true);
-        let retrieve: Vec<u32> = (0..dir.len() as u32).filter(|&id| chosen[id as usize]).collect();
-        let estimate: Vec<u32> =
-            (0..dir.len() as u32).filter(|&id| !chosen[id as usize] && dir.sizes[id as usize] > 0).collect();
-        let (scores, _) = self.group_scores(dir, q, false);
-        plan.selections = vec![self.selection_of(kv_head, dir, 0, &scores, retrieve, estimate)];
-        Some(plan)
     }
 
     fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
@@ -1352,17 +943,84 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
     }
 }
 
-/// Whether `ATTNSTORE_PLAN_TRACE` is set: each planned KV head then prints the time its
-/// centroid scoring and its selection took (read once per process).
-/// A mask of the first `n` rows of a value block (n ≤ 64).
-fn low_bits(n: usize) -> u64 {
-    if n >= 64 {
-        u64::MAX
-    } else {
-        (1u64 << n) - 1
+impl<E: Element> Clustered for WaveIndex<E> {
+    fn storage(&self) -> RowStorage {
+        match (&self.home, self.hack) {
+            (None, _) => RowStorage::Memory,
+            (Some(_), None) => RowStorage::Homed,
+            (Some(_), Some(_)) => RowStorage::HomedEncoded,
+        }
+    }
+
+    fn dtype(&self) -> attnstore_kernels::DType {
+        E::DTYPE
+    }
+
+    fn cluster_sizes(&self, kv_head: usize) -> &[u32] {
+        &self.heads[kv_head].dir.sizes
+    }
+
+    fn directory_f16(&self, kv_head: usize) -> (Vec<f16>, Vec<f16>) {
+        let bits = |x: &[E]| -> Vec<f16> { x.iter().map(|v| f16::from_f32(v.to_f32())).collect() };
+        let dir = &self.heads[kv_head].dir;
+        (bits(&dir.centroids), bits(&dir.value_means))
+    }
+
+    fn indexed_end(&self) -> usize {
+        self.tail_start
+    }
+
+    fn indexed_tokens(&self) -> usize {
+        WaveIndex::indexed_tokens(self)
+    }
+
+    fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
+        if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() {
+            return None;
+        }
+        let (d, sink) = (self.head_dim, self.sink_len);
+        let len = sink + self.tail_len();
+        let n = len.saturating_sub(from);
+        let mut out = SteadyRows {
+            len,
+            keys: Vec::with_capacity(n * self.kv_heads * d),
+            values: Vec::with_capacity(n * self.kv_heads * d),
+        };
+        // E is f16 here: its bits as they are.
+        let bits = |x: &[E], to: &mut Vec<u16>| to.extend_from_slice(bytemuck::cast_slice::<E, u16>(x));
+        for i in from..len {
+            for head in &self.heads {
+                let (k, v, at) = if i < sink {
+                    (&head.sink_keys, &head.sink_values, i)
+                } else {
+                    (&head.tail_keys, &head.tail_values, i - sink)
+                };
+                bits(&k[at * d..(at + 1) * d], &mut out.keys);
+                bits(&v[at * d..(at + 1) * d], &mut out.values);
+            }
+        }
+        Some(out)
+    }
+
+    fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> HeadPlan {
+        let mut plan = self.steady_plan();
+        let dir = &self.heads[kv_head].dir;
+        if dir.is_empty() {
+            return plan;
+        }
+        let mut chosen = vec![false; dir.len()];
+        retrieve.iter().filter(|&&id| (id as usize) < dir.len()).for_each(|&id| chosen[id as usize] = true);
+        let retrieve: Vec<u32> = (0..dir.len() as u32).filter(|&id| chosen[id as usize]).collect();
+        let estimate: Vec<u32> =
+            (0..dir.len() as u32).filter(|&id| !chosen[id as usize] && dir.sizes[id as usize] > 0).collect();
+        let (scores, _) = self.group_scores(dir, q, false);
+        plan.selections = vec![self.selection_of(dir, 0, &scores, retrieve, estimate)];
+        plan
     }
 }
 
+/// Whether `ATTNSTORE_PLAN_TRACE` is set: each planned KV head then prints the time its
+/// centroid scoring and its selection took (read once per process).
 fn plan_trace() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var_os("ATTNSTORE_PLAN_TRACE").is_some())

@@ -3,8 +3,8 @@
 
 use crate::error::{Error, Result};
 use crate::method::{batch_tokens, push_narrow, AccessMethod, HeadPlan, IndexStats, ZoneBudget};
-use attnstore_kernels::cpu::attention::{attend_rows, Scratch};
-use attnstore_kernels::{Element, Partial};
+use crate::rows::{HeadRows, PlainRows, Run};
+use attnstore_kernels::Element;
 
 /// Exact attention over the most recent `window` tokens of each KV head.
 #[derive(Debug, Clone)]
@@ -78,11 +78,11 @@ impl<E: Element> AccessMethod for WindowIndex<E> {
         self.plan_exact()
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], _plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
-        let d = self.head_dim;
-        let mut parts = vec![Partial::empty(d); q.len() / d];
-        attend_rows(q, 1.0 / (d as f32).sqrt(), &self.keys[kv_head], &self.values[kv_head], &mut parts, scratch);
-        Ok(parts)
+    fn head_rows<'a>(&'a self, kv_head: usize, _plan: &'a HeadPlan) -> HeadRows<'a> {
+        HeadRows {
+            steady: vec![Run::Plain(vec![PlainRows::of(&self.keys[kv_head], &self.values[kv_head])])],
+            ..HeadRows::default()
+        }
     }
 
     fn exact_positions(&self, _kv_head: usize, _plan: &HeadPlan, _j: usize) -> Vec<u32> {

@@ -499,8 +499,8 @@ pub(crate) mod tests {
         assert_eq!(again.layout(), w.layout());
         let q = SplitMix64::new(9).normals(2 * D);
         let (a, b) = (
-            w.execute_head(1, &q, &w.plan_exact(), &mut Default::default()).unwrap(),
-            again.execute_head(1, &q, &again.plan_exact(), &mut Default::default()).unwrap(),
+            crate::execute_head(&w, 1, &q, D, &w.plan_exact()).unwrap(),
+            crate::execute_head(&again, 1, &q, D, &again.plan_exact()).unwrap(),
         );
         assert_eq!(
             a.iter().map(|p| p.clone().finish()).collect::<Vec<_>>(),

@@ -37,7 +37,7 @@ pub(crate) struct RebuildJob {
     /// Committed end of the layer's data file when recovery loaded it.
     pub loaded_bytes: u64,
     /// Where the rebuilt index homes its segment rows (the engine's buffer manager).
-    pub blocks: Option<attnstore_index::BlockStore>,
+    pub blocks: Option<crate::exec::home::BlockStore>,
 }
 
 /// Progress of the background rebuild.
@@ -68,7 +68,7 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
     let spec = &job.context.spec;
     let path = data_path(&durable.dir, job.id.0, job.layer);
     let row = spec.shape.kv_heads * spec.shape.head_dim;
-    let mut method = make_method(spec, spec.layers[job.layer], job.blocks.clone())?;
+    let mut method = make_method(spec, spec.layers[job.layer], job.blocks.as_ref())?;
     let owner = durable.owner(job.id, job.layer);
     let mut reader = ChunkReader::open(&path, owner, job.loaded_bytes, spec.dtype, row)?;
     // A checkpointed layout (wave and PQ layers) restores the tokens it covers without

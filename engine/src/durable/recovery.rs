@@ -607,7 +607,7 @@ pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> 
                 drop(guard);
                 let blocks = engine
                     .buffer_manager()
-                    .map(|b| attnstore_index::BlockStore::new(Arc::clone(b), id.0, layer as u32));
+                    .map(|b| crate::exec::home::BlockStore::new(Arc::clone(b), id.0, layer as u32));
                 jobs.push(RebuildJob { context: handle, id, layer, loaded_bytes: committed, blocks });
             }
             let path = data_path(dir, context, layer);

@@ -27,12 +27,12 @@ use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexLayout, IndexStats,
     RowSpan, Selection, SelectionMode, ZoneBudget,
 };
-use attnstore_kernels::cpu::attention::{attend_rows, attend_spans, Scratch};
+use crate::rows::{HeadRows, PlainRows, Run, SelectionRows};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
 use attnstore_kernels::cpu::pq::{candidates_max, scores_each, scores_max, scores_max_strided, Lut};
 use attnstore_kernels::cpu::scoring::{rank_key, threshold_from_sample, top_keys, top_r_set};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{Element, HackParams, HackRows, Partial};
+use attnstore_kernels::{Element, HackParams, HackRows};
 use build::{BuildJob, BuildSlot, Built};
 use std::ops::Range;
 use std::sync::Arc;
@@ -291,21 +291,15 @@ impl<E: Element> PqIndex<E> {
         }
     }
 
-    /// Folds the rows of `spans` into `parts`: plain rows from the plain vectors, coded base
-    /// rows by homomorphic attention over the 2-bit form.
-    fn attend_row_spans(
-        &self,
-        kv_head: usize,
-        q: &[f32],
-        scale: f32,
-        spans: &[RowSpan],
-        parts: &mut [Partial],
-        scratch: &mut Scratch,
-    ) {
-        let rows = |s: &RowSpan| self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
+    /// The runs that read `spans` (plain rows in one pass, then 2-bit base rows), as the
+    /// 2-bit base's rows past the sink are encoded.
+    fn span_runs(&self, kv_head: usize, spans: &[RowSpan]) -> Vec<Run<'_>> {
+        let rows = |s: &RowSpan| {
+            let (k, v) = self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
+            PlainRows::of(k, v)
+        };
         let Some(coded) = &self.heads[kv_head].hack else {
-            attend_spans(q, scale, spans.iter().map(rows), parts, scratch);
-            return;
+            return vec![Run::Plain(spans.iter().map(rows).collect())];
         };
         let sink = self.base_sink;
         let (mut plain, mut ranges) = (Vec::new(), Vec::new());
@@ -322,8 +316,7 @@ impl<E: Element> PqIndex<E> {
                 ranges.push(a.max(sink) - sink..b - sink);
             }
         }
-        attend_spans(q, scale, plain.iter().map(rows), parts, scratch);
-        coded.attend(q, scale, &ranges, parts, &mut scratch.hack);
+        vec![Run::Plain(plain.iter().map(rows).collect()), Run::Encoded { rows: coded, ranges }]
     }
 
     /// Encodes, with the existing codebooks, every token that has left the local window
@@ -542,30 +535,30 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         })
     }
 
-    fn execute_head(&self, kv_head: usize, q: &[f32], plan: &HeadPlan, scratch: &mut Scratch) -> Result<Vec<Partial>> {
-        let d = self.head_dim;
-        let scale = 1.0 / (d as f32).sqrt();
+    fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a> {
         let kv = &self.heads[kv_head];
-        let mut parts = vec![Partial::empty(d); q.len() / d];
         if plan.exact {
+            let mut steady = Vec::with_capacity(3);
             if let Some(coded) = &kv.hack {
-                coded.attend(q, scale, &[0..coded.rows()], &mut parts, &mut scratch.hack);
+                steady.push(Run::Encoded { rows: coded, ranges: vec![0..coded.rows()] });
             }
-            attend_rows(q, scale, &kv.base_keys, &kv.base_values, &mut parts, scratch);
-            attend_rows(q, scale, &kv.tail_keys, &kv.tail_values, &mut parts, scratch);
-            return Ok(parts);
+            steady.push(Run::Plain(vec![PlainRows::of(&kv.base_keys, &kv.base_values)]));
+            steady.push(Run::Plain(vec![PlainRows::of(&kv.tail_keys, &kv.tail_values)]));
+            return HeadRows { steady, ..HeadRows::default() };
         }
-        let steady: Vec<RowSpan> = self.steady_ranges().into_iter().flat_map(|r| self.spans_of(r)).collect();
-        self.attend_row_spans(kv_head, q, scale, &steady, &mut parts, scratch);
-        for sel in &plan.selections {
-            let qs = &q[sel.first_head * d..(sel.first_head + sel.heads) * d];
-            let mut sub = vec![Partial::empty(d); sel.heads];
-            self.attend_row_spans(kv_head, qs, scale, &sel.retrieve, &mut sub, scratch);
-            for (i, part) in sub.iter().enumerate() {
-                parts[sel.first_head + i].merge(part);
-            }
-        }
-        Ok(parts)
+        let spans: Vec<RowSpan> = self.steady_ranges().into_iter().flat_map(|r| self.spans_of(r)).collect();
+        let selections = plan
+            .selections
+            .iter()
+            .map(|sel| SelectionRows {
+                first_head: sel.first_head,
+                heads: sel.heads,
+                retrieve: vec![self.span_runs(kv_head, &sel.retrieve)],
+                clusters: Vec::new(),
+                estimate: None,
+            })
+            .collect();
+        HeadRows { steady: self.span_runs(kv_head, &spans), scan: Vec::new(), selections }
     }
 
     fn exact_positions(&self, _kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {

@@ -1,5 +1,6 @@
 //! DESIGN.md invariants of the access methods, checked against f64 reference attention.
 
+#[path = "index_common/mod.rs"]
 mod common;
 
 use attnstore_index::{AccessMethod, FlatIndex, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
@@ -153,93 +154,4 @@ fn hack2_segments_serve_exact_and_sparse_plans_from_a_fifth_of_the_bytes() {
     let err = rel_l2(&a, &b.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
     assert!(err < 0.05, "hack2 vs f16 under the same sparse budget: {err}");
     assert!(WaveIndex::<f16>::new(small_params(), 2, 30).unwrap().with_codec(Some(HackParams::default())).is_err());
-}
-
-/// What a GPU homomorphic kernel computes from [`AccessMethod::gpu_hack_work`], done here
-/// on the CPU: each listed value block's bytes read from its buffer-manager blocks, its
-/// masked rows attended with the 8-bit query, merged with the CPU's partials.
-fn emulate_gpu_hack_step(
-    manager: &attnstore_buffer::BufferManager,
-    work: &attnstore_index::GpuHackWork,
-    q: &[f32],
-    d: usize,
-) -> (Vec<f32>, usize) {
-    use attnstore_kernels::{HackScratch, HackView, Partial};
-    let mut parts = work.cpu.clone();
-    let mut scratch = HackScratch::default();
-    let reader = manager.reader();
-    let mut rows = 0;
-    let mut at = 0;
-    for group in &work.groups {
-        let mut bytes = Vec::new();
-        let locations = &work.locations[at..at + group.blocks as usize];
-        at += group.blocks as usize;
-        for pin in reader.pin_all(locations) {
-            bytes.extend_from_slice(&pin.expect("a block in memory pins"));
-        }
-        let aligned: Vec<u16> = bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], *b.get(1).unwrap_or(&0)])).collect();
-        let view = HackView::from_group(d, HackParams::default(), group.rows as usize, bytemuck::cast_slice(&aligned))
-            .unwrap();
-        view.quantize_queries(q, parts.len(), &mut scratch);
-        let runs: Vec<_> = (0..64).filter(|r| group.mask >> r & 1 == 1).map(|r| r..r + 1).collect();
-        rows += runs.len();
-        let mut sub = vec![Partial::empty(d); parts.len()];
-        view.attend_quantized(1.0 / (d as f32).sqrt(), &runs, &mut sub, &mut scratch);
-        parts.iter_mut().zip(&sub).for_each(|(p, s)| p.merge(s));
-    }
-    (parts.iter().flat_map(Partial::finish).collect(), rows)
-}
-
-#[test]
-fn gpu_hack_work_lists_the_blocks_and_rows_that_attend_as_the_cpu_executor_does() {
-    use attnstore_buffer::{BufferConfig, BufferManager};
-    use attnstore_index::BlockStore;
-    use std::sync::Arc;
-    let shape = AttnShape::new(8, 2, 64).unwrap();
-    let (g, d) = (shape.group(), shape.head_dim);
-    let tokens = 3000;
-    let (k, v) = (randn(shape.kv_len(tokens), 51, 1.0), randn(shape.kv_len(tokens), 52, 1.0));
-    let config = BufferConfig { pinned_host: false, ..BufferConfig::new(8192, 0) };
-    let manager = Arc::new(BufferManager::new(config).unwrap());
-    let mut wave = WaveIndex::<f16>::new(small_params(), 2, 64)
-        .unwrap()
-        .with_codec(Some(HackParams::default()))
-        .unwrap()
-        .with_blocks(BlockStore::new(Arc::clone(&manager), 1, 0))
-        .unwrap();
-    wave.prefill(&k, &v).unwrap();
-    let indexed = wave.stats().indexed_tokens;
-    assert!(wave.stats().segments >= 3 && indexed > 2000, "{:?}", wave.stats());
-    let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
-    for step in 0..3u64 {
-        let q = randn(shape.query_len(), 60 + step, 2.0);
-        for h in 0..shape.kv_heads {
-            let qg = &q[h * g * d..(h + 1) * g * d];
-            for plan in [wave.plan_exact(), wave.plan_head(h, qg, &sparse)] {
-                let want: Vec<f64> = wave
-                    .execute_head(h, qg, &plan, &mut attnstore_kernels::cpu::attention::Scratch::default())
-                    .unwrap()
-                    .iter()
-                    .flat_map(|p| p.finish())
-                    .map(f64::from)
-                    .collect();
-                let work = wave.gpu_hack_work(h, qg, &plan).expect("homed 2-bit rows").unwrap();
-                assert_eq!(work.scan, plan.exact);
-                let (got, rows) = emulate_gpu_hack_step(&manager, &work, qg, d);
-                let expected_rows = if plan.exact { indexed } else { plan.selections[0].retrieve_tokens };
-                assert_eq!(rows, expected_rows, "step {step} head {h} exact={}", plan.exact);
-                let err = rel_l2(&got, &want);
-                assert!(err <= 1e-5, "step {step} head {h} exact={}: {err}", plan.exact);
-            }
-        }
-    }
-    // One selection per query head cannot share one row mask per KV head: the CPU runs it.
-    let q = randn(shape.query_len(), 70, 2.0);
-    let per_q = ZoneBudget { mode: SelectionMode::PerQueryHead, ..sparse };
-    assert!(wave.gpu_hack_work(0, &q[..g * d], &wave.plan_head(0, &q[..g * d], &per_q)).is_none());
-    // Plain rows, or 2-bit rows kept in the index, are not served this way.
-    let mut unhomed =
-        WaveIndex::<f16>::new(small_params(), 2, 64).unwrap().with_codec(Some(HackParams::default())).unwrap();
-    unhomed.prefill(&k, &v).unwrap();
-    assert!(unhomed.gpu_hack_work(0, &q[..g * d], &unhomed.plan_exact()).is_none());
 }

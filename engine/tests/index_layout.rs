@@ -3,6 +3,7 @@
 //! no clustering; a layout that does not fit is a typed error that changes nothing.
 
 #[allow(dead_code, reason = "helpers shared by the test files; this one uses some")]
+#[path = "index_common/mod.rs"]
 mod common;
 
 use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveLayout, WaveParams, ZoneBudget};

@@ -2,6 +2,7 @@
 //! background build falls back to exact attention until ready, the adaptive iteration limit
 //! and convergence, and the quality of its top-k.
 
+#[path = "index_common/mod.rs"]
 mod common;
 
 use attnstore_index::{AccessMethod, FlatIndex, PqIndex, PqLayout, PqParams, SelectionMode, ZoneBudget};

@@ -4,6 +4,7 @@
 //! error that changes nothing.
 
 #[allow(dead_code, reason = "helpers shared by the test files; this one uses some")]
+#[path = "index_common/mod.rs"]
 mod common;
 
 use attnstore_index::{

@@ -1,8 +1,7 @@
 //! Helpers shared by the access-method tests: seeded data, running every KV head of an
-//! index, and f64 reference attention.
+//! index through the engine's executor, and f64 reference attention.
 
 use attnstore_index::{AccessMethod, ZoneBudget};
-use attnstore_kernels::cpu::attention::Scratch;
 use attnstore_kernels::cpu::reference::reference_attention;
 use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::{narrow_vec, AttnShape, Element, HeadsView};
@@ -23,7 +22,7 @@ pub fn run(index: &dyn AccessMethod, shape: &AttnShape, q: &[f32], budget: Optio
             Some(b) => index.plan_head(h, qg, b),
             None => index.plan_exact(),
         };
-        for p in index.execute_head(h, qg, &plan, &mut Scratch::default()).expect("rows in memory are readable") {
+        for p in attnstore::execute_head(index, h, qg, d, &plan).expect("rows in memory are readable") {
             out.extend(p.finish());
         }
     }

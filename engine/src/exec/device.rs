@@ -1,0 +1,404 @@
+//! The GPU executor's inputs, taken from the same row descriptions the CPU executor reads:
+//! for a host-planned step the blocks of the exactly attended rows (plain f16 clusters, or
+//! 2-bit value blocks with the mask of rows to attend) and the partials of what stays on the
+//! CPU (steady and estimation zones); for a device-planned step the layer as the device
+//! reads it in the Host arena ([`ArenaLayer`]).
+
+use super::attend_plain;
+use super::home::BlockStore;
+use crate::context::Layer;
+use crate::error::{Error, Result};
+use attnstore_buffer::{BlockLocation, Tier};
+use attnstore_index::{Clustered, HeadPlan, HeadRows, HomedGroups, RowStorage, Run};
+use attnstore_kernels::cpu::attention::Scratch;
+use attnstore_kernels::{ArenaWave, DType, HeadClusters, Partial};
+use std::collections::BTreeMap;
+
+/// What a GPU executor needs for one KV head of a plan whose exactly attended rows beyond
+/// the steady zone are f16 clusters homed in the buffer manager ([`gpu_work`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct GpuHeadWork {
+    /// Blocks of the other exactly attended rows and the tokens valid in each (the first
+    /// `n` of the block's `R`), as the plan (or, for exact plans, a lookup now) found them.
+    pub blocks: Vec<(BlockLocation, u32)>,
+    /// Tokens per block (`R`).
+    pub tokens_per_block: usize,
+    /// The partial of each query head of the group over what stays on the CPU: the steady
+    /// zone (sink, pending, local window: a few dozen rows, cheaper here than an upload and
+    /// a second launch) and the estimation zone.
+    pub cpu: Vec<Partial>,
+}
+
+/// One value block of a `hack2` layer's 2-bit rows (Π = 64 rows), as a GPU step reads it
+/// in place: how many buffer-manager blocks its bytes span (its run of
+/// [`GpuHackWork::locations`]), the rows it holds and the rows to attend.
+#[derive(Debug, Clone)]
+pub(crate) struct GpuHackGroup {
+    /// Buffer-manager blocks the group's bytes are spread over.
+    pub blocks: u32,
+    /// Rows the group holds (Π, or fewer for a segment's last value block).
+    pub rows: u32,
+    /// The rows to attend: bit `r` for row `r` of the group.
+    pub mask: u64,
+}
+
+/// The GPU executor's inputs for one KV head of a layer whose indexed rows are 2-bit value
+/// blocks homed in the buffer manager ([`gpu_hack_work`]).
+#[derive(Debug, Clone)]
+pub(crate) struct GpuHackWork {
+    /// Value blocks with rows the plan attends exactly, each listed once.
+    pub groups: Vec<GpuHackGroup>,
+    /// The groups' buffer-manager blocks, group after group, each group's in byte order.
+    pub locations: Vec<BlockLocation>,
+    /// The partial of each query head of the group over the steady and estimation zones.
+    pub cpu: Vec<Partial>,
+    /// The plan is exact: its reads are a scan (pinned without logging accesses, so an
+    /// exact plan neither admits nor evicts what sparse plans re-read).
+    pub scan: bool,
+}
+
+/// A wave layer as a GPU step over the buffer manager's Host arena reads it
+/// ([`arena_layer`]).
+#[derive(Debug, Clone)]
+pub(crate) struct ArenaLayer {
+    /// Meta index and the arena row of every indexed row: row `i` of a cluster sits in its
+    /// block `i / R` at arena row `host slot × 2R + i mod R` (V rows `R` rows later).
+    pub wave: ArenaWave,
+    /// Tokens per block (`R`).
+    pub tokens_per_block: usize,
+    /// Real clusters of each head (the device's ids past them are padding).
+    pub real_clusters: Vec<usize>,
+    /// Context of the buffer manager's cluster keys.
+    pub context: u64,
+    /// Layer of those keys.
+    pub layer: u32,
+}
+
+/// The layer's homed f16 clusters and their store, when its rows are such.
+fn homed_f16(layer: &Layer) -> Option<(&BlockStore, &dyn Clustered)> {
+    let c = layer.method.clustered()?;
+    let store = layer.home.as_ref()?;
+    (c.storage() == RowStorage::Homed && c.dtype() == DType::F16).then_some((store, c))
+}
+
+/// What stays on the CPU in a GPU step of `kv_head` under `plan`: the partials of the query
+/// group `q` over the steady zone and, for a sparse plan, its (one) selection's estimation
+/// zone.
+fn cpu_zones(rows: &HeadRows<'_>, q: &[f32], d: usize, plan: &HeadPlan) -> Vec<Partial> {
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut cpu = vec![Partial::empty(d); q.len() / d];
+    let mut scratch = Scratch::default();
+    for run in &rows.steady {
+        if let Run::Plain(pieces) = run {
+            attend_plain(pieces, q, scale, &mut cpu, &mut scratch);
+        }
+    }
+    if let Some(sel) = rows.selections.first().filter(|_| !plan.exact) {
+        if let Some(zone) = &sel.estimate {
+            for (i, e) in zone.partials(0..zone.len(), d).iter().enumerate() {
+                cpu[sel.first_head + i].merge(e);
+            }
+        }
+    }
+    cpu
+}
+
+/// The GPU executor's inputs for `kv_head` under `plan` (`q`: the group's queries, `blocks`:
+/// what the plan recorded), or `None` when the layer cannot serve the plan from the buffer
+/// manager on the GPU (rows not homed there, not f16, or one selection per query head): the
+/// caller then runs the CPU executor.
+pub(crate) fn gpu_work(
+    layer: &Layer,
+    kv_head: usize,
+    q: &[f32],
+    d: usize,
+    plan: &HeadPlan,
+    recorded: &[Vec<BlockLocation>],
+) -> Option<Result<GpuHeadWork>> {
+    let (store, clustered) = homed_f16(layer)?;
+    if !plan.exact && plan.selections.len() > 1 {
+        return None;
+    }
+    Some((|| {
+        let per_block = store.rows_per_block(d * 2)?;
+        let rows = layer.method.head_rows(kv_head, plan);
+        let cpu = cpu_zones(&rows, q, d, plan);
+        let sizes = clustered.cluster_sizes(kv_head);
+        // The clusters attended exactly and their block lists.
+        let (ids, found): (Vec<u32>, Vec<BlockLocation>) = if plan.exact {
+            let ids: Vec<u32> = (0..sizes.len() as u32).collect();
+            let keys: Vec<_> = ids.iter().map(|&id| store.key(kv_head, id)).collect();
+            let found = store.lookup(&keys)?;
+            (ids, found)
+        } else if let Some(sel) = plan.selections.first() {
+            let found = match recorded.first().filter(|b| !b.is_empty()) {
+                Some(b) => b.clone(),
+                None if sel.retrieve_ids.is_empty() => Vec::new(),
+                None => {
+                    let keys: Vec<_> = sel.retrieve_ids.iter().map(|&id| store.key(kv_head, id)).collect();
+                    store.lookup(&keys)?
+                }
+            };
+            (sel.retrieve_ids.clone(), found)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        let mut blocks = Vec::with_capacity(found.len());
+        let mut at = 0;
+        for &id in &ids {
+            let size = sizes[id as usize] as usize;
+            for b in 0..size.div_ceil(per_block) {
+                let location = *found.get(at).ok_or_else(|| {
+                    missing_rows(format!("the block list ends before cluster {id} of head {kv_head}"))
+                })?;
+                blocks.push((location, (size - b * per_block).min(per_block) as u32));
+                at += 1;
+            }
+        }
+        Ok(GpuHeadWork { blocks, tokens_per_block: per_block, cpu })
+    })())
+}
+
+/// [`gpu_work`] for a layer whose indexed rows are 2-bit (`hack2`, Π = 64) value blocks
+/// homed in the buffer manager: the blocks a GPU homomorphic kernel reads in place (every
+/// row of every block for an exact plan; a selection's retrieved rows otherwise) and the
+/// CPU's partials, or `None` when the rows are not such blocks or the plan has one selection
+/// per query head (the caller then runs the CPU executor).
+pub(crate) fn gpu_hack_work(
+    layer: &Layer,
+    kv_head: usize,
+    q: &[f32],
+    d: usize,
+    plan: &HeadPlan,
+) -> Option<Result<GpuHackWork>> {
+    let store = layer.home.as_ref()?;
+    if layer.method.clustered()?.storage() != RowStorage::HomedEncoded {
+        return None;
+    }
+    // One mask per KV head serves the whole group: one selection for all its heads.
+    let one_selection = plan.selections.first().is_none_or(|s| s.first_head == 0 && s.heads == q.len() / d);
+    if !plan.exact && (plan.selections.len() > 1 || !one_selection) {
+        return None;
+    }
+    let rows = layer.method.head_rows(kv_head, plan);
+    // Every run the plan reads beyond the steady zone: all value blocks of Π = 64 rows.
+    let mut runs: Vec<(&HomedGroups, &Vec<std::ops::Range<usize>>)> = Vec::new();
+    for run in rows.scan.iter().chain(rows.selections.iter().flat_map(|s| s.retrieve.iter().flatten())) {
+        match run {
+            Run::HomedGroups { groups, ranges } if groups.params.partition == 64 => runs.push((groups, ranges)),
+            _ => return None,
+        }
+    }
+    Some((|| {
+        let cpu = cpu_zones(&rows, q, d, plan);
+        // (first home id of the segment, value block) → mask of the rows to attend, in row order.
+        let mut wanted = BTreeMap::<(u32, usize), (HomedGroups, u64)>::new();
+        for (g, ranges) in &runs {
+            let p = g.params.partition;
+            for r in ranges.iter() {
+                for row in r.clone() {
+                    wanted.entry((g.first, row / p)).or_insert((**g, 0)).1 |= 1u64 << (row % p);
+                }
+            }
+        }
+        let keys: Vec<_> = wanted.iter().map(|(&(first, b), _)| store.key(kv_head, first + b as u32)).collect();
+        let (locations, counts) = store.lookup_counted(&keys)?;
+        let groups = counts
+            .iter()
+            .zip(wanted.iter())
+            .map(|(&n, (&(_, b), (g, mask)))| GpuHackGroup { blocks: n as u32, rows: g.rows_in(b) as u32, mask: *mask })
+            .collect();
+        Ok(GpuHackWork { groups, locations, cpu, scan: plan.exact })
+    })())
+}
+
+/// The layer as a GPU decode step that selects its clusters on the device reads it, or
+/// `None` when it cannot be served that way (not a wave index, rows not homed in the buffer
+/// manager, not f16, 2-bit rows, nothing indexed). An error when a block is not in the Host
+/// arena (spilled or lost): run on the CPU.
+pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Result<ArenaLayer>> {
+    let (store, clustered) = homed_f16(layer)?;
+    if clustered.indexed_tokens() == 0 {
+        return None;
+    }
+    Some((|| {
+        let row_bytes = d * 2;
+        let per_block = store.rows_per_block(row_bytes)?;
+        if 2 * per_block * row_bytes != store.buffers().layout().block_bytes() {
+            return Err(Error::Index(attnstore_index::Error::InvalidParameter {
+                what: "block size",
+                message: format!(
+                    "a device step addresses arena rows as slot × 2R + row: blocks of {} bytes are not 2 × {per_block} rows of {row_bytes} bytes",
+                    store.buffers().layout().block_bytes()
+                ),
+            }));
+        }
+        let stride = 2 * per_block;
+        let mut rows: Vec<Vec<u32>> = Vec::with_capacity(kv_heads);
+        let mut metas = Vec::with_capacity(kv_heads);
+        for h in 0..kv_heads {
+            let sizes = clustered.cluster_sizes(h);
+            let keys: Vec<_> = (0..sizes.len() as u32).map(|id| store.key(h, id)).collect();
+            let found = store.lookup(&keys)?;
+            let mut map = Vec::with_capacity(clustered.indexed_tokens());
+            let mut at = 0;
+            for (id, &size) in sizes.iter().enumerate() {
+                for b in 0..(size as usize).div_ceil(per_block) {
+                    let location = found
+                        .get(at)
+                        .ok_or_else(|| missing_rows(format!("the block list ends before cluster {id} of head {h}")))?;
+                    at += 1;
+                    let (tier, slot) = location.home();
+                    if tier != Tier::Host {
+                        return Err(missing_rows(format!(
+                            "cluster {id} of head {h} has a block homed on {tier:?}, not in the Host arena"
+                        )));
+                    }
+                    let n = (size as usize - b * per_block).min(per_block);
+                    map.extend((0..n).map(|i| (slot as usize * stride + i) as u32));
+                }
+            }
+            rows.push(map);
+            metas.push(clustered.directory_f16(h));
+        }
+        let heads: Vec<HeadClusters<'_>> = (0..kv_heads)
+            .map(|h| HeadClusters {
+                sizes: clustered.cluster_sizes(h),
+                centroids: &metas[h].0,
+                value_means: &metas[h].1,
+                rows: &rows[h],
+            })
+            .collect();
+        Ok(ArenaLayer {
+            wave: ArenaWave::new(d, &heads)?,
+            tokens_per_block: per_block,
+            real_clusters: (0..kv_heads).map(|h| clustered.cluster_sizes(h).len()).collect(),
+            context: store.context(),
+            layer: store.layer(),
+        })
+    })())
+}
+
+fn missing_rows(message: String) -> Error {
+    Error::Index(attnstore_index::Error::MissingRows(message))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::Layer;
+    use crate::spec::LayerKind;
+    use attnstore_buffer::{BufferConfig, BufferManager};
+    use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
+    use attnstore_kernels::cpu::reference::rel_l2;
+    use attnstore_kernels::random::SplitMix64;
+    use attnstore_kernels::{AttnShape, HackParams, HackScratch, HackView};
+    use half::f16;
+    use std::sync::Arc;
+
+    fn randn(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+        let mut g = SplitMix64::new(seed);
+        (0..n).map(|_| g.normal() * scale).collect()
+    }
+
+    fn layer(method: Box<dyn AccessMethod>, home: Option<BlockStore>) -> Layer {
+        Layer {
+            kind: LayerKind::Global,
+            method,
+            home,
+            reservation: None,
+            version: 0,
+            prefilled: true,
+            rebuilding: false,
+        }
+    }
+
+    /// What a GPU homomorphic kernel computes from [`gpu_hack_work`], done here on the CPU:
+    /// each listed value block's bytes read from its buffer-manager blocks, its masked rows
+    /// attended with the 8-bit query, merged with the CPU's partials.
+    fn emulate_gpu_hack_step(manager: &BufferManager, work: &GpuHackWork, q: &[f32], d: usize) -> (Vec<f32>, usize) {
+        let mut parts = work.cpu.clone();
+        let mut scratch = HackScratch::default();
+        let reader = manager.reader();
+        let mut rows = 0;
+        let mut at = 0;
+        for group in &work.groups {
+            let mut bytes = Vec::new();
+            let locations = &work.locations[at..at + group.blocks as usize];
+            at += group.blocks as usize;
+            for pin in reader.pin_all(locations) {
+                bytes.extend_from_slice(&pin.expect("a block in memory pins"));
+            }
+            let aligned: Vec<u16> =
+                bytes.chunks(2).map(|b| u16::from_le_bytes([b[0], *b.get(1).unwrap_or(&0)])).collect();
+            let view =
+                HackView::from_group(d, HackParams::default(), group.rows as usize, bytemuck::cast_slice(&aligned))
+                    .unwrap();
+            view.quantize_queries(q, parts.len(), &mut scratch);
+            let runs: Vec<_> = (0..64).filter(|r| group.mask >> r & 1 == 1).map(|r| r..r + 1).collect();
+            rows += runs.len();
+            let mut sub = vec![Partial::empty(d); parts.len()];
+            view.attend_quantized(1.0 / (d as f32).sqrt(), &runs, &mut sub, &mut scratch);
+            parts.iter_mut().zip(&sub).for_each(|(p, s)| p.merge(s));
+        }
+        (parts.iter().flat_map(Partial::finish).collect(), rows)
+    }
+
+    #[test]
+    fn gpu_hack_work_lists_the_blocks_and_rows_that_attend_as_the_cpu_executor_does() {
+        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (g, d) = (shape.group(), shape.head_dim);
+        let tokens = 3000;
+        let (k, v) = (randn(shape.kv_len(tokens), 51, 1.0), randn(shape.kv_len(tokens), 52, 1.0));
+        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(8192, 0) };
+        let manager = Arc::new(BufferManager::new(config).unwrap());
+        let store = BlockStore::new(Arc::clone(&manager), 1, 0);
+        let mut wave = WaveIndex::<f16>::new(params, 2, 64)
+            .unwrap()
+            .with_codec(Some(HackParams::default()))
+            .unwrap()
+            .with_home(Arc::new(store.clone()))
+            .unwrap();
+        wave.prefill(&k, &v).unwrap();
+        let indexed = wave.stats().indexed_tokens;
+        assert!(wave.stats().segments >= 3 && indexed > 2000, "{:?}", wave.stats());
+        let layer = layer(Box::new(wave), Some(store));
+        let wave = &layer.method;
+        let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
+        for step in 0..3u64 {
+            let q = randn(shape.query_len(), 60 + step, 2.0);
+            for h in 0..shape.kv_heads {
+                let qg = &q[h * g * d..(h + 1) * g * d];
+                for plan in [wave.plan_exact(), wave.plan_head(h, qg, &sparse)] {
+                    let mut scratch = attnstore_kernels::cpu::attention::Scratch::default();
+                    let want: Vec<f64> =
+                        super::super::attend_head(&layer, DType::F16, h, qg, d, &plan, &[], &mut scratch)
+                            .unwrap()
+                            .iter()
+                            .flat_map(|p| p.finish())
+                            .map(f64::from)
+                            .collect();
+                    let work = gpu_hack_work(&layer, h, qg, d, &plan).expect("homed 2-bit rows").unwrap();
+                    assert_eq!(work.scan, plan.exact);
+                    let (got, rows) = emulate_gpu_hack_step(&manager, &work, qg, d);
+                    let expected_rows = if plan.exact { indexed } else { plan.selections[0].retrieve_tokens };
+                    assert_eq!(rows, expected_rows, "step {step} head {h} exact={}", plan.exact);
+                    let err = rel_l2(&got, &want);
+                    assert!(err <= 1e-5, "step {step} head {h} exact={}: {err}", plan.exact);
+                }
+            }
+        }
+        // One selection per query head cannot share one row mask per KV head: the CPU runs it.
+        let q = randn(shape.query_len(), 70, 2.0);
+        let per_q = ZoneBudget { mode: SelectionMode::PerQueryHead, ..sparse };
+        assert!(gpu_hack_work(&layer, 0, &q[..g * d], d, &wave.plan_head(0, &q[..g * d], &per_q)).is_none());
+        // Plain rows, or 2-bit rows kept in the index, are not served this way.
+        let mut unhomed =
+            WaveIndex::<f16>::new(params, 2, 64).unwrap().with_codec(Some(HackParams::default())).unwrap();
+        unhomed.prefill(&k, &v).unwrap();
+        let exact = unhomed.plan_exact();
+        let unhomed = self::layer(Box::new(unhomed), None);
+        assert!(gpu_hack_work(&unhomed, 0, &q[..g * d], d, &exact).is_none());
+    }
+}
