@@ -55,10 +55,18 @@ fn main() {
         ("wave hack2", ContextSpec::new(shape, 1).with_codec(hack), false),
         ("wave hack2 buffered", ContextSpec::new(shape, 1).with_codec(hack), true),
         ("flat f16", ContextSpec::new(shape, 1).with_method(Method::Flat), false),
-        ("flat f32", ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F32).with_codec(Codec::F32), false),
+        (
+            "flat f32",
+            ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F32).with_codec(Codec::F32),
+            false,
+        ),
         ("pq f16", ContextSpec::new(shape, 1).with_method(pq), false),
         ("pq hack2", ContextSpec::new(shape, 1).with_method(pq).with_codec(hack), false),
-        ("window f16", ContextSpec::new(shape, 1).with_method(wave).with_layers(vec![LayerKind::SlidingWindow(512)]), false),
+        (
+            "window f16",
+            ContextSpec::new(shape, 1).with_method(wave).with_layers(vec![LayerKind::SlidingWindow(512)]),
+            false,
+        ),
     ];
     let budgets = [
         ("exact", Budget::full()),
@@ -82,7 +90,9 @@ fn main() {
             if phase == "appended" {
                 for t in 0..300 {
                     let one = |x: &[f32]| -> Vec<f32> {
-                        (0..shape.kv_heads).flat_map(|h| x[(h * 300 + t) * 64..(h * 300 + t + 1) * 64].to_vec()).collect()
+                        (0..shape.kv_heads)
+                            .flat_map(|h| x[(h * 300 + t) * 64..(h * 300 + t + 1) * 64].to_vec())
+                            .collect()
                     };
                     engine.append(ctx, 0, &one(&dk), &one(&dv)).expect("append");
                 }

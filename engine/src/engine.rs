@@ -331,7 +331,10 @@ impl Engine {
         let layer_state: &mut Layer = &mut guard;
         if prefill {
             let restored = match layout {
-                Some(layout) => layer_state.method.restore(layout, keys, values)?,
+                Some(layout) => match layer_state.method.snapshots_mut() {
+                    Some(s) => s.restore(layout, keys, values)?,
+                    None => false,
+                },
                 None => false,
             };
             if !restored {
@@ -363,7 +366,7 @@ impl Engine {
         let shape = self.context(id)?.spec.shape;
         let row = shape.kv_heads * shape.head_dim;
         self.restore_with(id, layer, keys.len() / row.max(1), |method| {
-            if !method.restore(layout, keys, values)? {
+            if !method.snapshots_mut().map_or(Ok(false), |s| s.restore(layout, keys, values))? {
                 method.prefill(keys, values)?;
             }
             Ok(())
@@ -380,7 +383,7 @@ impl Engine {
         home: attnstore_index::EncodedHome,
     ) -> Result<()> {
         self.restore_with(id, layer, home.tokens as usize, |method| {
-            if method.restore_encoded(home)? {
+            if method.snapshots_mut().map_or(Ok(false), |s| s.restore_encoded(home))? {
                 return Ok(());
             }
             Err(Error::InvalidSpec(format!("layer {layer} of context {id} keeps no 2-bit segments to restore")))

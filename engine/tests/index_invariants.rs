@@ -3,7 +3,7 @@
 #[path = "index_common/mod.rs"]
 mod common;
 
-use attnstore_index::{AccessMethod, FlatIndex, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
+use attnstore_index::{AccessMethod, FlatIndex, RowSource, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
 use attnstore_kernels::cpu::reference::rel_l2;
 use attnstore_kernels::{AttnShape, HackParams};
 use common::{randn, reference, run};

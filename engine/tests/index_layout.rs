@@ -6,7 +6,7 @@
 #[path = "index_common/mod.rs"]
 mod common;
 
-use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveLayout, WaveParams, ZoneBudget};
+use attnstore_index::{AccessMethod, SelectionMode, Snapshots, WaveIndex, WaveLayout, WaveParams, ZoneBudget};
 use attnstore_kernels::{AttnShape, HackParams};
 use common::{append_in_batches, randn, run, token_slice};
 use half::f16;
@@ -40,7 +40,7 @@ fn a_restored_index_is_the_index_it_came_from() {
         let original = build(hack, &k, &v, total, 1200);
         let layout = original.layout();
         // What a checkpoint compares before it copies a layout.
-        assert_eq!(AccessMethod::layout_end(&original), Some(layout.tail_start));
+        assert_eq!(Snapshots::layout_end(&original), Some(layout.tail_start));
         assert!(layout.segments.len() >= 3, "prefill and decode segments: {}", layout.segments.len());
         let mut restored = WaveIndex::<f16>::new(params(), HEADS, D).unwrap().with_codec(hack).unwrap();
         restored.restore(&layout, &k, &v).unwrap();
@@ -113,7 +113,7 @@ fn a_hack2_index_restored_from_its_encoded_home_is_the_index_it_came_from() {
     let original = build(hack, &k, &v, total, 1200);
     let segments = original.layout().segments.len();
     assert!(segments >= 3, "prefill and decode segments: {segments}");
-    assert_eq!(AccessMethod::encoded_segments(&original), Some(segments));
+    assert_eq!(Snapshots::encoded_segments(&original), Some(segments));
     let home = original.encoded_home(0).unwrap().unwrap();
     let (encoded, steady) = home.bytes();
     // Sink (4) and tail rows, keys and values, 2 bytes a value.

@@ -5,7 +5,7 @@
 #[path = "index_common/mod.rs"]
 mod common;
 
-use attnstore_index::{AccessMethod, FlatIndex, PqIndex, PqLayout, PqParams, SelectionMode, ZoneBudget};
+use attnstore_index::{AccessMethod, FlatIndex, PqIndex, PqLayout, PqParams, RowSource, SelectionMode, ZoneBudget};
 use attnstore_kernels::cpu::reference::rel_l2;
 use attnstore_kernels::cpu::scoring::{score_rows, top_r};
 use attnstore_kernels::random::SplitMix64;

@@ -8,7 +8,7 @@
 mod common;
 
 use attnstore_index::{
-    AccessMethod, IndexLayout, PqIndex, PqParams, PqSnapshot, SelectionMode, WaveLayout, ZoneBudget,
+    AccessMethod, IndexLayout, PqIndex, PqParams, PqSnapshot, SelectionMode, Snapshots, WaveLayout, ZoneBudget,
 };
 use attnstore_kernels::{AttnShape, HackParams};
 use common::{append_in_batches, randn, run, token_slice};
@@ -44,7 +44,7 @@ fn restore(hack: Option<HackParams>, snapshot: &PqSnapshot, k: &[f32], v: &[f32]
     let base = snapshot.tokens as usize;
     let mut pq = empty(hack);
     let layout = IndexLayout::Pq(snapshot.clone());
-    assert!(AccessMethod::restore(&mut pq, &layout, &slice(k, total, 0, base), &slice(v, total, 0, base)).unwrap());
+    assert!(Snapshots::restore(&mut pq, &layout, &slice(k, total, 0, base), &slice(v, total, 0, base)).unwrap());
     append_in_batches(&mut pq, (k, v), (HEADS, D), total, base);
     pq
 }
@@ -133,7 +133,7 @@ fn a_snapshot_that_does_not_fit_is_a_typed_error_and_changes_nothing() {
     }
     // A wave layout is refused by a PQ index, and a non-empty index is not restored over.
     let mut pq = empty(None);
-    let err = AccessMethod::restore(&mut pq, &IndexLayout::Wave(WaveLayout::default()), &k, &v).unwrap_err();
+    let err = Snapshots::restore(&mut pq, &IndexLayout::Wave(WaveLayout::default()), &k, &v).unwrap_err();
     assert!(err.to_string().contains("a wave layout cannot restore a pq index"), "{err}");
     let mut pq = build(None, &k, &v, total, total);
     assert!(pq.restore(&good, &k, &v).is_err());
@@ -167,7 +167,7 @@ fn a_hack2_pq_index_restored_from_its_encoded_home_is_the_index_it_came_from() {
         h
     };
     let mut restored = empty(hack);
-    AccessMethod::restore_encoded(&mut restored, with(home.clone())).unwrap();
+    Snapshots::restore_encoded(&mut restored, with(home.clone())).unwrap();
     assert_eq!(restored.snapshot(), original.snapshot());
     assert_eq!(restored.stats(), original.stats());
     for h in 0..HEADS {

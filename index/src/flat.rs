@@ -3,8 +3,8 @@
 
 use crate::error::Result;
 use crate::method::{
-    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSpan, Selection,
-    SelectionMode, ZoneBudget,
+    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSource, RowSpan,
+    Selection, SelectionMode, ZoneBudget,
 };
 use crate::rows::{HeadRows, PlainRows, Run, SelectionRows};
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
@@ -95,7 +95,9 @@ impl<E: Element> AccessMethod for FlatIndex<E> {
         };
         HeadPlan { exact: false, steady_tokens: 0, pending_tokens: 0, selections }
     }
+}
 
+impl<E: Element> RowSource for FlatIndex<E> {
     fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a> {
         let d = self.head_dim;
         let (keys, values) = (&self.keys[kv_head], &self.values[kv_head]);

@@ -28,8 +28,8 @@ pub use error::{Error, Result};
 pub use flat::FlatIndex;
 pub use home::{HomeError, RowHome};
 pub use method::{
-    AccessMethod, Clustered, HeadPlan, IndexLayout, IndexStats, RowSpan, RowStorage, Selection, SelectionMode,
-    SteadyRows, ZoneBudget,
+    AccessMethod, Clustered, HeadPlan, IndexLayout, IndexStats, RowSource, RowSpan, RowStorage, Selection,
+    SelectionMode, Snapshots, SteadyRows, ZoneBudget,
 };
 pub use pq::{
     BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,

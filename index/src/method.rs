@@ -209,9 +209,9 @@ pub struct IndexStats {
 ///   or value blocks by their [`RowHome`](crate::RowHome) ids, and estimation zones;
 /// - a plan made with budgets that cover every token (or `plan_exact`) names every token's
 ///   row exactly once, so executing it gives exactly the partials of full attention;
-/// - snapshot methods (`layout` .. `restore_encoded`) are for methods that checkpoint an
-///   index; the defaults keep nothing and restore nothing.
-pub trait AccessMethod: Send + Sync {
+/// - only methods that checkpoint an index ([`Snapshots`]) or that a device step plans over
+///   ([`Clustered`]) return them; the others implement nothing for it.
+pub trait AccessMethod: RowSource + Send + Sync {
     /// Name for EXPLAIN and JSON (`"wave"`, `"flat"`, `"pq"`).
     fn name(&self) -> &'static str;
     /// Sizes of the stored data.
@@ -227,16 +227,10 @@ pub trait AccessMethod: Send + Sync {
     fn plan_head(&self, kv_head: usize, q: &[f32], budget: &ZoneBudget) -> HeadPlan;
     /// A plan that attends every token exactly.
     fn plan_exact(&self) -> HeadPlan;
-    /// The rows the group's query heads read under `plan` (a plan this method made for
-    /// `kv_head`), in the order their partials merge.
-    fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a>;
     /// The cluster directory a device step plans over, for clustered methods (wave).
     fn clustered(&self) -> Option<&dyn Clustered> {
         None
     }
-    /// Token positions attended exactly by query head `j` of the group under `plan`
-    /// (for recall measurements).
-    fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32>;
     /// The handle of an index build running in the background, for methods that build one
     /// (PQ); `None` when the method is always ready. While a build runs, plans attend the
     /// tokens it covers exactly.
@@ -250,12 +244,28 @@ pub trait AccessMethod: Send + Sync {
     fn catch_up(&mut self) -> Result<bool> {
         Ok(false)
     }
-    /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:
-    /// nothing worth keeping, or not built yet; recovery rebuilds from the KV).
-    fn layout(&self) -> Option<IndexLayout> {
+    /// The method's checkpointing, for methods that keep an index worth checkpointing
+    /// (wave, PQ); `None`: recovery ingests the KV again.
+    fn snapshots(&self) -> Option<&dyn Snapshots> {
         None
     }
-    /// The [`IndexLayout::indexed_end`] that [`AccessMethod::layout`] would report, without
+    /// [`AccessMethod::snapshots`], to restore into.
+    fn snapshots_mut(&mut self) -> Option<&mut dyn Snapshots> {
+        None
+    }
+}
+
+/// What a checkpoint keeps of an access method and how recovery restores it.
+///
+/// Contract: `layout`/`encoded_home` read and never mutate; `restore`/`restore_encoded`
+/// take an *empty* method, check everything they are given before changing anything, and
+/// fail with a typed error that leaves the method empty; a method restored from what it
+/// reported plans and answers exactly as the method it came from.
+pub trait Snapshots {
+    /// The index structure a checkpoint keeps so recovery need not rebuild it (`None`:
+    /// nothing worth keeping, or not built yet; recovery rebuilds from the KV).
+    fn layout(&self) -> Option<IndexLayout>;
+    /// The [`IndexLayout::indexed_end`] that [`Snapshots::layout`] would report, without
     /// copying the layout: a checkpoint asks first and copies only layouts that changed.
     fn layout_end(&self) -> Option<u64> {
         self.layout().map(|l| l.indexed_end())
@@ -264,12 +274,9 @@ pub trait AccessMethod: Send + Sync {
     /// [`IndexLayout::tokens`] tokens (same layout as [`AccessMethod::append`]). `Ok(false)`
     /// when the method keeps no layout (the caller then ingests the KV normally); a layout
     /// of another method, or one that does not fit, is a typed error that changes nothing.
-    fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
-        let _ = (layout, keys, values);
-        Ok(false)
-    }
+    fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool>;
     /// True when the encoded home holds rows only and a restore also needs the index's
-    /// [`AccessMethod::layout`] (a PQ index's codebooks); a wave home carries its whole
+    /// [`Snapshots::layout`] (a PQ index's codebooks); a wave home carries its whole
     /// index.
     fn home_needs_layout(&self) -> bool {
         false
@@ -293,6 +300,22 @@ pub trait AccessMethod: Send + Sync {
         let _ = home;
         Ok(false)
     }
+}
+
+/// The rows a plan of an access method reads, named without touching tiers (the executor's
+/// view of a method).
+///
+/// Contract: for a plan the method made for `kv_head`, `head_rows` lists every row the plan
+/// attends exactly once (steady runs, then an exact plan's scan, or per selection its
+/// retrieved runs or home clusters and its estimation zone), in the order the executor
+/// merges their partials; `exact_positions` names the same rows by token position.
+pub trait RowSource {
+    /// The rows the group's query heads read under `plan` (a plan this method made for
+    /// `kv_head`), in the order their partials merge.
+    fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a>;
+    /// Token positions attended exactly by query head `j` of the group under `plan`
+    /// (for recall measurements).
+    fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32>;
 }
 
 /// Where a clustered method's indexed rows are.

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::home::RowHome;
 use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, Clustered, HeadPlan, IndexLayout,
-    IndexStats, RowStorage, Selection, SelectionMode, SteadyRows, ZoneBudget,
+    IndexStats, RowSource, RowStorage, Selection, SelectionMode, Snapshots, SteadyRows, ZoneBudget,
 };
 use crate::rows::{HeadRows, PlainRows, SelectionRows};
 use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
@@ -841,6 +841,20 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         plan
     }
 
+    fn clustered(&self) -> Option<&dyn Clustered> {
+        Some(self)
+    }
+
+    fn snapshots(&self) -> Option<&dyn Snapshots> {
+        Some(self)
+    }
+
+    fn snapshots_mut(&mut self) -> Option<&mut dyn Snapshots> {
+        Some(self)
+    }
+}
+
+impl<E: Element> RowSource for WaveIndex<E> {
     fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a> {
         let store = &self.heads[kv_head];
         let steady = vec![
@@ -894,10 +908,25 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
         HeadRows { steady, scan: Vec::new(), selections }
     }
 
-    fn clustered(&self) -> Option<&dyn Clustered> {
-        Some(self)
+    fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {
+        let store = &self.heads[kv_head];
+        let mut out: Vec<u32> = (0..self.sink_len as u32).chain(self.tail_start as u32..self.tokens as u32).collect();
+        if plan.exact {
+            store.segments.iter().for_each(|s| out.extend_from_slice(&s.positions));
+            return out;
+        }
+        for sel in plan.selections.iter().filter(|s| (s.first_head..s.first_head + s.heads).contains(&j)) {
+            for span in &sel.retrieve {
+                out.extend_from_slice(
+                    &store.segments[span.unit as usize].positions[span.start as usize..span.end as usize],
+                );
+            }
+        }
+        out
     }
+}
 
+impl<E: Element> Snapshots for WaveIndex<E> {
     fn layout(&self) -> Option<IndexLayout> {
         Some(IndexLayout::Wave(WaveIndex::layout(self)))
     }
@@ -923,23 +952,6 @@ impl<E: Element> AccessMethod for WaveIndex<E> {
     fn restore_encoded(&mut self, home: EncodedHome) -> Result<bool> {
         WaveIndex::restore_encoded(self, home)?;
         Ok(true)
-    }
-
-    fn exact_positions(&self, kv_head: usize, plan: &HeadPlan, j: usize) -> Vec<u32> {
-        let store = &self.heads[kv_head];
-        let mut out: Vec<u32> = (0..self.sink_len as u32).chain(self.tail_start as u32..self.tokens as u32).collect();
-        if plan.exact {
-            store.segments.iter().for_each(|s| out.extend_from_slice(&s.positions));
-            return out;
-        }
-        for sel in plan.selections.iter().filter(|s| (s.first_head..s.first_head + s.heads).contains(&j)) {
-            for span in &sel.retrieve {
-                out.extend_from_slice(
-                    &store.segments[span.unit as usize].positions[span.start as usize..span.end as usize],
-                );
-            }
-        }
-        out
     }
 }
 

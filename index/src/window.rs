@@ -2,7 +2,7 @@
 //! them exactly (the local layers of Gemma-style models).
 
 use crate::error::{Error, Result};
-use crate::method::{batch_tokens, push_narrow, AccessMethod, HeadPlan, IndexStats, ZoneBudget};
+use crate::method::{batch_tokens, push_narrow, AccessMethod, HeadPlan, IndexStats, RowSource, ZoneBudget};
 use crate::rows::{HeadRows, PlainRows, Run};
 use attnstore_kernels::Element;
 
@@ -77,7 +77,9 @@ impl<E: Element> AccessMethod for WindowIndex<E> {
     fn plan_head(&self, _kv_head: usize, _q: &[f32], _budget: &ZoneBudget) -> HeadPlan {
         self.plan_exact()
     }
+}
 
+impl<E: Element> RowSource for WindowIndex<E> {
     fn head_rows<'a>(&'a self, kv_head: usize, _plan: &'a HeadPlan) -> HeadRows<'a> {
         HeadRows {
             steady: vec![Run::Plain(vec![PlainRows::of(&self.keys[kv_head], &self.values[kv_head])])],

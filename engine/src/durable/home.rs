@@ -421,7 +421,7 @@ pub(crate) fn read_home(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use attnstore_index::{AccessMethod, WaveIndex, WaveParams};
+    use attnstore_index::{AccessMethod, Snapshots, WaveIndex, WaveParams};
     use attnstore_kernels::random::SplitMix64;
     use attnstore_wal::StdStorage;
 
@@ -482,7 +482,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join(INDEX_DIR)).unwrap();
         let w = index();
-        let segments = AccessMethod::encoded_segments(&w).unwrap();
+        let segments = Snapshots::encoded_segments(&w).unwrap();
         assert!(segments >= 3, "{segments} segments");
         let (state, bytes) =
             write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&w, 0, 4096), &HomeState::default())

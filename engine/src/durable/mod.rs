@@ -509,7 +509,8 @@ impl Engine {
                 if guard.rebuilding {
                     continue;
                 }
-                if let Some(segments) = guard.method.encoded_segments() {
+                let Some(snaps) = guard.method.snapshots() else { continue };
+                if let Some(segments) = snaps.encoded_segments() {
                     if segments > 0 {
                         // Under the layer's lock the catalog matches the index: appends
                         // update both while holding it for writing (lock order layer → catalog).
@@ -518,9 +519,9 @@ impl Engine {
                         let Some(c) = catalog.contexts.get(&id.0).map(|c| &c.layers[layer]) else { continue };
                         // A PQ home holds rows only: its codebooks and codes are the
                         // layer's layout, written below, and the home needs that file.
-                        let needs_layout = guard.method.home_needs_layout();
+                        let needs_layout = snaps.home_needs_layout();
                         if c.committed_bytes != known.data_bytes {
-                            if let Some(home) = guard.method.encoded_home(known.segment_crcs.len()) {
+                            if let Some(home) = snaps.encoded_home(known.segment_crcs.len()) {
                                 homes.push(home::HomeJob {
                                     context: id.0,
                                     layer,
@@ -529,7 +530,7 @@ impl Engine {
                                     chunks: c.chunks,
                                     tokens: c.tokens,
                                     head_dim: ctx.spec.shape.head_dim,
-                                    layout_end: if needs_layout { guard.method.layout_end() } else { None },
+                                    layout_end: if needs_layout { snaps.layout_end() } else { None },
                                 });
                             }
                         }
@@ -538,10 +539,10 @@ impl Engine {
                         }
                     }
                 }
-                match guard.method.layout_end() {
+                match snaps.layout_end() {
                     // Already on disk as it is: no copy.
                     Some(end) if durable.layouts.lock().get(&(id.0, layer)) == Some(&end) => {}
-                    Some(_) => layouts.extend(guard.method.layout().map(|l| (id.0, layer, l))),
+                    Some(_) => layouts.extend(snaps.layout().map(|l| (id.0, layer, l))),
                     None => pending += usize::from(guard.method.build_handle().is_some_and(|h| !h.is_ready())),
                 }
             }

@@ -81,7 +81,10 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
                 batches.push(batch);
             }
             let cut = super::layout::split_at(&batches, layout.tokens(), spec.shape.kv_heads).and_then(
-                |(keys, values, cut)| method.restore(&layout, &keys, &values).ok().filter(|&r| r).map(|_| cut),
+                |(keys, values, cut)| {
+                    let s = method.snapshots_mut()?;
+                    s.restore(&layout, &keys, &values).ok().filter(|&r| r).map(|_| cut)
+                },
             );
             // A failed restore changes nothing: then every batch is applied.
             for batch in &batches[cut.unwrap_or(0)..] {

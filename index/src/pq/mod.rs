@@ -25,7 +25,7 @@ pub use snapshot::PqSnapshot;
 use crate::error::{Error, Result};
 use crate::method::{
     batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexLayout, IndexStats,
-    RowSpan, Selection, SelectionMode, ZoneBudget,
+    RowSource, RowSpan, Selection, SelectionMode, Snapshots, ZoneBudget,
 };
 use crate::rows::{HeadRows, PlainRows, Run, SelectionRows};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
@@ -535,6 +535,26 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         })
     }
 
+    fn build_handle(&self) -> Option<BuildHandle> {
+        self.handle()
+    }
+
+    fn catch_up(&mut self) -> Result<bool> {
+        let before = self.coded_end();
+        self.encode_pending()?;
+        Ok(self.coded_end() != before)
+    }
+
+    fn snapshots(&self) -> Option<&dyn Snapshots> {
+        Some(self)
+    }
+
+    fn snapshots_mut(&mut self) -> Option<&mut dyn Snapshots> {
+        Some(self)
+    }
+}
+
+impl<E: Element> RowSource for PqIndex<E> {
     fn head_rows<'a>(&'a self, kv_head: usize, plan: &'a HeadPlan) -> HeadRows<'a> {
         let kv = &self.heads[kv_head];
         if plan.exact {
@@ -574,23 +594,15 @@ impl<E: Element> AccessMethod for PqIndex<E> {
         }
         out
     }
+}
 
-    fn build_handle(&self) -> Option<BuildHandle> {
-        self.handle()
-    }
-
+impl<E: Element> Snapshots for PqIndex<E> {
     fn layout(&self) -> Option<IndexLayout> {
         self.snapshot().map(IndexLayout::Pq)
     }
 
     fn layout_end(&self) -> Option<u64> {
         self.built().map(|b| b.end as u64)
-    }
-
-    fn catch_up(&mut self) -> Result<bool> {
-        let before = self.coded_end();
-        self.encode_pending()?;
-        Ok(self.coded_end() != before)
     }
 
     fn restore(&mut self, layout: &IndexLayout, keys: &[f32], values: &[f32]) -> Result<bool> {
