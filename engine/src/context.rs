@@ -83,14 +83,14 @@ pub(crate) fn make_method(
         Ok(match (kind, spec.method) {
             (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
             (LayerKind::Global, Method::Wave(p)) => {
-                let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?;
+                let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?;
                 match home {
                     Some(store) => Box::new(index.with_home(Arc::new(store.clone()))?),
                     _ => Box::new(index),
                 }
             }
             (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
-            (LayerKind::Global, Method::Pq(p)) => Box::new(PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec.hack())?),
+            (LayerKind::Global, Method::Pq(p)) => Box::new(PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?),
         })
     }
     match spec.dtype {

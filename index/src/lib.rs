@@ -10,6 +10,7 @@
 
 #![deny(unsafe_code)]
 
+mod codec;
 mod directory;
 mod encoded;
 mod error;
@@ -22,6 +23,7 @@ mod segment;
 mod wave;
 mod window;
 
+pub use codec::RowCodec;
 pub use directory::Directory;
 pub use encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 pub use error::{Error, Result};

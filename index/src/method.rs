@@ -93,17 +93,6 @@ pub(crate) fn check_shape(kv_heads: usize, head_dim: usize) -> Result<()> {
     Ok(())
 }
 
-/// Checks that rows of `head_dim` values can take the 2-bit codec (`Some`).
-pub(crate) fn check_codec(head_dim: usize, hack: Option<attnstore_kernels::HackParams>) -> Result<()> {
-    if hack.is_some() && !head_dim.is_multiple_of(4) {
-        return Err(Error::InvalidParameter {
-            what: "codec",
-            message: format!("hack2 packs four values per byte: head_dim must be a multiple of 4, got {head_dim}"),
-        });
-    }
-    Ok(())
-}
-
 /// Appends `src` narrowed to the storage type.
 pub(crate) fn push_narrow<E: Element>(dst: &mut Vec<E>, src: &[f32]) {
     let at = dst.len();

@@ -1,28 +1,31 @@
 //! Building one segment of one head: spherical k-means on the centred keys, then the
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
+use crate::codec::RowCodec;
 use crate::error::{Error, Result};
 use crate::home::RowHome;
 use crate::rows::{HomedClusters, HomedGroups, PlainRows, Run};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
-use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{Element, HackParams, HackRows, HackView};
+use attnstore_kernels::{Element, HackRows, HackView};
 use std::ops::Range;
 
-/// The KV rows of one head's segment, in cluster order: plain rows, (with the `hack2`
-/// codec) 2-bit rows, or rows homed in the row home; in the last two cases `keys` and
-/// `values` are empty.
-#[derive(Debug, Clone, Default)]
+/// The KV rows of one head's segment, in cluster order, and where they are.
+#[derive(Debug, Clone)]
+pub(crate) enum SegmentRows<E> {
+    /// Plain rows in the index's memory, `rows × d` each.
+    Plain { keys: Vec<E>, values: Vec<E> },
+    /// 2-bit rows in the index's memory (the `hack2` codec).
+    Encoded(HackRows),
+    /// Plain rows in the row home, one home cluster per directory cluster.
+    Homed(SegmentBlocks),
+    /// 2-bit rows in the row home, one home cluster per value block.
+    HomedEncoded(HomedGroups),
+}
+
+/// One head's segment: its rows and the original token position of every row.
+#[derive(Debug, Clone)]
 pub(crate) struct HeadSegment<E> {
-    pub keys: Vec<E>,
-    pub values: Vec<E>,
-    /// The rows in HACK 2-bit form, when the context's codec is `hack2`.
-    pub hack: Option<HackRows>,
-    /// Where the rows are when they live in the row home.
-    pub blocks: Option<SegmentBlocks>,
-    /// Where the 2-bit rows are when they live in the row home.
-    pub groups: Option<HomedGroups>,
-    /// Original token position of every row.
+    pub rows: SegmentRows<E>,
     pub positions: Vec<u32>,
 }
 
@@ -38,42 +41,43 @@ pub(crate) struct SegmentBlocks {
 }
 
 impl<E> HeadSegment<E> {
-    /// Cluster ids of `head` this segment's rows occupy in the buffer manager, if homed there.
+    /// Cluster ids of `head` this segment's rows occupy in the row home, if homed there.
     pub fn homed_ids(&self) -> Option<Range<u32>> {
-        match (&self.blocks, &self.groups) {
-            (Some(b), _) => Some(b.first_cluster..b.first_cluster + b.starts.len() as u32 - 1),
-            (_, Some(g)) => Some(g.ids()),
+        match &self.rows {
+            SegmentRows::Homed(b) => Some(b.first_cluster..b.first_cluster + b.starts.len() as u32 - 1),
+            SegmentRows::HomedEncoded(g) => Some(g.ids()),
             _ => None,
         }
     }
 }
 
 impl<E: Element> HeadSegment<E> {
-    /// Encodes the rows in 2-bit form (each value quantized once, seeded) and drops the
-    /// plain copy.
-    pub fn encode(&mut self, d: usize, params: HackParams, seed: u64) -> Result<()> {
-        let mut rows = HackRows::new(d, params)?;
-        rows.push_rows(&self.keys, &self.values, &mut SplitMix64::new(seed))?;
-        self.hack = Some(rows);
-        self.keys = Vec::new();
-        self.values = Vec::new();
+    /// Encodes plain rows with `codec` (each value quantized once, seeded) and drops the
+    /// plain copy; plain rows stay as they are under the plain codec.
+    pub fn encode(&mut self, codec: RowCodec, d: usize, seed: u64) -> Result<()> {
+        if let SegmentRows::Plain { keys, values } = &self.rows {
+            if let Some(rows) = codec.encode(keys, values, d, seed)? {
+                self.rows = SegmentRows::Encoded(rows);
+            }
+        }
         Ok(())
     }
 
-    /// Bytes of the stored rows, encoded, plain, or in the buffer manager's blocks (the
-    /// rows' bytes, without the padding of the blocks' tails).
+    /// Bytes of the stored rows, encoded, plain, or in the row home's blocks (the rows'
+    /// bytes, without the padding of the blocks' tails).
     pub fn kv_bytes(&self) -> usize {
-        let groups = self.groups.as_ref().map_or(0, |g| (0..g.count as usize).map(|b| g.len_of(b)).sum());
-        groups
-            + self.hack.as_ref().map_or(0, HackRows::bytes)
-            + self.blocks.as_ref().map_or(0, |b| 2 * self.positions.len() * b.row_bytes)
-            + (self.keys.len() + self.values.len()) * E::DTYPE.size_bytes()
+        match &self.rows {
+            SegmentRows::Plain { keys, values } => (keys.len() + values.len()) * E::DTYPE.size_bytes(),
+            SegmentRows::Encoded(rows) => rows.bytes(),
+            SegmentRows::Homed(b) => 2 * self.positions.len() * b.row_bytes,
+            SegmentRows::HomedEncoded(g) => (0..g.count as usize).map(|b| g.len_of(b)).sum(),
+        }
     }
 
-    /// Moves the 2-bit rows into the row home (KV head `head`), one cluster per value block
-    /// from `first`, and drops them here. All or nothing.
+    /// Moves 2-bit rows into the row home (KV head `head`), one cluster per value block
+    /// from `first`, and drops them here. All or nothing; other rows stay.
     pub fn move_hack_to(&mut self, home: &dyn RowHome, head: usize, first: u32, d: usize) -> Result<()> {
-        let Some(rows) = &self.hack else { return Ok(()) };
+        let SegmentRows::Encoded(rows) = &self.rows else { return Ok(()) };
         let count = rows.groups() as u32;
         for g in 0..count {
             if let Err(e) = home.store_bytes(head, first + g, &rows.group_bytes(g as usize)) {
@@ -81,18 +85,19 @@ impl<E: Element> HeadSegment<E> {
                 return Err(e);
             }
         }
-        self.groups = Some(HomedGroups { first, count, rows: rows.rows(), head_dim: d, params: rows.params() });
-        self.hack = None;
+        let groups = HomedGroups { first, count, rows: rows.rows(), head_dim: d, params: rows.params() };
+        self.rows = SegmentRows::HomedEncoded(groups);
         Ok(())
     }
 
     /// The 2-bit rows, from here or read back from the row home (KV head `head`); `None` for
     /// plain rows.
     pub fn hack_rows(&self, home: Option<(&dyn RowHome, usize)>) -> Result<Option<HackRows>> {
-        if let Some(rows) = &self.hack {
-            return Ok(Some(rows.clone()));
-        }
-        let Some(g) = &self.groups else { return Ok(None) };
+        let g = match &self.rows {
+            SegmentRows::Encoded(rows) => return Ok(Some(rows.clone())),
+            SegmentRows::HomedEncoded(g) => g,
+            _ => return Ok(None),
+        };
         let (home, head) =
             home.ok_or_else(|| Error::MissingRows("2-bit rows homed in a row home the index no longer has".into()))?;
         let ids: Vec<u32> = g.ids().collect();
@@ -119,8 +124,8 @@ impl<E: Element> HeadSegment<E> {
         Ok(Some(HackRows::from_groups(g.head_dim, g.params, &views)?))
     }
 
-    /// Moves the rows into the row home (KV head `head`) as clusters `first_cluster..` with
-    /// the bounds of `metas`, and drops the plain copy. All or nothing: on failure the
+    /// Moves plain rows into the row home (KV head `head`) as clusters `first_cluster..`
+    /// with the bounds of `metas`, and drops the plain copy. All or nothing: on failure the
     /// clusters stored so far are freed and the rows stay here.
     pub fn move_to(
         &mut self,
@@ -130,10 +135,11 @@ impl<E: Element> HeadSegment<E> {
         metas: &[ClusterMeta],
         d: usize,
     ) -> Result<()> {
+        let SegmentRows::Plain { keys, values } = &self.rows else { return Ok(()) };
         let row_bytes = d * E::DTYPE.size_bytes();
         for (i, m) in metas.iter().enumerate() {
             let rows = m.start as usize * d..m.end as usize * d;
-            let (k, v) = (&self.keys[rows.clone()], &self.values[rows]);
+            let (k, v) = (&keys[rows.clone()], &values[rows]);
             if let Err(e) = home.store_rows(
                 head,
                 first_cluster + i as u32,
@@ -147,33 +153,29 @@ impl<E: Element> HeadSegment<E> {
         }
         let mut starts: Vec<u32> = metas.iter().map(|m| m.start).collect();
         starts.push(self.positions.len() as u32);
-        self.blocks = Some(SegmentBlocks { first_cluster, starts, row_bytes });
-        self.keys = Vec::new();
-        self.values = Vec::new();
+        self.rows = SegmentRows::Homed(SegmentBlocks { first_cluster, starts, row_bytes });
         Ok(())
     }
 
     /// The run that reads this segment's rows `ranges`, wherever they are.
     pub fn run(&self, ranges: Vec<Range<usize>>) -> Run<'_> {
-        if let Some(groups) = self.groups {
-            return Run::HomedGroups { groups, ranges };
-        }
-        if let Some(b) = &self.blocks {
-            return Run::Homed {
+        match &self.rows {
+            SegmentRows::HomedEncoded(groups) => Run::HomedGroups { groups: *groups, ranges },
+            SegmentRows::Homed(b) => Run::Homed {
                 clusters: HomedClusters { first: b.first_cluster, starts: &b.starts, dtype: E::DTYPE },
                 ranges,
-            };
+            },
+            SegmentRows::Encoded(rows) => Run::Encoded { rows, ranges },
+            SegmentRows::Plain { keys, values } => {
+                let d = if self.positions.is_empty() { 0 } else { keys.len() / self.positions.len() };
+                Run::Plain(
+                    ranges
+                        .iter()
+                        .map(|r| PlainRows::of(&keys[r.start * d..r.end * d], &values[r.start * d..r.end * d]))
+                        .collect(),
+                )
+            }
         }
-        if let Some(rows) = &self.hack {
-            return Run::Encoded { rows, ranges };
-        }
-        let d = if self.positions.is_empty() { 0 } else { self.keys.len() / self.positions.len() };
-        Run::Plain(
-            ranges
-                .iter()
-                .map(|r| PlainRows::of(&self.keys[r.start * d..r.end * d], &self.values[r.start * d..r.end * d]))
-                .collect(),
-        )
     }
 }
 
@@ -229,27 +231,21 @@ pub(crate) fn assemble_segment<E: Element>(
     sizes: &[u32],
 ) -> (HeadSegment<E>, Vec<ClusterMeta>) {
     let n = order.len();
-    let mut seg = HeadSegment {
-        hack: None,
-        blocks: None,
-        groups: None,
-        keys: Vec::with_capacity(n * d),
-        values: Vec::with_capacity(n * d),
-        positions: Vec::with_capacity(n),
-    };
+    let (mut seg_keys, mut seg_values) = (Vec::with_capacity(n * d), Vec::with_capacity(n * d));
+    let mut positions = Vec::with_capacity(n);
     let mut wide_value = vec![0.0f32; d];
     let mut metas = Vec::with_capacity(sizes.len());
     let mut start = 0u32;
     for &size in sizes {
         let end = start + size;
-        let out_start = seg.positions.len() as u32;
+        let out_start = positions.len() as u32;
         let mut centroid = vec![0.0f32; d];
         let mut value_mean = vec![0.0f32; d];
         for &row in &order[start as usize..end as usize] {
             let r = row as usize;
-            seg.keys.extend_from_slice(&keys[r * d..(r + 1) * d]);
-            seg.values.extend_from_slice(&values[r * d..(r + 1) * d]);
-            seg.positions.push(first_position + row);
+            seg_keys.extend_from_slice(&keys[r * d..(r + 1) * d]);
+            seg_values.extend_from_slice(&values[r * d..(r + 1) * d]);
+            positions.push(first_position + row);
             for (c, k) in centroid.iter_mut().zip(&wide_keys[r * d..(r + 1) * d]) {
                 *c += k;
             }
@@ -264,7 +260,7 @@ pub(crate) fn assemble_segment<E: Element>(
         metas.push(ClusterMeta { start: out_start, end: out_start + size, centroid, value_mean });
         start = end;
     }
-    (seg, metas)
+    (HeadSegment { rows: SegmentRows::Plain { keys: seg_keys, values: seg_values }, positions }, metas)
 }
 
 #[cfg(test)]
@@ -280,6 +276,7 @@ mod tests {
         let values: Vec<f32> = (0..n * d).map(|_| g.normal()).collect();
         let params = BuildParams { tokens_per_cluster: 16, max_iters: 10, seed: 1 };
         let (seg, metas) = build_head_segment(&keys, &values, 1000, d, params).unwrap();
+        let SegmentRows::Plain { keys: seg_keys, .. } = &seg.rows else { panic!("a built segment is plain") };
         let mut pos = seg.positions.clone();
         pos.sort_unstable();
         assert_eq!(pos, (1000..1000 + n as u32).collect::<Vec<_>>());
@@ -293,7 +290,7 @@ mod tests {
                 let mean: f32 = (m.start..m.end)
                     .map(|r| {
                         let orig = (seg.positions[r as usize] - 1000) as usize;
-                        assert_eq!(seg.keys[r as usize * d + j], keys[orig * d + j]);
+                        assert_eq!(seg_keys[r as usize * d + j], keys[orig * d + j]);
                         keys[orig * d + j]
                     })
                     .sum::<f32>()

@@ -3,18 +3,19 @@
 //! of cluster meta data. Decode tokens that leave the local window wait as *pending* tokens
 //! (attended exactly) until a decode segment's worth has collected, then are clustered.
 
+use crate::codec::RowCodec;
 use crate::directory::Directory;
 use crate::encoded::{halves, EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
 use crate::home::RowHome;
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, Clustered, HeadPlan, IndexLayout,
-    IndexStats, RowSource, RowStorage, Selection, SelectionMode, Snapshots, SteadyRows, ZoneBudget,
+    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, Clustered, HeadPlan, IndexLayout, IndexStats,
+    RowSource, RowStorage, Selection, SelectionMode, Snapshots, SteadyRows, ZoneBudget,
 };
 use crate::rows::{HeadRows, PlainRows, SelectionRows};
-use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment};
+use crate::segment::{assemble_segment, build_head_segment, BuildParams, ClusterMeta, HeadSegment, SegmentRows};
 use attnstore_kernels::cpu::scoring::{score_group_into, select_zones};
-use attnstore_kernels::{Element, HackParams};
+use attnstore_kernels::Element;
 use half::f16;
 use rayon::prelude::*;
 use std::sync::Arc;
@@ -173,8 +174,8 @@ pub struct WaveIndex<E> {
     tokens: usize,
     sink_len: usize,
     tail_start: usize,
-    /// Segments are stored in HACK 2-bit form when set (the `hack2` codec).
-    hack: Option<HackParams>,
+    /// The codec of segment rows (the steady zone stays plain).
+    codec: RowCodec,
     /// Segment rows live in this row home when set (one home cluster per cluster, or per
     /// 2-bit value block).
     home: Option<Arc<dyn RowHome>>,
@@ -205,22 +206,23 @@ impl<E: Element> WaveIndex<E> {
             tokens: 0,
             sink_len: 0,
             tail_start: 0,
-            hack: None,
+            codec: RowCodec::Plain,
             home: None,
         })
     }
 
     /// Stores every segment built from now on in HACK 2-bit form (`Some`), or plain.
     /// The steady zone (sink, local window, pending tokens) stays in the plain type.
-    pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
-        check_codec(self.head_dim, hack)?;
+    pub fn with_codec(mut self, codec: impl Into<RowCodec>) -> Result<Self> {
+        let codec = codec.into();
+        codec.check(self.head_dim)?;
         if self.home.is_some() || self.tokens > 0 {
             return Err(Error::InvalidParameter {
                 what: "codec",
                 message: "the codec is chosen on an empty index, before its rows are homed anywhere".into(),
             });
         }
-        self.hack = hack;
+        self.codec = codec;
         Ok(self)
     }
 
@@ -237,7 +239,7 @@ impl<E: Element> WaveIndex<E> {
                 message: "only an empty index can move its segments to a row home".into(),
             });
         }
-        if self.hack.is_none() {
+        if !self.codec.is_encoded() {
             home.check_row_bytes(self.head_dim * E::DTYPE.size_bytes())?;
         }
         self.home = Some(home);
@@ -348,9 +350,7 @@ impl<E: Element> WaveIndex<E> {
                     d,
                     params,
                 )?;
-                if let Some(hack) = self.hack {
-                    seg.encode(d, hack, params.seed ^ 0x4841_434b)?;
-                }
+                seg.encode(self.codec, d, params.seed ^ 0x4841_434b)?;
                 Ok((seg, metas))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -378,7 +378,7 @@ impl<E: Element> WaveIndex<E> {
         mut built: Vec<(HeadSegment<E>, Vec<ClusterMeta>)>,
     ) -> Result<()> {
         let d = self.head_dim;
-        if let (Some(home), Some(_)) = (self.home.as_deref(), self.hack) {
+        if let (Some(home), true) = (self.home.as_deref(), self.codec.is_encoded()) {
             // 2-bit rows: one cluster per value block, numbered on from the head's last one.
             let end = |s: &HeadStore<E>| s.segments.iter().filter_map(HeadSegment::homed_ids).map(|r| r.end).max();
             let first: Vec<u32> = self.heads.iter().map(|s| end(s).unwrap_or(0)).collect();
@@ -469,9 +469,7 @@ impl<E: Element> WaveIndex<E> {
                 E::widen(&k, &mut wide);
                 let order: Vec<u32> = hl.positions.iter().map(|&p| p - seg.first as u32).collect();
                 let (mut built, metas) = assemble_segment(&k, &v, &wide, seg.first as u32, d, &order, &hl.sizes);
-                if let Some(hack) = self.hack {
-                    built.encode(d, hack, self.segment_seed(u, hh) ^ 0x4841_434b)?;
-                }
+                built.encode(self.codec, d, self.segment_seed(u, hh) ^ 0x4841_434b)?;
                 Ok((built, metas))
             })
             .collect::<Result<Vec<_>>>()?;
@@ -487,7 +485,7 @@ impl<E: Element> WaveIndex<E> {
     /// which can fail). `None` when its segments are not 2-bit (plain rows: their data files
     /// are their home).
     pub fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
-        self.hack?;
+        self.codec.hack()?;
         if E::DTYPE != attnstore_kernels::DType::F16 {
             return None; // a hack2 context's plain type is f16 (ContextSpec checks it)
         }
@@ -539,7 +537,7 @@ impl<E: Element> WaveIndex<E> {
     /// is a typed error and changes nothing.
     pub fn restore_encoded(&mut self, home: EncodedHome) -> Result<()> {
         let bad = |message: String| Error::InvalidParameter { what: "encoded wave index", message };
-        let Some(hack) = self.hack else { return Err(bad("the index does not store 2-bit segments".into())) };
+        let Some(hack) = self.codec.hack() else { return Err(bad("the index does not store 2-bit segments".into())) };
         if E::DTYPE != attnstore_kernels::DType::F16 {
             return Err(bad(format!("2-bit segments go with f16 plain rows, this index keeps {:?}", E::DTYPE)));
         }
@@ -608,7 +606,7 @@ impl<E: Element> WaveIndex<E> {
                     });
                     start += size;
                 }
-                let segment = HeadSegment { positions: eh.positions, hack: Some(eh.rows), ..HeadSegment::default() };
+                let segment = HeadSegment { positions: eh.positions, rows: SegmentRows::Encoded(eh.rows) };
                 jobs.push((head, u));
                 built.push((segment, metas));
             }
@@ -874,7 +872,7 @@ impl<E: Element> RowSource for WaveIndex<E> {
                 .collect();
             return HeadRows { steady, scan, selections: Vec::new() };
         }
-        let plain_homed = self.hack.is_none() && self.home.is_some();
+        let plain_homed = !self.codec.is_encoded() && self.home.is_some();
         let selections = plan
             .selections
             .iter()
@@ -942,7 +940,7 @@ impl<E: Element> Snapshots for WaveIndex<E> {
     }
 
     fn encoded_segments(&self) -> Option<usize> {
-        self.hack.map(|_| self.heads.first().map_or(0, |s| s.segments.len()))
+        self.codec.hack().map(|_| self.heads.first().map_or(0, |s| s.segments.len()))
     }
 
     fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
@@ -957,10 +955,10 @@ impl<E: Element> Snapshots for WaveIndex<E> {
 
 impl<E: Element> Clustered for WaveIndex<E> {
     fn storage(&self) -> RowStorage {
-        match (&self.home, self.hack) {
+        match (&self.home, self.codec) {
             (None, _) => RowStorage::Memory,
-            (Some(_), None) => RowStorage::Homed,
-            (Some(_), Some(_)) => RowStorage::HomedEncoded,
+            (Some(_), RowCodec::Plain) => RowStorage::Homed,
+            (Some(_), RowCodec::Hack2(_)) => RowStorage::HomedEncoded,
         }
     }
 
@@ -987,7 +985,7 @@ impl<E: Element> Clustered for WaveIndex<E> {
     }
 
     fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
-        if E::DTYPE != attnstore_kernels::DType::F16 || self.hack.is_some() {
+        if E::DTYPE != attnstore_kernels::DType::F16 || self.codec.is_encoded() {
             return None;
         }
         let (d, sink) = (self.head_dim, self.sink_len);

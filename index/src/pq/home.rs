@@ -26,7 +26,7 @@ pub(crate) const HOME_SEGMENT_BLOCKS: usize = 128;
 impl<E: Element> PqIndex<E> {
     /// Rows per home segment (`None` without the `hack2` codec).
     fn home_segment_rows(&self) -> Option<usize> {
-        self.codec.map(|p| p.partition * HOME_SEGMENT_BLOCKS)
+        self.codec.hack().map(|p| p.partition * HOME_SEGMENT_BLOCKS)
     }
 
     /// Segments of the encoded home a checkpoint would write: `None` unless the index
@@ -96,7 +96,7 @@ impl<E: Element> PqIndex<E> {
     pub fn restore_encoded(&mut self, home: EncodedHome) -> Result<()> {
         let started = Instant::now();
         let bad = |message: String| Error::InvalidParameter { what: "encoded pq index", message };
-        let Some(hack) = self.codec else { return Err(bad("the index does not store 2-bit rows".into())) };
+        let Some(hack) = self.codec.hack() else { return Err(bad("the index does not store 2-bit rows".into())) };
         if E::DTYPE != DType::F16 {
             return Err(bad(format!("2-bit rows go with f16 plain rows, this index keeps {:?}", E::DTYPE)));
         }

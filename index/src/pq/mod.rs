@@ -22,17 +22,17 @@ pub use codes::PackedCodes;
 pub use params::{PqLayout, PqParams};
 pub use snapshot::PqSnapshot;
 
+use crate::codec::RowCodec;
 use crate::error::{Error, Result};
 use crate::method::{
-    batch_tokens, check_codec, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexLayout, IndexStats,
-    RowSource, RowSpan, Selection, SelectionMode, Snapshots, ZoneBudget,
+    batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexLayout, IndexStats, RowSource,
+    RowSpan, Selection, SelectionMode, Snapshots, ZoneBudget,
 };
 use crate::rows::{HeadRows, PlainRows, Run, SelectionRows};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
 use attnstore_kernels::cpu::pq::{candidates_max, scores_each, scores_max, scores_max_strided, Lut};
 use attnstore_kernels::cpu::scoring::{rank_key, threshold_from_sample, top_keys, top_r_set};
-use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{Element, HackParams, HackRows};
+use attnstore_kernels::{Element, HackRows};
 use build::{BuildJob, BuildSlot, Built};
 use std::ops::Range;
 use std::sync::Arc;
@@ -79,7 +79,7 @@ pub struct PqIndex<E> {
     /// `built.end..built.end + len`.
     extra: Vec<PackedCodes>,
     /// Base rows past the sink are stored 2-bit when set (the `hack2` codec).
-    codec: Option<HackParams>,
+    codec: RowCodec,
     /// Sink rows kept plain in the base region (2-bit rows start after them).
     base_sink: usize,
 }
@@ -98,16 +98,17 @@ impl<E: Element> PqIndex<E> {
             base_len: 0,
             build: None,
             extra: Vec::new(),
-            codec: None,
+            codec: RowCodec::Plain,
             base_sink: 0,
         })
     }
 
     /// Stores the prefill (base) rows past the sink in HACK 2-bit form (`Some`) once the
     /// codebook build starts; decode tokens (the tail) stay in the plain type.
-    pub fn with_codec(mut self, hack: Option<HackParams>) -> Result<Self> {
-        check_codec(self.head_dim, hack)?;
-        self.codec = hack;
+    pub fn with_codec(mut self, codec: impl Into<RowCodec>) -> Result<Self> {
+        let codec = codec.into();
+        codec.check(self.head_dim)?;
+        self.codec = codec;
         Ok(self)
     }
 
@@ -252,13 +253,11 @@ impl<E: Element> PqIndex<E> {
             let keys = Arc::new(std::mem::take(&mut kv.tail_keys));
             let values = std::mem::take(&mut kv.tail_values);
             jobs.push(Arc::clone(&keys));
-            match self.codec {
-                Some(hp) => {
+            let seed = self.params.seed ^ 0x4841_434b ^ (h as u64) << 40;
+            match self.codec.encode(&keys[start * d..], &values[start * d..], d, seed)? {
+                Some(rows) => {
                     // The build thread keeps its own reference to the plain keys until the
                     // codebooks are trained; the index keeps only the 2-bit rows.
-                    let mut rows = HackRows::new(d, hp)?;
-                    let seed = self.params.seed ^ 0x4841_434b ^ (h as u64) << 40;
-                    rows.push_rows(&keys[start * d..], &values[start * d..], &mut SplitMix64::new(seed))?;
                     kv.hack = Some(rows);
                     kv.base_keys = Arc::new(keys[..start * d].to_vec());
                     kv.base_values = values[..start * d].to_vec();
