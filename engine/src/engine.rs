@@ -1,40 +1,22 @@
-//! The engine: a catalog of contexts, ingest (prefill/append) with validation and memory
-//! budgets, and the entry points of the query-plan API (`plan`, `execute`).
+//! The engine façade: the public API over the catalog (`catalog.rs`), durability
+//! (`durable/`), the planner (`plan.rs`) and the executor (`exec/`). It validates, logs
+//! what must be durable, and hands the work to them.
 
 use crate::budget::Budget;
-use crate::buffers::{BufferSettings, Buffers};
+use crate::buffers::Buffers;
+use crate::catalog::{Batch, ContextCatalog};
+use crate::config::EngineConfig;
 use crate::context::{Context, ContextId, Layer};
-use crate::error::{check_finite, Error, Result};
+use crate::durable::{CheckpointReport, Durable, DurableConfig, RecoveryReport, StoredBatch};
+use crate::error::{Error, Result};
 use crate::plan::{Plan, Request};
-use crate::spec::{ContextSpec, LayerKind};
-use attnstore_buffer::{BlockLayout, MemoryBudget, Tier};
+use crate::spec::ContextSpec;
 use attnstore_index::{BuildReport, IndexStats};
-use parking_lot::RwLock;
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Settings of an engine.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EngineConfig {
-    /// Host memory the engine may fill with KV (bytes); beyond it ingest fails with a typed
-    /// out-of-memory error.
-    pub host_memory_bytes: usize,
-    /// Host read bandwidth assumed by the cost model of EXPLAIN (GB/s).
-    pub host_read_gbps: f64,
-    /// Block size: of the buffer manager's blocks, and used to count blocks in plans.
-    pub block: BlockLayout,
-    /// A buffer manager homing the indexed rows of wave contexts (`None`: rows stay in the
-    /// indexes, as before). See [`BufferSettings`].
-    pub buffers: Option<BufferSettings>,
-}
-
-impl Default for EngineConfig {
-    fn default() -> Self {
-        Self { host_memory_bytes: usize::MAX, host_read_gbps: 10.0, block: BlockLayout::default(), buffers: None }
-    }
-}
+pub(crate) use crate::catalog::layer_of;
 
 /// A batch given to [`Engine::submit_append`]: visible at once, acknowledged as committed
 /// once [`Engine::wait_durable`] returns for it.
@@ -71,9 +53,8 @@ impl AppendTicket {
 /// ```
 pub struct Engine {
     config: EngineConfig,
-    host: Arc<MemoryBudget>,
-    contexts: RwLock<HashMap<ContextId, Arc<Context>>>,
-    next_id: AtomicU64,
+    /// The contexts and their layers.
+    catalog: ContextCatalog,
     /// The log, data files and catalog of an engine made by [`Engine::open`]; `None` in memory.
     pub(crate) durable: Option<Arc<crate::durable::Durable>>,
     /// The buffer manager, when [`EngineConfig::buffers`] is set.
@@ -91,13 +72,11 @@ impl Engine {
         }
         let buffers = config.buffers.as_ref().map(|b| Buffers::start(b, config.block)).transpose()?;
         Ok(Self {
-            host: MemoryBudget::new(Tier::Host, config.host_memory_bytes),
+            catalog: ContextCatalog::new(config.host_memory_bytes, buffers.as_ref().map(|b| Arc::clone(&b.manager))),
             buffers,
             #[cfg(feature = "cuda")]
             gpu: crate::gpu::GpuExec::default(),
             config,
-            contexts: RwLock::new(HashMap::new()),
-            next_id: AtomicU64::new(1),
             durable: None,
         })
     }
@@ -127,40 +106,17 @@ impl Engine {
 
     /// Bytes of host memory held by stored KV.
     pub fn host_bytes_used(&self) -> usize {
-        self.host.used_bytes()
+        self.catalog.host_bytes_used()
     }
 
     /// Creates an empty context.
     pub fn create_context(&self, spec: ContextSpec) -> Result<ContextId> {
-        spec.validate()?;
-        // Relaxed: ids only need to be unique, which fetch_add guarantees at any ordering.
-        let id = ContextId(self.next_id.fetch_add(1, Ordering::Relaxed));
-        let ctx = Arc::new(Context::new(spec, id, self.buffer_manager())?);
+        let (id, ctx) = self.catalog.build(spec)?;
         if let Some(durable) = &self.durable {
             durable.log_create(id, &ctx.spec)?;
         }
-        self.contexts.write().insert(id, ctx);
+        self.catalog.insert(id, ctx);
         Ok(id)
-    }
-
-    /// Inserts a recovered context under its stored id; later ids are above it.
-    pub(crate) fn insert_context(&self, id: ContextId, spec: ContextSpec) -> Result<()> {
-        spec.validate()?;
-        let ctx = Arc::new(Context::new(spec, id, self.buffer_manager())?);
-        // Relaxed: recovery runs on one thread before the engine is shared.
-        self.next_id.fetch_max(id.0 + 1, Ordering::Relaxed);
-        self.contexts.write().insert(id, ctx);
-        Ok(())
-    }
-
-    /// The id the next created context gets.
-    pub(crate) fn next_context_id(&self) -> u64 {
-        self.next_id.load(Ordering::Relaxed)
-    }
-
-    /// Raises the id the next created context gets (ids of dropped contexts are not reused).
-    pub(crate) fn reserve_context_ids(&self, next: u64) {
-        self.next_id.fetch_max(next, Ordering::Relaxed);
     }
 
     /// Drops a context and releases its memory (a durable engine logs it and deletes its files).
@@ -169,7 +125,7 @@ impl Engine {
             self.context(id)?;
             durable.log_drop(id)?;
         }
-        self.contexts.write().remove(&id).ok_or(Error::UnknownContext(id))?;
+        self.catalog.remove(id)?;
         #[cfg(feature = "cuda")]
         self.gpu.forget(id);
         Ok(())
@@ -177,9 +133,7 @@ impl Engine {
 
     /// Ids of all contexts, ascending.
     pub fn contexts(&self) -> Vec<ContextId> {
-        let mut ids: Vec<_> = self.contexts.read().keys().copied().collect();
-        ids.sort_unstable();
-        ids
+        self.catalog.ids()
     }
 
     /// The spec a context was created with.
@@ -250,7 +204,7 @@ impl Engine {
     /// durable writes; the batch stays visible in this process only. On an in-memory engine
     /// this is `append`, and the ticket is acknowledged at once.
     pub fn submit_append(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<AppendTicket> {
-        let lsn = self.ingest_with(id, layer, keys, values, false, false, None)?;
+        let lsn = self.ingest_with(id, layer, Batch { keys, values, prefill: false, layout: None }, false)?;
         Ok(AppendTicket { lsn })
     }
 
@@ -264,153 +218,28 @@ impl Engine {
         }
     }
 
-    /// Stores a batch, waiting for its commit on a durable engine (prefill, append, recovery).
-    pub(crate) fn ingest(
-        &self,
-        id: ContextId,
-        layer: usize,
-        keys: &[f32],
-        values: &[f32],
-        prefill: bool,
-    ) -> Result<()> {
-        self.ingest_with(id, layer, keys, values, prefill, true, None).map(|_| ())
+    /// Stores a batch, waiting for its commit on a durable engine (prefill, append).
+    fn ingest(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32], prefill: bool) -> Result<()> {
+        self.ingest_with(id, layer, Batch { keys, values, prefill, layout: None }, true).map(|_| ())
     }
 
-    /// Stores a batch; on a durable engine returns the LSN of its log record, committed when
-    /// `wait`, queued otherwise. A prefill with a `layout` (its clustering computed elsewhere,
-    /// e.g. on the GPU) restores the index from it instead of clustering; the log records the
-    /// KV as a plain prefill either way.
-    #[allow(clippy::too_many_arguments)]
+    /// Stores a batch in the catalog; on a durable engine its data file and log record are
+    /// written first, under the layer's lock (group commit, or queued when not `wait`), and
+    /// the LSN of the record is returned. A prefill with a layout (its clustering computed
+    /// elsewhere, e.g. on the GPU) restores the index from it; the log records the KV as a
+    /// plain prefill either way.
     pub(crate) fn ingest_with(
         &self,
         id: ContextId,
         layer: usize,
-        keys: &[f32],
-        values: &[f32],
-        prefill: bool,
+        batch: Batch<'_>,
         wait: bool,
-        layout: Option<&attnstore_index::IndexLayout>,
     ) -> Result<Option<attnstore_wal::Lsn>> {
-        let ctx = self.context(id)?;
-        let shape = ctx.spec.shape;
-        let row = shape.kv_heads * shape.head_dim;
-        if !keys.len().is_multiple_of(row) {
-            return Err(Error::ShapeMismatch {
-                what: "keys (kv_heads × tokens × head_dim): a multiple of kv_heads × head_dim",
-                expected: row,
-                got: keys.len(),
-            });
-        }
-        if values.len() != keys.len() {
-            return Err(Error::ShapeMismatch {
-                what: "values (same shape as keys)",
-                expected: keys.len(),
-                got: values.len(),
-            });
-        }
-        check_finite("keys", keys)?;
-        check_finite("values", values)?;
-        let tokens = keys.len() / row;
-        let mut guard = layer_of(&ctx, id, layer)?.write();
-        if prefill && guard.prefilled {
-            return Err(Error::AlreadyPrefilled { context: id, layer, tokens: guard.method.stats().tokens });
-        }
-        let before = guard.method.stats().tokens;
-        let kept_after = match guard.kind {
-            LayerKind::Global => before + tokens,
-            LayerKind::SlidingWindow(w) => (before + tokens).min(w),
-        };
-        let added_bytes = kept_after.saturating_sub(before) * 2 * row * ctx.spec.dtype.size_bytes();
-        let batch = self.host.reserve(added_bytes)?;
-        let mut lsn = None;
-        if let Some(durable) = &self.durable {
-            // Data file, then the WAL record (group commit, or queued when not waiting);
-            // only then is it visible here.
-            lsn = Some(durable.log_ingest(id, layer, prefill, &ctx.spec, (tokens, keys, values), wait)?);
-        }
-        let layer_state: &mut Layer = &mut guard;
-        if prefill {
-            let restored = match layout {
-                Some(layout) => match layer_state.method.snapshots_mut() {
-                    Some(s) => s.restore(layout, keys, values)?,
-                    None => false,
-                },
-                None => false,
-            };
-            if !restored {
-                layer_state.method.prefill(keys, values)?;
-            }
-        } else {
-            layer_state.method.append(keys, values)?;
-        }
-        match &mut layer_state.reservation {
-            Some(r) => r.absorb(batch),
-            None => layer_state.reservation = Some(batch),
-        }
-        layer_state.prefilled = true;
-        layer_state.version += 1;
-        Ok(lsn)
-    }
-
-    /// Restores an empty layer from a checkpointed index layout and the KV it covers
-    /// (recovery): no clustering. A layout that does not fit is a typed error and leaves the
-    /// layer empty; a method without layouts ingests the KV as a prefill instead.
-    pub(crate) fn restore_layer(
-        &self,
-        id: ContextId,
-        layer: usize,
-        layout: &attnstore_index::IndexLayout,
-        keys: &[f32],
-        values: &[f32],
-    ) -> Result<()> {
-        let shape = self.context(id)?.spec.shape;
-        let row = shape.kv_heads * shape.head_dim;
-        self.restore_with(id, layer, keys.len() / row.max(1), |method| {
-            if !method.snapshots_mut().map_or(Ok(false), |s| s.restore(layout, keys, values))? {
-                method.prefill(keys, values)?;
-            }
-            Ok(())
+        self.catalog.ingest(id, layer, batch, |spec, tokens| {
+            let Some(durable) = &self.durable else { return Ok(None) };
+            let kv = (tokens, batch.keys, batch.values);
+            Ok(Some(durable.log_ingest(id, layer, batch.prefill, spec, kv, wait)?))
         })
-    }
-
-    /// Restores an empty `hack2` wave layer from its checkpointed encoded home (recovery):
-    /// the 2-bit segments, cluster means and plain rows as they were, nothing recomputed.
-    /// A home that does not fit is a typed error and leaves the layer empty.
-    pub(crate) fn restore_encoded_layer(
-        &self,
-        id: ContextId,
-        layer: usize,
-        home: attnstore_index::EncodedHome,
-    ) -> Result<()> {
-        self.restore_with(id, layer, home.tokens as usize, |method| {
-            if method.snapshots_mut().map_or(Ok(false), |s| s.restore_encoded(home))? {
-                return Ok(());
-            }
-            Err(Error::InvalidSpec(format!("layer {layer} of context {id} keeps no 2-bit segments to restore")))
-        })
-    }
-
-    /// Runs `restore` on an empty layer's method and accounts for its `tokens` like a
-    /// prefill of them.
-    fn restore_with(
-        &self,
-        id: ContextId,
-        layer: usize,
-        tokens: usize,
-        restore: impl FnOnce(&mut dyn attnstore_index::AccessMethod) -> Result<()>,
-    ) -> Result<()> {
-        let ctx = self.context(id)?;
-        let row = ctx.spec.shape.kv_heads * ctx.spec.shape.head_dim;
-        let mut guard = layer_of(&ctx, id, layer)?.write();
-        if guard.prefilled {
-            return Err(Error::AlreadyPrefilled { context: id, layer, tokens: guard.method.stats().tokens });
-        }
-        let batch = self.host.reserve(tokens * 2 * row * ctx.spec.dtype.size_bytes())?;
-        restore(&mut *guard.method)?;
-        guard.reservation = Some(batch);
-        guard.prefilled = true;
-        guard.version += 1;
-        Ok(())
     }
 
     /// Plans attention for a batch of requests under one budget. Plans are data: inspect
@@ -479,7 +308,102 @@ impl Engine {
     }
 
     pub(crate) fn context(&self, id: ContextId) -> Result<Arc<Context>> {
-        self.contexts.read().get(&id).cloned().ok_or(Error::UnknownContext(id))
+        self.catalog.get(id)
+    }
+}
+
+/// Durability: opening, checkpoints, sync and what recovery did (`durable/`).
+impl Engine {
+    /// Opens (or creates) a durable engine in `dir` with the default [`DurableConfig`]
+    /// (fsync every group commit): loads the manifest, replays the log after it, verifies
+    /// every chunk it loads, and rebuilds each layer's index from the recovered KV.
+    ///
+    /// ```
+    /// use attnstore::{AttnShape, ContextSpec, Engine, EngineConfig};
+    ///
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let shape = AttnShape::new(4, 2, 8).unwrap();
+    /// let keys = vec![0.25; shape.kv_len(10)];
+    /// let ctx = {
+    ///     let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    ///     let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+    ///     engine.prefill(ctx, 0, &keys, &keys).unwrap(); // durable once it returns
+    ///     ctx
+    /// };
+    /// let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    /// assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 10);
+    /// ```
+    pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Engine> {
+        Self::open_with(dir, config, DurableConfig::default())
+    }
+
+    /// [`Engine::open`] with a chosen sync policy and storage. Recovery replays into the
+    /// new engine's catalog; the engine gets its durability once everything is loaded.
+    pub fn open_with(dir: impl AsRef<Path>, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
+        let mut engine = Engine::in_memory(config)?;
+        let attached = crate::durable::open(dir.as_ref(), &engine.catalog, engine.buffer_manager(), durable)?;
+        engine.durable = Some(attached);
+        Ok(engine)
+    }
+
+    /// Whether this engine writes to disk (made by [`Engine::open`]).
+    pub fn is_durable(&self) -> bool {
+        self.durable.is_some()
+    }
+
+    fn durable(&self, what: &'static str) -> Result<&Durable> {
+        self.durable.as_deref().ok_or(Error::NotDurable(what))
+    }
+
+    /// Writes a manifest of the whole catalog atomically and deletes the log files it
+    /// covers; appends wait while it runs. Index layouts that changed are written first;
+    /// `hack2` wave layers instead get their 2-bit home (new segment files and the home),
+    /// `hack2` PQ layers get both (their home needs their codebooks), and once the
+    /// manifest records a home the f16 chunks it holds are punched out of the data file
+    /// (`durable/home.rs`).
+    pub fn checkpoint(&self) -> Result<CheckpointReport> {
+        self.durable("checkpoint")?.checkpoint_catalog(&self.catalog)
+    }
+
+    /// Makes everything acknowledged so far durable, whatever the sync policy.
+    pub fn sync(&self) -> Result<()> {
+        self.durable("sync")?.sync()
+    }
+
+    /// What opening this engine recovered; `None` for an in-memory engine.
+    pub fn recovery_report(&self) -> Option<&RecoveryReport> {
+        self.durable.as_deref().map(Durable::report)
+    }
+
+    /// Waits up to `timeout` for the background index rebuild after recovery
+    /// ([`IndexRebuild::Background`](crate::IndexRebuild::Background)): `Ok(true)` once
+    /// every recovered layer has its index (at once for in-memory engines and blocking
+    /// rebuilds), `Ok(false)` at the deadline, or the error that stopped the rebuild (those
+    /// layers stay served exactly).
+    pub fn wait_index_rebuild(&self, timeout: Duration) -> Result<bool> {
+        self.durable.as_deref().map_or(Ok(true), |d| d.wait_rebuild(timeout))
+    }
+
+    /// How long the background index rebuild took, once it has finished.
+    pub fn index_rebuild_time(&self) -> Option<Duration> {
+        self.durable.as_deref().and_then(Durable::rebuild_time)
+    }
+
+    /// Counters of the write-ahead log (records, group writes, fsyncs).
+    pub fn wal_stats(&self) -> Result<attnstore_wal::WriterStats> {
+        Ok(self.durable("wal_stats")?.wal_stats())
+    }
+
+    /// The committed batches of one layer as stored in its data file (checksums verified),
+    /// in commit order, widened to f32. For a `hack2` wave layer whose tokens a checkpoint
+    /// moved to its 2-bit home, only the batches still in the data file (those after the
+    /// punched range).
+    pub fn stored_batches(&self, id: ContextId, layer: usize) -> Result<Vec<StoredBatch>> {
+        let spec = self.spec(id)?;
+        if layer >= spec.layers.len() {
+            return Err(Error::UnknownLayer { context: id, layer, layers: spec.layers.len() });
+        }
+        self.durable("stored_batches")?.stored_batches(id, layer, &spec)
     }
 }
 
@@ -489,9 +413,4 @@ pub(crate) fn check_fresh(r: &crate::plan::RequestPlan, layer: &Layer) -> Result
         return Ok(());
     }
     Err(Error::StalePlan { context: r.context, layer: r.layer, planned: r.tokens, now: layer.method.stats().tokens })
-}
-
-/// Layer `layer` of context `ctx` (id `id`), or [`Error::UnknownLayer`].
-pub(crate) fn layer_of(ctx: &Context, id: ContextId, layer: usize) -> Result<&RwLock<Layer>> {
-    ctx.layers.get(layer).ok_or(Error::UnknownLayer { context: id, layer, layers: ctx.layers.len() })
 }

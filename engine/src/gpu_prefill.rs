@@ -27,7 +27,9 @@ impl Engine {
     pub fn prefill_gpu(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<bool> {
         match self.device_layout(id, layer, keys, values)? {
             Some(layout) => {
-                self.ingest_with(id, layer, keys, values, true, true, Some(&IndexLayout::Wave(layout)))?;
+                let layout = IndexLayout::Wave(layout);
+                let batch = crate::catalog::Batch { keys, values, prefill: true, layout: Some(&layout) };
+                self.ingest_with(id, layer, batch, true)?;
                 Ok(true)
             }
             None => self.prefill(id, layer, keys, values).map(|()| false),

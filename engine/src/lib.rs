@@ -11,6 +11,8 @@
 
 mod budget;
 mod buffers;
+mod catalog;
+mod config;
 mod context;
 pub mod durable;
 mod engine;
@@ -32,9 +34,10 @@ pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, Selection
 pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
 pub use budget::{Budget, EstimateShare};
 pub use buffers::BufferSettings;
+pub use config::EngineConfig;
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
-pub use engine::{AppendTicket, Engine, EngineConfig};
+pub use engine::{AppendTicket, Engine};
 pub use error::{Error, Result};
 pub use exec::execute_head;
 #[cfg(feature = "cuda")]

@@ -3,8 +3,8 @@
 //! Planning reads only cluster meta data, never KV rows, and never touches a GPU.
 
 use crate::budget::Budget;
+use crate::config::EngineConfig;
 use crate::context::{ContextId, Layer};
-use crate::engine::EngineConfig;
 use crate::error::{check_finite, Error, Result};
 use crate::spec::{ContextSpec, LayerKind, Method};
 use attnstore_buffer::Tier;

@@ -10,8 +10,9 @@ pub use inspect::{blocks_for_codec, blocks_for_context, inspect, InspectConfig, 
 pub use report::{table, Row};
 
 use crate::budget::{Budget, EstimateShare};
+use crate::config::EngineConfig;
 use crate::context::ContextId;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::Engine;
 use crate::error::Result;
 use crate::plan::Request;
 use crate::spec::{ContextSpec, Method};

@@ -22,8 +22,10 @@ mod fuzz_recover;
 mod home;
 mod identity;
 mod layout;
+mod open;
 mod rebuild;
 mod records;
+pub(crate) use open::open;
 mod recovery;
 
 use std::collections::BTreeMap;
@@ -33,8 +35,8 @@ use std::sync::Arc;
 use attnstore_wal::{write_manifest, LogWriter, Lsn, RecordKind, StdStorage, Storage, StorageFile, WriterConfig};
 use parking_lot::{Mutex, RwLock};
 
+use crate::catalog::ContextCatalog;
 use crate::context::ContextId;
-use crate::engine::{Engine, EngineConfig};
 use crate::error::{Error, Result};
 use crate::spec::ContextSpec;
 
@@ -431,7 +433,7 @@ impl Durable {
         Ok(freed)
     }
 
-    fn stored_batches(&self, id: ContextId, layer: usize, spec: &ContextSpec) -> Result<Vec<StoredBatch>> {
+    pub(crate) fn stored_batches(&self, id: ContextId, layer: usize, spec: &ContextSpec) -> Result<Vec<StoredBatch>> {
         let _gate = self.gate.read();
         let committed = {
             let catalog = self.catalog.lock();
@@ -455,55 +457,15 @@ impl Durable {
     }
 }
 
-impl Engine {
-    /// Opens (or creates) a durable engine in `dir` with the default [`DurableConfig`]
-    /// (fsync every group commit): loads the manifest, replays the log after it, verifies
-    /// every chunk it loads, and rebuilds each layer's index from the recovered KV.
-    ///
-    /// ```
-    /// use attnstore::{AttnShape, ContextSpec, Engine, EngineConfig};
-    ///
-    /// let dir = tempfile::tempdir().unwrap();
-    /// let shape = AttnShape::new(4, 2, 8).unwrap();
-    /// let keys = vec![0.25; shape.kv_len(10)];
-    /// let ctx = {
-    ///     let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
-    ///     let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
-    ///     engine.prefill(ctx, 0, &keys, &keys).unwrap(); // durable once it returns
-    ///     ctx
-    /// };
-    /// let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
-    /// assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 10);
-    /// ```
-    pub fn open(dir: impl AsRef<Path>, config: EngineConfig) -> Result<Engine> {
-        Self::open_with(dir, config, DurableConfig::default())
-    }
-
-    /// [`Engine::open`] with a chosen sync policy and storage.
-    pub fn open_with(dir: impl AsRef<Path>, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
-        recovery::open(dir.as_ref(), config, durable)
-    }
-
-    /// Whether this engine writes to disk (made by [`Engine::open`]).
-    pub fn is_durable(&self) -> bool {
-        self.durable.is_some()
-    }
-
-    fn durable(&self, what: &'static str) -> Result<&Durable> {
-        self.durable.as_deref().ok_or(Error::NotDurable(what))
-    }
-
-    /// Writes a manifest of the whole catalog atomically and deletes the log files it
-    /// covers; appends wait while it runs. Index layouts that changed are written first;
-    /// `hack2` wave layers instead get their 2-bit home (new segment files and the home),
-    /// `hack2` PQ layers get both (their home needs their codebooks), and once the
-    /// manifest records a home the f16 chunks it holds are punched out of the data file
-    /// (`durable/home.rs`).
-    pub fn checkpoint(&self) -> Result<CheckpointReport> {
-        let durable = self.durable("checkpoint")?;
+impl Durable {
+    /// Checkpoints `contexts` (see `Engine::checkpoint`): collects, under each layer's read
+    /// lock, the index layouts that changed and the 2-bit homes to write, then writes the
+    /// manifest.
+    pub(crate) fn checkpoint_catalog(&self, contexts: &ContextCatalog) -> Result<CheckpointReport> {
+        let durable = self;
         let (mut layouts, mut pending, mut homes) = (Vec::new(), 0, Vec::new());
-        for id in self.contexts() {
-            let Ok(ctx) = self.context(id) else { continue }; // dropped meanwhile
+        for id in contexts.ids() {
+            let Ok(ctx) = contexts.get(id) else { continue }; // dropped meanwhile
             for (layer, state) in ctx.layers.iter().enumerate() {
                 let guard = state.read();
                 if guard.rebuilding {
@@ -547,28 +509,15 @@ impl Engine {
                 }
             }
         }
-        durable.checkpoint(self.next_context_id(), layouts, pending, homes)
+        durable.checkpoint(contexts.next_id(), layouts, pending, homes)
     }
 
-    /// Makes everything acknowledged so far durable, whatever the sync policy.
-    pub fn sync(&self) -> Result<()> {
-        self.durable("sync")?.wal.sync()?;
-        Ok(())
-    }
-
-    /// What opening this engine recovered; `None` for an in-memory engine.
-    pub fn recovery_report(&self) -> Option<&RecoveryReport> {
-        self.durable.as_deref().map(|d| &d.report)
-    }
-
-    /// Waits up to `timeout` for the background index rebuild after recovery
-    /// ([`IndexRebuild::Background`]): `Ok(true)` once every recovered layer has its index
-    /// (at once for in-memory engines and blocking rebuilds), `Ok(false)` at the deadline,
-    /// or the error that stopped the rebuild (those layers stay served exactly).
-    pub fn wait_index_rebuild(&self, timeout: std::time::Duration) -> Result<bool> {
-        let Some(durable) = self.durable.as_deref() else { return Ok(true) };
+    /// Waits up to `timeout` for the background index rebuild: `Ok(true)` once every
+    /// recovered layer has its index, `Ok(false)` at the deadline, or the error that
+    /// stopped the rebuild.
+    pub(crate) fn wait_rebuild(&self, timeout: std::time::Duration) -> Result<bool> {
         let deadline = std::time::Instant::now() + timeout;
-        let mut state = durable.rebuild.state.lock();
+        let mut state = self.rebuild.state.lock();
         loop {
             if let Some(error) = &state.error {
                 return Err(error.clone());
@@ -576,31 +525,30 @@ impl Engine {
             if state.pending_layers == 0 {
                 return Ok(true);
             }
-            if durable.rebuild.done.wait_until(&mut state, deadline).timed_out() {
+            if self.rebuild.done.wait_until(&mut state, deadline).timed_out() {
                 return Ok(state.pending_layers == 0 && state.error.is_none());
             }
         }
     }
 
     /// How long the background index rebuild took, once it has finished.
-    pub fn index_rebuild_time(&self) -> Option<std::time::Duration> {
-        self.durable.as_deref().and_then(|d| d.rebuild.state.lock().elapsed)
+    pub(crate) fn rebuild_time(&self) -> Option<std::time::Duration> {
+        self.rebuild.state.lock().elapsed
     }
 
-    /// Counters of the write-ahead log (records, group writes, fsyncs).
-    pub fn wal_stats(&self) -> Result<attnstore_wal::WriterStats> {
-        Ok(self.durable("wal_stats")?.wal.stats())
+    /// What opening recovered.
+    pub(crate) fn report(&self) -> &RecoveryReport {
+        &self.report
     }
 
-    /// The committed batches of one layer as stored in its data file (checksums verified),
-    /// in commit order, widened to f32. For a `hack2` wave layer whose tokens a checkpoint
-    /// moved to its 2-bit home, only the batches still in the data file (those after the
-    /// punched range).
-    pub fn stored_batches(&self, id: ContextId, layer: usize) -> Result<Vec<StoredBatch>> {
-        let spec = self.spec(id)?;
-        if layer >= spec.layers.len() {
-            return Err(Error::UnknownLayer { context: id, layer, layers: spec.layers.len() });
-        }
-        self.durable("stored_batches")?.stored_batches(id, layer, &spec)
+    /// Makes everything acknowledged so far durable, whatever the sync policy.
+    pub(crate) fn sync(&self) -> Result<()> {
+        self.wal.sync()?;
+        Ok(())
+    }
+
+    /// Counters of the write-ahead log.
+    pub(crate) fn wal_stats(&self) -> attnstore_wal::WriterStats {
+        self.wal.stats()
     }
 }

@@ -4,34 +4,25 @@
 //! manifest and every log record into the committed catalog (contexts, and per layer the
 //! committed length of its data file). Opening then repairs (cuts the torn log tail and
 //! uncommitted data-file bytes), loads every chunk with its checksums verified, and rebuilds
-//! the indexes by replaying the batches through the in-memory ingest path.
+//! the indexes by replaying the batches into the engine's catalog (`open.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use attnstore_wal::{
-    read_manifest, replay_dir, LogCut, LogFileSummary, LogReplay, LogWriter, Lsn, RecordKind, RecoveryMode, TornTail,
+    read_manifest, replay_dir, LogCut, LogFileSummary, LogReplay, Lsn, RecordKind, RecoveryMode, TornTail,
 };
-use parking_lot::{Mutex, RwLock};
 
 use super::datafile::ChunkOwner;
 use super::datafile::{parse_data_file_name, ChunkReader, StoredBatch};
-use super::home::{read_home, HomeState};
+use super::home::read_home;
 use super::identity::EngineDir;
-use super::rebuild::{self, IndexRebuild, RebuildJob, RebuildProgress};
 use super::records::{
     decode, decode_catalog, AppendRecord, CreateContextRecord, DropContextRecord, Manifest, SpecRecord,
 };
-use super::{
-    data_path, Catalog, CatalogContext, CatalogLayer, Durable, DurableConfig, DATA_DIR, LOCK_FILE, MANIFEST_FILE,
-    WAL_DIR,
-};
-use crate::context::make_method;
-use crate::context::ContextId;
-use crate::engine::{Engine, EngineConfig};
+use super::{data_path, DATA_DIR, LOCK_FILE, MANIFEST_FILE, WAL_DIR};
 use crate::error::{Error, Result};
 use crate::spec::{ContextSpec, LayerKind, Method};
 
@@ -366,15 +357,15 @@ pub(crate) fn read_state(dir: &EngineDir, mode: RecoveryMode) -> Result<State> {
 /// Where reading a layer's data file starts: a byte offset on a chunk boundary, and the
 /// tokens and chunks before it (held by a 2-bit home).
 #[derive(Debug, Clone, Copy, Default)]
-struct Start {
-    offset: u64,
-    tokens: u64,
-    chunks: u64,
+pub(super) struct Start {
+    pub offset: u64,
+    pub tokens: u64,
+    pub chunks: u64,
 }
 
 /// Reads and verifies the committed chunks of one layer from `start`, cross-checking the
 /// payload crc of every chunk the replayed log named, and the token count.
-fn read_layer(
+pub(super) fn read_layer(
     dir: &EngineDir,
     state: &State,
     (context, layer): (u64, usize),
@@ -424,7 +415,7 @@ fn read_layer(
 /// it has none (or one not to rely on, reason pushed to `unusable`), an error when the
 /// manifest relies on a home that is missing or does not fit (the data file no longer
 /// holds those tokens).
-fn usable_home(
+pub(super) fn usable_home(
     dir: &EngineDir,
     state: &State,
     (context, layer): (u64, usize),
@@ -483,7 +474,7 @@ fn usable_home(
 
 /// The error of a home the manifest relies on (its first `relied_on` data bytes may be
 /// punched out) that cannot be used, and `why`.
-fn home_lost(dir: &Path, (context, layer): (u64, usize), relied_on: u64, why: &str) -> Error {
+pub(super) fn home_lost(dir: &Path, (context, layer): (u64, usize), relied_on: u64, why: &str) -> Error {
     Error::Corrupt {
         file: dir.join(super::layout::INDEX_DIR).join(super::home::home_name(context, layer)),
         offset: 0,
@@ -491,7 +482,7 @@ fn home_lost(dir: &Path, (context, layer): (u64, usize), relied_on: u64, why: &s
     }
 }
 
-fn data_files(dir: &Path) -> Result<Vec<(u64, usize, PathBuf)>> {
+pub(super) fn data_files(dir: &Path) -> Result<Vec<(u64, usize, PathBuf)>> {
     let data_dir = dir.join(DATA_DIR);
     let mut files = Vec::new();
     let entries = match std::fs::read_dir(&data_dir) {
@@ -509,7 +500,7 @@ fn data_files(dir: &Path) -> Result<Vec<(u64, usize, PathBuf)>> {
     Ok(files)
 }
 
-fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
+pub(super) fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> Error + 'a {
     move |e| attnstore_wal::Error::io(op, path, &e).into()
 }
 
@@ -528,7 +519,7 @@ fn check_lock_file(dir: &Path) -> Result<()> {
 /// Takes an exclusive `flock` on `DIR/LOCK`, held as long as the returned file is open
 /// (the OS releases it when the process dies, so a crash never leaves it behind). The lock
 /// file must be a regular file: a link or anything else there is refused, not followed.
-fn lock_directory(dir: &Path) -> Result<std::fs::File> {
+pub(super) fn lock_directory(dir: &Path) -> Result<std::fs::File> {
     check_lock_file(dir)?;
     let path = dir.join(LOCK_FILE);
     let file =
@@ -538,243 +529,6 @@ fn lock_directory(dir: &Path) -> Result<std::fs::File> {
         Err(rustix::io::Errno::WOULDBLOCK) => Err(Error::DirectoryLocked { dir: dir.to_path_buf(), lock: path }),
         Err(errno) => Err(io("lock", &path)(errno.into())),
     }
-}
-
-/// Opens a durable engine: see [`Engine::open`].
-pub(crate) fn open(dir: &Path, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
-    let started = Instant::now();
-    let storage = durable.storage.clone();
-    // Nothing is written to a directory that is not an engine directory.
-    let engine_dir = EngineDir::open(&*storage, dir, durable.create)?;
-    for sub in [dir.join(WAL_DIR), dir.join(DATA_DIR), dir.join(super::layout::INDEX_DIR)] {
-        match std::fs::symlink_metadata(&sub) {
-            Ok(meta) if !meta.is_dir() => {
-                let found = "not a directory".to_string();
-                return Err(attnstore_wal::Error::NotRegularFile { path: sub, found }.into());
-            }
-            Ok(_) => {}
-            Err(_) => std::fs::create_dir(&sub).map_err(io("create dir", &sub))?,
-        }
-    }
-    storage.sync_dir(dir).map_err(io("fsync dir", dir))?;
-    let lock = lock_directory(dir)?;
-    // A checkpoint that died before its rename leaves the new manifest half-made; the old one stands.
-    let _ = std::fs::remove_file(dir.join(format!("{MANIFEST_FILE}.tmp")));
-    let dir = &engine_dir;
-    let state = read_state(dir, durable.recovery)?;
-    state.replay.repair(&*storage)?;
-    let mut report = RecoveryReport {
-        manifest_generation: state.manifest_generation,
-        wal_start_lsn: state.wal_start_lsn,
-        log_files: state.replay.files.clone(),
-        replayed: state.replayed,
-        skipped_appends: state.skipped_appends,
-        torn_tail: state.replay.torn.clone(),
-        log_cut: state.replay.cut.clone(),
-        contexts: state.contexts.len(),
-        next_lsn: state.replay.next_lsn,
-        ..RecoveryReport::default()
-    };
-    let engine = Engine::in_memory(config)?;
-    let background = durable.index_rebuild == IndexRebuild::Background;
-    let mut jobs = Vec::new();
-    let mut homes = BTreeMap::new();
-    // Index layouts on disk that the recovered indexes hold as they are (a checkpoint
-    // rewrites a layout only when its end moved).
-    let mut layout_ends = BTreeMap::new();
-    for (&context, ctx) in &state.contexts {
-        let id = ContextId(context);
-        engine.insert_context(id, ctx.spec.clone())?;
-        for layer in 0..ctx.layers.len() {
-            let committed = ctx.layers[layer].committed_bytes;
-            let indexed = ctx.spec.layers[layer] == LayerKind::Global && ctx.spec.method != Method::Flat;
-            // A hack2 wave layer's 2-bit home is loaded, not rebuilt: never in the background.
-            let reading = Instant::now();
-            let home = match committed {
-                0 => None,
-                _ => usable_home(dir, &state, (context, layer), &mut report.layout_errors)?,
-            };
-            if home.is_some() {
-                report.read_time += reading.elapsed();
-            }
-            if background && indexed && committed > 0 && home.is_none() {
-                // Load into an exact (flat) method now; the real index follows in the background.
-                let handle = engine.context(id)?;
-                let flat = ctx.spec.clone().with_method(Method::Flat);
-                let mut guard = handle.layers[layer].write();
-                guard.method = make_method(&flat, LayerKind::Global, None)?;
-                guard.rebuilding = true;
-                drop(guard);
-                let blocks = engine
-                    .buffer_manager()
-                    .map(|b| crate::exec::home::BlockStore::new(Arc::clone(b), id.0, layer as u32));
-                jobs.push(RebuildJob { context: handle, id, layer, loaded_bytes: committed, blocks });
-            }
-            let path = data_path(dir, context, layer);
-            // Cut what an append wrote before its record committed (if the file exists at all).
-            if let Ok(meta) = std::fs::metadata(&path) {
-                if meta.len() > committed {
-                    report.uncommitted_data_bytes += meta.len() - committed;
-                    report.data_files_cut.push((path.clone(), meta.len() - committed));
-                    let file = storage.open(&path).map_err(io("open", &path))?;
-                    file.set_len(committed).map_err(io("truncate", &path))?;
-                    file.sync_data().map_err(io("fsync", &path))?;
-                }
-            }
-            if committed == 0 {
-                continue;
-            }
-            if let Some(h) = home {
-                let relied_on = state.homes.get(&(context, layer)).copied().unwrap_or(0);
-                let started = Instant::now();
-                let (start, bytes) = (Start { offset: h.data_bytes, tokens: h.tokens, chunks: h.chunks }, h.bytes);
-                let state_on_disk = HomeState { punched: relied_on, ..h.state };
-                let layout_end = h.home.pq.as_ref().map(|s| s.end);
-                match engine.restore_encoded_layer(id, layer, h.home) {
-                    Ok(()) => {
-                        layout_ends.extend(layout_end.map(|end| ((context, layer), end)));
-                        report.rebuild_time += started.elapsed();
-                        let read = Instant::now();
-                        let (tokens, kv_bytes) = read_layer(dir, &state, (context, layer), start, |batch| {
-                            engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)
-                        })?;
-                        report.read_time += read.elapsed();
-                        report.homes_restored += 1;
-                        report.home_bytes_loaded += bytes;
-                        report.layers_loaded += 1;
-                        report.tokens_loaded += tokens;
-                        report.kv_bytes_loaded += kv_bytes;
-                        homes.insert((context, layer), state_on_disk);
-                        continue;
-                    }
-                    Err(e) if relied_on > 0 => {
-                        return Err(home_lost(dir, (context, layer), relied_on, &format!("does not restore ({e})")));
-                    }
-                    // Nothing was changed and the data file still holds every token.
-                    Err(e) => report.layout_errors.push(format!("home of context {context} layer {layer}: {e}")),
-                }
-            }
-            let mut read_time = Duration::ZERO;
-            let mut rebuild_time = Duration::ZERO;
-            let mut last = Instant::now();
-            // A wave or PQ layer with a checkpointed layout is restored without clustering or
-            // training: collect its batches first. Others (and background rebuilds) ingest
-            // batch by batch.
-            let layout = match (ctx.spec.layers[layer], background) {
-                (LayerKind::Global, false) => super::layout::read_layout(dir, context, layer, ctx.spec.method.name())
-                    .unwrap_or_else(|why| {
-                        report.layout_errors.push(why);
-                        None
-                    }),
-                _ => None,
-            };
-            let mut held = Vec::new();
-            let (tokens, bytes) = read_layer(dir, &state, (context, layer), Start::default(), |batch| {
-                read_time += last.elapsed();
-                let rebuild = Instant::now();
-                if layout.is_some() {
-                    held.push(batch);
-                } else {
-                    engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)?;
-                }
-                rebuild_time += rebuild.elapsed();
-                last = Instant::now();
-                Ok(())
-            })?;
-            if let Some(layout) = layout {
-                let rebuild = Instant::now();
-                let file = super::layout::layout_name(context, layer, layout.method()).unwrap_or_default();
-                let restored = match super::layout::split_at(&held, layout.tokens(), ctx.spec.shape.kv_heads) {
-                    Some((keys, values, cut)) => match engine.restore_layer(id, layer, &layout, &keys, &values) {
-                        Ok(()) => {
-                            layout_ends.insert((context, layer), layout.indexed_end());
-                            Some(cut)
-                        }
-                        Err(e) => {
-                            report.layout_errors.push(format!("{file}: {e}"));
-                            None
-                        }
-                    },
-                    None => {
-                        report.layout_errors.push(format!(
-                            "{file}: covers {} tokens, which does not end on a committed batch",
-                            layout.tokens()
-                        ));
-                        None
-                    }
-                };
-                // The batches the layout does not cover, or (an unusable layout: nothing was
-                // changed) all of them, ingested as they were committed.
-                report.layouts_restored += usize::from(restored.is_some());
-                for batch in &held[restored.unwrap_or(0)..] {
-                    engine.ingest(id, layer, &batch.keys, &batch.values, batch.prefill)?;
-                }
-                rebuild_time += rebuild.elapsed();
-            }
-            report.read_time += read_time;
-            report.rebuild_time += rebuild_time;
-            report.layers_loaded += 1;
-            report.tokens_loaded += tokens;
-            report.kv_bytes_loaded += bytes;
-        }
-    }
-    engine.reserve_context_ids(state.next_context_id);
-    for (context, _, path) in data_files(dir)? {
-        if !state.contexts.contains_key(&context) {
-            std::fs::remove_file(&path).map_err(io("remove", &path))?;
-            report.orphan_data_files.push(path);
-        }
-    }
-    let live = state.contexts.iter().flat_map(|(&c, ctx)| (0..ctx.layers.len()).map(move |l| (c, l))).collect();
-    report.stale_layout_files = super::layout::remove_stale(dir, &live);
-    let wal = LogWriter::resume(&dir.join(WAL_DIR), storage.clone(), durable.wal, dir.id, &state.replay)?;
-    let catalog = Catalog {
-        generation: state.manifest_generation.unwrap_or(0),
-        contexts: state
-            .contexts
-            .into_iter()
-            .map(|(context, c)| {
-                let layers = c
-                    .layers
-                    .iter()
-                    .map(|l| CatalogLayer {
-                        file: None,
-                        committed_bytes: l.committed_bytes,
-                        tokens: l.tokens,
-                        chunks: l.chunks,
-                    })
-                    .collect();
-                (context, CatalogContext { spec: c.spec_record, layers })
-            })
-            .collect(),
-    };
-    report.background_rebuild_layers = jobs.len();
-    report.total_time = started.elapsed();
-    let progress = RebuildProgress::default();
-    progress.state.lock().pending_layers = jobs.len();
-    let attached = Arc::new(Durable {
-        dir: engine_dir.clone(),
-        storage,
-        wal,
-        gate: RwLock::new(()),
-        catalog: Mutex::new(catalog),
-        drop_lock: Mutex::new(()),
-        _lock: lock,
-        report,
-        rebuild: progress,
-        layouts: Mutex::new(layout_ends),
-        homes: Mutex::new(homes),
-    });
-    if !jobs.is_empty() {
-        let for_thread = Arc::downgrade(&attached);
-        std::thread::Builder::new()
-            .name("attnstore-index-rebuild".into())
-            .spawn(move || rebuild::run(for_thread, jobs))
-            .map_err(io("spawn index rebuild for", dir))?;
-    }
-    let mut engine = engine;
-    engine.durable = Some(attached);
-    Ok(engine)
 }
 
 /// One layer as [`check`] found it.
