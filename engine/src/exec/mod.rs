@@ -17,7 +17,7 @@ use crate::plan::Plan;
 use attnstore_buffer::BlockLocation;
 use attnstore_index::{EstimateZone, HeadPlan, HeadRows, PlainRows, Run};
 use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
-use attnstore_kernels::{DType, Element, HackParams, Partial};
+use attnstore_kernels::{DType, HackParams, Partial};
 use gather::{attend_clusters, attend_groups, attend_homed, ClusterBlocks, ClusterRows};
 use half::{bf16, f16};
 use home::BlockStore;
@@ -314,45 +314,23 @@ impl Gather<'_> {
     }
 }
 
-/// Attends plain pieces (all of one type) in one pass.
+/// Attends plain pieces (all of one type: a method builds a run from one array type) in
+/// one pass.
 fn attend_plain(pieces: &[PlainRows<'_>], q: &[f32], scale: f32, parts: &mut [Partial], sc: &mut Scratch) {
-    fn typed<'a, E: Element>(
-        pieces: &'a [PlainRows<'a>],
-        pick: impl Fn(&PlainRows<'a>) -> Option<(&'a [E], &'a [E])>,
-        q: &[f32],
-        scale: f32,
-        parts: &mut [Partial],
-        sc: &mut Scratch,
-    ) {
-        let spans = pieces.iter().map(|p| pick(p).expect("a run's pieces share one type"));
-        attend_spans(q, scale, spans, parts, sc);
+    macro_rules! typed {
+        ($variant:ident) => {{
+            let spans = pieces.iter().filter_map(|p| match *p {
+                PlainRows::$variant(k, v) => Some((k, v)),
+                _ => None,
+            });
+            attend_spans(q, scale, spans, parts, sc)
+        }};
     }
     match pieces.first() {
         None => {}
-        Some(PlainRows::F32(..)) => typed::<f32>(
-            pieces,
-            |p| if let PlainRows::F32(k, v) = *p { Some((k, v)) } else { None },
-            q,
-            scale,
-            parts,
-            sc,
-        ),
-        Some(PlainRows::F16(..)) => typed::<f16>(
-            pieces,
-            |p| if let PlainRows::F16(k, v) = *p { Some((k, v)) } else { None },
-            q,
-            scale,
-            parts,
-            sc,
-        ),
-        Some(PlainRows::Bf16(..)) => typed::<bf16>(
-            pieces,
-            |p| if let PlainRows::Bf16(k, v) = *p { Some((k, v)) } else { None },
-            q,
-            scale,
-            parts,
-            sc,
-        ),
+        Some(PlainRows::F32(..)) => typed!(F32),
+        Some(PlainRows::F16(..)) => typed!(F16),
+        Some(PlainRows::Bf16(..)) => typed!(Bf16),
     }
 }
 
