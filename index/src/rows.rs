@@ -29,24 +29,6 @@ impl<'a> PlainRows<'a> {
             DType::Bf16 => Self::Bf16(c(keys), c(values)),
         }
     }
-
-    /// The storage type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            Self::F32(..) => DType::F32,
-            Self::F16(..) => DType::F16,
-            Self::Bf16(..) => DType::Bf16,
-        }
-    }
-
-    /// Elements of the keys (rows × head_dim).
-    pub fn elements(&self) -> usize {
-        match self {
-            Self::F32(k, _) => k.len(),
-            Self::F16(k, _) => k.len(),
-            Self::Bf16(k, _) => k.len(),
-        }
-    }
 }
 
 /// A segment's plain rows homed in the [`RowHome`](crate::RowHome), one home cluster per
