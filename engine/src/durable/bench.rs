@@ -144,6 +144,11 @@ fn sequential_write_then_fsync(path: &Path, pieces: usize, piece_bytes: usize) -
     Ok(started.elapsed())
 }
 
+/// The contexts of the engine-append figures: flat f16.
+fn append_spec(shape: AttnShape) -> ContextSpec {
+    ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F16)
+}
+
 /// Engine appends on a fresh durable engine in `dir`: one flat f16 context per thread,
 /// `records_per_thread` batches of `batch_tokens` each, acknowledged one at a time
 /// (`append`) or with `pipeline` in flight (`submit_append` + `wait_durable`). Returns the
@@ -152,7 +157,7 @@ fn engine_appends(cfg: &WalBenchConfig, dir: &Path, pipeline: Option<usize>) -> 
     fresh(dir)?;
     let shape = cfg.shape;
     let engine = Engine::open(dir, EngineConfig::default())?;
-    let spec = ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F16);
+    let spec = append_spec(shape);
     let contexts = (0..cfg.threads).map(|_| engine.create_context(spec.clone())).collect::<Result<Vec<_>>>()?;
     let kv: Vec<f32> = (0..shape.kv_len(cfg.batch_tokens)).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
     let syncs_before = engine.wal_stats()?.syncs;
@@ -282,7 +287,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     let batch_tokens = cfg.batch_tokens;
     let (appended, wal_stats) = engine_appends(cfg, &cfg.dir.join("engine-append"), None)?;
     let (pipelined, pipelined_stats) = engine_appends(cfg, &cfg.dir.join("engine-pipelined"), Some(pipeline))?;
-    let chunk = super::datafile::CHUNK_HEADER_BYTES + 2 * shape.kv_len(batch_tokens) * 2;
+    let chunk = super::chunk_bytes(&append_spec(shape), batch_tokens) as usize;
     let engine_bytes = records * chunk;
     let base = sequential_write_then_fsync(&cfg.dir.join("baseline-chunks.bin"), records, chunk)?;
     let mb = engine_bytes as f64 / 1e6;
@@ -358,7 +363,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             engine.checkpoint()?;
             (ctx, started.elapsed())
         };
-        let (data, index) = (allocated(&dir.join(super::DATA_DIR)), allocated(&dir.join(super::layout::INDEX_DIR)));
+        let (data, index) = (allocated(&dir.join(super::DATA_DIR)), allocated(&dir.join(super::INDEX_DIR)));
         let f16_kv = (2 * tokens * shape.kv_heads * shape.head_dim * 2 * spec.layers.len()) as u64;
         let started = Instant::now();
         let engine = Engine::open(&dir, EngineConfig::default())?;
@@ -425,7 +430,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             // Same-run baseline: reopen without the checkpointed layouts (k-means again).
             // (A hack2 layer's home is the only copy of its tokens: not removable.)
             // The first attention is timed once the index is ready (PQ trains in the background).
-            let index_dir = dir.join(super::layout::INDEX_DIR);
+            let index_dir = dir.join(super::INDEX_DIR);
             let saved = dir.join("index-saved");
             std::fs::rename(&index_dir, &saved).map_err(|e| attnstore_wal::Error::io("rename", &index_dir, &e))?;
             let started = Instant::now();
