@@ -3,7 +3,9 @@
 //! read back, typed errors for full tiers and corrupt blocks, and blocks freed with their
 //! context.
 
-use attnstore::synth::{SynthContext, SynthParams};
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use attnstore::{
     AttnShape, Budget, BufferSettings, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, Request, Tier,
     WaveParams,
