@@ -15,7 +15,6 @@
 //! for group commit (which fsyncs the data file before the log); only then does the batch
 //! become visible in memory. `Engine::in_memory` has no [`Durable`] and skips all of this.
 
-pub mod bench;
 mod datafile;
 mod fuzz;
 mod fuzz_recover;
