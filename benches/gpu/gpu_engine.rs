@@ -14,8 +14,8 @@
 //! 32-layer 8B model at this length (6 at 128K), stepped by one plan; and, for comparison,
 //! the engine's older GPU path (`Engine::plan` on the CPU, then `execute_gpu`).
 
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{AttnShape, Budget, BufferSettings, ContextId, ContextSpec, Engine, EngineConfig, Request, Tier};
+use attnstore_bench::{SynthContext, SynthParams};
 use serde_json::json;
 use std::time::Instant;
 
@@ -45,7 +45,7 @@ fn main() {
     // Context 0 takes part in all three runs, a token appended per step.
     // Context 0 appends a token per step in each of the five runs.
     let total = tokens + 6 * (warmup_steps() + STEPS) + 8;
-    let host_blocks = batch * attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
+    let host_blocks = batch * attnstore_bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
     // The maintainer's pause after a round of work (default 100 µs): `ATTNSTORE_MAINTAINER_PAUSE_US`.
     let mut settings = BufferSettings::new(host_blocks);
     if let Some(us) = std::env::var("ATTNSTORE_MAINTAINER_PAUSE_US").ok().and_then(|v| v.parse().ok()) {

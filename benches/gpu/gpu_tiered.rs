@@ -11,7 +11,7 @@
 //! timed separately (it is the maintainer's work, off the decode path). After 100 warm-up
 //! steps, 100 measured steps report the kernel time, hit ratio and bytes over PCIe.
 
-use attnstore::synth::{SynthContext, SynthParams};
+use attnstore_bench::{SynthContext, SynthParams};
 use attnstore_kernels::cpu::scoring::{score_group, top_r};
 use attnstore_kernels::cuda::RowRef;
 use attnstore_kernels::AttnShape;

@@ -23,7 +23,7 @@
 //! and moving query, stepped together by one batched launch (every request on its own
 //! streams, one graph for the batch).
 
-use attnstore::synth::{SynthContext, SynthParams};
+use attnstore_bench::{SynthContext, SynthParams};
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::rel_l2;
 use attnstore_kernels::cuda::{DeviceWave, GpuBackend, GpuCache, MappedKv, WaveCache, WaveJob, WaveStep, WaveTable};

@@ -6,12 +6,11 @@
 
 mod model;
 
-use attnstore::bench::{self, memory, BenchConfig, BenchMethod};
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method,
     PqParams, ReplacerKind, Request, SelectionMode, WaveParams,
 };
+use attnstore_bench::{memory, BenchConfig, BenchMethod, InspectConfig, SynthContext, SynthParams, WalBenchConfig};
 use clap::{Args, Parser, Subcommand};
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
@@ -404,7 +403,7 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         );
     }
     let mut stdout = std::io::stdout();
-    let rows = bench::run(&cfg, &mut |row| {
+    let rows = attnstore_bench::decode::run(&cfg, &mut |row| {
         if json {
             let _ = writeln!(stdout, "{}", row.json());
         } else {
@@ -413,7 +412,7 @@ fn bench(args: BenchArgs) -> Result<(), String> {
     })
     .map_err(|e| e.to_string())?;
     if !json {
-        println!("{}", bench::table(&rows));
+        println!("{}", attnstore_bench::table(&rows));
         println!("JSON lines:");
         for r in &rows {
             println!("{}", r.json());
@@ -457,7 +456,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
     let layout = attnstore::BlockLayout::new(args.block_bytes).map_err(|e| e.to_string())?;
     let block = layout.block_bytes();
     let host_blocks = match args.host_blocks {
-        0 => attnstore::bench::blocks_for_codec(&shape, codec_of(&args.shape), args.tokens, block),
+        0 => attnstore_bench::blocks_for_codec(&shape, codec_of(&args.shape), args.tokens, block),
         n => n,
     };
     let buffers = BufferSettings {
@@ -468,7 +467,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         maintainer_idle: (!args.no_maintainer).then(|| Duration::from_micros(100)),
         ..BufferSettings::new(host_blocks)
     };
-    let cfg = attnstore::bench::InspectConfig {
+    let cfg = InspectConfig {
         tokens: args.tokens,
         shape,
         codec: codec_of(&args.shape),
@@ -481,7 +480,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         progress: true,
     };
     check_memory("inspect --tokens", cfg.tokens, |t| cfg.bytes_needed(t))?;
-    let report = attnstore::bench::inspect(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
+    let report = attnstore_bench::inspect::run(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
     if !report.stats.gpu_on_device && !args.no_maintainer && cfg.buffers.gpu_blocks > 0 {
         eprintln!(
             "note: no GPU here, so the Gpu tier is host memory and the maintainer's admissions only cost CPU; \
@@ -538,7 +537,7 @@ fn recover(dir: PathBuf, point_in_time: bool) -> Result<(), String> {
 }
 
 fn bench_wal(args: BenchWalArgs) -> Result<(), String> {
-    let cfg = attnstore::durable::bench::WalBenchConfig {
+    let cfg = WalBenchConfig {
         dir: args.dir,
         threads: args.threads,
         records_per_thread: args.records,
@@ -552,7 +551,7 @@ fn bench_wal(args: BenchWalArgs) -> Result<(), String> {
     cfg.validate().map_err(|e| e.to_string())?;
     check_memory("bench-wal --tokens", cfg.context_tokens, |t| cfg.context_bytes_needed(t))?;
     println!("attnstore bench-wal in {} ({} CPU threads)", cfg.dir.display(), rayon::current_num_threads());
-    attnstore::durable::bench::run(&cfg, &mut std::io::stdout()).map_err(|e| e.to_string())
+    attnstore_bench::wal::run(&cfg, &mut std::io::stdout()).map_err(|e| e.to_string())
 }
 
 fn main() -> ExitCode {

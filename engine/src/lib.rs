@@ -25,9 +25,6 @@ mod gpu;
 mod gpu_prefill;
 mod plan;
 mod spec;
-pub mod synth;
-
-pub mod bench;
 
 pub use attnstore_buffer::{BlockLayout, BlockLocation, BufferStats, ReplacerKind, Tier, TierStats};
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};

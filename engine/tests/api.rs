@@ -1,7 +1,9 @@
 //! The engine's query-plan API end to end: exactness of full budgets, accuracy of sparse
 //! plans, EXPLAIN, and typed errors that leave stored data unchanged.
 
-use attnstore::synth::{SynthContext, SynthParams};
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use attnstore::{
     AttnShape, Budget, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, EstimateShare, HackParams,
     LayerKind, Request, SelectionMode, Strategy, WaveParams,

@@ -3,7 +3,9 @@
 //! read back, typed errors for full tiers and corrupt blocks, and blocks freed with their
 //! context.
 
-use attnstore::synth::{SynthContext, SynthParams};
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use attnstore::{
     AttnShape, Budget, BufferSettings, ContextId, ContextSpec, DType, Engine, EngineConfig, Error, Request, Tier,
     WaveParams,
@@ -199,42 +201,6 @@ fn a_block_that_does_not_hold_one_row_is_a_typed_error() {
     let wide = AttnShape::new(2, 1, 256).unwrap();
     let err = engine.create_context(ContextSpec::new(wide, 1).with_dtype(DType::F32)).unwrap_err();
     assert!(err.to_string().contains("must fit one block"), "{err}");
-}
-
-#[test]
-fn inspect_serves_one_context_from_both_stores_with_the_same_answers() {
-    for codec in [attnstore::Codec::F16, attnstore::Codec::Hack2(attnstore::HackParams::default())] {
-        let cfg = attnstore::bench::InspectConfig {
-            tokens: 3000,
-            shape: shape(),
-            codec,
-            steps: 4,
-            exact_steps: 2,
-            budget: sparse(),
-            buffers: BufferSettings { host_blocks: 0, ..settings(0) },
-            block: attnstore_buffer::BlockLayout::default(),
-            seed: 21,
-            progress: false,
-        };
-        let report = attnstore::bench::inspect(&cfg).unwrap();
-        assert!(report.max_rel_diff <= 1e-6, "{codec}: {}", report.max_rel_diff);
-        if codec.hack().is_none() {
-            // 2-bit rows are homed per value block: their plans record no cluster blocks.
-            assert!(report.explain.contains("(looked up)"), "{}", report.explain);
-        }
-        assert!(report.stats.tier(Tier::Host).unwrap().used_blocks > 0, "{codec}: {}", report.stats);
-        // Sparse, exact and prefill rows for each of the two stores.
-        assert_eq!(report.rows.len(), 6);
-        let steps = |what: &str| {
-            report
-                .rows
-                .iter()
-                .filter(|r| r.get("what").and_then(|v| v.as_str()) == Some(what))
-                .map(|r| r.get("steps").and_then(|v| v.as_u64()).unwrap())
-                .collect::<Vec<_>>()
-        };
-        assert_eq!((steps("sparse decode"), steps("exact decode")), (vec![4, 4], vec![2, 2]));
-    }
 }
 
 #[test]

@@ -4,12 +4,12 @@
 
 mod common;
 use common::copy_dir;
+use common::synth::{SynthContext, SynthParams};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use attnstore::durable::{DATA_DIR, WAL_DIR};
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, ContextId, ContextSpec, DType, DurableConfig, Engine, EngineConfig, Error, IndexRebuild, Method,
     Request, WaveParams,

@@ -3,9 +3,11 @@
 //! KV it reads back (plans are sparse at once, answers equal the engine that wrote them),
 //! and a damaged or missing snapshot is reported and the layer retrained from its KV.
 
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use std::time::Duration;
 
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, IndexRebuild, Method, PqParams,
     Request, Strategy,

@@ -5,9 +5,11 @@
 
 #![cfg(feature = "cuda")]
 
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use std::time::Instant;
 
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{AttnShape, Budget, BufferSettings, ContextSpec, Engine, EngineConfig, Request};
 use attnstore_kernels::cpu::reference::rel_l2;
 
@@ -36,7 +38,7 @@ struct Compared {
 /// maintainer admits what each step read, so later steps find Gpu-tier hits.
 fn gpu_vs_cpu_executor(spec: ContextSpec, tokens: usize, seed: u64) -> Compared {
     let shape = spec.shape;
-    let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+    let host_blocks = common::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
     let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
     let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
     let ctx = engine.create_context(spec).unwrap();
@@ -127,7 +129,7 @@ fn device_selected_steps_equal_the_cpu_over_the_gpus_selection_as_tokens_append(
     for tokens in [32 * 1024, 128 * 1024] {
         let shape = AttnShape::new(32, 8, 128).unwrap();
         let total = tokens + 1200;
-        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
+        let host_blocks = common::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
         let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
         let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
         let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
@@ -190,7 +192,7 @@ fn a_batch_of_device_steps_over_several_contexts_equals_the_cpu_per_request() {
     // Five contexts in one plan, stepped as one batched graph (each request on its own
     // streams): every request's output must be its own, whatever lane it ran on.
     let (shape, tokens, n) = (AttnShape::new(32, 8, 128).unwrap(), 32 * 1024, 5);
-    let per_context = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens + 16, 2048);
+    let per_context = common::blocks_for_context(&shape, attnstore::DType::F16, tokens + 16, 2048);
     let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(n * per_context) };
     let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
     let mut contexts = Vec::new();
@@ -240,7 +242,7 @@ fn a_prefill_clustered_on_the_gpu_serves_plans_like_a_cpu_prefill() {
     let shape = AttnShape::new(32, 8, 128).unwrap();
     // 20,000 tokens: segments of 8192, 8192, 3548; 16,952: two segments and 500 pending.
     for (tokens, buffers) in [(20_000usize, false), (16_952, true)] {
-        let host_blocks = attnstore::bench::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+        let host_blocks = common::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
         let config = EngineConfig {
             buffers: buffers.then(|| BufferSettings { maintainer_idle: None, ..BufferSettings::new(2 * host_blocks) }),
             ..EngineConfig::default()

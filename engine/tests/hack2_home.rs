@@ -6,11 +6,13 @@
 //! missing or damaged is a typed error, never a silent rebuild. A durable `hack2` PQ
 //! context does the same: its base rows in 2-bit pieces, its codebooks in its layout file.
 
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use attnstore::durable::{check, DATA_DIR};
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, Codec, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, Error, HackParams,
     IndexRebuild, Method, PqParams, Request, WaveParams,

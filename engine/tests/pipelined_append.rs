@@ -3,10 +3,12 @@
 //! the same attention, a failed fsync fails the wait (never a silent acknowledgement), and
 //! a ticket the log never handed out is a typed error.
 
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use attnstore::synth::{SynthContext, SynthParams};
 use attnstore::{
     AttnShape, Budget, ContextId, ContextSpec, DurableConfig, Engine, EngineConfig, Error, Method, Request,
 };

@@ -20,6 +20,7 @@ use zerocopy::byteorder::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::error::{Error, Result};
+use crate::spec::ContextSpec;
 
 /// Magic of every chunk header.
 const CHUNK_MAGIC: [u8; 4] = *b"ATKV";
@@ -63,6 +64,18 @@ pub(crate) struct ChunkOwner {
 /// Size of a chunk header in bytes.
 pub(crate) const CHUNK_HEADER_BYTES: usize = 48;
 const _: () = assert!(CHUNK_HEADER_BYTES == size_of::<ChunkHeader>());
+
+/// Bytes one prefill or append batch of `tokens` tokens of a context of `spec` adds to its
+/// layer's data file (under [`super::DATA_DIR`]): a 48-byte header, then the keys and values
+/// in the spec's storage type (`2 × kv_heads × tokens × head_dim` elements; a `hack2`
+/// context's batches too, until a checkpoint moves them to its 2-bit home). For sizing
+/// disks: a layer's data file is the sum over its batches. Saturates at `u64::MAX`.
+pub fn chunk_bytes(spec: &ContextSpec, tokens: usize) -> u64 {
+    let elements = [2, spec.shape.kv_heads, tokens, spec.shape.head_dim, spec.dtype.size_bytes()]
+        .into_iter()
+        .fold(1u64, |acc, n| acc.saturating_mul(n as u64));
+    elements.saturating_add(CHUNK_HEADER_BYTES as u64)
+}
 
 fn dtype_code(dtype: DType) -> u8 {
     match dtype {
@@ -349,6 +362,21 @@ mod tests {
             matches!(reader.next_chunk(), Err(Error::Corrupt { .. })),
             "a chunk written for offset 0 read at another"
         );
+    }
+
+    #[test]
+    fn chunk_bytes_is_the_length_of_an_encoded_chunk() {
+        use attnstore_kernels::AttnShape;
+        let shape = AttnShape::new(4, 2, 8).unwrap();
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let spec = ContextSpec::new(shape, 1).with_dtype(dtype);
+            for tokens in [1, 3, 100] {
+                let rows = vec![0.5f32; shape.kv_len(tokens)];
+                let chunk = encode_chunk((OWNER, 0), dtype, false, tokens, &rows, &rows);
+                assert_eq!(chunk_bytes(&spec, tokens), chunk.bytes.len() as u64, "{dtype:?}, {tokens} tokens");
+            }
+        }
+        assert_eq!(chunk_bytes(&ContextSpec::new(shape, 1), usize::MAX), u64::MAX);
     }
 
     #[test]

@@ -23,7 +23,7 @@ use super::identity::EngineDir;
 use super::records::{decode, encode};
 use crate::error::Result;
 
-/// Sub-directory of the layout files.
+/// Sub-directory of the checkpointed index layouts and of the 2-bit homes of `hack2` layers.
 pub const INDEX_DIR: &str = "index";
 
 /// Access methods with layout files, and the suffix of each one's files.

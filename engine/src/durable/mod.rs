@@ -15,7 +15,6 @@
 //! for group commit (which fsyncs the data file before the log); only then does the batch
 //! become visible in memory. `Engine::in_memory` has no [`Durable`] and skips all of this.
 
-pub mod bench;
 mod datafile;
 mod fuzz;
 mod fuzz_recover;
@@ -42,11 +41,12 @@ use crate::spec::ContextSpec;
 
 pub use attnstore_wal::{LogCut, RecoveryMode};
 use datafile::ChunkOwner;
-pub use datafile::StoredBatch;
+pub use datafile::{chunk_bytes, StoredBatch};
 pub use fuzz::fuzz_decode_catalog;
 pub use fuzz_recover::fuzz_recover;
 use identity::EngineDir;
 pub use identity::IDENTITY_FILE;
+pub use layout::INDEX_DIR;
 pub use rebuild::IndexRebuild;
 use records::{
     encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,

@@ -1,6 +1,22 @@
-//! Helpers shared by the durable-engine integration tests.
+//! Helpers shared by the engine's integration tests: synthetic KV (`synth`), the host blocks
+//! a buffered context needs, and copies of durable directories.
+
+// Each test binary uses some of these helpers, none uses all.
+#![allow(dead_code)]
+
+pub mod synth;
 
 use std::path::Path;
+
+use attnstore::{AttnShape, DType};
+
+/// Host blocks that hold all indexed rows of a context: per cluster, K and V each round up
+/// to whole blocks (clusters average 16 tokens, so ≤ tokens / 16 + segments partial blocks).
+pub fn blocks_for_context(shape: &AttnShape, dtype: DType, tokens: usize, block_bytes: usize) -> usize {
+    let per_block = (block_bytes / (shape.head_dim * dtype.size_bytes())).max(1);
+    let per_head = tokens.div_ceil(per_block) + tokens / 8 + 64;
+    2 * per_head * shape.kv_heads
+}
 
 /// Copies the directory tree `from` to `to` (files and folders; recovery repairs what it
 /// opens, so tests damage and open copies).

@@ -11,8 +11,15 @@ use std::time::{Duration, Instant};
 
 use attnstore_wal::{LogWriter, RecordKind, StdStorage, SyncPolicy, WriterConfig, WriterStats};
 
+use attnstore::durable::{chunk_bytes, DATA_DIR, INDEX_DIR};
+use attnstore::{
+    AttnShape, Budget, Codec, ContextId, ContextSpec, DType, DurableConfig, Engine, EngineConfig, HackParams,
+    IndexRebuild, Method, PqParams, Request, Strategy,
+};
+
+use crate::memory;
 use crate::synth::{SynthContext, SynthParams};
-use crate::{AttnShape, Budget, ContextSpec, DType, Engine, EngineConfig, Method, Request, Result};
+use crate::{Error, Result};
 
 /// Settings of the durability bench.
 #[derive(Debug, Clone)]
@@ -51,12 +58,12 @@ impl WalBenchConfig {
         ];
         for (name, value, what) in counts {
             if value == 0 {
-                return Err(crate::Error::InvalidSpec(format!(
+                return Err(Error::InvalidSetting(format!(
                     "bench-wal {name} ({what}) must be at least 1, got 0: rates over nothing mean nothing"
                 )));
             }
         }
-        ContextSpec::new(self.shape, self.layers).validate()
+        Ok(ContextSpec::new(self.shape, self.layers).validate()?)
     }
 
     /// Bytes the long-context figures hold at their peak with a context of `tokens` tokens
@@ -69,10 +76,9 @@ impl WalBenchConfig {
         if tokens == 0 {
             return Some(0);
         }
-        let memory =
-            |method: &Method| crate::bench::memory::context_bytes(&self.shape, crate::Codec::F16, method, tokens);
+        let memory = |method: &Method| memory::context_bytes(&self.shape, Codec::F16, method, tokens);
         let per_layer = memory(&Method::default())?.checked_mul(2)?.checked_add(memory(&Method::Flat)?)?;
-        crate::bench::memory::run_bytes(&self.shape, tokens, per_layer.checked_mul(self.layers as u64))
+        memory::run_bytes(&self.shape, tokens, per_layer.checked_mul(self.layers as u64))
     }
 }
 
@@ -133,7 +139,7 @@ fn rate_line(what: &str, unit: &str, mb: f64, count: usize, took: Duration, stat
 
 /// One sequential writer, `pieces` writes of `piece_bytes`, one fsync at the end.
 fn sequential_write_then_fsync(path: &Path, pieces: usize, piece_bytes: usize) -> Result<Duration> {
-    let io = |e: std::io::Error| crate::Error::from(attnstore_wal::Error::io("bench write", path, &e));
+    let io = |e: std::io::Error| Error::from(attnstore_wal::Error::io("bench write", path, &e));
     let piece = vec![0x5a_u8; piece_bytes];
     let started = Instant::now();
     let mut file = File::create(path).map_err(io)?;
@@ -144,6 +150,11 @@ fn sequential_write_then_fsync(path: &Path, pieces: usize, piece_bytes: usize) -
     Ok(started.elapsed())
 }
 
+/// The contexts of the engine-append figures: flat f16.
+fn append_spec(shape: AttnShape) -> ContextSpec {
+    ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F16)
+}
+
 /// Engine appends on a fresh durable engine in `dir`: one flat f16 context per thread,
 /// `records_per_thread` batches of `batch_tokens` each, acknowledged one at a time
 /// (`append`) or with `pipeline` in flight (`submit_append` + `wait_durable`). Returns the
@@ -152,8 +163,9 @@ fn engine_appends(cfg: &WalBenchConfig, dir: &Path, pipeline: Option<usize>) -> 
     fresh(dir)?;
     let shape = cfg.shape;
     let engine = Engine::open(dir, EngineConfig::default())?;
-    let spec = ContextSpec::new(shape, 1).with_method(Method::Flat).with_dtype(DType::F16);
-    let contexts = (0..cfg.threads).map(|_| engine.create_context(spec.clone())).collect::<Result<Vec<_>>>()?;
+    let spec = append_spec(shape);
+    let contexts =
+        (0..cfg.threads).map(|_| engine.create_context(spec.clone())).collect::<attnstore::Result<Vec<_>>>()?;
     let kv: Vec<f32> = (0..shape.kv_len(cfg.batch_tokens)).map(|i| ((i % 97) as f32 - 48.0) * 0.01).collect();
     let syncs_before = engine.wal_stats()?.syncs;
     let started = Instant::now();
@@ -176,7 +188,10 @@ fn engine_appends(cfg: &WalBenchConfig, dir: &Path, pipeline: Option<usize>) -> 
                             engine.wait_durable(inflight.pop_front().expect("non-empty"))?;
                         }
                     }
-                    inflight.pop_back().map_or(Ok(()), |last| engine.wait_durable(last))
+                    if let Some(last) = inflight.pop_back() {
+                        engine.wait_durable(last)?;
+                    }
+                    Ok(())
                 })
             })
             .collect();
@@ -214,7 +229,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     let per_record = {
         let path = cfg.dir.join("baseline-each.bin");
         let n = records.min(2000);
-        let io = |e: std::io::Error| crate::Error::from(attnstore_wal::Error::io("bench write", &path, &e));
+        let io = |e: std::io::Error| Error::from(attnstore_wal::Error::io("bench write", &path, &e));
         let mut file = File::create(&path).map_err(io)?;
         let piece = vec![0x5a_u8; frame];
         let started = Instant::now();
@@ -282,7 +297,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     let batch_tokens = cfg.batch_tokens;
     let (appended, wal_stats) = engine_appends(cfg, &cfg.dir.join("engine-append"), None)?;
     let (pipelined, pipelined_stats) = engine_appends(cfg, &cfg.dir.join("engine-pipelined"), Some(pipeline))?;
-    let chunk = super::datafile::CHUNK_HEADER_BYTES + 2 * shape.kv_len(batch_tokens) * 2;
+    let chunk = chunk_bytes(&append_spec(shape), batch_tokens) as usize;
     let engine_bytes = records * chunk;
     let base = sequential_write_then_fsync(&cfg.dir.join("baseline-chunks.bin"), records, chunk)?;
     let mb = engine_bytes as f64 / 1e6;
@@ -314,19 +329,19 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
     let budget = Budget::default();
     // PQ codebooks train in the background after a prefill: every condition below waits for
     // them (`ready`), so each one ends with the first *sparse* attention a PQ plan can serve.
-    let ready = |engine: &Engine, ctx: crate::ContextId, layers: usize| -> Result<()> {
+    let ready = |engine: &Engine, ctx: ContextId, layers: usize| -> Result<()> {
         for layer in 0..layers {
             engine.wait_index(ctx, layer, Duration::from_secs(3600))?;
         }
         Ok(())
     };
-    let hack2 = crate::Codec::Hack2(crate::HackParams::default());
+    let hack2 = Codec::Hack2(HackParams::default());
     let conditions = [
-        (Method::Flat, crate::Codec::F16),
-        (Method::default(), crate::Codec::F16),
-        (Method::Pq(crate::PqParams::default()), crate::Codec::F16),
+        (Method::Flat, Codec::F16),
+        (Method::default(), Codec::F16),
+        (Method::Pq(PqParams::default()), Codec::F16),
         (Method::default(), hack2),
-        (Method::Pq(crate::PqParams::default()), hack2),
+        (Method::Pq(PqParams::default()), hack2),
     ];
     // Bytes on disk of each method's f16 context (the same run's baseline of its hack2 one).
     let mut f16_disk = std::collections::BTreeMap::new();
@@ -358,7 +373,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             engine.checkpoint()?;
             (ctx, started.elapsed())
         };
-        let (data, index) = (allocated(&dir.join(super::DATA_DIR)), allocated(&dir.join(super::layout::INDEX_DIR)));
+        let (data, index) = (allocated(&dir.join(DATA_DIR)), allocated(&dir.join(INDEX_DIR)));
         let f16_kv = (2 * tokens * shape.kv_heads * shape.head_dim * 2 * spec.layers.len()) as u64;
         let started = Instant::now();
         let engine = Engine::open(&dir, EngineConfig::default())?;
@@ -392,10 +407,10 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             mb(f16_kv)
         ));
         match (codec, f16_disk.get(method.name())) {
-            (crate::Codec::F16, _) => {
+            (Codec::F16, _) => {
                 f16_disk.insert(method.name(), data + index);
             }
-            (crate::Codec::Hack2(_), Some(&base)) => p(out, format!(
+            (Codec::Hack2(_), Some(&base)) => p(out, format!(
                 "  ratio on-disk bytes hack2 / f16 {} context (same run): {:.3}; {} layers restored from 2-bit homes ({:.1} MB of segment files and homes)",
                 method.name(),
                 (data + index) as f64 / base as f64,
@@ -425,7 +440,7 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
             // Same-run baseline: reopen without the checkpointed layouts (k-means again).
             // (A hack2 layer's home is the only copy of its tokens: not removable.)
             // The first attention is timed once the index is ready (PQ trains in the background).
-            let index_dir = dir.join(super::layout::INDEX_DIR);
+            let index_dir = dir.join(INDEX_DIR);
             let saved = dir.join("index-saved");
             std::fs::rename(&index_dir, &saved).map_err(|e| attnstore_wal::Error::io("rename", &index_dir, &e))?;
             let started = Instant::now();
@@ -448,13 +463,13 @@ fn measure(cfg: &WalBenchConfig, out: &mut dyn Write) -> Result<()> {
         }
         if method != Method::Flat {
             // Reopen again, serving exactly at once while the index is rebuilt in the background.
-            let config = super::DurableConfig { index_rebuild: super::IndexRebuild::Background, ..Default::default() };
+            let config = DurableConfig { index_rebuild: IndexRebuild::Background, ..Default::default() };
             let started = Instant::now();
             let engine = Engine::open_with(&dir, EngineConfig::default(), config)?;
             let plan = engine.plan(&[Request::new(ctx, 0, query.clone())], &budget)?;
             engine.execute(&plan)?;
             let first = started.elapsed();
-            let exact = matches!(plan.requests[0].strategy, crate::Strategy::Exact { .. });
+            let exact = matches!(plan.requests[0].strategy, Strategy::Exact { .. });
             engine.wait_index_rebuild(Duration::from_secs(3600))?;
             ready(&engine, ctx, spec.layers.len())?;
             let index_ready = started.elapsed();

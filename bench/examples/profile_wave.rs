@@ -5,10 +5,11 @@
 //! `EST` (an estimate share as a fraction; default `rest`), `COLD=1` (read 512 MiB between
 //! steps, as `attnstore bench` does by interleaving exact attention), `CODEC` (`f16`
 //! default, or `hack2`), `EXACT=1` (plan with `Budget::full()`: every row).
-use attnstore::synth::{SynthContext, SynthParams};
+//! Run: `cargo run --release -p attnstore-bench --example profile_wave`.
 use attnstore::{
     AttnShape, Budget, Codec, ContextSpec, Engine, EngineConfig, EstimateShare, Method, Request, WaveParams,
 };
+use attnstore_bench::{SynthContext, SynthParams};
 use std::time::Instant;
 
 fn env<T: std::str::FromStr>(name: &str) -> Option<T> {

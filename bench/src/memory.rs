@@ -3,9 +3,8 @@
 //! context of the asked length needs with `MemAvailable` before allocating anything, so a
 //! context that cannot fit is refused with the figures rather than aborting in the allocator.
 
-use crate::spec::Method;
 use crate::synth::SynthParams;
-use attnstore_kernels::{AttnShape, Codec};
+use attnstore::{AttnShape, Codec, Method};
 
 /// Bytes per key element a wave context holds beyond its rows: cluster centroids and value
 /// sums, and the working buffers of the clustering (about 1.25x the keys in f32), which

@@ -2,27 +2,18 @@
 //! sparse plans of the wave and PQ indexes and an oracle exact top-k, all in the same run,
 //! on synthetic contexts. Prints ratios against same-run baselines plus absolute figures (BENCH.md).
 
-mod inspect;
-pub mod memory;
-mod report;
-
-pub use inspect::{blocks_for_codec, blocks_for_context, inspect, InspectConfig, InspectReport};
-pub use report::{table, Row};
-
-use crate::budget::{Budget, EstimateShare};
-use crate::config::EngineConfig;
-use crate::context::ContextId;
-use crate::engine::Engine;
-use crate::error::Result;
-use crate::plan::Request;
-use crate::spec::{ContextSpec, Method};
+use crate::memory;
+use crate::report::Row;
 use crate::synth::{SynthContext, SynthParams};
-use crate::{PqParams, WaveParams};
-use attnstore_index::SelectionMode;
+use crate::Result;
+use attnstore::{
+    AttnShape, Budget, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method, PqParams,
+    Request, SelectionMode, WaveParams,
+};
 use attnstore_kernels::cpu::attention::exact_attention;
 use attnstore_kernels::cpu::reference::{reference_attention, rel_l2};
 use attnstore_kernels::cpu::scoring::{score_group, score_rows, top_r};
-use attnstore_kernels::{narrow_vec, AttnShape, Codec, DType, Element, HeadsView};
+use attnstore_kernels::{narrow_vec, Element, HeadsView};
 use half::{bf16, f16};
 use indicatif::{ProgressBar, ProgressStyle};
 use rayon::prelude::*;
@@ -79,7 +70,7 @@ impl BenchConfig {
     /// and the flat, wave and PQ contexts the methods measured need. `None` past `u64`.
     pub fn bytes_needed(&self, tokens: usize) -> Option<u64> {
         let shape = &self.shape;
-        let f32_kv = crate::synth::SynthParams::new(*shape, tokens, self.seed).kv_bytes()?;
+        let f32_kv = SynthParams::new(*shape, tokens, self.seed).kv_bytes()?;
         let copies = f32_kv / 4 * self.dtype.size_bytes() as u64;
         let stored = |codec: Codec, method: Method| memory::context_bytes(shape, codec, &method, tokens);
         let mut contexts = stored(Codec::from(self.dtype), Method::Flat)?;
@@ -527,7 +518,7 @@ fn share_value(share: EstimateShare) -> serde_json::Value {
 }
 
 /// `0.232` or `rest`.
-pub fn share_name(share: EstimateShare) -> String {
+fn share_name(share: EstimateShare) -> String {
     match share {
         EstimateShare::Fraction(f) => format!("{f}"),
         EstimateShare::Rest => "rest".into(),

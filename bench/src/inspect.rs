@@ -2,16 +2,19 @@
 //! in the index, and rows homed in the buffer manager — decode steps planned and executed on
 //! both (same queries, interleaved), then the buffer manager's tier statistics.
 
-use super::report::Row;
-use crate::buffers::BufferSettings;
+use crate::memory;
+use crate::report::Row;
 use crate::synth::{SynthContext, SynthParams};
-use crate::{Budget, ContextId, ContextSpec, Engine, EngineConfig, Method, Request, Result};
-use attnstore_buffer::BufferStats;
-use attnstore_kernels::{AttnShape, Codec, DType, HackView};
+use crate::Result;
+use attnstore::{
+    AttnShape, BlockLayout, Budget, BufferSettings, BufferStats, Codec, ContextId, ContextSpec, DType, Engine,
+    EngineConfig, Method, Plan, Request,
+};
+use attnstore_kernels::HackView;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::time::Instant;
 
-/// Settings of [`inspect`].
+/// Settings of [`run`].
 #[derive(Debug, Clone)]
 pub struct InspectConfig {
     /// Context length.
@@ -29,7 +32,7 @@ pub struct InspectConfig {
     /// The buffer manager; `host_blocks == 0` sizes the arena to hold the whole context.
     pub buffers: BufferSettings,
     /// Block size of the buffer manager.
-    pub block: attnstore_buffer::BlockLayout,
+    pub block: BlockLayout,
     /// Seed of the synthetic data.
     pub seed: u64,
     /// Show a progress bar on stderr.
@@ -38,7 +41,7 @@ pub struct InspectConfig {
 
 impl InspectConfig {
     /// Bytes a run of these settings over `tokens` tokens holds at its peak (see
-    /// [`super::memory::run_bytes`]): the synthetic f32 keys and values, the wave context
+    /// [`memory::run_bytes`]): the synthetic f32 keys and values, the wave context
     /// with its rows in the index, and the buffered one: its index, and the Host and Gpu
     /// arenas as far as the context fills them (a Host arena that holds the whole context
     /// rounds every cluster up to whole blocks: about twice the rows). Measured: peak RSS of
@@ -51,14 +54,14 @@ impl InspectConfig {
             n => n.min(whole),
         };
         let arenas = (host as u64).checked_add(self.buffers.gpu_blocks as u64)?.checked_mul(block as u64)?;
-        let in_index = super::memory::context_bytes(&self.shape, self.codec, &Method::default(), tokens)?;
-        let plain_rows = super::memory::context_bytes(&self.shape, self.codec, &Method::Flat, tokens)?;
+        let in_index = memory::context_bytes(&self.shape, self.codec, &Method::default(), tokens)?;
+        let plain_rows = memory::context_bytes(&self.shape, self.codec, &Method::Flat, tokens)?;
         let buffered = in_index.saturating_sub(plain_rows).checked_add(arenas)?;
-        super::memory::run_bytes(&self.shape, tokens, in_index.checked_add(buffered))
+        memory::run_bytes(&self.shape, tokens, in_index.checked_add(buffered))
     }
 }
 
-/// What [`inspect`] measured.
+/// What [`run`] measured.
 #[derive(Debug, Clone)]
 pub struct InspectReport {
     /// Timing rows: prefill, sparse and exact decode, rows in the index vs in the buffer manager.
@@ -102,7 +105,7 @@ fn timed(
     q: &[f32],
     budget: &Budget,
     times: &mut Vec<f64>,
-) -> Result<(Vec<f32>, crate::Plan)> {
+) -> Result<(Vec<f32>, Plan)> {
     let t = Instant::now();
     let plan = engine.plan(&[Request::new(ctx, 0, q.to_vec())], budget)?;
     let out = engine.execute(&plan)?.remove(0);
@@ -120,7 +123,7 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 }
 
 /// Runs the comparison (see the module docs).
-pub fn inspect(cfg: &InspectConfig) -> Result<InspectReport> {
+pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
     let config = EngineConfig { block: cfg.block, ..EngineConfig::default() };
     let mut settings = cfg.buffers.clone();
     if settings.host_blocks == 0 {
