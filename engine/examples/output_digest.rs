@@ -61,6 +61,7 @@ fn main() {
             false,
         ),
         ("pq f16", ContextSpec::new(shape, 1).with_method(pq), false),
+        ("pq f16 buffered", ContextSpec::new(shape, 1).with_method(pq), true),
         ("pq hack2", ContextSpec::new(shape, 1).with_method(pq).with_codec(hack), false),
         (
             "window f16",

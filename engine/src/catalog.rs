@@ -32,7 +32,7 @@ pub(crate) struct ContextCatalog {
     next_id: AtomicU64,
     /// Host memory held by stored KV.
     host: Arc<MemoryBudget>,
-    /// Where wave layers home their indexed rows.
+    /// Where wave and PQ layers home their indexed rows.
     buffers: Option<Arc<BufferManager>>,
 }
 

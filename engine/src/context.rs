@@ -5,7 +5,7 @@ use crate::exec::home::BlockStore;
 use crate::spec::{ContextSpec, LayerKind, Method};
 use attnstore_buffer::{BufferManager, Reservation};
 use attnstore_index::{AccessMethod, FlatIndex, PqIndex, WaveIndex, WindowIndex};
-use attnstore_kernels::{DType, Element};
+use attnstore_kernels::{Codec, DType, Element};
 use half::{bf16, f16};
 use parking_lot::RwLock;
 use std::fmt;
@@ -44,7 +44,7 @@ pub(crate) struct Context {
 }
 
 impl Context {
-    /// `buffers`: where wave layers home their indexed rows (plain codecs only).
+    /// `buffers`: where wave and PQ layers home their indexed rows.
     pub fn new(spec: ContextSpec, id: ContextId, buffers: Option<&Arc<BufferManager>>) -> Result<Self> {
         let layers = spec
             .layers
@@ -68,7 +68,8 @@ impl Context {
 }
 
 /// The access method of one layer; `home` homes a wave index's segment rows in the buffer
-/// manager, plain or 2-bit (`hack2`) (ignored by other methods).
+/// manager, plain or 2-bit (`hack2`), and a plain PQ index's base rows (ignored by flat
+/// and window layers, see `docs/buffer-manager.md`).
 pub(crate) fn make_method(
     spec: &ContextSpec,
     kind: LayerKind,
@@ -90,7 +91,17 @@ pub(crate) fn make_method(
                 }
             }
             (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
-            (LayerKind::Global, Method::Pq(p)) => Box::new(PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?),
+            (LayerKind::Global, Method::Pq(p)) => {
+                let index = PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?;
+                match home {
+                    // A hack2 PQ index keeps its 2-bit rows (their durable home is the
+                    // checkpoint's encoded home).
+                    Some(store) if !matches!(spec.codec, Codec::Hack2(_)) => {
+                        Box::new(index.with_home(Arc::new(store.clone()))?)
+                    }
+                    _ => Box::new(index),
+                }
+            }
         })
     }
     match spec.dtype {

@@ -35,6 +35,11 @@ pub trait RowHome: Send + Sync + fmt::Debug {
     /// what was stored (blocks are padded), read without disturbing the home's cache (a
     /// scan: checkpoints read every cluster once).
     fn read(&self, head: usize, ids: &[u32]) -> Result<Vec<Vec<u8>>>;
+    /// The first `rows` key rows and value rows (`row_bytes` each, as given to
+    /// [`RowHome::store_rows`]) of plain cluster `cluster` of KV head `head`, read as a scan
+    /// like [`RowHome::read`]. Asking for more rows than the cluster's blocks hold is an error
+    /// (rows past those stored but within the last block read as the block's padding).
+    fn read_rows(&self, head: usize, cluster: u32, rows: usize, row_bytes: usize) -> Result<(Vec<u8>, Vec<u8>)>;
 }
 
 /// A failure of a [`RowHome`], carried through the index unchanged so the engine can

@@ -100,14 +100,16 @@ fn aligned_copy<E: Element>(bytes: &[u8]) -> Vec<E> {
 }
 
 /// Attends segment rows `ranges` of plain rows homed per cluster, looked up now and pinned
-/// as a scan (exact plans read every block once this way: they must not flush the Gpu
-/// tier, whose blocks sparse plans re-read).
+/// only where a range has rows. `scan`: pin without logging accesses (exact plans read
+/// every block once: they must not flush the Gpu tier, whose blocks sparse plans re-read);
+/// a sparse plan's retrieved rows (a PQ index's tokens) log their accesses.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_homed<E: Element>(
     store: &BlockStore,
     head: usize,
     homed: &HomedClusters<'_>,
     ranges: &[Range<usize>],
+    scan: bool,
     q: &[f32],
     scale: f32,
     parts: &mut [Partial],
@@ -122,7 +124,7 @@ pub(crate) fn attend_homed<E: Element>(
             rows.push(within);
         }
     }
-    let reader = store.buffers().scan_reader();
+    let reader = if scan { store.buffers().scan_reader() } else { store.buffers().reader() };
     let mut found = Vec::with_capacity(keys.len());
     reader.clusters(&keys, &mut found);
     let clusters = found

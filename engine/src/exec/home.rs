@@ -154,6 +154,31 @@ impl RowHome for BlockStore {
         }
         Ok(out)
     }
+
+    fn read_rows(
+        &self,
+        head: usize,
+        cluster: u32,
+        rows: usize,
+        row_bytes: usize,
+    ) -> attnstore_index::Result<(Vec<u8>, Vec<u8>)> {
+        let per_block = self.rows_per_block(row_bytes)?;
+        let bytes = self.read(head, &[cluster])?.pop().unwrap_or_default();
+        let block = self.buffers.layout().block_bytes();
+        if bytes.len() < rows.div_ceil(per_block) * block {
+            return Err(attnstore_index::Error::MissingRows(format!(
+                "cluster {cluster} of head {head} holds {} bytes, fewer than {rows} rows of {row_bytes} bytes need",
+                bytes.len()
+            )));
+        }
+        let (mut keys, mut values) = (Vec::with_capacity(rows * row_bytes), Vec::with_capacity(rows * row_bytes));
+        for (b, chunk) in bytes.chunks(block).enumerate().take(rows.div_ceil(per_block)) {
+            let n = (rows - b * per_block).min(per_block) * row_bytes;
+            keys.extend_from_slice(&chunk[..n]);
+            values.extend_from_slice(&chunk[per_block * row_bytes..per_block * row_bytes + n]);
+        }
+        Ok((keys, values))
+    }
 }
 
 /// The error of a cluster the mapping table does not have.
@@ -175,4 +200,28 @@ pub fn blocks_per_tier(locations: &[BlockLocation]) -> [usize; 3] {
         }] += 1;
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use attnstore_buffer::BufferConfig;
+
+    #[test]
+    fn plain_rows_read_back_as_stored_and_a_short_cluster_is_a_typed_error() {
+        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(64, 0) };
+        let store = BlockStore::new(Arc::new(BufferManager::new(config).unwrap()), 7, 3);
+        // 96-byte rows: 10 per 2 KiB block, so 23 rows span three blocks, the last partly.
+        let row_bytes = 96;
+        let rows = 23;
+        let keys: Vec<u8> = (0..rows * row_bytes).map(|i| (i % 251) as u8).collect();
+        let values: Vec<u8> = (0..rows * row_bytes).map(|i| (i % 241) as u8 ^ 0x5a).collect();
+        store.store_rows(1, 4, &keys, &values, row_bytes).unwrap();
+        let (k, v) = store.read_rows(1, 4, rows, row_bytes).unwrap();
+        assert_eq!((k, v), (keys.clone(), values.clone()));
+        let (k, v) = store.read_rows(1, 4, 11, row_bytes).unwrap();
+        assert_eq!((&k[..], &v[..]), (&keys[..11 * row_bytes], &values[..11 * row_bytes]));
+        assert!(matches!(store.read_rows(1, 4, 31, row_bytes), Err(attnstore_index::Error::MissingRows(_))));
+        assert!(matches!(store.read_rows(1, 5, 1, row_bytes), Err(attnstore_index::Error::MissingRows(_))));
+    }
 }

@@ -264,9 +264,9 @@ impl Gather<'_> {
             Run::Homed { clusters, ranges } => {
                 let (store, h, scale) = (self.store()?, self.kv_head, self.scale);
                 match clusters.dtype {
-                    DType::F32 => attend_homed::<f32>(store, h, clusters, ranges, q, scale, parts, sc),
-                    DType::F16 => attend_homed::<f16>(store, h, clusters, ranges, q, scale, parts, sc),
-                    DType::Bf16 => attend_homed::<bf16>(store, h, clusters, ranges, q, scale, parts, sc),
+                    DType::F32 => attend_homed::<f32>(store, h, clusters, ranges, scan, q, scale, parts, sc),
+                    DType::F16 => attend_homed::<f16>(store, h, clusters, ranges, scan, q, scale, parts, sc),
+                    DType::Bf16 => attend_homed::<bf16>(store, h, clusters, ranges, scan, q, scale, parts, sc),
                 }
             }
             Run::HomedGroups { groups, ranges } => {

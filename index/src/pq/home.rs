@@ -176,7 +176,7 @@ impl<E: Element> PqIndex<E> {
         self.extra = vec![PackedCodes::new(layout); h];
         self.build = Some(BuildSlot::ready(built));
         if let Err(e) = self.encode_pending() {
-            *self = Self::new(self.params, h, d)?.with_codec(self.codec)?;
+            self.emptied()?;
             return Err(e);
         }
         Ok(())

@@ -13,6 +13,7 @@ mod adaptive;
 mod build;
 mod codes;
 mod home;
+mod pages;
 mod params;
 mod snapshot;
 
@@ -24,6 +25,7 @@ pub use snapshot::PqSnapshot;
 
 use crate::codec::RowCodec;
 use crate::error::{Error, Result};
+use crate::home::RowHome;
 use crate::method::{
     batch_tokens, check_shape, coalesce, push_narrow, AccessMethod, HeadPlan, IndexLayout, IndexStats, RowSource,
     RowSpan, Selection, SelectionMode, Snapshots, ZoneBudget,
@@ -34,6 +36,7 @@ use attnstore_kernels::cpu::pq::{candidates_max, scores_each, scores_max, scores
 use attnstore_kernels::cpu::scoring::{rank_key, threshold_from_sample, top_keys, top_r_set};
 use attnstore_kernels::{Element, HackRows};
 use build::{BuildJob, BuildSlot, Built};
+use pages::HomedBase;
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -80,8 +83,21 @@ pub struct PqIndex<E> {
     extra: Vec<PackedCodes>,
     /// Base rows past the sink are stored 2-bit when set (the `hack2` codec).
     codec: RowCodec,
-    /// Sink rows kept plain in the base region (2-bit rows start after them).
+    /// Sink rows kept plain in the base region (2-bit or homed rows start after them).
     base_sink: usize,
+    /// The row home of the base rows past the sink, when the engine gives one
+    /// ([`PqIndex::with_home`]).
+    home: Option<Arc<dyn RowHome>>,
+    /// Where those rows are in the home, once the base is made.
+    homed: Option<HomedBase>,
+}
+
+impl<E> Drop for PqIndex<E> {
+    fn drop(&mut self) {
+        if let (Some(home), Some(base)) = (&self.home, &self.homed) {
+            base.free(home.as_ref(), self.kv_heads);
+        }
+    }
 }
 
 impl<E: Element> PqIndex<E> {
@@ -100,7 +116,18 @@ impl<E: Element> PqIndex<E> {
             extra: Vec::new(),
             codec: RowCodec::Plain,
             base_sink: 0,
+            home: None,
+            homed: None,
         })
+    }
+
+    /// This index emptied (after a failed restore), with its parameters, codec and home.
+    fn emptied(&mut self) -> Result<()> {
+        let home = self.home.take();
+        let mut empty = Self::new(self.params, self.kv_heads, self.head_dim)?.with_codec(self.codec)?;
+        empty.home = home;
+        *self = empty;
+        Ok(())
     }
 
     /// Stores the prefill (base) rows past the sink in HACK 2-bit form (`Some`) once the
@@ -211,15 +238,22 @@ impl<E: Element> PqIndex<E> {
             });
         }
         let d = self.head_dim;
+        let before = self.heads.first().map_or(0, |kv| kv.tail_keys.len());
         for (h, kv) in self.heads.iter_mut().enumerate() {
             push_narrow(&mut kv.tail_keys, &keys[h * n * d..(h + 1) * n * d]);
             push_narrow(&mut kv.tail_values, &values[h * n * d..(h + 1) * n * d]);
         }
         self.tokens += n;
-        if self.build.is_none() {
-            self.start_build_if_due()?;
-        } else {
-            self.encode_pending()?;
+        let done = if self.build.is_none() { self.start_build_if_due() } else { self.encode_pending() };
+        if let Err(e) = done {
+            // Neither makes the base nor pushes codes unless it succeeds (a full row home, a
+            // failed read): the batch is undone and the index is as it was.
+            for kv in &mut self.heads {
+                kv.tail_keys.truncate(before);
+                kv.tail_values.truncate(before);
+            }
+            self.tokens -= n;
+            return Err(e);
         }
         Ok(())
     }
@@ -248,6 +282,9 @@ impl<E: Element> PqIndex<E> {
     /// returns each head's plain keys for the codebook build.
     fn make_base(&mut self, start: usize, layout: PqLayout) -> Result<Vec<Arc<Vec<E>>>> {
         let d = self.head_dim;
+        // Rows past the sink go to the row home first: all of them, or an error with
+        // nothing changed.
+        let homed = self.home_base(start)?;
         let mut jobs = Vec::with_capacity(self.kv_heads);
         for (h, kv) in self.heads.iter_mut().enumerate() {
             let keys = Arc::new(std::mem::take(&mut kv.tail_keys));
@@ -262,32 +299,50 @@ impl<E: Element> PqIndex<E> {
                     kv.base_keys = Arc::new(keys[..start * d].to_vec());
                     kv.base_values = values[..start * d].to_vec();
                 }
+                None if homed.is_some() => {
+                    // The build keeps the plain keys until it is done; the rest are homed.
+                    kv.base_keys = Arc::new(keys[..start * d].to_vec());
+                    kv.base_values = values[..start * d].to_vec();
+                }
                 None => {
                     kv.base_keys = keys;
                     kv.base_values = values;
                 }
             }
         }
+        self.homed = homed;
         self.base_sink = start;
         self.base_len = self.tokens;
         self.extra = vec![PackedCodes::new(layout); self.kv_heads];
         Ok(jobs)
     }
 
-    /// Key row of position `p` of head `h`, widened (decoded from 2 bits for coded base rows).
-    fn key_row(&self, h: usize, p: usize, out: &mut [f32]) {
+    /// Keys of positions `range` of head `h`, widened, appended to `out`: coded base rows
+    /// decoded from 2 bits, homed base rows read from the row home.
+    fn key_rows(&self, h: usize, range: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
+        let d = self.head_dim;
         let kv = &self.heads[h];
-        match &kv.hack {
-            Some(rows) if p < self.base_len && p >= self.base_sink => {
-                let r = p - self.base_sink;
-                out.copy_from_slice(&rows.decode_rows(r..r + 1).0);
-            }
-            _ => {
-                let span = self.position_span(p);
-                let (k, _) = self.rows(h, span.unit, span.start as usize..span.end as usize);
-                E::widen(k, out);
+        let (sink, base) = (self.base_sink, self.base_len);
+        let widen = |rows: &[E], out: &mut Vec<f32>| {
+            let at = out.len();
+            out.resize(at + rows.len(), 0.0);
+            E::widen(rows, &mut out[at..]);
+        };
+        // The sink, the rows past it, the tail.
+        let sink_rows = range.start.min(sink)..range.end.min(sink);
+        let past = range.start.clamp(sink, base)..range.end.clamp(sink, base);
+        let tail = range.start.max(base) - base..range.end.max(base) - base;
+        widen(&kv.base_keys[sink_rows.start * d..sink_rows.end * d], out);
+        if !past.is_empty() {
+            let rows = past.start - sink..past.end - sink;
+            match (&kv.hack, &self.homed) {
+                (Some(coded), _) => out.extend_from_slice(&coded.decode_rows(rows).0),
+                (None, Some(homed)) => self.homed_keys(h, homed, rows, out)?,
+                (None, None) => widen(&kv.base_keys[past.start * d..past.end * d], out),
             }
         }
+        widen(&kv.tail_keys[tail.start * d..tail.end * d], out);
+        Ok(())
     }
 
     /// The runs that read `spans` (plain rows in one pass, then 2-bit base rows), as the
@@ -297,9 +352,10 @@ impl<E: Element> PqIndex<E> {
             let (k, v) = self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
             PlainRows::of(k, v)
         };
-        let Some(coded) = &self.heads[kv_head].hack else {
+        let kv = &self.heads[kv_head];
+        if kv.hack.is_none() && self.homed.is_none() {
             return vec![Run::Plain(spans.iter().map(rows).collect())];
-        };
+        }
         let sink = self.base_sink;
         let (mut plain, mut ranges) = (Vec::new(), Vec::new());
         for s in spans {
@@ -315,7 +371,17 @@ impl<E: Element> PqIndex<E> {
                 ranges.push(a.max(sink) - sink..b - sink);
             }
         }
-        vec![Run::Plain(plain.iter().map(rows).collect()), Run::Encoded { rows: coded, ranges }]
+        vec![Run::Plain(plain.iter().map(rows).collect()), self.past_sink_run(kv_head, ranges)]
+    }
+
+    /// The run that reads base rows `ranges` past the sink, 2-bit or homed (only called
+    /// when they are one of the two).
+    fn past_sink_run(&self, kv_head: usize, ranges: Vec<Range<usize>>) -> Run<'_> {
+        match (&self.heads[kv_head].hack, &self.homed) {
+            (Some(coded), _) => Run::Encoded { rows: coded, ranges },
+            (None, Some(homed)) => Run::Homed { clusters: homed.clusters::<E>(), ranges },
+            (None, None) => unreachable!("past_sink_run without 2-bit or homed rows"),
+        }
     }
 
     /// Encodes, with the existing codebooks, every token that has left the local window
@@ -329,16 +395,18 @@ impl<E: Element> PqIndex<E> {
         }
         let (m, d) = (built.layout.subspaces, self.head_dim);
         let sub = d / m;
-        let mut wide = vec![0.0f32; d];
-        let mut x = Vec::new();
-        let mut nearest = Vec::new();
+        let n = to - from;
+        let (mut wide, mut x, mut nearest) = (Vec::with_capacity(n * d), Vec::with_capacity(n * sub), Vec::new());
+        // Every head's codes first, pushed only when all are made (a homed read can fail).
+        let mut all = Vec::with_capacity(self.kv_heads);
         for h in 0..self.kv_heads {
-            let mut codes = vec![0u8; (to - from) * m];
+            wide.clear();
+            self.key_rows(h, from..to, &mut wide)?;
+            let mut codes = vec![0u8; n * m];
             for j in 0..m {
                 x.clear();
-                for p in from..to {
-                    self.key_row(h, p, &mut wide);
-                    x.extend_from_slice(&wide[j * sub..(j + 1) * sub]);
+                for row in wide.chunks_exact(d) {
+                    x.extend_from_slice(&row[j * sub..(j + 1) * sub]);
                 }
                 let book = &built.codebooks[h][j * built.codes * sub..(j + 1) * built.codes * sub];
                 nearest_centroids(&x, book, sub, &mut nearest)?;
@@ -346,7 +414,10 @@ impl<E: Element> PqIndex<E> {
                     codes[i * m + j] = c as u8;
                 }
             }
-            self.extra[h].push(&codes)?;
+            all.push(codes);
+        }
+        for (h, codes) in all.iter().enumerate() {
+            self.extra[h].push(codes)?;
         }
         Ok(())
     }
@@ -560,6 +631,9 @@ impl<E: Element> RowSource for PqIndex<E> {
             let mut steady = Vec::with_capacity(3);
             if let Some(coded) = &kv.hack {
                 steady.push(Run::Encoded { rows: coded, ranges: vec![0..coded.rows()] });
+            }
+            if let Some(homed) = &self.homed {
+                steady.push(Run::Homed { clusters: homed.clusters::<E>(), ranges: vec![0..homed.rows()] });
             }
             steady.push(Run::Plain(vec![PlainRows::of(&kv.base_keys, &kv.base_values)]));
             steady.push(Run::Plain(vec![PlainRows::of(&kv.tail_keys, &kv.tail_values)]));

@@ -89,7 +89,7 @@ impl<E: Element> PqIndex<E> {
         }
         self.tokens = n;
         if let Err(e) = self.make_base(start, built.layout) {
-            *self = Self::new(self.params, h, d)?.with_codec(self.codec)?;
+            self.emptied()?;
             return Err(e);
         }
         self.build = Some(BuildSlot::ready(built));
