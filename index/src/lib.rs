@@ -10,6 +10,7 @@
 
 #![deny(unsafe_code)]
 
+mod build;
 mod codec;
 mod directory;
 mod encoded;
@@ -23,6 +24,7 @@ mod segment;
 mod wave;
 mod window;
 
+pub use build::{BuildHandle, BuildReport};
 pub use codec::RowCodec;
 pub use directory::Directory;
 pub use encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
@@ -33,10 +35,7 @@ pub use method::{
     AccessMethod, Clustered, HeadPlan, IndexLayout, IndexStats, RowSource, RowSpan, RowStorage, Selection,
     SelectionMode, Snapshots, SteadyRows, ZoneBudget,
 };
-pub use pq::{
-    BuildHandle, BuildReport, BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams,
-    PqSnapshot,
-};
+pub use pq::{BuildShape, IterationChoice, IterationModel, PackedCodes, PqIndex, PqLayout, PqParams, PqSnapshot};
 pub use rows::{EstimateZone, HeadRows, HomedClusters, HomedGroups, PlainRows, Run, SelectionRows};
 pub use wave::{HeadLayout, SegmentLayout, WaveIndex, WaveLayout, WaveParams};
 pub use window::WindowIndex;

@@ -223,7 +223,7 @@ pub trait AccessMethod: RowSource + Send + Sync {
     /// The handle of an index build running in the background, for methods that build one
     /// (PQ); `None` when the method is always ready. While a build runs, plans attend the
     /// tokens it covers exactly.
-    fn build_handle(&self) -> Option<crate::pq::BuildHandle> {
+    fn build_handle(&self) -> Option<crate::BuildHandle> {
         None
     }
     /// Brings the index up to date with a background build that has finished: PQ encodes

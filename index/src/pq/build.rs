@@ -1,6 +1,7 @@
 //! Codebook training and encoding, run on a background thread after prefill so it
 //! overlaps with the caller (PQCache §3.3); a [`BuildHandle`] tells when it is done.
 
+use crate::build::{BuildReport, BuildState};
 use crate::error::{Error, Result};
 use crate::pq::adaptive::{BuildShape, IterationModel};
 use crate::pq::codes::PackedCodes;
@@ -11,34 +12,7 @@ use attnstore_kernels::Element;
 use parking_lot::{Condvar, Mutex};
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
-use std::time::{Duration, Instant};
-
-/// What a codebook build did.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct BuildReport {
-    /// Sub-spaces and bits.
-    pub layout: PqLayout,
-    /// Centroids per sub-space actually trained (≤ `2^b`; fewer for tiny contexts).
-    pub codes: usize,
-    /// Tokens encoded per head.
-    pub tokens: usize,
-    /// Rows each codebook was trained on.
-    pub train_rows: usize,
-    /// The iteration limit (from the time budget, or the cap).
-    pub iters_limit: usize,
-    /// Most iterations any sub-space ran.
-    pub iters_run: usize,
-    /// Sub-space jobs that converged before the limit, of `jobs`.
-    pub converged_jobs: usize,
-    /// Jobs (KV heads × sub-spaces).
-    pub jobs: usize,
-    /// The caller's budget, if one was given.
-    pub budget: Option<Duration>,
-    /// Build time the time model predicted for the limit (with a budget).
-    pub predicted: Option<Duration>,
-    /// Wall time of the build.
-    pub elapsed: Duration,
-}
+use std::time::Instant;
 
 /// The trained codebooks and the codes of positions `sink..end` of every head.
 #[derive(Debug)]
@@ -88,42 +62,23 @@ impl BuildSlot {
     }
 }
 
-/// A handle on an index build that may still be running in the background.
-#[derive(Debug, Clone)]
-pub struct BuildHandle {
-    slot: Arc<BuildSlot>,
-}
-
-impl BuildHandle {
-    pub(crate) fn new(slot: Arc<BuildSlot>) -> Self {
-        Self { slot }
+impl BuildState for BuildSlot {
+    fn report(&self) -> Option<BuildReport> {
+        self.get().map(|b| b.report)
     }
 
-    /// True once the index is built and plans use it.
-    pub fn is_ready(&self) -> bool {
-        self.slot.get().is_some()
-    }
-
-    /// Waits up to `timeout` for the build: `Ok(true)` when ready, `Ok(false)` when still
-    /// running at the deadline, the build's error if it failed (plans then stay exact).
-    pub fn wait(&self, timeout: Duration) -> Result<bool> {
-        let deadline = Instant::now() + timeout;
-        let mut finished = self.slot.finished.lock();
+    fn wait_until(&self, deadline: Instant) -> Result<bool> {
+        let mut finished = self.finished.lock();
         while !*finished {
-            if self.slot.done.wait_until(&mut finished, deadline).timed_out() {
+            if self.done.wait_until(&mut finished, deadline).timed_out() {
                 break;
             }
         }
         drop(finished);
-        if let Some(e) = self.slot.failure.lock().clone() {
+        if let Some(e) = self.failure.lock().clone() {
             return Err(e);
         }
-        Ok(self.is_ready())
-    }
-
-    /// What the build did, once it is done.
-    pub fn report(&self) -> Option<BuildReport> {
-        self.slot.get().map(|b| b.report)
+        Ok(self.get().is_some())
     }
 }
 

@@ -18,11 +18,11 @@ mod params;
 mod snapshot;
 
 pub use adaptive::{BuildShape, IterationChoice, IterationModel};
-pub use build::{BuildHandle, BuildReport};
 pub use codes::PackedCodes;
 pub use params::{PqLayout, PqParams};
 pub use snapshot::PqSnapshot;
 
+use crate::build::BuildHandle;
 use crate::codec::RowCodec;
 use crate::error::{Error, Result};
 use crate::home::RowHome;
@@ -146,7 +146,7 @@ impl<E: Element> PqIndex<E> {
 
     /// The build handle, once a build has started (see [`AccessMethod::build_handle`]).
     pub fn handle(&self) -> Option<BuildHandle> {
-        self.build.as_ref().map(|s| BuildHandle::new(Arc::clone(s)))
+        self.build.as_ref().map(|s| BuildHandle::new(Arc::clone(s) as Arc<dyn crate::build::BuildState>))
     }
 
     /// The trained codebook of KV head `h` (`m × codes × d/m`, sub-space major) and the

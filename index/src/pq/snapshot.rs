@@ -3,10 +3,11 @@
 //! training (k-means is the whole cost of a PQ build); decode tokens after the base are
 //! encoded again with the restored codebooks, as they were the first time.
 
-use super::build::{BuildReport, BuildSlot, Built};
+use super::build::{BuildSlot, Built};
 use super::codes::PackedCodes;
 use super::params::PqLayout;
 use super::PqIndex;
+use crate::build::BuildReport;
 use crate::error::{Error, Result};
 use crate::method::{batch_tokens, push_narrow};
 use attnstore_kernels::cpu::pq::transpose_codebooks;
