@@ -5,7 +5,7 @@
 //! reads it in the Host arena ([`ArenaLayer`]).
 
 use super::attend_plain;
-use super::home::BlockStore;
+use super::home::{blocks_of_clusters, rows_in_block, BlockStore};
 use crate::context::Layer;
 use crate::error::{Error, Result};
 use attnstore_buffer::{BlockLocation, Tier};
@@ -143,17 +143,10 @@ pub(crate) fn gpu_work(
         } else {
             (Vec::new(), Vec::new())
         };
+        let clusters = ids.iter().map(|&id| (id, sizes[id as usize] as usize));
         let mut blocks = Vec::with_capacity(found.len());
-        let mut at = 0;
-        for &id in &ids {
-            let size = sizes[id as usize] as usize;
-            for b in 0..size.div_ceil(per_block) {
-                let location = *found.get(at).ok_or_else(|| {
-                    missing_rows(format!("the block list ends before cluster {id} of head {kv_head}"))
-                })?;
-                blocks.push((location, (size - b * per_block).min(per_block) as u32));
-                at += 1;
-            }
+        for ((_, size), list) in clusters.clone().zip(blocks_of_clusters(&found, clusters, per_block, kv_head)?) {
+            blocks.extend(list.iter().enumerate().map(|(b, &l)| (l, rows_in_block(size, b, per_block) as u32)));
         }
         Ok(GpuHeadWork { blocks, tokens_per_block: per_block, cpu })
     })())
@@ -241,20 +234,16 @@ pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Re
             let keys: Vec<_> = (0..sizes.len() as u32).map(|id| store.key(h, id)).collect();
             let found = store.lookup(&keys)?;
             let mut map = Vec::with_capacity(clustered.indexed_tokens());
-            let mut at = 0;
-            for (id, &size) in sizes.iter().enumerate() {
-                for b in 0..(size as usize).div_ceil(per_block) {
-                    let location = found
-                        .get(at)
-                        .ok_or_else(|| missing_rows(format!("the block list ends before cluster {id} of head {h}")))?;
-                    at += 1;
+            let clusters = sizes.iter().enumerate().map(|(id, &size)| (id as u32, size as usize));
+            for ((id, size), list) in clusters.clone().zip(blocks_of_clusters(&found, clusters, per_block, h)?) {
+                for (b, location) in list.iter().enumerate() {
                     let (tier, slot) = location.home();
                     if tier != Tier::Host {
                         return Err(missing_rows(format!(
                             "cluster {id} of head {h} has a block homed on {tier:?}, not in the Host arena"
                         )));
                     }
-                    let n = (size as usize - b * per_block).min(per_block);
+                    let n = rows_in_block(size, b, per_block);
                     map.extend((0..n).map(|i| (slot as usize * stride + i) as u32));
                 }
             }

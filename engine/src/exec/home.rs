@@ -181,6 +181,38 @@ impl RowHome for BlockStore {
     }
 }
 
+/// Cuts `found`, the blocks of clusters `(id, rows)` one after another (as a lookup or a
+/// plan lists them), into each cluster's blocks; a cluster of `rows` rows has
+/// `rows.div_ceil(per_block)` blocks, the last holding the remainder. A list that ends
+/// early is a typed error naming the cluster and KV head `kv_head`.
+pub(crate) fn blocks_of_clusters(
+    found: &[BlockLocation],
+    clusters: impl IntoIterator<Item = (u32, usize)>,
+    per_block: usize,
+    kv_head: usize,
+) -> Result<Vec<&[BlockLocation]>> {
+    let mut at = 0;
+    clusters
+        .into_iter()
+        .map(|(id, rows)| {
+            let n = rows.div_ceil(per_block);
+            let blocks = found.get(at..at + n).ok_or_else(|| {
+                crate::Error::Index(attnstore_index::Error::MissingRows(format!(
+                    "the block list ends before cluster {id} of head {kv_head}"
+                )))
+            })?;
+            at += n;
+            Ok(blocks)
+        })
+        .collect()
+}
+
+/// Rows of block `b` of a cluster of `rows` rows (`per_block`, or the remainder for the
+/// last).
+pub(crate) fn rows_in_block(rows: usize, b: usize, per_block: usize) -> usize {
+    (rows - b * per_block).min(per_block)
+}
+
 /// The error of a cluster the mapping table does not have.
 pub(crate) fn missing(key: &ClusterKey) -> crate::Error {
     crate::Error::Index(attnstore_index::Error::MissingRows(format!(
@@ -223,5 +255,23 @@ mod tests {
         assert_eq!((&k[..], &v[..]), (&keys[..11 * row_bytes], &values[..11 * row_bytes]));
         assert!(matches!(store.read_rows(1, 4, 31, row_bytes), Err(attnstore_index::Error::MissingRows(_))));
         assert!(matches!(store.read_rows(1, 5, 1, row_bytes), Err(attnstore_index::Error::MissingRows(_))));
+    }
+
+    #[test]
+    fn a_block_list_is_cut_per_cluster_and_a_short_one_names_the_cluster() {
+        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(64, 0) };
+        let store = BlockStore::new(Arc::new(BufferManager::new(config).unwrap()), 1, 0);
+        // 96-byte rows, 10 per block: clusters of 23, 10 and 1 rows have 3, 1 and 1 blocks.
+        let sizes = [(4u32, 23usize), (9, 10), (2, 1)];
+        for &(id, n) in &sizes {
+            store.store_rows(0, id, &vec![1; n * 96], &vec![2; n * 96], 96).unwrap();
+        }
+        let found = store.lookup(&sizes.map(|(id, _)| store.key(0, id))).unwrap();
+        let cut = blocks_of_clusters(&found, sizes, 10, 0).unwrap();
+        assert_eq!(cut.iter().map(|b| b.len()).collect::<Vec<_>>(), [3, 1, 1]);
+        assert_eq!(cut.concat(), found);
+        assert_eq!([0, 1, 2].map(|b| rows_in_block(23, b, 10)), [10, 10, 3]);
+        let err = blocks_of_clusters(&found[..4], sizes, 10, 0).unwrap_err();
+        assert!(err.to_string().contains("before cluster 2 of head 0"), "{err}");
     }
 }

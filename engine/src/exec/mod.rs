@@ -285,20 +285,12 @@ impl Gather<'_> {
         recorded: &'b [BlockLocation],
     ) -> Result<Vec<ClusterRows<'b>>> {
         let per_block = store.rows_per_block(d * self.dtype.size_bytes())?;
-        let mut at = 0;
-        let mut out = Vec::with_capacity(clusters.len());
-        for &(id, size) in clusters {
-            let n = size.div_ceil(per_block);
-            let locations = recorded.get(at..at + n).ok_or_else(|| {
-                crate::Error::Index(attnstore_index::Error::MissingRows(format!(
-                    "the plan's block list ends before cluster {id} of head {}",
-                    self.kv_head
-                )))
-            })?;
-            out.push(ClusterRows { locations: ClusterBlocks::Recorded(locations), rows: 0..size });
-            at += n;
-        }
-        Ok(out)
+        let blocks = home::blocks_of_clusters(recorded, clusters.iter().copied(), per_block, self.kv_head)?;
+        Ok(blocks
+            .into_iter()
+            .zip(clusters)
+            .map(|(locations, &(_, size))| ClusterRows { locations: ClusterBlocks::Recorded(locations), rows: 0..size })
+            .collect())
     }
 
     fn attend_clusters(&self, c: &[ClusterRows<'_>], q: &[f32], p: &mut [Partial], sc: &mut Scratch) -> Result<()> {
