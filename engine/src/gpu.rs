@@ -29,10 +29,10 @@ use std::sync::Arc;
 
 use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
 use attnstore_kernels::cuda::{
-    ArenaCache, DeviceWave, GpuBackend, KvPointers, PagedGroup, RowRef, SharedRows, WaveBatch, WaveCache, WaveFetched,
-    WaveJob, WaveStep,
+    ArenaCache, CudaBlock, CudaBlocks, DeviceWave, GpuBackend, KvPointers, PagedGroup, SharedRows, WaveBatch,
+    WaveCache, WaveFetched, WaveJob, WaveStep,
 };
-use attnstore_kernels::Partial;
+use attnstore_kernels::{Backend, BlockRows, Partial};
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
@@ -580,55 +580,41 @@ impl Engine {
         let locations: Vec<_> = works.iter().flat_map(|w| w.blocks.iter().map(|(l, _)| *l)).collect();
         let pins = reader.pin_all(&locations).into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
         let per_block = works.first().map_or(1, |w| w.tokens_per_block);
-        let stride = 2 * per_block;
-        let mut lists: Vec<Vec<RowRef>> = Vec::with_capacity(sh.kv_heads);
+        let mut blocks: Vec<Vec<BlockRows<CudaBlock>>> = Vec::with_capacity(sh.kv_heads);
         let mut pin_at = 0;
         for w in &works {
-            let mut list = Vec::new();
+            let mut list = Vec::with_capacity(w.blocks.len());
             for &(_, n) in &w.blocks {
                 let pin = &pins[pin_at];
                 pin_at += 1;
                 let Some(slot) = pin.slot() else { return Ok(None) }; // a Disk read: CPU
-                let base = slot as usize * stride;
-                match pin.tier() {
+                let block = match pin.tier() {
                     Tier::Gpu => {
                         run.gpu_blocks += 1;
-                        list.extend((0..n as usize).map(|t| RowRef::Cache((base + t) as u32)));
+                        CudaBlock::Cache(slot)
                     }
                     _ => {
                         run.host_blocks += 1;
-                        list.extend((0..n as usize).map(|t| RowRef::Kv((base + t) as u32)));
+                        CudaBlock::Host(slot)
                     }
-                }
+                };
+                list.push(BlockRows { block, rows: 0..n as usize });
             }
-            lists.push(list);
+            blocks.push(list);
         }
         trace.mark("pins+lists");
         let gpu = self.gpu.backend(d)?;
         let Some(settings) = self.config().buffers.as_ref() else { return Ok(None) };
         let (host, cache) = ArenaRows::of(manager, settings, host_base, per_block, d).shared();
-        let host_rows = host.rows;
         trace.mark("backend");
         let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
-        let retrieved = if lists.iter().any(|l| !l.is_empty()) {
-            let cache_rows = cache.map_or(0, |c| c.rows);
-            let mut job = gpu.prepare_refs(&sh, &r.queries, host_rows, Some(&lists), cache_rows)?;
-            gpu.launch_shared(host, cache, &mut job)?;
-            Some(job)
-        } else {
-            None
-        };
-        trace.mark("launch");
-
-        if let Some(job) = &retrieved {
-            for (p, got) in parts.iter_mut().zip(gpu.fetch_partials(job)?) {
-                p.merge(&got);
-            }
-        }
+        let scale = 1.0 / (d as f32).sqrt();
+        CudaBlocks::new(&gpu, host, cache).attend_blocks(&r.queries, scale, per_block, &blocks, &mut parts)?;
+        trace.mark("launch+fetch");
         // The kernel is done: the blocks may move again.
         drop(pins);
         drop(reader);
-        trace.mark("fetch");
+        trace.mark("unpin");
         Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, &mut trace)))
     }
 

@@ -7,6 +7,7 @@
 #![deny(unsafe_code)]
 
 pub mod arena_wave;
+mod backend;
 mod codec;
 pub mod cpu;
 #[cfg(feature = "cuda")]
@@ -19,6 +20,7 @@ mod shape;
 mod view;
 
 pub use arena_wave::{ArenaWave, HeadClusters};
+pub use backend::{Backend, BlockRows, CpuBackend};
 pub use codec::Codec;
 pub use cpu::hack::HackParams;
 pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch, HackView};

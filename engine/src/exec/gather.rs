@@ -6,8 +6,8 @@ use super::home::{missing, BlockStore};
 use crate::error::Result;
 use attnstore_buffer::{BlockLocation, Locations, PinGuard, Reader};
 use attnstore_index::{HomedClusters, HomedGroups};
-use attnstore_kernels::cpu::attention::{attend_spans, Scratch};
-use attnstore_kernels::{Element, HackView, Partial};
+use attnstore_kernels::cpu::attention::Scratch;
+use attnstore_kernels::{Backend, BlockRows, CpuBackend, Element, HackView, Partial};
 use std::ops::Range;
 
 /// Rows `rows` of one cluster, whose blocks are `locations`.
@@ -57,7 +57,6 @@ pub(crate) fn attend_clusters<E: Element>(
     parts: &mut [Partial],
     scratch: &mut Scratch,
 ) -> Result<()> {
-    let d = q.len() / parts.len().max(1);
     let mut wanted = Vec::new();
     let mut rows = Vec::new();
     for c in clusters {
@@ -80,15 +79,17 @@ pub(crate) fn attend_clusters<E: Element>(
         .map(|h| aligned_copy(&h.block))
         .collect();
     let mut copied = copies.iter();
-    let spans = held.iter().map(|h| {
-        let all: &[E] = match bytemuck::try_cast_slice(&h.block) {
-            Ok(all) => all,
-            Err(_) => copied.next().expect("one copy per unaligned block"),
-        };
-        let (k, v) = all.split_at(per_block * d);
-        (&k[h.rows.start * d..h.rows.end * d], &v[h.rows.start * d..h.rows.end * d])
-    });
-    attend_spans(q, scale, spans, parts, scratch);
+    let blocks: Vec<BlockRows<&[E]>> = held
+        .iter()
+        .map(|h| {
+            let block: &[E] = match bytemuck::try_cast_slice(&h.block) {
+                Ok(all) => all,
+                Err(_) => copied.next().expect("one copy per unaligned block"),
+            };
+            BlockRows { block, rows: h.rows.clone() }
+        })
+        .collect();
+    CpuBackend::<E>::new(scratch).attend_blocks(q, scale, per_block, std::slice::from_ref(&blocks), parts)?;
     Ok(())
 }
 

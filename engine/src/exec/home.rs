@@ -209,6 +209,7 @@ pub(crate) fn blocks_of_clusters(
 
 /// Rows of block `b` of a cluster of `rows` rows (`per_block`, or the remainder for the
 /// last).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "the GPU executor's"))]
 pub(crate) fn rows_in_block(rows: usize, b: usize, per_block: usize) -> usize {
     (rows - b * per_block).min(per_block)
 }

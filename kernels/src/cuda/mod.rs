@@ -19,9 +19,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
 use std::sync::Arc;
 
+mod blocks;
 mod build;
 mod hack;
 mod wave;
+pub use blocks::{CudaBlock, CudaBlocks};
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
 pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
