@@ -6,6 +6,14 @@
 //! the selection back afterwards, to keep the Gpu tier (admissions are the maintainer's
 //! work, off the decode path).
 
+mod launch;
+mod timing;
+mod upload;
+
+use launch::Graphs;
+pub use launch::WaveBatch;
+pub use timing::StreamMark;
+
 use super::MAX_GROUP;
 use super::NO_STEADY;
 use super::{
@@ -195,6 +203,17 @@ impl WaveTable {
     }
 }
 
+/// A step's Gpu-tier cache as the kernels take it (zeros: none).
+struct CacheArgs {
+    keys: u64,
+    values: u64,
+    rows: i32,
+    table: u64,
+    block_rows: i32,
+    blocks_per_head: i32,
+    slot_rows: i32,
+}
+
 /// The buffers of one wave decode step (reused step after step): the selection, the row
 /// lists, the partials of attention and estimation, the output.
 pub struct WaveJob {
@@ -214,17 +233,6 @@ pub struct WaveJob {
     /// Pinned host buffers for the step's queries, output and selection: copies from and to
     /// them are asynchronous (pageable memory makes each copy a wait of its own).
     io: JobIo,
-}
-
-/// A point on a backend's stream ([`GpuBackend::mark`]).
-pub struct StreamMark(CudaEvent);
-
-impl StreamMark {
-    /// Milliseconds of device time from this mark to `later` (waits for `later`).
-    pub fn ms_until(&self, later: &StreamMark) -> Result<f64> {
-        later.0.synchronize().map_err(gpu_err("waiting for a mark"))?;
-        Ok(f64::from(self.0.elapsed_ms(&later.0).map_err(gpu_err("reading an event"))?))
-    }
 }
 
 /// See [`WaveJob::io`].
@@ -268,39 +276,6 @@ impl WaveJob {
         self.graphs.off = !on;
     }
 }
-
-/// A step's Gpu-tier cache as the kernels take it (zeros: none).
-struct CacheArgs {
-    keys: u64,
-    values: u64,
-    rows: i32,
-    table: u64,
-    block_rows: i32,
-    blocks_per_head: i32,
-    slot_rows: i32,
-}
-
-/// Graphs kept per job or batch: a job alternating between a few sets of buffers (e.g. with
-/// and without a cache) replays each set's graph.
-const GRAPHS_KEPT: usize = 4;
-
-/// Captured steps, newest last, each under the key of the buffers it launches over.
-#[derive(Default)]
-struct Graphs {
-    cached: Vec<(Vec<u64>, CudaGraph)>,
-    off: bool,
-}
-
-// SAFETY: a CudaGraph holds driver handles of an instantiated graph (and an Arc of the
-// stream it launches on). The driver API may be called on them from any thread once the
-// context is current, which cudarc's launch does; `Graphs` is only used through `&mut` (a
-// job's or batch's exclusive borrow), so moving it between threads never makes two threads
-// use one graph at once.
-#[allow(unsafe_code, reason = "cudarc's graph type carries raw driver handles and is not Send")]
-unsafe impl Send for Graphs {}
-
-/// A request's main and side streams in a batch.
-type Lane = (Arc<CudaStream>, Arc<CudaStream>);
 
 /// The Gpu-tier cache a step reads hits from.
 #[derive(Clone, Copy)]
@@ -394,200 +369,7 @@ impl WaveFetched {
     }
 }
 
-/// Streams (two per request) and captured graphs for batched wave steps.
-pub struct WaveBatch {
-    lanes: Vec<Lane>,
-    graphs: Graphs,
-    /// Recorded once after each batch launch; every job of the batch waits for it.
-    done: Arc<CudaEvent>,
-}
-
-impl WaveBatch {
-    /// Requests a step of this batch can hold.
-    pub fn capacity(&self) -> usize {
-        self.lanes.len()
-    }
-
-    /// Waits for everything enqueued on the batch's streams (after a failed launch: nothing
-    /// may still read a step's buffers or slots when the caller lets them go).
-    pub fn synchronize(&self) -> Result<()> {
-        for (main, side) in &self.lanes {
-            main.synchronize().map_err(gpu_err("synchronizing a lane"))?;
-            side.synchronize().map_err(gpu_err("synchronizing a lane"))?;
-        }
-        Ok(())
-    }
-
-    /// Whether steps are captured into graphs (the default) or launched kernel by kernel.
-    pub fn set_graphs(&mut self, on: bool) {
-        self.graphs.off = !on;
-    }
-}
-
 impl GpuBackend {
-    /// Copies `layer`'s meta index to device memory.
-    pub fn upload_wave(&self, layer: &ClusteredLayer) -> Result<DeviceWave> {
-        if layer.head_dim != self.head_dim {
-            return Err(Error::ShapeMismatch { what: "layer head_dim", expected: self.head_dim, got: layer.head_dim });
-        }
-        let sizes: Vec<u32> = (0..layer.kv_heads)
-            .flat_map(|h| (0..layer.clusters).map(move |c| (h, c)))
-            .map(|(h, c)| layer.size(h, c) as u32)
-            .collect();
-        let meta = MetaParts {
-            centroids: &layer.centroids,
-            value_means: &layer.value_means,
-            sizes: &sizes,
-            offsets: &layer.offsets,
-        };
-        self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, layer.rows, None)
-    }
-
-    /// Copies an arena layer to device memory: its meta index and row map, and room for
-    /// `steady_capacity` steady-zone rows per head (written with [`GpuBackend::set_steady`]).
-    /// Steps over it read indexed rows from the arena (head stride 0) and Gpu-tier hits from
-    /// an [`ArenaCache`].
-    pub fn upload_arena_wave(&self, layer: &ArenaWave, steady_capacity: usize) -> Result<DeviceWave> {
-        if layer.head_dim != self.head_dim {
-            return Err(Error::ShapeMismatch { what: "layer head_dim", expected: self.head_dim, got: layer.head_dim });
-        }
-        let rows = layer.indexed + steady_capacity;
-        if steady_capacity == 0 || rows > i32::MAX as usize || steady_capacity * layer.kv_heads > i32::MAX as usize / 2
-        {
-            return Err(Error::InvalidArgument {
-                what: "arena layer",
-                message: format!("needs 1..2^30 steady rows and < 2^31 rows, got {steady_capacity} and {rows}"),
-            });
-        }
-        let arena_rows = layer.arena_rows_needed();
-        if arena_rows > i32::MAX as usize {
-            return Err(Error::InvalidArgument {
-                what: "arena layer",
-                message: format!("arena row {arena_rows} ≥ 2^31"),
-            });
-        }
-        let s = &self.stream;
-        let row_map: Vec<i32> = layer.row_map.iter().map(|&r| r as i32).collect();
-        let steady = steady_capacity * layer.kv_heads * self.head_dim;
-        let alloc = |n: usize| s.alloc_zeros::<u16>(n).map_err(gpu_err("allocating the steady zone"));
-        let stage = self.mailbox::<u16>(2 * steady)?;
-        let mut marks = self.mailbox::<i32>(2)?;
-        marks.as_mut().copy_from_slice(&[0, i32::MAX]);
-        let arena = ArenaRows {
-            row_map: s.clone_htod(&row_map).map_err(gpu_err("copying the row map"))?,
-            keys: alloc(steady)?,
-            values: alloc(steady)?,
-            len: s.alloc_zeros::<i32>(1).map_err(gpu_err("allocating the steady zone"))?,
-            stage,
-            marks,
-            stream: Arc::clone(&self.stream),
-            capacity: steady_capacity,
-            synced: 0,
-            arena_rows,
-        };
-        let offsets = layer.offsets();
-        let meta = MetaParts {
-            centroids: &layer.centroids,
-            value_means: &layer.value_means,
-            sizes: &layer.sizes,
-            offsets: &offsets,
-        };
-        self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, rows, Some(arena))
-    }
-
-    /// Writes steady-zone rows `from..from + n` of an arena layer (`keys`, `values`: f16 bits,
-    /// `n × kv_heads × head_dim`, row-major over heads) and sets its length to `from + n`:
-    /// `from` 0 rewrites the zone, `from` = [`DeviceWave::steady_rows`] appends. The rows go
-    /// to the layer's mapped staging; the next step copies what changed to the device before
-    /// it reads the zone. Call it only while no step over this layer is in flight (after its
-    /// fetch).
-    pub fn set_steady(&self, wave: &mut DeviceWave, from: usize, keys: &[u16], values: &[u16]) -> Result<()> {
-        let per_row = wave.kv_heads * self.head_dim;
-        let Some(a) = wave.arena.as_mut() else {
-            return Err(Error::InvalidArgument {
-                what: "steady rows",
-                message: "the layer is not an arena layer".into(),
-            });
-        };
-        let n = keys.len() / per_row;
-        if keys.len() != n * per_row || values.len() != keys.len() || from > a.synced || from + n > a.capacity {
-            return Err(Error::InvalidArgument {
-                what: "steady rows",
-                message: format!(
-                    "rows {from}..{} of {per_row} values each (keys {}, values {}) must follow the {} written and fit {}",
-                    from + n,
-                    keys.len(),
-                    values.len(),
-                    a.synced,
-                    a.capacity
-                ),
-            });
-        }
-        let span = from * per_row..(from + n) * per_row;
-        let half = a.capacity * per_row;
-        let stage = a.stage.as_mut();
-        stage[span.clone()].copy_from_slice(keys);
-        stage[half + span.start..half + span.end].copy_from_slice(values);
-        // Rows first, then the marks (the next step reads the marks, then the rows).
-        let marks = a.marks.as_mut();
-        marks[1] = marks[1].min(from as i32);
-        marks[0] = (from + n) as i32;
-        a.synced = from + n;
-        Ok(())
-    }
-
-    /// The meta index of a layer in device memory.
-    fn upload_meta(
-        &self,
-        meta: MetaParts<'_>,
-        kv_heads: usize,
-        clusters: usize,
-        indexed: usize,
-        rows: usize,
-        arena: Option<ArenaRows>,
-    ) -> Result<DeviceWave> {
-        if rows > i32::MAX as usize || clusters == 0 {
-            return Err(Error::InvalidArgument {
-                what: "layer",
-                message: format!("needs 1..2^31 clusters and rows, got {clusters} and {rows}"),
-            });
-        }
-        let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
-        let cent = self.upload_centroids(&bits(meta.centroids), kv_heads)?;
-        let s = &self.stream;
-        let log_size: Vec<f32> =
-            meta.sizes.iter().map(|&n| if n == 0 { f32::NEG_INFINITY } else { (n as f32).ln() }).collect();
-        let offsets: Vec<i32> = meta.offsets.iter().map(|&o| o as i32).collect();
-        Ok(DeviceWave {
-            cent,
-            value_means: s.clone_htod(&bits(meta.value_means)).map_err(gpu_err("copying mean values"))?,
-            log_size: s.clone_htod(&log_size).map_err(gpu_err("copying cluster sizes"))?,
-            offsets: s.clone_htod(&offsets).map_err(gpu_err("copying cluster offsets"))?,
-            kv_heads,
-            clusters,
-            indexed,
-            rows,
-            largest: meta.sizes.iter().copied().max().unwrap_or(0) as usize,
-            arena,
-        })
-    }
-
-    /// An empty table of `block_rows`-row blocks over `wave`'s rows (nothing cached).
-    pub fn wave_table(&self, wave: &DeviceWave, block_rows: usize) -> Result<WaveTable> {
-        if block_rows == 0 {
-            return Err(Error::InvalidArgument { what: "block_rows", message: "must be positive".into() });
-        }
-        let blocks_per_head = wave.rows.div_ceil(block_rows);
-        let host = vec![-1i32; wave.kv_heads * blocks_per_head];
-        let dev = self.stream.clone_htod(&host).map_err(gpu_err("copying the wave table"))?;
-        Ok(WaveTable { host, dev, block_rows, blocks_per_head, kv_heads: wave.kv_heads, needs: 0 })
-    }
-
-    /// Enqueues a copy of the table's host side to the device (the next launch sees it).
-    pub fn upload_table(&self, table: &mut WaveTable) -> Result<()> {
-        self.stream.memcpy_htod(&table.host, &mut table.dev).map_err(gpu_err("copying the wave table"))
-    }
-
     /// Buffers for decode steps of `shape` over `wave` retrieving `r` clusters per KV head.
     pub fn prepare_wave(&self, shape: &AttnShape, wave: &DeviceWave, r: usize) -> Result<WaveJob> {
         if shape.kv_heads != wave.kv_heads || shape.head_dim != self.head_dim || shape.group() > MAX_GROUP {
@@ -704,317 +486,6 @@ impl GpuBackend {
         let dev = super::mapped_device_pointer(&mut memory)?;
         let addr = memory.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))? as usize;
         Ok(Mailbox { memory, addr, dev })
-    }
-
-    /// Enqueues one decode step of `job` over `wave`, whose KV rows are at `kv` (device or
-    /// mapped host memory, `kv_heads × rows × head_dim`), with the blocks `table` names read
-    /// from `cache` instead. Returns before the kernels finish; [`GpuBackend::fetch_wave`]
-    /// waits and returns the output. The step's launches are captured into a CUDA graph the
-    /// first time this job runs over these buffers and replayed after that (one host call
-    /// per step instead of about ten; see [`WaveJob::set_graphs`]).
-    pub fn launch_wave(
-        &self,
-        wave: &DeviceWave,
-        kv: KvPointers,
-        cache: Option<WaveCache<'_>>,
-        job: &mut WaveJob,
-    ) -> Result<()> {
-        let home = (Arc::clone(&self.stream), Arc::clone(&self.side));
-        self.launch_one(&home, WaveStep { wave, kv, cache, job }, false)
-    }
-
-    /// Enqueues one decode step of `step` alone on lane `lane` of `batch` (the lane's own
-    /// streams) and returns: a caller stepping many requests launches each as soon as its
-    /// query is set, so the device runs the first while the host prepares the next, and the
-    /// requests on different lanes run at once like a [`GpuBackend::launch_wave_batch`]. Each
-    /// job keeps its graphs per lane (a single-request graph launches in ~2 µs of host time;
-    /// one graph of six lanes took ~23 µs on the H100 host). [`GpuBackend::fetch_wave`] of
-    /// the job waits for this step only.
-    pub fn launch_wave_lane(&self, batch: &WaveBatch, lane: usize, step: &mut WaveStep<'_>) -> Result<()> {
-        let Some(home) = batch.lanes.get(lane) else {
-            return Err(Error::InvalidArgument {
-                what: "wave lane",
-                message: format!("lane {lane} of a batch of {} lanes", batch.lanes.len()),
-            });
-        };
-        let step = WaveStep { wave: step.wave, kv: step.kv, cache: step.cache, job: &mut *step.job };
-        self.launch_one(home, step, batch.graphs.off)
-    }
-
-    /// One step alone on `home`'s streams, from the job's own graphs (eagerly when the job's
-    /// graphs are off, or `eager`), its job's own event marking it done.
-    fn launch_one(&self, home: &Lane, step: WaveStep<'_>, eager: bool) -> Result<()> {
-        let mut steps = [step];
-        self.check_steps(&steps)?;
-        let mut graphs = std::mem::take(&mut steps[0].job.graphs);
-        let own = graphs.off;
-        graphs.off |= eager;
-        let done = self.launch_steps(&mut graphs, home, &[], &mut steps, None);
-        graphs.off = own;
-        steps[0].job.graphs = graphs;
-        done
-    }
-
-    /// Streams for batches of up to `requests` wave steps ([`GpuBackend::launch_wave_batch`]).
-    pub fn wave_batch(&self, requests: usize) -> Result<WaveBatch> {
-        let lanes = (0..requests)
-            .map(|_| Ok((self.stream.fork()?, self.stream.fork()?)))
-            .collect::<std::result::Result<Vec<_>, cudarc::driver::DriverError>>()
-            .map_err(gpu_err("creating streams"))?;
-        let done = self
-            .ctx
-            .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-            .map_err(gpu_err("creating an event"))?;
-        Ok(WaveBatch { lanes, graphs: Graphs::default(), done: Arc::new(done) })
-    }
-
-    /// Enqueues one decode step of every request in `steps` (each its own layer, KV, cache
-    /// and job), all running at once on the batch's streams: one request alone leaves most
-    /// of the GPU idle (its selection and row list are a few CTAs per head), a batch fills
-    /// it. Captured into a graph per set of buffers like [`GpuBackend::launch_wave`]; the
-    /// backend's stream waits for every request, so [`GpuBackend::fetch_wave`] of any job
-    /// returns its output.
-    pub fn launch_wave_batch(&self, batch: &mut WaveBatch, steps: &mut [WaveStep<'_>]) -> Result<()> {
-        if steps.is_empty() || steps.len() > batch.lanes.len() {
-            return Err(Error::InvalidArgument {
-                what: "wave batch",
-                message: format!("1..={} requests (the batch's streams), got {}", batch.lanes.len(), steps.len()),
-            });
-        }
-        self.check_steps(steps)?;
-        let home = (Arc::clone(&self.stream), Arc::clone(&self.side));
-        self.launch_steps(&mut batch.graphs, &home, &batch.lanes, steps, Some(&batch.done))
-    }
-
-    /// Replays the graph of these steps' buffers (capturing it first when new), or launches
-    /// them eagerly when graphs are off, from `home` (a main and a side stream: the backend's
-    /// or a batch lane's). `lanes` empty: one step on `home`; else each step on a lane of its
-    /// own, forked from and joined back to `home`. `done`: the batch's event, recorded once
-    /// for every step (else each job's own).
-    fn launch_steps(
-        &self,
-        graphs: &mut Graphs,
-        home: &Lane,
-        lanes: &[Lane],
-        steps: &mut [WaveStep<'_>],
-        done: Option<&Arc<CudaEvent>>,
-    ) -> Result<()> {
-        let main = &home.0;
-        if !graphs.off {
-            // A graph launches on the stream it was captured from: the key names it.
-            let from = std::iter::once(main.cu_stream() as u64);
-            let key: Vec<u64> = from.chain(steps.iter().flat_map(|s| self.step_key(s))).collect();
-            if let Some(i) = graphs.cached.iter().position(|(k, _)| *k == key) {
-                let entry = graphs.cached.remove(i);
-                entry.1.launch().map_err(gpu_err("launching a wave graph"))?;
-                graphs.cached.push(entry);
-                return self.record_done(main, steps, done);
-            }
-            main.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(gpu_err("capturing a wave step"))?;
-            let enqueued = self.enqueue_steps(home, lanes, steps);
-            let graph = main.end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0));
-            enqueued?;
-            let graph = graph
-                .map_err(gpu_err("capturing a wave step"))?
-                .ok_or(Error::Gpu { what: "capturing a wave step", message: "the capture was empty".into() })?;
-            graph.launch().map_err(gpu_err("launching a wave graph"))?;
-            if graphs.cached.len() == GRAPHS_KEPT {
-                graphs.cached.remove(0);
-            }
-            graphs.cached.push((key, graph));
-            return self.record_done(main, steps, done);
-        }
-        self.enqueue_steps(home, lanes, steps)?;
-        self.record_done(main, steps, done)
-    }
-
-    /// Marks each step's job done once `main` (which waits for every lane) reaches this
-    /// point: with one record of `shared` (a batch's event) for all of them, or one of its
-    /// own event per job.
-    fn record_done(
-        &self,
-        main: &CudaStream,
-        steps: &mut [WaveStep<'_>],
-        shared: Option<&Arc<CudaEvent>>,
-    ) -> Result<()> {
-        let record = |e: &Arc<CudaEvent>| e.record(main).map_err(gpu_err("recording an event"));
-        if let Some(e) = shared {
-            record(e)?;
-        }
-        for s in steps {
-            let e = match shared {
-                Some(e) => Arc::clone(e),
-                None => {
-                    record(&s.job.io.done)?;
-                    Arc::clone(&s.job.io.done)
-                }
-            };
-            s.job.io.pending = Some(e);
-        }
-        Ok(())
-    }
-
-    /// The launches of `steps`: on `home`'s two streams (no lanes), or each step on its lane,
-    /// forked from and joined back into `home`'s main stream.
-    fn enqueue_steps(&self, home: &Lane, lanes: &[Lane], steps: &mut [WaveStep<'_>]) -> Result<()> {
-        let nothing = &mut |_: &'static str, _: &CudaStream| Ok(());
-        if lanes.is_empty() {
-            let s = &mut steps[0];
-            return self.wave_step(&home.0, &home.1, s.wave, s.kv, s.cache, s.job, nothing);
-        }
-        for (s, (main, side)) in steps.iter_mut().zip(lanes) {
-            main.join(&home.0).map_err(gpu_err("ordering the streams"))?;
-            self.wave_step(main, side, s.wave, s.kv, s.cache, s.job, nothing)?;
-        }
-        for (main, _) in &lanes[..steps.len()] {
-            home.0.join(main).map_err(gpu_err("ordering the streams"))?;
-        }
-        Ok(())
-    }
-
-    /// Everything a step's launches depend on besides the job's own buffers (fixed from
-    /// `prepare_wave` on): equal keys mean identical launches, so a graph captured under one
-    /// key replays exactly what launching eagerly would enqueue.
-    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 31] {
-        let (w, j) = (s.wave, &*s.job);
-        let c = self.cache_args(s.cache);
-        let size = |x: usize| x as u64;
-        let at = |x: &CudaSlice<u16>| device_address(x, &self.stream);
-        let (map, steady_k, steady_v, steady_len) = match &w.arena {
-            Some(a) => (
-                device_address(&a.row_map, &self.stream),
-                at(&a.keys),
-                at(&a.values),
-                device_address(&a.len, &self.stream),
-            ),
-            None => (0, 0, 0, 0),
-        };
-        [
-            device_address(&j.mark, &self.stream),
-            at(&w.cent.data),
-            at(&w.value_means),
-            device_address(&w.log_size, &self.stream),
-            device_address(&w.offsets, &self.stream),
-            size(w.clusters),
-            size(w.indexed),
-            size(w.rows),
-            s.kv.keys,
-            s.kv.values,
-            size(s.kv.rows),
-            c.keys,
-            c.values,
-            c.rows as u64,
-            c.table,
-            c.block_rows as u64,
-            c.blocks_per_head as u64,
-            c.slot_rows as u64,
-            map,
-            steady_k,
-            steady_v,
-            steady_len,
-            size(j.select.r),
-            size(j.decode.chunks),
-            size(j.est_chunks),
-            u64::from(s.wave.arena.is_some()),
-            j.io.q.addr as u64,
-            j.io.out.addr as u64,
-            j.io.sel.addr as u64,
-            s.wave.arena.as_ref().map_or(0, |a| a.stage.dev),
-            s.wave.arena.as_ref().map_or(0, |a| a.marks.dev),
-        ]
-    }
-
-    /// A step's cache as the kernels take it.
-    fn cache_args(&self, cache: Option<WaveCache<'_>>) -> CacheArgs {
-        match cache {
-            Some(WaveCache::Layer(c, t)) => CacheArgs {
-                keys: device_address(&c.keys, &self.stream),
-                values: device_address(&c.values, &self.stream),
-                rows: c.slots as i32,
-                table: device_address(&t.dev, &self.stream),
-                block_rows: t.block_rows as i32,
-                blocks_per_head: t.blocks_per_head as i32,
-                slot_rows: 1,
-            },
-            Some(WaveCache::Arena(a)) => CacheArgs {
-                keys: a.rows.keys,
-                values: a.rows.values,
-                rows: a.rows.rows as i32,
-                table: a.table,
-                block_rows: a.block_rows as i32,
-                blocks_per_head: 0,
-                slot_rows: a.block_rows as i32,
-            },
-            None => {
-                CacheArgs { keys: 0, values: 0, rows: 0, table: 0, block_rows: 1, blocks_per_head: 0, slot_rows: 1 }
-            }
-        }
-    }
-
-    /// A timing mark on the backend's stream (after everything enqueued so far), to time a
-    /// step's device work without changing how it is launched (see [`StreamMark::ms_until`]).
-    pub fn mark(&self) -> Result<StreamMark> {
-        let e = self
-            .stream
-            .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(gpu_err("recording an event"))?;
-        Ok(StreamMark(e))
-    }
-
-    /// A timing mark after everything enqueued so far on lanes `0..lanes` of `batch` (steps
-    /// of [`GpuBackend::launch_wave_lane`]): the backend's stream waits for those lanes, then
-    /// records it. The lanes themselves do not wait for anything.
-    pub fn mark_lanes(&self, batch: &WaveBatch, lanes: usize) -> Result<StreamMark> {
-        for (main, _) in batch.lanes.iter().take(lanes) {
-            self.stream.join(main).map_err(gpu_err("ordering the streams"))?;
-        }
-        self.mark()
-    }
-
-    /// Runs one step like [`GpuBackend::launch_wave`] (eagerly, not from a graph) and returns
-    /// the milliseconds of its phases, measured with events: selection (scoring + top-r),
-    /// estimation (on the side stream, from the end of the selection), row list, attention,
-    /// merge (which waits for the estimation first).
-    pub fn wave_phases(
-        &self,
-        wave: &DeviceWave,
-        kv: KvPointers,
-        cache: Option<WaveCache<'_>>,
-        job: &mut WaveJob,
-    ) -> Result<Vec<f64>> {
-        let record = |stream: &CudaStream| {
-            stream
-                .record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
-                .map_err(gpu_err("recording an event"))
-        };
-        self.check_steps(&[WaveStep { wave, kv, cache, job: &mut *job }])?;
-        let start = record(&self.stream)?;
-        let mut events: Vec<(&'static str, bool, CudaEvent)> = Vec::new();
-        self.wave_step(&self.stream, &self.side, wave, kv, cache, job, &mut |name, stream| {
-            events.push((name, std::ptr::eq(stream, &*self.side), record(stream)?));
-            Ok(())
-        })?;
-        self.stream.synchronize().map_err(gpu_err("synchronizing"))?;
-        // Each phase runs from the previous event on its stream; the side stream's first
-        // phase starts when the selection ends.
-        let elapsed =
-            |a: &CudaEvent, b: &CudaEvent| Ok(f64::from(a.elapsed_ms(b).map_err(gpu_err("reading an event"))?));
-        let mut out = Vec::new();
-        let (mut main_prev, mut side_prev): (&CudaEvent, Option<&CudaEvent>) = (&start, None);
-        for (name, side, e) in &events {
-            if *side {
-                out.push(elapsed(side_prev.unwrap_or(main_prev), e)?);
-                side_prev = Some(e);
-            } else {
-                out.push(elapsed(main_prev, e)?);
-                main_prev = e;
-                if *name == "select" {
-                    side_prev = Some(e);
-                }
-            }
-        }
-        Ok(out)
     }
 
     /// The checks every launch of a step makes before it enqueues anything.
