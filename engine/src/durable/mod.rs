@@ -15,6 +15,7 @@
 //! for group commit (which fsyncs the data file before the log); only then does the batch
 //! become visible in memory. `Engine::in_memory` has no [`Durable`] and skips all of this.
 
+mod check;
 mod datafile;
 mod fuzz;
 mod fuzz_recover;
@@ -40,6 +41,7 @@ use crate::error::{Error, Result};
 use crate::spec::ContextSpec;
 
 pub use attnstore_wal::{LogCut, RecoveryMode};
+pub use check::{check, CheckReport, LayerCheck};
 use datafile::ChunkOwner;
 pub use datafile::{chunk_bytes, StoredBatch};
 pub use fuzz::fuzz_decode_catalog;
@@ -52,7 +54,7 @@ use records::{
     encode, AppendRecord, CheckpointRecord, CreateContextRecord, DropContextRecord, Manifest, ManifestContext,
     ManifestHome, ManifestLayer, SpecRecord,
 };
-pub use recovery::{check, CheckReport, LayerCheck, RecoveryReport};
+pub use recovery::RecoveryReport;
 
 /// Name of the manifest file in an engine directory.
 pub const MANIFEST_FILE: &str = "MANIFEST";
