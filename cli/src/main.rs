@@ -221,6 +221,10 @@ struct ExplainArgs {
     /// One line per KV head as well.
     #[arg(long)]
     verbose: bool,
+    /// EXPLAIN ANALYZE: execute the plan and print, per zone, planned against actual rows,
+    /// where the bytes came from (index memory, blocks per tier) and time.
+    #[arg(long)]
+    analyze: bool,
 }
 
 #[derive(Args)]
@@ -443,6 +447,10 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     engine.wait_index(ctx, 0, Duration::from_secs(600)).map_err(|e| e.to_string())?;
     let plan = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &budget).map_err(|e| e.to_string())?;
     print!("{}", if args.verbose { plan.explain_verbose() } else { plan.explain() });
+    if args.analyze {
+        let (_, analysis) = engine.execute_analyze(&plan).map_err(|e| e.to_string())?;
+        print!("\n{}", analysis.explain(&plan));
+    }
     Ok(())
 }
 

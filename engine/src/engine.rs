@@ -273,6 +273,24 @@ impl Engine {
     /// Runs a plan: one `q_heads × head_dim` output per request, in request order. Fails
     /// with [`Error::StalePlan`] if a layer changed since it was planned.
     pub fn execute(&self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
+        self.with_layers(plan, |layers| crate::exec::run(plan, layers))
+    }
+
+    /// EXPLAIN ANALYZE: executes `plan` like [`Engine::execute`] (same outputs) while
+    /// counting, per request and zone, the rows attended, the bytes read from the access
+    /// method's memory and the blocks (and bytes) pinned from each tier, and the time of the
+    /// zone's tasks. [`crate::Analysis::explain`] prints them against the plan.
+    pub fn execute_analyze(&self, plan: &Plan) -> Result<(Vec<Vec<f32>>, crate::Analysis)> {
+        let meters: Vec<crate::exec::Meter> = plan.requests.iter().map(|_| Default::default()).collect();
+        let start = std::time::Instant::now();
+        let out = self.with_layers(plan, |layers| crate::exec::run_metered(plan, layers, Some(&meters)))?;
+        let wall = start.elapsed();
+        Ok((out, crate::Analysis { requests: meters.iter().map(crate::exec::Meter::actual).collect(), wall }))
+    }
+
+    /// Runs `f` over the read-locked layers of `plan`'s requests (one per request, in order),
+    /// each checked to be the version the plan was made on.
+    fn with_layers<T>(&self, plan: &Plan, f: impl FnOnce(&[&Layer]) -> Result<T>) -> Result<T> {
         let ctxs = plan.requests.iter().map(|r| self.context(r.context)).collect::<Result<Vec<_>>>()?;
         let guards = plan
             .requests
@@ -285,7 +303,7 @@ impl Engine {
             })
             .collect::<Result<Vec<_>>>()?;
         let layers: Vec<&Layer> = guards.iter().map(|g| &**g).collect();
-        crate::exec::run(plan, &layers)
+        f(&layers)
     }
 
     /// Token positions that query head `q_head` of request `request` attends exactly under

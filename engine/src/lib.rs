@@ -9,6 +9,7 @@
 
 #![deny(unsafe_code)]
 
+mod analyze;
 mod budget;
 mod buffers;
 mod catalog;
@@ -26,6 +27,7 @@ mod gpu_prefill;
 mod plan;
 mod spec;
 
+pub use analyze::{Analysis, PlannedRows};
 pub use attnstore_buffer::{BlockLayout, BlockLocation, BufferStats, ReplacerKind, Tier, TierStats};
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
 pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
@@ -36,7 +38,7 @@ pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{AppendTicket, Engine};
 pub use error::{Error, Result};
-pub use exec::execute_head;
+pub use exec::{execute_head, RequestActual, ZoneActual};
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;
 pub use plan::{DeviceSelection, Plan, PlanCost, Request, RequestPlan, Strategy};

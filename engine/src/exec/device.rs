@@ -362,7 +362,7 @@ mod tests {
                 for plan in [wave.plan_exact(), wave.plan_head(h, qg, &sparse)] {
                     let mut scratch = attnstore_kernels::cpu::attention::Scratch::default();
                     let want: Vec<f64> =
-                        super::super::attend_head(&layer, DType::F16, h, qg, d, &plan, &[], &mut scratch)
+                        super::super::attend_head(&layer, DType::F16, h, qg, d, &plan, &[], None, &mut scratch)
                             .unwrap()
                             .iter()
                             .flat_map(|p| p.finish())

@@ -3,6 +3,7 @@
 //! segments, then attending them in place.
 
 use super::home::{missing, BlockStore};
+use super::meter::ZoneMeter;
 use crate::error::Result;
 use attnstore_buffer::{BlockLocation, Locations, PinGuard, Reader};
 use attnstore_index::{HomedClusters, HomedGroups};
@@ -41,19 +42,31 @@ impl ClusterBlocks<'_> {
     }
 }
 
+/// How a gather reads: `scan` pins without logging accesses (an exact plan or the steady
+/// zone: they must not flush the Gpu tier, whose blocks sparse plans re-read); `meter`
+/// counts rows and pinned blocks for EXPLAIN ANALYZE.
+#[derive(Clone, Copy)]
+pub(crate) struct Read<'m> {
+    pub scan: bool,
+    pub meter: Option<&'m ZoneMeter>,
+}
+
 /// A pinned block and the rows of it to attend.
 struct Held<'a> {
     block: PinGuard<'a>,
     rows: Range<usize>,
 }
 
-/// Attends the rows of `clusters` (pinned through `reader`, Disk reads batched) into `parts`.
+/// Attends the rows of `clusters` (pinned through `reader`, Disk reads batched) into `parts`,
+/// counting them into `meter` when given.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_clusters<E: Element>(
     reader: &Reader<'_>,
     per_block: usize,
     q: &[f32],
     scale: f32,
     clusters: &[ClusterRows<'_>],
+    meter: Option<&ZoneMeter>,
     parts: &mut [Partial],
     scratch: &mut Scratch,
 ) -> Result<()> {
@@ -71,6 +84,12 @@ pub(crate) fn attend_clusters<E: Element>(
     let mut held = Vec::with_capacity(rows.len());
     for (pin, r) in reader.pin_all(&wanted).into_iter().zip(rows) {
         held.push(Held { block: pin?, rows: r });
+    }
+    if let Some(m) = meter {
+        for h in &held {
+            m.pinned(h.block.tier(), h.block.len());
+            m.block_rows(h.rows.len());
+        }
     }
     // Disk reads are private staged copies that need not be aligned for `E`: copy those.
     let copies: Vec<Vec<E>> = held
@@ -101,16 +120,15 @@ fn aligned_copy<E: Element>(bytes: &[u8]) -> Vec<E> {
 }
 
 /// Attends segment rows `ranges` of plain rows homed per cluster, looked up now and pinned
-/// only where a range has rows. `scan`: pin without logging accesses (exact plans read
-/// every block once: they must not flush the Gpu tier, whose blocks sparse plans re-read);
-/// a sparse plan's retrieved rows (a PQ index's tokens) log their accesses.
+/// only where a range has rows, as `read` says (a sparse plan's retrieved rows, a PQ
+/// index's tokens, log their accesses).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_homed<E: Element>(
     store: &BlockStore,
     head: usize,
     homed: &HomedClusters<'_>,
     ranges: &[Range<usize>],
-    scan: bool,
+    read: Read<'_>,
     q: &[f32],
     scale: f32,
     parts: &mut [Partial],
@@ -125,7 +143,7 @@ pub(crate) fn attend_homed<E: Element>(
             rows.push(within);
         }
     }
-    let reader = if scan { store.buffers().scan_reader() } else { store.buffers().reader() };
+    let reader = if read.scan { store.buffers().scan_reader() } else { store.buffers().reader() };
     let mut found = Vec::with_capacity(keys.len());
     reader.clusters(&keys, &mut found);
     let clusters = found
@@ -135,19 +153,19 @@ pub(crate) fn attend_homed<E: Element>(
         .map(|((f, k), rows)| Ok(ClusterRows { locations: ClusterBlocks::Live(f.ok_or_else(|| missing(k))?), rows }))
         .collect::<Result<Vec<_>>>()?;
     let per_block = store.rows_per_block(d * E::DTYPE.size_bytes())?;
-    attend_clusters::<E>(&reader, per_block, q, scale, &clusters, parts, scratch)
+    attend_clusters::<E>(&reader, per_block, q, scale, &clusters, read.meter, parts, scratch)
 }
 
 /// Attends segment rows `ranges` of 2-bit rows homed as value blocks: each value block the
 /// ranges touch is copied out of its pinned blocks and attended with the step's queries
-/// quantized once. `scan`: pin without logging accesses (an exact plan).
+/// quantized once, pinned as `read` says.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn attend_groups(
     store: &BlockStore,
     head: usize,
     g: &HomedGroups,
     ranges: &[Range<usize>],
-    scan: bool,
+    read: Read<'_>,
     q: &[f32],
     scale: f32,
     parts: &mut [Partial],
@@ -171,9 +189,12 @@ pub(crate) fn attend_groups(
         return Ok(());
     }
     // A scan (an exact plan) must not flush what sparse plans keep re-reading.
-    let reader = if scan { store.buffers().scan_reader() } else { store.buffers().reader() };
+    let reader = if read.scan { store.buffers().scan_reader() } else { store.buffers().reader() };
     let blocks: Vec<usize> = wanted.iter().map(|(b, _)| *b).collect();
-    let buffers = read_groups(&reader, store, head, g, &blocks)?;
+    let buffers = read_groups(&reader, store, head, g, &blocks, read.meter)?;
+    if let Some(m) = read.meter {
+        m.block_rows(wanted.iter().flat_map(|(_, runs)| runs).map(|r| r.len()).sum());
+    }
     let views = blocks
         .iter()
         .zip(&buffers)
@@ -199,6 +220,7 @@ fn read_groups(
     head: usize,
     g: &HomedGroups,
     blocks: &[usize],
+    meter: Option<&ZoneMeter>,
 ) -> Result<Vec<Vec<u16>>> {
     let keys: Vec<_> = blocks.iter().map(|&b| store.key(head, g.first + b as u32)).collect();
     let (locations, counts) = store.lookup_counted(&keys)?;
@@ -211,6 +233,9 @@ fn read_groups(
         let mut at = 0;
         for _ in 0..n {
             let pin = pins.next().expect("one pin per location")?;
+            if let Some(m) = meter {
+                m.pinned(pin.tier(), pin.len());
+            }
             let take = (len - at).min(pin.len());
             bytes[at..at + take].copy_from_slice(&pin[..take]);
             at += take;

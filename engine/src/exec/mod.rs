@@ -10,6 +10,7 @@
 pub(crate) mod device;
 mod gather;
 pub(crate) mod home;
+mod meter;
 
 use crate::context::Layer;
 use crate::error::Result;
@@ -21,10 +22,14 @@ use attnstore_kernels::{DType, HackParams, Partial};
 use gather::{attend_clusters, attend_groups, attend_homed, ClusterBlocks, ClusterRows};
 use half::{bf16, f16};
 use home::BlockStore;
+use meter::ZoneMeter;
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::time::Instant;
 
 pub use home::blocks_per_tier;
+pub(crate) use meter::{Meter, Zone};
+pub use meter::{RequestActual, ZoneActual};
 
 /// Retrieved clusters one rayon task attends while executing a block-homed plan.
 const CLUSTER_CHUNK: usize = 64;
@@ -38,6 +43,11 @@ pub(crate) type HeadBlocks = Vec<Vec<BlockLocation>>;
 
 /// Runs `plan` over the read-locked `layers` (one per request, same order).
 pub(crate) fn run(plan: &Plan, layers: &[&Layer]) -> Result<Vec<Vec<f32>>> {
+    run_metered(plan, layers, None)
+}
+
+/// [`run`], counting what each request reads into `meters` (one per request) when given.
+pub(crate) fn run_metered(plan: &Plan, layers: &[&Layer], meters: Option<&[Meter]>) -> Result<Vec<Vec<f32>>> {
     let heads: Vec<_> = plan.requests.iter().zip(layers).map(|(r, l)| cpu_heads(r, l)).collect();
     let jobs: Vec<(usize, usize)> =
         plan.requests.iter().enumerate().flat_map(|(i, r)| (0..r.shape.kv_heads).map(move |h| (i, h))).collect();
@@ -48,7 +58,8 @@ pub(crate) fn run(plan: &Plan, layers: &[&Layer]) -> Result<Vec<Vec<f32>>> {
             let (g, d) = (r.shape.group(), r.shape.head_dim);
             let q = &r.queries[h * g * d..(h + 1) * g * d];
             let (plans, blocks) = &heads[i];
-            let parts = attend_head(layers[i], r.dtype, h, q, d, &plans[h], &blocks[h], scratch)?;
+            let meter = meters.and_then(|m| m.get(i));
+            let parts = attend_head(layers[i], r.dtype, h, q, d, &plans[h], &blocks[h], meter, scratch)?;
             Ok(parts.iter().flat_map(|p| p.finish()).collect())
         })
         .collect::<Result<_>>()?;
@@ -119,10 +130,11 @@ pub(crate) fn attend_head(
     d: usize,
     plan: &HeadPlan,
     blocks: &[Vec<BlockLocation>],
+    meter: Option<&Meter>,
     scratch: &mut Scratch,
 ) -> Result<Vec<Partial>> {
     let rows = layer.method.head_rows(kv_head, plan);
-    attend_rows(layer.home.as_ref(), dtype, kv_head, q, d, &rows, blocks, scratch)
+    attend_rows(layer.home.as_ref(), dtype, kv_head, q, d, &rows, blocks, meter, scratch)
 }
 
 /// The partials of the query heads `q` (`group × head_dim`) of KV head `kv_head` of
@@ -139,7 +151,7 @@ pub fn execute_head(
 ) -> Result<Vec<Partial>> {
     let rows = method.head_rows(kv_head, plan);
     let dtype = method.clustered().map_or(DType::F32, |c| c.dtype());
-    attend_rows(None, dtype, kv_head, q, head_dim, &rows, &[], &mut Scratch::default())
+    attend_rows(None, dtype, kv_head, q, head_dim, &rows, &[], None, &mut Scratch::default())
 }
 
 /// [`attend_head`] over a described head: the steady runs in order, the exact scan's runs
@@ -154,19 +166,25 @@ pub(crate) fn attend_rows(
     d: usize,
     rows: &HeadRows<'_>,
     blocks: &[Vec<BlockLocation>],
+    meter: Option<&Meter>,
     scratch: &mut Scratch,
 ) -> Result<Vec<Partial>> {
     let g = q.len() / d;
     let scale = 1.0 / (d as f32).sqrt();
-    let ctx = Gather { home, dtype, kv_head, scale };
+    let ctx = Gather { home, dtype, kv_head, scale, meter };
     let mut parts = vec![Partial::empty(d); g];
+    let start = ctx.clock();
     for run in &rows.steady {
-        ctx.attend(run, true, q, &mut parts, scratch)?;
+        ctx.attend(run, Zone::Steady, q, &mut parts, scratch)?;
     }
+    ctx.timed(Zone::Steady, start);
     if !rows.scan.is_empty() {
         // The queries are quantized once for every task (2-bit rows; plain rows: nothing).
         attend_jobs(&primed(q, g, d, rows.hack())?, &rows.scan, g, d, &mut parts, |run, p, sc| {
-            ctx.attend(run, true, q, p, sc)
+            let start = ctx.clock();
+            let done = ctx.attend(run, Zone::Scan, q, p, sc);
+            ctx.timed(Zone::Scan, start);
+            done
         })?;
     }
     for (s, sel) in rows.selections.iter().enumerate() {
@@ -197,13 +215,23 @@ pub(crate) fn attend_rows(
             .chain(est_jobs.map(Job::Estimate))
             .collect();
         let hack = sel.retrieve.iter().flatten().find_map(Run::hack);
-        attend_jobs(&primed(qs, sel.heads, d, hack)?, &jobs, sel.heads, d, &mut sub, |job, p, sc| match job {
-            Job::Clusters(c) => ctx.attend_clusters(c, qs, p, sc),
-            Job::Runs(runs) => runs.iter().try_for_each(|run| ctx.attend(run, false, qs, p, sc)),
-            Job::Estimate(cols) => {
-                p.iter_mut().zip(est.partials(cols.clone(), d)).for_each(|(a, b)| a.merge(&b));
-                Ok(())
-            }
+        attend_jobs(&primed(qs, sel.heads, d, hack)?, &jobs, sel.heads, d, &mut sub, |job, p, sc| {
+            let start = ctx.clock();
+            let (zone, done) = match job {
+                Job::Clusters(c) => (Zone::Retrieve, ctx.attend_clusters(c, qs, p, sc)),
+                Job::Runs(runs) => {
+                    (Zone::Retrieve, runs.iter().try_for_each(|run| ctx.attend(run, Zone::Retrieve, qs, p, sc)))
+                }
+                Job::Estimate(cols) => {
+                    p.iter_mut().zip(est.partials(cols.clone(), d)).for_each(|(a, b)| a.merge(&b));
+                    if let Some(m) = ctx.zone(Zone::Estimate) {
+                        m.index_rows(cols.len(), 0);
+                    }
+                    (Zone::Estimate, Ok(()))
+                }
+            };
+            ctx.timed(zone, start);
+            done
         })?;
         for (i, part) in sub.iter().enumerate() {
             parts[sel.first_head + i].merge(part);
@@ -238,9 +266,28 @@ struct Gather<'h> {
     dtype: DType,
     kv_head: usize,
     scale: f32,
+    /// Where EXPLAIN ANALYZE counts (`None`: nothing is counted or timed).
+    meter: Option<&'h Meter>,
 }
 
 impl Gather<'_> {
+    /// The counters of `zone`, when counting.
+    fn zone(&self, zone: Zone) -> Option<&ZoneMeter> {
+        self.meter.map(|m| m.zone(zone))
+    }
+
+    /// The time now, when counting.
+    fn clock(&self) -> Option<Instant> {
+        self.meter.map(|_| Instant::now())
+    }
+
+    /// Adds the time since `start` to `zone`.
+    fn timed(&self, zone: Zone, start: Option<Instant>) {
+        if let (Some(m), Some(t)) = (self.zone(zone), start) {
+            m.since(t);
+        }
+    }
+
     fn store(&self) -> Result<&BlockStore> {
         self.home.ok_or_else(|| {
             crate::Error::Index(attnstore_index::Error::MissingRows(
@@ -249,28 +296,40 @@ impl Gather<'_> {
         })
     }
 
-    /// Folds one run into `parts` (`q`: their query heads). `scan`: an exact plan's or the
-    /// steady zone's read (pins log no accesses).
-    fn attend(&self, run: &Run<'_>, scan: bool, q: &[f32], parts: &mut [Partial], sc: &mut Scratch) -> Result<()> {
+    /// Folds one run of `zone` into `parts` (`q`: their query heads). Steady and scan reads
+    /// pin without logging accesses.
+    fn attend(&self, run: &Run<'_>, zone: Zone, q: &[f32], parts: &mut [Partial], sc: &mut Scratch) -> Result<()> {
+        let (scan, meter) = (zone.is_scan(), self.zone(zone));
         match run {
             Run::Plain(pieces) => {
                 attend_plain(pieces, q, self.scale, parts, sc);
+                if let Some(m) = meter {
+                    let d = q.len() / parts.len().max(1);
+                    let (rows, bytes) = plain_size(pieces, d);
+                    m.index_rows(rows, bytes);
+                }
                 Ok(())
             }
             Run::Encoded { rows, ranges } => {
                 rows.attend(q, self.scale, ranges, parts, &mut sc.hack);
+                if let Some(m) = meter {
+                    let n: usize = ranges.iter().map(|r| r.len()).sum();
+                    m.index_rows(n, n * rows.bytes() / rows.rows().max(1));
+                }
                 Ok(())
             }
             Run::Homed { clusters, ranges } => {
                 let (store, h, scale) = (self.store()?, self.kv_head, self.scale);
+                let read = gather::Read { scan, meter };
                 match clusters.dtype {
-                    DType::F32 => attend_homed::<f32>(store, h, clusters, ranges, scan, q, scale, parts, sc),
-                    DType::F16 => attend_homed::<f16>(store, h, clusters, ranges, scan, q, scale, parts, sc),
-                    DType::Bf16 => attend_homed::<bf16>(store, h, clusters, ranges, scan, q, scale, parts, sc),
+                    DType::F32 => attend_homed::<f32>(store, h, clusters, ranges, read, q, scale, parts, sc),
+                    DType::F16 => attend_homed::<f16>(store, h, clusters, ranges, read, q, scale, parts, sc),
+                    DType::Bf16 => attend_homed::<bf16>(store, h, clusters, ranges, read, q, scale, parts, sc),
                 }
             }
             Run::HomedGroups { groups, ranges } => {
-                attend_groups(self.store()?, self.kv_head, groups, ranges, scan, q, self.scale, parts, sc)
+                let read = gather::Read { scan, meter };
+                attend_groups(self.store()?, self.kv_head, groups, ranges, read, q, self.scale, parts, sc)
             }
         }
     }
@@ -298,12 +357,28 @@ impl Gather<'_> {
         let d = q.len() / p.len().max(1);
         let per_block = store.rows_per_block(d * self.dtype.size_bytes())?;
         let reader = store.buffers().reader();
+        let m = self.zone(Zone::Retrieve);
         match self.dtype {
-            DType::F32 => attend_clusters::<f32>(&reader, per_block, q, self.scale, c, p, sc),
-            DType::F16 => attend_clusters::<f16>(&reader, per_block, q, self.scale, c, p, sc),
-            DType::Bf16 => attend_clusters::<bf16>(&reader, per_block, q, self.scale, c, p, sc),
+            DType::F32 => attend_clusters::<f32>(&reader, per_block, q, self.scale, c, m, p, sc),
+            DType::F16 => attend_clusters::<f16>(&reader, per_block, q, self.scale, c, m, p, sc),
+            DType::Bf16 => attend_clusters::<bf16>(&reader, per_block, q, self.scale, c, m, p, sc),
         }
     }
+}
+
+/// Rows and bytes (keys and values) of plain row pieces of head dimension `d`.
+fn plain_size(pieces: &[PlainRows<'_>], d: usize) -> (usize, usize) {
+    let (mut rows, mut bytes) = (0, 0);
+    for p in pieces {
+        let (elements, size) = match p {
+            PlainRows::F32(k, _) => (k.len(), 4),
+            PlainRows::F16(k, _) => (k.len(), 2),
+            PlainRows::Bf16(k, _) => (k.len(), 2),
+        };
+        rows += elements / d.max(1);
+        bytes += 2 * elements * size;
+    }
+    (rows, bytes)
 }
 
 /// Attends plain pieces (all of one type: a method builds a run from one array type) in

@@ -1,0 +1,150 @@
+//! EXPLAIN ANALYZE's counters: what the executor actually read and how long it took, per
+//! request and zone. The executor takes an optional [`Meter`] per request; without one it
+//! counts nothing (one branch per run or job). Counts are atomics because a request's KV
+//! heads and a selection's jobs run on rayon threads.
+
+use attnstore_buffer::Tier;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+/// The zones a request's rows are read in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Zone {
+    /// Sink, pending and local tokens (every sparse plan), or all of an exact plan's rows a
+    /// method reads in one pass.
+    Steady,
+    /// An exact plan's other rows, as parallel runs.
+    Scan,
+    /// A sparse plan's retrieved rows.
+    Retrieve,
+    /// A sparse plan's estimated clusters.
+    Estimate,
+}
+
+impl Zone {
+    /// Pins of this zone log no accesses (a scan must not flush the Gpu tier).
+    pub(crate) fn is_scan(self) -> bool {
+        matches!(self, Zone::Steady | Zone::Scan)
+    }
+}
+
+/// What one zone of one request actually read and cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ZoneActual {
+    /// Rows attended exactly, summed over KV heads and selections (for the estimation zone:
+    /// clusters estimated).
+    pub rows: u64,
+    /// Bytes of rows read from the access method's own memory.
+    pub index_bytes: u64,
+    /// Blocks pinned from each tier (`[gpu, host, disk]`).
+    pub blocks: [u64; 3],
+    /// Bytes of those blocks, per tier.
+    pub block_bytes: [u64; 3],
+    /// Time of the zone's tasks, summed over threads (CPU time, not wall time).
+    pub cpu_time: Duration,
+}
+
+impl ZoneActual {
+    /// Bytes read from anywhere.
+    pub fn bytes(&self) -> u64 {
+        self.index_bytes + self.block_bytes.iter().sum::<u64>()
+    }
+}
+
+/// One zone's counters.
+#[derive(Debug, Default)]
+pub(crate) struct ZoneMeter {
+    rows: AtomicU64,
+    index_bytes: AtomicU64,
+    blocks: [AtomicU64; 3],
+    block_bytes: [AtomicU64; 3],
+    nanos: AtomicU64,
+}
+
+fn tier_index(tier: Tier) -> usize {
+    match tier {
+        Tier::Gpu => 0,
+        Tier::Host => 1,
+        Tier::Disk => 2,
+    }
+}
+
+impl ZoneMeter {
+    /// `rows` rows read from the method's memory, `bytes` bytes of them.
+    pub(crate) fn index_rows(&self, rows: usize, bytes: usize) {
+        self.rows.fetch_add(rows as u64, Relaxed);
+        self.index_bytes.fetch_add(bytes as u64, Relaxed);
+    }
+
+    /// `rows` rows read from pinned blocks (counted with [`ZoneMeter::pinned`]).
+    pub(crate) fn block_rows(&self, rows: usize) {
+        self.rows.fetch_add(rows as u64, Relaxed);
+    }
+
+    /// One block of `bytes` bytes pinned from `tier`.
+    pub(crate) fn pinned(&self, tier: Tier, bytes: usize) {
+        let t = tier_index(tier);
+        self.blocks[t].fetch_add(1, Relaxed);
+        self.block_bytes[t].fetch_add(bytes as u64, Relaxed);
+    }
+
+    /// Adds the time since `start`.
+    pub(crate) fn since(&self, start: Instant) {
+        self.nanos.fetch_add(start.elapsed().as_nanos() as u64, Relaxed);
+    }
+
+    fn actual(&self) -> ZoneActual {
+        let load = |a: &[AtomicU64; 3]| [a[0].load(Relaxed), a[1].load(Relaxed), a[2].load(Relaxed)];
+        ZoneActual {
+            rows: self.rows.load(Relaxed),
+            index_bytes: self.index_bytes.load(Relaxed),
+            blocks: load(&self.blocks),
+            block_bytes: load(&self.block_bytes),
+            cpu_time: Duration::from_nanos(self.nanos.load(Relaxed)),
+        }
+    }
+}
+
+/// The counters of one request.
+#[derive(Debug, Default)]
+pub(crate) struct Meter {
+    zones: [ZoneMeter; 4],
+}
+
+impl Meter {
+    /// The counters of `zone`.
+    pub(crate) fn zone(&self, zone: Zone) -> &ZoneMeter {
+        &self.zones[zone as usize]
+    }
+
+    /// What was counted.
+    pub(crate) fn actual(&self) -> RequestActual {
+        let z = |zone| self.zone(zone).actual();
+        RequestActual {
+            steady: z(Zone::Steady),
+            scan: z(Zone::Scan),
+            retrieve: z(Zone::Retrieve),
+            estimate: z(Zone::Estimate),
+        }
+    }
+}
+
+/// What executing one request of a plan actually read, per zone.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RequestActual {
+    /// The steady zone (sink, pending, local; an exact plan's one-pass rows).
+    pub steady: ZoneActual,
+    /// An exact plan's other rows.
+    pub scan: ZoneActual,
+    /// A sparse plan's retrieved rows.
+    pub retrieve: ZoneActual,
+    /// A sparse plan's estimated clusters (`rows` counts clusters).
+    pub estimate: ZoneActual,
+}
+
+impl RequestActual {
+    /// Rows attended exactly in any zone.
+    pub fn exact_rows(&self) -> u64 {
+        self.steady.rows + self.scan.rows + self.retrieve.rows
+    }
+}

@@ -1,0 +1,150 @@
+//! EXPLAIN ANALYZE on the CPU path: the outputs of `execute`, and per zone the rows and
+//! bytes the executor read, checked against counts made independently of the executor
+//! (the method's exact positions, the planner's block lookups, the buffer manager's block
+//! count), for rows in the index and rows homed in the buffer manager.
+
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
+use std::time::Duration;
+
+use attnstore::{
+    AttnShape, Budget, BufferSettings, ContextId, ContextSpec, DType, Engine, EngineConfig, Method, PqParams, Request,
+    SelectionMode, Strategy, Tier, WaveParams,
+};
+
+const TOKENS: usize = 4000;
+
+fn shape() -> AttnShape {
+    AttnShape::new(8, 2, 32).unwrap()
+}
+
+fn wave() -> ContextSpec {
+    let wave = WaveParams { segment_tokens: 1024, decode_segment_tokens: 256, ..WaveParams::default() };
+    ContextSpec::new(shape(), 1).with_dtype(DType::F16).with_method(Method::Wave(wave))
+}
+
+fn pq() -> ContextSpec {
+    let pq = PqParams { min_build_tokens: 512, local_tokens: 64, background: false, ..PqParams::default() };
+    ContextSpec::new(shape(), 1).with_dtype(DType::F16).with_method(Method::Pq(pq))
+}
+
+fn engine(buffers: Option<BufferSettings>) -> Engine {
+    Engine::in_memory(EngineConfig { buffers, ..EngineConfig::default() }).unwrap()
+}
+
+fn buffered() -> Engine {
+    engine(Some(BufferSettings { maintainer_idle: None, ..BufferSettings::new(8192) }))
+}
+
+fn load(engine: &Engine, synth: &SynthContext, spec: ContextSpec) -> ContextId {
+    let ctx = engine.create_context(spec).unwrap();
+    let (k, v) = synth.slice(0, TOKENS - 300);
+    engine.prefill(ctx, 0, &k, &v).unwrap();
+    assert!(engine.wait_index(ctx, 0, Duration::from_secs(60)).unwrap());
+    for at in (TOKENS - 300..TOKENS).step_by(50) {
+        let (k, v) = synth.slice(at, at + 50);
+        engine.append(ctx, 0, &k, &v).unwrap();
+    }
+    ctx
+}
+
+fn sparse(mode: SelectionMode) -> Budget {
+    Budget::default().with_retrieve_floor(0).with_retrieve(0.05).with_mode(mode)
+}
+
+/// Rows attended exactly, counted from the method's exact positions: per selection, the
+/// positions of its first query head (a selection's rows are read once for its heads).
+fn exact_rows(engine: &Engine, plan: &attnstore::Plan) -> u64 {
+    let r = &plan.requests[0];
+    let g = r.shape.group();
+    if matches!(r.strategy, Strategy::Exact { .. }) {
+        return (r.tokens * r.shape.kv_heads) as u64;
+    }
+    let mut rows = 0;
+    for (h, head) in r.heads.iter().enumerate() {
+        let steady = head.steady_tokens as u64;
+        for sel in &head.selections {
+            let positions = engine.exact_positions(plan, 0, h * g + sel.first_head).unwrap();
+            rows += positions.len() as u64 - steady;
+        }
+        rows += steady;
+    }
+    rows
+}
+
+#[test]
+fn analyze_gives_the_outputs_of_execute_and_counts_what_each_zone_read() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 41));
+    let row_bytes = 2 * 32 * 2; // K and V rows of d = 32 in f16
+    for spec in [wave(), pq()] {
+        let e = engine(None);
+        let ctx = load(&e, &synth, spec.clone());
+        for budget in [Budget::full(), sparse(SelectionMode::PerKvHead), sparse(SelectionMode::PerQueryHead)] {
+            let what = format!("{} {:?} exact={}", spec.method.name(), budget.mode, budget.exact);
+            let plan = e.plan(&[Request::new(ctx, 0, synth.queries(1))], &budget).unwrap();
+            let (out, a) = e.execute_analyze(&plan).unwrap();
+            assert_eq!(out, e.execute(&plan).unwrap(), "{what}");
+            let got = &a.requests[0];
+            assert_eq!(got.exact_rows(), exact_rows(&e, &plan), "{what}");
+            // Rows in the index's memory: every byte read is a K and a V row.
+            assert_eq!(
+                got.steady.index_bytes + got.scan.index_bytes + got.retrieve.index_bytes,
+                got.exact_rows() * row_bytes,
+                "{what}"
+            );
+            assert_eq!(got.retrieve.blocks, [0; 3], "{what}: nothing is homed");
+            let planned = attnstore::PlannedRows::of(&plan.requests[0]).unwrap();
+            assert_eq!(
+                (planned.steady, planned.retrieve),
+                (got.steady.rows + got.scan.rows, got.retrieve.rows),
+                "{what}"
+            );
+            assert_eq!(planned.estimate, got.estimate.rows, "{what}");
+            if !budget.exact && spec.method.name() == "wave" {
+                assert!(got.estimate.rows > 0 && got.retrieve.rows > 0, "{what}");
+            }
+            let text = a.explain(&plan);
+            assert!(text.starts_with("EXPLAIN ANALYZE"), "{text}");
+            assert!(text.contains(&format!("actual {:>9}", got.retrieve.rows)), "{text}");
+        }
+    }
+}
+
+#[test]
+fn analyze_counts_the_blocks_pinned_from_each_tier() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 43));
+    let e = buffered();
+    let ctx = load(&e, &synth, wave());
+    let stored = e.buffer_stats().unwrap().tier(Tier::Host).unwrap().used_blocks as u64;
+    let block = e.buffer_manager().unwrap().layout().block_bytes() as u64;
+    // A sparse plan pins exactly the blocks the planner looked up, from the tiers it saw.
+    let plan = e.plan(&[Request::new(ctx, 0, synth.queries(2))], &sparse(SelectionMode::PerKvHead)).unwrap();
+    let recorded: usize = plan.requests[0].blocks.iter().flatten().map(Vec::len).sum();
+    let (out, a) = e.execute_analyze(&plan).unwrap();
+    assert_eq!(out, e.execute(&plan).unwrap());
+    let got = &a.requests[0];
+    assert_eq!(got.retrieve.blocks.iter().sum::<u64>(), recorded as u64);
+    assert_eq!(got.retrieve.blocks, plan.requests[0].cost.tier_blocks.map(|b| b as u64));
+    assert_eq!(got.retrieve.block_bytes.iter().sum::<u64>(), recorded as u64 * block);
+    assert_eq!(got.retrieve.index_bytes, 0, "retrieved rows come from blocks");
+    assert_eq!(got.exact_rows(), exact_rows(&e, &plan));
+    assert!(a.explain(&plan).contains("retrieve blocks planned (looked up)"));
+    // An exact plan scans every stored block once, and counts the steady zone's rows apart.
+    let plan = e.plan(&[Request::new(ctx, 0, synth.queries(2))], &Budget::full()).unwrap();
+    let (_, a) = e.execute_analyze(&plan).unwrap();
+    let got = &a.requests[0];
+    assert_eq!(got.steady.blocks.iter().sum::<u64>() + got.scan.blocks.iter().sum::<u64>(), stored);
+    assert_eq!(got.exact_rows(), (TOKENS * 2) as u64);
+    // A PQ context's retrieved tokens come from its pages' blocks.
+    let p = load(&e, &synth, pq());
+    let plan = e.plan(&[Request::new(p, 0, synth.queries(2))], &sparse(SelectionMode::PerKvHead)).unwrap();
+    let (out, a) = e.execute_analyze(&plan).unwrap();
+    assert_eq!(out, e.execute(&plan).unwrap());
+    let got = &a.requests[0];
+    assert_eq!(got.exact_rows(), exact_rows(&e, &plan));
+    let tokens = got.retrieve.rows;
+    let pinned = got.retrieve.blocks.iter().sum::<u64>();
+    assert!(pinned > 0 && pinned <= tokens, "{pinned} blocks for {tokens} tokens");
+    assert_eq!(got.retrieve.block_bytes.iter().sum::<u64>(), pinned * block);
+}
