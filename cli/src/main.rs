@@ -24,8 +24,30 @@ use std::time::Duration;
     about = "A storage engine for the attention KV cache of long-context LLM inference"
 )]
 struct Cli {
+    /// What to log to stderr, as a tracing filter: a level (`info`, `debug`, `trace`) or
+    /// per-target directives (`attnstore=debug,attnstore_wal=trace`). Defaults to the
+    /// `RUST_LOG` variable, else `warn`. Spans cover plan, execute, ingest, open (recovery),
+    /// checkpoints, maintainer rounds, block reads and WAL group flushes.
+    #[arg(long, global = true, value_name = "FILTER")]
+    log: Option<String>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Logs to stderr under `filter` (else `RUST_LOG`, else `warn`), with span timings at close.
+fn init_logging(filter: Option<&str>) -> Result<(), String> {
+    use tracing_subscriber::{fmt::format::FmtSpan, EnvFilter};
+    let filter = match filter {
+        Some(f) => EnvFilter::try_new(f).map_err(|e| format!("--log {f:?}: {e}"))?,
+        None => EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn")),
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_span_events(FmtSpan::CLOSE)
+        .try_init()
+        .map_err(|e| format!("logging: {e}"))
 }
 
 #[derive(Subcommand)]
@@ -564,6 +586,10 @@ fn bench_wal(args: BenchWalArgs) -> Result<(), String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Err(e) = init_logging(cli.log.as_deref()) {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
     let result = match cli.command {
         Command::Bench(a) => bench(a),
         Command::Explain(a) => explain(a),

@@ -184,6 +184,7 @@ impl Engine {
     /// clusters it before returning; the PQ index trains its codebooks in the background
     /// (see [`Engine::wait_index`]). A layer is prefilled once; later tokens are appended.
     pub fn prefill(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let _span = tracing::debug_span!("prefill", context = id.0, layer, values = keys.len()).entered();
         self.ingest(id, layer, keys, values, true)
     }
 
@@ -191,6 +192,7 @@ impl Engine {
     /// engine it returns once the batch is committed (its log record fsynced under the sync
     /// policy, shared with concurrent appends by group commit).
     pub fn append(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
+        let _span = tracing::trace_span!("append", context = id.0, layer, values = keys.len()).entered();
         self.ingest(id, layer, keys, values, false)
     }
 
@@ -245,6 +247,7 @@ impl Engine {
     /// Plans attention for a batch of requests under one budget. Plans are data: inspect
     /// them with [`Plan::explain`], run them with [`Engine::execute`].
     pub fn plan(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {
+        let _span = tracing::debug_span!("plan", requests = requests.len()).entered();
         self.plan_on(requests, budget, false)
     }
 
@@ -273,6 +276,7 @@ impl Engine {
     /// Runs a plan: one `q_heads × head_dim` output per request, in request order. Fails
     /// with [`Error::StalePlan`] if a layer changed since it was planned.
     pub fn execute(&self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
+        let _span = tracing::debug_span!("execute", requests = plan.requests.len()).entered();
         self.with_layers(plan, |layers| crate::exec::run(plan, layers))
     }
 
@@ -281,6 +285,7 @@ impl Engine {
     /// method's memory and the blocks (and bytes) pinned from each tier, and the time of the
     /// zone's tasks. [`crate::Analysis::explain`] prints them against the plan.
     pub fn execute_analyze(&self, plan: &Plan) -> Result<(Vec<Vec<f32>>, crate::Analysis)> {
+        let _span = tracing::debug_span!("execute_analyze", requests = plan.requests.len()).entered();
         let meters: Vec<crate::exec::Meter> = plan.requests.iter().map(|_| Default::default()).collect();
         let start = std::time::Instant::now();
         let out = self.with_layers(plan, |layers| crate::exec::run_metered(plan, layers, Some(&meters)))?;
@@ -358,8 +363,10 @@ impl Engine {
     /// [`Engine::open`] with a chosen sync policy and storage. Recovery replays into the
     /// new engine's catalog; the engine gets its durability once everything is loaded.
     pub fn open_with(dir: impl AsRef<Path>, config: EngineConfig, durable: DurableConfig) -> Result<Engine> {
+        let _span = tracing::info_span!("open", dir = %dir.as_ref().display()).entered();
         let mut engine = Engine::in_memory(config)?;
         let attached = crate::durable::open(dir.as_ref(), &engine.catalog, engine.buffer_manager(), durable)?;
+        tracing::info!(report = %attached.report(), "recovered");
         engine.durable = Some(attached);
         Ok(engine)
     }
@@ -380,7 +387,10 @@ impl Engine {
     /// manifest records a home the f16 chunks it holds are punched out of the data file
     /// (`durable/home.rs`).
     pub fn checkpoint(&self) -> Result<CheckpointReport> {
-        self.durable("checkpoint")?.checkpoint_catalog(&self.catalog)
+        let _span = tracing::info_span!("checkpoint").entered();
+        let report = self.durable("checkpoint")?.checkpoint_catalog(&self.catalog)?;
+        tracing::info!(?report, "checkpoint written");
+        Ok(report)
     }
 
     /// Makes everything acknowledged so far durable, whatever the sync policy.

@@ -457,6 +457,7 @@ impl Shared {
     fn lead(&self, st: &mut MutexGuard<'_, State>, durable: bool, force_rotate: bool) {
         st.leader = true;
         let batch = std::mem::take(&mut st.pending);
+        let _span = tracing::trace_span!("wal_group", bytes = batch.len(), durable).entered();
         let mut deps = std::mem::take(&mut st.pending_deps);
         if durable {
             for dep in std::mem::take(&mut st.unsynced_deps) {

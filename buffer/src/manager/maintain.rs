@@ -28,6 +28,7 @@ impl BufferManager {
     /// waiting beyond the slots already quarantined. A block is admitted once per round. Without
     /// a device mirror each admission is made and published at once, as by [`Self::admit`].
     pub fn maintain(&self, max_records: usize) -> usize {
+        let _span = tracing::trace_span!("maintain", max_records).entered();
         let mut records = Vec::new();
         let mut clusters = Vec::new();
         let limit = max_records.min(1 << 16);

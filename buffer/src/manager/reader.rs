@@ -37,6 +37,7 @@ impl BufferManager {
     /// Reads `blocks` by id like [`BufferManager::read`], with the Disk reads among them batched
     /// into one submission.
     fn read_many(&self, blocks: &[BlockId]) -> Vec<Result<PinGuard<'_>>> {
+        let _span = tracing::trace_span!("read_blocks", blocks = blocks.len()).entered();
         let mut state = match self.state() {
             Ok(state) => state,
             Err(e) => return blocks.iter().map(|_| Err(e.clone())).collect(),
