@@ -247,6 +247,10 @@ struct ExplainArgs {
     /// where the bytes came from (index memory, blocks per tier) and time.
     #[arg(long)]
     analyze: bool,
+    /// With --analyze: print the analysis as one JSON object (per request the planned rows
+    /// and the actual counts per zone) instead of text.
+    #[arg(long, requires = "analyze")]
+    json: bool,
 }
 
 #[derive(Args)]
@@ -468,6 +472,13 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     // background; a plan made before it finishes would say so and attend exactly).
     engine.wait_index(ctx, 0, Duration::from_secs(600)).map_err(|e| e.to_string())?;
     let plan = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &budget).map_err(|e| e.to_string())?;
+    if args.analyze && args.json {
+        let (_, analysis) = engine.execute_analyze(&plan).map_err(|e| e.to_string())?;
+        let planned: Vec<_> = plan.requests.iter().map(attnstore::PlannedRows::of).collect();
+        let json = serde_json::json!({ "planned": planned, "analysis": analysis });
+        println!("{json}");
+        return Ok(());
+    }
     print!("{}", if args.verbose { plan.explain_verbose() } else { plan.explain() });
     if args.analyze {
         let (_, analysis) = engine.execute_analyze(&plan).map_err(|e| e.to_string())?;

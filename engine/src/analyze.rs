@@ -8,12 +8,14 @@ use crate::plan::{human_bytes, Plan, RequestPlan, Strategy};
 use std::fmt::Write;
 use std::time::Duration;
 
-/// What executing a plan actually read and cost.
-#[derive(Debug, Clone, Default, PartialEq)]
+/// What executing a plan actually read and cost (serialized with `wall` in microseconds, as
+/// `wall_us`).
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct Analysis {
     /// Per request of the plan, in order.
     pub requests: Vec<RequestActual>,
     /// Wall time of the whole execution.
+    #[serde(rename = "wall_us", serialize_with = "crate::exec::micros")]
     pub wall: Duration,
 }
 
@@ -21,7 +23,7 @@ pub struct Analysis {
 /// executor's units: a steady or retrieved row is counted once per KV head or selection
 /// that attends it; estimation counts clusters). `None` where the plan does not know
 /// (a device-selected plan chooses on the device).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PlannedRows {
     /// Rows attended exactly in one pass or as a scan (exact plans), or the steady zone.
     pub steady: u64,

@@ -104,6 +104,12 @@ fn analyze_gives_the_outputs_of_execute_and_counts_what_each_zone_read() {
             if !budget.exact && spec.method.name() == "wave" {
                 assert!(got.estimate.rows > 0 && got.retrieve.rows > 0, "{what}");
             }
+            // The JSON form carries the same counts.
+            let json = serde_json::to_value(&a).unwrap();
+            let z = &json["requests"][0]["retrieve"];
+            assert_eq!(z["rows"].as_u64(), Some(got.retrieve.rows), "{json}");
+            assert_eq!(z["index_bytes"].as_u64(), Some(got.retrieve.index_bytes), "{json}");
+            assert!(z["cpu_us"].as_f64().is_some() && json["wall_us"].as_f64().unwrap() > 0.0, "{json}");
             let text = a.explain(&plan);
             assert!(text.starts_with("EXPLAIN ANALYZE"), "{text}");
             assert!(text.contains(&format!("actual {:>9}", got.retrieve.rows)), "{text}");

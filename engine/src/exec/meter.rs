@@ -28,8 +28,9 @@ impl Zone {
     }
 }
 
-/// What one zone of one request actually read and cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// What one zone of one request actually read and cost (serialized with `cpu_time` in
+/// microseconds, as `cpu_us`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct ZoneActual {
     /// Rows attended exactly, summed over KV heads and selections (for the estimation zone:
     /// clusters estimated).
@@ -41,6 +42,7 @@ pub struct ZoneActual {
     /// Bytes of those blocks, per tier.
     pub block_bytes: [u64; 3],
     /// Time of the zone's tasks, summed over threads (CPU time, not wall time).
+    #[serde(rename = "cpu_us", serialize_with = "micros")]
     pub cpu_time: Duration,
 }
 
@@ -49,6 +51,11 @@ impl ZoneActual {
     pub fn bytes(&self) -> u64 {
         self.index_bytes + self.block_bytes.iter().sum::<u64>()
     }
+}
+
+/// A duration as microseconds (f64), for JSON.
+pub(crate) fn micros<S: serde::Serializer>(d: &Duration, s: S) -> std::result::Result<S::Ok, S::Error> {
+    s.serialize_f64(d.as_secs_f64() * 1e6)
 }
 
 /// One zone's counters.
@@ -130,7 +137,7 @@ impl Meter {
 }
 
 /// What executing one request of a plan actually read, per zone.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RequestActual {
     /// The steady zone (sink, pending, local; an exact plan's one-pass rows).
     pub steady: ZoneActual,
