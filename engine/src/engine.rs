@@ -248,7 +248,10 @@ impl Engine {
     /// them with [`Plan::explain`], run them with [`Engine::execute`].
     pub fn plan(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {
         let _span = tracing::debug_span!("plan", requests = requests.len()).entered();
-        self.plan_on(requests, budget, false)
+        let start = std::time::Instant::now();
+        let plan = self.plan_on(requests, budget, false)?;
+        crate::metrics::planned(start.elapsed());
+        Ok(plan)
     }
 
     /// Like [`Engine::plan`], but sparse wave plans whose rows the GPU can read in place
@@ -277,7 +280,10 @@ impl Engine {
     /// with [`Error::StalePlan`] if a layer changed since it was planned.
     pub fn execute(&self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
         let _span = tracing::debug_span!("execute", requests = plan.requests.len()).entered();
-        self.with_layers(plan, |layers| crate::exec::run(plan, layers))
+        let start = std::time::Instant::now();
+        let out = self.with_layers(plan, |layers| crate::exec::run(plan, layers))?;
+        crate::metrics::executed(plan, start.elapsed());
+        Ok(out)
     }
 
     /// EXPLAIN ANALYZE: executes `plan` like [`Engine::execute`] (same outputs) while

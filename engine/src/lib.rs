@@ -24,6 +24,7 @@ mod explain;
 mod gpu;
 #[cfg(feature = "cuda")]
 mod gpu_prefill;
+mod metrics;
 mod plan;
 mod spec;
 

@@ -1,0 +1,63 @@
+//! Metrics for embedders through the `metrics` facade: the library records and installs
+//! nothing; the application installs any recorder or exporter (Prometheus, StatsD, ...).
+//!
+//! Recorded on every call: `attnstore_plan_seconds` and `attnstore_execute_seconds`
+//! (histograms of [`Engine::plan`] and [`Engine::execute`] latency) and
+//! `attnstore_requests_total{method, strategy}` (requests executed). Published when the
+//! application asks ([`Engine::publish_metrics`], e.g. from its scrape handler): the buffer
+//! manager's numbers per tier as gauges (`attnstore_buffer_capacity_blocks`,
+//! `attnstore_buffer_used_blocks`) and counters set to their totals
+//! (`attnstore_buffer_hits_total`, `_misses_total`, `_evictions_total`, `_failures_total`,
+//! `_bytes_in_total`), and `attnstore_contexts`. With no recorder installed each call costs a
+//! check of the global recorder.
+
+use crate::engine::Engine;
+use crate::plan::{Plan, Strategy};
+use attnstore_buffer::Tier;
+use std::time::Duration;
+
+/// Records one [`Engine::plan`] call.
+pub(crate) fn planned(elapsed: Duration) {
+    metrics::histogram!("attnstore_plan_seconds").record(elapsed.as_secs_f64());
+}
+
+/// Records one [`Engine::execute`] call of `plan`.
+pub(crate) fn executed(plan: &Plan, elapsed: Duration) {
+    metrics::histogram!("attnstore_execute_seconds").record(elapsed.as_secs_f64());
+    for r in &plan.requests {
+        let strategy = match r.strategy {
+            Strategy::Exact { .. } => "exact",
+            Strategy::Sparse { .. } => "sparse",
+        };
+        metrics::counter!("attnstore_requests_total", "method" => r.method, "strategy" => strategy).increment(1);
+    }
+}
+
+fn tier_name(tier: Tier) -> &'static str {
+    match tier {
+        Tier::Gpu => "gpu",
+        Tier::Host => "host",
+        Tier::Disk => "disk",
+    }
+}
+
+impl Engine {
+    /// Publishes the engine's current state to the installed `metrics` recorder: per tier
+    /// of the buffer manager (when there is one) its capacity and use as gauges and its
+    /// hits, misses, evictions, failures and bytes moved in as counters set to their
+    /// totals, and the number of contexts. Call it when the metrics are read (a scrape).
+    pub fn publish_metrics(&self) {
+        metrics::gauge!("attnstore_contexts").set(self.contexts().len() as f64);
+        let Some(stats) = self.buffer_stats() else { return };
+        for t in &stats.tiers {
+            let tier = tier_name(t.tier);
+            metrics::gauge!("attnstore_buffer_capacity_blocks", "tier" => tier).set(t.capacity_blocks as f64);
+            metrics::gauge!("attnstore_buffer_used_blocks", "tier" => tier).set(t.used_blocks as f64);
+            metrics::counter!("attnstore_buffer_hits_total", "tier" => tier).absolute(t.hits);
+            metrics::counter!("attnstore_buffer_misses_total", "tier" => tier).absolute(t.misses);
+            metrics::counter!("attnstore_buffer_evictions_total", "tier" => tier).absolute(t.evictions);
+            metrics::counter!("attnstore_buffer_failures_total", "tier" => tier).absolute(t.failures);
+            metrics::counter!("attnstore_buffer_bytes_in_total", "tier" => tier).absolute(t.bytes_in);
+        }
+    }
+}

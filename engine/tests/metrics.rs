@@ -1,0 +1,84 @@
+//! Metrics through the `metrics` facade: plan and execute latency and request counts move
+//! by exactly the calls made, and a publish sets the buffer manager's per-tier numbers to
+//! what `buffer_stats` reports.
+
+mod common;
+use common::synth::{SynthContext, SynthParams};
+
+use attnstore::{AttnShape, Budget, BufferSettings, ContextSpec, Engine, EngineConfig, Request, Tier};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics_util::MetricKind;
+
+/// A recorded value, comparable.
+#[derive(Debug, PartialEq)]
+enum V {
+    Counter(u64),
+    Gauge(f64),
+    Samples(usize),
+}
+
+fn value(d: &DebugValue) -> V {
+    match d {
+        DebugValue::Counter(c) => V::Counter(*c),
+        DebugValue::Gauge(g) => V::Gauge(g.0),
+        DebugValue::Histogram(h) => V::Samples(h.len()),
+    }
+}
+
+#[test]
+fn metrics_move_by_the_calls_made_and_publish_the_buffer_managers_numbers() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let shape = AttnShape::new(8, 2, 32).unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape, 3000, 11));
+    let buffers = BufferSettings { maintainer_idle: None, ..BufferSettings::new(4096) };
+    let engine = Engine::in_memory(EngineConfig { buffers: Some(buffers), ..EngineConfig::default() }).unwrap();
+    let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+    engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+    let sparse = Budget::default().with_retrieve_floor(0).with_retrieve(0.05);
+    metrics::with_local_recorder(&recorder, || {
+        for step in 0..3 {
+            let plan = engine.plan(&[Request::new(ctx, 0, synth.queries(step))], &sparse).unwrap();
+            engine.execute(&plan).unwrap();
+        }
+        let exact = engine
+            .plan(&[Request::new(ctx, 0, synth.queries(0)), Request::new(ctx, 0, synth.queries(1))], &Budget::full())
+            .unwrap();
+        engine.execute(&exact).unwrap();
+        engine.buffer_manager().unwrap().maintain(usize::MAX);
+        engine.publish_metrics();
+    });
+    let stats = engine.buffer_stats().unwrap();
+    let snapshot = snapshotter.snapshot().into_vec();
+    let find = |kind: MetricKind, name: &str, labels: &[(&str, &str)]| {
+        snapshot
+            .iter()
+            .find(|(k, _, _, _)| {
+                k.kind() == kind
+                    && k.key().name() == name
+                    && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+                    && k.key().labels().count() == labels.len()
+            })
+            .map(|(_, _, _, v)| value(v))
+            .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
+    };
+    assert_eq!(find(MetricKind::Histogram, "attnstore_plan_seconds", &[]), V::Samples(4));
+    assert_eq!(find(MetricKind::Histogram, "attnstore_execute_seconds", &[]), V::Samples(4));
+    let sparse_requests =
+        find(MetricKind::Counter, "attnstore_requests_total", &[("method", "wave"), ("strategy", "sparse")]);
+    assert_eq!(sparse_requests, V::Counter(3));
+    let exact_requests =
+        find(MetricKind::Counter, "attnstore_requests_total", &[("method", "wave"), ("strategy", "exact")]);
+    assert_eq!(exact_requests, V::Counter(2));
+    for (tier, name) in [(Tier::Gpu, "gpu"), (Tier::Host, "host")] {
+        let t = stats.tier(tier).unwrap();
+        let counter = |metric| find(MetricKind::Counter, metric, &[("tier", name)]);
+        assert_eq!(counter("attnstore_buffer_hits_total"), V::Counter(t.hits), "{name}");
+        assert_eq!(counter("attnstore_buffer_misses_total"), V::Counter(t.misses), "{name}");
+        assert_eq!(counter("attnstore_buffer_bytes_in_total"), V::Counter(t.bytes_in), "{name}");
+        let used = find(MetricKind::Gauge, "attnstore_buffer_used_blocks", &[("tier", name)]);
+        assert_eq!(used, V::Gauge(t.used_blocks as f64), "{name}");
+    }
+    assert!(stats.tier(Tier::Host).unwrap().hits > 0, "{stats}");
+    assert_eq!(find(MetricKind::Gauge, "attnstore_contexts", &[]), V::Gauge(1.0));
+}
