@@ -218,5 +218,8 @@ pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
             .set("ratio_p50", us / prefill[0]);
         rows.push(r);
     }
+    // For an installed metrics recorder (`attnstore inspect --prometheus`): the buffered
+    // engine's tiers as they ended.
+    buffered.publish_metrics();
     Ok(InspectReport { rows, explain, stats, max_rel_diff })
 }

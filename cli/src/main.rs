@@ -288,6 +288,10 @@ struct InspectArgs {
     /// multiple of 512, since the Disk tier reads and writes blocks with O_DIRECT.
     #[arg(long, default_value_t = 2048)]
     block_bytes: usize,
+    /// Print only the metrics the run recorded (plan and execute latency, requests, the
+    /// buffered engine's tiers), in the Prometheus text format.
+    #[arg(long)]
+    prometheus: bool,
 }
 
 fn parse_replacer(s: &str) -> Result<ReplacerKind, String> {
@@ -521,6 +525,14 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
         progress: true,
     };
     check_memory("inspect --tokens", cfg.tokens, |t| cfg.bytes_needed(t))?;
+    if args.prometheus {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::set_global_recorder(recorder).map_err(|e| format!("installing the metrics recorder: {e}"))?;
+        attnstore_bench::inspect::run(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
+        print!("{}", handle.render());
+        return Ok(());
+    }
     let report = attnstore_bench::inspect::run(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
     if !report.stats.gpu_on_device && !args.no_maintainer && cfg.buffers.gpu_blocks > 0 {
         eprintln!(
