@@ -156,14 +156,6 @@ struct AccessRecord {
 const MISS: u32 = u32::MAX;
 const TIERS: [Tier; 3] = Tier::ALL;
 
-fn tier_index(tier: Tier) -> usize {
-    match tier {
-        Tier::Gpu => 0,
-        Tier::Host => 1,
-        Tier::Disk => 2,
-    }
-}
-
 /// The buffer manager (see the module docs).
 ///
 /// ```
@@ -294,7 +286,7 @@ impl BufferManager {
     }
 
     fn counters(&self, tier: Tier) -> &TierCounters {
-        &self.counters[tier_index(tier)]
+        &self.counters[tier.index()]
     }
 
     /// Adds a batch of reads to the shared counters (Gpu hits, Gpu misses, Host hits): once

@@ -17,6 +17,11 @@ impl Tier {
     /// All tiers, fastest first.
     pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Host, Tier::Disk];
 
+    /// Position in [`Tier::ALL`] (0 gpu, 1 host, 2 disk): the index of per-tier arrays.
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     /// Lower-case name (`gpu`, `host`, `disk`).
     pub fn name(self) -> &'static str {
         match self {

@@ -80,7 +80,7 @@ impl Analysis {
             );
             let planned = PlannedRows::of(r);
             let pick = |f: fn(&PlannedRows) -> u64| planned.as_ref().map(f);
-            let steady = ZoneActual { rows: a.steady.rows + a.scan.rows, ..merge(&a.steady, &a.scan) };
+            let steady = merge(&a.steady, &a.scan);
             zone_line(&mut s, "├─", "Exact/steady", pick(|p| p.steady), &steady, "rows");
             zone_line(&mut s, "├─", "Retrieve", pick(|p| p.retrieve), &a.retrieve, "rows");
             zone_line(&mut s, "└─", "Estimate", pick(|p| p.estimate), &a.estimate, "clusters");

@@ -13,7 +13,6 @@
 
 use crate::engine::Engine;
 use crate::plan::{Plan, Strategy};
-use attnstore_buffer::Tier;
 use std::time::Duration;
 
 /// Records one [`Engine::plan`] call.
@@ -33,14 +32,6 @@ pub(crate) fn executed(plan: &Plan, elapsed: Duration) {
     }
 }
 
-fn tier_name(tier: Tier) -> &'static str {
-    match tier {
-        Tier::Gpu => "gpu",
-        Tier::Host => "host",
-        Tier::Disk => "disk",
-    }
-}
-
 impl Engine {
     /// Publishes the engine's current state to the installed `metrics` recorder: per tier
     /// of the buffer manager (when there is one) its capacity and use as gauges and its
@@ -50,7 +41,7 @@ impl Engine {
         metrics::gauge!("attnstore_contexts").set(self.contexts().len() as f64);
         let Some(stats) = self.buffer_stats() else { return };
         for t in &stats.tiers {
-            let tier = tier_name(t.tier);
+            let tier = t.tier.name();
             metrics::gauge!("attnstore_buffer_capacity_blocks", "tier" => tier).set(t.capacity_blocks as f64);
             metrics::gauge!("attnstore_buffer_used_blocks", "tier" => tier).set(t.used_blocks as f64);
             metrics::counter!("attnstore_buffer_hits_total", "tier" => tier).absolute(t.hits);

@@ -8,7 +8,7 @@
 //! are stored as opaque bytes, one home cluster each.
 
 use crate::error::Result;
-use attnstore_buffer::{BlockLocation, BufferManager, ClusterKey, Tier};
+use attnstore_buffer::{BlockLocation, BufferManager, ClusterKey};
 use attnstore_index::{HomeError, RowHome};
 use std::ops::Range;
 use std::sync::Arc;
@@ -173,7 +173,7 @@ impl RowHome for BlockStore {
         }
         let (mut keys, mut values) = (Vec::with_capacity(rows * row_bytes), Vec::with_capacity(rows * row_bytes));
         for (b, chunk) in bytes.chunks(block).enumerate().take(rows.div_ceil(per_block)) {
-            let n = (rows - b * per_block).min(per_block) * row_bytes;
+            let n = rows_in_block(rows, b, per_block) * row_bytes;
             keys.extend_from_slice(&chunk[..n]);
             values.extend_from_slice(&chunk[per_block * row_bytes..per_block * row_bytes + n]);
         }
@@ -209,7 +209,6 @@ pub(crate) fn blocks_of_clusters(
 
 /// Rows of block `b` of a cluster of `rows` rows (`per_block`, or the remainder for the
 /// last).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "the GPU executor's"))]
 pub(crate) fn rows_in_block(rows: usize, b: usize, per_block: usize) -> usize {
     (rows - b * per_block).min(per_block)
 }
@@ -226,11 +225,7 @@ pub(crate) fn missing(key: &ClusterKey) -> crate::Error {
 pub fn blocks_per_tier(locations: &[BlockLocation]) -> [usize; 3] {
     let mut out = [0; 3];
     for l in locations {
-        out[match l.tier() {
-            Tier::Gpu => 0,
-            Tier::Host => 1,
-            Tier::Disk => 2,
-        }] += 1;
+        out[l.tier().index()] += 1;
     }
     out
 }

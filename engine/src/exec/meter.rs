@@ -68,14 +68,6 @@ pub(crate) struct ZoneMeter {
     nanos: AtomicU64,
 }
 
-fn tier_index(tier: Tier) -> usize {
-    match tier {
-        Tier::Gpu => 0,
-        Tier::Host => 1,
-        Tier::Disk => 2,
-    }
-}
-
 impl ZoneMeter {
     /// `rows` rows read from the method's memory, `bytes` bytes of them.
     pub(crate) fn index_rows(&self, rows: usize, bytes: usize) {
@@ -90,7 +82,7 @@ impl ZoneMeter {
 
     /// One block of `bytes` bytes pinned from `tier`.
     pub(crate) fn pinned(&self, tier: Tier, bytes: usize) {
-        let t = tier_index(tier);
+        let t = tier.index();
         self.blocks[t].fetch_add(1, Relaxed);
         self.block_bytes[t].fetch_add(bytes as u64, Relaxed);
     }

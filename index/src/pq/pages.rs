@@ -82,9 +82,8 @@ impl<E: Element> PqIndex<E> {
         let starts: Vec<u32> = (0..n).step_by(PAGE_TOKENS).chain([n]).map(|r| r as u32).collect();
         let base = HomedBase { starts };
         for (h, kv) in self.heads.iter().enumerate() {
-            for c in 0..base.pages() {
-                let rows =
-                    (start + base.starts[c as usize] as usize) * d..(start + base.starts[c as usize + 1] as usize) * d;
+            for (c, page) in (0u32..).zip(base.starts.windows(2)) {
+                let rows = (start + page[0] as usize) * d..(start + page[1] as usize) * d;
                 let (k, v) = (&kv.tail_keys[rows.clone()], &kv.tail_values[rows]);
                 if let Err(e) = home.store_rows(h, c, bytemuck::cast_slice(k), bytemuck::cast_slice(v), row_bytes) {
                     (0..h).for_each(|done| home.free(done, 0..base.pages()));

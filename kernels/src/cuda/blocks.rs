@@ -61,16 +61,12 @@ impl Backend for CudaBlocks<'_> {
             .map(|head| {
                 let mut list = Vec::with_capacity(head.len() * rows_per_block);
                 for b in head {
-                    match b.block {
-                        CudaBlock::Host(slot) => {
-                            let base = slot as usize * stride;
-                            list.extend(b.rows.clone().map(|r| RowRef::Kv((base + r) as u32)));
-                        }
-                        CudaBlock::Cache(slot) => {
-                            let base = slot as usize * stride;
-                            list.extend(b.rows.clone().map(|r| RowRef::Cache((base + r) as u32)));
-                        }
-                    }
+                    let (slot, row): (u32, fn(u32) -> RowRef) = match b.block {
+                        CudaBlock::Host(slot) => (slot, RowRef::Kv),
+                        CudaBlock::Cache(slot) => (slot, RowRef::Cache),
+                    };
+                    let base = slot as usize * stride;
+                    list.extend(b.rows.clone().map(|r| row((base + r) as u32)));
                 }
                 list
             })
