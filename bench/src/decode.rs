@@ -40,6 +40,10 @@ pub struct BenchConfig {
     pub retrieve: f64,
     /// Retrieval floor in tokens.
     pub retrieve_floor: usize,
+    /// Budget scales: every sparse method and the oracle run once per scale, with the
+    /// retrieval fraction and floor multiplied by it (the points of the accuracy/cost
+    /// frontier). Each positive; `[1.0]` measures the budget as given.
+    pub scales: Vec<f64>,
     /// Estimation shares to compare.
     pub estimates: Vec<EstimateShare>,
     /// Selection modes to compare.
@@ -176,7 +180,9 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
         cfg.modes.iter().flat_map(|&m| cfg.estimates.iter().map(move |&e| (m, e))).collect();
     let wave_runs = if cfg.methods.contains(&BenchMethod::Wave) { combos.len() } else { 0 };
     let pq_runs = if cfg.methods.contains(&BenchMethod::Pq) { cfg.modes.len() } else { 0 };
-    let pb = progress(cfg, tokens, 5 + cfg.queries * (1 + wave_runs + pq_runs) + 2 * pq_runs.min(1) + 1);
+    let scales = cfg.scales.len();
+    let pb =
+        progress(cfg, tokens, 6 + cfg.queries + scales * (cfg.queries * (wave_runs + pq_runs) + 1 + pq_runs.min(1)));
     pb.set_message("generating synthetic KV");
     let synth = SynthContext::generate(SynthParams::new(shape, tokens, cfg.seed));
     let queries: Vec<Vec<f32>> = (0..cfg.queries as u64).map(|i| synth.queries(i)).collect();
@@ -243,137 +249,177 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
         run.fill(&mut r);
         emit(r);
     }
-    let mut default_exact_tokens = None;
-    if cfg.methods.contains(&BenchMethod::Wave) {
-        for &(mode, share) in &combos {
-            pb.set_message(format!("wave {} estimate {}", mode.name(), share_name(share)));
-            let budget = Budget::default()
-                .with_retrieve(cfg.retrieve)
-                .with_retrieve_floor(cfg.retrieve_floor)
-                .with_mode(mode)
-                .with_estimate(share);
-            let run = measure_sparse(&ctx, wave, &budget, &exact_once, &pb)?;
-            default_exact_tokens.get_or_insert(run.exact_tokens.round() as usize);
-            let mut r = base_row(cfg, "decode", "wave", tokens);
-            r.set("selection", mode.name()).set("retrieve_frac", cfg.retrieve).set("estimate_frac", share_value(share));
-            run.fill(&mut r);
-            emit(r);
-        }
-    }
-    // Every method attends the same number of tokens exactly: what the first wave plan did,
-    // or the steady zone plus the retrieval budget when wave is not measured.
-    let steady = WaveParams::default().sink_tokens + WaveParams::default().local_tokens;
-    let n = default_exact_tokens.unwrap_or_else(|| {
-        steady
-            + Budget::default()
-                .with_retrieve(cfg.retrieve)
-                .with_retrieve_floor(cfg.retrieve_floor)
-                .resolve(tokens)
-                .retrieve_tokens
-    });
-
-    if cfg.methods.contains(&BenchMethod::Pq) {
+    let pq = if cfg.methods.contains(&BenchMethod::Pq) {
         pb.set_message("index build (pq, background k-means)");
-        let params = PqParams { build_budget: cfg.pq_build_budget, ..PqParams::default() };
-        let pq = engine.create_context(coded.with_method(Method::Pq(params)))?;
-        let started = Instant::now();
-        engine.prefill(pq, 0, &synth.keys, &synth.values)?;
-        let returned_us = started.elapsed().as_secs_f64() * 1e6;
-        engine.wait_index(pq, 0, std::time::Duration::from_secs(3600))?;
-        let ready_us = started.elapsed().as_secs_f64() * 1e6;
-        let stats = engine.stats(pq, 0)?;
-        let mut r = base_row(cfg, "index_build", "pq", tokens);
-        r.set("time_us", ready_us)
-            .set("prefill_return_us", returned_us)
-            .set("us_per_1k_tokens", ready_us / (tokens as f64 / 1000.0))
-            .set("index_bytes", stats.index_bytes)
-            .set("index_bytes_per_token_head", stats.index_bytes as f64 / (tokens * shape.kv_heads) as f64)
-            .set("kv_bytes", stats.kv_bytes)
-            .set("index_frac", stats.index_bytes as f64 / stats.kv_bytes.max(1) as f64);
-        if let Some(b) = engine.index_build(pq, 0)? {
-            r.set("subspaces", b.layout.subspaces)
-                .set("bits", b.layout.bits)
-                .set("train_rows", b.train_rows)
-                .set("iters_limit", b.iters_limit)
-                .set("iters_run", b.iters_run)
-                .set("converged_jobs", b.converged_jobs)
-                .set("jobs", b.jobs);
-            if let (Some(budget), Some(pred)) = (b.budget, b.predicted) {
-                r.set("build_budget_us", budget.as_secs_f64() * 1e6).set("predicted_us", pred.as_secs_f64() * 1e6);
+        Some(build_pq(cfg, &engine, &coded, &synth, tokens, emit)?)
+    } else {
+        None
+    };
+    pb.inc(1);
+    for (i, &scale) in cfg.scales.iter().enumerate() {
+        let (retrieve, floor) = (cfg.retrieve * scale, (cfg.retrieve_floor as f64 * scale).round() as usize);
+        let scaled = Budget::default().with_retrieve(retrieve).with_retrieve_floor(floor);
+        let mut default_exact_tokens = None;
+        if cfg.methods.contains(&BenchMethod::Wave) {
+            for &(mode, share) in &combos {
+                pb.set_message(format!("wave {} estimate {} (scale {scale})", mode.name(), share_name(share)));
+                let run = measure_sparse(&ctx, wave, &scaled.with_mode(mode).with_estimate(share), &exact_once, &pb)?;
+                default_exact_tokens.get_or_insert(run.exact_tokens.round() as usize);
+                let mut r = base_row(cfg, "decode", "wave", tokens);
+                r.set("selection", mode.name())
+                    .set("retrieve_frac", retrieve)
+                    .set("estimate_frac", share_value(share))
+                    .set("scale", scale);
+                run.fill(&mut r);
+                emit(r);
             }
         }
-        emit(r);
-        pb.inc(1);
-
-        pb.set_message("pq scoring + top-k vs exact q·k scores");
-        let budget = Budget::default()
+        // Every method attends the same number of tokens exactly: what the first wave plan
+        // did, or the steady zone plus the retrieval budget when wave is not measured.
+        let steady = WaveParams::default().sink_tokens + WaveParams::default().local_tokens;
+        let n = default_exact_tokens.unwrap_or_else(|| steady + scaled.resolve(tokens).retrieve_tokens);
+        let top_n = Budget::default()
             .with_retrieve(0.0)
             .with_retrieve_floor(n.saturating_sub(steady))
             .with_estimate(EstimateShare::Fraction(0.0));
-        let req = |q: &Vec<f32>| [Request::new(pq, 0, q.clone())];
-        let (mut pq_samples, mut exact_samples) = (vec![], vec![]);
-        let scale = 1.0 / (d as f32).sqrt();
-        for q in &queries {
-            for _ in 0..reps {
-                exact_samples.push(time_us(|| {
-                    let g = shape.group();
-                    let scores: Vec<usize> = (0..shape.kv_heads)
-                        .into_par_iter()
-                        .map(|h| {
-                            let mut out = vec![Vec::new(); g];
-                            score_group(&q[h * g * d..(h + 1) * g * d], g, kview.head(h), scale, &mut out);
-                            out.len()
-                        })
-                        .collect();
-                    std::hint::black_box(scores);
-                }));
-                let mut plan = None;
-                pq_samples.push(time_us(|| plan = Some(engine.plan(&req(q), &budget))));
-                plan.transpose()?;
+        if let Some(pq) = pq {
+            if i == 0 {
+                pb.set_message("pq scoring + top-k vs exact q·k scores");
+                measure_pq_scoring(cfg, &ctx, pq, &top_n, n, tokens, emit)?;
+            }
+            pb.inc(1);
+            for &mode in &cfg.modes {
+                pb.set_message(format!("pq {} (scale {scale})", mode.name()));
+                let run = measure_sparse(&ctx, pq, &top_n.with_mode(mode), &exact_once, &pb)?;
+                let mut r = base_row(cfg, "decode", "pq", tokens);
+                r.set("selection", mode.name()).set("scale", scale);
+                run.fill(&mut r);
+                emit(r);
             }
         }
-        let (pq_us, exact_us) = (median(pq_samples), median(exact_samples));
-        let mut r = timed_row(cfg, ("scoring", "pq", tokens), pq_us, "exact_scores", exact_us);
-        r.set("selection", SelectionMode::PerKvHead.name()).set("exact_tokens", n);
+        pb.set_message(format!("oracle top-k (flat index, scale {scale})"));
+        let mut r = measure_oracle(cfg, &ctx, flat, n, &exact_once, tokens)?;
+        r.set("scale", scale);
         emit(r);
         pb.inc(1);
+    }
+    pb.finish_and_clear();
+    Ok(())
+}
 
-        for &mode in &cfg.modes {
-            pb.set_message(format!("pq {}", mode.name()));
-            let run = measure_sparse(&ctx, pq, &budget.with_mode(mode), &exact_once, &pb)?;
-            let mut r = base_row(cfg, "decode", "pq", tokens);
-            r.set("selection", mode.name());
-            run.fill(&mut r);
-            emit(r);
+/// Creates the PQ context, prefills it, waits for its codebooks and reports the build.
+fn build_pq(
+    cfg: &BenchConfig,
+    engine: &Engine,
+    coded: &ContextSpec,
+    synth: &SynthContext,
+    tokens: usize,
+    emit: &mut dyn FnMut(Row),
+) -> Result<ContextId> {
+    let params = PqParams { build_budget: cfg.pq_build_budget, ..PqParams::default() };
+    let pq = engine.create_context(coded.clone().with_method(Method::Pq(params)))?;
+    let started = Instant::now();
+    engine.prefill(pq, 0, &synth.keys, &synth.values)?;
+    let returned_us = started.elapsed().as_secs_f64() * 1e6;
+    engine.wait_index(pq, 0, std::time::Duration::from_secs(3600))?;
+    let ready_us = started.elapsed().as_secs_f64() * 1e6;
+    let stats = engine.stats(pq, 0)?;
+    let mut r = base_row(cfg, "index_build", "pq", tokens);
+    r.set("time_us", ready_us)
+        .set("prefill_return_us", returned_us)
+        .set("us_per_1k_tokens", ready_us / (tokens as f64 / 1000.0))
+        .set("index_bytes", stats.index_bytes)
+        .set("index_bytes_per_token_head", stats.index_bytes as f64 / (tokens * cfg.shape.kv_heads) as f64)
+        .set("kv_bytes", stats.kv_bytes)
+        .set("index_frac", stats.index_bytes as f64 / stats.kv_bytes.max(1) as f64);
+    if let Some(b) = engine.index_build(pq, 0)? {
+        r.set("subspaces", b.layout.subspaces)
+            .set("bits", b.layout.bits)
+            .set("train_rows", b.train_rows)
+            .set("iters_limit", b.iters_limit)
+            .set("iters_run", b.iters_run)
+            .set("converged_jobs", b.converged_jobs)
+            .set("jobs", b.jobs);
+        if let (Some(budget), Some(pred)) = (b.budget, b.predicted) {
+            r.set("build_budget_us", budget.as_secs_f64() * 1e6).set("predicted_us", pred.as_secs_f64() * 1e6);
         }
     }
+    emit(r);
+    Ok(pq)
+}
 
-    pb.set_message("oracle top-k (flat index)");
+/// Times PQ's planning (scoring every key through the codebooks and a top-`n`) against
+/// exact q·k scores of every key, interleaved.
+fn measure_pq_scoring<E: Element>(
+    cfg: &BenchConfig,
+    inp: &Inputs<'_, E>,
+    pq: ContextId,
+    budget: &Budget,
+    n: usize,
+    tokens: usize,
+    emit: &mut dyn FnMut(Row),
+) -> Result<()> {
+    let (shape, d) = (inp.shape, inp.shape.head_dim);
+    let req = |q: &Vec<f32>| [Request::new(pq, 0, q.clone())];
+    let (mut pq_samples, mut exact_samples) = (vec![], vec![]);
+    let scale = 1.0 / (d as f32).sqrt();
+    for q in inp.queries {
+        for _ in 0..inp.reps {
+            exact_samples.push(time_us(|| {
+                let g = shape.group();
+                let scores: Vec<usize> = (0..shape.kv_heads)
+                    .into_par_iter()
+                    .map(|h| {
+                        let mut out = vec![Vec::new(); g];
+                        score_group(&q[h * g * d..(h + 1) * g * d], g, inp.kview.head(h), scale, &mut out);
+                        out.len()
+                    })
+                    .collect();
+                std::hint::black_box(scores);
+            }));
+            let mut plan = None;
+            pq_samples.push(time_us(|| plan = Some(inp.engine.plan(&req(q), budget))));
+            plan.transpose()?;
+        }
+    }
+    let (pq_us, exact_us) = (median(pq_samples), median(exact_samples));
+    let mut r = timed_row(cfg, ("scoring", "pq", tokens), pq_us, "exact_scores", exact_us);
+    r.set("selection", SelectionMode::PerKvHead.name()).set("exact_tokens", n);
+    emit(r);
+    Ok(())
+}
+
+/// The oracle: an exact top-`n` of the true scores over the flat context, timed against
+/// exact attention, its error against the f64 references.
+fn measure_oracle<E: Element>(
+    cfg: &BenchConfig,
+    inp: &Inputs<'_, E>,
+    flat: ContextId,
+    n: usize,
+    exact_once: &dyn Fn(&[f32]) -> f64,
+    tokens: usize,
+) -> Result<Row> {
     let budget =
         Budget::default().with_retrieve(0.0).with_retrieve_floor(n).with_estimate(EstimateShare::Fraction(0.0));
     let (mut samples, mut errs, mut base_samples) = (vec![], vec![], vec![]);
-    for (q, reference) in queries.iter().zip(&references) {
+    for (q, reference) in inp.queries.iter().zip(inp.references) {
         let req = [Request::new(flat, 0, q.clone())];
         let mut out = Vec::new();
-        for _ in 0..reps {
+        for _ in 0..inp.reps {
             base_samples.push(exact_once(q));
             let t = Instant::now();
-            let plan = engine.plan(&req, &budget)?;
-            out = engine.execute(&plan)?;
+            let plan = inp.engine.plan(&req, &budget)?;
+            out = inp.engine.execute(&plan)?;
             samples.push(t.elapsed().as_secs_f64() * 1e6);
         }
         errs.push(rel_l2(&out[0], reference));
     }
-    let us = median(samples);
-    let base_us = median(base_samples);
-    let mut r = timed_row(cfg, ("decode", "oracle_topk", tokens), us, "exact", base_us);
+    let mut r = timed_row(cfg, ("decode", "oracle_topk", tokens), median(samples), "exact", median(base_samples));
     r.set("selection", SelectionMode::PerQueryHead.name())
         .set("rel_l2_error", errs.iter().sum::<f64>() / errs.len().max(1) as f64)
         .set("recall", 1.0)
         .set("exact_tokens", n);
-    emit(r);
-    pb.finish_and_clear();
-    Ok(())
+    Ok(r)
 }
 
 /// Prefills the wave context (building its index before returning) and reports the build.

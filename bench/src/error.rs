@@ -16,6 +16,9 @@ pub enum Error {
     /// A bench setting is unusable (e.g. a rate over zero records).
     #[error("invalid bench setting: {0}")]
     InvalidSetting(String),
+    /// A chart could not be drawn, rasterized or written.
+    #[error("plot failed: {0}")]
+    Plot(String),
 }
 
 /// `Result` with the bench crate's [`Error`].

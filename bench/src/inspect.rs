@@ -3,6 +3,7 @@
 //! both (same queries, interleaved), then the buffer manager's tier statistics.
 
 use crate::memory;
+use crate::plot::TierSample;
 use crate::report::Row;
 use crate::synth::{SynthContext, SynthParams};
 use crate::Result;
@@ -72,6 +73,8 @@ pub struct InspectReport {
     pub stats: BufferStats,
     /// Largest relative L2 difference between the two engines' outputs (0 when identical).
     pub max_rel_diff: f64,
+    /// Per decode step, the buffered engine's hits and misses per tier during the step.
+    pub tier_steps: Vec<TierSample>,
 }
 
 /// Host blocks that hold all indexed rows of a context: per cluster, K and V each round up
@@ -122,6 +125,19 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
     (num / den.max(f64::MIN_POSITIVE)).sqrt()
 }
 
+/// Each tier's hits and misses between two snapshots of the statistics.
+fn tier_delta(step: usize, before: &BufferStats, after: &BufferStats) -> TierSample {
+    let tiers = after
+        .tiers
+        .iter()
+        .map(|t| {
+            let (hits, misses) = before.tier(t.tier).map_or((0, 0), |b| (b.hits, b.misses));
+            (t.tier.name(), t.hits.saturating_sub(hits), t.misses.saturating_sub(misses))
+        })
+        .collect();
+    TierSample { step, tiers }
+}
+
 /// Runs the comparison (see the module docs).
 pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
     let config = EngineConfig { block: cfg.block, ..EngineConfig::default() };
@@ -149,6 +165,7 @@ pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
     let (mut sparse, mut exact) = ([Vec::new(), Vec::new()], [Vec::new(), Vec::new()]);
     let mut max_rel_diff = 0.0f64;
     let mut explain = String::new();
+    let mut tier_steps = Vec::with_capacity(cfg.steps);
     for step in 0..cfg.steps {
         let q = synth.queries(step as u64);
         let mut runs: Vec<(usize, &Budget)> = vec![(0, &cfg.budget), (1, &cfg.budget)];
@@ -164,6 +181,7 @@ pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
             }
         }
         let mut outs: [Vec<f32>; 4] = Default::default();
+        let before = buffered.buffer_stats();
         for (which, budget) in runs {
             let (engine, times) = match which {
                 0 => (&plain, &mut sparse[0]),
@@ -176,6 +194,9 @@ pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
                 explain = plan.explain();
             }
             outs[which] = out;
+        }
+        if let (Some(a), Some(b)) = (before, buffered.buffer_stats()) {
+            tier_steps.push(tier_delta(step, &a, &b));
         }
         max_rel_diff = max_rel_diff.max(rel_diff(&outs[1], &outs[0]));
         if step < cfg.exact_steps {
@@ -221,5 +242,5 @@ pub fn run(cfg: &InspectConfig) -> Result<InspectReport> {
     // For an installed metrics recorder (`attnstore inspect --prometheus`): the buffered
     // engine's tiers as they ended.
     buffered.publish_metrics();
-    Ok(InspectReport { rows, explain, stats, max_rel_diff })
+    Ok(InspectReport { rows, explain, stats, max_rel_diff, tier_steps })
 }

@@ -23,6 +23,7 @@ pub mod decode;
 mod error;
 pub mod inspect;
 pub mod memory;
+pub mod plot;
 pub mod report;
 pub mod synth;
 pub mod wal;

@@ -354,7 +354,7 @@ impl BufferManager {
     fn publish(&self, home: Home, gpu_slot: u32) {
         if let Home::Host(host_slot) = home {
             if self.slot_table.set(host_slot, gpu_slot).is_err() {
-                TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                self.counters(Tier::Gpu).failed(Tier::Gpu, "slot_table");
             }
         }
     }
@@ -364,7 +364,7 @@ impl BufferManager {
     fn unpublish(&self, home: Home) {
         if let Home::Host(host_slot) = home {
             if self.slot_table.clear(host_slot).is_err() {
-                TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                self.counters(Tier::Gpu).failed(Tier::Gpu, "slot_table");
             }
         }
     }

@@ -23,10 +23,23 @@ impl TierCounters {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
-    pub(crate) fn moved(&self, bytes: usize, started: std::time::Instant) {
+    /// One block of `bytes` moved into `tier` (these counters' tier) since `started`; the
+    /// move's latency also goes to the `attnstore_buffer_move_seconds{tier}` histogram.
+    pub(crate) fn moved(&self, tier: Tier, bytes: usize, started: std::time::Instant) {
+        let took = started.elapsed();
         Self::add(&self.moves_in, 1);
         Self::add(&self.bytes_in, bytes as u64);
-        Self::add(&self.move_ns, started.elapsed().as_nanos() as u64);
+        Self::add(&self.move_ns, took.as_nanos() as u64);
+        metrics::histogram!("attnstore_buffer_move_seconds", "tier" => tier.name()).record(took.as_secs_f64());
+    }
+
+    /// One failed operation of `tier` (these counters' tier), of `kind` (`disk_write`,
+    /// `disk_read`, `corrupt`, `missing`, `full`, `copy`, `slot_table`, `poisoned`), also
+    /// counted by kind in `attnstore_buffer_failures_by_kind_total{tier,kind}`.
+    pub(crate) fn failed(&self, tier: Tier, kind: &'static str) {
+        Self::add(&self.failures, 1);
+        metrics::counter!("attnstore_buffer_failures_by_kind_total", "tier" => tier.name(), "kind" => kind)
+            .increment(1);
     }
 
     pub(crate) fn snapshot(&self, tier: Tier, capacity_blocks: usize, used_blocks: usize) -> TierStats {

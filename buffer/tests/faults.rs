@@ -235,3 +235,55 @@ fn unaligned_requests_and_sizes_are_typed_errors() {
     drop(disk);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn move_latencies_and_failures_by_kind_reach_the_metrics_facade() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let dir = tempdir("metrics");
+    let buffers = manager(&dir, 16, IoChoice::Pread);
+    let blocks = metrics::with_local_recorder(&recorder, || {
+        let blocks: Vec<_> = (0..40).map(|_| buffers.allocate(KEY).unwrap()).collect();
+        for (i, &block) in blocks.iter().enumerate() {
+            buffers.write(block, &pattern(i as u64, 2048)).unwrap();
+        }
+        for &block in &blocks[..4] {
+            buffers.spill(block).unwrap();
+        }
+        for &block in &blocks[..2] {
+            buffers.reload(block).unwrap();
+        }
+        flip_bit(&buffers, blocks[30], 100, 3);
+        assert!(matches!(buffers.read(blocks[30]), Err(Error::Corrupt { .. })));
+        blocks
+    });
+    assert_eq!(blocks.len(), 40);
+    let stats = buffers.stats();
+    let snapshot = snapshotter.snapshot().into_vec();
+    let find = |name: &str, labels: &[(&str, &str)]| {
+        snapshot
+            .iter()
+            .find(|(k, ..)| {
+                k.key().name() == name
+                    && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+            })
+            .map(|(.., v)| v)
+    };
+    for tier in [Tier::Host, Tier::Disk] {
+        let moves = stats.tier(tier).unwrap().moves_in;
+        assert!(moves > 0, "{tier:?}");
+        match find("attnstore_buffer_move_seconds", &[("tier", tier.name())]) {
+            Some(DebugValue::Histogram(h)) => assert_eq!(h.len() as u64, moves, "{tier:?}"),
+            other => panic!("{tier:?}: {other:?}"),
+        }
+    }
+    let disk = stats.tier(Tier::Disk).unwrap();
+    assert_eq!(disk.failures, 1);
+    assert!(matches!(
+        find("attnstore_buffer_failures_by_kind_total", &[("tier", "disk"), ("kind", "corrupt")]),
+        Some(DebugValue::Counter(1))
+    ));
+    drop(buffers);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -217,6 +217,16 @@ struct BenchArgs {
     /// With --trace: layers attended exactly whatever the budget.
     #[arg(long, default_value_t = 0)]
     dense_layers: usize,
+    /// Budget scales, comma separated (each positive): every sparse method and the oracle
+    /// run once per scale with the retrieval fraction and floor multiplied by it. Default 1,
+    /// or 0.25,0.5,1,2 with --plot (the frontier's points).
+    #[arg(long, value_delimiter = ',', value_parser = model::parse_scale)]
+    scales: Option<Vec<f64>>,
+    /// Write charts into this directory (SVG and PNG): per length the accuracy/cost frontier
+    /// (error against exactly attended tokens, with the oracle's curve), latency against
+    /// context length, and the buffer tiers' hit ratios over a short buffered run.
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -292,6 +302,10 @@ struct InspectArgs {
     /// buffered engine's tiers), in the Prometheus text format.
     #[arg(long)]
     prometheus: bool,
+    /// Write a chart of the tiers' hit ratios over the decode steps into this directory
+    /// (hit_ratios.svg and .png).
+    #[arg(long)]
+    plot: Option<PathBuf>,
 }
 
 fn parse_replacer(s: &str) -> Result<ReplacerKind, String> {
@@ -409,6 +423,13 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         reps: args.reps,
         retrieve: args.budget.retrieve,
         retrieve_floor: args.budget.retrieve_floor,
+        scales: args.scales.clone().unwrap_or_else(|| {
+            if args.plot.is_some() {
+                vec![0.25, 0.5, 1.0, 2.0]
+            } else {
+                vec![1.0]
+            }
+        }),
         estimates: args.estimate,
         modes: args.selection,
         seed: args.shape.seed,
@@ -450,6 +471,56 @@ fn bench(args: BenchArgs) -> Result<(), String> {
         println!("JSON lines:");
         for r in &rows {
             println!("{}", r.json());
+        }
+    }
+    if let Some(dir) = &args.plot {
+        write_charts(dir, attnstore_bench::plot::bench_charts(&rows))?;
+        // The tiers' hit ratios come from a short buffered run at the shortest length.
+        let tokens = cfg.tokens.iter().copied().min().unwrap_or(32 * 1024);
+        let codec = cfg.codec;
+        let layout = attnstore::BlockLayout::new(2048).map_err(|e| e.to_string())?;
+        let host_blocks = attnstore_bench::blocks_for_codec(&shape, codec, tokens, layout.block_bytes());
+        let buffers = BufferSettings {
+            gpu_blocks: host_blocks / 20,
+            maintainer_idle: Some(Duration::from_micros(100)),
+            ..BufferSettings::new(host_blocks)
+        };
+        let inspect = InspectConfig {
+            tokens,
+            shape,
+            codec,
+            steps: 100,
+            exact_steps: 0,
+            budget: args.budget.budget(),
+            buffers,
+            block: layout,
+            seed: cfg.seed,
+            progress: cfg.progress,
+        };
+        check_memory("bench --plot's buffered run", tokens, |t| inspect.bytes_needed(t))?;
+        let report = attnstore_bench::inspect::run(&inspect).map_err(|e| format!("buffered run failed: {e}"))?;
+        write_charts(dir, vec![hit_ratios(&report, &inspect)])?;
+    }
+    Ok(())
+}
+
+/// The hit-ratio chart of an inspection.
+fn hit_ratios(report: &attnstore_bench::InspectReport, cfg: &InspectConfig) -> (String, attnstore_bench::plot::Chart) {
+    let title = format!(
+        "Tier hit ratios: {} decode steps, {} tokens, Gpu tier {} blocks",
+        cfg.steps, cfg.tokens, cfg.buffers.gpu_blocks
+    );
+    ("hit_ratios".into(), attnstore_bench::plot::hit_ratio_chart(&report.tier_steps, &title))
+}
+
+/// Writes each chart as SVG and PNG into `dir` and names the files on stderr.
+pub(crate) fn write_charts(
+    dir: &std::path::Path,
+    charts: Vec<(String, attnstore_bench::plot::Chart)>,
+) -> Result<(), String> {
+    for (stem, chart) in charts {
+        for path in attnstore_bench::plot::write(dir, &stem, &chart).map_err(|e| e.to_string())? {
+            eprintln!("wrote {}", path.display());
         }
     }
     Ok(())
@@ -559,6 +630,9 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
     println!("largest relative difference between the two engines' outputs: {:.2e}", report.max_rel_diff);
     println!("\nEXPLAIN of the last sparse plan over the buffered context:\n{}", report.explain);
     println!("buffer manager:\n{}", report.stats);
+    if let Some(dir) = &args.plot {
+        write_charts(dir, vec![hit_ratios(&report, &cfg)])?;
+    }
     Ok(())
 }
 

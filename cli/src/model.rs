@@ -1,11 +1,13 @@
 //! The real-model commands: `generate`, `capture`, `eval`, `argmax`, and `bench --trace`.
 
 use attnstore::{Budget, Codec, EstimateShare};
+use attnstore_bench::plot::{Axis, Chart, Series};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
 use attnstore_runtime::trace::{self, Trace, TraceRow};
 use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
@@ -146,6 +148,11 @@ pub struct EvalArgs {
     /// Also write the JSON lines to this file.
     #[arg(long)]
     json_out: Option<PathBuf>,
+    /// Write charts into this directory (SVG and PNG): per length attention error against
+    /// exactly attended tokens (top-k is the oracle's curve), and KL, top-1 agreement and
+    /// passkey retrieval against prompt length.
+    #[arg(long)]
+    plot: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -181,7 +188,7 @@ fn parse_method(s: &str) -> Result<AttnMethod, String> {
 }
 
 /// A budget scale: finite and positive.
-fn parse_scale(s: &str) -> Result<f64, String> {
+pub(crate) fn parse_scale(s: &str) -> Result<f64, String> {
     match s.trim().parse::<f64>() {
         Ok(x) if x.is_finite() && x > 0.0 => Ok(x),
         Ok(x) => Err(format!("budget scale {x} must be a positive number (1 is the default budget)")),
@@ -500,7 +507,84 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
     println!("{}", eval_table(&rows));
     println!("{}", passkey_table(&passkeys));
     println!("weights: {:?}; {:.0} s in all", model.weights(), start.elapsed().as_secs_f64());
+    if let Some(dir) = &args.plot {
+        crate::write_charts(dir, eval_charts(&rows, &passkeys))?;
+    }
     Ok(())
+}
+
+/// The charts of an `attnstore eval` run (see `EvalArgs::plot`).
+fn eval_charts(rows: &[EvalRow], passkeys: &[PasskeyRow]) -> Vec<(String, Chart)> {
+    let variant = |method: &str, codec: &str, scale: f64| format!("{method}/{codec} {scale}x");
+    let mut charts = Vec::new();
+    let mut lengths: Vec<usize> = rows.iter().map(|r| r.length).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    for &len in &lengths {
+        let mut by: BTreeMap<(String, bool), Vec<(f64, f64)>> = BTreeMap::new();
+        for r in rows.iter().filter(|r| r.length == len) {
+            let oracle = r.method == AttnMethod::TopK.name();
+            by.entry((format!("{}/{}", r.method, r.codec), oracle)).or_default().push((r.exact_tokens, r.attn_error));
+        }
+        let series = by
+            .into_iter()
+            .map(|((name, oracle), p)| match oracle {
+                true => Series::new(format!("{name} (oracle)"), p).reference(),
+                false => Series::new(name, p),
+            })
+            .collect();
+        charts.push((
+            format!("eval_frontier_{len}"),
+            Chart {
+                title: format!("Attention error against exact tokens, {len}-token prompts"),
+                x: Axis::log("tokens attended exactly per query head and layer"),
+                y: Axis::log("relative L2 error of attention outputs"),
+                series,
+            },
+        ));
+    }
+    let per_length = |f: &dyn Fn(&EvalRow) -> f64| -> Vec<Series> {
+        let mut by: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        for r in rows {
+            by.entry(variant(r.method, &r.codec, r.budget_scale)).or_default().push((r.length as f64, f(r)));
+        }
+        by.into_iter().map(|(n, p)| Series::new(n, p)).collect()
+    };
+    charts.push((
+        "eval_kl".into(),
+        Chart {
+            title: "KL(exact ‖ method) of next-token distributions".into(),
+            x: Axis::log("prompt tokens"),
+            y: Axis::log("mean KL, teacher-forced"),
+            series: per_length(&|r| r.kl),
+        },
+    ));
+    charts.push((
+        "eval_top1".into(),
+        Chart {
+            title: "Top-1 agreement with exact attention".into(),
+            x: Axis::log("prompt tokens"),
+            y: Axis::linear("teacher-forced top-1 agreement"),
+            series: per_length(&|r| r.teacher_top1),
+        },
+    ));
+    if !passkeys.is_empty() {
+        let mut by: BTreeMap<String, Vec<(f64, f64)>> = BTreeMap::new();
+        for p in passkeys {
+            let share = p.correct as f64 / p.trials.max(1) as f64;
+            by.entry(variant(p.method, &p.codec, p.budget_scale)).or_default().push((p.length as f64, share));
+        }
+        charts.push((
+            "eval_passkey".into(),
+            Chart {
+                title: "Passkey retrieval".into(),
+                x: Axis::log("prompt tokens"),
+                y: Axis::linear("share of pass keys retrieved"),
+                series: by.into_iter().map(|(n, p)| Series::new(n, p)).collect(),
+            },
+        ));
+    }
+    charts
 }
 
 fn eval_table(rows: &[EvalRow]) -> String {
@@ -583,4 +667,50 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", args.out.display()))?;
     println!("wrote {} ({} prompt tokens, {} teacher-forced positions)", args.out.display(), ids.len(), cont.len());
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn eval_rows_become_a_frontier_per_length_kl_top1_and_passkey_charts() {
+        let row = |length, method, scale, exact_tokens, attn_error, kl| EvalRow {
+            length,
+            method,
+            codec: "f16".into(),
+            budget_scale: scale,
+            exact_tokens,
+            attn_error,
+            kl,
+            teacher_top1: 1.0 - kl,
+            ..EvalRow::default()
+        };
+        let rows = vec![
+            row(2048, "wave", 1.0, 300.0, 0.1, 0.02),
+            row(2048, "wave", 2.0, 600.0, 0.05, 0.01),
+            row(2048, "topk", 1.0, 300.0, 0.08, 0.015),
+            row(4096, "wave", 1.0, 400.0, 0.12, 0.03),
+        ];
+        let passkeys = vec![PasskeyRow {
+            length: 2048,
+            method: "wave",
+            codec: "f16".into(),
+            budget_scale: 1.0,
+            correct: 2,
+            trials: 3,
+            ..PasskeyRow::default()
+        }];
+        let charts = eval_charts(&rows, &passkeys);
+        let names: Vec<&str> = charts.iter().map(|(n, _)| n.as_str()).collect();
+        assert_eq!(names, ["eval_frontier_2048", "eval_frontier_4096", "eval_kl", "eval_top1", "eval_passkey"]);
+        let frontier = &charts[0].1;
+        let oracle = frontier.series.iter().find(|s| s.reference).unwrap();
+        assert_eq!((oracle.name.as_str(), oracle.points.as_slice()), ("topk/f16 (oracle)", &[(300.0, 0.08)][..]));
+        let wave = frontier.series.iter().find(|s| s.name == "wave/f16").unwrap();
+        assert_eq!(wave.points, [(300.0, 0.1), (600.0, 0.05)]);
+        let kl = charts[2].1.series.iter().find(|s| s.name == "wave/f16 1x").unwrap();
+        assert_eq!(kl.points, [(2048.0, 0.02), (4096.0, 0.03)]);
+        assert_eq!(charts[4].1.series[0].points, [(2048.0, 2.0 / 3.0)]);
+    }
 }

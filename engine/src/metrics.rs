@@ -8,8 +8,11 @@
 //! manager's numbers per tier as gauges (`attnstore_buffer_capacity_blocks`,
 //! `attnstore_buffer_used_blocks`) and counters set to their totals
 //! (`attnstore_buffer_hits_total`, `_misses_total`, `_evictions_total`, `_failures_total`,
-//! `_bytes_in_total`), and `attnstore_contexts`. With no recorder installed each call costs a
-//! check of the global recorder.
+//! `_bytes_in_total`), the maintainer's dropped and queued access records, and
+//! `attnstore_contexts`. With no recorder installed each call costs a check of the global
+//! recorder. The buffer and WAL crates record their I/O where it happens
+//! (`attnstore_buffer_move_seconds{tier}`, `attnstore_buffer_failures_by_kind_total`,
+//! `attnstore_wal_*`; `docs/observability.md` lists them).
 
 use crate::engine::Engine;
 use crate::plan::{Plan, Strategy};
@@ -50,5 +53,9 @@ impl Engine {
             metrics::counter!("attnstore_buffer_failures_total", "tier" => tier).absolute(t.failures);
             metrics::counter!("attnstore_buffer_bytes_in_total", "tier" => tier).absolute(t.bytes_in);
         }
+        // Admission drops: access records the maintainer never saw (its queue was full),
+        // and the queue's depth now.
+        metrics::counter!("attnstore_buffer_dropped_access_records_total").absolute(stats.dropped_access_records);
+        metrics::gauge!("attnstore_buffer_queued_access_records").set(stats.queued_access_records as f64);
     }
 }

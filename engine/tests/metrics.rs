@@ -81,4 +81,13 @@ fn metrics_move_by_the_calls_made_and_publish_the_buffer_managers_numbers() {
     }
     assert!(stats.tier(Tier::Host).unwrap().hits > 0, "{stats}");
     assert_eq!(find(MetricKind::Gauge, "attnstore_contexts", &[]), V::Gauge(1.0));
+    let dropped = find(MetricKind::Counter, "attnstore_buffer_dropped_access_records_total", &[]);
+    assert_eq!(dropped, V::Counter(stats.dropped_access_records));
+    // maintain(usize::MAX) above emptied the queue.
+    assert_eq!(find(MetricKind::Gauge, "attnstore_buffer_queued_access_records", &[]), V::Gauge(0.0));
+    // The maintainer's admissions into the Gpu tier each recorded their latency.
+    let admitted = stats.tier(Tier::Gpu).unwrap().moves_in;
+    assert!(admitted > 0, "{stats}");
+    let moves = find(MetricKind::Histogram, "attnstore_buffer_move_seconds", &[("tier", "gpu")]);
+    assert_eq!(moves, V::Samples(admitted as usize));
 }

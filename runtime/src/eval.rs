@@ -44,7 +44,7 @@ pub struct EvalConfig {
 }
 
 /// Results of one method and budget at one length.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct EvalRow {
     /// Name of the summarized text.
     pub text: String,
@@ -82,7 +82,7 @@ pub struct EvalRow {
 }
 
 /// Passkey results of one method and budget at one length.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct PasskeyRow {
     /// Prompt tokens.
     pub length: usize,

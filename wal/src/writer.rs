@@ -153,6 +153,19 @@ fn sync_all(files: &[Arc<dyn StorageFile>]) -> std::io::Result<()> {
     }
 }
 
+/// The metrics of one group flush (`docs/observability.md`): its records and bytes, whether
+/// it ended in an fsync, and the records appended but not yet durable after it (the log's lag).
+fn record_group(records: u64, bytes: usize, durable: bool, unsynced: u64) {
+    if records > 0 {
+        metrics::histogram!("attnstore_wal_group_records").record(records as f64);
+        metrics::histogram!("attnstore_wal_group_bytes").record(bytes as f64);
+    }
+    if durable {
+        metrics::counter!("attnstore_wal_fsyncs_total").increment(1);
+    }
+    metrics::gauge!("attnstore_wal_unsynced_records").set(unsynced as f64);
+}
+
 /// Queued bytes at which [`LogWriter::submit`] writes them out (without fsync) itself.
 pub const SUBMIT_WRITE_BYTES: usize = 4 << 20;
 
@@ -435,12 +448,16 @@ impl Shared {
     /// Waits until every record below `end` is written (or durable, if `durable`), leading a
     /// group flush whenever none is running.
     fn commit(&self, st: &mut MutexGuard<'_, State>, end: Lsn, durable: bool) -> Result<(), Error> {
+        let started = Instant::now();
         loop {
             if let Some(cause) = &st.poisoned {
                 return Err(Error::Poisoned { cause: cause.clone() });
             }
             let reached = if durable { st.durable_end >= end } else { st.written_end >= end };
             if reached {
+                // What a committer waited for its records to be durable (or written).
+                metrics::histogram!("attnstore_wal_commit_wait_seconds", "durable" => if durable { "true" } else { "false" })
+                    .record(started.elapsed().as_secs_f64());
                 return Ok(());
             }
             if st.leader {
@@ -488,11 +505,15 @@ impl Shared {
                 sync_all(&deps).map_err(|e| Error::io("fsync data file for", path(), &e))?;
             }
             if !batch.is_empty() {
+                let started = Instant::now();
                 file.write_all_at(&batch, offset).map_err(|e| Error::io("write", path(), &e))?;
+                metrics::histogram!("attnstore_wal_write_seconds").record(started.elapsed().as_secs_f64());
                 offset += batch.len() as u64;
             }
             if durable {
+                let started = Instant::now();
                 file.sync_data().map_err(|e| Error::io("fsync", path(), &e))?;
+                metrics::histogram!("attnstore_wal_fsync_seconds").record(started.elapsed().as_secs_f64());
             }
             Ok((file, offset, new_file))
         });
@@ -515,8 +536,16 @@ impl Shared {
                         push_dep(&mut st.unsynced_deps, dep);
                     }
                 }
+                record_group(batch_end - first_lsn, batch.len(), durable, st.next_lsn - st.durable_end);
             }
-            Err(error) => st.poisoned = Some(error.to_string()),
+            Err(error) => {
+                let op = match &error {
+                    Error::Io { op, .. } => *op,
+                    _ => "other",
+                };
+                metrics::counter!("attnstore_wal_failures_total", "op" => op).increment(1);
+                st.poisoned = Some(error.to_string());
+            }
         }
         self.wake.notify_all();
     }
@@ -705,6 +734,58 @@ mod tests {
         assert!(matches!(log.append(RecordKind::AppendKv, b"three"), Err(Error::Poisoned { .. })));
         assert!(matches!(log.sync(), Err(Error::Poisoned { .. })));
         assert!(log.poisoned().is_some());
+    }
+
+    #[test]
+    fn wal_metrics_count_every_group_fsync_and_failure() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        let dir = tempdir();
+        let storage = FaultyStorage::new();
+        let config = WriterConfig { policy: SyncPolicy::EveryBatch, max_file_bytes: 1 << 20 };
+        let log = LogWriter::create(dir.path(), Arc::new(storage.clone()), config, DIR_ID, 1).unwrap();
+        let stats = metrics::with_local_recorder(&recorder, || {
+            // Three lone appends (a group of one each), then five submitted records in one group.
+            for i in 0..3u8 {
+                log.append(RecordKind::AppendKv, &[i; 10]).unwrap();
+            }
+            for i in 0..5u8 {
+                log.submit(RecordKind::AppendKv, &[i; 10], None).unwrap();
+            }
+            log.sync().unwrap();
+            let stats = log.stats();
+            storage.fail_syncs(true);
+            assert!(log.append(RecordKind::AppendKv, b"x").is_err());
+            stats
+        });
+        let snapshot = snapshotter.snapshot().into_hashmap();
+        let get = |name: &str| {
+            snapshot
+                .iter()
+                .filter(|(k, _)| k.key().name() == name)
+                .map(|(k, (_, _, v))| (k.key().labels().map(|l| format!("{}={}", l.key(), l.value())).collect(), v))
+                .collect::<Vec<(Vec<String>, &DebugValue)>>()
+        };
+        assert_eq!((stats.records, stats.writes, stats.syncs), (8, 4, 4));
+        assert_eq!(get("attnstore_wal_fsyncs_total"), [(vec![], &DebugValue::Counter(stats.syncs))]);
+        let groups = match &get("attnstore_wal_group_records")[..] {
+            [(_, DebugValue::Histogram(h))] => h.iter().map(|v| v.0).collect::<Vec<f64>>(),
+            other => panic!("{other:?}"),
+        };
+        // The failed group wrote its record before the fsync failed: not counted as a group.
+        assert_eq!(groups, [1.0, 1.0, 1.0, 5.0]);
+        match &get("attnstore_wal_fsync_seconds")[..] {
+            [(_, DebugValue::Histogram(h))] => assert_eq!(h.len() as u64, stats.syncs),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(get("attnstore_wal_unsynced_records"), [(vec![], &DebugValue::Gauge(0.0.into()))]);
+        assert_eq!(get("attnstore_wal_failures_total"), [(vec!["op=fsync".to_string()], &DebugValue::Counter(1))]);
+        let waits = get("attnstore_wal_commit_wait_seconds");
+        assert!(
+            matches!(&waits[..], [(l, DebugValue::Histogram(h))] if l == &["durable=true"] && h.len() == 4),
+            "{waits:?}"
+        );
     }
 
     #[test]

@@ -5,7 +5,6 @@
 
 use super::{BlockMeta, BufferManager, Home, State};
 use crate::arena::NO_OWNER;
-use crate::stats::TierCounters;
 use crate::{BlockId, BlockKey, ClusterKey, Error, Result, Tier};
 use std::time::Instant;
 
@@ -48,10 +47,10 @@ impl BufferManager {
         let started = Instant::now();
         if let Err(e) = disk.write_blocks(&[(slot, block, payload)]).remove(0) {
             disk.free_slot(slot);
-            TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+            self.counters(Tier::Disk).failed(Tier::Disk, "disk_write");
             return Err(e);
         }
-        self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+        self.counters(Tier::Disk).moved(Tier::Disk, self.layout.block_bytes(), started);
         Ok(Home::Disk(slot))
     }
 
@@ -87,11 +86,11 @@ impl BufferManager {
                     disk.free_slot(slot);
                     let meta = state.meta_mut(block)?;
                     meta.home = Home::Lost("a write to disk failed");
-                    TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+                    self.counters(Tier::Disk).failed(Tier::Disk, "disk_write");
                     self.remap(block, state.meta(block)?);
                     return Err(e);
                 }
-                self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+                self.counters(Tier::Disk).moved(Tier::Disk, self.layout.block_bytes(), started);
                 Ok(())
             }
             Home::Lost(_) => {

@@ -7,7 +7,6 @@ use super::device::{ClusterReads, StepReads};
 use super::round::Round;
 use super::{BufferManager, State, MISS};
 use crate::mapping::Locations;
-use crate::stats::TierCounters;
 use crate::{ClusterKey, Error, Tier};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -46,7 +45,7 @@ impl BufferManager {
         // them here rather than in a plan thread's epoch pin.
         self.mapping.collect_garbage();
         let Ok(mut state) = self.state() else {
-            TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+            self.counters(Tier::Gpu).failed(Tier::Gpu, "poisoned");
             return records.len();
         };
         let trace = trace_rounds().then(Instant::now);

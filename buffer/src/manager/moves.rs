@@ -25,10 +25,10 @@ impl BufferManager {
         let started = Instant::now();
         if let Err(e) = disk.write_blocks(&[(disk_slot, block, w.bytes())]).remove(0) {
             disk.free_slot(disk_slot);
-            TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+            self.counters(Tier::Disk).failed(Tier::Disk, "disk_write");
             return Err(e); // the block stays on Host, intact
         }
-        self.counters(Tier::Disk).moved(self.layout.block_bytes(), started);
+        self.counters(Tier::Disk).moved(Tier::Disk, self.layout.block_bytes(), started);
         if state.meta(block)?.gpu_slot.is_some() {
             // The Gpu copy stays, but the Host slot will hold another block.
             self.unpublish(home);
@@ -75,7 +75,7 @@ impl BufferManager {
         }
         w.set_owner(block.0);
         drop(w);
-        self.counters(Tier::Host).moved(self.layout.block_bytes(), started);
+        self.counters(Tier::Host).moved(Tier::Host, self.layout.block_bytes(), started);
         disk.free_slot(disk_slot);
         let meta = state.meta_mut(block)?;
         meta.home = Home::Host(slot);
@@ -88,7 +88,12 @@ impl BufferManager {
 
     /// Counts a failed disk read; a corrupt or missing block is lost from then on.
     pub(super) fn disk_failure(&self, state: &mut State, block: BlockId, disk_slot: u32, error: &Error) {
-        TierCounters::add(&self.counters(Tier::Disk).failures, 1);
+        let kind = match error {
+            Error::Corrupt { .. } => "corrupt",
+            Error::Missing { .. } => "missing",
+            _ => "disk_read",
+        };
+        self.counters(Tier::Disk).failed(Tier::Disk, kind);
         if matches!(error, Error::Corrupt { .. } | Error::Missing { .. }) {
             if let Some(meta) = state.blocks.get_mut(&block) {
                 meta.home = Home::Lost(if matches!(error, Error::Corrupt { .. }) {
@@ -131,7 +136,7 @@ impl BufferManager {
             None => {
                 let w = self.take_victim(state, None).inspect_err(|e| {
                     if matches!(e, Error::TierFull { .. }) {
-                        TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                        self.counters(Tier::Gpu).failed(Tier::Gpu, "full");
                     }
                 })?;
                 if !self.epochs.retire(w.slot()) {
@@ -154,7 +159,7 @@ impl BufferManager {
         });
         if let Err(e) = copied {
             if matches!(e, Error::Io { op: "copy to gpu", .. }) {
-                TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                self.counters(Tier::Gpu).failed(Tier::Gpu, "copy");
             }
             w.set_owner(NO_OWNER);
             drop(w);
@@ -169,7 +174,7 @@ impl BufferManager {
         // The bytes are on the device (the mirror waited for its copy): publish the slot.
         self.publish(home, slot);
         self.remap(block, state.meta(block)?);
-        self.counters(Tier::Gpu).moved(self.layout.block_bytes(), started);
+        self.counters(Tier::Gpu).moved(Tier::Gpu, self.layout.block_bytes(), started);
         Ok(slot)
     }
 

@@ -7,7 +7,6 @@
 
 use super::{BufferManager, Home, State};
 use crate::arena::{SlotWrite, NO_OWNER};
-use crate::stats::TierCounters;
 use crate::{BlockId, Error, Tier};
 use std::time::Instant;
 
@@ -105,7 +104,7 @@ impl BufferManager {
                         // Otherwise the round's admissions and victims hold the rest: waiting.
                         if matches!(e, Error::TierFull { .. }) && round.admitted.is_empty() && round.victims.is_empty()
                         {
-                            TierCounters::add(&self.counters(Tier::Gpu).failures, 1);
+                            self.counters(Tier::Gpu).failed(Tier::Gpu, "full");
                         }
                     }
                 }
@@ -163,7 +162,7 @@ impl BufferManager {
         drop(latched);
         let gpu = self.counters(Tier::Gpu);
         if table_failed {
-            TierCounters::add(&gpu.failures, 1);
+            gpu.failed(Tier::Gpu, "slot_table");
         }
         if let Err(why) = &copied {
             self.slot_table.mark_broken(why);
@@ -176,7 +175,7 @@ impl BufferManager {
                 }
                 drop(write);
                 self.retire_gpu_slot(slot);
-                TierCounters::add(&gpu.failures, 1);
+                gpu.failed(Tier::Gpu, "copy");
                 continue;
             }
             write.set_owner(block.0);
@@ -185,7 +184,7 @@ impl BufferManager {
             let meta = state.blocks.get_mut(&block).expect("a block admitted this round is live (state lock held)");
             meta.gpu_slot = Some(slot);
             self.remap(block, meta);
-            gpu.moved(self.layout.block_bytes(), started);
+            gpu.moved(Tier::Gpu, self.layout.block_bytes(), started);
         }
         for slot in victims {
             self.retire_gpu_slot(slot);
