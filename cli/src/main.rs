@@ -7,8 +7,8 @@
 mod model;
 
 use attnstore::{
-    AttnShape, Budget, BufferSettings, Codec, ContextSpec, DType, Engine, EngineConfig, EstimateShare, Method,
-    PqParams, ReplacerKind, Request, SelectionMode, WaveParams,
+    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, EstimateShare,
+    Method, PqParams, ReplacerKind, Request, SelectionMode, WaveParams,
 };
 use attnstore_bench::{memory, BenchConfig, BenchMethod, InspectConfig, SynthContext, SynthParams, WalBenchConfig};
 use clap::{Args, Parser, Subcommand};
@@ -30,6 +30,11 @@ struct Cli {
     /// checkpoints, maintainer rounds, block reads and WAL group flushes.
     #[arg(long, global = true, value_name = "FILTER")]
     log: Option<String>,
+    /// Record the run's metrics (plan and execute latency, requests, WAL and buffer I/O)
+    /// with a Prometheus recorder and write them to FILE in the Prometheus text format when
+    /// the command ends.
+    #[arg(long, global = true, value_name = "FILE")]
+    metrics: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -261,6 +266,11 @@ struct ExplainArgs {
     /// and the actual counts per zone) instead of text.
     #[arg(long, requires = "analyze")]
     json: bool,
+    /// With --analyze: plan for the GPU (`plan_gpu`: the device selects a wave layer's
+    /// clusters) over rows homed in a buffer manager, and execute on the GPU
+    /// (`execute_gpu_analyze`), after a few warm-up steps. Needs a build with `--features cuda`.
+    #[arg(long, requires = "analyze")]
+    gpu: bool,
 }
 
 #[derive(Args)]
@@ -538,7 +548,14 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     check_memory("explain --tokens", args.tokens, |t| {
         memory::run_bytes(&shape, t, memory::context_bytes(&shape, codec, &args.method, t))
     })?;
-    let engine = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
+    let mut config = EngineConfig::default();
+    if args.gpu {
+        // Rows homed in a buffer manager (the GPU reads them there), a Gpu tier of 5%.
+        let host = attnstore_bench::blocks_for_codec(&shape, codec, args.tokens, config.block.block_bytes());
+        config.buffers =
+            Some(BufferSettings { gpu_blocks: host / 20, maintainer_idle: None, ..BufferSettings::new(host) });
+    }
+    let engine = Engine::in_memory(config).map_err(|e| e.to_string())?;
     let spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype).with_codec(codec).with_method(args.method);
     let ctx = engine.create_context(spec).map_err(|e| e.to_string())?;
     let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
@@ -546,6 +563,9 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
     // EXPLAIN the plan a decode step gets once the index is ready (a PQ build runs in the
     // background; a plan made before it finishes would say so and attend exactly).
     engine.wait_index(ctx, 0, Duration::from_secs(600)).map_err(|e| e.to_string())?;
+    if args.gpu {
+        return explain_gpu(&engine, ctx, &synth, &budget, args.json);
+    }
     let plan = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &budget).map_err(|e| e.to_string())?;
     if args.analyze && args.json {
         let (_, analysis) = engine.execute_analyze(&plan).map_err(|e| e.to_string())?;
@@ -560,6 +580,48 @@ fn explain(args: ExplainArgs) -> Result<(), String> {
         print!("\n{}", analysis.explain(&plan));
     }
     Ok(())
+}
+
+/// `explain --analyze --gpu`: four warm-up steps (the maintainer admitting what each read),
+/// then EXPLAIN ANALYZE of a GPU step.
+#[cfg(feature = "cuda")]
+fn explain_gpu(
+    engine: &Engine,
+    ctx: ContextId,
+    synth: &SynthContext,
+    budget: &Budget,
+    json: bool,
+) -> Result<(), String> {
+    let err = |e: attnstore::Error| e.to_string();
+    let manager = engine.buffer_manager().ok_or("no buffer manager")?.clone();
+    for step in 1..=4 {
+        let plan = engine.plan_gpu(&[Request::new(ctx, 0, synth.queries(step))], budget).map_err(err)?;
+        engine.execute_gpu(&plan).map_err(err)?;
+        manager.maintain(usize::MAX);
+    }
+    let plan = engine.plan_gpu(&[Request::new(ctx, 0, synth.queries(0))], budget).map_err(err)?;
+    let (_, run, analysis) = engine.execute_gpu_analyze(&plan).map_err(err)?;
+    if json {
+        let planned: Vec<_> = plan.requests.iter().map(attnstore::PlannedRows::of).collect();
+        println!("{}", serde_json::json!({ "planned": planned, "analysis": analysis, "gpu_run": format!("{run:?}") }));
+        return Ok(());
+    }
+    print!("{}\n{}", plan.explain(), analysis.explain(&plan));
+    println!("GPU run: {run:?}");
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn explain_gpu(_: &Engine, _: ContextId, _: &SynthContext, _: &Budget, _: bool) -> Result<(), String> {
+    Err("--gpu needs a build with the GPU executor: cargo build --release -p attnstore-cli --features cuda".into())
+}
+
+/// Installs a Prometheus recorder (no HTTP listener) as the global metrics recorder.
+fn install_prometheus() -> Result<metrics_exporter_prometheus::PrometheusHandle, String> {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::set_global_recorder(recorder).map_err(|e| format!("installing the metrics recorder: {e}"))?;
+    Ok(handle)
 }
 
 fn inspect(args: InspectArgs) -> Result<(), String> {
@@ -597,9 +659,7 @@ fn inspect(args: InspectArgs) -> Result<(), String> {
     };
     check_memory("inspect --tokens", cfg.tokens, |t| cfg.bytes_needed(t))?;
     if args.prometheus {
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
-        let handle = recorder.handle();
-        metrics::set_global_recorder(recorder).map_err(|e| format!("installing the metrics recorder: {e}"))?;
+        let handle = install_prometheus()?;
         attnstore_bench::inspect::run(&cfg).map_err(|e| format!("inspect failed: {e}"))?;
         print!("{}", handle.render());
         return Ok(());
@@ -687,6 +747,13 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
+    let metrics = match cli.metrics.as_ref().map(|_| install_prometheus()).transpose() {
+        Ok(handle) => handle,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         Command::Bench(a) => bench(a),
         Command::Explain(a) => explain(a),
@@ -698,6 +765,12 @@ fn main() -> ExitCode {
         Command::Capture(a) => model::capture(a),
         Command::Eval(a) => model::eval(a),
         Command::Argmax(a) => model::argmax_dump(a),
+    };
+    let result = match (cli.metrics, metrics) {
+        (Some(path), Some(handle)) => result.and_then(|()| {
+            std::fs::write(&path, handle.render()).map_err(|e| format!("--metrics {}: {e}", path.display()))
+        }),
+        _ => result,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -34,3 +34,36 @@ fn inspect_prints_metrics_that_a_prometheus_parser_reads() {
     assert!(value(sample("attnstore_buffer_hits_total", &[("tier", "host")])) > 0.0, "{text}");
     assert!(scrape.samples.iter().any(|s| s.metric.starts_with("attnstore_plan_seconds")), "{text}");
 }
+
+#[test]
+fn the_global_metrics_flag_writes_the_wal_and_request_metrics_of_any_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("metrics.prom");
+    let out = Command::new(env!("CARGO_BIN_EXE_attnstore"))
+        .arg("--metrics")
+        .arg(&file)
+        .args(["bench-wal", "--records", "40", "--threads", "2", "--record-bytes", "512", "--tokens", "2K"])
+        .args(["--kv-heads", "2", "--q-heads", "4", "--head-dim", "32", "--dir"])
+        .arg(dir.path().join("wal"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let text = std::fs::read_to_string(&file).unwrap();
+    let scrape = prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_string()))).unwrap();
+    let counter = |name: &str| {
+        scrape
+            .samples
+            .iter()
+            .find(|s| s.metric == name)
+            .map(|s| match s.value {
+                prometheus_parse::Value::Counter(v) | prometheus_parse::Value::Untyped(v) => v,
+                ref other => panic!("{other:?}"),
+            })
+            .unwrap_or_else(|| panic!("no {name} in\n{text}"))
+    };
+    // Every durable commit of the bench ended in a group fsync.
+    assert!(counter("attnstore_wal_fsyncs_total") >= 1.0, "{text}");
+    for summary in ["attnstore_wal_group_records", "attnstore_wal_fsync_seconds", "attnstore_wal_commit_wait_seconds"] {
+        assert!(scrape.samples.iter().any(|s| s.metric.starts_with(summary)), "no {summary} in\n{text}");
+    }
+}

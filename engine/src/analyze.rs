@@ -17,6 +17,11 @@ pub struct Analysis {
     /// Wall time of the whole execution.
     #[serde(rename = "wall_us", serialize_with = "crate::exec::micros")]
     pub wall: Duration,
+    /// Device time of the device-selected steps, from a mark before the first launch to one
+    /// after the last (`Engine::execute_gpu_analyze`); `None` when none ran or they could
+    /// not be timed together (several head dimensions).
+    #[serde(rename = "device_us", serialize_with = "crate::exec::micros_opt")]
+    pub device_time: Option<Duration>,
 }
 
 /// What a request's plan says each zone reads, summed over KV heads and selections (the
@@ -62,10 +67,11 @@ impl Analysis {
         let mut s = String::new();
         let _ = writeln!(
             s,
-            "EXPLAIN ANALYZE  budget: {}  ({} request(s), executed in {})",
+            "EXPLAIN ANALYZE  budget: {}  ({} request(s), executed in {}{})",
             plan.budget.describe(),
             plan.requests.len(),
-            ms(self.wall)
+            ms(self.wall),
+            self.device_time.map_or(String::new(), |d| format!("; device-selected steps {} on the device", ms(d)))
         );
         for (i, (r, a)) in plan.requests.iter().zip(&self.requests).enumerate() {
             let strategy = match &r.strategy {
@@ -111,6 +117,7 @@ fn merge(a: &ZoneActual, b: &ZoneActual) -> ZoneActual {
         blocks: add3(a.blocks, b.blocks),
         block_bytes: add3(a.block_bytes, b.block_bytes),
         cpu_time: a.cpu_time + b.cpu_time,
+        gpu_time: a.gpu_time + b.gpu_time,
     }
 }
 
@@ -118,14 +125,15 @@ fn zone_line(s: &mut String, branch: &str, name: &str, planned: Option<u64>, a: 
     let planned = planned.map_or("—".to_string(), |p| p.to_string());
     let _ = writeln!(
         s,
-        "  {branch} {name:<13} planned {planned:>9} {unit:<8} actual {:>9}   index {:>10}   blocks gpu {} host {} disk {} ({})   cpu {}",
+        "  {branch} {name:<13} planned {planned:>9} {unit:<8} actual {:>9}   index {:>10}   blocks gpu {} host {} disk {} ({})   cpu {}{}",
         a.rows,
         human_bytes(a.index_bytes as usize),
         a.blocks[0],
         a.blocks[1],
         a.blocks[2],
         human_bytes(a.block_bytes.iter().sum::<u64>() as usize),
-        ms(a.cpu_time)
+        ms(a.cpu_time),
+        if a.gpu_time.is_zero() { String::new() } else { format!("   gpu {}", ms(a.gpu_time)) }
     );
 }
 

@@ -296,7 +296,8 @@ impl Engine {
         let start = std::time::Instant::now();
         let out = self.with_layers(plan, |layers| crate::exec::run_metered(plan, layers, Some(&meters)))?;
         let wall = start.elapsed();
-        Ok((out, crate::Analysis { requests: meters.iter().map(crate::exec::Meter::actual).collect(), wall }))
+        let requests = meters.iter().map(crate::exec::Meter::actual).collect();
+        Ok((out, crate::Analysis { requests, wall, device_time: None }))
     }
 
     /// Runs `f` over the read-locked layers of `plan`'s requests (one per request, in order),

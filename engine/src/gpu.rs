@@ -36,11 +36,39 @@ use attnstore_kernels::{Backend, BlockRows, Partial};
 use parking_lot::Mutex;
 use rayon::prelude::*;
 
+use crate::analyze::Analysis;
 use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
 use crate::exec::device::{gpu_hack_work, gpu_work, GpuHackWork};
+use crate::exec::{Meter, RequestActual, Zone};
 use crate::plan::{Plan, RequestPlan};
+use std::time::{Duration, Instant};
+
+/// EXPLAIN ANALYZE's counters of one GPU execution ([`Engine::execute_gpu_analyze`]).
+struct GpuMeters {
+    /// One per request.
+    meters: Vec<Meter>,
+    /// What the CPU executor counted for a request the GPU could not serve.
+    on_cpu: Vec<Option<RequestActual>>,
+    /// Device time of the device-selected steps.
+    device_time: Option<Duration>,
+}
+
+impl GpuMeters {
+    fn new(requests: usize) -> Self {
+        Self {
+            meters: (0..requests).map(|_| Meter::default()).collect(),
+            on_cpu: vec![None; requests],
+            device_time: None,
+        }
+    }
+
+    fn analysis(self, wall: Duration) -> Analysis {
+        let requests = self.meters.iter().zip(self.on_cpu).map(|(m, cpu)| cpu.unwrap_or_else(|| m.actual())).collect();
+        Analysis { requests, wall, device_time: self.device_time }
+    }
+}
 
 /// Steady-zone rows a device copy holds beyond the zone's length when it is made (decode
 /// tokens append there until the next segment is built; past it the copy is made again).
@@ -290,20 +318,44 @@ impl Engine {
     /// Needs [`EngineConfig::buffers`](crate::EngineConfig::buffers) on a machine where the
     /// buffer manager got pinned host memory; otherwise every request runs on the CPU.
     pub fn execute_gpu(&self, plan: &Plan) -> Result<(Vec<Vec<f32>>, GpuRun)> {
+        self.run_gpu(plan, None)
+    }
+
+    /// EXPLAIN ANALYZE on the GPU: runs `plan` like [`Engine::execute_gpu`] (same outputs)
+    /// while counting per request and zone what was read and where from. Host-planned
+    /// requests count the blocks their kernel read per tier and the rows in them (in the
+    /// retrieve zone, or the scan zone for an exact plan), the CPU's steady rows and
+    /// estimated clusters, and the kernel's wall time (`gpu_time`); device-selected requests
+    /// count from the step's own record of what it read: the device copy's steady rows, the
+    /// rows and blocks of every cluster it retrieved (a block of a missed cluster read from
+    /// the Host arena, of a hit from the Gpu tier) and the clusters it estimated, with the
+    /// steps' device time in [`Analysis::device_time`]. Requests that ran on the CPU count
+    /// as [`Engine::execute_analyze`] does.
+    pub fn execute_gpu_analyze(&self, plan: &Plan) -> Result<(Vec<Vec<f32>>, GpuRun, Analysis)> {
+        let _span = tracing::debug_span!("execute_gpu_analyze", requests = plan.requests.len()).entered();
+        let mut meters = GpuMeters::new(plan.requests.len());
+        let start = Instant::now();
+        let (outputs, run) = self.run_gpu(plan, Some(&mut meters))?;
+        Ok((outputs, run, meters.analysis(start.elapsed())))
+    }
+
+    /// [`Engine::execute_gpu`], counting into `meters` when given.
+    fn run_gpu(&self, plan: &Plan, mut meters: Option<&mut GpuMeters>) -> Result<(Vec<Vec<f32>>, GpuRun)> {
         let mut run = GpuRun::default();
         let mut done: Vec<Option<Vec<f32>>> = vec![None; plan.requests.len()];
         let device: Vec<usize> = (0..plan.requests.len()).filter(|&i| plan.requests[i].device.is_some()).collect();
         if !device.is_empty() {
-            self.execute_device(plan, &device, &mut done, &mut run)?;
+            self.execute_device(plan, &device, &mut done, &mut run, meters.as_deref_mut())?;
         }
         let mut outputs = Vec::with_capacity(plan.requests.len());
-        for (r, done) in plan.requests.iter().zip(done) {
+        for (i, (r, done)) in plan.requests.iter().zip(done).enumerate() {
             if let Some(out) = done {
                 outputs.push(out);
                 continue;
             }
             // A device-selected plan the device could not serve runs on the CPU.
-            let on_gpu = if r.device.is_some() { None } else { self.execute_request_gpu(r, &mut run)? };
+            let meter = meters.as_deref().map(|m| &m.meters[i]);
+            let on_gpu = if r.device.is_some() { None } else { self.execute_request_gpu(r, &mut run, meter)? };
             match on_gpu {
                 Some(out) => {
                     run.on_gpu += 1;
@@ -313,7 +365,14 @@ impl Engine {
                     run.on_cpu += 1;
                     let single =
                         Plan { budget: plan.budget, requests: vec![r.clone()], host_read_gbps: plan.host_read_gbps };
-                    outputs.push(self.execute(&single)?.remove(0));
+                    match meters.as_deref_mut() {
+                        Some(m) => {
+                            let (mut out, analysis) = self.execute_analyze(&single)?;
+                            m.on_cpu[i] = analysis.requests.first().copied();
+                            outputs.push(out.remove(0));
+                        }
+                        None => outputs.push(self.execute(&single)?.remove(0)),
+                    }
                 }
             }
         }
@@ -331,6 +390,7 @@ impl Engine {
         which: &[usize],
         outputs: &mut [Option<Vec<f32>>],
         run: &mut GpuRun,
+        mut meters: Option<&mut GpuMeters>,
     ) -> Result<()> {
         let Some(manager) = self.buffer_manager() else { return Ok(()) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(()) };
@@ -368,7 +428,7 @@ impl Engine {
         // One traced step runs eagerly, phase by phase; else the device time of the whole
         // step is measured (one head dimension only) from a mark before the first launch.
         let eager = trace.eager && which.len() == 1;
-        let timed = trace.on && !eager && dims.len() == 1;
+        let timed = (trace.on || meters.is_some()) && !eager && dims.len() == 1;
         let before = if timed { self.gpu.backend(dims[0].0)?.mark().ok() } else { None };
         // The maintainer overwrites no slot the table names until every step is fetched.
         let reads = manager.device_read();
@@ -413,6 +473,9 @@ impl Engine {
         if let (Some(a), Some(b)) = (before, after) {
             trace.device_ms = a.ms_until(&b).into_iter().collect();
         }
+        if let Some(m) = meters.as_deref_mut() {
+            m.device_time = trace.device_ms.first().map(|&ms| Duration::from_secs_f64(ms / 1e3));
+        }
         let mut logged = Vec::with_capacity(launched.len());
         for (l, got) in launched.iter_mut().zip(fetched) {
             let Ok(mut got) = got else {
@@ -432,6 +495,18 @@ impl Engine {
             let (retrieved, missed) = got.count_real(&dl.real_clusters);
             run.device_clusters += retrieved;
             run.device_missed += missed;
+            if let Some(m) = meters.as_deref() {
+                let at = which.iter().position(|&i| i == l.request).expect("launched from `which`");
+                let block_bytes = manager.layout().block_bytes();
+                meter_device_step(
+                    &m.meters[l.request],
+                    &guards[at],
+                    dl,
+                    &got,
+                    plan.requests[l.request].shape.head_dim,
+                    block_bytes,
+                );
+            }
             logged.push(FlaggedReads {
                 context: dl.keys.0,
                 layer: dl.keys.1,
@@ -547,7 +622,12 @@ impl Engine {
     }
 
     /// One request on the GPU, or `None` when it must run on the CPU.
-    fn execute_request_gpu(&self, r: &RequestPlan, run: &mut GpuRun) -> Result<Option<Vec<f32>>> {
+    fn execute_request_gpu(
+        &self,
+        r: &RequestPlan,
+        run: &mut GpuRun,
+        meter: Option<&Meter>,
+    ) -> Result<Option<Vec<f32>>> {
         let mut trace = PhaseTrace::new();
         let Some(manager) = self.buffer_manager() else { return Ok(None) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
@@ -561,16 +641,16 @@ impl Engine {
         let layer: &crate::context::Layer = &guard;
         let hack: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
-            .map(|h| gpu_hack_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h]))
+            .map(|h| gpu_hack_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
             .collect();
         if let Some(works) = hack {
             let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
             trace.mark("work");
-            return self.execute_hack_gpu(r, manager, host_base, &works, run, &mut trace);
+            return self.execute_hack_gpu(r, manager, host_base, &works, run, &mut trace, meter);
         }
         let works: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
-            .map(|h| gpu_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], &r.blocks[h]))
+            .map(|h| gpu_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], &r.blocks[h], meter))
             .collect();
         let Some(works) = works else { return Ok(None) };
         let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
@@ -580,6 +660,9 @@ impl Engine {
         let locations: Vec<_> = works.iter().flat_map(|w| w.blocks.iter().map(|(l, _)| *l)).collect();
         let pins = reader.pin_all(&locations).into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
         let per_block = works.first().map_or(1, |w| w.tokens_per_block);
+        // An exact plan's GPU rows are its scan; a sparse plan's are its retrieved rows.
+        let zone = meter.map(|m| m.zone(if r.heads.iter().all(|h| h.exact) { Zone::Scan } else { Zone::Retrieve }));
+        let block_bytes = manager.layout().block_bytes();
         let mut blocks: Vec<Vec<BlockRows<CudaBlock>>> = Vec::with_capacity(sh.kv_heads);
         let mut pin_at = 0;
         for w in &works {
@@ -588,6 +671,10 @@ impl Engine {
                 let pin = &pins[pin_at];
                 pin_at += 1;
                 let Some(slot) = pin.slot() else { return Ok(None) }; // a Disk read: CPU
+                if let Some(z) = zone {
+                    z.pinned(pin.tier(), block_bytes);
+                    z.block_rows(n as usize);
+                }
                 let block = match pin.tier() {
                     Tier::Gpu => {
                         run.gpu_blocks += 1;
@@ -609,7 +696,11 @@ impl Engine {
         trace.mark("backend");
         let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
         let scale = 1.0 / (d as f32).sqrt();
+        let launched = Instant::now();
         CudaBlocks::new(&gpu, host, cache).attend_blocks(&r.queries, scale, per_block, &blocks, &mut parts)?;
+        if let Some(z) = zone {
+            z.gpu_since(launched);
+        }
         trace.mark("launch+fetch");
         // The kernel is done: the blocks may move again.
         drop(pins);
@@ -623,6 +714,7 @@ impl Engine {
     /// pinned Host arena (`GpuBackend::prepare_hack_paged`), and its partials merge with the
     /// CPU's steady and estimation zones. `None` when a block is only on Disk (or the Gpu
     /// tier has no device copy): the CPU runs the request.
+    #[allow(clippy::too_many_arguments, reason = "the request, where its blocks are, and what to count")]
     fn execute_hack_gpu(
         &self,
         r: &RequestPlan,
@@ -631,6 +723,7 @@ impl Engine {
         works: &[GpuHackWork],
         run: &mut GpuRun,
         trace: &mut PhaseTrace,
+        meter: Option<&Meter>,
     ) -> Result<Option<Vec<f32>>> {
         let sh = r.shape;
         let (g, d) = (sh.group(), sh.head_dim);
@@ -643,6 +736,7 @@ impl Engine {
         let mut pinned = pins.iter();
         let mut groups: Vec<Vec<PagedGroup>> = Vec::with_capacity(works.len());
         let (mut gpu_blocks, mut host_blocks) = (0, 0);
+        let zone = meter.map(|m| m.zone(if works.iter().all(|w| w.scan) { Zone::Scan } else { Zone::Retrieve }));
         for w in works {
             let mut list = Vec::with_capacity(w.groups.len());
             for grp in &w.groups {
@@ -661,6 +755,12 @@ impl Engine {
                         }
                     };
                     pages.push(base + u64::from(slot) * page as u64);
+                    if let Some(z) = zone {
+                        z.pinned(pin.tier(), page);
+                    }
+                }
+                if let Some(z) = zone {
+                    z.block_rows(grp.mask.count_ones() as usize);
                 }
                 list.push(PagedGroup { pages, rows: grp.rows as usize, mask: grp.mask });
             }
@@ -669,6 +769,7 @@ impl Engine {
         trace.mark("pins+pages");
         let gpu = self.gpu.backend(d)?;
         let mut parts: Vec<Partial> = (0..sh.q_heads).map(|_| Partial::empty(d)).collect();
+        let launched = Instant::now();
         if groups.iter().any(|l| !l.is_empty()) {
             let mut job = gpu.prepare_hack_paged(&sh, &r.queries, &groups, page)?;
             gpu.launch_hack_paged(&mut job)?;
@@ -677,6 +778,9 @@ impl Engine {
                 p.merge(&got);
             }
         }
+        if let Some(z) = zone {
+            z.gpu_since(launched);
+        }
         // The kernel is done: the blocks may move again.
         drop(pins);
         drop(reader);
@@ -684,6 +788,34 @@ impl Engine {
         run.gpu_blocks += gpu_blocks;
         run.host_blocks += host_blocks;
         Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, trace)))
+    }
+}
+
+/// Counts a device-selected step of `dl` into `meter` from what the step reports it read
+/// (`got`): the device copy's steady rows (once per KV head), per KV head the rows of every
+/// real cluster it retrieved and their blocks (`R` rows each; a missed cluster's from the
+/// Host arena, a hit's from the Gpu tier), and the real clusters it did not retrieve,
+/// which it estimated. Cluster sizes come from the host layer the copy was made of.
+fn meter_device_step(meter: &Meter, layer: &Layer, dl: &DeviceLayer, got: &WaveFetched, d: usize, block_bytes: usize) {
+    let Some(clustered) = layer.method.clustered() else { return };
+    let kv_heads = dl.real_clusters.len();
+    let steady = dl.wave.steady_rows() * kv_heads;
+    meter.zone(Zone::Steady).index_rows(steady, steady * 2 * d * 2);
+    let (retrieve, estimate) = (meter.zone(Zone::Retrieve), meter.zone(Zone::Estimate));
+    let per_block = dl.tokens_per_block.max(1);
+    for (h, (chosen, missed)) in got.selection().iter().zip(got.missed()).enumerate() {
+        let (real, sizes) = (dl.real_clusters[h], clustered.cluster_sizes(h));
+        let mut retrieved = 0;
+        for &c in chosen.iter().filter(|&&c| c < real) {
+            let size = sizes.get(c as usize).copied().unwrap_or(0) as usize;
+            let tier = if missed.contains(&c) { Tier::Host } else { Tier::Gpu };
+            for _ in 0..size.div_ceil(per_block) {
+                retrieve.pinned(tier, block_bytes);
+            }
+            retrieve.block_rows(size);
+            retrieved += 1;
+        }
+        estimate.index_rows(real as usize - retrieved, 0);
     }
 }
 

@@ -184,6 +184,75 @@ fn device_selected_steps_equal_the_cpu_over_the_gpus_selection_as_tokens_append(
 }
 
 #[test]
+fn explain_analyze_on_the_gpu_counts_what_each_path_read() {
+    if !gpu_wanted() {
+        eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run EXPLAIN ANALYZE on the GPU");
+        return;
+    }
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let tokens = 32 * 1024;
+    let host_blocks = common::blocks_for_context(&shape, attnstore::DType::F16, tokens, 2048);
+    let settings = BufferSettings { maintainer_idle: None, ..BufferSettings::new(host_blocks) };
+    let engine = Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).unwrap();
+    let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape, tokens, 3));
+    engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+    let manager = engine.buffer_manager().unwrap().clone();
+    for step in 0..4u64 {
+        let request = [Request::new(ctx, 0, synth.queries(step))];
+        // Host-planned, sparse and exact: blocks per tier as the kernel read them.
+        for budget in [Budget::default(), Budget::full()] {
+            let plan = engine.plan(&request, &budget).unwrap();
+            let planned = attnstore::PlannedRows::of(&plan.requests[0]).unwrap();
+            let (out, run, analysis) = engine.execute_gpu_analyze(&plan).unwrap();
+            let (want, _) = engine.execute_gpu(&plan).unwrap();
+            assert!(rel_l2(&out[0], &want[0].iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) <= 1e-6);
+            let a = &analysis.requests[0];
+            assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
+            let gpu_rows = if budget.exact { &a.scan } else { &a.retrieve };
+            assert_eq!(gpu_rows.blocks, [run.gpu_blocks as u64, run.host_blocks as u64, 0], "step {step}");
+            assert!(gpu_rows.gpu_time > std::time::Duration::ZERO);
+            if budget.exact {
+                assert_eq!(a.steady.rows + a.scan.rows, planned.steady, "step {step}\n{}", analysis.explain(&plan));
+            } else {
+                assert_eq!(
+                    (a.steady.rows, a.retrieve.rows, a.estimate.rows),
+                    (planned.steady, planned.retrieve, planned.estimate),
+                    "step {step}\n{}",
+                    analysis.explain(&plan)
+                );
+            }
+            if step == 3 {
+                println!("{}", analysis.explain(&plan));
+            }
+        }
+        // Device-selected: what the step read equals what the CPU's plan over its selection says.
+        let plan = engine.plan_gpu(&request, &Budget::default()).unwrap();
+        let (out, run, analysis) = engine.execute_gpu_analyze(&plan).unwrap();
+        assert_eq!(run.device_selected, 1, "{run:?}");
+        let analyzed = engine.analyze_gpu(&plan).unwrap();
+        let planned = attnstore::PlannedRows::of(&analyzed.requests[0]).unwrap();
+        let a = &analysis.requests[0];
+        assert_eq!(
+            (a.steady.rows, a.retrieve.rows, a.estimate.rows),
+            (planned.steady, planned.retrieve, planned.estimate),
+            "step {step}\n{}\n{}",
+            analysis.explain(&plan),
+            analyzed.explain()
+        );
+        let blocks: u64 = a.retrieve.blocks.iter().sum();
+        assert!(blocks >= run.device_clusters as u64 && a.retrieve.blocks[2] == 0, "{a:?} {run:?}");
+        assert!(analysis.device_time.is_some_and(|d| d > std::time::Duration::ZERO));
+        let want = engine.execute(&analyzed).unwrap().remove(0);
+        assert!(rel_l2(&out[0], &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) <= 2e-3);
+        if step == 3 {
+            println!("{}", analysis.explain(&plan));
+        }
+        manager.maintain(usize::MAX);
+    }
+}
+
+#[test]
 fn a_batch_of_device_steps_over_several_contexts_equals_the_cpu_per_request() {
     if !gpu_wanted() {
         eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run batched device steps");

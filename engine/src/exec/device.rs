@@ -4,8 +4,9 @@
 //! CPU (steady and estimation zones); for a device-planned step the layer as the device
 //! reads it in the Host arena ([`ArenaLayer`]).
 
-use super::attend_plain;
 use super::home::{blocks_of_clusters, rows_in_block, BlockStore};
+use super::meter::{Meter, Zone};
+use super::{attend_plain, plain_size};
 use crate::context::Layer;
 use crate::error::{Error, Result};
 use attnstore_buffer::{BlockLocation, Tier};
@@ -84,19 +85,33 @@ fn homed_f16(layer: &Layer) -> Option<(&BlockStore, &dyn Clustered)> {
 /// What stays on the CPU in a GPU step of `kv_head` under `plan`: the partials of the query
 /// group `q` over the steady zone and, for a sparse plan, its (one) selection's estimation
 /// zone.
-fn cpu_zones(rows: &HeadRows<'_>, q: &[f32], d: usize, plan: &HeadPlan) -> Vec<Partial> {
+/// With `meter` (EXPLAIN ANALYZE), the steady rows and estimated clusters are counted and timed.
+fn cpu_zones(rows: &HeadRows<'_>, q: &[f32], d: usize, plan: &HeadPlan, meter: Option<&Meter>) -> Vec<Partial> {
     let scale = 1.0 / (d as f32).sqrt();
     let mut cpu = vec![Partial::empty(d); q.len() / d];
     let mut scratch = Scratch::default();
+    let start = meter.map(|_| std::time::Instant::now());
     for run in &rows.steady {
         if let Run::Plain(pieces) = run {
             attend_plain(pieces, q, scale, &mut cpu, &mut scratch);
+            if let Some(m) = meter {
+                let (n, bytes) = plain_size(pieces, d);
+                m.zone(Zone::Steady).index_rows(n, bytes);
+            }
         }
+    }
+    if let (Some(m), Some(t)) = (meter, start) {
+        m.zone(Zone::Steady).since(t);
     }
     if let Some(sel) = rows.selections.first().filter(|_| !plan.exact) {
         if let Some(zone) = &sel.estimate {
+            let start = meter.map(|_| std::time::Instant::now());
             for (i, e) in zone.partials(0..zone.len(), d).iter().enumerate() {
                 cpu[sel.first_head + i].merge(e);
+            }
+            if let (Some(m), Some(t)) = (meter, start) {
+                m.zone(Zone::Estimate).index_rows(zone.len(), 0);
+                m.zone(Zone::Estimate).since(t);
             }
         }
     }
@@ -114,6 +129,7 @@ pub(crate) fn gpu_work(
     d: usize,
     plan: &HeadPlan,
     recorded: &[Vec<BlockLocation>],
+    meter: Option<&Meter>,
 ) -> Option<Result<GpuHeadWork>> {
     let (store, clustered) = homed_f16(layer)?;
     if !plan.exact && plan.selections.len() > 1 {
@@ -122,7 +138,7 @@ pub(crate) fn gpu_work(
     Some((|| {
         let per_block = store.rows_per_block(d * 2)?;
         let rows = layer.method.head_rows(kv_head, plan);
-        let cpu = cpu_zones(&rows, q, d, plan);
+        let cpu = cpu_zones(&rows, q, d, plan, meter);
         let sizes = clustered.cluster_sizes(kv_head);
         // The clusters attended exactly and their block lists.
         let (ids, found): (Vec<u32>, Vec<BlockLocation>) = if plan.exact {
@@ -163,6 +179,7 @@ pub(crate) fn gpu_hack_work(
     q: &[f32],
     d: usize,
     plan: &HeadPlan,
+    meter: Option<&Meter>,
 ) -> Option<Result<GpuHackWork>> {
     let store = layer.home.as_ref()?;
     if layer.method.clustered()?.storage() != RowStorage::HomedEncoded {
@@ -183,7 +200,7 @@ pub(crate) fn gpu_hack_work(
         }
     }
     Some((|| {
-        let cpu = cpu_zones(&rows, q, d, plan);
+        let cpu = cpu_zones(&rows, q, d, plan, meter);
         // (first home id of the segment, value block) → mask of the rows to attend, in row order.
         let mut wanted = BTreeMap::<(u32, usize), (HomedGroups, u64)>::new();
         for (g, ranges) in &runs {
@@ -368,7 +385,7 @@ mod tests {
                             .flat_map(|p| p.finish())
                             .map(f64::from)
                             .collect();
-                    let work = gpu_hack_work(&layer, h, qg, d, &plan).expect("homed 2-bit rows").unwrap();
+                    let work = gpu_hack_work(&layer, h, qg, d, &plan, None).expect("homed 2-bit rows").unwrap();
                     assert_eq!(work.scan, plan.exact);
                     let (got, rows) = emulate_gpu_hack_step(&manager, &work, qg, d);
                     let expected_rows = if plan.exact { indexed } else { plan.selections[0].retrieve_tokens };
@@ -381,13 +398,13 @@ mod tests {
         // One selection per query head cannot share one row mask per KV head: the CPU runs it.
         let q = randn(shape.query_len(), 70, 2.0);
         let per_q = ZoneBudget { mode: SelectionMode::PerQueryHead, ..sparse };
-        assert!(gpu_hack_work(&layer, 0, &q[..g * d], d, &wave.plan_head(0, &q[..g * d], &per_q)).is_none());
+        assert!(gpu_hack_work(&layer, 0, &q[..g * d], d, &wave.plan_head(0, &q[..g * d], &per_q), None).is_none());
         // Plain rows, or 2-bit rows kept in the index, are not served this way.
         let mut unhomed =
             WaveIndex::<f16>::new(params, 2, 64).unwrap().with_codec(Some(HackParams::default())).unwrap();
         unhomed.prefill(&k, &v).unwrap();
         let exact = unhomed.plan_exact();
         let unhomed = self::layer(Box::new(unhomed), None);
-        assert!(gpu_hack_work(&unhomed, 0, &q[..g * d], d, &exact).is_none());
+        assert!(gpu_hack_work(&unhomed, 0, &q[..g * d], d, &exact, None).is_none());
     }
 }

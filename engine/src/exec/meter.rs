@@ -44,6 +44,11 @@ pub struct ZoneActual {
     /// Time of the zone's tasks, summed over threads (CPU time, not wall time).
     #[serde(rename = "cpu_us", serialize_with = "micros")]
     pub cpu_time: Duration,
+    /// Wall time of the zone's GPU work, from its launch until its results were on the host
+    /// (host-planned requests on the GPU; zero on the CPU and for device-selected steps,
+    /// whose fused step is timed whole in [`crate::Analysis::device_time`]).
+    #[serde(rename = "gpu_us", serialize_with = "micros")]
+    pub gpu_time: Duration,
 }
 
 impl ZoneActual {
@@ -58,6 +63,14 @@ pub(crate) fn micros<S: serde::Serializer>(d: &Duration, s: S) -> std::result::R
     s.serialize_f64(d.as_secs_f64() * 1e6)
 }
 
+/// `d` (if any) as microseconds, for JSON (`null` when unknown).
+pub(crate) fn micros_opt<S: serde::Serializer>(d: &Option<Duration>, s: S) -> std::result::Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => micros(d, s),
+        None => s.serialize_none(),
+    }
+}
+
 /// One zone's counters.
 #[derive(Debug, Default)]
 pub(crate) struct ZoneMeter {
@@ -66,6 +79,7 @@ pub(crate) struct ZoneMeter {
     blocks: [AtomicU64; 3],
     block_bytes: [AtomicU64; 3],
     nanos: AtomicU64,
+    gpu_nanos: AtomicU64,
 }
 
 impl ZoneMeter {
@@ -92,6 +106,12 @@ impl ZoneMeter {
         self.nanos.fetch_add(start.elapsed().as_nanos() as u64, Relaxed);
     }
 
+    /// Adds the time since `start` as GPU wall time (launch to results).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "the GPU executor's"))]
+    pub(crate) fn gpu_since(&self, start: Instant) {
+        self.gpu_nanos.fetch_add(start.elapsed().as_nanos() as u64, Relaxed);
+    }
+
     fn actual(&self) -> ZoneActual {
         let load = |a: &[AtomicU64; 3]| [a[0].load(Relaxed), a[1].load(Relaxed), a[2].load(Relaxed)];
         ZoneActual {
@@ -100,6 +120,7 @@ impl ZoneMeter {
             blocks: load(&self.blocks),
             block_bytes: load(&self.block_bytes),
             cpu_time: Duration::from_nanos(self.nanos.load(Relaxed)),
+            gpu_time: Duration::from_nanos(self.gpu_nanos.load(Relaxed)),
         }
     }
 }

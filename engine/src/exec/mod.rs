@@ -28,7 +28,7 @@ use std::borrow::Cow;
 use std::time::Instant;
 
 pub use home::blocks_per_tier;
-pub(crate) use meter::micros;
+pub(crate) use meter::{micros, micros_opt};
 pub(crate) use meter::{Meter, Zone};
 pub use meter::{RequestActual, ZoneActual};
 
