@@ -154,3 +154,44 @@ fn analyze_counts_the_blocks_pinned_from_each_tier() {
     assert!(pinned > 0 && pinned <= tokens, "{pinned} blocks for {tokens} tokens");
     assert_eq!(got.retrieve.block_bytes.iter().sum::<u64>(), pinned * block);
 }
+
+#[test]
+fn analyze_counts_disk_blocks_of_a_spilled_context_and_works_after_a_durable_reopen() {
+    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 47));
+    let dir = tempfile::tempdir().unwrap();
+    let spill = tempfile::tempdir().unwrap();
+    let settings = BufferSettings {
+        maintainer_idle: None,
+        gpu_blocks: 0,
+        spill_dir: Some(spill.path().to_path_buf()),
+        ..BufferSettings::new(64)
+    };
+    let config = || EngineConfig { buffers: Some(settings.clone()), ..EngineConfig::default() };
+    let q = synth.queries(3);
+    let (ctx, before) = {
+        let e = Engine::open(dir.path(), config()).unwrap();
+        let ctx = load(&e, &synth, wave());
+        e.checkpoint().unwrap();
+        let plan = e.plan(&[Request::new(ctx, 0, q.clone())], &sparse(SelectionMode::PerKvHead)).unwrap();
+        (ctx, e.execute(&plan).unwrap())
+    };
+    let e = Engine::open(dir.path(), config()).unwrap();
+    let disk = e.buffer_stats().unwrap().tier(Tier::Disk).unwrap().used_blocks;
+    assert!(disk > 0, "the reopened context spills past 64 Host blocks");
+    let plan = e.plan(&[Request::new(ctx, 0, q.clone())], &sparse(SelectionMode::PerKvHead)).unwrap();
+    let (out, a) = e.execute_analyze(&plan).unwrap();
+    assert_eq!(out, before, "the same answer after the reopen");
+    let got = &a.requests[0];
+    assert_eq!(got.exact_rows(), exact_rows(&e, &plan));
+    let recorded: usize = plan.requests[0].blocks.iter().flatten().map(Vec::len).sum();
+    assert_eq!(got.retrieve.blocks.iter().sum::<u64>(), recorded as u64);
+    assert!(got.retrieve.blocks[2] > 0, "some retrieved blocks are read from Disk: {got:?}");
+    // An exact plan scans every stored block once, from Host and Disk.
+    let stored: u64 = e.buffer_stats().unwrap().tiers.iter().map(|t| t.used_blocks as u64).sum();
+    let plan = e.plan(&[Request::new(ctx, 0, q)], &Budget::full()).unwrap();
+    let (_, a) = e.execute_analyze(&plan).unwrap();
+    let got = &a.requests[0];
+    let scanned: [u64; 3] = std::array::from_fn(|t| got.steady.blocks[t] + got.scan.blocks[t]);
+    assert_eq!(scanned.iter().sum::<u64>(), stored, "{scanned:?}");
+    assert!(scanned[2] > 0 && scanned[0] == 0, "{scanned:?}");
+}
