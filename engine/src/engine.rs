@@ -250,7 +250,7 @@ impl Engine {
         let _span = tracing::debug_span!("plan", requests = requests.len()).entered();
         let start = std::time::Instant::now();
         let plan = self.plan_on(requests, budget, false)?;
-        crate::metrics::planned(start.elapsed());
+        crate::metrics::planned(&plan, start.elapsed());
         Ok(plan)
     }
 
@@ -260,7 +260,10 @@ impl Engine {
     /// [`Engine::execute_gpu`] runs the whole step on the device. Other requests are planned
     /// as by [`Engine::plan`]. [`Engine::execute`] runs such a plan on the CPU too.
     pub fn plan_gpu(&self, requests: &[Request], budget: &Budget) -> Result<Plan> {
-        self.plan_on(requests, budget, true)
+        let start = std::time::Instant::now();
+        let plan = self.plan_on(requests, budget, true)?;
+        crate::metrics::planned(&plan, start.elapsed());
+        Ok(plan)
     }
 
     fn plan_on(&self, requests: &[Request], budget: &Budget, on_device: bool) -> Result<Plan> {
@@ -281,9 +284,15 @@ impl Engine {
     pub fn execute(&self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
         let _span = tracing::debug_span!("execute", requests = plan.requests.len()).entered();
         let start = std::time::Instant::now();
-        let out = self.with_layers(plan, |layers| crate::exec::run(plan, layers))?;
-        crate::metrics::executed(plan, start.elapsed());
+        let out = self.execute_unrecorded(plan)?;
+        crate::metrics::executed(plan, start.elapsed(), false);
         Ok(out)
+    }
+
+    /// [`Engine::execute`] without its metrics (the GPU executor's CPU fallback: the
+    /// `execute_gpu` call records the request).
+    pub(crate) fn execute_unrecorded(&self, plan: &Plan) -> Result<Vec<Vec<f32>>> {
+        self.with_layers(plan, |layers| crate::exec::run(plan, layers))
     }
 
     /// EXPLAIN ANALYZE: executes `plan` like [`Engine::execute`] (same outputs) while

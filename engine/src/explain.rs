@@ -5,6 +5,13 @@ use crate::plan::{human_bytes, Plan, RequestPlan, Strategy};
 use attnstore_index::HeadPlan;
 use std::fmt::Write;
 
+/// The plan tree as [`Plan::explain`] prints it: one line per request and per zone.
+impl std::fmt::Display for Plan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.explain())
+    }
+}
+
 impl Plan {
     /// The plan as text: zones, clusters, tokens, blocks and bytes per tier, estimated cost.
     pub fn explain(&self) -> String {

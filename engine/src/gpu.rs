@@ -318,7 +318,10 @@ impl Engine {
     /// Needs [`EngineConfig::buffers`](crate::EngineConfig::buffers) on a machine where the
     /// buffer manager got pinned host memory; otherwise every request runs on the CPU.
     pub fn execute_gpu(&self, plan: &Plan) -> Result<(Vec<Vec<f32>>, GpuRun)> {
-        self.run_gpu(plan, None)
+        let start = Instant::now();
+        let done = self.run_gpu(plan, None)?;
+        crate::metrics::executed(plan, start.elapsed(), true);
+        Ok(done)
     }
 
     /// EXPLAIN ANALYZE on the GPU: runs `plan` like [`Engine::execute_gpu`] (same outputs)
@@ -371,7 +374,7 @@ impl Engine {
                             m.on_cpu[i] = analysis.requests.first().copied();
                             outputs.push(out.remove(0));
                         }
-                        None => outputs.push(self.execute(&single)?.remove(0)),
+                        None => outputs.push(self.execute_unrecorded(&single)?.remove(0)),
                     }
                 }
             }

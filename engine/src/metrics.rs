@@ -1,8 +1,9 @@
 //! Metrics for embedders through the `metrics` facade: the library records and installs
 //! nothing; the application installs any recorder or exporter (Prometheus, StatsD, ...).
 //!
-//! Recorded on every call: `attnstore_plan_seconds` and `attnstore_execute_seconds`
-//! (histograms of [`Engine::plan`] and [`Engine::execute`] latency) and
+//! Recorded on every call: `attnstore_plan_seconds{method}` and
+//! `attnstore_execute_seconds{method}` (histograms of [`Engine::plan`] and
+//! [`Engine::execute`] latency; `method` is the requests' access method, or `mixed`) and
 //! `attnstore_requests_total{method, strategy}` (requests executed). Published when the
 //! application asks ([`Engine::publish_metrics`], e.g. from its scrape handler): the buffer
 //! manager's numbers per tier as gauges (`attnstore_buffer_capacity_blocks`,
@@ -18,14 +19,25 @@ use crate::engine::Engine;
 use crate::plan::{Plan, Strategy};
 use std::time::Duration;
 
-/// Records one [`Engine::plan`] call.
-pub(crate) fn planned(elapsed: Duration) {
-    metrics::histogram!("attnstore_plan_seconds").record(elapsed.as_secs_f64());
+/// The method label of a plan: its requests' access method, or `mixed`.
+fn method_of(plan: &Plan) -> &'static str {
+    match plan.requests.split_first() {
+        Some((first, rest)) if rest.iter().all(|r| r.method == first.method) => first.method,
+        Some(_) => "mixed",
+        None => "none",
+    }
 }
 
-/// Records one [`Engine::execute`] call of `plan`.
-pub(crate) fn executed(plan: &Plan, elapsed: Duration) {
-    metrics::histogram!("attnstore_execute_seconds").record(elapsed.as_secs_f64());
+/// Records one [`Engine::plan`] call that made `plan`.
+pub(crate) fn planned(plan: &Plan, elapsed: Duration) {
+    metrics::histogram!("attnstore_plan_seconds", "method" => method_of(plan)).record(elapsed.as_secs_f64());
+}
+
+/// Records one [`Engine::execute`] call of `plan` (`gpu`: an `Engine::execute_gpu` call,
+/// timed in `attnstore_execute_gpu_seconds`).
+pub(crate) fn executed(plan: &Plan, elapsed: Duration, gpu: bool) {
+    let name = if gpu { "attnstore_execute_gpu_seconds" } else { "attnstore_execute_seconds" };
+    metrics::histogram!(name, "method" => method_of(plan)).record(elapsed.as_secs_f64());
     for r in &plan.requests {
         let strategy = match r.strategy {
             Strategy::Exact { .. } => "exact",

@@ -112,6 +112,7 @@ fn analyze_gives_the_outputs_of_execute_and_counts_what_each_zone_read() {
             assert!(z["cpu_us"].as_f64().is_some() && json["wall_us"].as_f64().unwrap() > 0.0, "{json}");
             let text = a.explain(&plan);
             assert!(text.starts_with("EXPLAIN ANALYZE"), "{text}");
+            assert_eq!(plan.to_string(), plan.explain(), "Display is the plan tree");
             assert!(text.contains(&format!("actual {:>9}", got.retrieve.rows)), "{text}");
         }
     }

@@ -62,8 +62,9 @@ fn metrics_move_by_the_calls_made_and_publish_the_buffer_managers_numbers() {
             .map(|(_, _, _, v)| value(v))
             .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
     };
-    assert_eq!(find(MetricKind::Histogram, "attnstore_plan_seconds", &[]), V::Samples(4));
-    assert_eq!(find(MetricKind::Histogram, "attnstore_execute_seconds", &[]), V::Samples(4));
+    let wave = [("method", "wave")];
+    assert_eq!(find(MetricKind::Histogram, "attnstore_plan_seconds", &wave), V::Samples(4));
+    assert_eq!(find(MetricKind::Histogram, "attnstore_execute_seconds", &wave), V::Samples(4));
     let sparse_requests =
         find(MetricKind::Counter, "attnstore_requests_total", &[("method", "wave"), ("strategy", "sparse")]);
     assert_eq!(sparse_requests, V::Counter(3));
