@@ -1,0 +1,331 @@
+//! Python bindings of attnstore (`import attnstore`): an [`Engine`] in memory or durable at a
+//! path, contexts with their shape, method and codec, `prefill` / `append` / `plan` /
+//! `execute` over NumPy arrays, `Plan.explain()`, and the one-call `attend`. The GIL is
+//! released while the engine plans, executes and does I/O, so one engine serves several
+//! Python threads. Rust errors become `attnstore.AttnstoreError` subclasses; a panic across
+//! the boundary is raised as pyo3's `PanicException`, never an abort.
+
+use attnstore::{
+    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, Method, Request,
+};
+use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::time::Duration;
+
+create_exception!(_attnstore, AttnstoreError, PyException, "Base class of every error attnstore raises.");
+create_exception!(_attnstore, ShapeError, AttnstoreError, "An array of the wrong shape, or NaN/Inf in it.");
+create_exception!(_attnstore, UnknownContextError, AttnstoreError, "No such context or layer.");
+create_exception!(_attnstore, InvalidArgumentError, AttnstoreError, "A bad budget, spec or argument.");
+create_exception!(_attnstore, CorruptDataError, AttnstoreError, "Stored data failed its checks.");
+create_exception!(_attnstore, StorageError, AttnstoreError, "The buffer manager, disk or log failed or is full.");
+create_exception!(_attnstore, StalePlanError, AttnstoreError, "A layer changed since the plan was made.");
+
+/// The Python exception of an engine error, with its message.
+fn py_err(e: attnstore::Error) -> PyErr {
+    use attnstore::Error as E;
+    let msg = e.to_string();
+    match e {
+        E::ShapeMismatch { .. } | E::NonFinite { .. } => ShapeError::new_err(msg),
+        E::UnknownContext(_) | E::UnknownLayer { .. } => UnknownContextError::new_err(msg),
+        E::InvalidBudget(_) | E::InvalidSpec(_) | E::AlreadyPrefilled { .. } | E::OutOfRange { .. } => {
+            InvalidArgumentError::new_err(msg)
+        }
+        E::StalePlan { .. } => StalePlanError::new_err(msg),
+        E::Corrupt { .. } | E::DataFileShort { .. } => CorruptDataError::new_err(msg),
+        E::Buffer(_) | E::Wal(_) => StorageError::new_err(msg),
+        _ => AttnstoreError::new_err(msg),
+    }
+}
+
+/// An array's elements as f32 in C order, with its shape: float32 is read as it is,
+/// float16 and float64 are converted; anything else is a `TypeError` naming what is accepted.
+fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize>)> {
+    let untyped = array
+        .cast::<PyUntypedArray>()
+        .map_err(|_| PyTypeError::new_err(format!("{what} must be a numpy.ndarray of float32, float16 or float64")))?;
+    let shape = untyped.shape().to_vec();
+    let dtype = untyped.dtype();
+    let py = array.py();
+    let values: Vec<f32> = if dtype.is_equiv_to(&numpy::dtype::<f32>(py)) {
+        let a = array.cast::<numpy::PyArrayDyn<f32>>()?.readonly();
+        a.as_array().iter().copied().collect()
+    } else if dtype.is_equiv_to(&numpy::dtype::<half::f16>(py)) {
+        let a = array.cast::<numpy::PyArrayDyn<half::f16>>()?.readonly();
+        a.as_array().iter().map(|x| x.to_f32()).collect()
+    } else if dtype.is_equiv_to(&numpy::dtype::<f64>(py)) {
+        let a = array.cast::<numpy::PyArrayDyn<f64>>()?.readonly();
+        a.as_array().iter().map(|&x| x as f32).collect()
+    } else {
+        return Err(PyTypeError::new_err(format!("{what} has dtype {dtype}; expected float32, float16 or float64")));
+    };
+    Ok((values, shape))
+}
+
+/// Checks `shape` against `want` (`None`: any length), naming the layout in the error.
+fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>], layout: &str) -> PyResult<()> {
+    let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.is_none_or(|w| w == *s));
+    if ok {
+        return Ok(());
+    }
+    Err(ShapeError::new_err(format!("{what} has shape {shape:?}; expected {layout}")))
+}
+
+/// A budget: exact, or the default sparse budget with an optional retrieval fraction.
+fn budget(exact: bool, retrieve: Option<f64>) -> PyResult<Budget> {
+    if exact {
+        return Ok(Budget::full());
+    }
+    let mut b = Budget::default();
+    if let Some(r) = retrieve {
+        b = b.with_retrieve(r);
+    }
+    b.validate().map_err(py_err)?;
+    Ok(b)
+}
+
+/// A storage engine for the attention KV cache.
+///
+/// `Engine()` keeps everything in memory; `Engine(path="dir")` is durable (a write-ahead
+/// log and checkpoints in `dir`, reopened with the same call). `host_blocks` gives it a
+/// buffer manager of that many 2 KiB blocks (the home of the indexed rows; the GPU path
+/// reads them there).
+#[pyclass(module = "attnstore._attnstore", frozen)]
+struct Engine {
+    inner: attnstore::Engine,
+}
+
+/// A plan: what a decode step will read, per request and zone. `explain()` prints it.
+#[pyclass(module = "attnstore._attnstore", frozen)]
+struct Plan {
+    inner: attnstore::Plan,
+}
+
+#[pymethods]
+impl Plan {
+    /// The plan as text, one line per request and zone (EXPLAIN).
+    fn explain(&self) -> String {
+        self.inner.explain()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<attnstore.Plan of {} request(s)>", self.inner.requests.len())
+    }
+
+    fn __str__(&self) -> String {
+        self.inner.explain()
+    }
+}
+
+impl Engine {
+    /// The context's shape, or an `UnknownContextError`.
+    fn shape(&self, ctx: u64) -> PyResult<AttnShape> {
+        self.inner.spec(ContextId(ctx)).map(|s| s.shape).map_err(py_err)
+    }
+
+    /// Keys and values as the engine takes them, checked against the context's shape.
+    fn kv(&self, ctx: u64, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<f32>)> {
+        let shape = self.shape(ctx)?;
+        let layout = format!("[kv_heads={}, tokens, head_dim={}]", shape.kv_heads, shape.head_dim);
+        let want = [Some(shape.kv_heads), None, Some(shape.head_dim)];
+        let (keys, ks) = floats("k", k)?;
+        check_shape("k", &ks, &want, &layout)?;
+        let (values, vs) = floats("v", v)?;
+        check_shape("v", &vs, &want, &layout)?;
+        if ks != vs {
+            return Err(ShapeError::new_err(format!("k has shape {ks:?} but v has {vs:?}; they must match")));
+        }
+        Ok((keys, values))
+    }
+
+    /// A query checked against the context's shape.
+    fn query(&self, ctx: u64, q: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, AttnShape)> {
+        let shape = self.shape(ctx)?;
+        let (query, qs) = floats("q", q)?;
+        let layout = format!("[q_heads={}, head_dim={}]", shape.q_heads, shape.head_dim);
+        check_shape("q", &qs, &[Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
+        Ok((query, shape))
+    }
+}
+
+/// One output as a `[q_heads, head_dim]` float32 array.
+fn output<'py>(py: Python<'py>, out: Vec<f32>, shape: AttnShape) -> PyResult<Bound<'py, PyArray2<f32>>> {
+    let array = numpy::PyArray1::from_vec(py, out);
+    array.reshape([shape.q_heads, shape.head_dim])
+}
+
+#[pymethods]
+impl Engine {
+    #[new]
+    #[pyo3(signature = (path=None, host_blocks=None))]
+    fn new(py: Python<'_>, path: Option<std::path::PathBuf>, host_blocks: Option<usize>) -> PyResult<Self> {
+        let mut config = EngineConfig::default();
+        if let Some(n) = host_blocks {
+            if n == 0 {
+                return Err(PyValueError::new_err("host_blocks must be at least 1"));
+            }
+            config.buffers = Some(BufferSettings::new(n));
+        }
+        let inner = py
+            .detach(|| match path {
+                Some(p) => attnstore::Engine::open(p, config),
+                None => attnstore::Engine::in_memory(config),
+            })
+            .map_err(py_err)?;
+        Ok(Self { inner })
+    }
+
+    /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
+    /// stored); `method`: wave (default), pq or flat (exact only); `codec`: None (plain
+    /// `dtype`) or "hack2" (2-bit indexed rows).
+    #[pyo3(signature = (q_heads, kv_heads, head_dim, layers=1, dtype="f16", method="wave", codec=None))]
+    #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
+    fn create_context(
+        &self,
+        q_heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        layers: usize,
+        dtype: &str,
+        method: &str,
+        codec: Option<&str>,
+    ) -> PyResult<u64> {
+        let shape = AttnShape::new(q_heads, kv_heads, head_dim).map_err(|e| ShapeError::new_err(e.to_string()))?;
+        let dtype: DType = dtype.parse().map_err(|e| InvalidArgumentError::new_err(format!("dtype: {e}")))?;
+        let method = match method {
+            "wave" => Method::Wave(Default::default()),
+            "pq" => Method::Pq(Default::default()),
+            "flat" => Method::Flat,
+            other => {
+                return Err(InvalidArgumentError::new_err(format!(
+                    "unknown method {other:?}: expected wave, pq or flat"
+                )))
+            }
+        };
+        let mut spec = ContextSpec::new(shape, layers).with_dtype(dtype).with_method(method);
+        if let Some(c) = codec {
+            let codec: Codec = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
+            spec = spec.with_codec(codec);
+        }
+        self.inner.create_context(spec).map(|id| id.0).map_err(py_err)
+    }
+
+    /// Drops a context and frees its rows.
+    fn drop_context(&self, py: Python<'_>, ctx: u64) -> PyResult<()> {
+        py.detach(|| self.inner.drop_context(ContextId(ctx))).map_err(py_err)
+    }
+
+    /// Stores a layer's prompt KV: `k`, `v` of shape `[kv_heads, tokens, head_dim]`
+    /// (post-RoPE keys). A layer is prefilled once; later tokens are appended.
+    fn prefill(
+        &self,
+        py: Python<'_>,
+        ctx: u64,
+        layer: usize,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (keys, values) = self.kv(ctx, k, v)?;
+        py.detach(|| self.inner.prefill(ContextId(ctx), layer, &keys, &values)).map_err(py_err)
+    }
+
+    /// Appends decode tokens' KV to a layer: `k`, `v` of shape `[kv_heads, tokens, head_dim]`.
+    fn append(
+        &self,
+        py: Python<'_>,
+        ctx: u64,
+        layer: usize,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (keys, values) = self.kv(ctx, k, v)?;
+        py.detach(|| self.inner.append(ContextId(ctx), layer, &keys, &values)).map_err(py_err)
+    }
+
+    /// Waits until the layer's index is built (a PQ build runs in the background); `False`
+    /// when `timeout` seconds passed first.
+    #[pyo3(signature = (ctx, layer, timeout=600.0))]
+    fn wait_index(&self, py: Python<'_>, ctx: u64, layer: usize, timeout: f64) -> PyResult<bool> {
+        if !(timeout >= 0.0 && timeout.is_finite()) {
+            return Err(PyValueError::new_err(format!("timeout {timeout} must be a finite number of seconds ≥ 0")));
+        }
+        py.detach(|| self.inner.wait_index(ContextId(ctx), layer, Duration::from_secs_f64(timeout))).map_err(py_err)
+    }
+
+    /// Plans attention of query `q` (`[q_heads, head_dim]`) over a layer: exact, or the
+    /// default sparse budget (`retrieve`: the retrieved share of tokens, e.g. 0.02).
+    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None))]
+    fn plan(
+        &self,
+        py: Python<'_>,
+        ctx: u64,
+        layer: usize,
+        q: &Bound<'_, PyAny>,
+        exact: bool,
+        retrieve: Option<f64>,
+    ) -> PyResult<Plan> {
+        let (query, _) = self.query(ctx, q)?;
+        let budget = budget(exact, retrieve)?;
+        let request = [Request::new(ContextId(ctx), layer, query)];
+        let inner = py.detach(|| self.inner.plan(&request, &budget)).map_err(py_err)?;
+        Ok(Plan { inner })
+    }
+
+    /// Executes a plan: one `[q_heads, head_dim]` float32 array per request.
+    fn execute<'py>(&self, py: Python<'py>, plan: &Plan) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
+        let outs = py.detach(|| self.inner.execute(&plan.inner)).map_err(py_err)?;
+        outs.into_iter().zip(&plan.inner.requests).map(|(o, r)| output(py, o, r.shape)).collect()
+    }
+
+    /// Plans and executes attention of `q` (`[q_heads, head_dim]`) over a layer in one call:
+    /// exact, or the default sparse plan. Returns `[q_heads, head_dim]` float32.
+    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None))]
+    fn attend<'py>(
+        &self,
+        py: Python<'py>,
+        ctx: u64,
+        layer: usize,
+        q: &Bound<'_, PyAny>,
+        exact: bool,
+        retrieve: Option<f64>,
+    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        let (query, shape) = self.query(ctx, q)?;
+        let budget = budget(exact, retrieve)?;
+        let request = [Request::new(ContextId(ctx), layer, query)];
+        let mut out =
+            py.detach(|| self.inner.plan(&request, &budget).and_then(|p| self.inner.execute(&p))).map_err(py_err)?;
+        output(py, out.remove(0), shape)
+    }
+
+    /// Tokens stored in a layer.
+    fn tokens(&self, ctx: u64, layer: usize) -> PyResult<usize> {
+        self.inner.stats(ContextId(ctx), layer).map(|s| s.tokens).map_err(py_err)
+    }
+
+    /// Writes a checkpoint (durable engines): later opens replay less of the log.
+    fn checkpoint(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.checkpoint()).map(|_| ()).map_err(py_err)
+    }
+
+    /// The ids of the engine's contexts.
+    fn contexts(&self) -> Vec<u64> {
+        self.inner.contexts().into_iter().map(|id| id.0).collect()
+    }
+}
+
+/// The extension module `attnstore._attnstore` (re-exported by the `attnstore` package).
+#[pymodule]
+fn _attnstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Engine>()?;
+    m.add_class::<Plan>()?;
+    m.add("AttnstoreError", py.get_type::<AttnstoreError>())?;
+    m.add("ShapeError", py.get_type::<ShapeError>())?;
+    m.add("UnknownContextError", py.get_type::<UnknownContextError>())?;
+    m.add("InvalidArgumentError", py.get_type::<InvalidArgumentError>())?;
+    m.add("CorruptDataError", py.get_type::<CorruptDataError>())?;
+    m.add("StorageError", py.get_type::<StorageError>())?;
+    m.add("StalePlanError", py.get_type::<StalePlanError>())?;
+    Ok(())
+}

@@ -1,0 +1,141 @@
+"""The Python package against a NumPy reference: exact attention equals softmax(qK^T/sqrt(d))V,
+the default sparse plan stays close, errors are the documented exceptions, a durable engine
+reopens with its contexts, and several threads share one engine."""
+
+import threading
+
+import numpy as np
+import pytest
+
+import attnstore
+
+
+def reference(q, k, v):
+    """Exact attention in float64: q [H, d], k/v [KV, T, d] with grouped query heads."""
+    h, d = q.shape
+    kv = k.shape[0]
+    g = h // kv
+    out = np.empty((h, d))
+    for i in range(h):
+        kh, vh = k[i // g].astype(np.float64), v[i // g].astype(np.float64)
+        s = kh @ q[i].astype(np.float64) / np.sqrt(d)
+        p = np.exp(s - s.max())
+        out[i] = (p / p.sum()) @ vh
+    return out
+
+
+def rel(a, b):
+    return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+@pytest.fixture
+def data():
+    """Random KV, and queries that each point at one key of their KV head (a peaked attention
+    that a sparse plan can serve, as real decode steps mostly are)."""
+    rng = np.random.default_rng(7)
+    k = rng.standard_normal((2, 4096, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 4096, 64)).astype(np.float32)
+    targets = rng.integers(100, 3900, size=8)
+    q = np.stack([2.0 * k[i // 4, t] for i, t in enumerate(targets)]).astype(np.float32)
+    return q, k, v
+
+
+def test_the_readme_example_exact_and_sparse(data):
+    q, k, v = data
+    eng = attnstore.Engine()
+    ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, layers=1, dtype="f32")
+    eng.prefill(ctx, 0, k, v)
+    out = eng.attend(ctx, 0, q, exact=True)
+    assert out.shape == (8, 64) and out.dtype == np.float32
+    assert rel(out, reference(q, k, v)) < 1e-5
+    sparse = eng.attend(ctx, 0, q)
+    assert sparse.shape == (8, 64)
+    assert rel(sparse, reference(q, k, v)) < 0.1
+    assert "sparse" in eng.plan(ctx, 0, q).explain()
+    assert eng.tokens(ctx, 0) == 4096
+
+
+def test_plan_explain_execute_and_append(data):
+    q, k, v = data
+    eng = attnstore.Engine()
+    ctx = eng.create_context(8, 2, 64, dtype="f16", method="pq")
+    eng.prefill(ctx, 0, k.astype(np.float16), v.astype(np.float16))
+    assert eng.wait_index(ctx, 0, timeout=120)
+    rng = np.random.default_rng(1)
+    k2 = rng.standard_normal((2, 10, 64)).astype(np.float32)
+    v2 = rng.standard_normal((2, 10, 64)).astype(np.float32)
+    eng.append(ctx, 0, k2, v2)
+    plan = eng.plan(ctx, 0, q, exact=True)
+    assert plan.explain().startswith("EXPLAIN") and str(plan) == plan.explain()
+    (out,) = eng.execute(plan)
+    want = reference(q, np.concatenate([k, k2], 1), np.concatenate([v, v2], 1))
+    assert rel(out, want) < 2e-3  # f16 storage
+
+
+def test_bad_input_raises_the_documented_exceptions(data):
+    q, k, v = data
+    eng = attnstore.Engine()
+    ctx = eng.create_context(8, 2, 64, dtype="f32")
+    with pytest.raises(attnstore.ShapeError, match=r"expected \[kv_heads=2, tokens, head_dim=64\]"):
+        eng.prefill(ctx, 0, k[:1], v[:1])
+    with pytest.raises(TypeError, match="float32, float16 or float64"):
+        eng.prefill(ctx, 0, k.astype(np.int32), v)
+    with pytest.raises(TypeError):
+        eng.prefill(ctx, 0, [[1.0]], v)
+    bad = k.copy()
+    bad[0, 5, 3] = np.nan
+    with pytest.raises(attnstore.ShapeError):
+        eng.prefill(ctx, 0, bad, v)
+    with pytest.raises(attnstore.UnknownContextError):
+        eng.attend(ctx + 100, 0, q)
+    with pytest.raises(attnstore.UnknownContextError):
+        eng.prefill(ctx, 3, k, v)
+    with pytest.raises(attnstore.InvalidArgumentError):
+        eng.create_context(8, 2, 64, method="btree")
+    with pytest.raises(attnstore.ShapeError):
+        eng.create_context(8, 3, 64)
+    eng.prefill(ctx, 0, k, v)
+    with pytest.raises(attnstore.InvalidArgumentError):
+        eng.prefill(ctx, 0, k, v)  # a layer is prefilled once
+    with pytest.raises(attnstore.InvalidArgumentError):
+        eng.attend(ctx, 0, q, retrieve=2.0)
+    with pytest.raises(attnstore.ShapeError):
+        eng.attend(ctx, 0, q[:4])
+    assert issubclass(attnstore.ShapeError, attnstore.AttnstoreError)
+
+
+def test_a_durable_engine_reopens_with_its_contexts(data, tmp_path):
+    q, k, v = data
+    eng = attnstore.Engine(path=tmp_path / "db")
+    ctx = eng.create_context(8, 2, 64, dtype="f32")
+    eng.prefill(ctx, 0, k, v)
+    before = eng.attend(ctx, 0, q, exact=True)
+    eng.checkpoint()
+    del eng
+    eng = attnstore.Engine(path=tmp_path / "db")
+    assert eng.contexts() == [ctx]
+    np.testing.assert_array_equal(eng.attend(ctx, 0, q, exact=True), before)
+
+
+def test_threads_share_one_engine(data):
+    q, k, v = data
+    eng = attnstore.Engine(host_blocks=4096)
+    ctx = eng.create_context(8, 2, 64, dtype="f32")
+    eng.prefill(ctx, 0, k, v)
+    want = eng.attend(ctx, 0, q)
+    results, errors = [], []
+
+    def work():
+        try:
+            for _ in range(20):
+                results.append(eng.attend(ctx, 0, q))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert len(results) == 80 and all(np.array_equal(r, want) for r in results)
