@@ -264,6 +264,29 @@ fn kv<'a>(
     }
 }
 
+/// The engine's prefill or append.
+type Store = fn(&Engine, ContextId, usize, &[f32], &[f32]) -> attnstore::Result<()>;
+
+/// `attnstore_prefill` and `attnstore_append`: `store` (the engine's prefill or append) of
+/// `tokens` tokens' keys and values checked against the context's shape.
+fn ingest(
+    engine: *const AttnstoreEngine,
+    ctx: u64,
+    layer: usize,
+    k: *const f32,
+    v: *const f32,
+    tokens: usize,
+    store: Store,
+) -> AttnstoreStatus {
+    guarded(|| {
+        let Some(e) = self::engine(engine) else { return fail(AttnstoreStatus::NullArgument, "engine is null") };
+        match kv(e, ctx, k, v, tokens) {
+            Ok((k, v)) => store(e, ContextId(ctx), layer, k, v).map_or_else(engine_error, |()| AttnstoreStatus::Ok),
+            Err(status) => status,
+        }
+    })
+}
+
 /// Stores a layer's prompt KV: `k` and `v` hold `kv_heads × tokens × head_dim` f32 each
 /// (post-RoPE keys). A layer is prefilled once.
 ///
@@ -279,13 +302,7 @@ pub unsafe extern "C" fn attnstore_prefill(
     v: *const f32,
     tokens: usize,
 ) -> AttnstoreStatus {
-    guarded(|| {
-        let Some(e) = self::engine(engine) else { return fail(AttnstoreStatus::NullArgument, "engine is null") };
-        match kv(e, ctx, k, v, tokens) {
-            Ok((k, v)) => e.prefill(ContextId(ctx), layer, k, v).map_or_else(engine_error, |()| AttnstoreStatus::Ok),
-            Err(status) => status,
-        }
-    })
+    ingest(engine, ctx, layer, k, v, tokens, Engine::prefill)
 }
 
 /// Appends decode tokens' KV to a layer (layout as `attnstore_prefill`).
@@ -301,13 +318,7 @@ pub unsafe extern "C" fn attnstore_append(
     v: *const f32,
     tokens: usize,
 ) -> AttnstoreStatus {
-    guarded(|| {
-        let Some(e) = self::engine(engine) else { return fail(AttnstoreStatus::NullArgument, "engine is null") };
-        match kv(e, ctx, k, v, tokens) {
-            Ok((k, v)) => e.append(ContextId(ctx), layer, k, v).map_or_else(engine_error, |()| AttnstoreStatus::Ok),
-            Err(status) => status,
-        }
-    })
+    ingest(engine, ctx, layer, k, v, tokens, Engine::append)
 }
 
 /// The plan of one query over a layer: exact when `exact` is non-zero, else the default

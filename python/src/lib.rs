@@ -118,6 +118,9 @@ impl Plan {
     }
 }
 
+/// The engine's prefill or append.
+type Store = fn(&attnstore::Engine, ContextId, usize, &[f32], &[f32]) -> attnstore::Result<()>;
+
 impl Engine {
     /// The context's shape, or an `UnknownContextError`.
     fn shape(&self, ctx: u64) -> PyResult<AttnShape> {
@@ -137,6 +140,21 @@ impl Engine {
             return Err(ShapeError::new_err(format!("k has shape {ks:?} but v has {vs:?}; they must match")));
         }
         Ok((keys, values))
+    }
+
+    /// `prefill` and `append`: `store` (the engine's prefill or append) of checked keys and
+    /// values, with the GIL released.
+    fn ingest(
+        &self,
+        py: Python<'_>,
+        ctx: u64,
+        layer: usize,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+        store: Store,
+    ) -> PyResult<()> {
+        let (keys, values) = self.kv(ctx, k, v)?;
+        py.detach(|| store(&self.inner, ContextId(ctx), layer, &keys, &values)).map_err(py_err)
     }
 
     /// A query checked against the context's shape.
@@ -226,8 +244,7 @@ impl Engine {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (keys, values) = self.kv(ctx, k, v)?;
-        py.detach(|| self.inner.prefill(ContextId(ctx), layer, &keys, &values)).map_err(py_err)
+        self.ingest(py, ctx, layer, k, v, attnstore::Engine::prefill)
     }
 
     /// Appends decode tokens' KV to a layer: `k`, `v` of shape `[kv_heads, tokens, head_dim]`.
@@ -239,8 +256,7 @@ impl Engine {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (keys, values) = self.kv(ctx, k, v)?;
-        py.detach(|| self.inner.append(ContextId(ctx), layer, &keys, &values)).map_err(py_err)
+        self.ingest(py, ctx, layer, k, v, attnstore::Engine::append)
     }
 
     /// Waits until the layer's index is built (a PQ build runs in the background); `False`
