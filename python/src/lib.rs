@@ -14,6 +14,8 @@ use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use std::time::Duration;
 
+mod dlpack;
+
 create_exception!(_attnstore, AttnstoreError, PyException, "Base class of every error attnstore raises.");
 create_exception!(_attnstore, ShapeError, AttnstoreError, "An array of the wrong shape, or NaN/Inf in it.");
 create_exception!(_attnstore, UnknownContextError, AttnstoreError, "No such context or layer.");
@@ -39,12 +41,18 @@ fn py_err(e: attnstore::Error) -> PyErr {
     }
 }
 
-/// An array's elements as f32 in C order, with its shape: float32 is read as it is,
-/// float16 and float64 are converted; anything else is a `TypeError` naming what is accepted.
+/// An array's elements as f32 in C order, with its shape: NumPy float32 is read as it is,
+/// float16 and float64 are converted; other objects are read through DLPack (CPU tensors);
+/// anything else is a `TypeError` naming what is accepted.
 fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize>)> {
-    let untyped = array
-        .cast::<PyUntypedArray>()
-        .map_err(|_| PyTypeError::new_err(format!("{what} must be a numpy.ndarray of float32, float16 or float64")))?;
+    let Ok(untyped) = array.cast::<PyUntypedArray>() else {
+        // Not NumPy: a DLPack tensor (torch, JAX, ...) on the CPU.
+        return dlpack::floats(what, array)?.ok_or_else(|| {
+            PyTypeError::new_err(format!(
+                "{what} must be a numpy.ndarray or a DLPack tensor (__dlpack__) of float32, float16, bfloat16 or float64"
+            ))
+        });
+    };
     let shape = untyped.shape().to_vec();
     let dtype = untyped.dtype();
     let py = array.py();

@@ -139,3 +139,38 @@ def test_threads_share_one_engine(data):
         t.join()
     assert not errors
     assert len(results) == 80 and all(np.array_equal(r, want) for r in results)
+
+
+class DLPackOnly:
+    """A tensor seen only through DLPack (as a torch or JAX tensor would be)."""
+
+    def __init__(self, array):
+        self.array = array
+
+    def __dlpack__(self, stream=None):
+        return self.array.__dlpack__()
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def test_dlpack_tensors_contiguous_and_strided_read_like_numpy(data):
+    q, k, v = data
+    eng = attnstore.Engine()
+    a = eng.create_context(8, 2, 64, dtype="f32")
+    b = eng.create_context(8, 2, 64, dtype="f32")
+    # A strided view (every other token) through DLPack, its copy through NumPy.
+    ks, vs = k[:, ::2, :], v[:, ::2, :]
+    assert not ks.flags["C_CONTIGUOUS"]
+    eng.prefill(a, 0, np.ascontiguousarray(ks), np.ascontiguousarray(vs))
+    eng.prefill(b, 0, DLPackOnly(ks), DLPackOnly(vs))
+    want = eng.attend(a, 0, q, exact=True)
+    np.testing.assert_array_equal(eng.attend(b, 0, DLPackOnly(q), exact=True), want)
+    np.testing.assert_array_equal(eng.attend(b, 0, DLPackOnly(q.astype(np.float16)), exact=True),
+                                  eng.attend(a, 0, q.astype(np.float16), exact=True))
+    with pytest.raises(TypeError, match="DLPack dtype code 0"):
+        eng.attend(b, 0, DLPackOnly(q.astype(np.int32)))
+    with pytest.raises(attnstore.ShapeError):
+        eng.attend(b, 0, DLPackOnly(q[:4]))
+    with pytest.raises(TypeError, match="DLPack tensor"):
+        eng.attend(b, 0, "not a tensor")

@@ -6,7 +6,10 @@ from typing import List, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
-ArrayLike = npt.NDArray[Union[np.float32, np.float16, np.float64]]
+from typing import Any
+
+# NumPy float32/float16/float64 arrays, or any CPU tensor with __dlpack__ (torch, JAX).
+ArrayLike = Union[npt.NDArray[Union[np.float32, np.float16, np.float64]], Any]
 
 class AttnstoreError(Exception): ...
 class ShapeError(AttnstoreError): ...
