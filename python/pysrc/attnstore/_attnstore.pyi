@@ -1,12 +1,10 @@
 """Type stubs of the extension module (see src/lib.rs for the full docs)."""
 
 import os
-from typing import List, Optional, Union
+from typing import Any, List, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
-
-from typing import Any
 
 # NumPy float32/float16/float64 arrays, or any CPU tensor with __dlpack__ (torch, JAX).
 ArrayLike = Union[npt.NDArray[Union[np.float32, np.float16, np.float64]], Any]
