@@ -67,17 +67,15 @@ fn fail(status: AttnstoreStatus, message: impl Into<String>) -> AttnstoreStatus 
 
 /// The status of an engine error, recorded as the last error.
 fn engine_error(e: attnstore::Error) -> AttnstoreStatus {
-    use attnstore::Error as E;
-    let status = match &e {
-        E::ShapeMismatch { .. } | E::NonFinite { .. } => AttnstoreStatus::Shape,
-        E::UnknownContext(_) | E::UnknownLayer { .. } => AttnstoreStatus::UnknownContext,
-        E::InvalidBudget(_) | E::InvalidSpec(_) | E::AlreadyPrefilled { .. } | E::OutOfRange { .. } => {
-            AttnstoreStatus::InvalidArgument
-        }
-        E::StalePlan { .. } => AttnstoreStatus::StalePlan,
-        E::Corrupt { .. } | E::DataFileShort { .. } => AttnstoreStatus::Corrupt,
-        E::Buffer(_) | E::Wal(_) => AttnstoreStatus::Storage,
-        _ => AttnstoreStatus::Other,
+    use attnstore::ErrorKind as K;
+    let status = match e.kind() {
+        K::Shape => AttnstoreStatus::Shape,
+        K::UnknownContext => AttnstoreStatus::UnknownContext,
+        K::InvalidArgument => AttnstoreStatus::InvalidArgument,
+        K::StalePlan => AttnstoreStatus::StalePlan,
+        K::Corrupt => AttnstoreStatus::Corrupt,
+        K::Storage => AttnstoreStatus::Storage,
+        K::Other => AttnstoreStatus::Other,
     };
     fail(status, e.to_string())
 }
@@ -226,16 +224,9 @@ pub unsafe extern "C" fn attnstore_context_create(
             Ok(d) => d,
             Err(err) => return fail(AttnstoreStatus::InvalidArgument, format!("dtype: {err}")),
         };
-        let method = match method {
-            "wave" => Method::Wave(Default::default()),
-            "pq" => Method::Pq(Default::default()),
-            "flat" => Method::Flat,
-            other => {
-                return fail(
-                    AttnstoreStatus::InvalidArgument,
-                    format!("unknown method {other:?}: expected wave, pq or flat"),
-                )
-            }
+        let method: Method = match method.parse() {
+            Ok(m) => m,
+            Err(err) => return engine_error(err),
         };
         match e.create_context(ContextSpec::new(shape, layers).with_dtype(dtype).with_method(method)) {
             Ok(id) => {

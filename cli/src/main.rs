@@ -8,7 +8,7 @@ mod model;
 
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, EstimateShare,
-    Method, PqParams, ReplacerKind, Request, SelectionMode, WaveParams,
+    Method, ReplacerKind, Request, SelectionMode,
 };
 use attnstore_bench::{memory, BenchConfig, BenchMethod, InspectConfig, SynthContext, SynthParams, WalBenchConfig};
 use clap::{Args, Parser, Subcommand};
@@ -389,12 +389,7 @@ fn parse_bench_method(s: &str) -> Result<Vec<BenchMethod>, String> {
 }
 
 fn parse_method(s: &str) -> Result<Method, String> {
-    match s.trim() {
-        "wave" => Ok(Method::Wave(WaveParams::default())),
-        "pq" => Ok(Method::Pq(PqParams::default())),
-        "flat" => Ok(Method::Flat),
-        other => Err(format!("unknown method {other:?}: expected wave, pq or flat")),
-    }
+    s.parse().map_err(|e: attnstore::Error| e.to_string())
 }
 
 /// The codec of `--codec`, or the plain codec of `--dtype`.

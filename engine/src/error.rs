@@ -161,6 +161,44 @@ pub enum Error {
     NotDurable(&'static str),
 }
 
+/// The class of an [`Error`], for embeddings that map errors to their own kinds (the C
+/// ABI's status codes, the Python exception classes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// An array of the wrong shape, or NaN/Inf in it.
+    Shape,
+    /// No such context or layer.
+    UnknownContext,
+    /// A bad budget, spec or argument (e.g. a second prefill of a layer).
+    InvalidArgument,
+    /// A layer changed since its plan was made.
+    StalePlan,
+    /// Stored data failed its checks.
+    Corrupt,
+    /// The buffer manager, disk or log failed or is full.
+    Storage,
+    /// Anything else.
+    Other,
+}
+
+impl Error {
+    /// This error's class.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::ShapeMismatch { .. } | Error::NonFinite { .. } => ErrorKind::Shape,
+            Error::UnknownContext(_) | Error::UnknownLayer { .. } => ErrorKind::UnknownContext,
+            Error::InvalidBudget(_)
+            | Error::InvalidSpec(_)
+            | Error::AlreadyPrefilled { .. }
+            | Error::OutOfRange { .. } => ErrorKind::InvalidArgument,
+            Error::StalePlan { .. } => ErrorKind::StalePlan,
+            Error::Corrupt { .. } | Error::DataFileShort { .. } => ErrorKind::Corrupt,
+            Error::Buffer(_) | Error::Wal(_) => ErrorKind::Storage,
+            _ => ErrorKind::Other,
+        }
+    }
+}
+
 impl From<attnstore_index::Error> for Error {
     /// An index error, except that a failure of the buffer manager homing the index's rows
     /// comes back as the buffer manager's own [`Error::Buffer`].

@@ -38,7 +38,7 @@ pub use config::EngineConfig;
 pub use context::ContextId;
 pub use durable::{CheckReport, DurableConfig, IndexRebuild, RecoveryReport, StoredBatch};
 pub use engine::{AppendTicket, Engine};
-pub use error::{Error, Result};
+pub use error::{Error, ErrorKind, Result};
 pub use exec::{execute_head, RequestActual, ZoneActual};
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;

@@ -43,6 +43,20 @@ impl Default for Method {
     }
 }
 
+/// `wave`, `pq` or `flat` (surrounding spaces ignored), each with its default parameters.
+impl std::str::FromStr for Method {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.trim() {
+            "wave" => Ok(Method::Wave(WaveParams::default())),
+            "pq" => Ok(Method::Pq(PqParams::default())),
+            "flat" => Ok(Method::Flat),
+            other => Err(Error::InvalidSpec(format!("unknown method {other:?}: expected wave, pq or flat"))),
+        }
+    }
+}
+
 /// Everything needed to create a context.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ContextSpec {

@@ -26,18 +26,16 @@ create_exception!(_attnstore, StalePlanError, AttnstoreError, "A layer changed s
 
 /// The Python exception of an engine error, with its message.
 fn py_err(e: attnstore::Error) -> PyErr {
-    use attnstore::Error as E;
+    use attnstore::ErrorKind as K;
     let msg = e.to_string();
-    match e {
-        E::ShapeMismatch { .. } | E::NonFinite { .. } => ShapeError::new_err(msg),
-        E::UnknownContext(_) | E::UnknownLayer { .. } => UnknownContextError::new_err(msg),
-        E::InvalidBudget(_) | E::InvalidSpec(_) | E::AlreadyPrefilled { .. } | E::OutOfRange { .. } => {
-            InvalidArgumentError::new_err(msg)
-        }
-        E::StalePlan { .. } => StalePlanError::new_err(msg),
-        E::Corrupt { .. } | E::DataFileShort { .. } => CorruptDataError::new_err(msg),
-        E::Buffer(_) | E::Wal(_) => StorageError::new_err(msg),
-        _ => AttnstoreError::new_err(msg),
+    match e.kind() {
+        K::Shape => ShapeError::new_err(msg),
+        K::UnknownContext => UnknownContextError::new_err(msg),
+        K::InvalidArgument => InvalidArgumentError::new_err(msg),
+        K::StalePlan => StalePlanError::new_err(msg),
+        K::Corrupt => CorruptDataError::new_err(msg),
+        K::Storage => StorageError::new_err(msg),
+        K::Other => AttnstoreError::new_err(msg),
     }
 }
 
@@ -219,16 +217,7 @@ impl Engine {
     ) -> PyResult<u64> {
         let shape = AttnShape::new(q_heads, kv_heads, head_dim).map_err(|e| ShapeError::new_err(e.to_string()))?;
         let dtype: DType = dtype.parse().map_err(|e| InvalidArgumentError::new_err(format!("dtype: {e}")))?;
-        let method = match method {
-            "wave" => Method::Wave(Default::default()),
-            "pq" => Method::Pq(Default::default()),
-            "flat" => Method::Flat,
-            other => {
-                return Err(InvalidArgumentError::new_err(format!(
-                    "unknown method {other:?}: expected wave, pq or flat"
-                )))
-            }
-        };
+        let method: Method = method.parse().map_err(py_err)?;
         let mut spec = ContextSpec::new(shape, layers).with_dtype(dtype).with_method(method);
         if let Some(c) = codec {
             let codec: Codec = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
