@@ -6,9 +6,10 @@
 //! the boundary is raised as pyo3's `PanicException`, never an abort.
 
 use attnstore::{
-    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, Method, Request,
+    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, Method,
+    Request,
 };
-use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArray3, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -78,17 +79,103 @@ fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>], layout: &str
     Err(ShapeError::new_err(format!("{what} has shape {shape:?}; expected {layout}")))
 }
 
-/// A budget: exact, or the default sparse budget with an optional retrieval fraction.
-fn budget(exact: bool, retrieve: Option<f64>) -> PyResult<Budget> {
+/// The budget of a call: exact, else `given` (a [`PyBudget`]) or the engine's default, with
+/// `retrieve` overriding its retrieval fraction.
+fn budget(exact: bool, retrieve: Option<f64>, given: Option<&PyBudget>) -> PyResult<Budget> {
     if exact {
         return Ok(Budget::full());
     }
-    let mut b = Budget::default();
+    let mut b = given.map_or_else(Budget::default, |g| g.inner);
     if let Some(r) = retrieve {
         b = b.with_retrieve(r);
     }
     b.validate().map_err(py_err)?;
     Ok(b)
+}
+
+/// How much of a context a sparse plan attends exactly and how much it estimates.
+///
+/// `Budget()` is the engine's default (1.8% of the tokens retrieved, at least 512, 23.2%
+/// estimated). `exact=True` attends every token. `floor`: the fewest retrieved tokens;
+/// `estimate`: the estimated share of tokens, or `"rest"` for every cluster not retrieved;
+/// `short_context`: contexts of at most this many tokens are attended exactly.
+#[pyclass(name = "Budget", module = "attnstore._attnstore", frozen)]
+#[derive(Clone)]
+struct PyBudget {
+    inner: Budget,
+}
+
+#[pymethods]
+impl PyBudget {
+    #[new]
+    #[pyo3(signature = (exact=false, retrieve=None, floor=None, estimate=None, short_context=None))]
+    fn new(
+        exact: bool,
+        retrieve: Option<f64>,
+        floor: Option<usize>,
+        estimate: Option<&Bound<'_, PyAny>>,
+        short_context: Option<usize>,
+    ) -> PyResult<Self> {
+        if exact {
+            return Ok(Self { inner: Budget::full() });
+        }
+        let mut b = Budget::default();
+        if let Some(r) = retrieve {
+            b = b.with_retrieve(r);
+        }
+        if let Some(f) = floor {
+            b = b.with_retrieve_floor(f);
+        }
+        if let Some(e) = estimate {
+            let share = if let Ok(s) = e.extract::<String>() {
+                if s != "rest" {
+                    return Err(InvalidArgumentError::new_err(format!(
+                        "estimate {s:?}: expected a fraction of the tokens in [0, 1] or \"rest\""
+                    )));
+                }
+                EstimateShare::Rest
+            } else {
+                let f: f64 = e.extract().map_err(|_| {
+                    PyTypeError::new_err("estimate must be a float (a fraction of the tokens) or \"rest\"")
+                })?;
+                EstimateShare::Fraction(f)
+            };
+            b = b.with_estimate(share);
+        }
+        if let Some(s) = short_context {
+            b = b.with_short_context(s);
+        }
+        b.validate().map_err(py_err)?;
+        Ok(Self { inner: b })
+    }
+
+    /// Whether every token is attended exactly.
+    #[getter]
+    fn exact(&self) -> bool {
+        self.inner.exact
+    }
+
+    /// The retrieved fraction of the tokens.
+    #[getter]
+    fn retrieve(&self) -> f64 {
+        self.inner.retrieve_frac
+    }
+
+    /// The fewest retrieved tokens.
+    #[getter]
+    fn floor(&self) -> usize {
+        self.inner.retrieve_floor_tokens
+    }
+
+    /// Contexts of at most this many tokens are attended exactly (0: no such rule).
+    #[getter]
+    fn short_context(&self) -> usize {
+        self.inner.short_context_tokens
+    }
+
+    fn __repr__(&self) -> String {
+        format!("<attnstore.Budget {}>", self.inner.describe())
+    }
 }
 
 /// A storage engine for the attention KV cache.
@@ -100,6 +187,8 @@ fn budget(exact: bool, retrieve: Option<f64>) -> PyResult<Budget> {
 #[pyclass(module = "attnstore._attnstore", frozen)]
 struct Engine {
     inner: attnstore::Engine,
+    /// Plans with `plan_gpu` and executes with `execute_gpu` (the `cuda` build, `gpu=True`).
+    gpu: bool,
 }
 
 /// A plan: what a decode step will read, per request and zone. `explain()` prints it.
@@ -173,6 +262,32 @@ impl Engine {
     }
 }
 
+impl Engine {
+    /// Plans `requests` under `budget` and executes them (on the GPU for a `gpu=True`
+    /// engine), one output per request.
+    fn run(&self, requests: &[Request], budget: &Budget) -> attnstore::Result<Vec<Vec<f32>>> {
+        self.execute_plan(&self.make_plan(requests, budget)?)
+    }
+
+    /// `plan_gpu` on a `gpu=True` engine, else `plan`.
+    fn make_plan(&self, requests: &[Request], budget: &Budget) -> attnstore::Result<attnstore::Plan> {
+        #[cfg(feature = "cuda")]
+        if self.gpu {
+            return self.inner.plan_gpu(requests, budget);
+        }
+        self.inner.plan(requests, budget)
+    }
+
+    /// `execute_gpu` on a `gpu=True` engine, else `execute`.
+    fn execute_plan(&self, plan: &attnstore::Plan) -> attnstore::Result<Vec<Vec<f32>>> {
+        #[cfg(feature = "cuda")]
+        if self.gpu {
+            return self.inner.execute_gpu(plan).map(|(out, _)| out);
+        }
+        self.inner.execute(plan)
+    }
+}
+
 /// One output as a `[q_heads, head_dim]` float32 array.
 fn output<'py>(py: Python<'py>, out: Vec<f32>, shape: AttnShape) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let array = numpy::PyArray1::from_vec(py, out);
@@ -182,14 +297,33 @@ fn output<'py>(py: Python<'py>, out: Vec<f32>, shape: AttnShape) -> PyResult<Bou
 #[pymethods]
 impl Engine {
     #[new]
-    #[pyo3(signature = (path=None, host_blocks=None))]
-    fn new(py: Python<'_>, path: Option<std::path::PathBuf>, host_blocks: Option<usize>) -> PyResult<Self> {
+    #[pyo3(signature = (path=None, host_blocks=None, gpu_blocks=None, gpu=false))]
+    fn new(
+        py: Python<'_>,
+        path: Option<std::path::PathBuf>,
+        host_blocks: Option<usize>,
+        gpu_blocks: Option<usize>,
+        gpu: bool,
+    ) -> PyResult<Self> {
         let mut config = EngineConfig::default();
         if let Some(n) = host_blocks {
             if n == 0 {
                 return Err(PyValueError::new_err("host_blocks must be at least 1"));
             }
-            config.buffers = Some(BufferSettings::new(n));
+            let mut settings = BufferSettings::new(n);
+            if let Some(g) = gpu_blocks {
+                settings.gpu_blocks = g;
+            }
+            config.buffers = Some(settings);
+        } else if gpu_blocks.is_some() {
+            return Err(PyValueError::new_err("gpu_blocks needs host_blocks (the Gpu tier caches the Host arena)"));
+        }
+        if gpu && (cfg!(not(feature = "cuda")) || config.buffers.is_none()) {
+            return Err(PyValueError::new_err(if cfg!(feature = "cuda") {
+                "gpu=True needs host_blocks: the GPU reads the rows the buffer manager homes in pinned host memory"
+            } else {
+                "gpu=True needs a build with the `cuda` feature (pip install ./python --config-settings=build-args='--features cuda')"
+            }));
         }
         let inner = py
             .detach(|| match path {
@@ -197,7 +331,7 @@ impl Engine {
                 None => attnstore::Engine::in_memory(config),
             })
             .map_err(py_err)?;
-        Ok(Self { inner })
+        Ok(Self { inner, gpu })
     }
 
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
@@ -268,7 +402,8 @@ impl Engine {
 
     /// Plans attention of query `q` (`[q_heads, head_dim]`) over a layer: exact, or the
     /// default sparse budget (`retrieve`: the retrieved share of tokens, e.g. 0.02).
-    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None))]
+    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None, budget=None))]
+    #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
     fn plan(
         &self,
         py: Python<'_>,
@@ -277,23 +412,25 @@ impl Engine {
         q: &Bound<'_, PyAny>,
         exact: bool,
         retrieve: Option<f64>,
+        budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Plan> {
         let (query, _) = self.query(ctx, q)?;
-        let budget = budget(exact, retrieve)?;
+        let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let inner = py.detach(|| self.inner.plan(&request, &budget)).map_err(py_err)?;
+        let inner = py.detach(|| self.make_plan(&request, &budget)).map_err(py_err)?;
         Ok(Plan { inner })
     }
 
     /// Executes a plan: one `[q_heads, head_dim]` float32 array per request.
     fn execute<'py>(&self, py: Python<'py>, plan: &Plan) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
-        let outs = py.detach(|| self.inner.execute(&plan.inner)).map_err(py_err)?;
+        let outs = py.detach(|| self.execute_plan(&plan.inner)).map_err(py_err)?;
         outs.into_iter().zip(&plan.inner.requests).map(|(o, r)| output(py, o, r.shape)).collect()
     }
 
     /// Plans and executes attention of `q` (`[q_heads, head_dim]`) over a layer in one call:
     /// exact, or the default sparse plan. Returns `[q_heads, head_dim]` float32.
-    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None))]
+    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None, budget=None))]
+    #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
     fn attend<'py>(
         &self,
         py: Python<'py>,
@@ -302,13 +439,62 @@ impl Engine {
         q: &Bound<'_, PyAny>,
         exact: bool,
         retrieve: Option<f64>,
+        budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
         let (query, shape) = self.query(ctx, q)?;
-        let budget = budget(exact, retrieve)?;
+        let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let mut out =
-            py.detach(|| self.inner.plan(&request, &budget).and_then(|p| self.inner.execute(&p))).map_err(py_err)?;
+        let mut out = py.detach(|| self.run(&request, &budget)).map_err(py_err)?;
         output(py, out.remove(0), shape)
+    }
+
+    /// Attention of one query per context over the same layer of each, planned and executed
+    /// as one batch (a decode step of a batch of sequences): `q` is `[len(ctxs), q_heads,
+    /// head_dim]`, the contexts share their shape; returns `[len(ctxs), q_heads, head_dim]`
+    /// float32.
+    #[pyo3(signature = (ctxs, layer, q, exact=false, retrieve=None, budget=None))]
+    #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
+    fn attend_many<'py>(
+        &self,
+        py: Python<'py>,
+        ctxs: Vec<u64>,
+        layer: usize,
+        q: &Bound<'_, PyAny>,
+        exact: bool,
+        retrieve: Option<f64>,
+        budget: Option<PyRef<'_, PyBudget>>,
+    ) -> PyResult<Bound<'py, PyArray3<f32>>> {
+        let Some(&first) = ctxs.first() else {
+            return Err(PyValueError::new_err("ctxs is empty; expected at least one context id"));
+        };
+        let shape = self.shape(first)?;
+        for &c in &ctxs[1..] {
+            let s = self.shape(c)?;
+            if s != shape {
+                return Err(ShapeError::new_err(format!(
+                    "context {c} has shape {s:?} but context {first} has {shape:?}; attend_many needs one shape"
+                )));
+            }
+        }
+        let (query, qs) = floats("q", q)?;
+        let layout = format!("[{}, q_heads={}, head_dim={}]", ctxs.len(), shape.q_heads, shape.head_dim);
+        check_shape("q", &qs, &[Some(ctxs.len()), Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
+        let budget = self::budget(exact, retrieve, budget.as_deref())?;
+        let per = shape.q_heads * shape.head_dim;
+        let requests: Vec<Request> = ctxs
+            .iter()
+            .zip(query.chunks_exact(per))
+            .map(|(&c, q)| Request::new(ContextId(c), layer, q.to_vec()))
+            .collect();
+        let outs = py.detach(|| self.run(&requests, &budget)).map_err(py_err)?;
+        let flat: Vec<f32> = outs.concat();
+        numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])
+    }
+
+    /// Whether this engine runs its steps on the GPU (`gpu=True`, a `cuda` build).
+    #[getter]
+    fn gpu(&self) -> bool {
+        self.gpu
     }
 
     /// Tokens stored in a layer.
@@ -333,6 +519,7 @@ fn _attnstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Engine>()?;
     m.add_class::<Plan>()?;
+    m.add_class::<PyBudget>()?;
     m.add("AttnstoreError", py.get_type::<AttnstoreError>())?;
     m.add("ShapeError", py.get_type::<ShapeError>())?;
     m.add("UnknownContextError", py.get_type::<UnknownContextError>())?;

@@ -13,6 +13,7 @@
 
 from ._attnstore import (
     AttnstoreError,
+    Budget,
     CorruptDataError,
     Engine,
     InvalidArgumentError,
@@ -25,6 +26,7 @@ from ._attnstore import (
 
 __all__ = [
     "AttnstoreError",
+    "Budget",
     "CorruptDataError",
     "Engine",
     "InvalidArgumentError",

@@ -1,0 +1,256 @@
+"""transformers integration: a model's decode attention served by attnstore.
+
+An unmodified ``AutoModelForCausalLM`` generates with it::
+
+    import attnstore.hf
+    cache = attnstore.hf.cache_for(model)                   # registers "attnstore" on first use
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+How a step runs:
+
+- **Prefill** (the prompt in one forward pass) is exact, by transformers' own SDPA; the
+  cache hands each layer's post-RoPE keys and values to attnstore (``Engine.prefill``, one
+  context per sequence of the batch), which builds its index.
+- **Decode** (one token per sequence): the cache appends the token's keys and values
+  (``Engine.append``) and the attention function sends the query of every sequence to
+  attnstore as one batch (``Engine.attend_many``), which plans and executes it on the CPU
+  or, for an ``Engine(gpu=True)``, the GPU.
+- Layers the model declares ``sliding_attention`` (Gemma-3, Qwen2 with ``use_sliding_window``)
+  or ``chunked_attention`` keep transformers' own cache and exact SDPA: their windows are
+  short. ``dense_layers`` more layers from the first can be attended exactly by attnstore.
+
+What it does not do: padded batches (sequences of one batch have one length), a second
+multi-token forward after the prompt (chunked prefill, speculative decoding), beam search,
+cache cropping. Each of these raises ``NotImplementedError`` saying so.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from . import Budget, Engine
+
+#: The name attnstore's attention is registered under (``config._attn_implementation``).
+NAME = "attnstore"
+
+#: The budget the Rust runtime (``attnstore_runtime::default_budget``) measured on real
+#: models: the engine's default with a 1,024-token retrieval floor, every cluster that is
+#: not retrieved estimated, and contexts of at most 6,144 tokens attended exactly
+#: (``docs/realmodel.md``).
+def model_budget() -> Budget:
+    """The real-model default budget (see ``docs/realmodel.md``)."""
+    return Budget(floor=1024, estimate="rest", short_context=6144)
+
+
+def register() -> None:
+    """Registers ``"attnstore"`` with transformers' attention and mask interfaces (the mask
+    is SDPA's: prefill runs SDPA). Idempotent."""
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def _store_dtype(dtype: torch.dtype) -> str:
+    """How rows are stored for a model of `dtype`: f32 models keep f32 (so exact plans
+    equal SDPA's float32 arithmetic), half-precision ones f16 (what the GPU path reads)."""
+    return "f32" if dtype == torch.float32 else "f16"
+
+
+def _rows(t: torch.Tensor):
+    """`[kv_heads, tokens, head_dim]` float32 NumPy rows of one sequence."""
+    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+
+
+class AttnstoreCache(Cache):
+    """A transformers ``Cache`` whose full-attention layers live in an attnstore engine.
+
+    ``config``: the model's config. ``engine``: an ``attnstore.Engine`` (a new in-memory one
+    if None). ``method``: wave (default), pq or flat; ``dtype``: how rows are stored (f32,
+    f16, bf16; by default f32 for float32 models, else f16); ``codec``: None or "hack2";
+    ``exact``: plan every decode step exactly; ``budget``: an ``attnstore.Budget`` (default:
+    :func:`model_budget`); ``dense_layers``: the first this many layers are attended exactly.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        engine: Optional[Engine] = None,
+        *,
+        method: str = "wave",
+        dtype: Optional[str] = None,
+        codec: Optional[str] = None,
+        exact: bool = False,
+        budget: Optional[Budget] = None,
+        dense_layers: int = 0,
+    ):
+        text = config.get_text_config(decoder=True)
+        n = text.num_hidden_layers
+        kinds = getattr(text, "layer_types", None) or ["full_attention"] * n
+        layers: list = []
+        for i, kind in enumerate(kinds):
+            if kind == "full_attention":
+                layers.append(_EngineLayer(self, i))
+            elif kind == "sliding_attention":
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text.sliding_window))
+            elif kind == "chunked_attention":
+                layers.append(DynamicSlidingWindowLayer(sliding_window=text.attention_chunk_size))
+            else:
+                layers.append(DynamicLayer())
+        super().__init__(layers=layers)
+        self.engine = engine if engine is not None else Engine()
+        self.q_heads = text.num_attention_heads
+        self.kv_heads = getattr(text, "num_key_value_heads", None) or self.q_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // self.q_heads
+        self.n_layers = n
+        self.method, self.dtype, self.codec = method, dtype, codec
+        self.exact = exact
+        self.budget = budget if budget is not None else model_budget()
+        self.dense_layers = dense_layers
+        #: One engine context per sequence of the batch, created at the first prefill.
+        self.contexts: Optional[list[int]] = None
+
+    def served_layers(self) -> list[int]:
+        """The layers attnstore serves (the model's full-attention layers)."""
+        return [i for i, layer in enumerate(self.layers) if isinstance(layer, _EngineLayer)]
+
+    def _ensure_contexts(self, batch: int, dtype: torch.dtype) -> list[int]:
+        if self.contexts is None:
+            store = self.dtype or _store_dtype(dtype)
+            self.contexts = [
+                self.engine.create_context(
+                    q_heads=self.q_heads,
+                    kv_heads=self.kv_heads,
+                    head_dim=self.head_dim,
+                    layers=self.n_layers,
+                    dtype=store,
+                    method=self.method,
+                    codec=self.codec,
+                )
+                for _ in range(batch)
+            ]
+        elif len(self.contexts) != batch:
+            raise NotImplementedError(
+                f"the batch changed from {len(self.contexts)} to {batch} sequences; an AttnstoreCache serves one batch"
+            )
+        return self.contexts
+
+    def _plan_args(self, layer: int) -> dict:
+        if self.exact or layer < self.dense_layers:
+            return {"exact": True}
+        return {"budget": self.budget}
+
+    def close(self) -> None:
+        """Drops the cache's contexts from the engine (their rows are freed)."""
+        for ctx in self.contexts or []:
+            self.engine.drop_context(ctx)
+        self.contexts = None
+
+    def reorder_cache(self, beam_idx):  # noqa: D102 - documented in the module
+        raise NotImplementedError("beam search is not supported by AttnstoreCache")
+
+    def crop(self, tokens_to_remove: int) -> None:  # noqa: D102
+        raise NotImplementedError("cropping is not supported by AttnstoreCache")
+
+
+class _EngineLayer(CacheLayerMixin):
+    """One full-attention layer: its KV in the engine, its token count here."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: AttnstoreCache, index: int):
+        super().__init__()
+        self.cache = cache
+        self.index = index
+        self.tokens = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.cache._ensure_contexts(key_states.shape[0], key_states.dtype)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        ctxs = self.cache._ensure_contexts(key_states.shape[0], key_states.dtype)
+        new = key_states.shape[-2]
+        prompt = self.tokens == 0
+        if not prompt and new != 1:
+            raise NotImplementedError(
+                f"layer {self.index} got {new} tokens after its prompt; attnstore takes the prompt in one forward "
+                "pass and then one token per step (no chunked prefill or speculative decoding)"
+            )
+        store = self.cache.engine.prefill if prompt else self.cache.engine.append
+        for b, ctx in enumerate(ctxs):
+            store(ctx, self.index, _rows(key_states[b]), _rows(value_states[b]))
+        self.tokens += new
+        if prompt:
+            return key_states, value_states  # the prompt's own attention: exact, by SDPA
+        # A decode step: the attention function finds the layer through the key tensor.
+        served = key_states.view_as(key_states)
+        served._attnstore_layer = self
+        return served, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("an AttnstoreCache cannot be reset; make a new one (cache_for)")
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    dropout: float = 0.0,
+    scaling: Optional[float] = None,
+    **kwargs,
+):
+    """The attention function registered as ``"attnstore"``: SDPA for prompts and for layers
+    attnstore does not serve; one batched attnstore step for a decode step of a served
+    layer. Returns ``(output [batch, 1, q_heads, head_dim], None)``."""
+    layer: Optional[_EngineLayer] = getattr(key, "_attnstore_layer", None)
+    if layer is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("attention logit soft-capping and attention sinks are not supported by attnstore")
+    cache = layer.cache
+    batch, heads, steps, d = query.shape
+    q = query[:, :, 0, :]
+    if scaling is not None and not math.isclose(scaling * math.sqrt(d), 1.0, rel_tol=1e-6):
+        # attnstore scales scores by 1/sqrt(d); fold the model's scale into the query.
+        q = q * (scaling * math.sqrt(d))
+    q = q.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    out = cache.engine.attend_many(cache.contexts, layer.index, q, **cache._plan_args(layer.index))
+    out = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
+    return out.view(batch, 1, heads, d), None
+
+
+def cache_for(model: Any, engine: Optional[Engine] = None, **options) -> AttnstoreCache:
+    """Registers attnstore's attention (once), switches `model` to it and returns a new
+    :class:`AttnstoreCache` for one generation (pass it as ``past_key_values``). `options`
+    are :class:`AttnstoreCache`'s."""
+    register()
+    if model.config._attn_implementation != NAME:
+        model.set_attn_implementation(NAME)
+    return AttnstoreCache(model.config, engine, **options)
+
+
+__all__: Sequence[str] = ["NAME", "AttnstoreCache", "attention", "cache_for", "model_budget", "register"]
