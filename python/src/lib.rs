@@ -366,7 +366,8 @@ impl Engine {
     }
 
     /// Stores a layer's prompt KV: `k`, `v` of shape `[kv_heads, tokens, head_dim]`
-    /// (post-RoPE keys). A layer is prefilled once; later tokens are appended.
+    /// (post-RoPE keys). A layer is prefilled once; later tokens are appended. A `gpu=True`
+    /// engine clusters a wave index on the GPU.
     fn prefill(
         &self,
         py: Python<'_>,
@@ -375,6 +376,11 @@ impl Engine {
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        #[cfg(feature = "cuda")]
+        if self.gpu {
+            // The wave index's clustering on the GPU where it applies (else the CPU's).
+            return self.ingest(py, ctx, layer, k, v, |e, id, l, k, v| e.prefill_gpu(id, l, k, v).map(|_| ()));
+        }
         self.ingest(py, ctx, layer, k, v, attnstore::Engine::prefill)
     }
 
@@ -489,6 +495,43 @@ impl Engine {
         let outs = py.detach(|| self.run(&requests, &budget)).map_err(py_err)?;
         let flat: Vec<f32> = outs.concat();
         numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])
+    }
+
+    /// Times `iters` calls of the step `attend_many` runs (plan and execute, on the GPU for a
+    /// `gpu=True` engine) inside Rust, with no Python in between: seconds per call. The
+    /// baseline of the Python overhead (`python/examples/overhead.py`): the same step timed
+    /// around `attend_many` from Python, minus this, is what the boundary adds.
+    #[pyo3(signature = (ctxs, layer, q, iters, exact=false, budget=None))]
+    #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
+    fn time_steps(
+        &self,
+        py: Python<'_>,
+        ctxs: Vec<u64>,
+        layer: usize,
+        q: &Bound<'_, PyAny>,
+        iters: usize,
+        exact: bool,
+        budget: Option<PyRef<'_, PyBudget>>,
+    ) -> PyResult<Vec<f64>> {
+        let (query, _) = floats("q", q)?;
+        let per = query.len() / ctxs.len().max(1);
+        let budget = self::budget(exact, None, budget.as_deref())?;
+        let requests: Vec<Request> = ctxs
+            .iter()
+            .zip(query.chunks_exact(per.max(1)))
+            .map(|(&c, q)| Request::new(ContextId(c), layer, q.to_vec()))
+            .collect();
+        py.detach(|| {
+            (0..iters)
+                .map(|_| {
+                    let start = std::time::Instant::now();
+                    let out = self.run(&requests, &budget)?;
+                    std::hint::black_box(out);
+                    Ok(start.elapsed().as_secs_f64())
+                })
+                .collect::<attnstore::Result<Vec<f64>>>()
+        })
+        .map_err(py_err)
     }
 
     /// Whether this engine runs its steps on the GPU (`gpu=True`, a `cuda` build).

@@ -198,3 +198,46 @@ def test_smollm2_exact_generation_equals_sdpa():
     want = generate(model.set_attn_implementation("sdpa") or model, ids, n=24)
     got = generate(model, ids, attnstore.hf.cache_for(model, exact=True), n=24)
     assert torch.equal(got, want), (tok.decode(got[0, -24:]), tok.decode(want[0, -24:]))
+
+
+def gpu_engine(host_blocks):
+    """An `Engine(gpu=True)` where ATTNSTORE_GPU=1, torch sees a GPU and the wheel has the
+    `cuda` feature; else the test is skipped, saying which is missing."""
+    import os
+
+    if os.environ.get("ATTNSTORE_GPU") != "1" or not torch.cuda.is_available():
+        pytest.skip("GPU tests run where ATTNSTORE_GPU=1 and torch sees a GPU")
+    try:
+        return attnstore.Engine(host_blocks=host_blocks, gpu=True)
+    except ValueError as e:
+        pytest.skip(f"this build has no GPU executor: {e}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_full_budget_plans_equal_torch_sdpa_on_cuda(dtype):
+    eng = gpu_engine(host_blocks=65536)
+    assert eng.gpu
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k = torch.randn(8, 8192, 128, generator=gen, device="cuda").to(dtype)
+    v = torch.randn(8, 8192, 128, generator=gen, device="cuda").to(dtype)
+    q = torch.randn(32, 128, generator=gen, device="cuda").to(dtype)
+    ctx = eng.create_context(q_heads=32, kv_heads=8, head_dim=128, layers=1, dtype="f16")
+    eng.prefill(ctx, 0, k.cpu(), v.cpu())
+    want = sdpa(q, k, v).cpu()
+    got = torch.from_numpy(eng.attend(ctx, 0, q.cpu(), exact=True))
+    assert torch.allclose(got, want, atol=3e-3, rtol=3e-3), (got - want).abs().max()
+    # The device-planned sparse step runs and stays near exact on these peaked queries.
+    peaked = (3.0 * k[torch.arange(32, device="cuda") // 4, torch.arange(32, device="cuda") * 200]).cpu()
+    exact = torch.from_numpy(eng.attend(ctx, 0, peaked, exact=True))
+    sparse = torch.from_numpy(eng.attend(ctx, 0, peaked))
+    assert (sparse - exact).norm() / exact.norm() < 0.1
+
+
+def test_gpu_exact_generation_equals_sdpa_on_cuda():
+    eng = gpu_engine(host_blocks=65536)
+    model = tiny_llama().to("cuda")
+    ids = torch.randint(0, 256, (2, 600), generator=torch.Generator().manual_seed(1)).to("cuda")
+    want = generate(model.set_attn_implementation("sdpa") or model, ids)
+    got = generate(model, ids, attnstore.hf.cache_for(model, eng, exact=True))
+    assert torch.equal(got, want)
+    model.set_attn_implementation("sdpa")

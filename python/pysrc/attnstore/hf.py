@@ -27,6 +27,7 @@ cache cropping. Each of these raises ``NotImplementedError`` saying so.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional, Sequence
 
 import torch
@@ -114,6 +115,11 @@ class AttnstoreCache(Cache):
         self.dense_layers = dense_layers
         #: One engine context per sequence of the batch, created at the first prefill.
         self.contexts: Optional[list[int]] = None
+        #: Seconds spent, summed over calls: ``prefill`` and ``append`` (the engine's ingest,
+        #: conversions included), ``to_host`` (the query's copy to host memory, which waits
+        #: for the work queued on its device), ``engine`` (planning and executing the step),
+        #: ``to_device`` (the output's copy back).
+        self.seconds = {"prefill": 0.0, "append": 0.0, "to_host": 0.0, "engine": 0.0, "to_device": 0.0}
 
     def served_layers(self) -> list[int]:
         """The layers attnstore serves (the model's full-attention layers)."""
@@ -188,8 +194,10 @@ class _EngineLayer(CacheLayerMixin):
                 "pass and then one token per step (no chunked prefill or speculative decoding)"
             )
         store = self.cache.engine.prefill if prompt else self.cache.engine.append
+        start = time.perf_counter()
         for b, ctx in enumerate(ctxs):
             store(ctx, self.index, _rows(key_states[b]), _rows(value_states[b]))
+        self.cache.seconds["prefill" if prompt else "append"] += time.perf_counter() - start
         self.tokens += new
         if prompt:
             return key_states, value_states  # the prompt's own attention: exact, by SDPA
@@ -237,9 +245,16 @@ def attention(
     if scaling is not None and not math.isclose(scaling * math.sqrt(d), 1.0, rel_tol=1e-6):
         # attnstore scales scores by 1/sqrt(d); fold the model's scale into the query.
         q = q * (scaling * math.sqrt(d))
+    seconds = cache.seconds
+    start = time.perf_counter()
     q = q.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    copied = time.perf_counter()
     out = cache.engine.attend_many(cache.contexts, layer.index, q, **cache._plan_args(layer.index))
+    stepped = time.perf_counter()
     out = torch.from_numpy(out).to(device=query.device, dtype=query.dtype)
+    seconds["to_host"] += copied - start
+    seconds["engine"] += stepped - copied
+    seconds["to_device"] += time.perf_counter() - stepped
     return out.view(batch, 1, heads, d), None
 
 

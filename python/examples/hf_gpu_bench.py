@@ -1,0 +1,162 @@
+"""Decode throughput of a transformers model on the GPU: attnstore against transformers' SDPA.
+
+A model of Llama-3.1-8B's shape (32 layers, 32 q / 8 kv heads, d = 128, bf16; random
+weights from its config: speed does not depend on their values) decodes `--steps` tokens
+after a context of `--contexts` tokens:
+
+- **attnstore**: `attnstore.hf.AttnstoreCache` over an `Engine(gpu=True)`, the KV homed in
+  pinned host memory (the buffer manager's arena) with a 5% GPU tier; each layer's decode
+  attention is one `attend_many` (device-planned step).
+- **SDPA**: transformers' SDPA attention with the whole KV in HBM, in both of transformers'
+  caches: `StaticCache` (preallocated; SDPA gets a mask over its whole length, so no flash
+  kernel) and `DynamicCache` (no mask, but every step concatenates each layer's KV anew).
+  The ratio is taken against the faster of the two in each round.
+
+The context's KV is random (bf16 Gaussians) and ingested through each cache's own update
+path (attnstore: `Engine.prefill`, clustering on the GPU); prefill's own attention is not
+timed. Reported per context and batch: ms per decode step, tokens/s and their ratio, rounds
+alternating between the two (`--rounds`, min / median / max), and where attnstore's step time
+goes (`AttnstoreCache.seconds`: appends, engine steps, waiting for the GPU's queue and copies).
+
+    python3 python/examples/hf_gpu_bench.py --contexts 32768,131072 --batch 1
+"""
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+import attnstore
+import attnstore.hf
+
+BLOCK = 2048
+
+
+def llama_8b(layers):
+    return LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072 + 4096,
+        rope_theta=500000.0,
+        attn_implementation="sdpa",
+    )
+
+
+def fill(cache, cfg, batch, tokens, seed):
+    """Random bf16 KV of `tokens` tokens into every layer of `cache` through its update."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape = (batch, cfg.num_key_value_heads, tokens, cfg.head_dim)
+    for i in range(cfg.num_hidden_layers):
+        k = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+        cache.layers[i].update(k, v)
+        del k, v
+
+
+def decode(model, cache, batch, steps):
+    """Seconds per decode step of `batch` sequences (greedy), after one warm-up step."""
+    tok = torch.zeros((batch, 1), dtype=torch.long, device="cuda")
+    times = []
+    for i in range(steps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        logits = model(input_ids=tok, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        tok = logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t)
+    return times
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="32768,131072")
+    ap.add_argument("--batch", type=int, default=1, help="attnstore's batch")
+    ap.add_argument("--sdpa-batch", type=int, default=None, help="SDPA's batch (default: --batch)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    sdpa_batch = args.sdpa_batch or args.batch
+    cfg = llama_8b(args.layers)
+    torch.set_grad_enabled(False)
+    t = time.time()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).eval()
+    torch.set_default_dtype(torch.float32)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, {time.time() - t:.1f} s", flush=True)
+    rows = []
+    for n in [int(x) for x in args.contexts.split(",")]:
+        # attnstore: KV in pinned host memory. f16 rows of K and V, clusters rounding blocks up.
+        per_layer = cfg.num_key_value_heads * (n + args.steps * (args.rounds + 2) + 64) * cfg.head_dim * 2 * 2
+        host_blocks = int(per_layer * 1.6 / BLOCK) * cfg.num_hidden_layers * args.batch + 4096
+        t = time.time()
+        engine = attnstore.Engine(host_blocks=host_blocks, gpu=True)
+        ours = attnstore.hf.cache_for(model, engine)
+        fill(ours, cfg, args.batch, n, seed=1)
+        ingest = time.time() - t
+        print(f"{n} tokens: attnstore ingest of batch {args.batch}: {ingest:.1f} s", flush=True)
+        model.set_attn_implementation("sdpa")
+        static = StaticCache(config=cfg, max_cache_len=n + args.steps * (args.rounds + 2) + 8)
+        fill(static, cfg, sdpa_batch, n, seed=1)
+        dynamic = DynamicCache(config=cfg)
+        fill(dynamic, cfg, sdpa_batch, n, seed=1)
+        print(f"{n} tokens: SDPA caches filled, {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
+        ratios, a_ms, s_ms, split, both = [], [], [], [], []
+        for r in range(args.rounds):
+            model.set_attn_implementation("sdpa")
+            st = statistics.median(decode(model, static, sdpa_batch, args.steps))
+            dy = statistics.median(decode(model, dynamic, sdpa_batch, args.steps))
+            both.append((st * 1e3, dy * 1e3))
+            s = min(st, dy)
+            model.set_attn_implementation(attnstore.hf.NAME)
+            before = dict(ours.seconds)
+            a_times = decode(model, ours, args.batch, args.steps)
+            a = statistics.median(a_times)
+            spent = {k: (ours.seconds[k] - before.get(k, 0.0)) / (args.steps + 1) * 1e3 for k in ours.seconds}
+            split.append(spent)
+            ratios.append((args.batch / a) / (sdpa_batch / s))
+            a_ms.append(a * 1e3)
+            s_ms.append(s * 1e3)
+            print(f"  round {r}: attnstore {a * 1e3:.2f} ms/step (batch {args.batch}), SDPA static {st * 1e3:.2f} / "
+                  f"dynamic {dy * 1e3:.2f} ms/step "
+                  f"(batch {sdpa_batch}), throughput ratio {ratios[-1]:.2f}; attnstore ms/step by part: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in spent.items()), flush=True)
+        row = {
+            "context": n,
+            "batch": args.batch,
+            "sdpa_batch": sdpa_batch,
+            "attnstore_ms": [min(a_ms), statistics.median(a_ms), max(a_ms)],
+            "sdpa_ms": [min(s_ms), statistics.median(s_ms), max(s_ms)],
+            "sdpa_static_ms": statistics.median(b[0] for b in both),
+            "sdpa_dynamic_ms": statistics.median(b[1] for b in both),
+            "ratio": [min(ratios), statistics.median(ratios), max(ratios)],
+            "attnstore_tokens_per_s": args.batch / (statistics.median(a_ms) / 1e3),
+            "sdpa_tokens_per_s": sdpa_batch / (statistics.median(s_ms) / 1e3),
+            "attnstore_parts_ms": {k: statistics.median(p[k] for p in split) for k in split[0]},
+            "ingest_s": ingest,
+        }
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        ours.close()
+        del ours, static, dynamic, engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
