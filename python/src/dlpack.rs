@@ -1,8 +1,9 @@
 //! Tensors through DLPack (`__dlpack__`, e.g. torch or JAX tensors): a CPU tensor of
 //! float32, float16, bfloat16 or float64, contiguous or strided, read as f32. The capsule is
 //! not consumed: the producer's destructor frees the tensor when the capsule goes, after the
-//! copy. GPU tensors are refused with a `ValueError` for now (issue 39: CUDA queries read in
-//! place is the next step).
+//! copy. A tensor on a device (CUDA) is copied to host memory by its producer, on request
+//! (`__dlpack__(dl_device=(1, 0), copy=True)`), ordered after the work queued on its stream;
+//! reading CUDA queries in place, without that copy, is not done yet.
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -38,6 +39,18 @@ struct DlTensor {
 
 const CPU: i32 = 1;
 
+/// The device of the tensor in a `__dlpack__` capsule.
+fn device_of(what: &str, capsule: &Bound<'_, PyAny>) -> PyResult<DlDevice> {
+    let capsule = capsule
+        .cast::<PyCapsule>()
+        .map_err(|_| PyTypeError::new_err(format!("{what}.__dlpack__() did not return a capsule")))?;
+    let ptr = capsule.pointer_checked(Some(c"dltensor"))?;
+    // SAFETY: as in `floats`: a "dltensor" capsule holds a DLManagedTensor whose first field
+    // is the DLTensor, valid while the capsule (borrowed here) lives.
+    let t = unsafe { &*ptr.as_ptr().cast::<DlTensor>() };
+    Ok(DlDevice { device_type: t.device.device_type, device_id: t.device.device_id })
+}
+
 /// The element types read, and how one becomes an f32.
 #[derive(Clone, Copy)]
 enum Kind {
@@ -53,7 +66,34 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
     if !obj.hasattr("__dlpack__")? {
         return Ok(None);
     }
-    let capsule = obj.call_method0("__dlpack__")?;
+    let first = obj.call_method0("__dlpack__")?;
+    let on_device = device_of(what, &first)?;
+    let capsule = if on_device.device_type == CPU {
+        first
+    } else {
+        // A device tensor (CUDA, ROCm, ...): its producer copies it to host memory, ordered
+        // after the work queued on its current stream (DLPack's `dl_device` / `copy`
+        // request, array API 2023.12; torch ≥ 2.6 honours it).
+        drop(first);
+        let kwargs = pyo3::types::PyDict::new(obj.py());
+        kwargs.set_item("dl_device", (CPU, 0))?;
+        kwargs.set_item("copy", true)?;
+        let copied = obj.call_method("__dlpack__", (), Some(&kwargs)).map_err(|e| {
+            PyValueError::new_err(format!(
+                "{what} is on DLPack device type {} (id {}) and its producer could not copy it to the CPU \
+                 (__dlpack__(dl_device=(1, 0), copy=True) failed: {e}); pass a CPU tensor",
+                on_device.device_type, on_device.device_id
+            ))
+        })?;
+        let d = device_of(what, &copied)?;
+        if d.device_type != CPU {
+            return Err(PyValueError::new_err(format!(
+                "{what}: its producer was asked for a CPU copy and gave device type {}",
+                d.device_type
+            )));
+        }
+        copied
+    };
     let capsule = capsule
         .cast::<PyCapsule>()
         .map_err(|_| PyTypeError::new_err(format!("{what}.__dlpack__() did not return a capsule")))?;
@@ -62,12 +102,6 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
     // first field is the DLTensor; it stays valid while the capsule lives, and `capsule`
     // lives until this function returns (nothing here consumes or renames it).
     let t = unsafe { &*ptr.as_ptr().cast::<DlTensor>() };
-    if t.device.device_type != CPU {
-        return Err(PyValueError::new_err(format!(
-            "{what} is on DLPack device type {} (id {}); only CPU tensors (type 1) are read so far",
-            t.device.device_type, t.device.device_id
-        )));
-    }
     let kind = match (t.dtype.code, t.dtype.bits, t.dtype.lanes) {
         (2, 32, 1) => Kind::F32,
         (2, 16, 1) => Kind::F16,
@@ -106,7 +140,14 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
     };
     let count: usize = shape.iter().product();
     let mut out = Vec::with_capacity(count);
-    if count > 0 {
+    let contiguous = (0..ndim).all(|i| strides[i] == shape[i + 1..].iter().product::<usize>() as i64);
+    if count > 0 && contiguous {
+        // SAFETY: a C-contiguous tensor's `count` elements follow `data + byte_offset`.
+        let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
+        let size = usize::from(t.dtype.bits / 8);
+        // SAFETY: `i < count` elements of `size` bytes from `base`, as above.
+        out.extend((0..count).map(|i| read(unsafe { base.add(i * size) }, kind)));
+    } else if count > 0 {
         // SAFETY: `data + byte_offset` is the tensor's first element (DLPack's layout).
         let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
         let size = usize::from(t.dtype.bits / 8) as isize;

@@ -222,9 +222,9 @@ def test_gpu_full_budget_plans_equal_torch_sdpa_on_cuda(dtype):
     v = torch.randn(8, 8192, 128, generator=gen, device="cuda").to(dtype)
     q = torch.randn(32, 128, generator=gen, device="cuda").to(dtype)
     ctx = eng.create_context(q_heads=32, kv_heads=8, head_dim=128, layers=1, dtype="f16")
-    eng.prefill(ctx, 0, k.cpu(), v.cpu())
+    eng.prefill(ctx, 0, k, v)  # CUDA tensors: copied to the CPU by torch through DLPack
     want = sdpa(q, k, v).cpu()
-    got = torch.from_numpy(eng.attend(ctx, 0, q.cpu(), exact=True))
+    got = torch.from_numpy(eng.attend(ctx, 0, q, exact=True))
     assert torch.allclose(got, want, atol=3e-3, rtol=3e-3), (got - want).abs().max()
     # The device-planned sparse step runs and stays near exact on these peaked queries.
     peaked = (3.0 * k[torch.arange(32, device="cuda") // 4, torch.arange(32, device="cuda") * 200]).cpu()

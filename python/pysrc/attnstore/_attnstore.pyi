@@ -6,7 +6,8 @@ from typing import Any, List, Optional, Union
 import numpy as np
 import numpy.typing as npt
 
-# NumPy float32/float16/float64 arrays, or any CPU tensor with __dlpack__ (torch, JAX).
+# NumPy float32/float16/float64 arrays, or any tensor with __dlpack__ (torch, JAX); a device
+# tensor is copied to the CPU by its producer (__dlpack__(dl_device=(1, 0), copy=True)).
 ArrayLike = Union[npt.NDArray[Union[np.float32, np.float16, np.float64]], Any]
 
 class AttnstoreError(Exception): ...
@@ -17,13 +18,43 @@ class CorruptDataError(AttnstoreError): ...
 class StorageError(AttnstoreError): ...
 class StalePlanError(AttnstoreError): ...
 
+class Budget:
+    def __init__(
+        self,
+        exact: bool = False,
+        retrieve: Optional[float] = None,
+        floor: Optional[int] = None,
+        estimate: Optional[Union[float, str]] = None,
+        short_context: Optional[int] = None,
+    ) -> None:
+        """A sparse budget: retrieved share and floor in tokens, estimated share or "rest",
+        contexts of at most `short_context` tokens attended exactly; `exact=True`: everything."""
+    @property
+    def exact(self) -> bool: ...
+    @property
+    def retrieve(self) -> float: ...
+    @property
+    def floor(self) -> int: ...
+    @property
+    def short_context(self) -> int: ...
+
 class Plan:
     def explain(self) -> str:
         """The plan as text, one line per request and zone (EXPLAIN)."""
 
 class Engine:
-    def __init__(self, path: Optional[Union[str, os.PathLike]] = None, host_blocks: Optional[int] = None) -> None:
-        """In memory, or durable at `path`; `host_blocks`: a buffer manager of that many 2 KiB blocks."""
+    def __init__(
+        self,
+        path: Optional[Union[str, os.PathLike]] = None,
+        host_blocks: Optional[int] = None,
+        gpu_blocks: Optional[int] = None,
+        gpu: bool = False,
+    ) -> None:
+        """In memory, or durable at `path`; `host_blocks`: a buffer manager of that many 2 KiB
+        blocks (`gpu_blocks` of them cached on the GPU, default 5%); `gpu=True`: plan and
+        execute on the GPU (a `cuda` build; needs `host_blocks`)."""
+    @property
+    def gpu(self) -> bool: ...
     def create_context(
         self,
         q_heads: int,
@@ -41,14 +72,43 @@ class Engine:
     def append(self, ctx: int, layer: int, k: ArrayLike, v: ArrayLike) -> None:
         """Appends decode tokens' KV, [kv_heads, tokens, head_dim]."""
     def wait_index(self, ctx: int, layer: int, timeout: float = 600.0) -> bool: ...
-    def plan(self, ctx: int, layer: int, q: ArrayLike, exact: bool = False, retrieve: Optional[float] = None) -> Plan:
+    def plan(
+        self,
+        ctx: int,
+        layer: int,
+        q: ArrayLike,
+        exact: bool = False,
+        retrieve: Optional[float] = None,
+        budget: Optional[Budget] = None,
+    ) -> Plan:
         """Plans attention of `q` [q_heads, head_dim] over a layer."""
     def execute(self, plan: Plan) -> List[npt.NDArray[np.float32]]:
         """Executes a plan: one [q_heads, head_dim] float32 array per request."""
     def attend(
-        self, ctx: int, layer: int, q: ArrayLike, exact: bool = False, retrieve: Optional[float] = None
+        self,
+        ctx: int,
+        layer: int,
+        q: ArrayLike,
+        exact: bool = False,
+        retrieve: Optional[float] = None,
+        budget: Optional[Budget] = None,
     ) -> npt.NDArray[np.float32]:
         """Plans and executes in one call; returns [q_heads, head_dim] float32."""
+    def attend_many(
+        self,
+        ctxs: List[int],
+        layer: int,
+        q: ArrayLike,
+        exact: bool = False,
+        retrieve: Optional[float] = None,
+        budget: Optional[Budget] = None,
+    ) -> npt.NDArray[np.float32]:
+        """One query per context (q: [len(ctxs), q_heads, head_dim]) as one batch; returns
+        [len(ctxs), q_heads, head_dim] float32."""
+    def time_steps(
+        self, ctxs: List[int], layer: int, q: ArrayLike, iters: int, exact: bool = False, budget: Optional[Budget] = None
+    ) -> List[float]:
+        """Seconds per call of attend_many's step timed inside Rust (the boundary's baseline)."""
     def tokens(self, ctx: int, layer: int) -> int: ...
     def checkpoint(self) -> None: ...
     def contexts(self) -> List[int]: ...
