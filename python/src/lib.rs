@@ -252,6 +252,33 @@ impl Engine {
         py.detach(|| store(&self.inner, ContextId(ctx), layer, &keys, &values)).map_err(py_err)
     }
 
+    /// One request per context of `ctxs` (one shape) over `layer`, the queries from `q`
+    /// (`[len(ctxs), q_heads, head_dim]`), checked.
+    fn batch(&self, ctxs: &[u64], layer: usize, q: &Bound<'_, PyAny>) -> PyResult<(Vec<Request>, AttnShape)> {
+        let Some(&first) = ctxs.first() else {
+            return Err(PyValueError::new_err("ctxs is empty; expected at least one context id"));
+        };
+        let shape = self.shape(first)?;
+        for &c in &ctxs[1..] {
+            let s = self.shape(c)?;
+            if s != shape {
+                return Err(ShapeError::new_err(format!(
+                    "context {c} has shape {s:?} but context {first} has {shape:?}; a batch needs one shape"
+                )));
+            }
+        }
+        let (query, qs) = floats("q", q)?;
+        let layout = format!("[{}, q_heads={}, head_dim={}]", ctxs.len(), shape.q_heads, shape.head_dim);
+        check_shape("q", &qs, &[Some(ctxs.len()), Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
+        let per = shape.q_heads * shape.head_dim;
+        let requests = ctxs
+            .iter()
+            .zip(query.chunks_exact(per))
+            .map(|(&c, q)| Request::new(ContextId(c), layer, q.to_vec()))
+            .collect();
+        Ok((requests, shape))
+    }
+
     /// A query checked against the context's shape.
     fn query(&self, ctx: u64, q: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, AttnShape)> {
         let shape = self.shape(ctx)?;
@@ -470,28 +497,8 @@ impl Engine {
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Bound<'py, PyArray3<f32>>> {
-        let Some(&first) = ctxs.first() else {
-            return Err(PyValueError::new_err("ctxs is empty; expected at least one context id"));
-        };
-        let shape = self.shape(first)?;
-        for &c in &ctxs[1..] {
-            let s = self.shape(c)?;
-            if s != shape {
-                return Err(ShapeError::new_err(format!(
-                    "context {c} has shape {s:?} but context {first} has {shape:?}; attend_many needs one shape"
-                )));
-            }
-        }
-        let (query, qs) = floats("q", q)?;
-        let layout = format!("[{}, q_heads={}, head_dim={}]", ctxs.len(), shape.q_heads, shape.head_dim);
-        check_shape("q", &qs, &[Some(ctxs.len()), Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
+        let (requests, shape) = self.batch(&ctxs, layer, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
-        let per = shape.q_heads * shape.head_dim;
-        let requests: Vec<Request> = ctxs
-            .iter()
-            .zip(query.chunks_exact(per))
-            .map(|(&c, q)| Request::new(ContextId(c), layer, q.to_vec()))
-            .collect();
         let outs = py.detach(|| self.run(&requests, &budget)).map_err(py_err)?;
         let flat: Vec<f32> = outs.concat();
         numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])
@@ -513,14 +520,8 @@ impl Engine {
         exact: bool,
         budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Vec<f64>> {
-        let (query, _) = floats("q", q)?;
-        let per = query.len() / ctxs.len().max(1);
+        let (requests, _) = self.batch(&ctxs, layer, q)?;
         let budget = self::budget(exact, None, budget.as_deref())?;
-        let requests: Vec<Request> = ctxs
-            .iter()
-            .zip(query.chunks_exact(per.max(1)))
-            .map(|(&c, q)| Request::new(ContextId(c), layer, q.to_vec()))
-            .collect();
         py.detach(|| {
             (0..iters)
                 .map(|_| {
