@@ -83,6 +83,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="attnstore's batch")
     ap.add_argument("--sdpa-batch", type=int, default=None, help="SDPA's batch (default: --batch)")
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--gpu-share", default="0.05", help="GPU tier sizes to run, as shares of the Host arena")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json-out", default=None)
@@ -98,64 +99,78 @@ def main():
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, {time.time() - t:.1f} s", flush=True)
     rows = []
     for n in [int(x) for x in args.contexts.split(",")]:
-        # attnstore: KV in pinned host memory. f16 rows of K and V, clusters rounding blocks up.
-        per_layer = cfg.num_key_value_heads * (n + args.steps * (args.rounds + 2) + 64) * cfg.head_dim * 2 * 2
-        host_blocks = int(per_layer * 1.6 / BLOCK) * cfg.num_hidden_layers * args.batch + 4096
-        t = time.time()
-        engine = attnstore.Engine(host_blocks=host_blocks, gpu=True)
-        ours = attnstore.hf.cache_for(model, engine)
-        fill(ours, cfg, args.batch, n, seed=1)
-        ingest = time.time() - t
-        print(f"{n} tokens: attnstore ingest of batch {args.batch}: {ingest:.1f} s", flush=True)
         model.set_attn_implementation("sdpa")
         static = StaticCache(config=cfg, max_cache_len=n + args.steps * (args.rounds + 2) + 8)
         fill(static, cfg, sdpa_batch, n, seed=1)
         dynamic = DynamicCache(config=cfg)
         fill(dynamic, cfg, sdpa_batch, n, seed=1)
         print(f"{n} tokens: SDPA caches filled, {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
-        ratios, a_ms, s_ms, split, both = [], [], [], [], []
-        for r in range(args.rounds):
-            model.set_attn_implementation("sdpa")
-            st = statistics.median(decode(model, static, sdpa_batch, args.steps))
-            dy = statistics.median(decode(model, dynamic, sdpa_batch, args.steps))
-            both.append((st * 1e3, dy * 1e3))
-            s = min(st, dy)
-            model.set_attn_implementation(attnstore.hf.NAME)
-            before = dict(ours.seconds)
-            a_times = decode(model, ours, args.batch, args.steps)
-            a = statistics.median(a_times)
-            spent = {k: (ours.seconds[k] - before.get(k, 0.0)) / (args.steps + 1) * 1e3 for k in ours.seconds}
-            split.append(spent)
-            ratios.append((args.batch / a) / (sdpa_batch / s))
-            a_ms.append(a * 1e3)
-            s_ms.append(s * 1e3)
-            print(f"  round {r}: attnstore {a * 1e3:.2f} ms/step (batch {args.batch}), SDPA static {st * 1e3:.2f} / "
-                  f"dynamic {dy * 1e3:.2f} ms/step "
-                  f"(batch {sdpa_batch}), throughput ratio {ratios[-1]:.2f}; attnstore ms/step by part: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in spent.items()), flush=True)
-        row = {
-            "context": n,
-            "batch": args.batch,
-            "sdpa_batch": sdpa_batch,
-            "attnstore_ms": [min(a_ms), statistics.median(a_ms), max(a_ms)],
-            "sdpa_ms": [min(s_ms), statistics.median(s_ms), max(s_ms)],
-            "sdpa_static_ms": statistics.median(b[0] for b in both),
-            "sdpa_dynamic_ms": statistics.median(b[1] for b in both),
-            "ratio": [min(ratios), statistics.median(ratios), max(ratios)],
-            "attnstore_tokens_per_s": args.batch / (statistics.median(a_ms) / 1e3),
-            "sdpa_tokens_per_s": sdpa_batch / (statistics.median(s_ms) / 1e3),
-            "attnstore_parts_ms": {k: statistics.median(p[k] for p in split) for k in split[0]},
-            "ingest_s": ingest,
-        }
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-        ours.close()
-        del ours, static, dynamic, engine
+        for share in [float(x) for x in args.gpu_share.split(",")]:
+            rows.append(compare(args, model, cfg, n, share, sdpa_batch, static, dynamic))
+        del static, dynamic
         gc.collect()
         torch.cuda.empty_cache()
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)
+
+
+def compare(args, model, cfg, n, share, sdpa_batch, static, dynamic):
+    """attnstore with a Gpu tier of `share` of its arena against both SDPA caches, in rounds."""
+    # attnstore: KV in pinned host memory. f16 rows of K and V, clusters rounding blocks up.
+    per_layer = cfg.num_key_value_heads * (n + args.steps * (args.rounds + 2) + 64) * cfg.head_dim * 2 * 2
+    host_blocks = int(per_layer * 1.6 / BLOCK) * cfg.num_hidden_layers * args.batch + 4096
+    t = time.time()
+    engine = attnstore.Engine(host_blocks=host_blocks, gpu_blocks=int(host_blocks * share), gpu=True)
+    ours = attnstore.hf.cache_for(model, engine)
+    fill(ours, cfg, args.batch, n, seed=1)
+    ingest = time.time() - t
+    print(f"{n} tokens: attnstore ingest of batch {args.batch}: {ingest:.1f} s (Gpu tier {share:.0%})", flush=True)
+    ratios, a_ms, s_ms, split, both, hits = [], [], [], [], [], []
+    for r in range(args.rounds):
+        model.set_attn_implementation("sdpa")
+        st = statistics.median(decode(model, static, sdpa_batch, args.steps))
+        dy = statistics.median(decode(model, dynamic, sdpa_batch, args.steps))
+        both.append((st * 1e3, dy * 1e3))
+        s = min(st, dy)
+        model.set_attn_implementation(attnstore.hf.NAME)
+        before = dict(ours.seconds)
+        g0 = engine.gpu_stats()
+        a_times = decode(model, ours, args.batch, args.steps)
+        g1 = engine.gpu_stats()
+        clusters = g1["device_clusters"] - g0["device_clusters"]
+        hits.append(1 - (g1["device_missed"] - g0["device_missed"]) / max(clusters, 1))
+        a = statistics.median(a_times)
+        spent = {k: (ours.seconds[k] - before.get(k, 0.0)) / (args.steps + 1) * 1e3 for k in ours.seconds}
+        split.append(spent)
+        ratios.append((args.batch / a) / (sdpa_batch / s))
+        a_ms.append(a * 1e3)
+        s_ms.append(s * 1e3)
+        print(f"  round {r}: attnstore {a * 1e3:.2f} ms/step (batch {args.batch}), SDPA static {st * 1e3:.2f} / "
+              f"dynamic {dy * 1e3:.2f} ms/step "
+              f"(batch {sdpa_batch}), throughput ratio {ratios[-1]:.2f}, Gpu-tier hits {hits[-1]:.1%}; by part (ms/step): "
+              + ", ".join(f"{k} {v:.2f}" for k, v in spent.items()), flush=True)
+    row = {
+        "context": n,
+        "gpu_share": share,
+        "gpu_hit_ratio": statistics.median(hits),
+        "batch": args.batch,
+        "sdpa_batch": sdpa_batch,
+        "attnstore_ms": [min(a_ms), statistics.median(a_ms), max(a_ms)],
+        "sdpa_ms": [min(s_ms), statistics.median(s_ms), max(s_ms)],
+        "sdpa_static_ms": statistics.median(b[0] for b in both),
+        "sdpa_dynamic_ms": statistics.median(b[1] for b in both),
+        "ratio": [min(ratios), statistics.median(ratios), max(ratios)],
+        "attnstore_tokens_per_s": args.batch / (statistics.median(a_ms) / 1e3),
+        "sdpa_tokens_per_s": sdpa_batch / (statistics.median(s_ms) / 1e3),
+        "attnstore_parts_ms": {k: statistics.median(p[k] for p in split) for k in split[0]},
+        "ingest_s": ingest,
+    }
+    print(json.dumps(row), flush=True)
+    ours.close()
+    del ours, engine
+    gc.collect()
+    return row
 
 
 if __name__ == "__main__":

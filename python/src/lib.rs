@@ -13,6 +13,8 @@ use numpy::{PyArray2, PyArray3, PyArrayDescrMethods, PyArrayMethods, PyUntypedAr
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 mod dlpack;
@@ -57,7 +59,11 @@ fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize
     let py = array.py();
     let values: Vec<f32> = if dtype.is_equiv_to(&numpy::dtype::<f32>(py)) {
         let a = array.cast::<numpy::PyArrayDyn<f32>>()?.readonly();
-        a.as_array().iter().copied().collect()
+        // A C-contiguous array is one copy; others are walked in C order.
+        match a.as_slice() {
+            Ok(slice) => slice.to_vec(),
+            Err(_) => a.as_array().iter().copied().collect(),
+        }
     } else if dtype.is_equiv_to(&numpy::dtype::<half::f16>(py)) {
         let a = array.cast::<numpy::PyArrayDyn<half::f16>>()?.readonly();
         a.as_array().iter().map(|x| x.to_f32()).collect()
@@ -189,6 +195,17 @@ struct Engine {
     inner: attnstore::Engine,
     /// Plans with `plan_gpu` and executes with `execute_gpu` (the `cuda` build, `gpu=True`).
     gpu: bool,
+    /// What the GPU executor did, summed over calls (`gpu_stats`).
+    gpu_totals: GpuTotals,
+}
+
+/// Sums of the GPU executor's per-call reports.
+#[derive(Default)]
+struct GpuTotals {
+    on_gpu: AtomicU64,
+    on_cpu: AtomicU64,
+    device_clusters: AtomicU64,
+    device_missed: AtomicU64,
 }
 
 /// A plan: what a decode step will read, per request and zone. `explain()` prints it.
@@ -309,7 +326,13 @@ impl Engine {
     fn execute_plan(&self, plan: &attnstore::Plan) -> attnstore::Result<Vec<Vec<f32>>> {
         #[cfg(feature = "cuda")]
         if self.gpu {
-            return self.inner.execute_gpu(plan).map(|(out, _)| out);
+            let (out, run) = self.inner.execute_gpu(plan)?;
+            let t = &self.gpu_totals;
+            t.on_gpu.fetch_add(run.on_gpu as u64, Ordering::Relaxed);
+            t.on_cpu.fetch_add(run.on_cpu as u64, Ordering::Relaxed);
+            t.device_clusters.fetch_add(run.device_clusters as u64, Ordering::Relaxed);
+            t.device_missed.fetch_add(run.device_missed as u64, Ordering::Relaxed);
+            return Ok(out);
         }
         self.inner.execute(plan)
     }
@@ -358,7 +381,7 @@ impl Engine {
                 None => attnstore::Engine::in_memory(config),
             })
             .map_err(py_err)?;
-        Ok(Self { inner, gpu })
+        Ok(Self { inner, gpu, gpu_totals: GpuTotals::default() })
     }
 
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
@@ -533,6 +556,42 @@ impl Engine {
                 .collect::<attnstore::Result<Vec<f64>>>()
         })
         .map_err(py_err)
+    }
+
+    /// The buffer manager's counters (`None` without `host_blocks`): `block_bytes`, and per
+    /// tier (`gpu`, `host`, `disk`) its capacity and used blocks, hits, misses, blocks moved
+    /// in, evictions and failures.
+    fn buffer_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(stats) = self.inner.buffer_stats() else { return Ok(None) };
+        let out = PyDict::new(py);
+        out.set_item("block_bytes", stats.block_bytes)?;
+        out.set_item("dropped_access_records", stats.dropped_access_records)?;
+        for t in &stats.tiers {
+            let tier = PyDict::new(py);
+            tier.set_item("capacity_blocks", t.capacity_blocks)?;
+            tier.set_item("used_blocks", t.used_blocks)?;
+            tier.set_item("hits", t.hits)?;
+            tier.set_item("misses", t.misses)?;
+            tier.set_item("moves_in", t.moves_in)?;
+            tier.set_item("evictions", t.evictions)?;
+            tier.set_item("failures", t.failures)?;
+            out.set_item(format!("{:?}", t.tier).to_lowercase(), tier)?;
+        }
+        Ok(Some(out))
+    }
+
+    /// What the GPU executor did, summed over this engine's calls: requests run on the GPU
+    /// and on the CPU, clusters the device-selected steps retrieved and, of those, the ones
+    /// read from the Host arena rather than the Gpu tier (`1 - device_missed /
+    /// device_clusters` is the steps' hit ratio by cluster). Zeros on a CPU engine.
+    fn gpu_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let t = &self.gpu_totals;
+        let out = PyDict::new(py);
+        out.set_item("on_gpu", t.on_gpu.load(Ordering::Relaxed))?;
+        out.set_item("on_cpu", t.on_cpu.load(Ordering::Relaxed))?;
+        out.set_item("device_clusters", t.device_clusters.load(Ordering::Relaxed))?;
+        out.set_item("device_missed", t.device_missed.load(Ordering::Relaxed))?;
+        Ok(out)
     }
 
     /// Whether this engine runs its steps on the GPU (`gpu=True`, a `cuda` build).

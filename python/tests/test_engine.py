@@ -174,3 +174,19 @@ def test_dlpack_tensors_contiguous_and_strided_read_like_numpy(data):
         eng.attend(b, 0, DLPackOnly(q[:4]))
     with pytest.raises(TypeError, match="DLPack tensor"):
         eng.attend(b, 0, "not a tensor")
+
+
+def test_buffer_and_gpu_stats(data):
+    q, k, v = data
+    assert attnstore.Engine().buffer_stats() is None
+    eng = attnstore.Engine(host_blocks=4096)
+    ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, layers=1, dtype="f16")
+    eng.prefill(ctx, 0, k, v)
+    eng.attend(ctx, 0, q)
+    stats = eng.buffer_stats()
+    assert stats["block_bytes"] == 2048
+    assert stats["host"]["capacity_blocks"] == 4096
+    # 2 heads x 4096 tokens x 64 dims x 2 bytes x (K and V), clusters rounding blocks up.
+    assert 2 * 4096 * 64 * 2 * 2 // 2048 <= stats["host"]["used_blocks"] <= 4096
+    assert stats["gpu"]["capacity_blocks"] == 4096 // 20
+    assert eng.gpu_stats() == {"on_gpu": 0, "on_cpu": 0, "device_clusters": 0, "device_missed": 0}

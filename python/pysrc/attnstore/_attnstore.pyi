@@ -1,7 +1,7 @@
 """Type stubs of the extension module (see src/lib.rs for the full docs)."""
 
 import os
-from typing import Any, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -110,5 +110,9 @@ class Engine:
     ) -> List[float]:
         """Seconds per call of attend_many's step timed inside Rust (the boundary's baseline)."""
     def tokens(self, ctx: int, layer: int) -> int: ...
+    def buffer_stats(self) -> Optional[Dict[str, Any]]:
+        """The buffer manager's counters per tier (None without host_blocks)."""
+    def gpu_stats(self) -> Dict[str, int]:
+        """The GPU executor's sums: on_gpu, on_cpu, device_clusters, device_missed."""
     def checkpoint(self) -> None: ...
     def contexts(self) -> List[int]: ...
