@@ -100,12 +100,14 @@ def main():
     rows = []
     for n in [int(x) for x in args.contexts.split(",")]:
         model.set_attn_implementation("sdpa")
-        static = StaticCache(config=cfg, max_cache_len=n + args.steps * (args.rounds + 2) + 8)
+        shares = [float(x) for x in args.gpu_share.split(",")]
+        # Every round decodes steps + 1 tokens into it, for every Gpu-tier size.
+        static = StaticCache(config=cfg, max_cache_len=n + (args.steps + 1) * args.rounds * len(shares) + 8)
         fill(static, cfg, sdpa_batch, n, seed=1)
         dynamic = DynamicCache(config=cfg)
         fill(dynamic, cfg, sdpa_batch, n, seed=1)
         print(f"{n} tokens: SDPA caches filled, {torch.cuda.memory_allocated() / 2**30:.1f} GiB on the GPU", flush=True)
-        for share in [float(x) for x in args.gpu_share.split(",")]:
+        for share in shares:
             rows.append(compare(args, model, cfg, n, share, sdpa_batch, static, dynamic))
         del static, dynamic
         gc.collect()
