@@ -15,6 +15,7 @@ use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 mod dlpack;
@@ -26,6 +27,7 @@ create_exception!(_attnstore, InvalidArgumentError, AttnstoreError, "A bad budge
 create_exception!(_attnstore, CorruptDataError, AttnstoreError, "Stored data failed its checks.");
 create_exception!(_attnstore, StorageError, AttnstoreError, "The buffer manager, disk or log failed or is full.");
 create_exception!(_attnstore, StalePlanError, AttnstoreError, "A layer changed since the plan was made.");
+create_exception!(_attnstore, ClosedError, AttnstoreError, "The engine was closed.");
 
 /// The Python exception of an engine error, with its message.
 fn py_err(e: attnstore::Error) -> PyErr {
@@ -192,7 +194,9 @@ impl PyBudget {
 /// reads them there).
 #[pyclass(module = "attnstore._attnstore", frozen)]
 struct Engine {
-    inner: attnstore::Engine,
+    /// The engine; `None` once closed. Calls hold their own `Arc`, so `close` waits for none
+    /// of them: the engine shuts down when the last running call returns.
+    slot: RwLock<Option<Arc<attnstore::Engine>>>,
     /// Plans with `plan_gpu` and executes with `execute_gpu` (the `cuda` build, `gpu=True`).
     gpu: bool,
     /// What the GPU executor did, summed over calls (`gpu_stats`).
@@ -234,9 +238,15 @@ impl Plan {
 type Store = fn(&attnstore::Engine, ContextId, usize, &[f32], &[f32]) -> attnstore::Result<()>;
 
 impl Engine {
+    /// The engine, or a `ClosedError` after `close`.
+    fn engine(&self) -> PyResult<Arc<attnstore::Engine>> {
+        let slot = self.slot.read().unwrap_or_else(|e| e.into_inner());
+        slot.clone().ok_or_else(|| ClosedError::new_err("the engine is closed; open a new attnstore.Engine"))
+    }
+
     /// The context's shape, or an `UnknownContextError`.
     fn shape(&self, ctx: u64) -> PyResult<AttnShape> {
-        self.inner.spec(ContextId(ctx)).map(|s| s.shape).map_err(py_err)
+        self.engine()?.spec(ContextId(ctx)).map(|s| s.shape).map_err(py_err)
     }
 
     /// Keys and values as the engine takes them, checked against the context's shape.
@@ -266,7 +276,8 @@ impl Engine {
         store: Store,
     ) -> PyResult<()> {
         let (keys, values) = self.kv(ctx, k, v)?;
-        py.detach(|| store(&self.inner, ContextId(ctx), layer, &keys, &values)).map_err(py_err)
+        let e = self.engine()?;
+        py.detach(|| store(&e, ContextId(ctx), layer, &keys, &values)).map_err(py_err)
     }
 
     /// One request per context of `ctxs` (one shape) over `layer`, the queries from `q`
@@ -309,24 +320,29 @@ impl Engine {
 impl Engine {
     /// Plans `requests` under `budget` and executes them (on the GPU for a `gpu=True`
     /// engine), one output per request.
-    fn run(&self, requests: &[Request], budget: &Budget) -> attnstore::Result<Vec<Vec<f32>>> {
-        self.execute_plan(&self.make_plan(requests, budget)?)
+    fn run(&self, e: &attnstore::Engine, requests: &[Request], budget: &Budget) -> attnstore::Result<Vec<Vec<f32>>> {
+        self.execute_plan(e, &self.make_plan(e, requests, budget)?)
     }
 
     /// `plan_gpu` on a `gpu=True` engine, else `plan`.
-    fn make_plan(&self, requests: &[Request], budget: &Budget) -> attnstore::Result<attnstore::Plan> {
+    fn make_plan(
+        &self,
+        e: &attnstore::Engine,
+        requests: &[Request],
+        budget: &Budget,
+    ) -> attnstore::Result<attnstore::Plan> {
         #[cfg(feature = "cuda")]
         if self.gpu {
-            return self.inner.plan_gpu(requests, budget);
+            return e.plan_gpu(requests, budget);
         }
-        self.inner.plan(requests, budget)
+        e.plan(requests, budget)
     }
 
     /// `execute_gpu` on a `gpu=True` engine, else `execute`.
-    fn execute_plan(&self, plan: &attnstore::Plan) -> attnstore::Result<Vec<Vec<f32>>> {
+    fn execute_plan(&self, e: &attnstore::Engine, plan: &attnstore::Plan) -> attnstore::Result<Vec<Vec<f32>>> {
         #[cfg(feature = "cuda")]
         if self.gpu {
-            let (out, run) = self.inner.execute_gpu(plan)?;
+            let (out, run) = e.execute_gpu(plan)?;
             let t = &self.gpu_totals;
             t.on_gpu.fetch_add(run.on_gpu as u64, Ordering::Relaxed);
             t.on_cpu.fetch_add(run.on_cpu as u64, Ordering::Relaxed);
@@ -334,7 +350,7 @@ impl Engine {
             t.device_missed.fetch_add(run.device_missed as u64, Ordering::Relaxed);
             return Ok(out);
         }
-        self.inner.execute(plan)
+        e.execute(plan)
     }
 }
 
@@ -381,7 +397,7 @@ impl Engine {
                 None => attnstore::Engine::in_memory(config),
             })
             .map_err(py_err)?;
-        Ok(Self { inner, gpu, gpu_totals: GpuTotals::default() })
+        Ok(Self { slot: RwLock::new(Some(Arc::new(inner))), gpu, gpu_totals: GpuTotals::default() })
     }
 
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
@@ -407,12 +423,13 @@ impl Engine {
             let codec: Codec = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
             spec = spec.with_codec(codec);
         }
-        self.inner.create_context(spec).map(|id| id.0).map_err(py_err)
+        self.engine()?.create_context(spec).map(|id| id.0).map_err(py_err)
     }
 
     /// Drops a context and frees its rows.
     fn drop_context(&self, py: Python<'_>, ctx: u64) -> PyResult<()> {
-        py.detach(|| self.inner.drop_context(ContextId(ctx))).map_err(py_err)
+        let e = self.engine()?;
+        py.detach(|| e.drop_context(ContextId(ctx))).map_err(py_err)
     }
 
     /// Stores a layer's prompt KV: `k`, `v` of shape `[kv_heads, tokens, head_dim]`
@@ -453,7 +470,8 @@ impl Engine {
         if !(timeout >= 0.0 && timeout.is_finite()) {
             return Err(PyValueError::new_err(format!("timeout {timeout} must be a finite number of seconds ≥ 0")));
         }
-        py.detach(|| self.inner.wait_index(ContextId(ctx), layer, Duration::from_secs_f64(timeout))).map_err(py_err)
+        let e = self.engine()?;
+        py.detach(|| e.wait_index(ContextId(ctx), layer, Duration::from_secs_f64(timeout))).map_err(py_err)
     }
 
     /// Plans attention of query `q` (`[q_heads, head_dim]`) over a layer: exact, or the
@@ -473,13 +491,15 @@ impl Engine {
         let (query, _) = self.query(ctx, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let inner = py.detach(|| self.make_plan(&request, &budget)).map_err(py_err)?;
+        let e = self.engine()?;
+        let inner = py.detach(|| self.make_plan(&e, &request, &budget)).map_err(py_err)?;
         Ok(Plan { inner })
     }
 
     /// Executes a plan: one `[q_heads, head_dim]` float32 array per request.
     fn execute<'py>(&self, py: Python<'py>, plan: &Plan) -> PyResult<Vec<Bound<'py, PyArray2<f32>>>> {
-        let outs = py.detach(|| self.execute_plan(&plan.inner)).map_err(py_err)?;
+        let e = self.engine()?;
+        let outs = py.detach(|| self.execute_plan(&e, &plan.inner)).map_err(py_err)?;
         outs.into_iter().zip(&plan.inner.requests).map(|(o, r)| output(py, o, r.shape)).collect()
     }
 
@@ -500,7 +520,8 @@ impl Engine {
         let (query, shape) = self.query(ctx, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let mut out = py.detach(|| self.run(&request, &budget)).map_err(py_err)?;
+        let e = self.engine()?;
+        let mut out = py.detach(|| self.run(&e, &request, &budget)).map_err(py_err)?;
         output(py, out.remove(0), shape)
     }
 
@@ -522,7 +543,8 @@ impl Engine {
     ) -> PyResult<Bound<'py, PyArray3<f32>>> {
         let (requests, shape) = self.batch(&ctxs, layer, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
-        let outs = py.detach(|| self.run(&requests, &budget)).map_err(py_err)?;
+        let e = self.engine()?;
+        let outs = py.detach(|| self.run(&e, &requests, &budget)).map_err(py_err)?;
         let flat: Vec<f32> = outs.concat();
         numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])
     }
@@ -545,11 +567,12 @@ impl Engine {
     ) -> PyResult<Vec<f64>> {
         let (requests, _) = self.batch(&ctxs, layer, q)?;
         let budget = self::budget(exact, None, budget.as_deref())?;
+        let e = self.engine()?;
         py.detach(|| {
             (0..iters)
                 .map(|_| {
                     let start = std::time::Instant::now();
-                    let out = self.run(&requests, &budget)?;
+                    let out = self.run(&e, &requests, &budget)?;
                     std::hint::black_box(out);
                     Ok(start.elapsed().as_secs_f64())
                 })
@@ -562,7 +585,7 @@ impl Engine {
     /// tier (`gpu`, `host`, `disk`) its capacity and used blocks, hits, misses, blocks moved
     /// in, evictions and failures.
     fn buffer_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(stats) = self.inner.buffer_stats() else { return Ok(None) };
+        let Some(stats) = self.engine()?.buffer_stats() else { return Ok(None) };
         let out = PyDict::new(py);
         out.set_item("block_bytes", stats.block_bytes)?;
         out.set_item("dropped_access_records", stats.dropped_access_records)?;
@@ -594,6 +617,32 @@ impl Engine {
         Ok(out)
     }
 
+    /// Closes the engine: later calls raise `ClosedError`. A durable engine's log is flushed
+    /// and its directory released once calls still running on other threads return, so the
+    /// same path can be opened again. Closing twice is fine. `with attnstore.Engine(...) as
+    /// eng:` closes it at the end of the block.
+    fn close(&self, py: Python<'_>) {
+        let taken = self.slot.write().unwrap_or_else(|e| e.into_inner()).take();
+        // Dropping the last reference joins the engine's threads and flushes: without the GIL.
+        py.detach(move || drop(taken));
+    }
+
+    /// Whether `close` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.slot.read().unwrap_or_else(|e| e.into_inner()).is_none()
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_args))]
+    fn __exit__(&self, py: Python<'_>, _args: &Bound<'_, pyo3::types::PyTuple>) -> bool {
+        self.close(py);
+        false
+    }
+
     /// Whether this engine runs its steps on the GPU (`gpu=True`, a `cuda` build).
     #[getter]
     fn gpu(&self) -> bool {
@@ -602,17 +651,18 @@ impl Engine {
 
     /// Tokens stored in a layer.
     fn tokens(&self, ctx: u64, layer: usize) -> PyResult<usize> {
-        self.inner.stats(ContextId(ctx), layer).map(|s| s.tokens).map_err(py_err)
+        self.engine()?.stats(ContextId(ctx), layer).map(|s| s.tokens).map_err(py_err)
     }
 
     /// Writes a checkpoint (durable engines): later opens replay less of the log.
     fn checkpoint(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.checkpoint()).map(|_| ()).map_err(py_err)
+        let e = self.engine()?;
+        py.detach(|| e.checkpoint()).map(|_| ()).map_err(py_err)
     }
 
     /// The ids of the engine's contexts.
-    fn contexts(&self) -> Vec<u64> {
-        self.inner.contexts().into_iter().map(|id| id.0).collect()
+    fn contexts(&self) -> PyResult<Vec<u64>> {
+        Ok(self.engine()?.contexts().into_iter().map(|id| id.0).collect())
     }
 }
 
@@ -630,5 +680,6 @@ fn _attnstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CorruptDataError", py.get_type::<CorruptDataError>())?;
     m.add("StorageError", py.get_type::<StorageError>())?;
     m.add("StalePlanError", py.get_type::<StalePlanError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
     Ok(())
 }

@@ -94,6 +94,8 @@ def test_bad_input_raises_the_documented_exceptions(data):
         eng.create_context(8, 2, 64, method="btree")
     with pytest.raises(attnstore.ShapeError):
         eng.create_context(8, 3, 64)
+    # None of the failed calls changed anything.
+    assert eng.contexts() == [ctx] and eng.tokens(ctx, 0) == 0
     eng.prefill(ctx, 0, k, v)
     with pytest.raises(attnstore.InvalidArgumentError):
         eng.prefill(ctx, 0, k, v)  # a layer is prefilled once
@@ -101,6 +103,9 @@ def test_bad_input_raises_the_documented_exceptions(data):
         eng.attend(ctx, 0, q, retrieve=2.0)
     with pytest.raises(attnstore.ShapeError):
         eng.attend(ctx, 0, q[:4])
+    with pytest.raises(attnstore.ShapeError):
+        eng.append(ctx, 0, k[:, :3], v[:, :2])
+    assert eng.tokens(ctx, 0) == k.shape[1]
     assert issubclass(attnstore.ShapeError, attnstore.AttnstoreError)
 
 
@@ -190,3 +195,28 @@ def test_buffer_and_gpu_stats(data):
     assert 2 * 4096 * 64 * 2 * 2 // 2048 <= stats["host"]["used_blocks"] <= 4096
     assert stats["gpu"]["capacity_blocks"] == 4096 // 20
     assert eng.gpu_stats() == {"on_gpu": 0, "on_cpu": 0, "device_clusters": 0, "device_missed": 0}
+
+
+def test_a_closed_engine_raises_and_its_directory_reopens(data, tmp_path):
+    q, k, v = data
+    with attnstore.Engine(path=tmp_path / "db") as eng:
+        ctx = eng.create_context(8, 2, 64, dtype="f32")
+        eng.prefill(ctx, 0, k, v)
+        before = eng.attend(ctx, 0, q, exact=True)
+    assert eng.closed
+    for call in (
+        lambda: eng.attend(ctx, 0, q),
+        lambda: eng.prefill(ctx, 0, k, v),
+        lambda: eng.create_context(8, 2, 64),
+        eng.contexts,
+        eng.checkpoint,
+        lambda: eng.tokens(ctx, 0),
+    ):
+        with pytest.raises(attnstore.ClosedError, match="closed"):
+            call()
+    eng.close()  # twice is fine
+    # The same directory opens again in the same process, with the context's rows.
+    again = attnstore.Engine(path=tmp_path / "db")
+    assert again.contexts() == [ctx]
+    np.testing.assert_array_equal(again.attend(ctx, 0, q, exact=True), before)
+    again.close()

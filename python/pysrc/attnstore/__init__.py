@@ -14,6 +14,7 @@
 from ._attnstore import (
     AttnstoreError,
     Budget,
+    ClosedError,
     CorruptDataError,
     Engine,
     InvalidArgumentError,
@@ -27,6 +28,7 @@ from ._attnstore import (
 __all__ = [
     "AttnstoreError",
     "Budget",
+    "ClosedError",
     "CorruptDataError",
     "Engine",
     "InvalidArgumentError",
