@@ -1,19 +1,26 @@
 """Teacher-forced accuracy of attnstore's sparse decode plans inside transformers.
 
-SmolLM2-135M-Instruct (`scripts/fetch-model`, loaded through transformers' GGUF support,
-float32 weights) summarizes a text of `--length` prompt tokens, built as the Rust runtime's
-`attnstore eval` builds it (same system prompt, text and suffix). The reference is
-transformers' own SDPA generation of `--tokens` tokens; attnstore's default sparse plan
-(`attnstore.hf.model_budget()`, or `--scale`d) is then fed the same tokens (teacher forcing)
-and compared position by position: top-1 agreement, mean KL(exact || sparse), near ties
-(exact's two best tokens within 0.05 probability). Also the free-running greedy agreement.
+A real model from `scripts/fetch-model` (loaded through transformers' GGUF support, float32
+weights) summarizes a text of `--length` prompt tokens: `--model smollm2` (SmolLM2-135M-
+Instruct, its prompt built as the Rust runtime's `attnstore eval` builds it: same system
+prompt, text and suffix) or `--model gemma3` (Gemma-3-270M, a base model: "Text: ...
+Summary:"; its sliding-window layers stay with transformers, its global layers are served by
+attnstore). The prompt is prefilled once, in chunks, by transformers' SDPA; the reference is
+SDPA's greedy continuation of `--tokens` tokens; attnstore caches are filled with the same
+prompt KV, and the default sparse plan (`attnstore.hf.model_budget()`, or `--scale`d) is fed
+the reference tokens (teacher forcing) and compared position by position: top-1 agreement,
+mean KL(exact || sparse), near ties (exact's two best tokens within 0.05 probability). Also
+the free-running greedy agreement, and the plan of one served layer (EXPLAIN).
 
     target/pyenv/bin/python python/examples/hf_eval.py --length 8128 [--text runtime/data/hack.txt]
+    target/pyenv/bin/python python/examples/hf_eval.py --model gemma3 --length 32768 \
+        --text runtime/data/retroinfer.txt --text runtime/data/hack.txt
 """
 
 import argparse
 import json
 import pathlib
+import sys
 import time
 
 import torch
@@ -29,14 +36,25 @@ SYSTEM = (
 )
 
 
-def prompt(tok, text, length):
+MODELS = {
+    "smollm2": (
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        f"{SYSTEM}Summarize the following text in a few sentences.\n\n",
+        "<|im_end|>\n<|im_start|>assistant\n",
+    ),
+    "gemma3": ("gemma-3-270m-q4_k_m.gguf", "Text:\n\n", "\n\nA summary of the text in a few sentences:"),
+}
+
+
+def prompt(tok, model, text, length):
     """prefix + the text's first tokens + suffix, exactly `length` tokens."""
-    prefix = tok.encode(f"{SYSTEM}Summarize the following text in a few sentences.\n\n")
-    suffix = tok.encode("<|im_end|>\n<|im_start|>assistant\n")
-    body = tok.encode(text)
+    _, head, tail = MODELS[model]
+    prefix = tok.encode(head)  # with the tokenizer's own start tokens (Gemma's <bos>)
+    suffix = tok.encode(tail, add_special_tokens=False)
+    body = tok.encode(text, add_special_tokens=False)
     n = length - len(prefix) - len(suffix)
     if not 0 <= n <= len(body):
-        raise SystemExit(f"a prompt of {length} tokens needs the text to have at least {n} tokens; it has {len(body)}")
+        raise SystemExit(f"a prompt of {length} tokens needs {n} tokens of text; the text has {len(body)}")
     return torch.tensor([prefix + body[:n] + suffix])
 
 
@@ -48,30 +66,38 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=8128)
     ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--text", default=str(ROOT / "runtime/data/retroinfer.txt"))
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    ap.add_argument("--text", action="append", help="text file(s), joined (default: the RetroInfer paper)")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     ap.add_argument("--scale", type=float, default=1.0, help="scales the budget's floor and retrieved share")
     ap.add_argument("--method", default="wave")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    name = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    name = MODELS[args.model][0]
+    texts = args.text or [str(ROOT / "runtime/data/retroinfer.txt")]
     tok = AutoTokenizer.from_pretrained(ROOT / "models", gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(ROOT / "models", gguf_file=name, dtype=torch.float32).eval()
-    ids = prompt(tok, pathlib.Path(args.text).read_text(), args.length)
+    ids = prompt(tok, args.model, "\n\n".join(pathlib.Path(t).read_text() for t in texts), args.length)
     torch.set_grad_enabled(False)
 
-    # The reference: transformers' own SDPA, greedy.
+    # One prefill, in chunks, by transformers' SDPA into a cache that keeps every layer's KV.
     model.set_attn_implementation("sdpa")
     t = time.time()
-    cache = DynamicCache(config=model.config)
-    logits = [model(ids, past_key_values=cache).logits[0, -1].float()]
+    cache = DynamicCache()
+    for at in range(0, ids.shape[1], args.chunk):
+        out = model(ids[:, at : at + args.chunk], past_key_values=cache, logits_to_keep=1)
+        print(f"prefill {min(at + args.chunk, ids.shape[1])} / {ids.shape[1]} tokens, {time.time() - t:.0f} s", flush=True)
+    prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]  # a decode step's cat leaves these
+    logits = [out.logits[0, -1].float()]
     reference = [int(logits[0].argmax())]
-    print(f"sdpa prefill of {ids.shape[1]} tokens: {time.time() - t:.1f} s", flush=True)
+    # The reference: SDPA's greedy continuation.
     t = time.time()
     while len(reference) < args.tokens:
         logits.append(step(model, cache, reference[-1]))
         reference.append(int(logits[-1].argmax()))
     sdpa_step = (time.time() - t) / (args.tokens - 1)
+    del cache
 
     base = attnstore.hf.model_budget()
     budget = attnstore.Budget(
@@ -79,16 +105,23 @@ def main():
         short_context=base.short_context,
     )
 
+    explained = []
+
     def run(teacher):
         c = attnstore.hf.cache_for(model, method=args.method, budget=budget)
-        first = model(ids, past_key_values=c).logits[0, -1].float()
-        out, toks = [first], [int(first.argmax())]
+        for i, (k, v) in enumerate(prompt_kv):
+            c.layers[i].update(k, v)
+        out, toks = [logits[0]], [reference[0]]
         t = time.time()
         while len(toks) < args.tokens:
             prev = reference[len(toks) - 1] if teacher else toks[-1]
             out.append(step(model, c, prev))
             toks.append(int(out[-1].argmax()))
         per = (time.time() - t) / (args.tokens - 1)
+        if not explained:
+            layer = c.served_layers()[-1]
+            q = torch.zeros(c.q_heads, c.head_dim).numpy()
+            explained.append(c.engine.plan(c.contexts[0], layer, q, budget=budget).explain())
         c.close()
         return out, toks, per
 
@@ -109,7 +142,8 @@ def main():
     positions = args.tokens - 1
     row = {
         "length": int(ids.shape[1]),
-        "text": pathlib.Path(args.text).stem,
+        "model": args.model,
+        "text": "+".join(pathlib.Path(t).stem for t in texts),
         "method": args.method,
         "budget_scale": args.scale,
         "teacher_top1": top1 / positions,
@@ -121,6 +155,7 @@ def main():
         "attnstore_step_ms": attn_step * 1e3,
     }
     print(json.dumps(row) if args.json else "\n".join(f"{k:>22}: {v}" for k, v in row.items()))
+    print(explained[0], file=sys.stderr if args.json else sys.stdout)
 
 
 if __name__ == "__main__":
