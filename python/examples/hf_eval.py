@@ -58,6 +58,28 @@ def prompt(tok, model, text, length):
     return torch.tensor([prefix + body[:n] + suffix])
 
 
+def prefill(model, ids, chunk, progress=False):
+    """SDPA's prefill of `ids` in chunks into a cache that keeps every layer's KV: the last
+    position's logits and each layer's prompt (keys, values), which later decode steps leave
+    as they are (they concatenate into new tensors)."""
+    model.set_attn_implementation("sdpa")
+    t = time.time()
+    cache = DynamicCache()
+    for at in range(0, ids.shape[1], chunk):
+        out = model(ids[:, at : at + chunk], past_key_values=cache, logits_to_keep=1)
+        if progress:
+            print(f"prefill {min(at + chunk, ids.shape[1])} / {ids.shape[1]} tokens, {time.time() - t:.0f} s", flush=True)
+    return out.logits[0, -1].float(), cache, [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def filled_cache(model, prompt_kv, **options):
+    """An `attnstore.hf` cache holding `prompt_kv` (what `prefill` returned)."""
+    c = attnstore.hf.cache_for(model, **options)
+    for i, (k, v) in enumerate(prompt_kv):
+        c.layers[i].update(k, v)
+    return c
+
+
 def step(model, cache, token):
     return model(torch.tensor([[token]]), past_key_values=cache).logits[0, -1].float()
 
@@ -82,14 +104,8 @@ def main():
     torch.set_grad_enabled(False)
 
     # One prefill, in chunks, by transformers' SDPA into a cache that keeps every layer's KV.
-    model.set_attn_implementation("sdpa")
-    t = time.time()
-    cache = DynamicCache()
-    for at in range(0, ids.shape[1], args.chunk):
-        out = model(ids[:, at : at + args.chunk], past_key_values=cache, logits_to_keep=1)
-        print(f"prefill {min(at + args.chunk, ids.shape[1])} / {ids.shape[1]} tokens, {time.time() - t:.0f} s", flush=True)
-    prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]  # a decode step's cat leaves these
-    logits = [out.logits[0, -1].float()]
+    first, cache, prompt_kv = prefill(model, ids, args.chunk, progress=True)
+    logits = [first]
     reference = [int(logits[0].argmax())]
     # The reference: SDPA's greedy continuation.
     t = time.time()
@@ -99,18 +115,12 @@ def main():
     sdpa_step = (time.time() - t) / (args.tokens - 1)
     del cache
 
-    base = attnstore.hf.model_budget()
-    budget = attnstore.Budget(
-        retrieve=base.retrieve * args.scale, floor=round(base.floor * args.scale), estimate="rest",
-        short_context=base.short_context,
-    )
+    budget = attnstore.hf.model_budget(args.scale)
 
     explained = []
 
     def run(teacher):
-        c = attnstore.hf.cache_for(model, method=args.method, budget=budget)
-        for i, (k, v) in enumerate(prompt_kv):
-            c.layers[i].update(k, v)
+        c = filled_cache(model, prompt_kv, method=args.method, budget=budget)
         out, toks = [logits[0]], [reference[0]]
         t = time.time()
         while len(toks) < args.tokens:

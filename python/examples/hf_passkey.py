@@ -17,10 +17,10 @@ import random
 import sys
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from hf_eval import MODELS, ROOT, SYSTEM, step  # noqa: E402
+from hf_eval import MODELS, ROOT, SYSTEM, filled_cache, prefill, step  # noqa: E402
 
 import attnstore  # noqa: E402
 import attnstore.hf  # noqa: E402
@@ -57,11 +57,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(ROOT / "models", gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(ROOT / "models", gguf_file=name, dtype=torch.float32).eval()
     torch.set_grad_enabled(False)
-    base = attnstore.hf.model_budget()
-    budget = attnstore.Budget(
-        retrieve=base.retrieve * args.scale, floor=round(base.floor * args.scale), estimate="rest",
-        short_context=base.short_context,
-    )
+    budget = attnstore.hf.model_budget(args.scale)
     haystack = pathlib.Path(args.haystack).read_text()
     rng = random.Random(7)
     found = {"exact": 0, "attnstore": 0}
@@ -70,20 +66,14 @@ def main():
     for depth in depths:
         key = rng.randrange(10_000, 100_000)
         ids = passkey_prompt(tok, args.model, haystack, args.length, depth, key)
-        model.set_attn_implementation("sdpa")
-        cache = DynamicCache()
-        for at in range(0, ids.shape[1], args.chunk):
-            out = model(ids[:, at : at + args.chunk], past_key_values=cache, logits_to_keep=1)
-        prompt_kv = [(layer.keys, layer.values) for layer in cache.layers]
-        first = int(out.logits[0, -1].argmax())
+        logits, cache, prompt_kv = prefill(model, ids, args.chunk)
+        first = int(logits.argmax())
         for variant in ("exact", "attnstore"):
             if variant == "exact":
                 model.set_attn_implementation("sdpa")
                 c = cache
             else:
-                c = attnstore.hf.cache_for(model, budget=budget)
-                for i, (k, v) in enumerate(prompt_kv):
-                    c.layers[i].update(k, v)
+                c = filled_cache(model, prompt_kv, budget=budget)
             toks = [first]
             while len(toks) < args.answer:
                 toks.append(int(step(model, c, toks[-1]).argmax()))

@@ -245,13 +245,18 @@ impl Engine {
     }
 
     /// The context's shape, or an `UnknownContextError`.
-    fn shape(&self, ctx: u64) -> PyResult<AttnShape> {
-        self.engine()?.spec(ContextId(ctx)).map(|s| s.shape).map_err(py_err)
+    fn shape(e: &attnstore::Engine, ctx: u64) -> PyResult<AttnShape> {
+        e.spec(ContextId(ctx)).map(|s| s.shape).map_err(py_err)
     }
 
     /// Keys and values as the engine takes them, checked against the context's shape.
-    fn kv(&self, ctx: u64, k: &Bound<'_, PyAny>, v: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<f32>)> {
-        let shape = self.shape(ctx)?;
+    fn kv(
+        e: &attnstore::Engine,
+        ctx: u64,
+        k: &Bound<'_, PyAny>,
+        v: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<f32>, Vec<f32>)> {
+        let shape = Self::shape(e, ctx)?;
         let layout = format!("[kv_heads={}, tokens, head_dim={}]", shape.kv_heads, shape.head_dim);
         let want = [Some(shape.kv_heads), None, Some(shape.head_dim)];
         let (keys, ks) = floats("k", k)?;
@@ -275,20 +280,25 @@ impl Engine {
         v: &Bound<'_, PyAny>,
         store: Store,
     ) -> PyResult<()> {
-        let (keys, values) = self.kv(ctx, k, v)?;
         let e = self.engine()?;
+        let (keys, values) = Self::kv(&e, ctx, k, v)?;
         py.detach(|| store(&e, ContextId(ctx), layer, &keys, &values)).map_err(py_err)
     }
 
     /// One request per context of `ctxs` (one shape) over `layer`, the queries from `q`
     /// (`[len(ctxs), q_heads, head_dim]`), checked.
-    fn batch(&self, ctxs: &[u64], layer: usize, q: &Bound<'_, PyAny>) -> PyResult<(Vec<Request>, AttnShape)> {
+    fn batch(
+        e: &attnstore::Engine,
+        ctxs: &[u64],
+        layer: usize,
+        q: &Bound<'_, PyAny>,
+    ) -> PyResult<(Vec<Request>, AttnShape)> {
         let Some(&first) = ctxs.first() else {
             return Err(PyValueError::new_err("ctxs is empty; expected at least one context id"));
         };
-        let shape = self.shape(first)?;
+        let shape = Self::shape(e, first)?;
         for &c in &ctxs[1..] {
-            let s = self.shape(c)?;
+            let s = Self::shape(e, c)?;
             if s != shape {
                 return Err(ShapeError::new_err(format!(
                     "context {c} has shape {s:?} but context {first} has {shape:?}; a batch needs one shape"
@@ -308,8 +318,8 @@ impl Engine {
     }
 
     /// A query checked against the context's shape.
-    fn query(&self, ctx: u64, q: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, AttnShape)> {
-        let shape = self.shape(ctx)?;
+    fn query(e: &attnstore::Engine, ctx: u64, q: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, AttnShape)> {
+        let shape = Self::shape(e, ctx)?;
         let (query, qs) = floats("q", q)?;
         let layout = format!("[q_heads={}, head_dim={}]", shape.q_heads, shape.head_dim);
         check_shape("q", &qs, &[Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
@@ -488,10 +498,10 @@ impl Engine {
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Plan> {
-        let (query, _) = self.query(ctx, q)?;
+        let e = self.engine()?;
+        let (query, _) = Self::query(&e, ctx, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let e = self.engine()?;
         let inner = py.detach(|| self.make_plan(&e, &request, &budget)).map_err(py_err)?;
         Ok(Plan { inner })
     }
@@ -517,10 +527,10 @@ impl Engine {
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Bound<'py, PyArray2<f32>>> {
-        let (query, shape) = self.query(ctx, q)?;
+        let e = self.engine()?;
+        let (query, shape) = Self::query(&e, ctx, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let e = self.engine()?;
         let mut out = py.detach(|| self.run(&e, &request, &budget)).map_err(py_err)?;
         output(py, out.remove(0), shape)
     }
@@ -541,9 +551,9 @@ impl Engine {
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Bound<'py, PyArray3<f32>>> {
-        let (requests, shape) = self.batch(&ctxs, layer, q)?;
-        let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let e = self.engine()?;
+        let (requests, shape) = Self::batch(&e, &ctxs, layer, q)?;
+        let budget = self::budget(exact, retrieve, budget.as_deref())?;
         let outs = py.detach(|| self.run(&e, &requests, &budget)).map_err(py_err)?;
         let flat: Vec<f32> = outs.concat();
         numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])
@@ -565,9 +575,9 @@ impl Engine {
         exact: bool,
         budget: Option<PyRef<'_, PyBudget>>,
     ) -> PyResult<Vec<f64>> {
-        let (requests, _) = self.batch(&ctxs, layer, q)?;
-        let budget = self::budget(exact, None, budget.as_deref())?;
         let e = self.engine()?;
+        let (requests, _) = Self::batch(&e, &ctxs, layer, q)?;
+        let budget = self::budget(exact, None, budget.as_deref())?;
         py.detach(|| {
             (0..iters)
                 .map(|_| {

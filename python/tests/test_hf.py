@@ -75,6 +75,9 @@ def test_budget_arguments_are_checked():
     b = attnstore.Budget(retrieve=0.05, floor=1024, estimate="rest", short_context=6144)
     assert (b.retrieve, b.floor, b.short_context, b.exact) == (0.05, 1024, 6144, False)
     assert attnstore.Budget(exact=True).exact
+    base, twice = attnstore.hf.model_budget(), attnstore.hf.model_budget(2.0)
+    assert (base.floor, base.short_context) == (1024, 6144)
+    assert (twice.floor, twice.retrieve, twice.short_context) == (2048, 2 * base.retrieve, 6144)
     with pytest.raises(attnstore.InvalidArgumentError, match="rest"):
         attnstore.Budget(estimate="all")
     with pytest.raises(TypeError, match="estimate"):

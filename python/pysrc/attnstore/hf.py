@@ -45,9 +45,18 @@ NAME = "attnstore"
 #: models: the engine's default with a 1,024-token retrieval floor, every cluster that is
 #: not retrieved estimated, and contexts of at most 6,144 tokens attended exactly
 #: (``docs/realmodel.md``).
-def model_budget() -> Budget:
-    """The real-model default budget (see ``docs/realmodel.md``)."""
-    return Budget(floor=1024, estimate="rest", short_context=6144)
+def model_budget(scale: float = 1.0) -> Budget:
+    """The real-model default budget (see ``docs/realmodel.md``); `scale` multiplies its
+    retrieved share and floor (as the Rust runtime's ``AttnConfig::scaled`` does)."""
+    base = Budget(floor=1024, estimate="rest", short_context=6144)
+    if scale == 1.0:
+        return base
+    return Budget(
+        retrieve=base.retrieve * scale,
+        floor=round(base.floor * scale),
+        estimate="rest",
+        short_context=base.short_context,
+    )
 
 
 def register() -> None:
@@ -179,7 +188,6 @@ class _EngineLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.cache._ensure_contexts(key_states.shape[0], key_states.dtype)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
