@@ -39,16 +39,16 @@ struct DlTensor {
 
 const CPU: i32 = 1;
 
-/// The device of the tensor in a `__dlpack__` capsule.
-fn device_of(what: &str, capsule: &Bound<'_, PyAny>) -> PyResult<DlDevice> {
+/// The DLTensor in a `__dlpack__` capsule, borrowed for as long as the capsule.
+fn tensor<'a>(what: &str, capsule: &'a Bound<'_, PyAny>) -> PyResult<&'a DlTensor> {
     let capsule = capsule
         .cast::<PyCapsule>()
         .map_err(|_| PyTypeError::new_err(format!("{what}.__dlpack__() did not return a capsule")))?;
     let ptr = capsule.pointer_checked(Some(c"dltensor"))?;
-    // SAFETY: as in `floats`: a "dltensor" capsule holds a DLManagedTensor whose first field
-    // is the DLTensor, valid while the capsule (borrowed here) lives.
-    let t = unsafe { &*ptr.as_ptr().cast::<DlTensor>() };
-    Ok(DlDevice { device_type: t.device.device_type, device_id: t.device.device_id })
+    // SAFETY: a capsule named "dltensor" holds a DLManagedTensor (DLPack's protocol), whose
+    // first field is the DLTensor; it stays valid while the capsule lives, and the returned
+    // borrow cannot outlive `capsule` (nothing here consumes or renames it).
+    Ok(unsafe { &*ptr.as_ptr().cast::<DlTensor>() })
 }
 
 /// The element types read, and how one becomes an f32.
@@ -67,8 +67,9 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
         return Ok(None);
     }
     let first = obj.call_method0("__dlpack__")?;
-    let on_device = device_of(what, &first)?;
-    let capsule = if on_device.device_type == CPU {
+    let on_device = &tensor(what, &first)?.device;
+    let (device_type, device_id) = (on_device.device_type, on_device.device_id);
+    let capsule = if device_type == CPU {
         first
     } else {
         // A device tensor (CUDA, ROCm, ...): its producer copies it to host memory, ordered
@@ -80,28 +81,19 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
         kwargs.set_item("copy", true)?;
         let copied = obj.call_method("__dlpack__", (), Some(&kwargs)).map_err(|e| {
             PyValueError::new_err(format!(
-                "{what} is on DLPack device type {} (id {}) and its producer could not copy it to the CPU \
-                 (__dlpack__(dl_device=(1, 0), copy=True) failed: {e}); pass a CPU tensor",
-                on_device.device_type, on_device.device_id
+                "{what} is on DLPack device type {device_type} (id {device_id}) and its producer could not copy it to the CPU \
+                 (__dlpack__(dl_device=(1, 0), copy=True) failed: {e}); pass a CPU tensor"
             ))
         })?;
-        let d = device_of(what, &copied)?;
-        if d.device_type != CPU {
+        let copied_to = tensor(what, &copied)?.device.device_type;
+        if copied_to != CPU {
             return Err(PyValueError::new_err(format!(
-                "{what}: its producer was asked for a CPU copy and gave device type {}",
-                d.device_type
+                "{what}: its producer was asked for a CPU copy and gave device type {copied_to}"
             )));
         }
         copied
     };
-    let capsule = capsule
-        .cast::<PyCapsule>()
-        .map_err(|_| PyTypeError::new_err(format!("{what}.__dlpack__() did not return a capsule")))?;
-    let ptr = capsule.pointer_checked(Some(c"dltensor"))?;
-    // SAFETY: a capsule named "dltensor" holds a DLManagedTensor (DLPack's protocol), whose
-    // first field is the DLTensor; it stays valid while the capsule lives, and `capsule`
-    // lives until this function returns (nothing here consumes or renames it).
-    let t = unsafe { &*ptr.as_ptr().cast::<DlTensor>() };
+    let t = tensor(what, &capsule)?;
     let kind = match (t.dtype.code, t.dtype.bits, t.dtype.lanes) {
         (2, 32, 1) => Kind::F32,
         (2, 16, 1) => Kind::F16,
