@@ -15,7 +15,7 @@ pub(crate) enum SegmentRows<E> {
     /// Plain rows in the index's memory, `rows × d` each.
     Plain { keys: Vec<E>, values: Vec<E> },
     /// 2-bit rows in the index's memory (the `hack2` codec).
-    Encoded(HackRows),
+    Encoded(Box<HackRows>),
     /// Plain rows in the row home, one home cluster per directory cluster.
     Homed(SegmentBlocks),
     /// 2-bit rows in the row home, one home cluster per value block.
@@ -57,7 +57,7 @@ impl<E: Element> HeadSegment<E> {
     pub fn encode(&mut self, codec: RowCodec, d: usize, seed: u64) -> Result<()> {
         if let SegmentRows::Plain { keys, values } = &self.rows {
             if let Some(rows) = codec.encode(keys, values, d, seed)? {
-                self.rows = SegmentRows::Encoded(rows);
+                self.rows = SegmentRows::Encoded(Box::new(rows));
             }
         }
         Ok(())
@@ -94,7 +94,7 @@ impl<E: Element> HeadSegment<E> {
     /// plain rows.
     pub fn hack_rows(&self, home: Option<(&dyn RowHome, usize)>) -> Result<Option<HackRows>> {
         let g = match &self.rows {
-            SegmentRows::Encoded(rows) => return Ok(Some(rows.clone())),
+            SegmentRows::Encoded(rows) => return Ok(Some(rows.as_ref().clone())),
             SegmentRows::HomedEncoded(g) => g,
             _ => return Ok(None),
         };

@@ -6,7 +6,7 @@
 //! stays in the plain type until then, which is HACK's requantization elimination: every
 //! value is quantized exactly once, never re-quantized as the sequence grows.
 
-use crate::cpu::hack::HackParams;
+use crate::cpu::hack::{HackParams, KeyLayout};
 use crate::element::DType;
 use std::fmt;
 use std::str::FromStr;
@@ -21,7 +21,9 @@ pub enum Codec {
     F16,
     /// bfloat16.
     Bf16,
-    /// HACK 2-bit codes with per-partition f16 minimum and scale; rows not yet encoded are f16.
+    /// HACK 2-bit codes with per-partition f16 minimum and scale; rows not yet encoded are
+    /// f16. `hack2`: HACK's per-token keys; `hack2c`: keys normalized per channel over each
+    /// block of Π tokens first ([`KeyLayout::PerChannel`]).
     Hack2(HackParams),
 }
 
@@ -52,16 +54,18 @@ impl Codec {
             Codec::Hack2(p) => {
                 let sum = if 3 * p.partition <= 255 { 1.0 } else { 2.0 };
                 let key_meta = head_dim.div_ceil(p.partition) as f64 * (4.0 + sum);
-                let value_meta = head_dim as f64 * 4.0 / p.partition as f64;
+                let channel_meta = if p.per_channel() { 4.0 } else { 0.0 };
+                let value_meta = head_dim as f64 * (4.0 + channel_meta) / p.partition as f64;
                 head_dim as f64 / 2.0 + key_meta + value_meta
             }
             plain => 2.0 * (head_dim * plain.plain_dtype().size_bytes()) as f64,
         }
     }
 
-    /// The name on the command line and in JSON (`f32`, `f16`, `bf16`, `hack2`).
+    /// The name on the command line and in JSON (`f32`, `f16`, `bf16`, `hack2`, `hack2c`).
     pub fn name(self) -> &'static str {
         match self {
+            Codec::Hack2(p) if p.per_channel() => "hack2c",
             Codec::Hack2(_) => "hack2",
             plain => plain.plain_dtype().name(),
         }
@@ -81,7 +85,9 @@ impl From<DType> for Codec {
 impl fmt::Display for Codec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Codec::Hack2(p) if p.partition != HackParams::default().partition => write!(f, "hack2:{}", p.partition),
+            Codec::Hack2(p) if p.partition != HackParams::default().partition => {
+                write!(f, "{}:{}", self.name(), p.partition)
+            }
             c => f.write_str(c.name()),
         }
     }
@@ -89,21 +95,23 @@ impl fmt::Display for Codec {
 
 impl FromStr for Codec {
     type Err = String;
-    /// `f32`, `f16`, `bf16`, `hack2` (Π = 64) or `hack2:Π`.
+    /// `f32`, `f16`, `bf16`, `hack2` / `hack2c` (Π = 64) or `hack2:Π` / `hack2c:Π`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        const EXPECTED: &str = "expected f32, f16, bf16, hack2, hack2c, hack2:N or hack2c:N";
         let lower = s.to_ascii_lowercase();
         if let Some(rest) = lower.strip_prefix("hack2") {
-            let partition = match rest.strip_prefix(':') {
-                Some(n) => n.parse::<usize>().map_err(|_| format!("bad partition in {s:?}: expected hack2:N"))?,
-                None if rest.is_empty() => HackParams::default().partition,
-                None => return Err(format!("unknown codec {s:?}: expected f32, f16, bf16, hack2 or hack2:N")),
+            let (keys, rest) = match rest.strip_prefix('c') {
+                Some(rest) => (KeyLayout::PerChannel, rest),
+                None => (KeyLayout::PerToken, rest),
             };
-            return HackParams::new(partition).map(Codec::Hack2).map_err(|e| e.to_string());
+            let partition = match rest.strip_prefix(':') {
+                Some(n) => n.parse::<usize>().map_err(|_| format!("bad partition in {s:?}: {EXPECTED}"))?,
+                None if rest.is_empty() => HackParams::default().partition,
+                None => return Err(format!("unknown codec {s:?}: {EXPECTED}")),
+            };
+            return HackParams::new(partition).map(|p| Codec::Hack2(p.with_keys(keys))).map_err(|e| e.to_string());
         }
-        lower
-            .parse::<DType>()
-            .map(Codec::from)
-            .map_err(|_| format!("unknown codec {s:?}: expected f32, f16, bf16, hack2 or hack2:N"))
+        lower.parse::<DType>().map(Codec::from).map_err(|_| format!("unknown codec {s:?}: {EXPECTED}"))
     }
 }
 
@@ -113,9 +121,16 @@ mod tests {
 
     #[test]
     fn names_parse_back_and_bad_ones_say_what_is_expected() {
-        for c in [Codec::F32, Codec::F16, Codec::Bf16, Codec::Hack2(HackParams::default())] {
+        let channel = HackParams::default().with_keys(KeyLayout::PerChannel);
+        for c in [Codec::F32, Codec::F16, Codec::Bf16, Codec::Hack2(HackParams::default()), Codec::Hack2(channel)] {
             assert_eq!(c.to_string().parse::<Codec>(), Ok(c));
         }
+        assert_eq!(Codec::Hack2(channel).to_string(), "hack2c");
+        let c32 = Codec::Hack2(HackParams::new(32).unwrap().with_keys(KeyLayout::PerChannel));
+        assert_eq!("hack2c:32".parse::<Codec>(), Ok(c32));
+        assert_eq!(c32.to_string(), "hack2c:32");
+        assert!("hack2c:48x".parse::<Codec>().unwrap_err().contains("bad partition"));
+        assert!("hack2cc".parse::<Codec>().unwrap_err().contains("hack2c"));
         let p32 = HackParams::new(32).unwrap();
         assert_eq!("hack2:32".parse::<Codec>(), Ok(Codec::Hack2(p32)));
         assert_eq!(Codec::Hack2(p32).to_string(), "hack2:32");
@@ -132,5 +147,12 @@ mod tests {
         // 64 code bytes, 2 key partitions × 5 bytes, 128 channels × 4 bytes / 64 rows.
         assert_eq!(h, 64.0 + 10.0 + 8.0);
         assert!(h / f16 <= 0.2);
+        // Per-channel keys add an f16 minimum and range per channel and block of 64 rows.
+        let c = Codec::Hack2(HackParams::default().with_keys(KeyLayout::PerChannel)).kv_row_bytes(128);
+        assert_eq!(c, h + 4.0 * 128.0 / 64.0);
+        assert_eq!(
+            Codec::Hack2(HackParams::default().with_keys(KeyLayout::PerChannel)).kv_row_bytes(64) / 256.0,
+            45.0 / 256.0
+        );
     }
 }

@@ -22,7 +22,7 @@ mod view;
 pub use arena_wave::{ArenaWave, HeadClusters};
 pub use backend::{Backend, BlockRows, CpuBackend};
 pub use codec::Codec;
-pub use cpu::hack::HackParams;
+pub use cpu::hack::{HackParams, KeyLayout};
 pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch, HackView};
 pub use cpu::partial::Partial;
 pub use element::{first_non_finite, narrow_vec, DType, Element};

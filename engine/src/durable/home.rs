@@ -9,6 +9,8 @@
 //! - `ctx-<id>-layer-<l>-seg-<u>.h2`, one per segment, written once (segments never change):
 //!   per KV head the cluster sizes, token positions, the clusters' mean keys and values (f16)
 //!   and the 2-bit rows (codes, per-partition minima, scales and code sums, value blocks);
+//!   with per-channel keys (`hack2c`) the same record is followed by, per KV head, the keys'
+//!   f16 minimum and range per value block and channel (per-token files are unchanged);
 //! - `ctx-<id>-layer-<l>.home`, replaced at every checkpoint that moved the layer: the data
 //!   file bytes, chunks and tokens it covers, the sink and tail rows the index keeps in f16,
 //!   and the crc32c of every segment file's payload, so a home never pairs with a segment
@@ -168,7 +170,12 @@ impl HeadRecord {
         }
     }
 
-    fn head(self, d: usize, params: HackParams) -> std::result::Result<EncodedHead, String> {
+    fn head(
+        self,
+        d: usize,
+        params: HackParams,
+        channel: Option<ChannelRecord>,
+    ) -> std::result::Result<EncodedHead, String> {
         if !self.positions.len().is_multiple_of(4) {
             return Err(format!("positions: {} bytes, expected 4 per token", self.positions.len()));
         }
@@ -179,6 +186,13 @@ impl HeadRecord {
         let key_sum = bytes_to_u16s(&self.key_sum, "key code sums")?;
         let (value_min, value_scale) =
             (bytes_to_halves(&self.value_min, "value minima")?, bytes_to_halves(&self.value_scale, "value scales")?);
+        let (channel_min, channel_range) = match channel {
+            Some(c) => (
+                bytes_to_halves(&c.key_channel_min, "key channel minima")?,
+                bytes_to_halves(&c.key_channel_range, "key channel ranges")?,
+            ),
+            None => (vec![], vec![]),
+        };
         let arrays = HackArrays {
             key_codes: &self.key_codes,
             key_min: &key_min,
@@ -187,6 +201,8 @@ impl HeadRecord {
             value_codes: &self.value_codes,
             value_min: &value_min,
             value_scale: &value_scale,
+            key_channel_min: &channel_min,
+            key_channel_range: &channel_range,
         };
         let rows = HackRows::from_arrays(d, params, rows, arrays).map_err(|e| e.to_string())?;
         Ok(EncodedHead {
@@ -197,6 +213,24 @@ impl HeadRecord {
             rows,
         })
     }
+}
+
+/// A segment file of a per-channel (`hack2c`) layer: the per-token record, then per KV head
+/// the keys' channel metadata (bincode concatenates fields, so the first part reads as a
+/// [`SegmentRecord`] does).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ChannelSegmentRecord {
+    segment: SegmentRecord,
+    channels: Vec<ChannelRecord>,
+}
+
+/// One KV head's per-channel key metadata: f16 minima and ranges, `blocks × head_dim`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ChannelRecord {
+    #[serde(with = "serde_bytes")]
+    key_channel_min: Vec<u8>,
+    #[serde(with = "serde_bytes")]
+    key_channel_range: Vec<u8>,
 }
 
 /// What one layer's home on disk holds, as far as the next checkpoint needs to know.
@@ -271,7 +305,23 @@ pub(crate) fn write_home(
             partition: seg.heads.first().map_or(0, |h| h.rows.params().partition as u32),
             heads: seg.heads.iter().map(HeadRecord::new).collect(),
         };
-        let payload = encode(&record);
+        let per_channel = seg.heads.first().is_some_and(|h| h.rows.params().per_channel());
+        let payload = if per_channel {
+            let channels = seg
+                .heads
+                .iter()
+                .map(|h| {
+                    let a = h.rows.arrays();
+                    ChannelRecord {
+                        key_channel_min: halves_to_bytes(a.key_channel_min),
+                        key_channel_range: halves_to_bytes(a.key_channel_range),
+                    }
+                })
+                .collect();
+            encode(&ChannelSegmentRecord { segment: record, channels })
+        } else {
+            encode(&record)
+        };
         if payload.len() > MAX_RECORD_BYTES as usize {
             return Ok(None);
         }
@@ -369,7 +419,23 @@ pub(crate) fn read_home(
             return Err(format!("{}: not the segment file the home was written with", seg_path.display()));
         }
         bytes += payload.len() as u64;
-        let s: SegmentRecord = decode(&payload).map_err(|e| format!("{}: does not decode: {e}", seg_path.display()))?;
+        let undecodable = |e| format!("{}: does not decode: {e}", seg_path.display());
+        let (s, channels) = if params.per_channel() {
+            let c: ChannelSegmentRecord = decode(&payload).map_err(undecodable)?;
+            if c.channels.len() != c.segment.heads.len() {
+                return Err(format!(
+                    "{}: key channel metadata of {} heads for {} heads of rows",
+                    seg_path.display(),
+                    c.channels.len(),
+                    c.segment.heads.len()
+                ));
+            }
+            (c.segment, c.channels.into_iter().map(Some).collect())
+        } else {
+            let s: SegmentRecord = decode(&payload).map_err(undecodable)?;
+            let none = vec![None; s.heads.len()];
+            (s, none)
+        };
         let fits = (s.context, s.layer, s.unit as usize, s.head_dim as usize, s.partition as usize, s.heads.len())
             == (context, layer as u32, unit, head_dim, params.partition, kv_heads);
         if !fits {
@@ -387,7 +453,8 @@ pub(crate) fn read_home(
         let heads = s
             .heads
             .into_iter()
-            .map(|h| h.head(head_dim, params))
+            .zip(channels)
+            .map(|(h, c)| h.head(head_dim, params, c))
             .collect::<std::result::Result<Vec<_>, String>>()
             .map_err(|e| format!("{}: {e}", seg_path.display()))?;
         segments.push(EncodedSegment { first: s.first, len: s.len, heads });

@@ -139,6 +139,10 @@ pub(crate) enum DTypeRecord {
     Hack2F16 {
         partition: u64,
     },
+    /// The hack2c codec (per-channel keys), partition Π; appended after `Hack2F16`.
+    Hack2cF16 {
+        partition: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -187,6 +191,7 @@ impl SpecRecord {
             })
             .collect();
         let dtype = match (spec.codec.hack(), spec.dtype) {
+            (Some(p), _) if p.per_channel() => DTypeRecord::Hack2cF16 { partition: wide(p.partition) },
             (Some(p), _) => DTypeRecord::Hack2F16 { partition: wide(p.partition) },
             (None, DType::F32) => DTypeRecord::F32,
             (None, DType::F16) => DTypeRecord::F16,
@@ -247,6 +252,11 @@ impl SpecRecord {
             DTypeRecord::Hack2F16 { partition } => {
                 Codec::Hack2(HackParams::new(narrow(partition, "partition")?).map_err(|e| e.to_string())?)
             }
+            DTypeRecord::Hack2cF16 { partition } => Codec::Hack2(
+                HackParams::new(narrow(partition, "partition")?)
+                    .map_err(|e| e.to_string())?
+                    .with_keys(attnstore_kernels::KeyLayout::PerChannel),
+            ),
         };
         let method = match self.method {
             MethodRecord::Wave {

@@ -236,7 +236,7 @@ impl<E: Element> WaveIndex<E> {
                     });
                     start += size;
                 }
-                let segment = HeadSegment { positions: eh.positions, rows: SegmentRows::Encoded(eh.rows) };
+                let segment = HeadSegment { positions: eh.positions, rows: SegmentRows::Encoded(Box::new(eh.rows)) };
                 jobs.push((head, u));
                 built.push((segment, metas));
             }

@@ -12,11 +12,29 @@ use crate::error::{Error, Result};
 use crate::random::SplitMix64;
 use half::f16;
 
+/// How the 2-bit codec lays out keys (values are always quantized per channel along blocks
+/// of Π tokens).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KeyLayout {
+    /// HACK's layout: each key on its own, partitions of Π dims, stochastic rounding.
+    #[default]
+    PerToken,
+    /// Keys normalized per channel over each block of Π tokens (the block's f16 minimum and
+    /// range per channel, where outlier channels live), then the normalized rows coded per
+    /// token as [`KeyLayout::PerToken`] does, with keys and values rounded to nearest.
+    /// `q·k = q·m + (q∘r)·k̃`: the query is scaled by the block's ranges and quantized to
+    /// 8 bits once per block, so the homomorphic product runs unchanged on the codes.
+    PerChannel,
+}
+
 /// Parameters of the 2-bit codec.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct HackParams {
-    /// Partition size Π along the inner dimension (HACK uses 64).
+    /// Partition size Π along the inner dimension (HACK uses 64); also the value block and,
+    /// with [`KeyLayout::PerChannel`], the key group along the sequence.
     pub partition: usize,
+    /// How keys are laid out.
+    pub keys: KeyLayout,
 }
 
 impl HackParams {
@@ -28,13 +46,30 @@ impl HackParams {
                 message: format!("Π must be a positive multiple of 16 (HACK uses 64), got {partition}"),
             });
         }
-        Ok(Self { partition })
+        Ok(Self { partition, keys: KeyLayout::PerToken })
+    }
+
+    /// The same Π with keys laid out as `keys`.
+    pub fn with_keys(self, keys: KeyLayout) -> Self {
+        Self { keys, ..self }
+    }
+
+    /// True for [`KeyLayout::PerChannel`].
+    pub fn per_channel(self) -> bool {
+        self.keys == KeyLayout::PerChannel
+    }
+
+    /// Whether codes are rounded stochastically (HACK's per-token layout) or to nearest
+    /// (the per-channel layout: unbiased rounding adds noise of a good part of a step to
+    /// every score, which SmolLM2's answers do not survive; `docs/codec.md`).
+    pub fn stochastic(self) -> bool {
+        !self.per_channel()
     }
 }
 
 impl Default for HackParams {
     fn default() -> Self {
-        Self { partition: 64 }
+        Self { partition: 64, keys: KeyLayout::PerToken }
     }
 }
 
@@ -71,6 +106,15 @@ fn min_max(x: &[f32]) -> (f32, f32) {
 /// the code sum. Rounding up happens with probability equal to the fraction, so the
 /// expected dequantized value is `x` itself (up to the f16 metadata).
 pub(crate) fn quantize_partition(part: &[f32], rng: &mut SplitMix64, codes: &mut [u8]) -> (f16, f16, u16) {
+    quantize_partition_with(part, Some(rng), codes)
+}
+
+/// [`quantize_partition`], rounding stochastically with `rng` or, without one, to nearest.
+pub(crate) fn quantize_partition_with(
+    part: &[f32],
+    mut rng: Option<&mut SplitMix64>,
+    codes: &mut [u8],
+) -> (f16, f16, u16) {
     debug_assert_eq!(part.len(), codes.len());
     let (lo, hi) = min_max(part);
     let min = f16::from_f32(lo);
@@ -80,8 +124,13 @@ pub(crate) fn quantize_partition(part: &[f32], rng: &mut SplitMix64, codes: &mut
     for (&v, code) in part.iter().zip(codes.iter_mut()) {
         *code = if s > 0.0 {
             let t = ((v - m) / s).clamp(0.0, 3.0);
-            let floor = t.floor();
-            (floor + f32::from(rng.uniform() < t - floor)).min(3.0) as u8
+            match rng.as_deref_mut() {
+                Some(rng) => {
+                    let floor = t.floor();
+                    (floor + f32::from(rng.uniform() < t - floor)).min(3.0) as u8
+                }
+                None => t.round() as u8,
+            }
         } else {
             0
         };

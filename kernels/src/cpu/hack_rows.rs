@@ -8,7 +8,10 @@
 //! - **values** in blocks of Π rows (the inner dimension of `p·V` is the sequence): per
 //!   block, per channel an f16 minimum and scale, and the codes as *token quads*: for rows
 //!   `4i..4i+4` of the block, `d` bytes, byte `c` holding channel `c` of the four rows.
-//!   A run of selected rows therefore reads only its own quads.
+//!   A run of selected rows therefore reads only its own quads;
+//! - with [`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel), also per block and channel the keys' f16 minimum `m`
+//!   and range `r`: the key codes and their per-row metadata then code the normalized rows
+//!   `k̃ = (k − m)/r` (each channel in [0, 1] over its block), and `q·k = q·m + (q∘r)·k̃`.
 //!
 //! Attention never dequantizes: scores come from the homomorphic product of the 8-bit
 //! query with the 2-bit keys (integer code products plus the correction terms of the
@@ -26,7 +29,7 @@ mod groups;
 #[cfg(test)]
 mod tests;
 
-use super::hack::{quantize_partition, HackParams};
+use super::hack::{quantize_partition_with, HackParams};
 use crate::element::Element;
 use crate::error::{Error, Result};
 use crate::random::SplitMix64;
@@ -51,6 +54,10 @@ pub struct HackRows {
     /// Per block and channel: minimum and scale.
     v_min: Vec<f16>,
     v_scale: Vec<f16>,
+    /// Per block and channel, with [`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel) (else empty): the keys'
+    /// minimum and range.
+    kc_min: Vec<f16>,
+    kc_range: Vec<f16>,
 }
 
 /// The stored arrays of a [`HackRows`] in the layout the module docs describe (for copying
@@ -71,6 +78,25 @@ pub struct HackArrays<'a> {
     pub value_min: &'a [f16],
     /// Value scales, `blocks × head_dim`.
     pub value_scale: &'a [f16],
+    /// Per-channel key minima, `blocks × head_dim` ([`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel); else empty).
+    pub key_channel_min: &'a [f16],
+    /// Per-channel key ranges, `blocks × head_dim` ([`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel); else empty).
+    pub key_channel_range: &'a [f16],
+}
+
+impl HackArrays<'static> {
+    /// No rows.
+    pub const EMPTY: Self = Self {
+        key_codes: &[],
+        key_min: &[],
+        key_scale: &[],
+        key_sum: &[],
+        value_codes: &[],
+        value_min: &[],
+        value_scale: &[],
+        key_channel_min: &[],
+        key_channel_range: &[],
+    };
 }
 
 /// Reusable buffers of [`HackRows::attend`]. They remember the queries they last quantized:
@@ -78,10 +104,10 @@ pub struct HackArrays<'a> {
 /// plan) does not quantize them again.
 #[derive(Debug, Default, Clone)]
 pub struct HackScratch {
-    /// The bits of the queries `q8`… were quantized from, and the head count, head dimension
-    /// and Π they were quantized for.
+    /// The bits of the queries `q8`… were quantized from, and the head count, head dimension,
+    /// Π and key layout (per channel or not) they were quantized for.
     quantized_from: Vec<u32>,
-    quantized_for: (usize, usize, usize),
+    quantized_for: (usize, usize, usize, bool),
     q8: Vec<u8>,
     q_min: Vec<f32>,
     q_scale: Vec<f32>,
@@ -99,6 +125,11 @@ pub struct HackScratch {
     acc: Vec<i32>,
     column: Vec<f32>,
     codes: Vec<u8>,
+    /// With [`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel): the step's queries, per head the block's `q·m`, and
+    /// the queries scaled by the block's ranges.
+    raw: Vec<f32>,
+    offsets: Vec<f32>,
+    scaled: Vec<f32>,
 }
 
 /// Sum of the 2-bit codes packed in `bytes` (four per byte): per byte the low bits count
@@ -115,6 +146,23 @@ fn code_sum(bytes: &[u8]) -> u16 {
         sum += (b & 0x55).count_ones() + 2 * (b & 0xAA).count_ones();
     }
     sum as u16
+}
+
+/// Normalizes each channel of the `rows × d` keys `k` in place to [0, 1] over the rows
+/// (`(k − m)/r` with the f16 minimum `m` and range `r` it appends to `min` and `range`; a
+/// constant channel becomes 0).
+fn normalize_channels(k: &mut [f32], d: usize, min: &mut Vec<f16>, range: &mut Vec<f16>) {
+    for c in 0..d {
+        let (lo, hi) =
+            k.iter().skip(c).step_by(d).fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let m = f16::from_f32(lo);
+        let r = f16::from_f32((hi - m.to_f32()).max(0.0));
+        let (mf, rf) = (m.to_f32(), r.to_f32());
+        let inv = if rf > 0.0 { 1.0 / rf } else { 0.0 };
+        k.iter_mut().skip(c).step_by(d).for_each(|v| *v = ((*v - mf) * inv).clamp(0.0, 1.0));
+        min.push(m);
+        range.push(r);
+    }
 }
 
 /// The 2-bit codec packs four values per byte.
@@ -150,6 +198,8 @@ impl HackRows {
             v_codes: vec![],
             v_min: vec![],
             v_scale: vec![],
+            kc_min: vec![],
+            kc_range: vec![],
         })
     }
 
@@ -173,6 +223,8 @@ impl HackRows {
             value_codes: &self.v_codes,
             value_min: &self.v_min,
             value_scale: &self.v_scale,
+            key_channel_min: &self.kc_min,
+            key_channel_range: &self.kc_range,
         }
     }
 
@@ -190,6 +242,8 @@ impl HackRows {
         out.v_codes = a.value_codes.to_vec();
         out.v_min = a.value_min.to_vec();
         out.v_scale = a.value_scale.to_vec();
+        out.kc_min = a.key_channel_min.to_vec();
+        out.kc_range = a.key_channel_range.to_vec();
         Ok(out)
     }
 
@@ -201,7 +255,11 @@ impl HackRows {
         let (d, p) = (head_dim, params.partition);
         let blocks = rows.div_ceil(p);
         let bad = |what: &'static str, message: String| Err(Error::InvalidArgument { what, message });
-        let metadata = [(a.key_min, a.key_scale, "key"), (a.value_min, a.value_scale, "value")];
+        let metadata = [
+            (a.key_min, a.key_scale, "key"),
+            (a.value_min, a.value_scale, "value"),
+            (a.key_channel_min, a.key_channel_range, "key channel"),
+        ];
         for (min, scale, what) in metadata {
             if let Some(i) = min.iter().position(|m| !m.is_finite()) {
                 return bad("2-bit rows", format!("{what} minimum {i} is {}, expected a finite value", min[i]));
@@ -249,17 +307,20 @@ impl HackRows {
     }
 
     /// Stored bytes: codes, and per key partition and per value block and channel an f16
-    /// minimum and scale, plus one byte of key code sum (≤ 3·Π; two bytes when Π > 85).
+    /// minimum and scale, plus one byte of key code sum (≤ 3·Π; two bytes when Π > 85);
+    /// with per-channel keys also the keys' minimum and range per block and channel.
     pub fn bytes(&self) -> usize {
         let sum = if 3 * self.params.partition <= 255 { 1 } else { 2 };
         let blocks = self.rows.div_ceil(self.params.partition);
-        self.rows * self.d / 4 * 2 + self.k_min.len() * (4 + sum) + blocks * self.d * 4
+        let channel = if self.params.per_channel() { 4 } else { 0 };
+        self.rows * self.d / 4 * 2 + self.k_min.len() * (4 + sum) + blocks * self.d * (4 + channel)
     }
 
-    /// Appends `n` rows (`keys`/`values`: `n × head_dim`), quantizing keys row by row and
-    /// values in blocks of Π rows with stochastic rounding from `rng`. Only the last call
-    /// may leave a short block; after it the store is sealed. Every value is quantized
-    /// exactly once.
+    /// Appends `n` rows (`keys`/`values`: `n × head_dim`), quantizing keys row by row
+    /// (per-channel keys normalized over their block first) and values in blocks of Π rows,
+    /// with stochastic rounding from `rng` or to nearest as the layout says
+    /// ([`HackParams::stochastic`]). Only the last call may leave a short block; after it
+    /// the store is sealed. Every value is quantized exactly once.
     pub fn push_rows<E: Element>(&mut self, keys: &[E], values: &[E], rng: &mut SplitMix64) -> Result<()> {
         let d = self.d;
         if keys.len() != values.len() || !keys.len().is_multiple_of(d) {
@@ -276,16 +337,21 @@ impl HackRows {
             });
         }
         let p = self.params.partition;
+        let stochastic = self.params.stochastic();
         let mut wide = vec![0.0f32; p * d];
         let mut codes = vec![0u8; p.max(d)];
         for (kb, vb) in keys.chunks(p * d).zip(values.chunks(p * d)) {
             let n = kb.len() / d;
             E::widen(kb, &mut wide[..n * d]);
+            if self.params.per_channel() {
+                normalize_channels(&mut wide[..n * d], d, &mut self.kc_min, &mut self.kc_range);
+            }
             for row in wide[..n * d].chunks_exact(d) {
                 let at = self.k_codes.len();
                 self.k_codes.resize(at + d / 4, 0);
                 for (k, part) in row.chunks(p).enumerate() {
-                    let (min, scale, sum) = quantize_partition(part, rng, &mut codes[..part.len()]);
+                    let rng = stochastic.then_some(&mut *rng);
+                    let (min, scale, sum) = quantize_partition_with(part, rng, &mut codes[..part.len()]);
                     for (j, &c) in codes[..part.len()].iter().enumerate() {
                         let j = k * p + j;
                         self.k_codes[at + j / 4] |= c << (2 * (j % 4));
@@ -301,7 +367,8 @@ impl HackRows {
             let mut column = vec![0.0f32; n];
             for c in 0..d {
                 column.iter_mut().enumerate().for_each(|(t, x)| *x = wide[t * d + c]);
-                let (min, scale, _) = quantize_partition(&column, rng, &mut codes[..n]);
+                let rng = stochastic.then_some(&mut *rng);
+                let (min, scale, _) = quantize_partition_with(&column, rng, &mut codes[..n]);
                 for (t, &code) in codes[..n].iter().enumerate() {
                     self.v_codes[at + (t / 4) * d + c] |= code << (2 * (t % 4));
                 }
@@ -320,12 +387,17 @@ impl HackRows {
         let mut keys = Vec::with_capacity(range.len() * d);
         let mut values = Vec::with_capacity(range.len() * d);
         for r in range {
+            let (b, t) = (r / p, r % p);
             for j in 0..d {
                 let k = r * self.k_parts + j / p;
                 let code = (self.k_codes[r * d / 4 + j / 4] >> (2 * (j % 4))) & 3;
-                keys.push(self.k_scale[k].to_f32() * f32::from(code) + self.k_min[k].to_f32());
+                let x = self.k_scale[k].to_f32() * f32::from(code) + self.k_min[k].to_f32();
+                keys.push(if self.params.per_channel() {
+                    self.kc_min[b * d + j].to_f32() + self.kc_range[b * d + j].to_f32() * x
+                } else {
+                    x
+                });
             }
-            let (b, t) = (r / p, r % p);
             for c in 0..d {
                 let code = (self.v_codes[b * p / 4 * d + (t / 4) * d + c] >> (2 * (t % 4))) & 3;
                 values.push(self.v_scale[b * d + c].to_f32() * f32::from(code) + self.v_min[b * d + c].to_f32());
@@ -366,6 +438,8 @@ impl HackRows {
             value_codes: &self.v_codes[blocks.start * p / 4 * d..blocks.end * p / 4 * d],
             value_min: &self.v_min[blocks.start * d..blocks.end * d],
             value_scale: &self.v_scale[blocks.start * d..blocks.end * d],
+            key_channel_min: self.kc_min.get(blocks.start * d..blocks.end * d).unwrap_or_default(),
+            key_channel_range: self.kc_range.get(blocks.start * d..blocks.end * d).unwrap_or_default(),
         };
         Ok(HackView { params: self.params, d, rows: range.len(), k_parts: kp, a })
     }
@@ -390,6 +464,7 @@ impl<'a> HackView<'a> {
         check_head_dim(head_dim)?;
         let k_parts = head_dim.div_ceil(params.partition);
         let blocks = rows.div_ceil(params.partition);
+        let channel_meta = if params.per_channel() { blocks * head_dim } else { 0 };
         let lengths = [
             ("key codes", a.key_codes.len(), rows * head_dim / 4),
             ("key minima", a.key_min.len(), rows * k_parts),
@@ -398,6 +473,8 @@ impl<'a> HackView<'a> {
             ("value codes", a.value_codes.len(), blocks * params.partition / 4 * head_dim),
             ("value minima", a.value_min.len(), blocks * head_dim),
             ("value scales", a.value_scale.len(), blocks * head_dim),
+            ("key channel minima", a.key_channel_min.len(), channel_meta),
+            ("key channel ranges", a.key_channel_range.len(), channel_meta),
         ];
         if let Some(&(what, got, expected)) = lengths.iter().find(|(_, got, expected)| got != expected) {
             return Err(Error::ShapeMismatch { what, expected, got });
@@ -426,6 +503,8 @@ impl<'a> HackView<'a> {
             v_codes: a.value_codes.to_vec(),
             v_min: a.value_min.to_vec(),
             v_scale: a.value_scale.to_vec(),
+            kc_min: a.key_channel_min.to_vec(),
+            kc_range: a.key_channel_range.to_vec(),
         }
     }
 

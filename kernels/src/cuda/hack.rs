@@ -199,6 +199,7 @@ impl GpuBackend {
     /// Copies the 2-bit rows of every KV head (all with the same row count, Π = 64) to
     /// device memory.
     pub fn upload_hack(&self, heads: &[HackRows]) -> Result<DeviceHack> {
+        per_token_only(heads)?;
         let d = self.head_dim;
         let rows = heads.first().map_or(0, HackRows::rows);
         let bad = |message: String| Err(Error::InvalidArgument { what: "hack rows", message });
@@ -240,6 +241,7 @@ impl GpuBackend {
     /// Copies the 2-bit rows of every KV head (Π = 64) to device memory as value blocks in
     /// the group layout over pages of `page_bytes`, placed in an order shuffled by `seed`.
     pub fn upload_hack_pages(&self, heads: &[HackRows], page_bytes: usize, seed: u64) -> Result<DevicePages> {
+        per_token_only(heads)?;
         self.hack_kernel(&self.hack_paged, 1)?;
         if page_bytes == 0 || !page_bytes.is_multiple_of(4) || heads.iter().any(|h| h.params().partition != BLOCK) {
             return Err(Error::InvalidArgument {
@@ -558,4 +560,16 @@ impl GpuBackend {
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_dequant"))?;
         Ok(())
     }
+}
+
+/// The GPU kernels score HACK's per-token keys; per-channel keys (`hack2c`) would need the
+/// query scaled and quantized per value block on the device, which they do not do yet.
+fn per_token_only(heads: &[HackRows]) -> Result<()> {
+    if heads.iter().any(|h| h.params().per_channel()) {
+        return Err(Error::InvalidArgument {
+            what: "hack rows",
+            message: "2-bit rows with per-channel keys (hack2c) have no GPU kernel yet: use hack2 on the GPU, or the CPU executor".into(),
+        });
+    }
+    Ok(())
 }

@@ -32,16 +32,7 @@ impl HackScratch {
         if g == 0 {
             return Ok(());
         }
-        let empty = HackArrays {
-            key_codes: &[],
-            key_min: &[],
-            key_scale: &[],
-            key_sum: &[],
-            value_codes: &[],
-            value_min: &[],
-            value_scale: &[],
-        };
-        HackView::new(head_dim, params, 0, empty)?.quantize_queries(q, g, self);
+        HackView::new(head_dim, params, 0, HackArrays::EMPTY)?.quantize_queries(q, g, self);
         Ok(())
     }
 }
@@ -76,7 +67,7 @@ impl<'a> HackView<'a> {
         if g == 0 || ranges.iter().all(|r| r.is_empty()) {
             return;
         }
-        debug_assert_eq!(s.q8.len(), g * self.d, "queries quantized for another head count");
+        debug_assert_eq!(s.quantized_for.0, g, "queries quantized for another head count");
         let mut sorted: Vec<Range<usize>> = ranges.iter().filter(|r| !r.is_empty()).cloned().collect();
         sorted.sort_unstable_by_key(|r| r.start);
         let mut i = 0;
@@ -101,16 +92,54 @@ impl<'a> HackView<'a> {
         }
     }
 
+    /// With per-channel keys, the step's queries for value block `block`: per head the
+    /// offset `q·m` and the queries scaled by the block's ranges, quantized to 8 bits.
+    fn channel_queries(&self, block: usize, g: usize, s: &mut HackScratch) {
+        let d = self.d;
+        let (min, range) = (
+            &self.a.key_channel_min[block * d..(block + 1) * d],
+            &self.a.key_channel_range[block * d..(block + 1) * d],
+        );
+        s.offsets.clear();
+        s.scaled.clear();
+        for qh in s.raw.chunks_exact(d) {
+            let mut offset = 0.0f32;
+            for ((&q, m), r) in qh.iter().zip(min).zip(range) {
+                offset += q * m.to_f32();
+                s.scaled.push(q * r.to_f32());
+            }
+            s.offsets.push(offset);
+        }
+        let scaled = std::mem::take(&mut s.scaled);
+        self.quantize_into(&scaled, g, s);
+        s.scaled = scaled;
+    }
+
     /// Quantizes the `g` query heads of `q` to 8 bits per key partition (codes, minimum,
-    /// scale and code sum) into `s`, for [`HackView::attend_quantized`].
+    /// scale and code sum) into `s`, for [`HackView::attend_quantized`]. With per-channel
+    /// keys the queries are only kept: each value block scales and quantizes them anew.
     pub fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
         let d = self.d;
-        let key = (g, d, self.params.partition);
+        let per_channel = self.params.per_channel();
+        let key = (g, d, self.params.partition, per_channel);
         let bits: &[u32] = bytemuck::cast_slice(q);
         if s.quantized_for == key && s.quantized_from == bits {
             return; // quantized already (the same queries, bit for bit)
         }
         s.quantized_from.clear();
+        if per_channel {
+            s.raw.clear();
+            s.raw.extend_from_slice(q);
+        } else {
+            self.quantize_into(q, g, s);
+        }
+        s.quantized_for = key;
+        s.quantized_from.extend_from_slice(bits);
+    }
+
+    /// The quantization of [`HackView::quantize_queries`], into `s.q8`….
+    fn quantize_into(&self, q: &[f32], g: usize, s: &mut HackScratch) {
+        let d = self.d;
         s.q8.clear();
         s.q_min.clear();
         s.q_scale.clear();
@@ -128,8 +157,6 @@ impl<'a> HackView<'a> {
         if self.fast_scores() {
             self.pair_queries(g, s);
         }
-        s.quantized_for = key;
-        s.quantized_from.extend_from_slice(bits);
     }
 
     /// The per-pair query vectors of the AVX2 score kernel (see `hack_avx2::block_scores`).
@@ -207,7 +234,15 @@ impl<'a> HackView<'a> {
         let (d, p) = (self.d, self.params.partition);
         let n = s.rows.len();
         s.scores.resize(g * n, 0.0);
-        self.block_scores(block, g, scale, s);
+        if self.params.per_channel() {
+            self.channel_queries(block, g, s);
+            self.block_scores(block, g, scale, s);
+            for (sc, &o) in s.scores.chunks_exact_mut(n).zip(&s.offsets) {
+                sc.iter_mut().for_each(|x| *x += o * scale);
+            }
+        } else {
+            self.block_scores(block, g, scale, s);
+        }
         // Probabilities relative to each head's running maximum, quantized from zero.
         s.weights.resize(g * p, 0);
         let first_row = s.rows.first().map_or(0, |&t| t as usize);

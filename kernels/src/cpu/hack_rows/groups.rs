@@ -16,8 +16,8 @@ impl HackRows {
 
     /// Value block `g` in the group layout, [`HackView::group_len`] bytes: its key codes,
     /// its value codes (padded quads), then, 2-byte aligned, key minima, scales and code
-    /// sums (per row and key partition) and value minima and scales (per channel), all
-    /// little-endian.
+    /// sums (per row and key partition), value minima and scales (per channel) and, with
+    /// per-channel keys, the keys' minima and ranges (per channel), all little-endian.
     pub fn group_bytes(&self, g: usize) -> Vec<u8> {
         let p = self.params.partition;
         let rows = g * p..((g + 1) * p).min(self.rows);
@@ -35,6 +35,8 @@ impl HackRows {
         out.extend(a.key_sum.iter().flat_map(|v| v.to_le_bytes()));
         halves(a.value_min, &mut out);
         halves(a.value_scale, &mut out);
+        halves(a.key_channel_min, &mut out);
+        halves(a.key_channel_range, &mut out);
         out
     }
 
@@ -43,14 +45,15 @@ impl HackRows {
     /// but the last, every array checked as [`HackRows::from_arrays`] does.
     pub fn from_groups(head_dim: usize, params: HackParams, groups: &[HackView<'_>]) -> Result<Self> {
         let mut a = (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let mut channel = (vec![], vec![]);
         let mut rows = 0;
         for (i, v) in groups.iter().enumerate() {
             if (v.d, v.params) != (head_dim, params) {
                 return Err(Error::InvalidArgument {
                     what: "2-bit groups",
                     message: format!(
-                        "group {i} holds rows of d = {} with Π = {}, expected d = {head_dim} with Π = {}",
-                        v.d, v.params.partition, params.partition
+                        "group {i} holds rows of d = {} with Π = {} and {:?} keys, expected d = {head_dim} with Π = {} and {:?} keys",
+                        v.d, v.params.partition, v.params.keys, params.partition, params.keys
                     ),
                 });
             }
@@ -73,6 +76,8 @@ impl HackRows {
             a.4.extend_from_slice(v.a.value_codes);
             a.5.extend_from_slice(v.a.value_min);
             a.6.extend_from_slice(v.a.value_scale);
+            channel.0.extend_from_slice(v.a.key_channel_min);
+            channel.1.extend_from_slice(v.a.key_channel_range);
         }
         let arrays = HackArrays {
             key_codes: &a.0,
@@ -82,10 +87,13 @@ impl HackRows {
             value_codes: &a.4,
             value_min: &a.5,
             value_scale: &a.6,
+            key_channel_min: &channel.0,
+            key_channel_range: &channel.1,
         };
         // Checked like `from_arrays`, then the concatenated arrays move in (no second copy).
         let mut out = Self::checked(head_dim, params, rows, arrays)?;
         (out.k_codes, out.k_min, out.k_scale, out.k_sum, out.v_codes, out.v_min, out.v_scale) = a;
+        (out.kc_min, out.kc_range) = channel;
         Ok(out)
     }
 }
@@ -96,7 +104,8 @@ impl<'a> HackView<'a> {
     pub fn group_len(head_dim: usize, params: HackParams, rows: usize) -> usize {
         let kp = head_dim.div_ceil(params.partition);
         let codes = rows * head_dim / 4 + params.partition / 4 * head_dim;
-        codes.next_multiple_of(2) + 2 * (3 * rows * kp + 2 * head_dim)
+        let channel = if params.per_channel() { 2 * head_dim } else { 0 };
+        codes.next_multiple_of(2) + 2 * (3 * rows * kp + 2 * head_dim + channel)
     }
 
     /// A view of one value block of `rows` rows stored in the group layout
@@ -122,7 +131,9 @@ impl<'a> HackView<'a> {
         let (k_min, rest) = words.split_at(rows * kp);
         let (k_scale, rest) = rest.split_at(rows * kp);
         let (key_sum, rest) = rest.split_at(rows * kp);
-        let (v_min, v_scale) = rest.split_at(head_dim);
+        let (v_min, rest) = rest.split_at(head_dim);
+        let (v_scale, rest) = rest.split_at(head_dim);
+        let (kc_min, kc_range) = rest.split_at(rest.len() / 2);
         let a = HackArrays {
             key_codes,
             key_min: bytemuck::cast_slice(k_min),
@@ -131,6 +142,8 @@ impl<'a> HackView<'a> {
             value_codes,
             value_min: bytemuck::cast_slice(v_min),
             value_scale: bytemuck::cast_slice(v_scale),
+            key_channel_min: bytemuck::cast_slice(kc_min),
+            key_channel_range: bytemuck::cast_slice(kc_range),
         };
         Self::new(head_dim, params, rows, a)
     }

@@ -5,6 +5,7 @@
 use super::attention::quantize_probs;
 use super::*;
 use crate::cpu::attention::{attend_rows, Scratch};
+use crate::cpu::hack::{KeyLayout, Quantized8};
 use crate::cpu::partial::Partial;
 
 fn randn(n: usize, seed: u64) -> Vec<f32> {
@@ -16,20 +17,41 @@ fn rel(a: &[f32], b: &[f32]) -> f32 {
     (num / b.iter().map(|y| y * y).sum::<f32>()).sqrt()
 }
 
+/// The scores of block `block`'s key `k` (dequantized) for each of the `g` heads of `q`,
+/// computed in f32 with the same 8-bit query quantization as the homomorphic path: of the
+/// raw query (per-token keys), or of the query scaled by the block's channel ranges, against
+/// the normalized key, plus `q·m` (per-channel keys).
+fn dequantized_scores(rows: &HackRows, q: &[f32], g: usize, block: usize, k: &[f32]) -> Vec<f32> {
+    let (d, params) = (rows.d, rows.params);
+    (0..g)
+        .map(|h| {
+            let qh = &q[h * d..(h + 1) * d];
+            if !params.per_channel() {
+                let q8 = Quantized8::encode(qh, params).decode();
+                return q8.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
+            }
+            let (m, r) = (&rows.kc_min[block * d..(block + 1) * d], &rows.kc_range[block * d..(block + 1) * d]);
+            let scaled: Vec<f32> = qh.iter().zip(r).map(|(x, r)| x * r.to_f32()).collect();
+            let q8 = Quantized8::encode(&scaled, params).decode();
+            let offset: f32 = qh.iter().zip(m).map(|(x, m)| x * m.to_f32()).sum();
+            let normalized = k.iter().zip(m.iter().zip(r)).map(|(x, (m, r))| {
+                let r = r.to_f32();
+                if r > 0.0 {
+                    (x - m.to_f32()) / r
+                } else {
+                    0.0
+                }
+            });
+            q8.iter().zip(normalized).map(|(a, b)| a * b).sum::<f32>() + offset
+        })
+        .collect()
+}
+
 /// Attention over `ranges` computed in f32 from the dequantized rows, with the same
 /// 8-bit query and probability quantization as the homomorphic path.
 fn dequantized(rows: &HackRows, q: &[f32], g: usize, ranges: &[Range<usize>]) -> Vec<Vec<f32>> {
     let (d, p) = (rows.d, rows.params.partition);
     let scale = 1.0 / (d as f32).sqrt();
-    let mut s = HackScratch::default();
-    rows.view().quantize_queries(q, g, &mut s);
-    let q8: Vec<f32> = (0..g * d)
-        .map(|i| {
-            let (h, j) = (i / d, i % d);
-            let k = h * rows.k_parts + j / p;
-            s.q_scale[k] * f32::from(s.q8[i]) + s.q_min[k]
-        })
-        .collect();
     let mut selected: Vec<usize> = ranges.iter().flat_map(|r| r.clone()).collect();
     selected.sort_unstable();
     (0..g)
@@ -40,7 +62,7 @@ fn dequantized(rows: &HackRows, q: &[f32], g: usize, ranges: &[Range<usize>]) ->
                 let mut vals = Vec::new();
                 for &r in block {
                     let (k, v) = rows.decode_rows(r..r + 1);
-                    sc.push(k.iter().zip(&q8[h * d..(h + 1) * d]).map(|(a, b)| a * b).sum::<f32>() * scale);
+                    sc.push(dequantized_scores(rows, q, g, r / p, &k)[h] * scale);
                     vals.push(v);
                 }
                 let m = part.m.max(sc.iter().copied().fold(f32::NEG_INFINITY, f32::max));
@@ -57,6 +79,9 @@ fn dequantized(rows: &HackRows, q: &[f32], g: usize, ranges: &[Range<usize>]) ->
         })
         .collect()
 }
+
+/// Both key layouts.
+const LAYOUTS: [KeyLayout; 2] = [KeyLayout::PerToken, KeyLayout::PerChannel];
 
 fn store(tokens: usize, d: usize, seed: u64) -> (HackRows, Vec<f32>, Vec<f32>) {
     let (k, v) = (randn(tokens * d, seed), randn(tokens * d, seed + 1));
@@ -108,8 +133,9 @@ fn rows_rebuilt_from_their_arrays_attend_identically_and_damaged_arrays_are_refu
 
 #[test]
 fn row_runs_on_block_boundaries_split_and_join_back_to_the_same_rows() {
-    for (d, partition, tokens) in [(128, 64, 300), (64, 32, 96), (36, 16, 21)] {
-        let params = HackParams::new(partition).unwrap();
+    let cases = [(128, 64, 300), (64, 32, 96), (36, 16, 21)];
+    for ((d, partition, tokens), keys) in cases.into_iter().flat_map(|c| LAYOUTS.map(|k| (c, k))) {
+        let params = HackParams::new(partition).unwrap().with_keys(keys);
         let mut rows = HackRows::new(d, params).unwrap();
         rows.push_rows(&randn(tokens * d, 41), &randn(tokens * d, 42), &mut SplitMix64::new(43)).unwrap();
         // Pieces of two blocks, the last one short when the rows are.
@@ -143,13 +169,16 @@ fn row_runs_on_block_boundaries_split_and_join_back_to_the_same_rows() {
         }
         let other = HackParams::new(if partition == 16 { 32 } else { 16 }).unwrap();
         assert!(HackRows::from_groups(d, other, &pieces).is_err());
+        let flipped = params.with_keys(if params.per_channel() { KeyLayout::PerToken } else { KeyLayout::PerChannel });
+        assert!(HackRows::from_groups(d, flipped, &pieces).is_err(), "pieces of the other key layout");
     }
 }
 
 #[test]
 fn value_blocks_in_the_group_layout_attend_as_the_rows_they_came_from() {
-    for (d, partition, tokens) in [(128, 64, 150), (64, 32, 96), (36, 16, 21)] {
-        let params = HackParams::new(partition).unwrap();
+    let cases = [(128, 64, 150), (64, 32, 96), (36, 16, 21)];
+    for ((d, partition, tokens), keys) in cases.into_iter().flat_map(|c| LAYOUTS.map(|k| (c, k))) {
+        let params = HackParams::new(partition).unwrap().with_keys(keys);
         let (k, v) = (randn(tokens * d, 31), randn(tokens * d, 32));
         let mut rows = HackRows::new(d, params).unwrap();
         rows.push_rows(&k, &v, &mut SplitMix64::new(33)).unwrap();
@@ -213,11 +242,11 @@ fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
     // Head dims and group sizes that take every kernel path: one or two rows per AVX2
     // score vector, head groups padded to four, the scalar path for Π = 32 and for blocks
     // of more than 64 rows (Π = 128).
-    for (d, g, partition) in
-        [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64), (32, 4, 64), (64, 2, 128)]
-    {
+    let cases =
+        [(128, 4, 64), (64, 3, 64), (256, 1, 64), (64, 2, 32), (128, 5, 64), (192, 2, 64), (32, 4, 64), (64, 2, 128)];
+    for ((d, g, partition), keys) in cases.into_iter().flat_map(|c| LAYOUTS.map(|k| (c, k))) {
         let (k, v) = (randn(300 * d, 1), randn(300 * d, 2));
-        let mut rows = HackRows::new(d, HackParams::new(partition).unwrap()).unwrap();
+        let mut rows = HackRows::new(d, HackParams::new(partition).unwrap().with_keys(keys)).unwrap();
         rows.push_rows(&k, &v, &mut SplitMix64::new(3)).unwrap();
         let q: Vec<f32> = randn(g * d, 9).iter().map(|x| x * 2.0).collect();
         for ranges in [vec![0..300], vec![5..21, 60..70, 200..201, 290..300], vec![100..164, 10..12]] {
@@ -226,7 +255,7 @@ fn homomorphic_attention_equals_dequantize_then_attend_on_any_row_runs() {
             let want = dequantized(&rows, &q, g, &ranges);
             for (p, w) in parts.iter().zip(&want) {
                 let err = rel(&p.finish(), w);
-                assert!(err < 2e-5, "d={d} g={g} Π={partition} {ranges:?}: homomorphic vs dequantized {err}");
+                assert!(err < 2e-5, "d={d} g={g} Π={partition} {keys:?} {ranges:?}: homomorphic vs dequantized {err}");
             }
         }
     }
@@ -338,4 +367,95 @@ fn probabilities_round_to_seven_bits_in_every_lane_and_remainder() {
             }
         }
     }
+}
+
+#[test]
+fn per_channel_keys_survive_outlier_channels_that_per_token_keys_do_not() {
+    // Keys as SmolLM2's post-RoPE keys are: a few channels of magnitude ~15 next to channels
+    // near 1. Per-token ranges are set by the outliers and the other channels collapse;
+    // normalized per channel over each block, every channel keeps its four levels.
+    let (d, g, tokens) = (64, 3, 1024);
+    let outliers = [3usize, 17, 40];
+    let k: Vec<f32> = randn(tokens * d, 51)
+        .iter()
+        .enumerate()
+        .map(|(i, x)| if outliers.contains(&(i % d)) { 15.0 + 0.5 * x } else { *x })
+        .collect();
+    let mu = randn(d, 52);
+    let v: Vec<f32> = randn(tokens * d, 53).iter().enumerate().map(|(i, x)| 2.0 * mu[i % d] + 0.5 * x).collect();
+    let q: Vec<f32> = randn(g * d, 54).iter().map(|x| x * 0.5).collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut exact = vec![Partial::empty(d); g];
+    attend_rows(&q, scale, &k, &v, &mut exact, &mut Scratch::default());
+    let error = |keys: KeyLayout| {
+        let mut rows = HackRows::new(d, HackParams::default().with_keys(keys)).unwrap();
+        rows.push_rows(&k, &v, &mut SplitMix64::new(55)).unwrap();
+        let mut parts = vec![Partial::empty(d); g];
+        rows.attend(&q, scale, &[0..tokens], &mut parts, &mut HackScratch::default());
+        let (dk, _) = rows.decode_rows(0..tokens);
+        let key_err = rel(&dk, &k);
+        let out_err = (0..g).map(|j| rel(&parts[j].finish(), &exact[j].finish())).fold(0.0f32, f32::max);
+        (key_err, out_err)
+    };
+    let (token_keys, token_out) = error(KeyLayout::PerToken);
+    let (channel_keys, channel_out) = error(KeyLayout::PerChannel);
+    assert!(channel_keys < token_keys / 3.0, "key error per channel {channel_keys} vs per token {token_keys}");
+    assert!(channel_out < token_out / 2.0, "attention error per channel {channel_out} vs per token {token_out}");
+    // Each key within one step of its normalized row (≤ a third of its channel's range in
+    // the block) of the original.
+    let mut rows = HackRows::new(d, HackParams::default().with_keys(KeyLayout::PerChannel)).unwrap();
+    rows.push_rows(&k, &v, &mut SplitMix64::new(55)).unwrap();
+    let (dk, _) = rows.decode_rows(0..tokens);
+    for (i, (a, b)) in k.iter().zip(&dk).enumerate() {
+        let (block, c) = (i / d / 64, i % d);
+        let range = rows.kc_range[block * d + c].to_f32();
+        assert!((a - b).abs() <= range / 3.0 * 0.5 + 0.02 * range + 1e-3, "key {i}: {a} vs {b} (range {range})");
+    }
+}
+
+#[test]
+fn per_channel_keys_and_values_round_to_nearest_and_reproduce() {
+    // Rounding to nearest takes no randomness: any two seeds give the same codes.
+    let (d, tokens) = (64, 200);
+    let (k, v) = (randn(tokens * d, 61), randn(tokens * d, 62));
+    let params = HackParams::default().with_keys(KeyLayout::PerChannel);
+    let encode = |seed| {
+        let mut rows = HackRows::new(d, params).unwrap();
+        rows.push_rows(&k, &v, &mut SplitMix64::new(seed)).unwrap();
+        rows
+    };
+    let (a, b) = (encode(1), encode(2));
+    assert_eq!(a.decode_rows(0..tokens), b.decode_rows(0..tokens));
+    assert_eq!(a.bytes(), b.bytes());
+    // The stored bytes: the per-token layout plus an f16 minimum and range per channel and block.
+    let plain = HackRows::new(d, HackParams::default()).unwrap();
+    let mut plain = plain;
+    plain.push_rows(&k, &v, &mut SplitMix64::new(1)).unwrap();
+    assert_eq!(a.bytes(), plain.bytes() + tokens.div_ceil(64) * d * 4);
+    // Values to nearest: each within half a step of the original.
+    let (_, dv) = a.decode_rows(0..tokens);
+    for (i, (x, y)) in v.iter().zip(&dv).enumerate() {
+        let (block, c) = (i / d / 64, i % d);
+        let step = a.v_scale[block * d + c].to_f32();
+        assert!((x - y).abs() <= 0.5 * step + 2e-3 * step.max(1.0), "value {i}: {x} vs {y} (step {step})");
+    }
+}
+
+#[test]
+fn damaged_channel_metadata_is_refused() {
+    let d = 64;
+    let mut rows = HackRows::new(d, HackParams::default().with_keys(KeyLayout::PerChannel)).unwrap();
+    rows.push_rows(&randn(100 * d, 71), &randn(100 * d, 72), &mut SplitMix64::new(73)).unwrap();
+    let a = rows.arrays();
+    assert_eq!(a.key_channel_min.len(), 2 * d);
+    let err =
+        HackRows::from_arrays(d, rows.params(), 100, HackArrays { key_channel_range: &a.key_channel_range[..d], ..a })
+            .unwrap_err();
+    assert!(matches!(err, Error::ShapeMismatch { what: "key channel ranges", .. }), "{err}");
+    let mut bad = a.key_channel_range.to_vec();
+    bad[5] = f16::NAN;
+    let err = HackRows::from_arrays(d, rows.params(), 100, HackArrays { key_channel_range: &bad, ..a }).unwrap_err();
+    assert!(err.to_string().contains("key channel scale 5"), "{err}");
+    // Per-token arrays read as per-channel rows (or the reverse) do not fit.
+    assert!(HackRows::from_arrays(d, HackParams::default(), 100, a).is_err());
 }

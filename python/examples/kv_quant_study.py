@@ -1,0 +1,207 @@
+"""Which 2-bit KV layouts keep a real model's answers: a study before building one.
+
+The prompt's KV (every full-attention layer; tokens past the sink and before the local
+window, what a wave context encodes) is quantized and dequantized here by each candidate
+layout, then the model decodes exactly (SDPA) over it, teacher-forced on SDPA's own greedy
+continuation over the unquantized KV. Reported per layout: bits per stored value including
+metadata, bytes per token and KV head relative to f16, teacher-forced top-1 and mean KL,
+and the relative attention-output error of the last layer's... (all layers', mean) for
+the first decode query. Only the rounding is measured here; the engine's codec computes
+the same numbers without dequantizing.
+
+    target/pyenv/bin/python python/examples/kv_quant_study.py --length 8128
+    target/pyenv/bin/python python/examples/kv_quant_study.py --model gemma3 --length 16384
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from hf_eval import MODELS, ROOT, prefill, prompt, step  # noqa: E402
+
+SINK, LOCAL = 4, 64
+
+
+def rounding(x, stochastic, gen):
+    if stochastic:
+        return torch.floor(x + torch.rand(x.shape, generator=gen))
+    return torch.round(x)
+
+
+def quant(x, bits, dim, stochastic, gen):
+    """Asymmetric `bits`-bit quantization of `x` along `dim` (min and scale as f16), dequantized."""
+    lo = x.amin(dim=dim, keepdim=True).half().float()
+    hi = x.amax(dim=dim, keepdim=True)
+    levels = 2**bits - 1
+    s = ((hi - lo) / levels).half().float().clamp_min(1e-8)
+    u = rounding((x - lo) / s, stochastic, gen).clamp(0, levels)
+    return lo + s * u
+
+
+def per_token(x, bits, part, stochastic, gen):
+    """[h, t, d]: groups of `part` channels of one token (HACK's keys)."""
+    h, t, d = x.shape
+    return quant(x.reshape(h, t, d // part, part), bits, -1, stochastic, gen).reshape(h, t, d)
+
+
+def per_channel(x, bits, group, stochastic, gen):
+    """[h, t, d]: groups of `group` tokens of one channel (KIVI's keys, HACK's values)."""
+    h, t, d = x.shape
+    full = t // group * group
+    out = x.clone()
+    if full:
+        g = x[:, :full].reshape(h, full // group, group, d)
+        out[:, :full] = quant(g, bits, 2, stochastic, gen).reshape(h, full, d)
+    # a last partial group stays plain (the codec keeps it f16 until it fills)
+    return out
+
+
+def outlier_mask(x, n):
+    """[h, d] bool: the `n` channels of largest mean magnitude per head."""
+    if n == 0:
+        return torch.zeros(x.shape[0], x.shape[2], dtype=torch.bool)
+    idx = x.abs().mean(1).topk(n, dim=-1).indices
+    return torch.zeros(x.shape[0], x.shape[2], dtype=torch.bool).scatter_(1, idx, True)
+
+
+def layouts():
+    """name -> (key fn, value fn, bits per value incl. metadata for d=64 keys, for values)."""
+    d = 64
+    out = {}
+
+    def add(name, kf, vf, kbits, vbits):
+        out[name] = (kf, vf, kbits, vbits)
+
+    pt = lambda b, p, s: lambda x, g: per_token(x, b, p, s, g)  # noqa: E731
+    pc = lambda b, grp, s: lambda x, g: per_channel(x, b, grp, s, g)  # noqa: E731
+    # values as HACK stores them: per channel along 64 tokens, 2 bits
+    v2 = pc(2, 64, True)
+    v2n = pc(2, 64, False)
+    vbits = 2 + 32 / 64
+    add("hack2 (per-token keys, stochastic)", pt(2, 64, True), v2, 2 + 40 / 64, vbits)
+    add("per-token keys, nearest", pt(2, 64, False), v2n, 2 + 40 / 64, vbits)
+    for grp in (32, 64, 128):
+        meta = 32 / grp + 8 / d  # min+scale per channel per group, plus a code sum per token
+        add(f"per-channel keys G={grp}, stochastic", pc(2, grp, True), v2, 2 + meta, vbits)
+        add(f"per-channel keys G={grp}, nearest", pc(2, grp, False), v2n, 2 + meta, vbits)
+
+    def with_outliers(n, grp, stochastic):
+        def f(x, g):
+            m = outlier_mask(x, n)
+            q = per_channel(x, 2, grp, stochastic, g)
+            return torch.where(m[:, None, :], x.half().float(), q)
+
+        return f
+
+    for n in (2, 4, 8):
+        for grp in (32, 64):
+            meta = 32 / grp + 8 / d
+            kb = 2 + meta + n * 16 / d
+            add(f"per-channel keys G={grp} + {n} f16 channels, nearest", with_outliers(n, grp, False), v2n, kb, vbits)
+    add("per-channel keys G=64 nearest, values per-token", pc(2, 64, False), pt(2, 64, False), 2.625, 2 + 32 / 64)
+    add("keys 3-bit per-channel G=64 nearest", pc(3, 64, False), v2n, 3 + 32 / 64 + 8 / d, vbits)
+    add("keys G=64 nearest, values 3-bit", pc(2, 64, False), pc(3, 64, False), 2 + 32 / 64 + 8 / d, 3.5)
+    add("keys G=64 + 4 f16 channels, values 3-bit", with_outliers(4, 64, False), pc(3, 64, False), 2 + 0.625 + 1, 3.5)
+    # round 2: what keys and values each cost alone, and 4-bit keys
+    f16 = lambda x, g: x.half().float()  # noqa: E731
+    add("keys f16, values 2-bit G=64 nearest", f16, v2n, 16, vbits)
+    add("keys 2-bit G=64 nearest, values f16", pc(2, 64, False), f16, 2 + 32 / 64 + 8 / d, 16)
+    add("keys 4-bit per-channel G=64 nearest, values f16", pc(4, 64, False), f16, 4 + 32 / 64 + 8 / d, 16)
+    add("keys 4-bit per-channel G=64 nearest, values 2-bit", pc(4, 64, False), v2n, 4 + 32 / 64 + 8 / d, vbits)
+    add("keys 4-bit per-channel G=64 stochastic, values 2-bit stochastic", pc(4, 64, True), v2, 4 + 32 / 64 + 8 / d, vbits)
+    add("keys 4-bit per-token Π=64 nearest, values 2-bit", pt(4, 64, False), v2n, 4 + 40 / 64, vbits)
+    add("keys 4-bit per-channel G=32 nearest, values 2-bit", pc(4, 32, False), v2n, 4 + 1 + 8 / d, vbits)
+
+    def hybrid(bits, grp, stochastic):
+        # per channel normalized over `grp` tokens (f16 minimum and range), then per-token
+        # codes of the normalized rows: what the engine's per-channel layout stores
+        def f(x, g):
+            h, t, dd = x.shape
+            full = t // grp * grp
+            out = x.clone()
+            if full:
+                b = x[:, :full].reshape(h, full // grp, grp, dd)
+                lo = b.amin(2, keepdim=True).half().float()
+                rng = (b.amax(2, keepdim=True) - lo).half().float().clamp_min(1e-6)
+                n = per_token(((b - lo) / rng).reshape(h, full, dd), bits, 64, stochastic, g)
+                out[:, :full] = (lo + rng * n.reshape(b.shape)).reshape(h, full, dd)
+            return out
+
+        return f
+
+    hb = 2 + 40 / 64 + 32 / 64
+    add("hybrid keys G=64 nearest, values 2-bit nearest", hybrid(2, 64, False), v2n, hb, vbits)
+    add("hybrid keys G=64 stochastic, values 2-bit stochastic", hybrid(2, 64, True), v2, hb, vbits)
+    add("hybrid keys G=32 nearest, values 2-bit nearest", hybrid(2, 32, False), v2n, hb + 0.5, vbits)
+    add("hybrid keys G=64 nearest, values f16", hybrid(2, 64, False), f16, hb, 16)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--length", type=int, default=8128)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    ap.add_argument("--text", action="append")
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--only", help="substring of the layouts to run")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    name = MODELS[args.model][0]
+    texts = args.text or [str(ROOT / "runtime/data/retroinfer.txt")]
+    tok = AutoTokenizer.from_pretrained(ROOT / "models", gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "models", gguf_file=name, dtype=torch.float32).eval()
+    ids = prompt(tok, args.model, "\n\n".join(pathlib.Path(t).read_text() for t in texts), args.length)
+    torch.set_grad_enabled(False)
+    first, cache, prompt_kv = prefill(model, ids, args.chunk, progress=True)
+    logits, reference = [first], [int(first.argmax())]
+    while len(reference) < args.tokens:
+        logits.append(step(model, cache, reference[-1]))
+        reference.append(int(logits[-1].argmax()))
+    del cache
+    types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(prompt_kv)
+    n = prompt_kv[0][0].shape[2]
+    span = slice(SINK, n - LOCAL)
+
+    for lname, (kf, vf, kbits, vbits) in layouts().items():
+        if args.only and args.only not in lname:
+            continue
+        t = time.time()
+        gen = torch.Generator().manual_seed(7)
+        c = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(prompt_kv):
+            k, v = k.clone(), v.clone()
+            if types[i] == "full_attention":
+                k[0, :, span] = kf(k[0, :, span].float(), gen).to(k.dtype)
+                v[0, :, span] = vf(v[0, :, span].float(), gen).to(v.dtype)
+            c.update(k, v, i)
+        top1 = kl = 0.0
+        for i in range(1, args.tokens):
+            out = step(model, c, reference[i - 1])
+            p, q = logits[i].log_softmax(-1), out.log_softmax(-1)
+            top1 += int(out.argmax()) == reference[i]
+            kl += float(torch.sum(p.exp() * (p - q)))
+        pos = args.tokens - 1
+        row = {
+            "model": args.model,
+            "length": n,
+            "layout": lname,
+            "key_bits": round(kbits, 3),
+            "value_bits": round(vbits, 3),
+            "of_f16": round((kbits + vbits) / 32, 3),
+            "teacher_top1": round(top1 / pos, 4),
+            "kl": round(kl / pos, 5),
+            "seconds": round(time.time() - t, 1),
+        }
+        print(json.dumps(row) if args.json else f"{lname:55} {row['of_f16']:.3f}x  top1 {row['teacher_top1']:.3f}  KL {row['kl']:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
