@@ -5,7 +5,7 @@ mod common;
 
 use attnstore_index::{AccessMethod, FlatIndex, RowSource, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
 use attnstore_kernels::cpu::reference::rel_l2;
-use attnstore_kernels::{AttnShape, HackParams};
+use attnstore_kernels::{AttnShape, HackParams, KeyLayout};
 use common::{randn, reference, run};
 use half::f16;
 
@@ -130,28 +130,31 @@ fn hack2_segments_serve_exact_and_sparse_plans_from_a_fifth_of_the_bytes() {
         .map(|(i, x)| dirs[(i / 64 % 4) * 64 + i % 64] + x)
         .collect();
     let q = randn(shape.query_len(), 44, 1.5);
-    let mut plain = WaveIndex::<f16>::new(small_params(), 2, 64).unwrap();
-    let mut hack =
-        WaveIndex::<f16>::new(small_params(), 2, 64).unwrap().with_codec(Some(HackParams::default())).unwrap();
-    for w in [&mut plain, &mut hack] {
-        w.prefill(&k, &v).unwrap();
+    // HACK's per-token keys and per-channel keys (hack2c) alike.
+    for params in [HackParams::default(), HackParams::default().with_keys(KeyLayout::PerChannel)] {
+        let mut plain = WaveIndex::<f16>::new(small_params(), 2, 64).unwrap();
+        let mut hack = WaveIndex::<f16>::new(small_params(), 2, 64).unwrap().with_codec(Some(params)).unwrap();
+        for w in [&mut plain, &mut hack] {
+            w.prefill(&k, &v).unwrap();
+        }
+        let (ps, hs) = (plain.stats(), hack.stats());
+        assert_eq!((ps.segments, ps.clusters), (hs.segments, hs.clusters), "the codec does not change the index");
+        assert!(hs.kv_bytes * 4 < ps.kv_bytes, "{} vs {}", hs.kv_bytes, ps.kv_bytes);
+        let want = reference::<f16>(&shape, &q, &k, &v, tokens);
+        let exact = run(&hack, &shape, &q, None);
+        let err = rel_l2(&exact, &want);
+        assert!(err < 0.05, "{params:?}: exact plan vs f64 reference: {err}");
+        // Retrieving every cluster reads the same rows block by block: the same result.
+        let all = ZoneBudget { retrieve_tokens: tokens, estimate_tokens: 0, mode: SelectionMode::PerKvHead };
+        assert!(
+            rel_l2(&run(&hack, &shape, &q, Some(&all)), &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>())
+                < 1e-5
+        );
+        // A tripartite plan over 2-bit rows stays near the same plan over f16 rows.
+        let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
+        let (a, b) = (run(&hack, &shape, &q, Some(&sparse)), run(&plain, &shape, &q, Some(&sparse)));
+        let err = rel_l2(&a, &b.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+        assert!(err < 0.05, "{params:?} vs f16 under the same sparse budget: {err}");
     }
-    let (ps, hs) = (plain.stats(), hack.stats());
-    assert_eq!((ps.segments, ps.clusters), (hs.segments, hs.clusters), "the codec does not change the index");
-    assert!(hs.kv_bytes * 4 < ps.kv_bytes, "{} vs {}", hs.kv_bytes, ps.kv_bytes);
-    let want = reference::<f16>(&shape, &q, &k, &v, tokens);
-    let exact = run(&hack, &shape, &q, None);
-    let err = rel_l2(&exact, &want);
-    assert!(err < 0.05, "hack2 exact plan vs f64 reference: {err}");
-    // Retrieving every cluster reads the same rows block by block: the same result.
-    let all = ZoneBudget { retrieve_tokens: tokens, estimate_tokens: 0, mode: SelectionMode::PerKvHead };
-    assert!(
-        rel_l2(&run(&hack, &shape, &q, Some(&all)), &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()) < 1e-5
-    );
-    // A tripartite plan over 2-bit rows stays near the same plan over f16 rows.
-    let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
-    let (a, b) = (run(&hack, &shape, &q, Some(&sparse)), run(&plain, &shape, &q, Some(&sparse)));
-    let err = rel_l2(&a, &b.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
-    assert!(err < 0.05, "hack2 vs f16 under the same sparse budget: {err}");
     assert!(WaveIndex::<f16>::new(small_params(), 2, 30).unwrap().with_codec(Some(HackParams::default())).is_err());
 }
