@@ -47,8 +47,9 @@ pub struct ModelBudgetArgs {
     /// runtime's default, measured in docs/realmodel.md).
     #[arg(long, default_value = "rest", value_parser = crate::parse_share)]
     estimate: EstimateShare,
-    /// Codec of the stored KV: f16 (default), or hack2 / hack2:Π (2-bit homomorphic rows;
-    /// with `exact`, exact attention over the 2-bit rows).
+    /// Codec of the stored KV: f16 (default), or hack2 / hack2:Π (2-bit homomorphic rows,
+    /// HACK's per-token keys), hack2c / hack2c:Π (keys normalized per channel first); with
+    /// `exact`, exact attention over the 2-bit rows.
     #[arg(long, default_value = "f16")]
     codec: Codec,
 }

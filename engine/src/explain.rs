@@ -3,6 +3,7 @@
 
 use crate::plan::{human_bytes, Plan, RequestPlan, Strategy};
 use attnstore_index::HeadPlan;
+use attnstore_kernels::Codec;
 use std::fmt::Write;
 
 /// The plan tree as [`Plan::explain`] prints it: one line per request and per zone.
@@ -37,7 +38,15 @@ impl Plan {
         let _ = writeln!(
             s,
             "Request {i}: {} layer {} ({:?}) · {} · {} tokens · {} q heads / {} kv heads · d={} · {}",
-            r.context, r.layer, r.kind, r.method, r.tokens, sh.q_heads, sh.kv_heads, sh.head_dim, r.codec
+            r.context,
+            r.layer,
+            r.kind,
+            r.method,
+            r.tokens,
+            sh.q_heads,
+            sh.kv_heads,
+            sh.head_dim,
+            codec_label(r.codec, sh.head_dim)
         );
         let c = &r.cost;
         let row = sh.head_dim * r.dtype.size_bytes();
@@ -206,5 +215,20 @@ fn render_head(s: &mut String, h: usize, head: &HeadPlan) {
             sel.estimate_tokens,
             sel.dropped_clusters
         );
+    }
+}
+
+/// The codec as EXPLAIN names it: a 2-bit codec with its stored bytes per token and KV head
+/// (codes and metadata) and their share of f16's.
+fn codec_label(codec: Codec, head_dim: usize) -> String {
+    match codec.hack() {
+        Some(_) => {
+            let bytes = codec.kv_row_bytes(head_dim);
+            format!(
+                "{codec} ({bytes:.1} B per token and kv head, {:.3}× f16)",
+                bytes / Codec::F16.kv_row_bytes(head_dim)
+            )
+        }
+        None => codec.to_string(),
     }
 }

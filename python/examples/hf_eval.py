@@ -93,6 +93,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     ap.add_argument("--scale", type=float, default=1.0, help="scales the budget's floor and retrieved share")
     ap.add_argument("--method", default="wave")
+    ap.add_argument("--codec", help="codec of the engine's rows (hack2, hack2c; default f16/f32 rows)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -120,7 +121,7 @@ def main():
     explained = []
 
     def run(teacher):
-        c = filled_cache(model, prompt_kv, method=args.method, budget=budget)
+        c = filled_cache(model, prompt_kv, method=args.method, budget=budget, codec=args.codec)
         out, toks = [logits[0]], [reference[0]]
         t = time.time()
         while len(toks) < args.tokens:
@@ -155,6 +156,7 @@ def main():
         "model": args.model,
         "text": "+".join(pathlib.Path(t).stem for t in texts),
         "method": args.method,
+        "codec": args.codec or "plain",
         "budget_scale": args.scale,
         "teacher_top1": top1 / positions,
         "kl": kl / positions,

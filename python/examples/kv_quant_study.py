@@ -150,7 +150,9 @@ def main():
     ap.add_argument("--model", choices=sorted(MODELS), default="smollm2")
     ap.add_argument("--text", action="append")
     ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--only", help="substring of the layouts to run")
+    ap.add_argument("--only", help="substrings of the layouts to run, separated by |")
+    ap.add_argument("--keep-layers", default="", help="comma-separated layers kept unquantized")
+    ap.add_argument("--per-layer", action="store_true", help="quantize one layer at a time (sensitivity per layer)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -170,15 +172,21 @@ def main():
     n = prompt_kv[0][0].shape[2]
     span = slice(SINK, n - LOCAL)
 
-    for lname, (kf, vf, kbits, vbits) in layouts().items():
-        if args.only and args.only not in lname:
-            continue
+    keep = {int(x) for x in args.keep_layers.split(",") if x}
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    runs = [
+        (lname, f, only)
+        for lname, f in layouts().items()
+        if not args.only or any(o in lname for o in args.only.split("|"))
+        for only in ([{i} for i in full] if args.per_layer else [set(full) - keep])
+    ]
+    for lname, (kf, vf, kbits, vbits), quantized in runs:
         t = time.time()
         gen = torch.Generator().manual_seed(7)
         c = DynamicCache(config=model.config)
         for i, (k, v) in enumerate(prompt_kv):
             k, v = k.clone(), v.clone()
-            if types[i] == "full_attention":
+            if i in quantized:
                 k[0, :, span] = kf(k[0, :, span].float(), gen).to(k.dtype)
                 v[0, :, span] = vf(v[0, :, span].float(), gen).to(v.dtype)
             c.update(k, v, i)
@@ -193,6 +201,7 @@ def main():
             "model": args.model,
             "length": n,
             "layout": lname,
+            "layers": sorted(quantized) if args.per_layer or keep else "all",
             "key_bits": round(kbits, 3),
             "value_bits": round(vbits, 3),
             "of_f16": round((kbits + vbits) / 32, 3),
@@ -200,7 +209,11 @@ def main():
             "kl": round(kl / pos, 5),
             "seconds": round(time.time() - t, 1),
         }
-        print(json.dumps(row) if args.json else f"{lname:55} {row['of_f16']:.3f}x  top1 {row['teacher_top1']:.3f}  KL {row['kl']:.4f}", flush=True)
+        where = f" layers {row['layers']}" if row["layers"] != "all" and len(quantized) < 4 else ""
+        print(
+            json.dumps(row) if args.json else f"{lname:55} {row['of_f16']:.3f}x  top1 {row['teacher_top1']:.3f}  KL {row['kl']:.4f}{where}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -412,7 +412,8 @@ impl Engine {
 
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
     /// stored); `method`: wave (default), pq or flat (exact only); `codec`: None (plain
-    /// `dtype`) or "hack2" (2-bit indexed rows).
+    /// `dtype`), "hack2" (2-bit indexed rows, HACK's per-token keys) or "hack2c" (2-bit rows
+    /// with keys normalized per channel; both need dtype f16).
     #[pyo3(signature = (q_heads, kv_heads, head_dim, layers=1, dtype="f16", method="wave", codec=None))]
     #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
     fn create_context(

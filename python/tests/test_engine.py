@@ -220,3 +220,26 @@ def test_a_closed_engine_raises_and_its_directory_reopens(data, tmp_path):
     assert again.contexts() == [ctx]
     np.testing.assert_array_equal(again.attend(ctx, 0, q, exact=True), before)
     again.close()
+
+
+def test_two_bit_codecs_per_token_and_per_channel_keys():
+    """Keys with outlier channels (as real models' post-RoPE keys have): exact attention over
+    2-bit rows whose keys are normalized per channel (hack2c) stays near f16, HACK's per-token
+    keys (hack2) do not; a codec that does not exist is an InvalidArgumentError naming it."""
+    rng = np.random.default_rng(11)
+    k = rng.standard_normal((2, 4096, 64)).astype(np.float32)
+    k[:, :, [3, 17, 40]] = 15.0 + 0.5 * k[:, :, [3, 17, 40]]
+    mu = rng.standard_normal(64).astype(np.float32)
+    v = (2.0 * mu + 0.5 * rng.standard_normal((2, 4096, 64))).astype(np.float32)
+    q = (0.5 * rng.standard_normal((8, 64))).astype(np.float32)
+    want = reference(q, k, v)
+    eng = attnstore.Engine()
+    errors = {}
+    for codec in ("hack2", "hack2c"):
+        ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, dtype="f16", codec=codec)
+        eng.prefill(ctx, 0, k, v)
+        errors[codec] = rel(eng.attend(ctx, 0, q, exact=True), want)
+    assert errors["hack2c"] < 0.05, errors
+    assert errors["hack2c"] * 2 < errors["hack2"], errors
+    with pytest.raises(attnstore.InvalidArgumentError, match="hack2c"):
+        eng.create_context(q_heads=8, kv_heads=2, head_dim=64, codec="hack3")

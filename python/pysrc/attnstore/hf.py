@@ -82,7 +82,7 @@ class AttnstoreCache(Cache):
 
     ``config``: the model's config. ``engine``: an ``attnstore.Engine`` (a new in-memory one
     if None). ``method``: wave (default), pq or flat; ``dtype``: how rows are stored (f32,
-    f16, bf16; by default f32 for float32 models, else f16); ``codec``: None or "hack2";
+    f16, bf16; by default f32 for float32 models, else f16); ``codec``: None, "hack2" or "hack2c";
     ``exact``: plan every decode step exactly; ``budget``: an ``attnstore.Budget`` (default:
     :func:`model_budget`); ``dense_layers``: the first this many layers are attended exactly.
     """
@@ -136,7 +136,8 @@ class AttnstoreCache(Cache):
 
     def _ensure_contexts(self, batch: int, dtype: torch.dtype) -> list[int]:
         if self.contexts is None:
-            store = self.dtype or _store_dtype(dtype)
+            # a 2-bit codec keeps its steady zone in f16
+            store = self.dtype or ("f16" if self.codec else _store_dtype(dtype))
             self.contexts = [
                 self.engine.create_context(
                     q_heads=self.q_heads,
