@@ -9,7 +9,7 @@
 
 use attnstore_kernels::cpu::attention::{attend_ranges, Scratch};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{HackParams, HackRows, HackScratch, Partial};
+use attnstore_kernels::{HackParams, HackRows, HackScratch, KeyLayout, Partial};
 use std::time::Instant;
 
 const D: usize = 128;
@@ -24,8 +24,13 @@ fn main() {
     let k: Vec<half::f16> = (0..rows * D).map(|_| half::f16::from_f32(rng.normal())).collect();
     let v: Vec<half::f16> = (0..rows * D).map(|_| half::f16::from_f32(rng.normal())).collect();
     let q: Vec<f32> = (0..4 * D).map(|_| rng.normal()).collect();
+    // ATTNSTORE_PROBE_KEYS=channel: per-channel keys (hack2c).
+    let keys = match std::env::var("ATTNSTORE_PROBE_KEYS").as_deref() {
+        Ok("channel") => KeyLayout::PerChannel,
+        _ => KeyLayout::PerToken,
+    };
     let hack = HackParams::new(64)
-        .and_then(|p| HackRows::new(D, p))
+        .and_then(|p| HackRows::new(D, p.with_keys(keys)))
         .and_then(|mut r| r.push_rows(&k, &v, &mut SplitMix64::new(2)).map(|()| r));
     let Ok(hack) = hack else {
         eprintln!("probe_hack: could not encode the rows");

@@ -98,7 +98,19 @@ pub struct Quantized8 {
 }
 
 fn min_max(x: &[f32]) -> (f32, f32) {
-    x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(lo, hi), &v| (lo.min(v), hi.max(v)))
+    // Eight independent lanes (the compiler vectorizes them), then the rest.
+    let (mut lo, mut hi) = ([f32::INFINITY; 8], [f32::NEG_INFINITY; 8]);
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for i in 0..8 {
+            // Comparisons, not f32::min/max (whose NaN rules keep them scalar): rows and
+            // queries are finite (checked where they enter).
+            lo[i] = if c[i] < lo[i] { c[i] } else { lo[i] };
+            hi[i] = if c[i] > hi[i] { c[i] } else { hi[i] };
+        }
+    }
+    let init = (lo.iter().copied().fold(f32::INFINITY, f32::min), hi.iter().copied().fold(f32::NEG_INFINITY, f32::max));
+    chunks.remainder().iter().fold(init, |(lo, hi), &v| (lo.min(v), hi.max(v)))
 }
 
 /// Quantizes one partition to 2-bit codes (`codes[i]` in `0..=3`, same length as `part`)
@@ -215,14 +227,7 @@ impl Quantized8 {
             partition: p,
         };
         for part in x.chunks(p) {
-            let (lo, hi) = min_max(part);
-            let s = (hi - lo).max(0.0) / 255.0;
-            let mut sum = 0u32;
-            for &v in part {
-                let q = if s > 0.0 { ((v - lo) / s).round().clamp(0.0, 255.0) as u8 } else { 0 };
-                out.codes.push(q);
-                sum += u32::from(q);
-            }
+            let (lo, s, sum) = quantize8_partition(part, &mut out.codes);
             out.mins.push(lo);
             out.scales.push(s);
             out.sums.push(sum);
@@ -238,6 +243,37 @@ impl Quantized8 {
             .map(|(i, &q)| self.scales[i / self.partition] * f32::from(q) + self.mins[i / self.partition])
             .collect()
     }
+}
+
+/// Quantizes one partition to 8 bits, rounding to nearest: appends its codes to `codes` and
+/// returns its minimum, scale and code sum (what [`Quantized8::encode`] stores per partition;
+/// per-channel keys quantize a step's scaled queries once per value block with it, without
+/// allocating).
+pub(crate) fn quantize8_partition(part: &[f32], codes: &mut Vec<u8>) -> (f32, f32, u32) {
+    let (lo, hi) = min_max(part);
+    let s = (hi - lo).max(0.0) / 255.0;
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+    let at = codes.len();
+    codes.resize(at + part.len(), 0);
+    let mut sum = 0u32;
+    // v ≥ lo: adding ½ and truncating rounds to nearest; eight lanes at a time.
+    let round = |v: f32| ((v - lo) * inv + 0.5).min(255.0) as u8;
+    let (lanes, top) = (wide::f32x8::splat, wide::f32x8::splat(255.0));
+    let mut out = codes[at..].chunks_exact_mut(8);
+    let mut from = part.chunks_exact(8);
+    for (c, v) in (&mut out).zip(&mut from) {
+        let x = wide::f32x8::from(<[f32; 8]>::try_from(v).unwrap_or_default());
+        let q = ((x - lanes(lo)) * lanes(inv) + lanes(0.5)).min(top).trunc_int().to_array();
+        for (c, q) in c.iter_mut().zip(q) {
+            *c = q as u8;
+            sum += q as u32;
+        }
+    }
+    for (c, &v) in out.into_remainder().iter_mut().zip(from.remainder()) {
+        *c = round(v);
+        sum += u32::from(*c);
+    }
+    (lo, s, sum)
 }
 
 /// `Σ a·b` of an 8-bit and a 2-bit vector of equal length and partition, by the

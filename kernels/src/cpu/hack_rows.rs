@@ -130,6 +130,8 @@ pub struct HackScratch {
     raw: Vec<f32>,
     offsets: Vec<f32>,
     scaled: Vec<f32>,
+    /// The block's channel minima and ranges as f32.
+    channel: Vec<f32>,
 }
 
 /// Sum of the 2-bit codes packed in `bytes` (four per byte): per byte the low bits count

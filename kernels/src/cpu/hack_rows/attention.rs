@@ -5,7 +5,7 @@
 //! (`hack_avx2.rs`, `hack_avx512.rs`) where they apply, else in the scalar code here.
 
 use super::{HackArrays, HackRows, HackScratch, HackView, P_LEVELS};
-use crate::cpu::hack::{HackParams, Quantized8};
+use crate::cpu::hack::{quantize8_partition, HackParams};
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
 use crate::cpu::hack_avx2;
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
@@ -96,19 +96,21 @@ impl<'a> HackView<'a> {
     /// offset `q·m` and the queries scaled by the block's ranges, quantized to 8 bits.
     fn channel_queries(&self, block: usize, g: usize, s: &mut HackScratch) {
         let d = self.d;
-        let (min, range) = (
-            &self.a.key_channel_min[block * d..(block + 1) * d],
-            &self.a.key_channel_range[block * d..(block + 1) * d],
-        );
+        let meta = block * d..(block + 1) * d;
+        s.channel.resize(2 * d, 0.0);
+        let (min, range) = s.channel.split_at_mut(d);
+        self.a.key_channel_min[meta.clone()].convert_to_f32_slice(min);
+        self.a.key_channel_range[meta].convert_to_f32_slice(range);
         s.offsets.clear();
-        s.scaled.clear();
-        for qh in s.raw.chunks_exact(d) {
-            let mut offset = 0.0f32;
-            for ((&q, m), r) in qh.iter().zip(min).zip(range) {
-                offset += q * m.to_f32();
-                s.scaled.push(q * r.to_f32());
+        s.scaled.resize(g * d, 0.0);
+        for (qh, out) in s.raw.chunks_exact(d).zip(s.scaled.chunks_exact_mut(d)) {
+            // Eight lanes of q·m (vectorized), then their sum.
+            let mut lanes = [0.0f32; 8];
+            for (i, (&q, &m)) in qh.iter().zip(min.iter()).enumerate() {
+                lanes[i % 8] += q * m;
             }
-            s.offsets.push(offset);
+            s.offsets.push(lanes.iter().sum());
+            out.iter_mut().zip(qh).zip(range.iter()).for_each(|((o, &q), &r)| *o = q * r);
         }
         let scaled = std::mem::take(&mut s.scaled);
         self.quantize_into(&scaled, g, s);
@@ -146,11 +148,12 @@ impl<'a> HackView<'a> {
         s.q_sum.clear();
         for qh in q.chunks_exact(d) {
             // Partitions restart at every head.
-            let q8 = Quantized8::encode(qh, self.params);
-            s.q8.extend_from_slice(&q8.codes);
-            s.q_min.extend_from_slice(&q8.mins);
-            s.q_scale.extend_from_slice(&q8.scales);
-            s.q_sum.extend(q8.sums.iter().map(|&x| x as f32));
+            for part in qh.chunks(self.params.partition) {
+                let (min, scale, sum) = quantize8_partition(part, &mut s.q8);
+                s.q_min.push(min);
+                s.q_scale.push(scale);
+                s.q_sum.push(sum as f32);
+            }
         }
         debug_assert_eq!((s.q8.len(), s.q_min.len()), (g * d, g * self.k_parts));
         #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
@@ -163,11 +166,11 @@ impl<'a> HackView<'a> {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     fn pair_queries(&self, g: usize, s: &mut HackScratch) {
         let (d, kp) = (self.d, self.k_parts);
-        let types: Vec<(usize, usize)> =
-            if kp == 1 { vec![(0, 0)] } else { (0..kp / 2).map(|m| (2 * m, 2 * m + 1)).collect() };
+        // Partition pairs (one row of one partition pairs it with itself).
+        let types = (0..kp.div_ceil(2)).map(|m| if kp == 1 { (0, 0) } else { (2 * m, 2 * m + 1) });
         s.pairs.clear();
         for hg in 0..g.div_ceil(4) {
-            for &(k0, k1) in &types {
+            for (k0, k1) in types.clone() {
                 let mut pq = hack_avx2::PairQuery { codes: [[[0; 32]; 4]; 4], sq: [0.0; 8], mq: [0.0; 8], c: [0.0; 8] };
                 for h in 0..4 {
                     let head = hg * 4 + h;
