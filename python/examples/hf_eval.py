@@ -94,6 +94,7 @@ def main():
     ap.add_argument("--scale", type=float, default=1.0, help="scales the budget's floor and retrieved share")
     ap.add_argument("--method", default="wave")
     ap.add_argument("--codec", help="codec of the engine's rows (hack2, hack2c; default f16/f32 rows)")
+    ap.add_argument("--exact", action="store_true", help="plan every step exactly (with --codec: exact over the 2-bit rows)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -121,7 +122,7 @@ def main():
     explained = []
 
     def run(teacher):
-        c = filled_cache(model, prompt_kv, method=args.method, budget=budget, codec=args.codec)
+        c = filled_cache(model, prompt_kv, method=args.method, budget=budget, codec=args.codec, exact=args.exact)
         out, toks = [logits[0]], [reference[0]]
         t = time.time()
         while len(toks) < args.tokens:
@@ -155,7 +156,7 @@ def main():
         "length": int(ids.shape[1]),
         "model": args.model,
         "text": "+".join(pathlib.Path(t).stem for t in texts),
-        "method": args.method,
+        "method": "exact" if args.exact else args.method,
         "codec": args.codec or "plain",
         "budget_scale": args.scale,
         "teacher_top1": top1 / positions,

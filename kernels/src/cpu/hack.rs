@@ -257,14 +257,28 @@ pub(crate) fn quantize8_partition(part: &[f32], codes: &mut Vec<u8>) -> (f32, f3
     codes.resize(at + part.len(), 0);
     let mut sum = 0u32;
     // v ≥ lo: adding ½ and truncating rounds to nearest; eight lanes at a time.
+    use wide::{f32x8, i16x8, i32x8};
     let round = |v: f32| ((v - lo) * inv + 0.5).min(255.0) as u8;
-    let (lanes, top) = (wide::f32x8::splat, wide::f32x8::splat(255.0));
-    let mut out = codes[at..].chunks_exact_mut(8);
-    let mut from = part.chunks_exact(8);
+    let (lov, iv, half, top) = (f32x8::splat(lo), f32x8::splat(inv), f32x8::splat(0.5), f32x8::splat(255.0));
+    let eight = |c: &[f32]| {
+        let x = f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default());
+        ((x - lov) * iv + half).min(top).trunc_int()
+    };
+    let mut sums = i32x8::ZERO;
+    let mut out = codes[at..].chunks_exact_mut(16);
+    let mut from = part.chunks_exact(16);
     for (c, v) in (&mut out).zip(&mut from) {
-        let x = wide::f32x8::from(<[f32; 8]>::try_from(v).unwrap_or_default());
-        let q = ((x - lanes(lo)) * lanes(inv) + lanes(0.5)).min(top).trunc_int().to_array();
-        for (c, q) in c.iter_mut().zip(q) {
+        let (a, b) = (eight(&v[..8]), eight(&v[8..]));
+        sums += a + b;
+        // 0..=255 in i16 lanes, then wrapped to bytes (the unsigned codes' bit patterns).
+        let halves: [i16; 16] = bytemuck::cast([i16x8::from_i32x8_saturate(a), i16x8::from_i32x8_saturate(b)]);
+        let bytes: [u8; 16] = std::array::from_fn(|i| halves[i] as u8);
+        c.copy_from_slice(&bytes);
+    }
+    sum += sums.to_array().iter().map(|&x| x as u32).sum::<u32>();
+    let (mut out, mut from) = (out.into_remainder().chunks_exact_mut(8), from.remainder().chunks_exact(8));
+    for (c, v) in (&mut out).zip(&mut from) {
+        for (c, q) in c.iter_mut().zip(eight(v).to_array()) {
             *c = q as u8;
             sum += q as u32;
         }

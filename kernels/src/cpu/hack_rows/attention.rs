@@ -178,9 +178,13 @@ impl<'a> HackView<'a> {
                         continue;
                     }
                     for (lane, k) in [(0, k0), (1, k1)] {
-                        for (sh, codes) in pq.codes[h].iter_mut().enumerate() {
-                            for b in 0..16 {
-                                codes[lane * 16 + b] = s.q8[head * d + k * 64 + 4 * b + sh] ^ 0x80;
+                        // A 16 × 4 byte transpose: word b holds dims 4b..4b+4, byte sh of
+                        // it goes to row sh (the signed query: codes less 128).
+                        let part = &s.q8[head * d + k * 64..head * d + (k + 1) * 64];
+                        for (b, w) in part.chunks_exact(4).enumerate() {
+                            let w = u32::from_le_bytes([w[0], w[1], w[2], w[3]]) ^ 0x8080_8080;
+                            for (sh, codes) in pq.codes[h].iter_mut().enumerate() {
+                                codes[lane * 16 + b] = (w >> (8 * sh)) as u8;
                             }
                         }
                         let at = head * kp + k;
