@@ -84,6 +84,31 @@ def step(model, cache, token):
     return model(torch.tensor([[token]]), past_key_values=cache).logits[0, -1].float()
 
 
+def load(args):
+    """The model (float32 weights, gradients off) and the prompt of `args.length` tokens
+    over `args.text` (default: the RetroInfer paper); returns (model, ids, text paths)."""
+    name = MODELS[args.model][0]
+    texts = args.text or [str(ROOT / "runtime/data/retroinfer.txt")]
+    tok = AutoTokenizer.from_pretrained(ROOT / "models", gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(ROOT / "models", gguf_file=name, dtype=torch.float32).eval()
+    ids = prompt(tok, args.model, "\n\n".join(pathlib.Path(t).read_text() for t in texts), args.length)
+    torch.set_grad_enabled(False)
+    return model, ids, texts
+
+
+def greedy_reference(model, ids, chunk, tokens):
+    """One chunked SDPA prefill, then SDPA's greedy continuation of `tokens` tokens: returns
+    the logits of each position, the tokens, the prompt's KV per layer and SDPA's time per
+    decode step (seconds)."""
+    first, cache, prompt_kv = prefill(model, ids, chunk, progress=True)
+    logits, reference = [first], [int(first.argmax())]
+    t = time.time()
+    while len(reference) < tokens:
+        logits.append(step(model, cache, reference[-1]))
+        reference.append(int(logits[-1].argmax()))
+    return logits, reference, prompt_kv, (time.time() - t) / max(tokens - 1, 1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--length", type=int, default=8128)
@@ -98,24 +123,8 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    name = MODELS[args.model][0]
-    texts = args.text or [str(ROOT / "runtime/data/retroinfer.txt")]
-    tok = AutoTokenizer.from_pretrained(ROOT / "models", gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "models", gguf_file=name, dtype=torch.float32).eval()
-    ids = prompt(tok, args.model, "\n\n".join(pathlib.Path(t).read_text() for t in texts), args.length)
-    torch.set_grad_enabled(False)
-
-    # One prefill, in chunks, by transformers' SDPA into a cache that keeps every layer's KV.
-    first, cache, prompt_kv = prefill(model, ids, args.chunk, progress=True)
-    logits = [first]
-    reference = [int(logits[0].argmax())]
-    # The reference: SDPA's greedy continuation.
-    t = time.time()
-    while len(reference) < args.tokens:
-        logits.append(step(model, cache, reference[-1]))
-        reference.append(int(logits[-1].argmax()))
-    sdpa_step = (time.time() - t) / (args.tokens - 1)
-    del cache
+    model, ids, texts = load(args)
+    logits, reference, prompt_kv, sdpa_step = greedy_reference(model, ids, args.chunk, args.tokens)
 
     budget = attnstore.hf.model_budget(args.scale)
 

@@ -20,10 +20,10 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import DynamicCache
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from hf_eval import MODELS, ROOT, prefill, prompt, step  # noqa: E402
+from hf_eval import MODELS, greedy_reference, load, step  # noqa: E402
 
 SINK, LOCAL = 4, 64
 
@@ -156,18 +156,8 @@ def main():
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    name = MODELS[args.model][0]
-    texts = args.text or [str(ROOT / "runtime/data/retroinfer.txt")]
-    tok = AutoTokenizer.from_pretrained(ROOT / "models", gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(ROOT / "models", gguf_file=name, dtype=torch.float32).eval()
-    ids = prompt(tok, args.model, "\n\n".join(pathlib.Path(t).read_text() for t in texts), args.length)
-    torch.set_grad_enabled(False)
-    first, cache, prompt_kv = prefill(model, ids, args.chunk, progress=True)
-    logits, reference = [first], [int(first.argmax())]
-    while len(reference) < args.tokens:
-        logits.append(step(model, cache, reference[-1]))
-        reference.append(int(logits[-1].argmax()))
-    del cache
+    model, ids, _ = load(args)
+    logits, reference, prompt_kv, _ = greedy_reference(model, ids, args.chunk, args.tokens)
     types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(prompt_kv)
     n = prompt_kv[0][0].shape[2]
     span = slice(SINK, n - LOCAL)
