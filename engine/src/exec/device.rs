@@ -168,7 +168,7 @@ pub(crate) fn gpu_work(
     })())
 }
 
-/// [`gpu_work`] for a layer whose indexed rows are 2-bit (`hack2`, Π = 64) value blocks
+/// [`gpu_work`] for a layer whose indexed rows are 2-bit (`hack2`, Π = 64; not `hack2c`) value blocks
 /// homed in the buffer manager: the blocks a GPU homomorphic kernel reads in place (every
 /// row of every block for an exact plan; a selection's retrieved rows otherwise) and the
 /// CPU's partials, or `None` when the rows are not such blocks or the plan has one selection
@@ -195,7 +195,11 @@ pub(crate) fn gpu_hack_work(
     let mut runs: Vec<(&HomedGroups, &Vec<std::ops::Range<usize>>)> = Vec::new();
     for run in rows.scan.iter().chain(rows.selections.iter().flat_map(|s| s.retrieve.iter().flatten())) {
         match run {
-            Run::HomedGroups { groups, ranges } if groups.params.partition == 64 => runs.push((groups, ranges)),
+            // HACK's per-token keys only: the GPU kernels quantize the query once per step,
+            // per-channel keys (`hack2c`) need it per block, so their plans run on the CPU.
+            Run::HomedGroups { groups, ranges } if groups.params.partition == 64 && !groups.params.per_channel() => {
+                runs.push((groups, ranges))
+            }
             _ => return None,
         }
     }
@@ -406,5 +410,18 @@ mod tests {
         let exact = unhomed.plan_exact();
         let unhomed = self::layer(Box::new(unhomed), None);
         assert!(gpu_hack_work(&unhomed, 0, &q[..g * d], d, &exact, None).is_none());
+        // Homed blocks with per-channel keys (hack2c) have no GPU kernel: the CPU runs them.
+        let store = BlockStore::new(Arc::clone(&manager), 2, 0);
+        let per_channel = HackParams::default().with_keys(attnstore_kernels::KeyLayout::PerChannel);
+        let mut channel = WaveIndex::<f16>::new(params, 2, 64)
+            .unwrap()
+            .with_codec(Some(per_channel))
+            .unwrap()
+            .with_home(Arc::new(store.clone()))
+            .unwrap();
+        channel.prefill(&k, &v).unwrap();
+        let exact = channel.plan_exact();
+        let channel = self::layer(Box::new(channel), Some(store));
+        assert!(gpu_hack_work(&channel, 0, &q[..g * d], d, &exact, None).is_none());
     }
 }

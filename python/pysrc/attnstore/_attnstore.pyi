@@ -72,7 +72,7 @@ class Engine:
         method: str = "wave",
         codec: Optional[str] = None,
     ) -> int:
-        """Creates a context (dtype f32/f16/bf16, method wave/pq/flat, codec None or "hack2")."""
+        """Creates a context (dtype f32/f16/bf16, method wave/pq/flat, codec None, "hack2" or "hack2c"; 2-bit codecs need dtype f16)."""
     def drop_context(self, ctx: int) -> None: ...
     def prefill(self, ctx: int, layer: int, k: ArrayLike, v: ArrayLike) -> None:
         """Stores a layer's prompt KV, `k` and `v` of shape [kv_heads, tokens, head_dim]."""
