@@ -140,6 +140,8 @@ def layouts():
     add("hybrid keys G=64 stochastic, values 2-bit stochastic", hybrid(2, 64, True), v2, hb, vbits)
     add("hybrid keys G=32 nearest, values 2-bit nearest", hybrid(2, 32, False), v2n, hb + 0.5, vbits)
     add("hybrid keys G=64 nearest, values f16", hybrid(2, 64, False), f16, hb, 16)
+    # ranges shared by 8 value blocks: the query prepared once per 512 rows
+    add("hybrid keys G=512 nearest, values 2-bit nearest", hybrid(2, 512, False), v2n, hb - 0.5 + 32 / 512, vbits)
     return out
 
 
