@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use attnstore_buffer::{BlockLocation, Tier};
 use attnstore_index::{Clustered, HeadPlan, HeadRows, HomedGroups, RowStorage, Run};
 use attnstore_kernels::cpu::attention::Scratch;
-use attnstore_kernels::{ArenaWave, DType, HeadClusters, Partial};
+use attnstore_kernels::{ArenaWave, DType, HackParams, HeadClusters, Partial};
 use std::collections::BTreeMap;
 
 /// What a GPU executor needs for one KV head of a plan whose exactly attended rows beyond
@@ -195,9 +195,10 @@ pub(crate) fn gpu_hack_work(
     let mut runs: Vec<(&HomedGroups, &Vec<std::ops::Range<usize>>)> = Vec::new();
     for run in rows.scan.iter().chain(rows.selections.iter().flat_map(|s| s.retrieve.iter().flatten())) {
         match run {
-            // HACK's per-token keys only: the GPU kernels quantize the query once per step,
-            // per-channel keys (`hack2c`) need it per block, so their plans run on the CPU.
-            Run::HomedGroups { groups, ranges } if groups.params.partition == 64 && !groups.params.per_channel() => {
+            // The parameters the GPU kernels read (`prepare_hack_paged`): Π = 64 and HACK's
+            // per-token keys. They quantize the query once per step; per-channel keys
+            // (`hack2c`) need it per block, so their plans run on the CPU.
+            Run::HomedGroups { groups, ranges } if groups.params == HackParams::default() => {
                 runs.push((groups, ranges))
             }
             _ => return None,

@@ -256,9 +256,8 @@ pub(crate) fn quantize8_partition(part: &[f32], codes: &mut Vec<u8>) -> (f32, f3
     let at = codes.len();
     codes.resize(at + part.len(), 0);
     let mut sum = 0u32;
-    // v ≥ lo: adding ½ and truncating rounds to nearest; eight lanes at a time.
+    // v ≥ lo: adding ½ and truncating rounds to nearest; sixteen lanes at a time.
     use wide::{f32x8, i16x8, i32x8};
-    let round = |v: f32| ((v - lo) * inv + 0.5).min(255.0) as u8;
     let (lov, iv, half, top) = (f32x8::splat(lo), f32x8::splat(inv), f32x8::splat(0.5), f32x8::splat(255.0));
     let eight = |c: &[f32]| {
         let x = f32x8::from(<[f32; 8]>::try_from(c).unwrap_or_default());
@@ -276,15 +275,9 @@ pub(crate) fn quantize8_partition(part: &[f32], codes: &mut Vec<u8>) -> (f32, f3
         c.copy_from_slice(&bytes);
     }
     sum += sums.to_array().iter().map(|&x| x as u32).sum::<u32>();
-    let (mut out, mut from) = (out.into_remainder().chunks_exact_mut(8), from.remainder().chunks_exact(8));
-    for (c, v) in (&mut out).zip(&mut from) {
-        for (c, q) in c.iter_mut().zip(eight(v).to_array()) {
-            *c = q as u8;
-            sum += q as u32;
-        }
-    }
+    // The rest (a partition shorter than Π at the end of a head: d is a multiple of 4).
     for (c, &v) in out.into_remainder().iter_mut().zip(from.remainder()) {
-        *c = round(v);
+        *c = ((v - lo) * inv + 0.5).min(255.0) as u8;
         sum += u32::from(*c);
     }
     (lo, s, sum)

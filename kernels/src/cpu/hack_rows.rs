@@ -125,9 +125,9 @@ pub struct HackScratch {
     acc: Vec<i32>,
     column: Vec<f32>,
     codes: Vec<u8>,
-    /// With [`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel): the step's queries, per head the block's `q·m`, and
-    /// the queries scaled by the block's ranges.
-    raw: Vec<f32>,
+    /// With [`KeyLayout::PerChannel`](crate::KeyLayout::PerChannel) (whose step's queries are
+    /// `quantized_from`): per head the block's `q·m`, and the queries scaled by the block's
+    /// ranges.
     offsets: Vec<f32>,
     scaled: Vec<f32>,
     /// The block's channel minima and ranges as f32.

@@ -103,7 +103,9 @@ impl<'a> HackView<'a> {
         self.a.key_channel_range[meta].convert_to_f32_slice(range);
         s.offsets.clear();
         s.scaled.resize(g * d, 0.0);
-        for (qh, out) in s.raw.chunks_exact(d).zip(s.scaled.chunks_exact_mut(d)) {
+        // The step's queries, as `quantize_queries` kept them.
+        let raw: &[f32] = bytemuck::cast_slice(&s.quantized_from);
+        for (qh, out) in raw.chunks_exact(d).zip(s.scaled.chunks_exact_mut(d)) {
             // Eight lanes of q·m (vectorized), then their sum.
             let mut lanes = [0.0f32; 8];
             for (i, (&q, &m)) in qh.iter().zip(min.iter()).enumerate() {
@@ -119,7 +121,8 @@ impl<'a> HackView<'a> {
 
     /// Quantizes the `g` query heads of `q` to 8 bits per key partition (codes, minimum,
     /// scale and code sum) into `s`, for [`HackView::attend_quantized`]. With per-channel
-    /// keys the queries are only kept: each value block scales and quantizes them anew.
+    /// keys the queries are only kept (their bits): each value block scales and quantizes
+    /// them anew.
     pub fn quantize_queries(&self, q: &[f32], g: usize, s: &mut HackScratch) {
         let d = self.d;
         let per_channel = self.params.per_channel();
@@ -129,10 +132,7 @@ impl<'a> HackView<'a> {
             return; // quantized already (the same queries, bit for bit)
         }
         s.quantized_from.clear();
-        if per_channel {
-            s.raw.clear();
-            s.raw.extend_from_slice(q);
-        } else {
+        if !per_channel {
             self.quantize_into(q, g, s);
         }
         s.quantized_for = key;
