@@ -92,7 +92,8 @@ enum Command {
     },
     /// Benchmark group commit, recovery time per GB and the first attention after reopening.
     BenchWal(BenchWalArgs),
-    /// Generate text with SmolLM2-135M, decode attention served by attnstore (greedy).
+    /// Generate text with a GGUF model (SmolLM2, Gemma-3, Qwen2), decode attention served by
+    /// attnstore (greedy).
     Generate(model::GenerateArgs),
     /// Write a real KV trace: every layer's post-RoPE keys, values and decode queries.
     Capture(model::CaptureArgs),
@@ -100,6 +101,8 @@ enum Command {
     Eval(model::EvalArgs),
     /// Teacher-forced argmax of the exact method, for scripts/llamacpp-check.
     Argmax(model::ArgmaxArgs),
+    /// Write a small model with random weights and an architecture's real GGUF layout.
+    SynthModel(model::SynthArgs),
 }
 
 #[derive(Args)]
@@ -761,6 +764,7 @@ fn main() -> ExitCode {
         Command::Capture(a) => model::capture(a),
         Command::Eval(a) => model::eval(a),
         Command::Argmax(a) => model::argmax_dump(a),
+        Command::SynthModel(a) => model::synth_model(a),
     };
     let result = match (cli.metrics, metrics) {
         (Some(path), Some(handle)) => result.and_then(|()| {

@@ -3,8 +3,9 @@
 use attnstore::{Budget, Codec, EstimateShare};
 use attnstore_bench::plot::{Axis, Chart, Series};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
+use attnstore_runtime::synth::{write_model, SynthConfig};
 use attnstore_runtime::trace::{self, Trace, TraceRow};
-use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
+use attnstore_runtime::{argmax, default_model_path, Arch, AttnConfig, AttnMethod, Model, Session, Weights};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
@@ -169,11 +170,42 @@ pub struct ArgmaxArgs {
     /// Tokens of the exact greedy continuation to teacher-force.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
+    /// Teacher-force pseudo-random token ids (seeded, spread over the vocabulary) instead of
+    /// the greedy continuation: models with random weights (`synth-model`) repeat one token
+    /// greedily, which checks little.
+    #[arg(long)]
+    random_tokens: bool,
     /// The JSON file to write.
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// `attnstore synth-model`: a small model with random weights (tests, llama.cpp checks).
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Architecture: llama, qwen2 or gemma3.
+    #[arg(long, value_parser = parse_arch)]
+    arch: Arch,
+    /// Seed of the weights.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// The GGUF file to write.
+    #[arg(long)]
+    out: PathBuf,
+}
+
+fn parse_arch(s: &str) -> Result<Arch, String> {
+    Arch::parse(s.trim()).map_err(|e| e.to_string())
+}
+
+/// Writes [`SynthArgs::out`].
+pub fn synth_model(args: SynthArgs) -> Result<(), String> {
+    let config = SynthConfig { seed: args.seed, ..SynthConfig::small(args.arch) };
+    write_model(&args.out, &config).map_err(|e| e.to_string())?;
+    println!("wrote {} ({config:?})", args.out.display());
+    Ok(())
 }
 
 fn parse_weights(s: &str) -> Result<Weights, String> {
@@ -241,10 +273,11 @@ fn load(args: &ModelArgs, default: Weights) -> Result<Model, String> {
     Ok(model)
 }
 
-/// Token ids of a prompt text (from [`read_prompt`]), inside the chat template unless `raw`.
+/// Token ids of a prompt text (from [`read_prompt`]), inside the chat template unless `raw`,
+/// after the BOS token where the model has one.
 fn prompt_ids(model: &Model, text: &str, raw: bool) -> Result<Vec<u32>, String> {
-    let text = if raw { text.to_string() } else { Tokenizer::chat_prompt(text.trim()) };
-    model.tokenizer().encode(&text).map_err(|e| e.to_string())
+    let text = if raw { text.to_string() } else { model.tokenizer().chat_prompt(text.trim()) };
+    model.tokenizer().encode_prompt(&text).map_err(|e| e.to_string())
 }
 
 fn bar(len: usize, what: &str) -> ProgressBar {
@@ -590,7 +623,7 @@ fn eval_charts(rows: &[EvalRow], passkeys: &[PasskeyRow]) -> Vec<(String, Chart)
 
 fn eval_table(rows: &[EvalRow]) -> String {
     let mut s = format!(
-        "{:>6} {:<12} {:>6} {:>7} {:>15} {:>7} {:>7} {:>6} {:>9} {:>8} {:>7} {:>6}\n",
+        "{:>6} {:<12} {:>6} {:>7} {:>15} {:>7} {:>7} {:>6} {:>9} {:>8} {:>7} {:>6} {:>14} {:>15}\n",
         "tokens",
         "method/codec",
         "budget",
@@ -602,11 +635,13 @@ fn eval_table(rows: &[EvalRow]) -> String {
         "attn err",
         "exact tk",
         "share",
-        "exact%"
+        "exact%",
+        "tok/s (exact)",
+        "B/tok (all lyr)"
     );
     for r in rows {
         s += &format!(
-            "{:>6} {:<12} {:>5}x {:>6.1}% {:>9.1}% ({:>2}) {:>7.4} {:>6.1}% {:>6} {:>9.4} {:>8.0} {:>6.1}% {:>5.0}%\n",
+            "{:>6} {:<12} {:>5}x {:>6.1}% {:>9.1}% ({:>2}) {:>7.4} {:>6.1}% {:>6} {:>9.4} {:>8.0} {:>6.1}% {:>5.0}% {:>6.1} ({:>5.1}) {:>7.0} ({:>5.0})\n",
             r.length,
             format!("{}/{}", r.method, r.codec),
             r.budget_scale,
@@ -619,7 +654,11 @@ fn eval_table(rows: &[EvalRow]) -> String {
             r.attn_error,
             r.exact_tokens,
             100.0 * r.exact_share,
-            100.0 * r.exact_plan_share
+            100.0 * r.exact_plan_share,
+            r.tokens_per_s,
+            r.exact_tokens_per_s,
+            r.kept_bytes_per_token,
+            r.all_layers_bytes_per_token
         );
     }
     s
@@ -645,24 +684,40 @@ fn passkey_table(rows: &[PasskeyRow]) -> String {
 /// and continuation the teacher-forced argmax, written as JSON for scripts/llamacpp-check.
 pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
     let text = read_prompt(&args.prompt_file)?;
+    let path = args.model.model.clone().unwrap_or_else(default_model_path);
     let model = load(&args.model, Weights::Quantized)?;
     let ids = prompt_ids(&model, &text, false)?;
     let p = prefill(&model, &ids, args.model.chunk)?;
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
     let mut s =
         Session::new(&model, &engine, AttnConfig::new(AttnMethod::Exact), &p, false).map_err(|e| e.to_string())?;
-    let cont = s.greedy(argmax(&p.logits), args.max_tokens, None).map_err(|e| e.to_string())?;
-    // Each continuation token was the argmax after the tokens before it.
+    // `fed[i]` follows the prompt at position `ids.len() + i`; `cont[i]` is the argmax after
+    // the prompt and `fed[..i]` (for the greedy continuation the two are the same tokens).
+    let (fed, cont) = if args.random_tokens {
+        let vocab = model.config().vocab as u64;
+        let fed: Vec<u32> =
+            (0..args.max_tokens.saturating_sub(1) as u64).map(|i| ((i * 2_654_435_761 + 97) % vocab) as u32).collect();
+        let mut cont = vec![argmax(&p.logits)];
+        for &t in &fed {
+            cont.push(argmax(&s.step(t).map_err(|e| e.to_string())?));
+        }
+        (fed, cont)
+    } else {
+        let cont = s.greedy(argmax(&p.logits), args.max_tokens, None).map_err(|e| e.to_string())?;
+        (cont.clone(), cont)
+    };
     let mut tokens = ids.clone();
-    tokens.extend(&cont);
+    tokens.extend(&fed);
     let value = serde_json::json!({
-        "model": "SmolLM2-135M-Instruct.Q4_1",
+        "model": path.file_stem().map(|s| s.to_string_lossy().into_owned()),
+        "arch": model.config().arch.name(),
         "weights": format!("{:?}", model.weights()),
         "tokens": tokens,
         "prompt_tokens": ids.len(),
         "argmax_from": ids.len() - 1,
         "argmax": cont,
-        "prompt_text": Tokenizer::chat_prompt(text.trim()),
+        "prompt_text": model.tokenizer().chat_prompt(text.trim()),
+        "add_bos": model.tokenizer().bos().is_some(),
     });
     std::fs::write(&args.out, serde_json::to_vec(&value).expect("serializes"))
         .map_err(|e| format!("{}: {e}", args.out.display()))?;

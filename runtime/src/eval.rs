@@ -5,21 +5,36 @@
 //! One prefill per prompt serves every method: prompt attention is exact in all of them.
 
 use crate::error::{Error, Result};
-use crate::model::{argmax, kl_divergence, Model, Prefill};
+use crate::model::{argmax, kl_divergence, Arch, Model, Prefill};
 use crate::session::{AttnConfig, AttnMethod, Session};
 use attnstore::{Engine, EngineConfig};
 use serde::Serialize;
 
-/// The long text of the summarization prompts (RetroInfer's paper).
-pub const SUMMARY_TEXT: &str = include_str!("../data/retroinfer.txt");
-/// The haystack of the passkey prompts (HACK's paper).
-pub const HAYSTACK_TEXT: &str = include_str!("../data/hack.txt");
+/// The long text of the summarization prompts: RetroInfer's paper, then HACK's (~26K
+/// Gemma-3 tokens, ~41K together: 32K prompts need both).
+pub const SUMMARY_TEXT: &str =
+    concat!(include_str!("../data/retroinfer.txt"), "\n\n", include_str!("../data/hack.txt"));
+/// The haystack of the passkey prompts: HACK's paper, then RetroInfer's.
+pub const HAYSTACK_TEXT: &str =
+    concat!(include_str!("../data/hack.txt"), "\n\n", include_str!("../data/retroinfer.txt"));
 
 /// Tokens of a passkey answer.
 const PASSKEY_ANSWER: usize = 8;
 
-const SYSTEM: &str =
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\n";
+/// Text before and after a task around the evaluated text: one user turn of the chat
+/// template for the chat models (SmolLM2, Qwen2), plain text for Gemma-3-270M (a base model;
+/// the framing `python/examples/hf_eval.py` uses).
+fn frame(model: &Model, instruction: &str, question: &str, answer: &str) -> (String, String) {
+    const AT: &str = "\u{1}";
+    match model.config().arch {
+        Arch::Gemma3 => (instruction.to_string(), format!("{question} {answer}")),
+        Arch::Llama | Arch::Qwen2 => {
+            let chat = model.tokenizer().chat_prompt(AT);
+            let (before, after) = chat.split_once(AT).expect("the template holds the user turn");
+            (format!("{before}{instruction}"), format!("{question}{after}{answer}"))
+        }
+    }
+}
 
 /// What to evaluate.
 #[derive(Debug, Clone)]
@@ -79,6 +94,15 @@ pub struct EvalRow {
     pub exact_share: f64,
     /// Share of layer plans the planner made exact.
     pub exact_plan_share: f64,
+    /// Bytes the context keeps per prompt token: keys, values and index data over every
+    /// layer (a sliding-window layer keeps only its window).
+    pub kept_bytes_per_token: f64,
+    /// Bytes per prompt token if every layer kept every token (the same codec and index).
+    pub all_layers_bytes_per_token: f64,
+    /// Free-running decode speed of this method (tokens per second, whole model).
+    pub tokens_per_s: f64,
+    /// Free-running decode speed of exact attention over the same prompt, same run.
+    pub exact_tokens_per_s: f64,
 }
 
 /// Passkey results of one method and budget at one length.
@@ -108,8 +132,11 @@ pub fn summary_prompt(model: &Model, length: usize) -> Result<Vec<u32>> {
 /// [`summary_prompt`] over another text (an error when it is too short for `length`).
 pub fn summary_prompt_over(model: &Model, text: &str, length: usize) -> Result<Vec<u32>> {
     let tok = model.tokenizer();
-    let prefix = tok.encode(&format!("{SYSTEM}Summarize the following text in a few sentences.\n\n"))?;
-    let suffix = tok.encode("<|im_end|>\n<|im_start|>assistant\n")?;
+    let (prefix, suffix) = match model.config().arch {
+        Arch::Gemma3 => ("Text:\n\n".to_string(), "\n\nA summary of the text in a few sentences:".to_string()),
+        Arch::Llama | Arch::Qwen2 => frame(model, "Summarize the following text in a few sentences.\n\n", "", ""),
+    };
+    let (prefix, suffix) = (tok.encode_prompt(&prefix)?, tok.encode(&suffix)?);
     let body = tok.encode(text)?;
     fill(prefix, &body, &[], 0.0, suffix, length)
 }
@@ -118,14 +145,17 @@ pub fn summary_prompt_over(model: &Model, text: &str, length: usize) -> Result<V
 /// haystack from [`HAYSTACK_TEXT`], asked for at the end.
 pub fn passkey_prompt(model: &Model, length: usize, depth: f64, key: u32) -> Result<Vec<u32>> {
     let tok = model.tokenizer();
-    let prefix = tok.encode(&format!(
-        "{SYSTEM}There is a secret number hidden in the following text. Find it and remember it.\n\n"
-    ))?;
+    let (prefix, suffix) = frame(
+        model,
+        "There is a secret number hidden in the following text. Find it and remember it.\n\n",
+        "\n\nWhat is the secret number?",
+        "The secret number is",
+    );
+    let (prefix, suffix) = (tok.encode_prompt(&prefix)?, tok.encode(&suffix)?);
     // "Secret number", not "pass key": in a paper about KV caches the model reads "key" as
     // the attention key (measured: it answered "a key used to decode the KV" even with exact
     // attention at 1K tokens; with "secret number" it answers at 1K-7K tokens).
     let needle = tok.encode(&format!(" The secret number is {key}. Remember it. {key} is the secret number. "))?;
-    let suffix = tok.encode("\n\nWhat is the secret number?<|im_end|>\n<|im_start|>assistant\nThe secret number is")?;
     let body = tok.encode(HAYSTACK_TEXT)?;
     fill(prefix, &body, &needle, depth, suffix, length)
 }
@@ -178,11 +208,14 @@ pub fn run(
         let prefill = model.prefill(&prompt, config.chunk, &mut |_| {})?;
         // The exact continuation and its logits at every position.
         let mut session = Session::new(model, &engine, exact, &prefill, false)?;
+        let started = std::time::Instant::now();
         let (reference, ref_logits) = continuation(&mut session, &prefill, config.gen_tokens)?;
+        let exact_tokens_per_s = (reference.len() - 1) as f64 / started.elapsed().as_secs_f64();
         session.close()?;
         for &(variant, scale) in &config.variants {
             progress(&format!("{length} tokens: {} x{scale}", variant.method.name()));
             let mut row = compare(model, &engine, &prefill, variant, scale, &reference, &ref_logits)?;
+            row.exact_tokens_per_s = exact_tokens_per_s;
             row.text = config.summary_text.as_ref().map_or_else(|| "retroinfer".into(), |(name, _)| name.clone());
             on_row(&row);
             rows.push(row);
@@ -284,9 +317,18 @@ fn compare(
     let stats = s.stats().clone();
     s.close()?;
     let positions = (reference.len() - 1).max(1) as f64;
-    // (b): free-running greedy.
+    // (b): free-running greedy, timed.
     let mut s = Session::new(model, engine, variant, prefill, false)?;
+    let (mut kept, mut all_layers) = (0.0, 0.0);
+    for l in 0..model.config().layers {
+        let st = engine.stats(s.context(), l)?;
+        let bytes = (st.kv_bytes + st.index_bytes) as f64;
+        kept += bytes / prefill.tokens.len() as f64;
+        all_layers += bytes / st.tokens.max(1) as f64;
+    }
+    let started = std::time::Instant::now();
     let own = s.greedy(argmax(&prefill.logits), reference.len(), None)?;
+    let tokens_per_s = (own.len() - 1).max(1) as f64 / started.elapsed().as_secs_f64();
     s.close()?;
     let same = own.iter().zip(reference).filter(|(a, b)| a == b).count();
     let layer_error = stats.mean_layer_error();
@@ -309,5 +351,9 @@ fn compare(
         exact_tokens: stats.mean_exact_tokens(),
         exact_share: stats.exact_share(),
         exact_plan_share: stats.exact_plans as f64 / stats.plans.max(1) as f64,
+        kept_bytes_per_token: kept,
+        all_layers_bytes_per_token: all_layers,
+        tokens_per_s,
+        exact_tokens_per_s: 0.0,
     })
 }

@@ -1,20 +1,28 @@
-//! attnstore-runtime: SmolLM2 (the llama architecture) on the CPU with candle, its decode
-//! attention served by attnstore — the way an inference runtime embeds the engine.
+//! attnstore-runtime: GGUF decoders on the CPU with candle — `llama` (SmolLM2), `qwen2` and
+//! `gemma3` (Gemma-3, with its sliding-window layers) — their decode attention served by
+//! attnstore, the way an inference runtime embeds the engine.
 //!
-//! [`Model::load`] reads a GGUF file (weights and tokenizer), [`Model::prefill`] runs a
-//! prompt with exact causal attention and returns every layer's KV, and a [`Session`]
-//! stores that KV in an engine context and runs each decode step's attention as one plan
-//! per layer under a method (exact, wave, pq, oracle top-k) and budget.
+//! [`Model::load`] reads a GGUF file (weights and tokenizer; the architecture from its
+//! metadata), [`Model::prefill`] runs a prompt with exact causal attention and returns every
+//! layer's KV (a window layer's last `W` tokens only), and a [`Session`] stores that KV in an
+//! engine context whose layer kinds are the model's and runs each decode step's attention as
+//! one plan per layer under a method (exact, wave, pq, oracle top-k) and budget: global
+//! layers by the method, sliding-window layers exactly over their window.
+//! [`synth`] writes small models of each architecture with random weights for tests.
 
 mod error;
 pub mod eval;
 mod model;
 mod session;
+pub mod synth;
 mod tokenizer;
 pub mod trace;
 
 pub use error::{Error, Result};
-pub use model::{argmax, kl_divergence, log_softmax, AttentionBackend, Model, ModelConfig, Prefill, Weights};
+pub use model::{
+    argmax, kl_divergence, log_softmax, Arch, AttentionBackend, Model, ModelConfig, Prefill, Weights,
+    GEMMA3_WINDOW_PATTERN,
+};
 pub use session::{
     default_budget, relative_l2, AttnConfig, AttnMethod, Session, SessionStats, RETRIEVE_FLOOR_TOKENS,
     SHORT_CONTEXT_TOKENS,

@@ -1,17 +1,75 @@
-//! The llama forward pass on the CPU with candle: GGUF weights (quantized matmuls), RMSNorm,
-//! interleaved RoPE, SwiGLU. Prompt attention is computed here, exactly and causally, in
+//! Decoder forward passes on the CPU with candle, one per GGUF architecture, sharing the
+//! common parts: `llama` (SmolLM2: RMSNorm, interleaved RoPE, SwiGLU), `qwen2` (the llama
+//! block with Q/K/V biases and half-split RoPE) and `gemma3` (Gemma-3: QK-norm, pre- and
+//! post-norms around attention and MLP, GeGLU, embeddings scaled by √d, tied output,
+//! interleaved sliding-window and global layers with their own RoPE bases). Weights are the
+//! GGUF's (quantized matmuls). Prompt attention is computed here, exactly and causally, in
 //! chunks; decode attention is handed to an [`AttentionBackend`] — attnstore's engine in a
 //! [`crate::Session`] — which receives each layer's post-RoPE query, key and value.
 
 use crate::error::{Error, Result};
 use crate::tokenizer::Tokenizer;
+use attnstore::LayerKind;
 use candle_core::quantized::{gguf_file, QMatMul};
 use candle_core::{DType, Device, Module, Tensor};
 use std::path::Path;
 
-/// Shape and constants of a llama model, read from GGUF metadata.
+/// A decoder architecture the runtime runs, named by the GGUF's `general.architecture`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Arch {
+    /// Llama (SmolLM2): the GGUF converter permuted Q/K rows for interleaved RoPE.
+    Llama,
+    /// Qwen2: the llama block with Q/K/V biases and half-split (NeoX) RoPE.
+    Qwen2,
+    /// Gemma-3: QK-norm, sandwich norms, GeGLU, √d-scaled embeddings, tied output, five
+    /// sliding-window layers to each global one, two RoPE bases.
+    Gemma3,
+}
+
+impl Arch {
+    /// The architecture of a `general.architecture` value; an unknown one is an error that
+    /// lists the known ones.
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "llama" => Ok(Self::Llama),
+            "qwen2" => Ok(Self::Qwen2),
+            "gemma3" => Ok(Self::Gemma3),
+            other => Err(Error::BadModel {
+                what: "general.architecture".into(),
+                detail: format!("{other} is not supported: expected llama, qwen2 or gemma3"),
+            }),
+        }
+    }
+
+    /// The GGUF name (also the metadata keys' prefix).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Llama => "llama",
+            Self::Qwen2 => "qwen2",
+            Self::Gemma3 => "gemma3",
+        }
+    }
+}
+
+impl std::fmt::Display for Arch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Gemma-3's layer pattern: of each six layers the first five attend a sliding window, the
+/// sixth globally (llama.cpp and transformers use the same fixed pattern for every size).
+pub const GEMMA3_WINDOW_PATTERN: usize = 6;
+
+/// Gemma-3's RoPE base of its sliding-window layers when the GGUF does not name one
+/// (`gemma3.rope.local_freq_base`).
+const GEMMA3_LOCAL_ROPE_BASE: f32 = 10_000.0;
+
+/// Shape and constants of a model, read from GGUF metadata.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct ModelConfig {
+    /// The architecture (which forward runs).
+    pub arch: Arch,
     /// Transformer blocks.
     pub layers: usize,
     /// Hidden size.
@@ -20,10 +78,22 @@ pub struct ModelConfig {
     pub q_heads: usize,
     /// KV heads (GQA).
     pub kv_heads: usize,
-    /// Head dimension.
+    /// Head dimension (Gemma-3's is not `d_model / q_heads`).
     pub head_dim: usize,
-    /// RoPE base frequency.
+    /// RoPE base frequency of the global layers.
     pub rope_base: f32,
+    /// RoPE position scale of the global layers (1 / the linear scaling factor).
+    pub rope_scale: f32,
+    /// RoPE base of the sliding-window layers.
+    pub rope_base_local: f32,
+    /// Tokens a sliding-window layer attends (the token itself included); `None` when every
+    /// layer is global.
+    pub sliding_window: Option<usize>,
+    /// Every this many layers the last is global, the others sliding-window (0: none is).
+    pub window_pattern: usize,
+    /// The query's scale relative to `1/√head_dim` (the engine applies `1/√head_dim`; Gemma-3
+    /// 27B scales by `1/√(d_model/q_heads)` instead).
+    pub query_scale: f32,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
     /// Longest context the model was trained for.
@@ -34,55 +104,108 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
-        let get = |key: &str| {
-            content.metadata.get(key).ok_or_else(|| Error::BadModel {
-                what: key.to_string(),
-                detail: "metadata key missing (a llama GGUF is expected)".into(),
-            })
+        let meta = |key: &str| {
+            content
+                .metadata
+                .get(key)
+                .ok_or_else(|| Error::BadModel { what: key.to_string(), detail: "metadata key missing".into() })
         };
-        let num = |key: &str| -> Result<usize> {
-            get(key)?
-                .to_u32()
-                .map(|v| v as usize)
-                .map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() })
+        let bad = |key: &str, e: candle_core::Error| Error::BadModel { what: key.into(), detail: e.to_string() };
+        let arch = Arch::parse(meta("general.architecture")?.to_string().map_err(|e| bad("general.architecture", e))?)?;
+        let key = |suffix: &str| format!("{}.{suffix}", arch.name());
+        let num = |suffix: &str| -> Result<usize> {
+            let k = key(suffix);
+            meta(&k)?.to_u32().map(|v| v as usize).map_err(|e| bad(&k, e))
         };
-        let float = |key: &str| -> Result<f32> {
-            get(key)?.to_f32().map_err(|e| Error::BadModel { what: key.into(), detail: e.to_string() })
+        let float = |suffix: &str| -> Result<f32> {
+            let k = key(suffix);
+            meta(&k)?.to_f32().map_err(|e| bad(&k, e))
         };
-        let arch = get("general.architecture")?
-            .to_string()
-            .map_err(|e| Error::BadModel { what: "general.architecture".into(), detail: e.to_string() })?;
-        if arch != "llama" {
-            return Err(Error::BadModel {
-                what: "general.architecture".into(),
-                detail: format!("{arch}, expected llama"),
-            });
-        }
-        let d_model = num("llama.embedding_length")?;
-        let q_heads = num("llama.attention.head_count")?;
-        let kv_heads = num("llama.attention.head_count_kv")?;
-        if q_heads == 0 || kv_heads == 0 || d_model % q_heads != 0 || q_heads % kv_heads != 0 {
+        let optional_float = |suffix: &str| -> Result<Option<f32>> {
+            let k = key(suffix);
+            content.metadata.get(&k).map(|v| v.to_f32().map_err(|e| bad(&k, e))).transpose()
+        };
+        let d_model = num("embedding_length")?;
+        let q_heads = num("attention.head_count")?;
+        let kv_heads = num("attention.head_count_kv")?;
+        let layers = num("block_count")?;
+        if q_heads == 0 || kv_heads == 0 || q_heads % kv_heads != 0 || layers == 0 {
             return Err(Error::BadModel {
                 what: "attention heads".into(),
-                detail: format!("d_model {d_model}, {q_heads} query heads, {kv_heads} KV heads do not divide"),
+                detail: format!("{layers} layers, {q_heads} query heads, {kv_heads} KV heads: expected at least one layer and KV heads dividing query heads"),
             });
         }
-        let vocab = match content.metadata.get("llama.vocab_size") {
-            Some(v) => {
-                v.to_u32().map_err(|e| Error::BadModel { what: "llama.vocab_size".into(), detail: e.to_string() })?
-                    as usize
+        let head_dim = match arch {
+            Arch::Gemma3 => {
+                let (kd, vd) = (num("attention.key_length")?, num("attention.value_length")?);
+                if kd != vd {
+                    return Err(Error::BadModel {
+                        what: key("attention.value_length"),
+                        detail: format!("{vd}, expected the key length {kd}"),
+                    });
+                }
+                kd
             }
+            _ if d_model % q_heads != 0 => {
+                return Err(Error::BadModel {
+                    what: "attention heads".into(),
+                    detail: format!("d_model {d_model} is not a multiple of {q_heads} query heads"),
+                })
+            }
+            _ => d_model / q_heads,
+        };
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(Error::BadModel {
+                what: "head dimension".into(),
+                detail: format!("{head_dim}, expected a positive even number (RoPE rotates pairs)"),
+            });
+        }
+        let vocab = match content.metadata.get(&key("vocab_size")) {
+            Some(v) => v.to_u32().map_err(|e| bad(&key("vocab_size"), e))? as usize,
             None => content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).unwrap_or(0),
         };
+        let rope_scale = match optional_float("rope.scaling.factor")? {
+            Some(f) if f > 0.0 && f.is_finite() => 1.0 / f,
+            Some(f) => {
+                return Err(Error::BadModel { what: key("rope.scaling.factor"), detail: format!("{f}, expected > 0") })
+            }
+            None => 1.0,
+        };
+        let (sliding_window, window_pattern, rope_base_local, query_scale) = match arch {
+            Arch::Gemma3 => {
+                let w = num("attention.sliding_window")?;
+                if w == 0 {
+                    return Err(Error::BadModel {
+                        what: key("attention.sliding_window"),
+                        detail: "0, expected at least one token".into(),
+                    });
+                }
+                // llama.cpp: the 27B model (62 layers) scales queries by 1/√(d_model/heads).
+                let scale = if layers == 62 { (head_dim as f32 / (d_model / q_heads) as f32).sqrt() } else { 1.0 };
+                let local = optional_float("rope.local_freq_base")?.unwrap_or(GEMMA3_LOCAL_ROPE_BASE);
+                (Some(w), GEMMA3_WINDOW_PATTERN, local, scale)
+            }
+            _ => (None, 0, 0.0, 1.0),
+        };
+        let rope_base = match arch {
+            Arch::Gemma3 => float("rope.freq_base")?,
+            _ => optional_float("rope.freq_base")?.unwrap_or(10_000.0),
+        };
         Ok(Self {
-            layers: num("llama.block_count")?,
+            arch,
+            layers,
             d_model,
             q_heads,
             kv_heads,
-            head_dim: d_model / q_heads,
-            rope_base: float("llama.rope.freq_base").unwrap_or(10_000.0),
-            rms_eps: float("llama.attention.layer_norm_rms_epsilon")?,
-            context_length: num("llama.context_length")?,
+            head_dim,
+            rope_base,
+            rope_scale,
+            rope_base_local,
+            sliding_window,
+            window_pattern,
+            query_scale,
+            rms_eps: float("attention.layer_norm_rms_epsilon")?,
+            context_length: num("context_length")?,
             vocab,
         })
     }
@@ -90,6 +213,31 @@ impl ModelConfig {
     /// The attention shape attnstore stores this model's KV in.
     pub fn attn_shape(&self) -> attnstore::AttnShape {
         attnstore::AttnShape { q_heads: self.q_heads, kv_heads: self.kv_heads, head_dim: self.head_dim }
+    }
+
+    /// The kind of `layer`: a sliding window of [`Self::sliding_window`] tokens, or global.
+    pub fn layer_kind(&self, layer: usize) -> LayerKind {
+        match self.sliding_window {
+            Some(w) if self.window_pattern > 0 && !(layer + 1).is_multiple_of(self.window_pattern) => {
+                LayerKind::SlidingWindow(w)
+            }
+            _ => LayerKind::Global,
+        }
+    }
+
+    /// Every layer's kind, in order.
+    pub fn layer_kinds(&self) -> Vec<LayerKind> {
+        (0..self.layers).map(|l| self.layer_kind(l)).collect()
+    }
+
+    /// Indices of the global layers (all of them for llama and qwen2).
+    pub fn global_layers(&self) -> Vec<usize> {
+        (0..self.layers).filter(|&l| self.layer_kind(l) == LayerKind::Global).collect()
+    }
+
+    /// Width of the attention output, `q_heads × head_dim`.
+    fn attn_dim(&self) -> usize {
+        self.q_heads * self.head_dim
     }
 }
 
@@ -103,16 +251,32 @@ pub enum Weights {
     Dequantized,
 }
 
+/// One transformer block. The optional parts are those of some architectures only.
 struct Block {
+    kind: LayerKind,
     attn_norm: Tensor,
     wq: QMatMul,
     wk: QMatMul,
     wv: QMatMul,
     wo: QMatMul,
+    /// Qwen2: biases of the Q, K and V projections.
+    qkv_bias: Option<[Tensor; 3]>,
+    /// Gemma-3: RMSNorm weights of each query and key head (before RoPE).
+    qk_norm: Option<(Tensor, Tensor)>,
+    /// Gemma-3: RMSNorm of the attention output before the residual add.
+    post_attn_norm: Option<Tensor>,
     ffn_norm: Tensor,
     gate: QMatMul,
     up: QMatMul,
     down: QMatMul,
+    /// Gemma-3: RMSNorm of the MLP output before the residual add.
+    post_ffn_norm: Option<Tensor>,
+}
+
+/// `cos`/`sin` tables of one RoPE base, `[positions, head_dim/2]`.
+struct Rope {
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// A loaded model: weights, RoPE tables and the tokenizer from the same GGUF file.
@@ -123,15 +287,18 @@ pub struct Model {
     output: QMatMul,
     norm: Tensor,
     blocks: Vec<Block>,
-    cos: Tensor,
-    sin: Tensor,
+    /// RoPE of the global layers.
+    rope_global: Rope,
+    /// RoPE of the sliding-window layers (Gemma-3), else `None`.
+    rope_local: Option<Rope>,
     tokenizer: Tokenizer,
 }
 
 /// Decode attention for one token: called once per layer with the post-RoPE query
 /// (`q_heads × head_dim`), key and value (`kv_heads × head_dim`) of the new token, which
 /// the backend must store before attending (the token attends to itself). Returns the
-/// attention output, `q_heads × head_dim`.
+/// attention output, `q_heads × head_dim`. A sliding-window layer attends only its last
+/// `W` tokens ([`ModelConfig::layer_kind`]), the new one included.
 pub trait AttentionBackend {
     /// Stores `k`/`v` at the next position of `layer` and attends `q` over the layer.
     fn attend(&mut self, layer: usize, q: &[f32], k: &[f32], v: &[f32]) -> Result<Vec<f32>>;
@@ -143,14 +310,15 @@ pub trait AttentionBackend {
 pub struct Prefill {
     /// The prompt's token ids.
     pub tokens: Vec<u32>,
-    /// Per layer, `(keys, values)`.
+    /// Per layer, `(keys, values)`: every prompt token for a global layer, only the last
+    /// `W` (the window) for a sliding-window layer — older ones are never attended again.
     pub kv: Vec<(Vec<f32>, Vec<f32>)>,
     /// Next-token logits after the last prompt token.
     pub logits: Vec<f32>,
 }
 
 impl Model {
-    /// Loads a llama GGUF file (weights and tokenizer).
+    /// Loads a GGUF file (weights and tokenizer) of a supported architecture ([`Arch`]).
     pub fn load(path: &Path, weights: Weights) -> Result<Self> {
         if !path.exists() {
             return Err(Error::ModelMissing { path: path.to_path_buf() });
@@ -162,8 +330,14 @@ impl Model {
             detail: format!("not a GGUF file: {e}"),
         })?;
         let config = ModelConfig::from_gguf(&content)?;
-        let tokenizer = Tokenizer::from_gguf(&content)?;
+        let tokenizer = Tokenizer::from_gguf(&content, config.arch)?;
         let mut tensor = |name: &str| {
+            if !content.tensor_infos.contains_key(name) {
+                return Err(Error::BadModel {
+                    what: name.into(),
+                    detail: format!("tensor missing (a {} GGUF has it)", config.arch),
+                });
+            }
             content
                 .tensor(&mut file, name, &dev)
                 .map_err(|e| Error::BadModel { what: name.into(), detail: e.to_string() })
@@ -176,29 +350,63 @@ impl Model {
         };
         let embed_q = tensor("token_embd.weight")?;
         let embed = embed_q.dequantize(&dev)?;
-        // SmolLM2 ties the output projection to the embedding.
-        let output = match tensor("output.weight") {
-            Ok(t) => matmul(t)?,
-            Err(_) => matmul(embed_q)?,
-        };
-        let norm = tensor("output_norm.weight")?.dequantize(&dev)?;
-        let mut blocks = Vec::with_capacity(config.layers);
-        for i in 0..config.layers {
-            let p = format!("blk.{i}");
-            blocks.push(Block {
-                attn_norm: tensor(&format!("{p}.attn_norm.weight"))?.dequantize(&dev)?,
-                wq: matmul(tensor(&format!("{p}.attn_q.weight"))?)?,
-                wk: matmul(tensor(&format!("{p}.attn_k.weight"))?)?,
-                wv: matmul(tensor(&format!("{p}.attn_v.weight"))?)?,
-                wo: matmul(tensor(&format!("{p}.attn_output.weight"))?)?,
-                ffn_norm: tensor(&format!("{p}.ffn_norm.weight"))?.dequantize(&dev)?,
-                gate: matmul(tensor(&format!("{p}.ffn_gate.weight"))?)?,
-                up: matmul(tensor(&format!("{p}.ffn_up.weight"))?)?,
-                down: matmul(tensor(&format!("{p}.ffn_down.weight"))?)?,
+        if embed.dims() != [config.vocab, config.d_model] {
+            return Err(Error::BadModel {
+                what: "token_embd.weight".into(),
+                detail: format!("shape {:?}, expected [{}, {}]", embed.dims(), config.vocab, config.d_model),
             });
         }
-        let (cos, sin) = rope_tables(config.head_dim, config.rope_base, config.context_length.max(1), &dev)?;
-        Ok(Self { config, weights, embed, output, norm, blocks, cos, sin, tokenizer })
+        // SmolLM2 and Gemma-3 tie the output projection to the embedding.
+        let output = if content.tensor_infos.contains_key("output.weight") {
+            matmul(tensor("output.weight")?)?
+        } else {
+            matmul(embed_q)?
+        };
+        let norm = tensor("output_norm.weight")?.dequantize(&dev)?;
+        let arch = config.arch;
+        let mut blocks = Vec::with_capacity(config.layers);
+        for i in 0..config.layers {
+            let mut t = |name: &str| tensor(&format!("blk.{i}.{name}"));
+            let qkv_bias = match arch {
+                Arch::Qwen2 => Some([
+                    t("attn_q.bias")?.dequantize(&dev)?,
+                    t("attn_k.bias")?.dequantize(&dev)?,
+                    t("attn_v.bias")?.dequantize(&dev)?,
+                ]),
+                _ => None,
+            };
+            let (qk_norm, post_attn_norm, post_ffn_norm) = match arch {
+                Arch::Gemma3 => (
+                    Some((t("attn_q_norm.weight")?.dequantize(&dev)?, t("attn_k_norm.weight")?.dequantize(&dev)?)),
+                    Some(t("post_attention_norm.weight")?.dequantize(&dev)?),
+                    Some(t("post_ffw_norm.weight")?.dequantize(&dev)?),
+                ),
+                _ => (None, None, None),
+            };
+            blocks.push(Block {
+                kind: config.layer_kind(i),
+                attn_norm: t("attn_norm.weight")?.dequantize(&dev)?,
+                wq: matmul(t("attn_q.weight")?)?,
+                wk: matmul(t("attn_k.weight")?)?,
+                wv: matmul(t("attn_v.weight")?)?,
+                wo: matmul(t("attn_output.weight")?)?,
+                qkv_bias,
+                qk_norm,
+                post_attn_norm,
+                ffn_norm: t("ffn_norm.weight")?.dequantize(&dev)?,
+                gate: matmul(t("ffn_gate.weight")?)?,
+                up: matmul(t("ffn_up.weight")?)?,
+                down: matmul(t("ffn_down.weight")?)?,
+                post_ffn_norm,
+            });
+        }
+        let positions = config.context_length.max(1);
+        let rope_global = rope_tables(config.head_dim, config.rope_base, config.rope_scale, positions, &dev)?;
+        let rope_local = match config.sliding_window {
+            Some(_) => Some(rope_tables(config.head_dim, config.rope_base_local, 1.0, positions, &dev)?),
+            None => None,
+        };
+        Ok(Self { config, weights, embed, output, norm, blocks, rope_global, rope_local, tokenizer })
     }
 
     /// The model's shape.
@@ -211,7 +419,7 @@ impl Model {
         self.weights
     }
 
-    /// The tokenizer built from the GGUF's own vocabulary and merges.
+    /// The tokenizer built from the GGUF's own vocabulary (and merges, for BPE).
     pub fn tokenizer(&self) -> &Tokenizer {
         &self.tokenizer
     }
@@ -233,9 +441,19 @@ impl Model {
         Ok(())
     }
 
-    /// Runs the prompt through the model with exact causal attention, `chunk` tokens at a
-    /// time, and returns every layer's KV and the last token's logits. `progress` is called
-    /// with the number of prompt tokens done after each chunk.
+    /// The embeddings of `ids`, `[1, n, d_model]` (Gemma-3 scales them by `√d_model`).
+    fn embed(&self, ids: &[u32]) -> Result<Tensor> {
+        let x = self.embed.index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?.unsqueeze(0)?;
+        Ok(match self.config.arch {
+            Arch::Gemma3 => (x * (self.config.d_model as f64).sqrt())?,
+            _ => x,
+        })
+    }
+
+    /// Runs the prompt through the model with exact causal attention (a sliding window on
+    /// window layers), `chunk` tokens at a time, and returns every layer's KV (see
+    /// [`Prefill::kv`]) and the last token's logits. `progress` is called with the number of
+    /// prompt tokens done after each chunk.
     pub fn prefill(&self, tokens: &[u32], chunk: usize, progress: &mut dyn FnMut(usize)) -> Result<Prefill> {
         if tokens.is_empty() {
             return Err(Error::InvalidInput("the prompt is empty: at least one token is needed".into()));
@@ -250,8 +468,13 @@ impl Model {
         let mut pos = 0;
         for ids in tokens.chunks(chunk) {
             let n = ids.len();
-            let mut x = self.embed.index_select(&Tensor::new(ids, &Device::Cpu)?, 0)?.unsqueeze(0)?;
-            let mask = causal_mask(n, pos)?;
+            let mut x = self.embed(ids)?;
+            // Masks by layer kind: global layers keep every token, window layers the last W.
+            let global_mask = attention_mask(n, pos, 0, None)?;
+            let window_mask = match c.sliding_window {
+                Some(w) => Some(attention_mask(n, pos, pos - pos.min(w), Some(w))?),
+                None => None,
+            };
             for (l, b) in self.blocks.iter().enumerate() {
                 let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
                 let (q, k, v) = self.qkv(b, &h, pos, n)?;
@@ -259,14 +482,24 @@ impl Model {
                     None => (k, v),
                     Some((kc, vc)) => (Tensor::cat(&[&kc, &k], 2)?, Tensor::cat(&[&vc, &v], 2)?),
                 };
+                let mask = match (b.kind, &window_mask) {
+                    (LayerKind::SlidingWindow(_), Some(m)) => m,
+                    _ => &global_mask,
+                };
                 let g = c.q_heads / c.kv_heads;
                 let (kr, vr) = (repeat_kv(&k, g)?, repeat_kv(&v, g)?);
                 let att = (q.matmul(&kr.t()?)? / (c.head_dim as f64).sqrt())?;
-                let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(&mask)?)?;
-                let y = att.matmul(&vr)?.transpose(1, 2)?.reshape((1, n, c.d_model))?;
-                x = (x + b.wo.forward(&y)?)?;
+                let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?;
+                let y = att.matmul(&vr)?.transpose(1, 2)?.reshape((1, n, c.attn_dim()))?;
+                x = self.attn_residual(b, &x, &y)?;
                 x = self.mlp(b, &x)?;
-                cache[l] = Some((k, v));
+                cache[l] = Some(match b.kind {
+                    LayerKind::SlidingWindow(w) if k.dim(2)? > w => {
+                        let keep = k.dim(2)? - w;
+                        (k.narrow(2, keep, w)?, v.narrow(2, keep, w)?)
+                    }
+                    _ => (k, v),
+                });
             }
             pos += n;
             progress(pos);
@@ -288,45 +521,89 @@ impl Model {
     pub fn decode_step(&self, token: u32, pos: usize, backend: &mut dyn AttentionBackend) -> Result<Vec<f32>> {
         self.check_tokens(&[token], pos)?;
         let c = &self.config;
-        let mut x = self.embed.index_select(&Tensor::new(&[token], &Device::Cpu)?, 0)?.unsqueeze(0)?;
+        let mut x = self.embed(&[token])?;
         for (l, b) in self.blocks.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let (q, k, v) = self.qkv(b, &h, pos, 1)?;
             let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
             let y = backend.attend(l, &flat(&q)?, &flat(&k)?, &flat(&v)?)?;
-            if y.len() != c.q_heads * c.head_dim {
+            if y.len() != c.attn_dim() {
                 return Err(Error::InvalidInput(format!(
                     "attention backend returned {} values for layer {l}, expected q_heads × head_dim = {}",
                     y.len(),
-                    c.q_heads * c.head_dim
+                    c.attn_dim()
                 )));
             }
-            let y = Tensor::from_vec(y, (1, 1, c.d_model), &Device::Cpu)?;
-            x = (x + b.wo.forward(&y)?)?;
+            let y = Tensor::from_vec(y, (1, 1, c.attn_dim()), &Device::Cpu)?;
+            x = self.attn_residual(b, &x, &y)?;
             x = self.mlp(b, &x)?;
         }
         self.logits(&x)
     }
 
     /// Query `[1, q_heads, n, d]`, key and value `[1, kv_heads, n, d]` of `n` tokens from
-    /// `pos`, RoPE applied to query and key (the interleaved variant: the GGUF converter
-    /// permuted the projection rows).
+    /// `pos`: projections (plus Qwen2's biases), Gemma-3's per-head QK-norm, then RoPE of the
+    /// layer's base — interleaved pairs for llama (the GGUF converter permuted the rows),
+    /// half-split for Qwen2 and Gemma-3 — and the query scale.
     fn qkv(&self, b: &Block, h: &Tensor, pos: usize, n: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let c = &self.config;
-        let heads = |w: &QMatMul, count: usize| -> Result<Tensor> {
-            Ok(w.forward(h)?.reshape((1, n, count, c.head_dim))?.transpose(1, 2)?.contiguous()?)
+        let heads = |w: &QMatMul, bias: Option<&Tensor>, count: usize| -> Result<Tensor> {
+            let mut y = w.forward(h)?;
+            if let Some(bias) = bias {
+                y = y.broadcast_add(bias)?;
+            }
+            Ok(y.reshape((1, n, count, c.head_dim))?.transpose(1, 2)?.contiguous()?)
         };
-        let (cos, sin) = (self.cos.narrow(0, pos, n)?, self.sin.narrow(0, pos, n)?);
-        let q = candle_nn::rotary_emb::rope_i(&heads(&b.wq, c.q_heads)?, &cos, &sin)?;
-        let k = candle_nn::rotary_emb::rope_i(&heads(&b.wk, c.kv_heads)?, &cos, &sin)?;
-        Ok((q, k, heads(&b.wv, c.kv_heads)?))
+        let bias = |i: usize| b.qkv_bias.as_ref().map(|bs| &bs[i]);
+        let (mut q, mut k) = (heads(&b.wq, bias(0), c.q_heads)?, heads(&b.wk, bias(1), c.kv_heads)?);
+        let v = heads(&b.wv, bias(2), c.kv_heads)?;
+        if let Some((qn, kn)) = &b.qk_norm {
+            q = candle_nn::ops::rms_norm(&q, qn, c.rms_eps)?;
+            k = candle_nn::ops::rms_norm(&k, kn, c.rms_eps)?;
+        }
+        let rope = match (b.kind, &self.rope_local) {
+            (LayerKind::SlidingWindow(_), Some(local)) => local,
+            _ => &self.rope_global,
+        };
+        let (cos, sin) = (rope.cos.narrow(0, pos, n)?, rope.sin.narrow(0, pos, n)?);
+        let rotate = |x: &Tensor| -> Result<Tensor> {
+            Ok(match c.arch {
+                Arch::Llama => candle_nn::rotary_emb::rope_i(x, &cos, &sin)?,
+                Arch::Qwen2 | Arch::Gemma3 => candle_nn::rotary_emb::rope(x, &cos, &sin)?,
+            })
+        };
+        let mut q = rotate(&q)?;
+        if c.query_scale != 1.0 {
+            q = (q * c.query_scale as f64)?;
+        }
+        Ok((q, rotate(&k)?, v))
     }
 
-    /// Residual SwiGLU block: `x + down(silu(gate(n)) * up(n))`, `n = rms_norm(x)`.
+    /// `x + o`, `o = wo(y)` (Gemma-3: RMSNorm-ed first).
+    fn attn_residual(&self, b: &Block, x: &Tensor, y: &Tensor) -> Result<Tensor> {
+        let mut o = b.wo.forward(y)?;
+        if let Some(w) = &b.post_attn_norm {
+            o = candle_nn::ops::rms_norm(&o, w, self.config.rms_eps)?;
+        }
+        Ok((x + o)?)
+    }
+
+    /// Residual gated MLP: `x + down(act(gate(n)) * up(n))`, `n = rms_norm(x)`, the
+    /// activation SiLU (llama, Qwen2) or tanh-approximated GELU (Gemma-3, whose output is
+    /// RMSNorm-ed before the add).
     fn mlp(&self, b: &Block, x: &Tensor) -> Result<Tensor> {
-        let h = candle_nn::ops::rms_norm(x, &b.ffn_norm, self.config.rms_eps)?;
-        let act = (candle_nn::ops::silu(&b.gate.forward(&h)?)? * b.up.forward(&h)?)?;
-        Ok((x + b.down.forward(&act)?)?)
+        let eps = self.config.rms_eps;
+        let h = candle_nn::ops::rms_norm(x, &b.ffn_norm, eps)?;
+        let gate = b.gate.forward(&h)?;
+        let gate = match self.config.arch {
+            Arch::Gemma3 => gate.gelu()?,
+            Arch::Llama | Arch::Qwen2 => candle_nn::ops::silu(&gate)?,
+        };
+        let mut d = b.down.forward(&(gate * b.up.forward(&h)?)?)?;
+        if let Some(w) = &b.post_ffn_norm {
+            d = candle_nn::ops::rms_norm(&d, w, eps)?;
+        }
+        Ok((x + d)?)
     }
 
     fn logits(&self, x: &Tensor) -> Result<Vec<f32>> {
@@ -335,21 +612,33 @@ impl Model {
     }
 }
 
-/// `cos`/`sin` of `pos · base^(-i/d)` for even `i`, `[positions, d/2]`.
-fn rope_tables(head_dim: usize, base: f32, positions: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
-    let theta: Vec<f32> = (0..head_dim).step_by(2).map(|i| 1f32 / base.powf(i as f32 / head_dim as f32)).collect();
+/// `cos`/`sin` of `scale · pos · base^(-i/d)` for even `i`, `[positions, d/2]`.
+fn rope_tables(head_dim: usize, base: f32, scale: f32, positions: usize, dev: &Device) -> Result<Rope> {
+    let theta: Vec<f32> = (0..head_dim).step_by(2).map(|i| scale / base.powf(i as f32 / head_dim as f32)).collect();
     let theta = Tensor::new(theta.as_slice(), dev)?;
     let pos = Tensor::arange(0, positions as u32, dev)?.to_dtype(DType::F32)?.reshape((positions, 1))?;
     let angles = pos.matmul(&theta.reshape((1, head_dim / 2))?)?;
-    Ok((angles.cos()?, angles.sin()?))
+    Ok(Rope { cos: angles.cos()?, sin: angles.sin()? })
 }
 
-/// Additive mask for `rows` new tokens after `past` stored ones: row `i` sees columns
-/// `0..=past + i`, `-inf` elsewhere.
-fn causal_mask(rows: usize, past: usize) -> Result<Tensor> {
-    let cols = past + rows;
-    let mask: Vec<f32> =
-        (0..rows).flat_map(|i| (0..cols).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })).collect();
+/// Additive mask for `rows` new tokens at positions `past..past + rows` over the stored
+/// columns at positions `first_col..past + rows`: a row sees the columns at or before its
+/// position and, with a `window`, less than `window` positions before it; `-inf` elsewhere.
+fn attention_mask(rows: usize, past: usize, first_col: usize, window: Option<usize>) -> Result<Tensor> {
+    let cols = past + rows - first_col;
+    let mask: Vec<f32> = (0..rows)
+        .flat_map(|i| {
+            (0..cols).map(move |j| {
+                let (row, col) = (past + i, first_col + j);
+                let visible = col <= row && window.is_none_or(|w| row - col < w);
+                if visible {
+                    0.0
+                } else {
+                    f32::NEG_INFINITY
+                }
+            })
+        })
+        .collect();
     Ok(Tensor::from_vec(mask, (rows, cols), &Device::Cpu)?)
 }
 

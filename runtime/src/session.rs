@@ -5,8 +5,8 @@
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model, Prefill};
 use attnstore::{
-    AttnShape, Budget, Codec, ContextId, ContextSpec, Engine, EstimateShare, Method, PqParams, Request, Strategy,
-    WaveParams,
+    AttnShape, Budget, Codec, ContextId, ContextSpec, Engine, EstimateShare, LayerKind, Method, PqParams, Request,
+    Strategy, WaveParams,
 };
 use std::time::{Duration, Instant};
 
@@ -114,8 +114,8 @@ impl AttnConfig {
     /// The spec of the context that serves this configuration. Exact attention over
     /// `hack2` rows runs on a wave context under a full budget (the 2-bit form lives in the
     /// indexed segments); the oracle top-k always keeps plain rows (f16 for `hack2`).
-    pub(crate) fn spec(&self, shape: AttnShape, layers: usize) -> ContextSpec {
-        let base = ContextSpec::new(shape, layers);
+    pub(crate) fn spec(&self, shape: AttnShape, kinds: &[LayerKind]) -> ContextSpec {
+        let base = ContextSpec::new(shape, kinds.len()).with_layers(kinds.to_vec());
         match (self.method, self.codec.hack()) {
             (AttnMethod::Exact, Some(_)) => {
                 base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default()))
@@ -146,13 +146,14 @@ pub struct SessionStats {
     pub model_time: Duration,
     /// Time in attnstore (append, plan, execute).
     pub attn_time: Duration,
-    /// Sum over layer plans of the mean exactly attended tokens per query head.
+    /// Sum over global-layer plans of the mean exactly attended tokens per query head
+    /// (sliding-window layers always attend their window exactly and are not counted).
     pub exact_tokens: f64,
-    /// Sum over layer plans of the context length.
+    /// Sum over global-layer plans of the context length.
     pub context_tokens: f64,
-    /// Layer plans the planner made exact (short context, full budget, cheaper).
+    /// Global-layer plans the planner made exact (short context, full budget, cheaper).
     pub exact_plans: usize,
-    /// Layer plans in total.
+    /// Global-layer plans in total.
     pub plans: usize,
     /// With an audit: per layer, the sum of relative L2 errors of the attention output vs
     /// exact attention over the same KV, and the number of steps summed.
@@ -162,12 +163,12 @@ pub struct SessionStats {
 }
 
 impl SessionStats {
-    /// Mean exactly attended tokens per query head per layer plan.
+    /// Mean exactly attended tokens per query head per global-layer plan.
     pub fn mean_exact_tokens(&self) -> f64 {
         self.exact_tokens / self.plans.max(1) as f64
     }
 
-    /// Mean share of the context attended exactly.
+    /// Mean share of the global layers' context attended exactly.
     pub fn exact_share(&self) -> f64 {
         self.exact_tokens / self.context_tokens.max(1.0)
     }
@@ -208,8 +209,9 @@ impl<'a> Session<'a> {
         let make = |spec: ContextSpec| {
             store_context(engine, spec, prefill.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))
         };
-        let ctx = make(config.spec(c.attn_shape(), c.layers))?;
-        let exact_twin = ContextSpec::new(c.attn_shape(), c.layers).with_method(Method::Flat);
+        let kinds = c.layer_kinds();
+        let ctx = make(config.spec(c.attn_shape(), &kinds))?;
+        let exact_twin = ContextSpec::new(c.attn_shape(), c.layers).with_layers(kinds).with_method(Method::Flat);
         let audit = if audit && (config.method != AttnMethod::Exact || config.codec.hack().is_some()) {
             Some(make(exact_twin)?)
         } else {
@@ -287,12 +289,14 @@ impl AttentionBackend for Session<'_> {
         let out = self.engine.execute(&plan)?.pop().expect("one request, one output");
         let r = &plan.requests[0];
         let qh = r.shape.q_heads;
-        self.stats.plans += 1;
-        self.stats.exact_tokens += (0..qh).map(|h| r.exact_tokens(h)).sum::<usize>() as f64 / qh as f64;
-        self.stats.context_tokens += r.tokens as f64;
         self.stats.bytes_read += r.cost.total_bytes() as f64;
-        if matches!(r.strategy, Strategy::Exact { .. }) {
-            self.stats.exact_plans += 1;
+        if r.kind == LayerKind::Global {
+            self.stats.plans += 1;
+            self.stats.exact_tokens += (0..qh).map(|h| r.exact_tokens(h)).sum::<usize>() as f64 / qh as f64;
+            self.stats.context_tokens += r.tokens as f64;
+            if matches!(r.strategy, Strategy::Exact { .. }) {
+                self.stats.exact_plans += 1;
+            }
         }
         if layer == 0 {
             self.last_plan = Some(plan.explain());

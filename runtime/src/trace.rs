@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model};
 use crate::session::{relative_l2, store_context, AttnConfig, AttnMethod, Session};
-use attnstore::{Budget, Codec, ContextSpec, Engine, EngineConfig, Method, Request};
+use attnstore::{Budget, Codec, ContextSpec, Engine, EngineConfig, LayerKind, Method, Request};
 use half::f16;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -116,6 +116,12 @@ pub fn capture(
         return Err(Error::InvalidInput("a trace needs at least one decode step (its queries)".into()));
     }
     let c = *model.config();
+    if c.sliding_window.is_some() {
+        return Err(Error::InvalidInput(format!(
+            "traces hold every layer's whole KV; {} has sliding-window layers (record a model whose layers are all global)",
+            c.arch
+        )));
+    }
     let prefill = model.prefill(prompt, chunk, progress)?;
     let engine = Engine::in_memory(EngineConfig::default())?;
     let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
@@ -307,8 +313,10 @@ pub fn bench_trace(
         progress(&format!("{} x{scale}", config.method.name()));
         let engine = Engine::in_memory(EngineConfig::default())?;
         let make = |spec: ContextSpec| store_context(&engine, spec, (0..m.layers).map(|l| trace.layer_kv(l, 0..p)));
-        let (ctx, exact) =
-            (make(config.spec(shape, m.layers))?, make(ContextSpec::new(shape, m.layers).with_method(Method::Flat))?);
+        let (ctx, exact) = (
+            make(config.spec(shape, &vec![LayerKind::Global; m.layers]))?,
+            make(ContextSpec::new(shape, m.layers).with_method(Method::Flat))?,
+        );
         let mut row = TraceRow {
             method: config.method.name(),
             codec: config.codec.to_string(),

@@ -5,7 +5,7 @@
 mod common;
 
 use attnstore::{Codec, Engine, EngineConfig};
-use attnstore_runtime::{argmax, AttentionBackend, AttnConfig, AttnMethod, Model, Session, Tokenizer, Weights};
+use attnstore_runtime::{argmax, AttentionBackend, AttnConfig, AttnMethod, Model, Session, Weights};
 #[cfg(feature = "candle-reference")]
 use common::compare_with_reference;
 use common::{model_or_skip, NaiveAttention, PROMPTS};
@@ -54,7 +54,7 @@ impl AttentionBackend for Audit<'_, '_> {
 #[test]
 fn engine_exact_attention_matches_naive_attention_in_the_model() {
     let Some(model) = model_or_skip(Weights::Quantized) else { return };
-    let ids = model.tokenizer().encode(&Tokenizer::chat_prompt(PROMPTS[2])).unwrap();
+    let ids = model.tokenizer().encode(&model.tokenizer().chat_prompt(PROMPTS[2])).unwrap();
     let prefill = model.prefill(&ids, 16, &mut |_| {}).unwrap();
     let engine = Engine::in_memory(EngineConfig::default()).unwrap();
     let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
@@ -79,7 +79,7 @@ fn tokenizer_round_trips_and_knows_the_chat_tokens() {
     // Digits are split one by one (SmolLM2's pre-tokenizer).
     let digits = tok.encode("73021").unwrap();
     assert_eq!(digits.len(), 5, "{digits:?}");
-    let chat = tok.encode(&Tokenizer::chat_prompt("hi")).unwrap();
+    let chat = tok.encode(&tok.chat_prompt("hi")).unwrap();
     assert_eq!(chat[0], 1, "<|im_start|> is one special token");
     assert!(chat.contains(&tok.eos()), "<|im_end|> is the end-of-turn token");
 }

@@ -45,7 +45,7 @@ pub use reference::compare_with_reference;
 mod reference {
     use super::{max_rel, PROMPTS};
     use attnstore::{Codec, DType, Engine, EngineConfig};
-    use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session, Tokenizer};
+    use attnstore_runtime::{argmax, default_model_path, AttnConfig, AttnMethod, Model, Session};
     use candle_core::{Device, Tensor};
     use candle_transformers::models::quantized_llama::ModelWeights;
 
@@ -68,7 +68,7 @@ mod reference {
         let path = default_model_path();
         let mut a = Agreement::default();
         for prompt in PROMPTS {
-            let ids = model.tokenizer().encode(&Tokenizer::chat_prompt(prompt)).unwrap();
+            let ids = model.tokenizer().encode(&model.tokenizer().chat_prompt(prompt)).unwrap();
             let mut file = std::fs::File::open(&path).unwrap();
             let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
             let mut reference = ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
