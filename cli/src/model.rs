@@ -264,8 +264,13 @@ fn read_prompt(file: &std::path::Path) -> Result<String, String> {
     Ok(text)
 }
 
+/// The GGUF file `--model` names, else the default model.
+fn model_path(args: &ModelArgs) -> PathBuf {
+    args.model.clone().unwrap_or_else(default_model_path)
+}
+
 fn load(args: &ModelArgs, default: Weights) -> Result<Model, String> {
-    let path = args.model.clone().unwrap_or_else(default_model_path);
+    let path = model_path(args);
     let start = Instant::now();
     let weights = args.weights.unwrap_or(default);
     let model = Model::load(&path, weights).map_err(|e| e.to_string())?;
@@ -684,7 +689,7 @@ fn passkey_table(rows: &[PasskeyRow]) -> String {
 /// and continuation the teacher-forced argmax, written as JSON for scripts/llamacpp-check.
 pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
     let text = read_prompt(&args.prompt_file)?;
-    let path = args.model.model.clone().unwrap_or_else(default_model_path);
+    let path = model_path(&args.model);
     let model = load(&args.model, Weights::Quantized)?;
     let ids = prompt_ids(&model, &text, false)?;
     let p = prefill(&model, &ids, args.model.chunk)?;

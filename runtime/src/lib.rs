@@ -12,6 +12,7 @@
 
 mod error;
 pub mod eval;
+mod gguf;
 mod model;
 mod session;
 pub mod synth;

@@ -8,6 +8,7 @@
 //! [`crate::Session`] — which receives each layer's post-RoPE query, key and value.
 
 use crate::error::{Error, Result};
+use crate::gguf::Meta;
 use crate::tokenizer::Tokenizer;
 use attnstore::LayerKind;
 use candle_core::quantized::{gguf_file, QMatMul};
@@ -104,27 +105,12 @@ pub struct ModelConfig {
 
 impl ModelConfig {
     fn from_gguf(content: &gguf_file::Content) -> Result<Self> {
-        let meta = |key: &str| {
-            content
-                .metadata
-                .get(key)
-                .ok_or_else(|| Error::BadModel { what: key.to_string(), detail: "metadata key missing".into() })
-        };
-        let bad = |key: &str, e: candle_core::Error| Error::BadModel { what: key.into(), detail: e.to_string() };
-        let arch = Arch::parse(meta("general.architecture")?.to_string().map_err(|e| bad("general.architecture", e))?)?;
+        let meta = Meta(content);
+        let arch = Arch::parse(&meta.string("general.architecture")?)?;
         let key = |suffix: &str| format!("{}.{suffix}", arch.name());
-        let num = |suffix: &str| -> Result<usize> {
-            let k = key(suffix);
-            meta(&k)?.to_u32().map(|v| v as usize).map_err(|e| bad(&k, e))
-        };
-        let float = |suffix: &str| -> Result<f32> {
-            let k = key(suffix);
-            meta(&k)?.to_f32().map_err(|e| bad(&k, e))
-        };
-        let optional_float = |suffix: &str| -> Result<Option<f32>> {
-            let k = key(suffix);
-            content.metadata.get(&k).map(|v| v.to_f32().map_err(|e| bad(&k, e))).transpose()
-        };
+        let num = |suffix: &str| -> Result<usize> { Ok(meta.u32(&key(suffix))? as usize) };
+        let float = |suffix: &str| meta.f32(&key(suffix));
+        let optional_float = |suffix: &str| meta.optional(&key(suffix), |v| v.to_f32());
         let d_model = num("embedding_length")?;
         let q_heads = num("attention.head_count")?;
         let kv_heads = num("attention.head_count_kv")?;
@@ -160,8 +146,8 @@ impl ModelConfig {
                 detail: format!("{head_dim}, expected a positive even number (RoPE rotates pairs)"),
             });
         }
-        let vocab = match content.metadata.get(&key("vocab_size")) {
-            Some(v) => v.to_u32().map_err(|e| bad(&key("vocab_size"), e))? as usize,
+        let vocab = match meta.optional(&key("vocab_size"), |v| v.to_u32())? {
+            Some(v) => v as usize,
             None => content.tensor_infos.get("token_embd.weight").map(|t| t.shape.dims()[0]).unwrap_or(0),
         };
         let rope_scale = match optional_float("rope.scaling.factor")? {

@@ -222,10 +222,11 @@ pub fn tensors(c: &SynthConfig) -> Result<Vec<(String, QTensor)>> {
     };
     let (d, q, kv, f) = (c.d_model, c.q_heads * c.head_dim, c.kv_heads * c.head_dim, c.ffn);
     let w = |fan_in: usize| 1.0 / (fan_in as f32).sqrt();
-    add("token_embd.weight".into(), &[vocab(c.arch), d], 0.0, if c.arch == Arch::Gemma3 { 0.2 } else { 1.0 })?;
+    let vocab = vocab(c.arch);
+    add("token_embd.weight".into(), &[vocab, d], 0.0, if c.arch == Arch::Gemma3 { 0.2 } else { 1.0 })?;
     add("output_norm.weight".into(), &[d], 1.0, 0.1)?;
     if c.arch == Arch::Qwen2 {
-        add("output.weight".into(), &[vocab(c.arch), d], 0.0, w(d))?;
+        add("output.weight".into(), &[vocab, d], 0.0, w(d))?;
     }
     for i in 0..c.layers {
         let p = |n: &str| format!("blk.{i}.{n}");

@@ -5,6 +5,7 @@
 //! ids; the chat template and the BOS token follow the model.
 
 use crate::error::{Error, Result};
+use crate::gguf::Meta;
 use crate::model::Arch;
 use candle_core::quantized::gguf_file;
 use std::collections::{BinaryHeap, HashMap};
@@ -36,69 +37,13 @@ enum Inner {
     Spm(Box<Spm>),
 }
 
-/// Reads GGUF metadata for the tokenizer, with typed errors naming the key.
-struct Meta<'a>(&'a gguf_file::Content);
-
-impl Meta<'_> {
-    fn get(&self, key: &str) -> Result<&gguf_file::Value> {
-        self.0
-            .metadata
-            .get(key)
-            .ok_or_else(|| Error::BadModel { what: key.into(), detail: "tokenizer metadata missing".into() })
-    }
-
-    fn bad(key: &str, e: candle_core::Error) -> Error {
-        Error::BadModel { what: key.into(), detail: e.to_string() }
-    }
-
-    fn string(&self, key: &str) -> Result<String> {
-        self.get(key)?.to_string().cloned().map_err(|e| Self::bad(key, e))
-    }
-
-    fn u32(&self, key: &str) -> Result<u32> {
-        self.get(key)?.to_u32().map_err(|e| Self::bad(key, e))
-    }
-
-    fn strings(&self, key: &str) -> Result<Vec<String>> {
-        self.get(key)?
-            .to_vec()
-            .map_err(|e| Self::bad(key, e))?
-            .iter()
-            .map(|v| v.to_string().cloned().map_err(|e| Self::bad(key, e)))
-            .collect()
-    }
-
-    /// Per-token values of an optional array, `default` when the key is absent.
-    fn per_token<T: Copy>(
-        &self,
-        key: &str,
-        n: usize,
-        default: T,
-        read: impl Fn(&gguf_file::Value) -> candle_core::Result<T>,
-    ) -> Result<Vec<T>> {
-        let Some(v) = self.0.metadata.get(key) else { return Ok(vec![default; n]) };
-        let values = v.to_vec().map_err(|e| Self::bad(key, e))?;
-        if values.len() != n {
-            return Err(Error::BadModel {
-                what: key.into(),
-                detail: format!("{} entries, expected one per token ({n})", values.len()),
-            });
-        }
-        values.iter().map(|v| read(v).map_err(|e| Self::bad(key, e))).collect()
-    }
-
-    fn bool(&self, key: &str) -> Result<Option<bool>> {
-        self.0.metadata.get(key).map(|v| v.to_bool().map_err(|e| Self::bad(key, e))).transpose()
-    }
-}
-
 impl Tokenizer {
     pub(crate) fn from_gguf(content: &gguf_file::Content, arch: Arch) -> Result<Self> {
         let meta = Meta(content);
         let tokens = meta.strings("tokenizer.ggml.tokens")?;
         let types = meta.per_token("tokenizer.ggml.token_type", tokens.len(), 1, |v| v.to_i32())?;
         let eos = meta.u32("tokenizer.ggml.eos_token_id")?;
-        let bos = match meta.bool("tokenizer.ggml.add_bos_token")? {
+        let bos = match meta.optional("tokenizer.ggml.add_bos_token", |v| v.to_bool())? {
             Some(true) => Some(meta.u32("tokenizer.ggml.bos_token_id")?),
             _ => None,
         };
@@ -108,7 +53,7 @@ impl Tokenizer {
             "llama" => {
                 let scores = meta.per_token("tokenizer.ggml.scores", tokens.len(), 0.0, |v| v.to_f32())?;
                 let unk = meta.u32("tokenizer.ggml.unknown_token_id").unwrap_or(0);
-                if meta.bool("tokenizer.ggml.add_space_prefix")? == Some(true) {
+                if meta.optional("tokenizer.ggml.add_space_prefix", |v| v.to_bool())? == Some(true) {
                     return Err(Error::BadModel {
                         what: "tokenizer.ggml.add_space_prefix".into(),
                         detail: "true is not supported (Gemma-3's SentencePiece vocabulary has false)".into(),
