@@ -150,12 +150,15 @@ impl ContextCatalog {
         let logged = log(&ctx.spec, tokens)?;
         let layer_state: &mut Layer = &mut guard;
         if batch.prefill {
-            let restored = match batch.layout {
-                Some(layout) => match layer_state.method.snapshots_mut() {
-                    Some(s) => s.restore(layout, keys, values)?,
-                    None => false,
-                },
-                None => false,
+            // A layout is an optimization (the log records a plain prefill either way): one
+            // that does not fit this KV or these parameters is reported and the batch is
+            // indexed from its rows, never served wrong. A failed restore changes nothing.
+            let restored = match (batch.layout, layer_state.method.snapshots_mut()) {
+                (Some(layout), Some(s)) => s.restore(layout, keys, values).unwrap_or_else(|e| {
+                    tracing::warn!(context = id.0, layer, error = %e, "index layout not used");
+                    false
+                }),
+                _ => false,
             };
             if !restored {
                 layer_state.method.prefill(keys, values)?;

@@ -26,6 +26,7 @@ mod gpu;
 mod gpu_prefill;
 mod metrics;
 mod plan;
+pub mod remote;
 mod spec;
 
 pub use analyze::{Analysis, PlannedRows};

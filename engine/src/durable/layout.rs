@@ -68,7 +68,7 @@ impl LayoutRecord {
         }
     }
 
-    fn layout(self) -> WaveLayout {
+    pub(crate) fn layout(self) -> WaveLayout {
         WaveLayout {
             tokens: self.tokens,
             sink_len: self.sink_len,
@@ -125,7 +125,7 @@ impl PqRecord {
         }
     }
 
-    fn snapshot(self) -> PqSnapshot {
+    pub(crate) fn snapshot(self) -> PqSnapshot {
         PqSnapshot {
             tokens: self.tokens,
             subspaces: self.subspaces,

@@ -21,10 +21,10 @@ mod fuzz;
 mod fuzz_recover;
 mod home;
 mod identity;
-mod layout;
+pub(crate) mod layout;
 mod open;
 mod rebuild;
-mod records;
+pub(crate) mod records;
 pub(crate) use open::open;
 mod recovery;
 

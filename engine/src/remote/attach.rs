@@ -1,0 +1,352 @@
+//! Attaching: the longest published prefix of a token sequence, read from the store, every
+//! value checked, built into a new context of the engine with the published layouts.
+
+use super::keys::{chain, KeySpace, ModelId};
+use super::value::{decode_layout, decode_list, decode_rows, Expect, Fault, Rows};
+use super::{stats, LayerKv, RemoteTier, Shared};
+use crate::catalog::Batch;
+use crate::context::ContextId;
+use crate::engine::Engine;
+use crate::error::Result;
+use crate::spec::{ContextSpec, LayerKind};
+use attnstore_index::{IndexLayout, WaveLayout};
+use std::collections::HashMap;
+
+/// A context built from a published prefix.
+#[derive(Debug)]
+pub struct Attached {
+    /// The new context; it holds the first [`Attached::tokens`] tokens.
+    pub context: ContextId,
+    /// Tokens reused: a whole number of chunks.
+    pub tokens: usize,
+    /// Per layer, the KV stored in the context (`kv_heads × rows × head_dim` f32: every
+    /// token for a global layer, the last `min(W, tokens)` for a sliding-window layer), for
+    /// a runtime that continues the prompt from it.
+    pub kv: Vec<LayerKv>,
+    /// Layers given a published index layout to restore from (the others were indexed
+    /// from their rows: clustered, or PQ codebooks trained in the background; a layout
+    /// that does not fit the rows is reported in the log and the layer indexed likewise).
+    pub layouts_used: usize,
+}
+
+/// What one attach read: decoded rows by (chunk index, layer), and values known unusable.
+struct Fetched<'a> {
+    shared: &'a Shared,
+    spec: &'a ContextSpec,
+    keys: KeySpace,
+    chain: Vec<[u8; 32]>,
+    rows: HashMap<(usize, usize), Rows>,
+    bad: HashMap<(usize, usize), Fault>,
+}
+
+impl Fetched<'_> {
+    fn expect<'h>(&self, hash: &'h [u8; 32], layer: usize) -> Expect<'h> {
+        let s = &self.spec.shape;
+        Expect { hash, layer, kv_heads: s.kv_heads, head_dim: s.head_dim, dtype: self.spec.dtype }
+    }
+
+    /// Reads the rows of `(chunk, layer)` pairs not read yet; false when a call failed.
+    fn read(&mut self, wanted: &[(usize, usize)]) -> bool {
+        let todo: Vec<(usize, usize)> =
+            wanted.iter().copied().filter(|p| !self.rows.contains_key(p) && !self.bad.contains_key(p)).collect();
+        let dtype = self.spec.dtype.name();
+        for part in todo.chunks(self.shared.config.values_per_call) {
+            let keys: Vec<String> =
+                part.iter().map(|&(k, l)| self.keys.chunk(&self.chain[k], l, self.spec.layers[l], dtype)).collect();
+            let Ok(values) = self.shared.call("get", |s| s.get_many(&keys)) else { return false };
+            let mut bytes = 0;
+            for (&(k, l), value) in part.iter().zip(values.into_iter().chain(std::iter::repeat(None))) {
+                let decoded = match value {
+                    None => Err(Fault::Missing),
+                    Some(v) => {
+                        bytes += v.len();
+                        decode_rows(&v, &self.expect(&self.chain[k], l), self.shared.config.chunk_tokens)
+                    }
+                };
+                match decoded {
+                    Ok(r) => {
+                        self.shared.counters.hits(1, 0);
+                        self.rows.insert((k, l), r);
+                    }
+                    Err(f) => {
+                        self.shared.counters.fault(f);
+                        self.bad.insert((k, l), f);
+                    }
+                }
+            }
+            stats::add(&self.shared.counters.bytes_in, bytes as u64);
+        }
+        true
+    }
+
+    /// Whether chunk `k` of layer `l` holds rows `from..` of the chunk through its end.
+    fn covers(&self, k: usize, l: usize, from: usize) -> bool {
+        self.rows.get(&(k, l)).is_some_and(|r| r.first <= from && r.first + r.rows == self.shared.config.chunk_tokens)
+    }
+
+    /// The chunks (0-based) and first row of each a window of `w` tokens ending at chunk
+    /// `m` (1-based count) needs.
+    fn window_needs(&self, m: usize, w: usize) -> Vec<(usize, usize)> {
+        let c = self.shared.config.chunk_tokens;
+        let end = m * c;
+        let lo = end - w.min(end);
+        (lo / c..m).map(|k| (k, if k == lo / c { lo - k * c } else { 0 })).collect()
+    }
+
+    /// Rows `lo..hi` (token positions) of layer `l` from the fetched chunks, as
+    /// `kv_heads × (hi - lo) × head_dim` keys and values.
+    fn assemble(&self, l: usize, lo: usize, hi: usize) -> (Vec<f32>, Vec<f32>) {
+        let (h, d, c) = (self.spec.shape.kv_heads, self.spec.shape.head_dim, self.shared.config.chunk_tokens);
+        let (mut keys, mut values) = (Vec::with_capacity(h * (hi - lo) * d), Vec::with_capacity(h * (hi - lo) * d));
+        for head in 0..h {
+            let mut pos = lo;
+            while pos < hi {
+                let k = pos / c;
+                let r = &self.rows[&(k, l)];
+                let (from, to) = (pos - k * c - r.first, (hi.min((k + 1) * c)) - k * c - r.first);
+                let base = head * r.rows * d;
+                keys.extend_from_slice(&r.keys[base + from * d..base + to * d]);
+                values.extend_from_slice(&r.values[base + from * d..base + to * d]);
+                pos = (k + 1) * c;
+            }
+        }
+        (keys, values)
+    }
+}
+
+impl RemoteTier {
+    /// Builds a new context of `spec` in `engine` from the longest prefix of `tokens`
+    /// published under `model` (whole chunks), restoring each layer's index from its
+    /// published layout where one fits. `Ok(None)` when not even one chunk is usable (then
+    /// nothing was created). Store failures and unusable values shorten the prefix and are
+    /// counted ([`RemoteTier::stats`]), never returned: the caller prefills what was not
+    /// attached. Errors are the engine's own (a bad spec, out of memory). A runtime that
+    /// needs the logits of the last prompt token passes the prompt without it.
+    pub fn attach(
+        &self,
+        engine: &Engine,
+        spec: ContextSpec,
+        model: &ModelId,
+        tokens: &[u32],
+    ) -> Result<Option<Attached>> {
+        spec.validate()?;
+        let shared = &*self.shared;
+        let c = shared.config.chunk_tokens;
+        stats::add(&shared.counters.attaches, 1);
+        stats::add(&shared.counters.attach_tokens_asked, (tokens.len() / c * c) as u64);
+        let mut f = Fetched {
+            shared,
+            spec: &spec,
+            keys: KeySpace::new(&shared.config.namespace, model),
+            chain: chain(model, c, tokens),
+            rows: HashMap::new(),
+            bad: HashMap::new(),
+        };
+        let m = prefix_chunks(&mut f);
+        metrics::histogram!("attnstore_remote_prefix_tokens").record((m * c) as f64);
+        if m == 0 {
+            return Ok(None);
+        }
+        let layouts = layouts(&f, m);
+        let p = m * c;
+        let id = engine.create_context(spec.clone())?;
+        let built = build(engine, id, &f, p, &layouts);
+        let (kv, layouts_used) = match built {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = engine.drop_context(id);
+                return Err(e);
+            }
+        };
+        stats::add(&shared.counters.attach_tokens_reused, p as u64);
+        stats::add(&shared.counters.layouts_used, layouts_used as u64);
+        Ok(Some(Attached { context: id, tokens: p, kv, layouts_used }))
+    }
+}
+
+/// The number of whole chunks every layer can be attached for: the global layers' rows up
+/// to the first unusable value, then, shortened while needed, the rows of the window each
+/// sliding-window layer needs.
+fn prefix_chunks(f: &mut Fetched<'_>) -> usize {
+    let total = f.chain.len();
+    let layers = f.spec.layers.clone();
+    let global: Vec<usize> = (0..layers.len()).filter(|&l| layers[l] == LayerKind::Global).collect();
+    let mut m = 0;
+    if global.is_empty() {
+        m = total;
+    } else {
+        let per_call = (f.shared.config.values_per_call / global.len()).max(1);
+        'chunks: while m < total {
+            let upto = (m + per_call).min(total);
+            let wanted: Vec<(usize, usize)> = (m..upto).flat_map(|k| global.iter().map(move |&l| (k, l))).collect();
+            let ok = f.read(&wanted);
+            let from = m;
+            let whole = (from..upto).take_while(|&k| global.iter().all(|&l| f.covers(k, l, 0))).count();
+            m = from + whole;
+            if !ok || m < upto {
+                break 'chunks;
+            }
+        }
+    }
+    let windows: Vec<(usize, usize)> = layers
+        .iter()
+        .enumerate()
+        .filter_map(|(l, k)| match k {
+            LayerKind::SlidingWindow(w) => Some((l, *w)),
+            LayerKind::Global => None,
+        })
+        .collect();
+    // A shorter prefix needs earlier window rows, which a publisher holding only its last
+    // window rarely published: try a few, then give up.
+    let mut tries = 0;
+    while m > 0 && !windows.is_empty() {
+        let needs: Vec<(usize, usize, usize)> = windows
+            .iter()
+            .flat_map(|&(l, w)| f.window_needs(m, w).into_iter().map(move |(k, from)| (k, l, from)))
+            .collect();
+        let wanted: Vec<(usize, usize)> = needs.iter().map(|&(k, l, _)| (k, l)).collect();
+        if !f.read(&wanted) {
+            return 0;
+        }
+        if needs.iter().all(|&(k, l, from)| f.covers(k, l, from)) {
+            break;
+        }
+        m -= 1;
+        tries += 1;
+        if tries > 4 {
+            return 0;
+        }
+    }
+    m
+}
+
+/// Per global layer, the layout to restore it from at a prefix of `m` chunks: the published
+/// wave pieces that tile from the sink on, joined (their segments end by the prefix's end),
+/// or the latest PQ snapshot within it.
+fn layouts(f: &Fetched<'_>, m: usize) -> HashMap<usize, IndexLayout> {
+    let shared = f.shared;
+    let c = shared.config.chunk_tokens;
+    let list_keys: Vec<String> = (0..m).map(|k| f.keys.layouts(&f.chain[k])).collect();
+    let mut listed: Vec<Vec<usize>> = vec![Vec::new(); m];
+    for (part, keys) in list_keys.chunks(shared.config.values_per_call).enumerate() {
+        let Ok(values) = shared.call("get", |s| s.get_many(keys)) else { return HashMap::new() };
+        for (i, v) in values.into_iter().enumerate() {
+            let k = part * shared.config.values_per_call + i;
+            if let Some(v) = v {
+                match decode_list(&v, &f.expect(&f.chain[k], 0)) {
+                    Ok(layers) => listed[k] = layers,
+                    Err(fault) => shared.counters.fault(fault),
+                }
+            }
+        }
+    }
+    let method = f.spec.method.name();
+    let wanted: Vec<(usize, usize)> = listed
+        .iter()
+        .enumerate()
+        .flat_map(|(k, layers)| {
+            layers
+                .iter()
+                .filter(|&&l| l < f.spec.layers.len() && f.spec.layers[l] == LayerKind::Global)
+                .map(move |&l| (k, l))
+        })
+        .collect();
+    let mut pieces: HashMap<(usize, usize), IndexLayout> = HashMap::new();
+    for part in wanted.chunks(shared.config.values_per_call) {
+        let keys: Vec<String> = part.iter().map(|&(k, l)| f.keys.layout(&f.chain[k], l, method)).collect();
+        let Ok(values) = shared.call("get", |s| s.get_many(&keys)) else { break };
+        for (&(k, l), v) in part.iter().zip(values) {
+            let decoded = match v {
+                None => Err(Fault::Missing),
+                Some(v) => {
+                    stats::add(&shared.counters.bytes_in, v.len() as u64);
+                    decode_layout(&v, &f.expect(&f.chain[k], l), (k + 1) * c, method)
+                }
+            };
+            match decoded {
+                Ok(layout) => {
+                    shared.counters.hits(1, 0);
+                    pieces.insert((k, l), layout);
+                }
+                Err(fault) => shared.counters.fault(fault),
+            }
+        }
+    }
+    let mut out = HashMap::new();
+    for l in (0..f.spec.layers.len()).filter(|&l| f.spec.layers[l] == LayerKind::Global) {
+        let mine: Vec<(usize, &IndexLayout)> = (0..m).filter_map(|k| pieces.get(&(k, l)).map(|p| (k, p))).collect();
+        match method {
+            "wave" => {
+                let mut joined: Option<WaveLayout> = None;
+                for (_, piece) in mine {
+                    let IndexLayout::Wave(p) = piece else { break };
+                    let next = joined.as_ref().map_or(p.sink_len, |j| j.tail_start);
+                    if p.segments.first().map(|s| s.first) != Some(next)
+                        || joined.as_ref().is_some_and(|j| j.sink_len != p.sink_len)
+                    {
+                        break; // another publisher's segmentation: keep what tiles
+                    }
+                    let j = joined.get_or_insert_with(|| WaveLayout { sink_len: p.sink_len, ..Default::default() });
+                    j.segments.extend(p.segments.iter().cloned());
+                    j.tail_start = p.tail_start;
+                }
+                if let Some(mut j) = joined {
+                    j.tokens = (m * c) as u64;
+                    out.insert(l, IndexLayout::Wave(j));
+                }
+            }
+            _ => {
+                if let Some((_, p)) = mine.last() {
+                    out.insert(l, (*p).clone());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Fills context `id` with the first `p` tokens from `f`, restoring layers from `layouts`;
+/// returns the KV stored per layer and how many layers had a layout.
+fn build(
+    engine: &Engine,
+    id: ContextId,
+    f: &Fetched<'_>,
+    p: usize,
+    layouts: &HashMap<usize, IndexLayout>,
+) -> Result<(Vec<LayerKv>, usize)> {
+    let (h, d) = (f.spec.shape.kv_heads, f.spec.shape.head_dim);
+    let mut kv = Vec::with_capacity(f.spec.layers.len());
+    let mut used = 0;
+    for (l, &kind) in f.spec.layers.iter().enumerate() {
+        let lo = match kind {
+            LayerKind::Global => 0,
+            LayerKind::SlidingWindow(w) => p - w.min(p),
+        };
+        let (keys, values) = f.assemble(l, lo, p);
+        match layouts.get(&l) {
+            Some(layout) => {
+                // The layout's tokens are restored with it; any after (a PQ index's decode
+                // tokens) are appended, and encoded with the restored codebooks.
+                let t = (layout.tokens() as usize).min(p);
+                let split = |x: &[f32]| -> (Vec<f32>, Vec<f32>) {
+                    let (mut a, mut b) = (Vec::with_capacity(h * t * d), Vec::with_capacity(h * (p - t) * d));
+                    for head in 0..h {
+                        a.extend_from_slice(&x[(head * p) * d..(head * p + t) * d]);
+                        b.extend_from_slice(&x[(head * p + t) * d..(head * p + p) * d]);
+                    }
+                    (a, b)
+                };
+                let ((k0, k1), (v0, v1)) = (split(&keys), split(&values));
+                let batch = Batch { keys: &k0, values: &v0, prefill: true, layout: Some(layout) };
+                engine.ingest_with(id, l, batch, true)?;
+                if t < p {
+                    engine.append(id, l, &k1, &v1)?;
+                }
+                used += 1;
+            }
+            None => engine.prefill(id, l, &keys, &values)?,
+        }
+        kv.push((keys, values));
+    }
+    Ok((kv, used))
+}

@@ -1,0 +1,265 @@
+//! Publishing: [`RemoteTier::publish`] checks a context's KV against the engine and queues
+//! it with the context's index layouts; the background writer (`run`) cuts it into chunk
+//! values, asks the store which it already holds, and writes the others, then the layouts
+//! and the lists naming them. A failed call ends that publish (what was written stays
+//! usable: every value is checked on its own when attached).
+
+use super::keys::{chain, KeySpace, ModelId};
+use super::value::{encode_layout, encode_list, encode_rows, Expect};
+use super::{stats, LayerKv, RemoteTier, Shared};
+use crate::catalog::layer_of;
+use crate::context::ContextId;
+use crate::engine::Engine;
+use crate::error::{Error, Result};
+use crate::spec::LayerKind;
+use attnstore_index::{IndexLayout, WaveLayout};
+use attnstore_kernels::DType;
+use std::collections::BTreeMap;
+
+/// One layer's rows to publish: token positions `start..start + rows`.
+struct LayerRows {
+    layer: usize,
+    kind: LayerKind,
+    start: usize,
+    rows: usize,
+    keys: Vec<f32>,
+    values: Vec<f32>,
+}
+
+/// A layout piece: stored at chunk `point` (it covers chunks `..=point`).
+struct Piece {
+    point: usize,
+    layer: usize,
+    layout: IndexLayout,
+}
+
+/// A queued publish.
+pub(crate) struct Job {
+    keys: KeySpace,
+    chain: Vec<[u8; 32]>,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    layers: Vec<LayerRows>,
+    pieces: Vec<Piece>,
+}
+
+impl RemoteTier {
+    /// Queues context `id` for publishing under `model`'s identity: `tokens` are the token
+    /// ids whose KV it holds, `kv` its layers' KV as given to [`Engine::prefill`] and
+    /// [`Engine::append`] (`kv_heads × tokens × head_dim` f32; for a sliding-window layer the
+    /// last `min(W, tokens)` tokens). The whole chunks of `tokens` are published, with the
+    /// layers' index layouts (wave segments, PQ codebooks and codes) as they are now. Returns
+    /// once the publish is queued: the store is written by the tier's background thread
+    /// ([`RemoteTier::flush`] waits for it). A `kv` that does not fit the context is a typed
+    /// error.
+    pub fn publish(
+        &self,
+        engine: &Engine,
+        id: ContextId,
+        model: &ModelId,
+        tokens: &[u32],
+        kv: Vec<LayerKv>,
+    ) -> Result<()> {
+        let spec = engine.spec(id)?;
+        if kv.len() != spec.layers.len() {
+            return Err(Error::ShapeMismatch {
+                what: "published KV (one (keys, values) pair per layer)",
+                expected: spec.layers.len(),
+                got: kv.len(),
+            });
+        }
+        let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
+        let c = self.shared.config.chunk_tokens;
+        let n = tokens.len();
+        let ctx = engine.context(id)?;
+        let mut layers = Vec::with_capacity(kv.len());
+        let mut pieces = Vec::new();
+        for (layer, ((keys, values), &kind)) in kv.into_iter().zip(&spec.layers).enumerate() {
+            let expected = match kind {
+                LayerKind::Global => n,
+                LayerKind::SlidingWindow(w) => w.min(n),
+            };
+            if kind == LayerKind::Global {
+                let guard = layer_of(&ctx, id, layer)?.read();
+                let held = guard.method.stats().tokens;
+                if held != n {
+                    return Err(Error::InvalidSpec(format!(
+                        "publish: layer {layer} of context {id} holds {held} tokens, {n} token ids were given"
+                    )));
+                }
+                if let Some(layout) = guard.method.snapshots().and_then(|s| s.layout()) {
+                    pieces.extend(pieces_of(layer, layout, c, n / c));
+                }
+            }
+            if keys.len() != h * expected * d || values.len() != keys.len() {
+                return Err(Error::ShapeMismatch {
+                    what: "published keys/values of a layer (kv_heads × tokens × head_dim, the window's tokens for a sliding-window layer)",
+                    expected: h * expected * d,
+                    got: keys.len().max(values.len()),
+                });
+            }
+            layers.push(LayerRows { layer, kind, start: n - expected, rows: expected, keys, values });
+        }
+        let job = Job {
+            keys: KeySpace::new(&self.shared.config.namespace, model),
+            chain: chain(model, c, tokens),
+            kv_heads: h,
+            head_dim: d,
+            dtype: spec.dtype,
+            layers,
+            pieces,
+        };
+        self.enqueue(job);
+        Ok(())
+    }
+}
+
+/// The pieces a layout is published in, at chunks up to `chunks`. A wave layout is cut at
+/// the first chunk boundary after each segment (a piece holds the segments ending in its
+/// chunk), so a prefix that diverges later still finds every segment before it; a PQ
+/// snapshot is one piece at the chunk where its base region ends.
+fn pieces_of(layer: usize, layout: IndexLayout, c: usize, chunks: usize) -> Vec<Piece> {
+    match layout {
+        IndexLayout::Wave(l) => {
+            let mut groups: BTreeMap<usize, Vec<attnstore_index::SegmentLayout>> = BTreeMap::new();
+            for seg in l.segments {
+                let point = ((seg.first + seg.len) as usize).div_ceil(c);
+                if point <= chunks {
+                    groups.entry(point).or_default().push(seg);
+                }
+            }
+            groups
+                .into_iter()
+                .map(|(point, segments)| {
+                    let tail_start = segments.last().map_or(l.sink_len, |s| s.first + s.len);
+                    let layout = WaveLayout { tokens: (point * c) as u64, sink_len: l.sink_len, tail_start, segments };
+                    Piece { point, layer, layout: IndexLayout::Wave(layout) }
+                })
+                .collect()
+        }
+        IndexLayout::Pq(s) => {
+            let point = (s.tokens as usize).div_ceil(c).max(1);
+            if point > chunks {
+                return Vec::new();
+            }
+            vec![Piece { point, layer, layout: IndexLayout::Pq(s) }]
+        }
+    }
+}
+
+/// The background writer: publishes queued jobs until the tier is dropped.
+pub(crate) fn run(shared: &Shared) {
+    loop {
+        let job = {
+            let mut q = shared.queue.lock();
+            loop {
+                if shared.stopping() {
+                    return;
+                }
+                if let Some(job) = q.0.pop_front() {
+                    q.1 = true;
+                    break job;
+                }
+                q.1 = false;
+                shared.changed.notify_all();
+                shared.changed.wait(&mut q);
+            }
+        };
+        let ok = write(shared, &job);
+        stats::add(if ok { &shared.counters.publishes_done } else { &shared.counters.publishes_failed }, 1);
+        let mut q = shared.queue.lock();
+        q.1 = false;
+        shared.changed.notify_all();
+    }
+}
+
+/// A value to write, made only if the store does not hold it.
+type Pending<'a> = (String, Box<dyn Fn() -> Vec<u8> + 'a>);
+
+/// Writes one job; false when a store call failed (or the tier is stopping).
+fn write(shared: &Shared, job: &Job) -> bool {
+    let c = shared.config.chunk_tokens;
+    let (h, d) = (job.kv_heads, job.head_dim);
+    let mut batch: Vec<Pending<'_>> = Vec::new();
+    // Rows: chunk by chunk, every layer holding rows of it.
+    for (k, hash) in job.chain.iter().enumerate() {
+        for l in &job.layers {
+            let (lo, hi) = ((k * c).max(l.start), ((k + 1) * c).min(l.start + l.rows));
+            if lo >= hi {
+                continue;
+            }
+            let dtype = job.dtype.name();
+            let key = job.keys.chunk(hash, l.layer, l.kind, dtype);
+            let make = move || {
+                let e = Expect { hash, layer: l.layer, kv_heads: h, head_dim: d, dtype: job.dtype };
+                let (mut keys, mut values) = (Vec::new(), Vec::new());
+                for head in 0..h {
+                    let rows = (head * l.rows + lo - l.start) * d..(head * l.rows + hi - l.start) * d;
+                    keys.extend_from_slice(&l.keys[rows.clone()]);
+                    values.extend_from_slice(&l.values[rows]);
+                }
+                encode_rows(&e, lo - k * c, hi - lo, &keys, &values)
+            };
+            batch.push((key, Box::new(make)));
+            if batch.len() >= shared.config.values_per_call && !flush(shared, &mut batch) {
+                return false;
+            }
+        }
+    }
+    // Layouts, then the lists naming them per chunk.
+    let mut lists: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    for p in &job.pieces {
+        let hash = &job.chain[p.point - 1];
+        let key = job.keys.layout(hash, p.layer, p.layout.method());
+        let make = move || {
+            let e = Expect { hash, layer: p.layer, kv_heads: h, head_dim: d, dtype: job.dtype };
+            encode_layout(&e, p.point * c, &p.layout)
+        };
+        batch.push((key, Box::new(make)));
+        lists.entry(p.point).or_default().push(p.layer);
+        if batch.len() >= shared.config.values_per_call && !flush(shared, &mut batch) {
+            return false;
+        }
+    }
+    if !flush(shared, &mut batch) {
+        return false;
+    }
+    for (point, layers) in lists {
+        let hash = &job.chain[point - 1];
+        let key = job.keys.layouts(hash);
+        let make = move || {
+            let e = Expect { hash, layer: 0, kv_heads: h, head_dim: d, dtype: job.dtype };
+            encode_list(&e, &layers)
+        };
+        batch.push((key, Box::new(make)));
+        if batch.len() >= shared.config.values_per_call && !flush(shared, &mut batch) {
+            return false;
+        }
+    }
+    flush(shared, &mut batch)
+}
+
+/// Writes the values of `batch` the store does not hold yet and empties it.
+fn flush(shared: &Shared, batch: &mut Vec<Pending<'_>>) -> bool {
+    if batch.is_empty() {
+        return true;
+    }
+    if shared.stopping() {
+        return false;
+    }
+    let keys: Vec<String> = batch.iter().map(|(k, _)| k.clone()).collect();
+    let Ok(present) = shared.call("exists", |s| s.exists_many(&keys)) else { return false };
+    let entries: Vec<(String, Vec<u8>)> =
+        batch.drain(..).zip(present).filter_map(|((key, make), there)| (!there).then(|| (key, make()))).collect();
+    stats::add(&shared.counters.values_present, (keys.len() - entries.len()) as u64);
+    if entries.is_empty() {
+        return true;
+    }
+    let bytes: usize = entries.iter().map(|(_, v)| v.len()).sum();
+    if shared.call("set", |s| s.set_many(&entries)).is_err() {
+        return false;
+    }
+    shared.counters.written(entries.len() as u64, bytes as u64);
+    true
+}
