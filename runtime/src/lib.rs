@@ -14,6 +14,7 @@ mod error;
 pub mod eval;
 mod gguf;
 mod model;
+pub mod remote;
 mod session;
 pub mod synth;
 mod tokenizer;

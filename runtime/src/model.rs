@@ -441,17 +441,72 @@ impl Model {
     /// [`Prefill::kv`]) and the last token's logits. `progress` is called with the number of
     /// prompt tokens done after each chunk.
     pub fn prefill(&self, tokens: &[u32], chunk: usize, progress: &mut dyn FnMut(usize)) -> Result<Prefill> {
+        self.prefill_after(&[], 0, tokens, chunk, false, progress)
+    }
+
+    /// [`Model::prefill`] of `tokens` at positions `start..`, continuing from `past`: every
+    /// layer's KV of the first `start` tokens as [`Prefill::kv`] holds it (a global layer's
+    /// `start` rows, a window layer's last `min(W, start)`), e.g. a prefix attached from the
+    /// remote tier. `past` is empty when `start` is 0. The returned [`Prefill`] holds the KV
+    /// of all `start + tokens.len()` tokens (its `tokens` only the new ids) and the logits
+    /// of the last one. With `keep_window_rows`, a window layer's KV holds every row from
+    /// its first past row on (what a publish to the remote tier needs, so that a prefix
+    /// ending anywhere finds its window), not only the last `W`. `progress` counts new
+    /// tokens done.
+    pub fn prefill_after(
+        &self,
+        past: &[(Vec<f32>, Vec<f32>)],
+        start: usize,
+        tokens: &[u32],
+        chunk: usize,
+        keep_window_rows: bool,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<Prefill> {
         if tokens.is_empty() {
             return Err(Error::InvalidInput("the prompt is empty: at least one token is needed".into()));
         }
         if chunk == 0 {
             return Err(Error::InvalidInput("the prefill chunk must hold at least one token".into()));
         }
-        self.check_tokens(tokens, 0)?;
+        self.check_tokens(tokens, start)?;
         let c = &self.config;
         let mut cache: Vec<Option<(Tensor, Tensor)>> = vec![None; c.layers];
+        if start > 0 {
+            if past.len() != c.layers {
+                return Err(Error::InvalidInput(format!(
+                    "the past KV has {} layers, the model {}",
+                    past.len(),
+                    c.layers
+                )));
+            }
+            for (l, (k, v)) in past.iter().enumerate() {
+                let rows = match c.layer_kind(l) {
+                    LayerKind::Global => start,
+                    LayerKind::SlidingWindow(w) => w.min(start),
+                };
+                let dims = (1, c.kv_heads, rows, c.head_dim);
+                if k.len() != c.kv_heads * rows * c.head_dim || v.len() != k.len() {
+                    return Err(Error::InvalidInput(format!(
+                        "layer {l} of the past KV holds {} values, {} expected ({rows} tokens)",
+                        k.len(),
+                        c.kv_heads * rows * c.head_dim
+                    )));
+                }
+                cache[l] =
+                    Some((Tensor::from_slice(k, dims, &Device::Cpu)?, Tensor::from_slice(v, dims, &Device::Cpu)?));
+            }
+        }
+        // With keep_window_rows: per window layer, its past rows and each chunk's new rows.
+        let mut kept: Vec<Vec<(Tensor, Tensor)>> = vec![Vec::new(); c.layers];
+        if keep_window_rows {
+            for (l, rows) in kept.iter_mut().enumerate() {
+                if let (LayerKind::SlidingWindow(_), Some(kv)) = (c.layer_kind(l), &cache[l]) {
+                    rows.push(kv.clone());
+                }
+            }
+        }
         let mut last = None;
-        let mut pos = 0;
+        let mut pos = start;
         for ids in tokens.chunks(chunk) {
             let n = ids.len();
             let mut x = self.embed(ids)?;
@@ -464,6 +519,9 @@ impl Model {
             for (l, b) in self.blocks.iter().enumerate() {
                 let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
                 let (q, k, v) = self.qkv(b, &h, pos, n)?;
+                if keep_window_rows && matches!(b.kind, LayerKind::SlidingWindow(_)) {
+                    kept[l].push((k.clone(), v.clone()));
+                }
                 let (k, v) = match cache[l].take() {
                     None => (k, v),
                     Some((kc, vc)) => (Tensor::cat(&[&kc, &k], 2)?, Tensor::cat(&[&vc, &v], 2)?),
@@ -488,14 +546,21 @@ impl Model {
                 });
             }
             pos += n;
-            progress(pos);
+            progress(pos - start);
             last = Some(x.narrow(1, n - 1, 1)?);
         }
         let logits = self.logits(&last.expect("the prompt is not empty"))?;
         let kv = cache
             .into_iter()
-            .map(|kv| {
-                let (k, v) = kv.expect("every layer saw the prompt");
+            .zip(kept)
+            .map(|(kv, kept)| {
+                let (k, v) = match kept.is_empty() {
+                    true => kv.expect("every layer saw the prompt"),
+                    false => {
+                        let (ks, vs): (Vec<Tensor>, Vec<Tensor>) = kept.into_iter().unzip();
+                        (Tensor::cat(&ks, 2)?, Tensor::cat(&vs, 2)?)
+                    }
+                };
                 Ok((k.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?))
             })
             .collect::<Result<Vec<_>>>()?;

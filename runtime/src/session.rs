@@ -222,6 +222,12 @@ impl<'a> Session<'a> {
         Ok(Self { model, engine, config, ctx, audit, pos: prefill.tokens.len(), stats, last_plan: None })
     }
 
+    /// A session over an existing context `ctx` of `engine` holding the KV of the first
+    /// `pos` tokens, made under `config` (e.g. attached from the remote tier). No audit twin.
+    pub(crate) fn resume(model: &'a Model, engine: &'a Engine, config: AttnConfig, ctx: ContextId, pos: usize) -> Self {
+        Self { model, engine, config, ctx, audit: None, pos, stats: SessionStats::default(), last_plan: None }
+    }
+
     /// Feeds `token` and returns the next-token logits.
     pub fn step(&mut self, token: u32) -> Result<Vec<f32>> {
         let start = Instant::now();

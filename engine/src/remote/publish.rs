@@ -48,7 +48,8 @@ impl RemoteTier {
     /// Queues context `id` for publishing under `model`'s identity: `tokens` are the token
     /// ids whose KV it holds, `kv` its layers' KV as given to [`Engine::prefill`] and
     /// [`Engine::append`] (`kv_heads × tokens × head_dim` f32; for a sliding-window layer the
-    /// last `min(W, tokens)` tokens). The whole chunks of `tokens` are published, with the
+    /// last `r` tokens for any `min(W, tokens) ≤ r ≤ tokens`: older rows than the context
+    /// keeps let prefixes that end before its window be attached). The whole chunks of `tokens` are published, with the
     /// layers' index layouts (wave segments, PQ codebooks and codes) as they are now. Returns
     /// once the publish is queued: the store is written by the tier's background thread
     /// ([`RemoteTier::flush`] waits for it). A `kv` that does not fit the context is a typed
@@ -76,9 +77,12 @@ impl RemoteTier {
         let mut layers = Vec::with_capacity(kv.len());
         let mut pieces = Vec::new();
         for (layer, ((keys, values), &kind)) in kv.into_iter().zip(&spec.layers).enumerate() {
+            // A window layer gives at least its window, and may give older rows (a runtime
+            // that kept them), so that prefixes ending before its window find theirs.
+            let given = keys.len() / (h * d).max(1);
             let expected = match kind {
                 LayerKind::Global => n,
-                LayerKind::SlidingWindow(w) => w.min(n),
+                LayerKind::SlidingWindow(w) => given.clamp(w.min(n), n),
             };
             if kind == LayerKind::Global {
                 let guard = layer_of(&ctx, id, layer)?.read();
