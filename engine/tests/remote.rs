@@ -191,6 +191,33 @@ fn diverging_prefixes_share_exactly_their_common_chunks() {
     assert!(after.misses > before.misses);
 }
 
+#[test]
+fn a_prefix_ending_inside_a_published_segment_restores_the_segment_cut_there() {
+    let (store, spec, ids, model) = published();
+    let t = tier(&store);
+    let e = engine();
+    // All but the last token, as a runtime asks: 15 whole chunks; the last segment of the
+    // published index ends past them and is cut at the prefix's local window.
+    let got = t.attach(&e, spec, &model, &ids[..TOKENS - 1]).unwrap().unwrap();
+    assert_eq!((got.tokens, got.layouts_used), (15 * CHUNK, 2));
+    let stats = e.stats(got.context, 0).unwrap();
+    assert!(stats.segments >= 3, "{stats:?}");
+    // A full budget over the restored index is exact attention over the attached rows.
+    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
+    let fresh = engine();
+    let ctx = fresh.create_context(ContextSpec::new(shape(), 1).with_method(Method::Flat)).unwrap();
+    let (k, v) = synth.slice(0, 15 * CHUNK);
+    fresh.prefill(ctx, 0, &k, &v).unwrap();
+    for step in 0..3 {
+        let q = synth.queries(step);
+        let a = e.execute(&e.plan(&[Request::new(got.context, 0, q.clone())], &Budget::full()).unwrap()).unwrap();
+        let b = fresh.execute(&fresh.plan(&[Request::new(ctx, 0, q)], &Budget::full()).unwrap()).unwrap();
+        let err =
+            attnstore_kernels::cpu::reference::rel_l2(&a[0], &b[0].iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+        assert!(err < 1e-3, "step {step}: {err}");
+    }
+}
+
 /// Publishes a two-layer wave context of [`TOKENS`] tokens into a fresh store.
 fn published() -> (Arc<MemoryStore>, ContextSpec, Vec<u32>, ModelId) {
     let model = ModelId::of_bytes(b"model a");

@@ -87,13 +87,7 @@ pub fn start<'a>(
 
 /// Appends the KV of tokens `from..to` from `p` (which holds each layer's last rows up to
 /// token `to`) to each layer of `ctx`.
-fn append_rest(
-    engine: &Engine,
-    ctx: attnstore::ContextId,
-    p: &Prefill,
-    from: usize,
-    to: usize,
-) -> Result<()> {
+fn append_rest(engine: &Engine, ctx: attnstore::ContextId, p: &Prefill, from: usize, to: usize) -> Result<()> {
     let shape = engine.spec(ctx)?.shape;
     let (h, d) = (shape.kv_heads, shape.head_dim);
     for (l, (k, v)) in p.kv.iter().enumerate() {

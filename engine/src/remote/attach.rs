@@ -23,9 +23,9 @@ pub struct Attached {
     /// token for a global layer, the last `min(W, tokens)` for a sliding-window layer), for
     /// a runtime that continues the prompt from it.
     pub kv: Vec<LayerKv>,
-    /// Layers given a published index layout to restore from (the others were indexed
-    /// from their rows: clustered, or PQ codebooks trained in the background; a layout
-    /// that does not fit the rows is reported in the log and the layer indexed likewise).
+    /// Layers restored from a published index layout (the others were indexed from their
+    /// rows: clustered, or PQ codebooks trained in the background; a layout that does not
+    /// fit the rows is reported in the log and the layer indexed likewise).
     pub layouts_used: usize,
 }
 
@@ -290,9 +290,11 @@ fn layouts(f: &Fetched<'_>, m: usize) -> HashMap<usize, IndexLayout> {
                     j.segments.extend(p.segments.iter().cloned());
                     j.tail_start = p.tail_start;
                 }
-                if let Some(mut j) = joined {
-                    j.tokens = (m * c) as u64;
-                    out.insert(l, IndexLayout::Wave(j));
+                if let (Some(j), crate::spec::Method::Wave(params)) = (joined, &f.spec.method) {
+                    let p = m * c;
+                    // The last `local` tokens stay in the steady zone, as a prefill leaves them.
+                    let cut = p.saturating_sub(params.local_tokens).max(j.sink_len as usize) as u64;
+                    out.insert(l, IndexLayout::Wave(cut_wave(j, p as u64, cut)));
                 }
             }
             _ => {
@@ -339,14 +341,52 @@ fn build(
                 let ((k0, k1), (v0, v1)) = (split(&keys), split(&values));
                 let batch = Batch { keys: &k0, values: &v0, prefill: true, layout: Some(layout) };
                 engine.ingest_with(id, l, batch, true)?;
+                // A layout that did not fit was reported and the rows indexed instead: count
+                // only layers whose index is the layout.
+                let ctx = engine.context(id)?;
+                let restored =
+                    crate::catalog::layer_of(&ctx, id, l)?.read().method.snapshots().and_then(|s| s.layout());
+                if restored.as_ref() == Some(layout) {
+                    used += 1;
+                }
                 if t < p {
                     engine.append(id, l, &k1, &v1)?;
                 }
-                used += 1;
             }
             None => engine.prefill(id, l, &keys, &values)?,
         }
         kv.push((keys, values));
     }
     Ok((kv, used))
+}
+
+/// `layout` over a prefix of `tokens` tokens, its segments cut at token `cut`: segments
+/// starting at or after it are dropped, one straddling it keeps its tokens before it in
+/// their clusters (clusters left empty dropped). The cut index is a valid layout of the
+/// prefix; its centroids are the means of the kept rows, computed on restore.
+pub(crate) fn cut_wave(mut layout: WaveLayout, tokens: u64, cut: u64) -> WaveLayout {
+    layout.segments.retain(|s| s.first < cut);
+    for seg in &mut layout.segments {
+        if seg.first + seg.len <= cut {
+            continue;
+        }
+        for head in &mut seg.heads {
+            let (mut sizes, mut positions) = (Vec::new(), Vec::new());
+            let mut at = 0;
+            for &size in &head.sizes {
+                let cluster = &head.positions[at..at + size as usize];
+                at += size as usize;
+                let before = positions.len();
+                positions.extend(cluster.iter().copied().filter(|&p| u64::from(p) < cut));
+                if positions.len() > before {
+                    sizes.push((positions.len() - before) as u32);
+                }
+            }
+            (head.sizes, head.positions) = (sizes, positions);
+        }
+        seg.len = cut - seg.first;
+    }
+    layout.tail_start = layout.segments.last().map_or(layout.sink_len, |s| s.first + s.len);
+    layout.tokens = tokens;
+    layout
 }

@@ -121,15 +121,17 @@ impl RemoteTier {
 
 /// The pieces a layout is published in, at chunks up to `chunks`. A wave layout is cut at
 /// the first chunk boundary after each segment (a piece holds the segments ending in its
-/// chunk), so a prefix that diverges later still finds every segment before it; a PQ
-/// snapshot is one piece at the chunk where its base region ends.
+/// chunk), so a prefix that diverges later still finds every segment before it; segments
+/// that end past the last whole chunk but start before it go into the last piece (an
+/// attach cuts them at its prefix). A PQ snapshot is one piece at the chunk where its base
+/// region ends.
 fn pieces_of(layer: usize, layout: IndexLayout, c: usize, chunks: usize) -> Vec<Piece> {
     match layout {
         IndexLayout::Wave(l) => {
             let mut groups: BTreeMap<usize, Vec<attnstore_index::SegmentLayout>> = BTreeMap::new();
             for seg in l.segments {
-                let point = ((seg.first + seg.len) as usize).div_ceil(c);
-                if point <= chunks {
+                let point = ((seg.first + seg.len) as usize).div_ceil(c).min(chunks);
+                if (seg.first as usize) < point * c {
                     groups.entry(point).or_default().push(seg);
                 }
             }
