@@ -416,3 +416,26 @@ fn bad_settings_and_bad_publishes_are_typed_errors() {
         Err(attnstore::Error::UnknownContext(_))
     ));
 }
+
+#[test]
+fn a_context_attached_into_a_durable_engine_survives_a_restart() {
+    let (store, spec, ids, model) = published();
+    let dir = tempfile::tempdir().unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
+    let (ctx, before) = {
+        let e = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+        let got = tier(&store).attach(&e, spec.clone(), &model, &ids).unwrap().unwrap();
+        assert_eq!((got.tokens, got.layouts_used), (TOKENS, 2));
+        (got.context, answers(&e, got.context, 2, &synth))
+    };
+    let e = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    assert!(e.wait_index_rebuild(Duration::from_secs(60)).unwrap());
+    assert_eq!(e.spec(ctx).unwrap(), spec);
+    let after = answers(&e, ctx, 2, &synth);
+    // Recovery replays the attached rows as a prefill and clusters them again: the exact
+    // answers are equal, the sparse ones close.
+    for (i, (a, b)) in before.iter().zip(&after).enumerate() {
+        let err = attnstore_kernels::cpu::reference::rel_l2(b, &a.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+        assert!(err < if i % 2 == 1 { 1e-6 } else { 0.2 }, "answer {i}: {err}");
+    }
+}
