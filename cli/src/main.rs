@@ -5,6 +5,7 @@
 //! a real model (SmolLM2-135M) whose decode attention attnstore serves.
 
 mod model;
+mod remote;
 
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, Engine, EngineConfig, EstimateShare,
@@ -103,6 +104,10 @@ enum Command {
     Argmax(model::ArgmaxArgs),
     /// Write a small model with random weights and an architecture's real GGUF layout.
     SynthModel(model::SynthArgs),
+    /// Benchmark the remote tier on Redis: publish and attach of a synthetic context against
+    /// the store's own pipelined SET/GET of the same values (and redis-benchmark), and
+    /// attach + first attention against prefill + index build.
+    BenchRemote(remote::BenchRemoteArgs),
 }
 
 #[derive(Args)]
@@ -765,6 +770,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => model::eval(a),
         Command::Argmax(a) => model::argmax_dump(a),
         Command::SynthModel(a) => model::synth_model(a),
+        Command::BenchRemote(a) => remote::bench_remote(a),
     };
     let result = match (cli.metrics, metrics) {
         (Some(path), Some(handle)) => result.and_then(|()| {

@@ -1,17 +1,18 @@
 //! The real-model commands: `generate`, `capture`, `eval`, `argmax`, and `bench --trace`.
 
+use attnstore::remote::ModelId;
 use attnstore::{Budget, Codec, EstimateShare};
 use attnstore_bench::plot::{Axis, Chart, Series};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
 use attnstore_runtime::synth::{write_model, SynthConfig};
 use attnstore_runtime::trace::{self, Trace, TraceRow};
-use attnstore_runtime::{argmax, default_model_path, Arch, AttnConfig, AttnMethod, Model, Session, Weights};
+use attnstore_runtime::{argmax, default_model_path, remote, Arch, AttnConfig, AttnMethod, Model, Session, Weights};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Model file and weight handling.
 #[derive(Args, Clone)]
@@ -90,6 +91,8 @@ pub struct GenerateArgs {
     model: ModelArgs,
     #[command(flatten)]
     budget: ModelBudgetArgs,
+    #[command(flatten)]
+    remote: crate::remote::RemoteArgs,
 }
 
 /// `attnstore capture`.
@@ -325,12 +328,50 @@ pub fn generate(args: GenerateArgs) -> Result<(), String> {
             (context + 1).saturating_sub(ids.len())
         ));
     }
-    let p = prefill(&model, &ids, args.model.chunk)?;
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
-    let mut session = Session::new(&model, &engine, config, &p, false).map_err(|e| e.to_string())?;
+    let tier = match &args.remote.remote {
+        Some(url) => match args.remote.tier(url) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                eprintln!("warning: {e}: prefilling the whole prompt without the remote tier");
+                None
+            }
+        },
+        None => None,
+    };
+    let (mut session, logits) = match &tier {
+        None => {
+            let p = prefill(&model, &ids, args.model.chunk)?;
+            let session = Session::new(&model, &engine, config, &p, false).map_err(|e| e.to_string())?;
+            (session, p.logits)
+        }
+        Some(tier) => {
+            let start = Instant::now();
+            let id = ModelId::of_file(&model_path(&args.model)).map_err(|e| e.to_string())?;
+            let hashed = start.elapsed().as_secs_f64();
+            let pb = bar(ids.len(), "prefill");
+            let r = remote::start(&model, &engine, config, tier, &id, &ids, args.model.chunk, &mut |n| {
+                pb.set_position(n as u64)
+            })
+            .map_err(|e| e.to_string())?;
+            pb.finish_and_clear();
+            let (a, p) = (r.attach_time.as_secs_f64(), r.prefill_time.as_secs_f64());
+            eprintln!(
+                "time to first token: {:.2} s ({} of {} prompt tokens attached from {} in {a:.2} s, {} prefilled in {p:.2} s; \
+                 model identity {} hashed in {hashed:.2} s)",
+                a + p,
+                r.reused_tokens,
+                ids.len(),
+                tier.describe(),
+                r.prefilled_tokens,
+                &id.hex()[..16],
+            );
+            (r.session, r.logits)
+        }
+    };
     let tok = model.tokenizer();
     let start = Instant::now();
-    let mut next = argmax(&p.logits);
+    let mut next = argmax(&logits);
     let mut out = Vec::new();
     let mut stdout = std::io::stdout();
     let mut printed = String::new();
@@ -369,6 +410,12 @@ pub fn generate(args: GenerateArgs) -> Result<(), String> {
         if let Some(e) = session.last_explain() {
             eprintln!("{e}");
         }
+    }
+    if let Some(tier) = &tier {
+        if !tier.flush(Duration::from_secs(60)) {
+            eprintln!("warning: the prompt's publish did not finish within 60 s; what was written stays usable");
+        }
+        eprintln!("{}", tier.stats().summary());
     }
     Ok(())
 }

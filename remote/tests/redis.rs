@@ -1,0 +1,395 @@
+//! The remote tier on real Redis servers started by the tests: the store's round trips,
+//! bounded waits, reconnection; the tier's publish/attach, damaged and evicted values,
+//! servers killed and restarted mid-run, a slow server during decode steps, and a Redis
+//! Cluster losing a master. Each test skips (saying why) where redis-server is missing.
+
+use attnstore::remote::{ModelId, RemoteConfig, RemoteErrorKind, RemoteStore, RemoteTier};
+use attnstore::{AttnShape, Budget, ContextId, ContextSpec, Engine, EngineConfig, Method, Request, WaveParams};
+use attnstore_remote::testing::{available, RedisCluster, RedisServer};
+use attnstore_remote::{RedisConfig, RedisStore};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const TOKENS: usize = 2048;
+const CHUNK: usize = 128;
+
+fn skip() -> bool {
+    if available() {
+        return false;
+    }
+    eprintln!("SKIPPED: redis-server / redis-cli not installed (.ci/run installs Debian's redis-server)");
+    true
+}
+
+fn config(ms: u64) -> RedisConfig {
+    RedisConfig { timeout: Duration::from_millis(ms), ..RedisConfig::default() }
+}
+
+fn keys(n: usize, tag: &str) -> Vec<String> {
+    (0..n).map(|i| format!("{tag}:{i}")).collect()
+}
+
+#[test]
+fn values_round_trip_and_missing_keys_are_none() {
+    if skip() {
+        return;
+    }
+    let server = RedisServer::start().unwrap();
+    let store = RedisStore::connect(&server.url(), config(2000)).unwrap();
+    let sizes = [0usize, 1, 200_000, 7];
+    let entries: Vec<(String, Vec<u8>)> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| (format!("k{i}"), (0..n).map(|b| (b * 7 + i) as u8).collect()))
+        .collect();
+    store.set_many(&entries).unwrap();
+    let mut asked: Vec<String> = entries.iter().map(|(k, _)| k.clone()).collect();
+    asked.push("absent".into());
+    let got = store.get_many(&asked).unwrap();
+    for ((_, v), g) in entries.iter().zip(&got) {
+        assert_eq!(g.as_ref(), Some(v));
+    }
+    assert_eq!(got[4], None);
+    assert_eq!(store.exists_many(&asked).unwrap(), vec![true, true, true, true, false]);
+    // More keys than one pipeline holds.
+    let many: Vec<(String, Vec<u8>)> = keys(300, "many").into_iter().map(|k| (k.clone(), k.into_bytes())).collect();
+    store.set_many(&many).unwrap();
+    let got = store.get_many(&keys(300, "many")).unwrap();
+    assert!(got.iter().zip(&many).all(|(g, (_, v))| g.as_ref() == Some(v)));
+}
+
+#[test]
+fn a_sleeping_server_times_out_within_the_bound_and_a_restarted_one_is_reconnected() {
+    if skip() {
+        return;
+    }
+    let mut server = RedisServer::start().unwrap();
+    let store = Arc::new(RedisStore::connect(&server.url(), config(300)).unwrap());
+    store.set_many(&[("a".into(), b"1".to_vec())]).unwrap();
+    let port = server.port();
+    let sleeper = std::thread::spawn(move || {
+        let _ = std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "DEBUG", "SLEEP", "3"]).output();
+    });
+    // Until the server sleeps, a PING answers at once.
+    let probe = RedisStore::connect(&server.url(), config(100)).unwrap();
+    let waiting = Instant::now();
+    while probe.exists_many(&["a".into()]).is_ok() {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "the server never slept (DEBUG SLEEP refused?)");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let start = Instant::now();
+    let err = store.get_many(&["a".into()]).unwrap_err();
+    assert_eq!(err.kind, RemoteErrorKind::Timeout, "{err}");
+    assert!(start.elapsed() < Duration::from_millis(1500), "waited {:?}", start.elapsed());
+    sleeper.join().unwrap();
+    assert_eq!(store.get_many(&["a".into()]).unwrap(), vec![Some(b"1".to_vec())], "works once the sleep ends");
+    server.stop();
+    let err = store.get_many(&["a".into()]).unwrap_err();
+    assert_eq!(err.kind, RemoteErrorKind::Connection, "{err}");
+    server.restart().unwrap();
+    assert_eq!(store.get_many(&["a".into()]).unwrap(), vec![None], "reconnected; the restarted server is empty");
+}
+
+/// Deterministic KV of `tokens` tokens (`kv_heads × tokens × head_dim`).
+fn kv(shape: AttnShape, tokens: usize, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let mut x = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+    let mut next = || {
+        x = x.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    };
+    let n = shape.kv_heads * tokens * shape.head_dim;
+    ((0..n).map(|_| next()).collect(), (0..n).map(|_| next()).collect())
+}
+
+fn shape() -> AttnShape {
+    AttnShape::new(4, 2, 16).unwrap()
+}
+
+fn spec() -> ContextSpec {
+    ContextSpec::new(shape(), 2).with_method(Method::Wave(WaveParams {
+        segment_tokens: 512,
+        decode_segment_tokens: 256,
+        ..WaveParams::default()
+    }))
+}
+
+fn ids(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| i.wrapping_mul(2_654_435_761) % 50_000).collect()
+}
+
+/// A published context: its engine, id, and the answers of a few queries.
+struct Published {
+    engine: Engine,
+    ctx: ContextId,
+    kv: (Vec<f32>, Vec<f32>),
+}
+
+fn build() -> Published {
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(spec()).unwrap();
+    let kv = kv(shape(), TOKENS, 5);
+    for l in 0..2 {
+        engine.prefill(ctx, l, &kv.0, &kv.1).unwrap();
+    }
+    Published { engine, ctx, kv }
+}
+
+fn answers(engine: &Engine, ctx: ContextId) -> Vec<Vec<f32>> {
+    let mut out = Vec::new();
+    for l in 0..2 {
+        for budget in [Budget::default().with_retrieve_floor(64), Budget::full()] {
+            let q: Vec<f32> = (0..shape().query_len()).map(|i| ((i * 13 + l) % 7) as f32 * 0.3 - 0.9).collect();
+            let plan = engine.plan(&[Request::new(ctx, l, q)], &budget).unwrap();
+            out.push(engine.execute(&plan).unwrap().remove(0));
+        }
+    }
+    out
+}
+
+fn tier(store: Arc<dyn RemoteStore>) -> RemoteTier {
+    RemoteTier::new(store, RemoteConfig { chunk_tokens: CHUNK, values_per_call: 16, ..RemoteConfig::default() })
+        .unwrap()
+}
+
+fn publish(t: &RemoteTier, p: &Published, model: &ModelId) {
+    t.publish(&p.engine, p.ctx, model, &ids(TOKENS), vec![p.kv.clone(), p.kv.clone()]).unwrap();
+    assert!(t.flush(Duration::from_secs(60)));
+}
+
+#[test]
+fn publish_then_attach_through_redis_and_damage_of_every_kind_shortens_the_prefix() {
+    if skip() {
+        return;
+    }
+    let server = RedisServer::start().unwrap();
+    let store: Arc<dyn RemoteStore> = Arc::new(RedisStore::connect(&server.url(), config(2000)).unwrap());
+    let model = ModelId::of_bytes(b"redis test model");
+    let p = build();
+    let t = tier(Arc::clone(&store));
+    publish(&t, &p, &model);
+    assert_eq!(t.stats().publishes_done, 1);
+    let second = Engine::in_memory(EngineConfig::default()).unwrap();
+    let got = t.attach(&second, spec(), &model, &ids(TOKENS)).unwrap().unwrap();
+    assert_eq!((got.tokens, got.layouts_used), (TOKENS, 2));
+    assert_eq!(answers(&second, got.context), answers(&p.engine, p.ctx), "same answers in the second engine");
+    // Another model's identity matches nothing.
+    assert!(t.attach(&second, spec(), &ModelId::of_bytes(b"other"), &ids(TOKENS)).unwrap().is_none());
+
+    let rows: Vec<String> =
+        server.cli(&["--scan", "--pattern", "*:kv:*:1:g:*"]).unwrap().lines().map(str::to_owned).collect();
+    assert_eq!(rows.len(), TOKENS / CHUNK);
+    // Find the key of a chunk by deleting each in turn is slow; instead damage one and see
+    // where the prefix ends (it must end exactly there and be counted).
+    let victim = &rows[rows.len() / 2];
+    let prefix_with = |what: &str, t: &RemoteTier| {
+        let e = Engine::in_memory(EngineConfig::default()).unwrap();
+        let got = t.attach(&e, spec(), &model, &ids(TOKENS)).unwrap();
+        let n = got.as_ref().map_or(0, |g| g.tokens);
+        if let Some(g) = got {
+            // Whatever was attached answers like the same rows prefilled.
+            let fresh = Engine::in_memory(EngineConfig::default()).unwrap();
+            let ctx = fresh.create_context(ContextSpec::new(shape(), 1).with_method(Method::Flat)).unwrap();
+            let cut: (Vec<f32>, Vec<f32>) = {
+                let d = shape().head_dim;
+                let pick = |x: &[f32]| -> Vec<f32> {
+                    (0..shape().kv_heads).flat_map(|h| x[h * TOKENS * d..(h * TOKENS + n) * d].to_vec()).collect()
+                };
+                (pick(&p.kv.0), pick(&p.kv.1))
+            };
+            fresh.prefill(ctx, 0, &cut.0, &cut.1).unwrap();
+            let q: Vec<f32> = (0..shape().query_len()).map(|i| (i % 5) as f32 * 0.2).collect();
+            let a = e.execute(&e.plan(&[Request::new(g.context, 0, q.clone())], &Budget::full()).unwrap()).unwrap();
+            let b = fresh.execute(&fresh.plan(&[Request::new(ctx, 0, q)], &Budget::full()).unwrap()).unwrap();
+            let err: f32 = a[0].iter().zip(&b[0]).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            assert!(err < 1e-5, "{what}: attached rows differ ({err})");
+        }
+        n
+    };
+    let full = prefix_with("intact", &t);
+    assert_eq!(full, TOKENS);
+    let original = server.cli(&["--no-raw", "STRLEN", victim]).unwrap();
+    // A flipped byte (SETRANGE).
+    server.cli(&["SETRANGE", victim, "100", "\u{1}"]).unwrap();
+    let t1 = tier(Arc::clone(&store));
+    let short = prefix_with("flipped", &t1);
+    assert!(short < TOKENS && short % CHUNK == 0, "{short}");
+    assert_eq!((t1.stats().corrupt, t1.stats().misses), (1, 0));
+    // A truncated value: the same chunk, so the same prefix.
+    let dump = server.cli(&["--no-raw", "GETRANGE", victim, "0", "50"]).unwrap();
+    assert!(!dump.is_empty() && !original.is_empty());
+    server.cli(&["SET", victim, "truncated"]).unwrap();
+    let t2 = tier(Arc::clone(&store));
+    assert_eq!(prefix_with("truncated", &t2), short);
+    assert_eq!(t2.stats().corrupt, 1);
+    // A deleted key.
+    server.cli(&["DEL", victim]).unwrap();
+    let t3 = tier(Arc::clone(&store));
+    assert_eq!(prefix_with("deleted", &t3), short);
+    assert_eq!((t3.stats().corrupt, t3.stats().misses), (0, 1));
+    // A republish repairs it (only the missing value is written).
+    publish(&t3, &p, &model);
+    assert_eq!(t3.stats().values_out, 1);
+    assert_eq!(prefix_with("repaired", &t3), TOKENS);
+}
+
+#[test]
+fn evicted_values_shorten_the_prefix_and_are_counted() {
+    if skip() {
+        return;
+    }
+    let server = RedisServer::start_with(&["--maxmemory-policy", "allkeys-lru"]).unwrap();
+    let store: Arc<dyn RemoteStore> = Arc::new(RedisStore::connect(&server.url(), config(2000)).unwrap());
+    let model = ModelId::of_bytes(b"redis test model");
+    let p = build();
+    let t = tier(Arc::clone(&store));
+    publish(&t, &p, &model);
+    // Then the server gets less memory than it holds: least recently used keys go first.
+    let used: u64 = server
+        .cli(&["INFO", "memory"])
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("used_memory:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    server.cli(&["CONFIG", "SET", "maxmemory", &(used - 200_000).to_string()]).unwrap();
+    server.cli(&["SET", "trigger", "eviction"]).unwrap();
+    let evicted: u64 = server
+        .cli(&["INFO", "stats"])
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("evicted_keys:"))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap();
+    assert!(evicted > 0, "the publish filled the server past maxmemory");
+    let e = Engine::in_memory(EngineConfig::default()).unwrap();
+    let got = t.attach(&e, spec(), &model, &ids(TOKENS)).unwrap();
+    let n = got.as_ref().map_or(0, |g| g.tokens);
+    assert!(n < TOKENS, "{n}");
+    assert!(t.stats().misses >= 1);
+}
+
+#[test]
+fn a_server_killed_mid_publish_and_mid_attach_loses_nothing_local_and_serves_nothing_wrong() {
+    if skip() {
+        return;
+    }
+    let mut server = RedisServer::start().unwrap();
+    let store: Arc<dyn RemoteStore> = Arc::new(RedisStore::connect(&server.url(), config(500)).unwrap());
+    let model = ModelId::of_bytes(b"redis test model");
+    let p = build();
+    let before = answers(&p.engine, p.ctx);
+    let t = tier(Arc::clone(&store));
+    // Killed while the publish runs: it stops at a failed call.
+    t.publish(&p.engine, p.ctx, &model, &ids(TOKENS), vec![p.kv.clone(), p.kv.clone()]).unwrap();
+    server.stop();
+    assert!(t.flush(Duration::from_secs(30)));
+    let s = t.stats();
+    assert_eq!(s.publishes_done + s.publishes_failed, 1);
+    // Attach against the dead server: nothing, counted, quickly.
+    let e = Engine::in_memory(EngineConfig::default()).unwrap();
+    assert!(t.attach(&e, spec(), &model, &ids(TOKENS)).unwrap().is_none());
+    assert!(t.stats().connection_failures >= 1);
+    assert!(e.contexts().is_empty(), "a failed attach leaves no context behind");
+    // Restarted empty: nothing is served, and publishing works again.
+    server.restart().unwrap();
+    assert!(t.attach(&e, spec(), &model, &ids(TOKENS)).unwrap().is_none());
+    publish(&t, &p, &model);
+    // Killed between the attach's reads: whatever it attached is right (checked values only).
+    let t2 = tier(Arc::clone(&store));
+    let killer = {
+        let port = server.port();
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(2));
+            let _ =
+                std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "SHUTDOWN", "NOSAVE"]).output();
+        })
+    };
+    let got = t2.attach(&e, spec(), &model, &ids(TOKENS)).unwrap();
+    killer.join().unwrap();
+    if let Some(g) = got {
+        assert!(g.tokens <= TOKENS && g.tokens % CHUNK == 0);
+    }
+    assert_eq!(answers(&p.engine, p.ctx), before, "the local context is untouched");
+}
+
+#[test]
+fn a_slow_server_never_blocks_decode_steps() {
+    if skip() {
+        return;
+    }
+    let server = RedisServer::start().unwrap();
+    let store: Arc<dyn RemoteStore> = Arc::new(RedisStore::connect(&server.url(), config(5000)).unwrap());
+    let model = ModelId::of_bytes(b"redis test model");
+    let p = build();
+    let t = tier(Arc::clone(&store));
+    let port = server.port();
+    let sleeper = std::thread::spawn(move || {
+        let _ = std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "DEBUG", "SLEEP", "3"]).output();
+    });
+    let probe = RedisStore::connect(&server.url(), config(100)).unwrap();
+    let waiting = Instant::now();
+    while probe.exists_many(&["a".into()]).is_ok() {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "the server never slept (DEBUG SLEEP refused?)");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t.publish(&p.engine, p.ctx, &model, &ids(TOKENS), vec![p.kv.clone(), p.kv.clone()]).unwrap();
+    // The writer waits on the sleeping server; decode steps go on.
+    for step in 0..20 {
+        let (k, v) = kv(shape(), 1, 100 + step);
+        p.engine.append(p.ctx, 0, &k, &v).unwrap();
+        let plan =
+            p.engine.plan(&[Request::new(p.ctx, 0, vec![0.1; shape().query_len()])], &Budget::default()).unwrap();
+        p.engine.execute(&plan).unwrap();
+    }
+    assert!(!t.flush(Duration::ZERO), "the publish is still waiting for the server");
+    sleeper.join().unwrap();
+    assert!(t.flush(Duration::from_secs(30)));
+    assert_eq!(t.stats().publishes_done, 1);
+}
+
+#[test]
+fn a_cluster_losing_a_master_keeps_serving_what_it_holds() {
+    if skip() {
+        return;
+    }
+    let mut cluster = RedisCluster::start(3, 1).unwrap();
+    let store = Arc::new(RedisStore::connect(&cluster.url(), config(2000)).unwrap());
+    // Keys spread over every master's slots.
+    let many: Vec<(String, Vec<u8>)> =
+        keys(500, "spread").into_iter().map(|k| (k.clone(), k.clone().into_bytes())).collect();
+    store.set_many(&many).unwrap();
+    let got = store.get_many(&keys(500, "spread")).unwrap();
+    assert!(got.iter().zip(&many).all(|(g, (_, v))| g.as_ref() == Some(v)));
+    let model = ModelId::of_bytes(b"redis test model");
+    let p = build();
+    let t = tier(Arc::clone(&store) as Arc<dyn RemoteStore>);
+    publish(&t, &p, &model);
+    let e = Engine::in_memory(EngineConfig::default()).unwrap();
+    let got = t.attach(&e, spec(), &model, &ids(TOKENS)).unwrap().unwrap();
+    assert_eq!(got.tokens, TOKENS);
+    assert_eq!(answers(&e, got.context), answers(&p.engine, p.ctx));
+    // Let the replicas catch up, then kill a master: its replica takes over.
+    for port in cluster.master_ports() {
+        cluster.cli(port, &["WAIT", "1", "2000"]).unwrap();
+    }
+    let victim = cluster.master_ports()[0];
+    cluster.kill_master_and_wait_failover(victim).unwrap();
+    let e2 = Engine::in_memory(EngineConfig::default()).unwrap();
+    // The first calls after a failover may fail while the client learns the new map; the
+    // attach then finds a shorter prefix, never a wrong one. Once it has, all is there.
+    let mut tokens = 0;
+    for _ in 0..5 {
+        if let Some(g) = t.attach(&e2, spec(), &model, &ids(TOKENS)).unwrap() {
+            tokens = g.tokens;
+            if tokens == TOKENS {
+                assert_eq!(answers(&e2, g.context), answers(&p.engine, p.ctx));
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert_eq!(tokens, TOKENS, "every value survived on the promoted replicas");
+    // Writes work after the failover.
+    store.set_many(&[("after".into(), b"x".to_vec())]).unwrap();
+    assert_eq!(store.get_many(&["after".into()]).unwrap(), vec![Some(b"x".to_vec())]);
+}
