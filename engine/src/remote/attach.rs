@@ -10,6 +10,7 @@ use crate::engine::Engine;
 use crate::error::Result;
 use crate::spec::{ContextSpec, LayerKind};
 use attnstore_index::{IndexLayout, WaveLayout};
+use rayon::prelude::*;
 use std::collections::HashMap;
 
 /// A context built from a published prefix.
@@ -27,6 +28,10 @@ pub struct Attached {
     /// rows: clustered, or PQ codebooks trained in the background; a layout that does not
     /// fit the rows is reported in the log and the layer indexed likewise).
     pub layouts_used: usize,
+    /// Time spent finding the prefix and reading and checking its values and layouts.
+    pub fetch_time: std::time::Duration,
+    /// Time spent building the context from them (restoring indexes).
+    pub build_time: std::time::Duration,
 }
 
 /// What one attach read: decoded rows by (chunk index, layer), and values known unusable.
@@ -45,38 +50,66 @@ impl Fetched<'_> {
         Expect { hash, layer, kv_heads: s.kv_heads, head_dim: s.head_dim, dtype: self.spec.dtype }
     }
 
-    /// Reads the rows of `(chunk, layer)` pairs not read yet; false when a call failed.
-    fn read(&mut self, wanted: &[(usize, usize)]) -> bool {
+    /// Reads the rows of `(chunk, layer)` pairs not read yet, in order; false when a call
+    /// failed. With `stop_at_fault`, reading stops after the call that found the first
+    /// missing or corrupt value (a prefix ends there). One thread fetches while this one
+    /// checks and widens the previous call's values (in parallel), so decoding overlaps the
+    /// store's I/O.
+    fn read(&mut self, wanted: &[(usize, usize)], stop_at_fault: bool) -> bool {
         let todo: Vec<(usize, usize)> =
             wanted.iter().copied().filter(|p| !self.rows.contains_key(p) && !self.bad.contains_key(p)).collect();
         let dtype = self.spec.dtype.name();
-        for part in todo.chunks(self.shared.config.values_per_call) {
-            let keys: Vec<String> =
-                part.iter().map(|&(k, l)| self.keys.chunk(&self.chain[k], l, self.spec.layers[l], dtype)).collect();
-            let Ok(values) = self.shared.call("get", |s| s.get_many(&keys)) else { return false };
-            let mut bytes = 0;
-            for (&(k, l), value) in part.iter().zip(values.into_iter().chain(std::iter::repeat(None))) {
-                let decoded = match value {
-                    None => Err(Fault::Missing),
-                    Some(v) => {
-                        bytes += v.len();
-                        decode_rows(&v, &self.expect(&self.chain[k], l), self.shared.config.chunk_tokens)
+        let keys: Vec<String> =
+            todo.iter().map(|&(k, l)| self.keys.chunk(&self.chain[k], l, self.spec.layers[l], dtype)).collect();
+        let per_call = self.shared.config.values_per_call;
+        let shared = self.shared;
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        std::thread::scope(|scope| {
+            let (tx, rx) = std::sync::mpsc::sync_channel::<(usize, Vec<Option<Vec<u8>>>)>(1);
+            let (keys, stop) = (&keys, &stop);
+            let fetcher = scope.spawn(move || {
+                for (i, part) in keys.chunks(per_call).enumerate() {
+                    if stop.load(std::sync::atomic::Ordering::SeqCst) {
+                        break;
                     }
-                };
-                match decoded {
-                    Ok(r) => {
-                        self.shared.counters.hits(1, 0);
-                        self.rows.insert((k, l), r);
-                    }
-                    Err(f) => {
-                        self.shared.counters.fault(f);
-                        self.bad.insert((k, l), f);
+                    let Ok(mut values) = shared.call("get", |s| s.get_many(part)) else { return false };
+                    values.resize(part.len(), None);
+                    if tx.send((i, values)).is_err() {
+                        break;
                     }
                 }
+                true
+            });
+            for (i, values) in rx {
+                let part = &todo[i * per_call..(i * per_call + values.len()).min(todo.len())];
+                let bytes: usize = values.iter().flatten().map(Vec::len).sum();
+                let decoded: Vec<std::result::Result<Rows, Fault>> = part
+                    .par_iter()
+                    .zip(values.into_par_iter())
+                    .map(|(&(k, l), value)| match value {
+                        None => Err(Fault::Missing),
+                        Some(v) => decode_rows(&v, &self.expect(&self.chain[k], l), shared.config.chunk_tokens),
+                    })
+                    .collect();
+                for (&(k, l), decoded) in part.iter().zip(decoded) {
+                    match decoded {
+                        Ok(r) => {
+                            shared.counters.hits(1, 0);
+                            self.rows.insert((k, l), r);
+                        }
+                        Err(f) => {
+                            shared.counters.fault(f);
+                            self.bad.insert((k, l), f);
+                            if stop_at_fault {
+                                stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                            }
+                        }
+                    }
+                }
+                stats::add(&shared.counters.bytes_in, bytes as u64);
             }
-            stats::add(&self.shared.counters.bytes_in, bytes as u64);
-        }
-        true
+            fetcher.join().unwrap_or(false)
+        })
     }
 
     /// Whether chunk `k` of layer `l` holds rows `from..` of the chunk through its end.
@@ -142,12 +175,15 @@ impl RemoteTier {
             rows: HashMap::new(),
             bad: HashMap::new(),
         };
+        let fetching = std::time::Instant::now();
         let m = prefix_chunks(&mut f);
         metrics::histogram!("attnstore_remote_prefix_tokens").record((m * c) as f64);
         if m == 0 {
             return Ok(None);
         }
         let layouts = layouts(&f, m);
+        let fetch_time = fetching.elapsed();
+        let building = std::time::Instant::now();
         let p = m * c;
         let id = engine.create_context(spec.clone())?;
         let built = build(engine, id, &f, p, &layouts);
@@ -160,7 +196,7 @@ impl RemoteTier {
         };
         stats::add(&shared.counters.attach_tokens_reused, p as u64);
         stats::add(&shared.counters.layouts_used, layouts_used as u64);
-        Ok(Some(Attached { context: id, tokens: p, kv, layouts_used }))
+        Ok(Some(Attached { context: id, tokens: p, kv, layouts_used, fetch_time, build_time: building.elapsed() }))
     }
 }
 
@@ -171,23 +207,13 @@ fn prefix_chunks(f: &mut Fetched<'_>) -> usize {
     let total = f.chain.len();
     let layers = f.spec.layers.clone();
     let global: Vec<usize> = (0..layers.len()).filter(|&l| layers[l] == LayerKind::Global).collect();
-    let mut m = 0;
-    if global.is_empty() {
-        m = total;
+    let mut m = if global.is_empty() {
+        total
     } else {
-        let per_call = (f.shared.config.values_per_call / global.len()).max(1);
-        'chunks: while m < total {
-            let upto = (m + per_call).min(total);
-            let wanted: Vec<(usize, usize)> = (m..upto).flat_map(|k| global.iter().map(move |&l| (k, l))).collect();
-            let ok = f.read(&wanted);
-            let from = m;
-            let whole = (from..upto).take_while(|&k| global.iter().all(|&l| f.covers(k, l, 0))).count();
-            m = from + whole;
-            if !ok || m < upto {
-                break 'chunks;
-            }
-        }
-    }
+        let wanted: Vec<(usize, usize)> = (0..total).flat_map(|k| global.iter().map(move |&l| (k, l))).collect();
+        f.read(&wanted, true);
+        (0..total).take_while(|&k| global.iter().all(|&l| f.covers(k, l, 0))).count()
+    };
     let windows: Vec<(usize, usize)> = layers
         .iter()
         .enumerate()
@@ -205,7 +231,7 @@ fn prefix_chunks(f: &mut Fetched<'_>) -> usize {
             .flat_map(|&(l, w)| f.window_needs(m, w).into_iter().map(move |(k, from)| (k, l, from)))
             .collect();
         let wanted: Vec<(usize, usize)> = needs.iter().map(|&(k, l, _)| (k, l)).collect();
-        if !f.read(&wanted) {
+        if !f.read(&wanted, false) {
             return 0;
         }
         if needs.iter().all(|&(k, l, from)| f.covers(k, l, from)) {

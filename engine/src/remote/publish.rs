@@ -14,6 +14,7 @@ use crate::error::{Error, Result};
 use crate::spec::LayerKind;
 use attnstore_index::{IndexLayout, WaveLayout};
 use attnstore_kernels::DType;
+use rayon::prelude::*;
 use std::collections::BTreeMap;
 
 /// One layer's rows to publish: token positions `start..start + rows`.
@@ -181,13 +182,13 @@ pub(crate) fn run(shared: &Shared) {
 }
 
 /// A value to write, made only if the store does not hold it.
-type Pending<'a> = (String, Box<dyn Fn() -> Vec<u8> + 'a>);
+type Pending<'a> = (String, Box<dyn Fn() -> Vec<u8> + Send + Sync + 'a>);
 
 /// Writes one job; false when a store call failed (or the tier is stopping).
 fn write(shared: &Shared, job: &Job) -> bool {
     let c = shared.config.chunk_tokens;
     let (h, d) = (job.kv_heads, job.head_dim);
-    let mut batch: Vec<Pending<'_>> = Vec::new();
+    let mut items: Vec<Pending<'_>> = Vec::new();
     // Rows: chunk by chunk, every layer holding rows of it.
     for (k, hash) in job.chain.iter().enumerate() {
         for l in &job.layers {
@@ -195,8 +196,7 @@ fn write(shared: &Shared, job: &Job) -> bool {
             if lo >= hi {
                 continue;
             }
-            let dtype = job.dtype.name();
-            let key = job.keys.chunk(hash, l.layer, l.kind, dtype);
+            let key = job.keys.chunk(hash, l.layer, l.kind, job.dtype.name());
             let make = move || {
                 let e = Expect { hash, layer: l.layer, kv_heads: h, head_dim: d, dtype: job.dtype };
                 let (mut keys, mut values) = (Vec::new(), Vec::new());
@@ -207,13 +207,10 @@ fn write(shared: &Shared, job: &Job) -> bool {
                 }
                 encode_rows(&e, lo - k * c, hi - lo, &keys, &values)
             };
-            batch.push((key, Box::new(make)));
-            if batch.len() >= shared.config.values_per_call && !flush(shared, &mut batch) {
-                return false;
-            }
+            items.push((key, Box::new(make)));
         }
     }
-    // Layouts, then the lists naming them per chunk.
+    // Layouts, then (once they are stored) the lists naming them per chunk.
     let mut lists: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     for p in &job.pieces {
         let hash = &job.chain[p.point - 1];
@@ -222,50 +219,63 @@ fn write(shared: &Shared, job: &Job) -> bool {
             let e = Expect { hash, layer: p.layer, kv_heads: h, head_dim: d, dtype: job.dtype };
             encode_layout(&e, p.point * c, &p.layout)
         };
-        batch.push((key, Box::new(make)));
+        items.push((key, Box::new(make)));
         lists.entry(p.point).or_default().push(p.layer);
-        if batch.len() >= shared.config.values_per_call && !flush(shared, &mut batch) {
-            return false;
-        }
     }
-    if !flush(shared, &mut batch) {
+    if !send_all(shared, &items) {
         return false;
     }
-    for (point, layers) in lists {
-        let hash = &job.chain[point - 1];
-        let key = job.keys.layouts(hash);
-        let make = move || {
-            let e = Expect { hash, layer: 0, kv_heads: h, head_dim: d, dtype: job.dtype };
-            encode_list(&e, &layers)
-        };
-        batch.push((key, Box::new(make)));
-        if batch.len() >= shared.config.values_per_call && !flush(shared, &mut batch) {
-            return false;
-        }
-    }
-    flush(shared, &mut batch)
+    let lists: Vec<Pending<'_>> = lists
+        .into_iter()
+        .map(|(point, layers)| {
+            let hash = &job.chain[point - 1];
+            let make = move || {
+                let e = Expect { hash, layer: 0, kv_heads: h, head_dim: d, dtype: job.dtype };
+                encode_list(&e, &layers)
+            };
+            (job.keys.layouts(hash), Box::new(make) as Box<dyn Fn() -> Vec<u8> + Send + Sync>)
+        })
+        .collect();
+    send_all(shared, &lists)
 }
 
-/// Writes the values of `batch` the store does not hold yet and empties it.
-fn flush(shared: &Shared, batch: &mut Vec<Pending<'_>>) -> bool {
-    if batch.is_empty() {
-        return true;
-    }
-    if shared.stopping() {
-        return false;
-    }
-    let keys: Vec<String> = batch.iter().map(|(k, _)| k.clone()).collect();
-    let Ok(present) = shared.call("exists", |s| s.exists_many(&keys)) else { return false };
-    let entries: Vec<(String, Vec<u8>)> =
-        batch.drain(..).zip(present).filter_map(|((key, make), there)| (!there).then(|| (key, make()))).collect();
-    stats::add(&shared.counters.values_present, (keys.len() - entries.len()) as u64);
-    if entries.is_empty() {
-        return true;
-    }
-    let bytes: usize = entries.iter().map(|(_, v)| v.len()).sum();
-    if shared.call("set", |s| s.set_many(&entries)).is_err() {
-        return false;
-    }
-    shared.counters.written(entries.len() as u64, bytes as u64);
-    true
+/// Writes the values of `items` the store does not hold yet, `values_per_call` at a time:
+/// this thread asks which are missing and encodes them (in parallel) while a second one
+/// sends the previous batch, so encoding overlaps the store's I/O.
+fn send_all(shared: &Shared, items: &[Pending<'_>]) -> bool {
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(String, Vec<u8>)>>(1);
+        let sender = scope.spawn(move || {
+            for entries in rx {
+                let bytes: usize = entries.iter().map(|(_, v)| v.len()).sum();
+                if shared.call("set", |s| s.set_many(&entries)).is_err() {
+                    return false;
+                }
+                shared.counters.written(entries.len() as u64, bytes as u64);
+            }
+            true
+        });
+        for part in items.chunks(shared.config.values_per_call) {
+            if shared.stopping() {
+                return false;
+            }
+            let keys: Vec<String> = part.iter().map(|(k, _)| k.clone()).collect();
+            let present = match shared.call("exists", |s| s.exists_many(&keys)) {
+                Ok(p) if p.len() == keys.len() => p,
+                _ => return false,
+            };
+            // Narrowing, copies and checksums are most of a publish's CPU.
+            let entries: Vec<(String, Vec<u8>)> = part
+                .par_iter()
+                .zip(present.into_par_iter())
+                .filter_map(|((key, make), there)| (!there).then(|| (key.clone(), make())))
+                .collect();
+            stats::add(&shared.counters.values_present, (keys.len() - entries.len()) as u64);
+            if !entries.is_empty() && tx.send(entries).is_err() {
+                break; // the sender stopped on a failed call
+            }
+        }
+        drop(tx);
+        sender.join().unwrap_or(false)
+    })
 }

@@ -18,7 +18,7 @@
 use crate::durable::layout::{LayoutRecord, PqRecord};
 use crate::durable::records::{decode, encode};
 use attnstore_index::IndexLayout;
-use attnstore_kernels::DType;
+use attnstore_kernels::{DType, Element};
 use half::{bf16, f16};
 
 const MAGIC: &[u8; 4] = b"ASRV";
@@ -91,6 +91,26 @@ fn header(kind: u8, dtype: u8, e: &Expect<'_>, first: usize, rows: usize, payloa
     out
 }
 
+// Rows are stored little-endian by casting the element slices: the machines attnstore runs
+// on are all little-endian, and a big-endian build is refused rather than served wrong.
+const _: () = assert!(cfg!(target_endian = "little"), "remote values are little-endian element slices");
+
+/// Appends `x` narrowed to `E`, as bytes.
+fn put<E: Element>(out: &mut Vec<u8>, x: &[f32]) {
+    let mut narrow = vec![E::default(); x.len()];
+    E::narrow(x, &mut narrow);
+    out.extend_from_slice(bytemuck::cast_slice(&narrow));
+}
+
+/// `bytes` (a whole number of `E`s, at any alignment) widened to f32.
+fn get<E: Element>(bytes: &[u8]) -> Vec<f32> {
+    let mut narrow = vec![E::default(); bytes.len() / std::mem::size_of::<E>()];
+    bytemuck::cast_slice_mut::<E, u8>(&mut narrow).copy_from_slice(bytes);
+    let mut wide = vec![0.0f32; narrow.len()];
+    E::widen(&narrow, &mut wide);
+    wide
+}
+
 fn seal(mut out: Vec<u8>) -> Vec<u8> {
     let crc = crc32c::crc32c(&out);
     out.extend_from_slice(&crc.to_le_bytes());
@@ -102,11 +122,11 @@ fn seal(mut out: Vec<u8>) -> Vec<u8> {
 pub(crate) fn encode_rows(e: &Expect<'_>, first: usize, rows: usize, keys: &[f32], values: &[f32]) -> Vec<u8> {
     let n = keys.len() + values.len();
     let mut out = header(KIND_ROWS, dtype_code(e.dtype), e, first, rows, n * e.dtype.size_bytes());
-    for &x in keys.iter().chain(values) {
+    for x in [keys, values] {
         match e.dtype {
-            DType::F32 => out.extend_from_slice(&x.to_le_bytes()),
-            DType::F16 => out.extend_from_slice(&f16::from_f32(x).to_le_bytes()),
-            DType::Bf16 => out.extend_from_slice(&bf16::from_f32(x).to_le_bytes()),
+            DType::F32 => put::<f32>(&mut out, x),
+            DType::F16 => put::<f16>(&mut out, x),
+            DType::Bf16 => put::<bf16>(&mut out, x),
         }
     }
     seal(out)
@@ -145,15 +165,12 @@ pub(crate) fn decode_rows(value: &[u8], e: &Expect<'_>, chunk_tokens: usize) -> 
     if rows == 0 || first + rows > chunk_tokens || payload.len() != 2 * n * size {
         return Err(Fault::Corrupt);
     }
-    let mut all = Vec::with_capacity(2 * n);
-    for b in payload.chunks_exact(size) {
-        all.push(match e.dtype {
-            DType::F32 => f32::from_le_bytes(b.try_into().expect("4 bytes")),
-            DType::F16 => f16::from_le_bytes(b.try_into().expect("2 bytes")).to_f32(),
-            DType::Bf16 => bf16::from_le_bytes(b.try_into().expect("2 bytes")).to_f32(),
-        });
-    }
-    if all.iter().any(|x| !x.is_finite()) {
+    let mut all = match e.dtype {
+        DType::F32 => get::<f32>(payload),
+        DType::F16 => get::<f16>(payload),
+        DType::Bf16 => get::<bf16>(payload),
+    };
+    if attnstore_kernels::first_non_finite(&all).is_some() {
         return Err(Fault::Corrupt);
     }
     let values = all.split_off(n);
