@@ -88,7 +88,7 @@ impl Fetched<'_> {
                     .zip(values.into_par_iter())
                     .map(|(&(k, l), value)| match value {
                         None => Err(Fault::Missing),
-                        Some(v) => decode_rows(&v, &self.expect(&self.chain[k], l), shared.config.chunk_tokens),
+                        Some(v) => decode_rows(v, &self.expect(&self.chain[k], l), shared.config.chunk_tokens),
                     })
                     .collect();
                 for (&(k, l), decoded) in part.iter().zip(decoded) {
@@ -137,9 +137,8 @@ impl Fetched<'_> {
                 let k = pos / c;
                 let r = &self.rows[&(k, l)];
                 let (from, to) = (pos - k * c - r.first, (hi.min((k + 1) * c)) - k * c - r.first);
-                let base = head * r.rows * d;
-                keys.extend_from_slice(&r.keys[base + from * d..base + to * d]);
-                values.extend_from_slice(&r.values[base + from * d..base + to * d]);
+                r.widen_into(false, head, from, to, &mut keys);
+                r.widen_into(true, head, from, to, &mut values);
                 pos = (k + 1) * c;
             }
         }

@@ -5,7 +5,7 @@
 //! usable: every value is checked on its own when attached).
 
 use super::keys::{chain, KeySpace, ModelId};
-use super::value::{encode_layout, encode_list, encode_rows, Expect};
+use super::value::{encode_layout, encode_list, encode_row_parts, Expect};
 use super::{stats, LayerKv, RemoteTier, Shared};
 use crate::catalog::layer_of;
 use crate::context::ContextId;
@@ -199,13 +199,10 @@ fn write(shared: &Shared, job: &Job) -> bool {
             let key = job.keys.chunk(hash, l.layer, l.kind, job.dtype.name());
             let make = move || {
                 let e = Expect { hash, layer: l.layer, kv_heads: h, head_dim: d, dtype: job.dtype };
-                let (mut keys, mut values) = (Vec::new(), Vec::new());
-                for head in 0..h {
-                    let rows = (head * l.rows + lo - l.start) * d..(head * l.rows + hi - l.start) * d;
-                    keys.extend_from_slice(&l.keys[rows.clone()]);
-                    values.extend_from_slice(&l.values[rows]);
-                }
-                encode_rows(&e, lo - k * c, hi - lo, &keys, &values)
+                let rows = |head: usize| (head * l.rows + lo - l.start) * d..(head * l.rows + hi - l.start) * d;
+                let keys: Vec<&[f32]> = (0..h).map(|head| &l.keys[rows(head)]).collect();
+                let values: Vec<&[f32]> = (0..h).map(|head| &l.values[rows(head)]).collect();
+                encode_row_parts(&e, lo - k * c, hi - lo, &keys, &values)
             };
             items.push((key, Box::new(make)));
         }

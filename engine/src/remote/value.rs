@@ -47,17 +47,48 @@ impl Fault {
     }
 }
 
-/// What a rows value holds: rows `first..first + rows` of a chunk of one layer.
+/// What a rows value holds: rows `first..first + rows` of a chunk of one layer, kept as
+/// the checked value itself (widened to f32 only when copied out, so a fetch makes no copy).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Rows {
     /// First row's offset in the chunk.
     pub first: usize,
     /// Rows held.
     pub rows: usize,
-    /// `kv_heads × rows × head_dim` keys, widened to f32.
-    pub keys: Vec<f32>,
-    /// Values, same layout.
-    pub values: Vec<f32>,
+    value: Vec<u8>,
+    dtype: DType,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Rows {
+    /// Widens rows `from..to` (of this value's rows) of `head` — keys, or values with
+    /// `values` — onto the end of `out`.
+    pub fn widen_into(&self, values: bool, head: usize, from: usize, to: usize, out: &mut Vec<f32>) {
+        let d = self.head_dim;
+        let part = if values { self.kv_heads * self.rows * d } else { 0 };
+        let elems = part + (head * self.rows + from) * d..part + (head * self.rows + to) * d;
+        let size = self.dtype.size_bytes();
+        let bytes = &self.value[HEADER + elems.start * size..HEADER + elems.end * size];
+        let at = out.len();
+        out.resize(at + elems.len(), 0.0);
+        match self.dtype {
+            DType::F32 => widen_bytes::<f32>(bytes, &mut out[at..]),
+            DType::F16 => widen_bytes::<f16>(bytes, &mut out[at..]),
+            DType::Bf16 => widen_bytes::<bf16>(bytes, &mut out[at..]),
+        }
+    }
+
+    /// All keys and all values, widened (`kv_heads × rows × head_dim` each).
+    #[cfg(test)]
+    pub fn widened(&self) -> (Vec<f32>, Vec<f32>) {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for h in 0..self.kv_heads {
+            self.widen_into(false, h, 0, self.rows, &mut k);
+            self.widen_into(true, h, 0, self.rows, &mut v);
+        }
+        (k, v)
+    }
 }
 
 /// What a value is expected to be (from its key), checked when it is decoded.
@@ -97,18 +128,40 @@ const _: () = assert!(cfg!(target_endian = "little"), "remote values are little-
 
 /// Appends `x` narrowed to `E`, as bytes.
 fn put<E: Element>(out: &mut Vec<u8>, x: &[f32]) {
-    let mut narrow = vec![E::default(); x.len()];
-    E::narrow(x, &mut narrow);
-    out.extend_from_slice(bytemuck::cast_slice(&narrow));
+    let at = out.len();
+    out.resize(at + std::mem::size_of_val(x) / 4 * std::mem::size_of::<E>(), 0);
+    match bytemuck::try_cast_slice_mut::<u8, E>(&mut out[at..]) {
+        Ok(dst) => E::narrow(x, dst),
+        Err(_) => {
+            let mut narrow = vec![E::default(); x.len()];
+            E::narrow(x, &mut narrow);
+            out[at..].copy_from_slice(bytemuck::cast_slice(&narrow));
+        }
+    }
 }
 
-/// `bytes` (a whole number of `E`s, at any alignment) widened to f32.
-fn get<E: Element>(bytes: &[u8]) -> Vec<f32> {
-    let mut narrow = vec![E::default(); bytes.len() / std::mem::size_of::<E>()];
-    bytemuck::cast_slice_mut::<E, u8>(&mut narrow).copy_from_slice(bytes);
-    let mut wide = vec![0.0f32; narrow.len()];
-    E::widen(&narrow, &mut wide);
-    wide
+/// `bytes` (a whole number of `E`s, at any alignment) widened into `out`.
+fn widen_bytes<E: Element>(bytes: &[u8], out: &mut [f32]) {
+    match bytemuck::try_cast_slice::<u8, E>(bytes) {
+        Ok(aligned) => E::widen(aligned, out),
+        Err(_) => {
+            let mut narrow = vec![E::default(); out.len()];
+            bytemuck::cast_slice_mut::<E, u8>(&mut narrow).copy_from_slice(bytes);
+            E::widen(&narrow, out);
+        }
+    }
+}
+
+/// Whether every element of `bytes` (little-endian `dtype`) is finite: its exponent bits
+/// are not all ones.
+fn all_finite(bytes: &[u8], dtype: DType) -> bool {
+    match dtype {
+        DType::F32 => {
+            bytes.chunks_exact(4).all(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 != 0x7f80_0000)
+        }
+        DType::F16 => bytes.chunks_exact(2).all(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 != 0x7c00),
+        DType::Bf16 => bytes.chunks_exact(2).all(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 != 0x7f80),
+    }
 }
 
 fn seal(mut out: Vec<u8>) -> Vec<u8> {
@@ -119,10 +172,23 @@ fn seal(mut out: Vec<u8>) -> Vec<u8> {
 
 /// Encodes rows `first..first + rows` of a chunk: `keys`/`values` are `kv_heads × rows ×
 /// head_dim` f32, stored in `e.dtype`.
+#[cfg(test)]
 pub(crate) fn encode_rows(e: &Expect<'_>, first: usize, rows: usize, keys: &[f32], values: &[f32]) -> Vec<u8> {
-    let n = keys.len() + values.len();
+    encode_row_parts(e, first, rows, &[keys], &[values])
+}
+
+/// [`encode_rows`] with the keys and the values each given in pieces (one per head, say),
+/// narrowed straight into the value.
+pub(crate) fn encode_row_parts(
+    e: &Expect<'_>,
+    first: usize,
+    rows: usize,
+    keys: &[&[f32]],
+    values: &[&[f32]],
+) -> Vec<u8> {
+    let n: usize = keys.iter().chain(values).map(|x| x.len()).sum();
     let mut out = header(KIND_ROWS, dtype_code(e.dtype), e, first, rows, n * e.dtype.size_bytes());
-    for x in [keys, values] {
+    for x in keys.iter().chain(values) {
         match e.dtype {
             DType::F32 => put::<f32>(&mut out, x),
             DType::F16 => put::<f16>(&mut out, x),
@@ -158,23 +224,16 @@ fn open<'v>(value: &'v [u8], kind: u8, e: &Expect<'_>) -> Result<([usize; 3], &'
 }
 
 /// Decodes a rows value of the chunk and layer `e` names; `chunk_tokens` bounds its rows.
-pub(crate) fn decode_rows(value: &[u8], e: &Expect<'_>, chunk_tokens: usize) -> Result<Rows, Fault> {
-    let ([first, rows, _], payload) = open(value, KIND_ROWS, e)?;
+pub(crate) fn decode_rows(value: Vec<u8>, e: &Expect<'_>, chunk_tokens: usize) -> Result<Rows, Fault> {
+    let ([first, rows, _], payload) = open(&value, KIND_ROWS, e)?;
     let n = e.kv_heads * rows * e.head_dim;
-    let size = e.dtype.size_bytes();
-    if rows == 0 || first + rows > chunk_tokens || payload.len() != 2 * n * size {
+    if rows == 0 || first + rows > chunk_tokens || payload.len() != 2 * n * e.dtype.size_bytes() {
         return Err(Fault::Corrupt);
     }
-    let mut all = match e.dtype {
-        DType::F32 => get::<f32>(payload),
-        DType::F16 => get::<f16>(payload),
-        DType::Bf16 => get::<bf16>(payload),
-    };
-    if attnstore_kernels::first_non_finite(&all).is_some() {
+    if !all_finite(payload, e.dtype) {
         return Err(Fault::Corrupt);
     }
-    let values = all.split_off(n);
-    Ok(Rows { first, rows, keys: all, values })
+    Ok(Rows { first, rows, value, dtype: e.dtype, kv_heads: e.kv_heads, head_dim: e.head_dim })
 }
 
 /// Encodes a layout covering `tokens` tokens.
@@ -238,21 +297,21 @@ mod tests {
         let keys: Vec<f32> = (0..2 * 5 * 4).map(|i| i as f32 * 0.25 - 3.0).collect();
         let values: Vec<f32> = keys.iter().map(|x| -x).collect();
         let v = encode_rows(&e, 3, 5, &keys, &values);
-        let rows = decode_rows(&v, &e, 8).unwrap();
+        let rows = decode_rows(v.clone(), &e, 8).unwrap();
         assert_eq!((rows.first, rows.rows), (3, 5));
-        assert_eq!((rows.keys, rows.values), (keys, values), "these values are exact in f16");
+        assert_eq!(rows.widened(), (keys, values), "these values are exact in f16");
         for at in [0, 4, 5, 9, 41, 45, 70, v.len() - 1] {
             let mut bad = v.clone();
             bad[at] ^= 0x10;
-            assert_eq!(decode_rows(&bad, &e, 8), Err(Fault::Corrupt), "flipped byte {at}");
+            assert_eq!(decode_rows(bad, &e, 8), Err(Fault::Corrupt), "flipped byte {at}");
         }
-        assert_eq!(decode_rows(&v[..v.len() - 9], &e, 8), Err(Fault::Corrupt), "truncated");
-        assert_eq!(decode_rows(&[], &e, 8), Err(Fault::Corrupt), "empty");
-        assert_eq!(decode_rows(&v, &e, 7), Err(Fault::Corrupt), "more rows than a chunk");
+        assert_eq!(decode_rows(v[..v.len() - 9].to_vec(), &e, 8), Err(Fault::Corrupt), "truncated");
+        assert_eq!(decode_rows(Vec::new(), &e, 8), Err(Fault::Corrupt), "empty");
+        assert_eq!(decode_rows(v.clone(), &e, 7), Err(Fault::Corrupt), "more rows than a chunk");
         let other = [8u8; 32];
-        assert_eq!(decode_rows(&v, &expect(&other), 8), Err(Fault::Corrupt), "another chunk's value");
-        assert_eq!(decode_rows(&v, &Expect { layer: 2, ..e }, 8), Err(Fault::Corrupt), "another layer's");
-        assert_eq!(decode_rows(&v, &Expect { dtype: DType::Bf16, ..e }, 8), Err(Fault::Corrupt), "another type");
+        assert_eq!(decode_rows(v.clone(), &expect(&other), 8), Err(Fault::Corrupt), "another chunk's value");
+        assert_eq!(decode_rows(v.clone(), &Expect { layer: 2, ..e }, 8), Err(Fault::Corrupt), "another layer's");
+        assert_eq!(decode_rows(v.clone(), &Expect { dtype: DType::Bf16, ..e }, 8), Err(Fault::Corrupt), "another type");
     }
 
     #[test]
