@@ -153,14 +153,24 @@ fn widen_bytes<E: Element>(bytes: &[u8], out: &mut [f32]) {
 }
 
 /// Whether every element of `bytes` (little-endian `dtype`) is finite: its exponent bits
-/// are not all ones.
+/// are not all ones. Read as whole words and folded without early exit, so it vectorizes.
 fn all_finite(bytes: &[u8], dtype: DType) -> bool {
-    match dtype {
-        DType::F32 => {
-            bytes.chunks_exact(4).all(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 != 0x7f80_0000)
+    fn none_all_ones<W: bytemuck::Pod + Copy + std::ops::BitAnd<Output = W> + PartialEq>(
+        bytes: &[u8],
+        mask: W,
+    ) -> bool {
+        let bad = |acc: bool, w: W| acc | (w & mask == mask);
+        match bytemuck::try_cast_slice::<u8, W>(bytes) {
+            Ok(words) => !words.iter().fold(false, |acc, &w| bad(acc, w)),
+            Err(_) => !bytes
+                .chunks_exact(std::mem::size_of::<W>())
+                .fold(false, |acc, b| bad(acc, bytemuck::pod_read_unaligned(b))),
         }
-        DType::F16 => bytes.chunks_exact(2).all(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 != 0x7c00),
-        DType::Bf16 => bytes.chunks_exact(2).all(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7f80 != 0x7f80),
+    }
+    match dtype {
+        DType::F32 => none_all_ones::<u32>(bytes, 0x7f80_0000),
+        DType::F16 => none_all_ones::<u16>(bytes, 0x7c00),
+        DType::Bf16 => none_all_ones::<u16>(bytes, 0x7f80),
     }
 }
 
@@ -312,6 +322,22 @@ mod tests {
         assert_eq!(decode_rows(v.clone(), &expect(&other), 8), Err(Fault::Corrupt), "another chunk's value");
         assert_eq!(decode_rows(v.clone(), &Expect { layer: 2, ..e }, 8), Err(Fault::Corrupt), "another layer's");
         assert_eq!(decode_rows(v.clone(), &Expect { dtype: DType::Bf16, ..e }, 8), Err(Fault::Corrupt), "another type");
+    }
+
+    #[test]
+    fn non_finite_rows_are_refused_in_every_type() {
+        let hash = [2u8; 32];
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            let e = Expect { dtype, ..expect(&hash) };
+            for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+                let mut keys = vec![0.5f32; 2 * 4 * 4];
+                keys[17] = bad;
+                let v = encode_rows(&e, 0, 4, &keys, &vec![0.25; keys.len()]);
+                assert_eq!(decode_rows(v, &e, 8), Err(Fault::Corrupt), "{dtype:?} {bad}");
+            }
+            let ok = encode_rows(&e, 0, 4, &vec![65504.0; 32], &vec![-1e-7; 32]);
+            assert!(decode_rows(ok, &e, 8).is_ok(), "{dtype:?}: large and tiny finite values pass");
+        }
     }
 
     #[test]
