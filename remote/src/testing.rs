@@ -1,6 +1,7 @@
-//! Real Redis servers for tests and benchmarks: one server, or a Redis Cluster of masters
-//! with replicas, each on free loopback ports in a temporary directory, stopped when
-//! dropped. They need Debian's `redis-server` and `redis-tools` (`.ci/run` installs them).
+//! Test support (compiled always, so benches and other crates' tests can use it): real
+//! Redis servers, one or a Redis Cluster of masters with replicas, each on free loopback
+//! ports in a temporary directory, stopped when dropped; tests may run in parallel. They
+//! need Debian's `redis-server` and `redis-tools` (`.ci/run` installs them).
 
 use std::io;
 use std::net::{TcpListener, TcpStream};
@@ -72,20 +73,29 @@ impl RedisServer {
     /// A server started with `extra` arguments too (e.g. `--maxmemory 1mb`).
     pub fn start_with(extra: &[&str]) -> io::Result<Self> {
         let tmp = tempfile::tempdir()?;
-        let dir = tmp.path().to_path_buf();
-        let mut s = Self {
-            port: free_port()?,
-            dir,
-            _tmp: Some(tmp),
-            args: extra.iter().map(|s| s.to_string()).collect(),
-            child: None,
-        };
-        s.spawn()?;
+        let mut s = Self::in_dir(tmp.path(), 0, extra.iter().map(|s| s.to_string()).collect());
+        s._tmp = Some(tmp);
+        s.spawn_on_free_port()?;
         Ok(s)
     }
 
     fn in_dir(dir: &Path, port: u16, extra: Vec<String>) -> Self {
         Self { port, dir: dir.to_path_buf(), _tmp: None, args: extra, child: None }
+    }
+
+    /// Starts the server on a free port; tries a few, as a port found free may be taken
+    /// by another test before the server binds it.
+    fn spawn_on_free_port(&mut self) -> io::Result<()> {
+        let mut last = None;
+        for _ in 0..5 {
+            self.port = free_port()?;
+            match self.spawn() {
+                Ok(()) => return Ok(()),
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(e),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.expect("tried at least once"))
     }
 
     fn spawn(&mut self) -> io::Result<()> {
@@ -102,6 +112,8 @@ impl RedisServer {
                 "no",
                 "--protected-mode",
                 "no",
+                "--logfile",
+                "redis.log",
                 // Tests slow the server down with DEBUG SLEEP (Redis 7 refuses DEBUG otherwise).
                 "--enable-debug-command",
                 "local",
@@ -109,6 +121,7 @@ impl RedisServer {
             .arg("--dir")
             .arg(&self.dir)
             .args(&self.args)
+            .current_dir(&self.dir)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -116,11 +129,30 @@ impl RedisServer {
                 io::ErrorKind::NotFound => missing("redis-server"),
                 _ => e,
             })?;
-        self.child = Some(child);
-        let port = self.port;
-        wait_for(Duration::from_secs(10), "redis-server answering PING", || {
-            TcpStream::connect(("127.0.0.1", port)).is_ok() && cli(port, &["PING"]).is_ok_and(|r| r.trim() == "PONG")
-        })
+        let pid = format!("process_id:{}", child.id());
+        let child = self.child.insert(child);
+        // Ready when the server on the port is this process (another test's server may
+        // have taken the port first: then this one exits).
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Some(status) = child.try_wait()? {
+                self.child = None;
+                let log = std::fs::read_to_string(self.dir.join("redis.log")).unwrap_or_default();
+                let tail: Vec<&str> = log.lines().rev().take(3).collect();
+                return Err(io::Error::other(format!(
+                    "redis-server on port {port} exited ({status}): {}",
+                    tail.into_iter().rev().collect::<Vec<_>>().join(" / ")
+                )));
+            }
+            if TcpStream::connect(("127.0.0.1", self.port)).is_ok()
+                && cli(self.port, &["INFO", "server"]).is_ok_and(|r| r.lines().any(|l| l.trim() == pid))
+            {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.stop();
+        Err(io::Error::new(io::ErrorKind::TimedOut, format!("redis-server on port {port} did not answer within 10 s")))
     }
 
     /// `redis://127.0.0.1:PORT`.
@@ -133,7 +165,12 @@ impl RedisServer {
         self.port
     }
 
-    /// Kills the server (its data is gone: nothing is persisted).
+    /// Whether the server runs (it was not stopped).
+    pub fn is_running(&self) -> bool {
+        self.child.is_some()
+    }
+
+    /// Kills the server (its data is gone: nothing is persisted); its directory stays.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -161,22 +198,30 @@ impl Drop for RedisServer {
 
 /// A Redis Cluster of masters with replicas on loopback ports; stopped when dropped.
 pub struct RedisCluster {
-    _tmp: tempfile::TempDir,
+    // Declared first, so dropped first: the servers stop before their directories go.
     nodes: Vec<RedisServer>,
+    _tmp: tempfile::TempDir,
 }
 
 impl RedisCluster {
-    /// `masters` masters with `replicas` replicas each, slots assigned, `cluster_state:ok`.
+    /// `masters` masters with `replicas` replicas each (node timeout 1.5 s, so a killed
+    /// master fails over within a few seconds), slots assigned, `cluster_state:ok`.
     pub fn start(masters: usize, replicas: usize) -> io::Result<Self> {
+        Self::start_with(masters, replicas, &[])
+    }
+
+    /// A cluster whose nodes are started with `extra` arguments too (later ones win: e.g.
+    /// `--cluster-node-timeout 10000` for a master that sleeps without failing over).
+    pub fn start_with(masters: usize, replicas: usize, extra: &[&str]) -> io::Result<Self> {
         let tmp = tempfile::tempdir()?;
         let mut nodes = Vec::new();
         for i in 0..masters * (1 + replicas) {
             let dir = tmp.path().join(format!("node{i}"));
             std::fs::create_dir_all(&dir)?;
-            let extra =
-                ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1500"];
-            let mut node = RedisServer::in_dir(&dir, free_port()?, extra.iter().map(|s| s.to_string()).collect());
-            node.spawn()?;
+            let cluster = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout"];
+            let args = cluster.iter().chain(&["1500"]).chain(extra).map(|s| s.to_string()).collect();
+            let mut node = RedisServer::in_dir(&dir, 0, args);
+            node.spawn_on_free_port()?;
             nodes.push(node);
         }
         let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
@@ -192,13 +237,12 @@ impl RedisCluster {
                 String::from_utf8_lossy(&out.stdout)
             )));
         }
-        let c = Self { _tmp: tmp, nodes };
+        let c = Self { nodes, _tmp: tmp };
         c.wait_ok()?;
         Ok(c)
     }
 
-    /// Waits until every running node says `cluster_state:ok` and knows `masters` masters
-    /// with slots.
+    /// Waits until every running node says `cluster_state:ok`.
     fn wait_ok(&self) -> io::Result<()> {
         wait_for(Duration::from_secs(30), "cluster_state:ok on every node", || {
             self.nodes
@@ -211,6 +255,11 @@ impl RedisCluster {
     /// The seeds as a `--remote` URL (every node, comma-separated).
     pub fn url(&self) -> String {
         self.nodes.iter().map(RedisServer::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// Every node, masters and replicas, stopped ones too.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
     }
 
     /// Ports of the nodes that are masters now.
@@ -227,6 +276,25 @@ impl RedisCluster {
         let mut all = vec!["-c"];
         all.extend_from_slice(args);
         cli(port, &all)
+    }
+
+    /// Waits until every master's replicas have received all it wrote (`WAIT` from
+    /// `redis-cli` cannot tell: it waits for the writes of its own connection only).
+    pub fn wait_replicated(&self) -> io::Result<()> {
+        let field = |info: &str, name: &str| -> Option<u64> {
+            info.lines().find_map(|l| l.trim().strip_prefix(name)).and_then(|v| v.parse().ok())
+        };
+        wait_for(Duration::from_secs(10), "replicas caught up with their masters", || {
+            self.master_ports().into_iter().all(|port| {
+                let Ok(info) = cli(port, &["INFO", "replication"]) else { return false };
+                let Some(offset) = field(&info, "master_repl_offset:") else { return false };
+                let replicas: Vec<&str> = info.lines().filter(|l| l.starts_with("slave")).collect();
+                !replicas.is_empty()
+                    && replicas.iter().all(|l| {
+                        l.split(',').any(|kv| kv.strip_prefix("offset=").and_then(|v| v.parse().ok()) == Some(offset))
+                    })
+            })
+        })
     }
 
     /// Kills the master on `port` and waits until one of its replicas is promoted and the

@@ -59,6 +59,31 @@ fn values_round_trip_and_missing_keys_are_none() {
 }
 
 #[test]
+fn refusals_and_values_of_another_type_are_server_errors_and_the_connection_stays() {
+    if skip() {
+        return;
+    }
+    let server = RedisServer::start().unwrap();
+    let store = RedisStore::connect(&server.url(), config(2000)).unwrap();
+    store.set_many(&[("a".into(), b"1".to_vec())]).unwrap();
+    server.cli(&["LPUSH", "list", "x"]).unwrap();
+    let err = store.get_many(&["a".into(), "list".into()]).unwrap_err();
+    assert_eq!(err.kind, RemoteErrorKind::Server, "{err}");
+    assert!(err.message.contains("WRONGTYPE"), "{err}");
+    assert_eq!(store.exists_many(&["list".into(), "none".into()]).unwrap(), vec![true, false]);
+    // Out of memory, nothing evictable: SET is refused.
+    server.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]).unwrap();
+    server.cli(&["CONFIG", "SET", "maxmemory", "1"]).unwrap();
+    let err = store.set_many(&[("b".into(), vec![7; 1000])]).unwrap_err();
+    assert_eq!(err.kind, RemoteErrorKind::Server, "{err}");
+    assert!(err.message.contains("OOM"), "{err}");
+    assert_eq!(store.get_many(&["a".into(), "b".into()]).unwrap(), vec![Some(b"1".to_vec()), None]);
+    server.cli(&["CONFIG", "SET", "maxmemory", "0"]).unwrap();
+    store.set_many(&[("b".into(), vec![7; 1000])]).unwrap();
+    assert_eq!(store.get_many(&["b".into()]).unwrap(), vec![Some(vec![7; 1000])]);
+}
+
+#[test]
 fn a_sleeping_server_times_out_within_the_bound_and_a_restarted_one_is_reconnected() {
     if skip() {
         return;
@@ -369,11 +394,22 @@ fn a_cluster_losing_a_master_keeps_serving_what_it_holds() {
     assert_eq!(got.tokens, TOKENS);
     assert_eq!(answers(&e, got.context), answers(&p.engine, p.ctx));
     // Let the replicas catch up, then kill a master: its replica takes over.
-    for port in cluster.master_ports() {
-        cluster.cli(port, &["WAIT", "1", "2000"]).unwrap();
-    }
+    cluster.wait_replicated().unwrap();
     let victim = cluster.master_ports()[0];
     cluster.kill_master_and_wait_failover(victim).unwrap();
+    // The first call after the failover may still go to the killed master (a connection
+    // error, and its connections are dropped); a later one reads every value, those of the
+    // lost master's slots from its promoted replica.
+    let mut read = store.get_many(&keys(500, "spread"));
+    for _ in 0..3 {
+        if read.is_ok() {
+            break;
+        }
+        assert_eq!(read.as_ref().unwrap_err().kind, RemoteErrorKind::Connection, "{read:?}");
+        std::thread::sleep(Duration::from_millis(200));
+        read = store.get_many(&keys(500, "spread"));
+    }
+    assert!(read.unwrap().iter().zip(&many).all(|(g, (_, v))| g.as_ref() == Some(v)));
     let e2 = Engine::in_memory(EngineConfig::default()).unwrap();
     // The first calls after a failover may fail while the client learns the new map; the
     // attach then finds a shorter prefix, never a wrong one. Once it has, all is there.
@@ -392,4 +428,73 @@ fn a_cluster_losing_a_master_keeps_serving_what_it_holds() {
     // Writes work after the failover.
     store.set_many(&[("after".into(), b"x".to_vec())]).unwrap();
     assert_eq!(store.get_many(&["after".into()]).unwrap(), vec![Some(b"x".to_vec())]);
+}
+
+/// Waits until `port` is asleep (`DEBUG SLEEP` sent by another thread): a probe times out.
+fn wait_asleep(port: u16) {
+    let probe = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), config(100)).unwrap();
+    let waiting = Instant::now();
+    while !matches!(probe.exists_many(&["probe".into()]), Err(e) if e.kind == RemoteErrorKind::Timeout) {
+        assert!(waiting.elapsed() < Duration::from_secs(5), "the server never slept (DEBUG SLEEP refused?)");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_cluster_bounds_a_sleeping_master_and_follows_slots_that_moved() {
+    if skip() {
+        return;
+    }
+    // A node timeout longer than the sleep below: the sleeping master is not failed over.
+    let cluster = RedisCluster::start_with(3, 1, &["--cluster-node-timeout", "10000"]).unwrap();
+    let store = RedisStore::connect(&cluster.url(), config(300)).unwrap();
+    assert!(store.describe().starts_with("redis cluster (seeds: 127.0.0.1:"), "{}", store.describe());
+    let all = keys(200, "moving");
+    let entries: Vec<(String, Vec<u8>)> = all.iter().map(|k| (k.clone(), k.clone().into_bytes())).collect();
+    store.set_many(&entries).unwrap();
+    let reads_back = |store: &RedisStore| {
+        let got = store.get_many(&all).unwrap();
+        assert!(got.iter().zip(&entries).all(|(g, (_, v))| g.as_ref() == Some(v)));
+    };
+
+    // One master asleep: the call fails once its pipeline's bound has passed, not once
+    // per key that master serves.
+    let sleeper_port = cluster.master_ports()[0];
+    let sleeper = std::thread::spawn(move || {
+        let _ = std::process::Command::new("redis-cli")
+            .args(["-p", &sleeper_port.to_string(), "DEBUG", "SLEEP", "3"])
+            .output();
+    });
+    wait_asleep(sleeper_port);
+    let start = Instant::now();
+    let err = store.get_many(&all).unwrap_err();
+    assert_eq!(err.kind, RemoteErrorKind::Timeout, "{err}");
+    assert!(start.elapsed() < Duration::from_millis(1000), "waited {:?}", start.elapsed());
+    sleeper.join().unwrap();
+    reads_back(&store);
+
+    // A manual failover: the old master answers MOVED for its slots (its connection
+    // works); the store follows and reads its slot map again.
+    let master = cluster.master_ports()[0];
+    let replica = cluster
+        .nodes()
+        .iter()
+        .find(|n| {
+            let role = n.cli(&["ROLE"]).unwrap();
+            let role: Vec<&str> = role.lines().collect();
+            role.first() == Some(&"slave") && role.get(2) == Some(&master.to_string().as_str())
+        })
+        .expect("every master has a replica")
+        .port();
+    assert_eq!(cluster.cli(replica, &["CLUSTER", "FAILOVER"]).unwrap().trim(), "OK");
+    let waiting = Instant::now();
+    while cluster.master_ports().contains(&master) || !cluster.master_ports().contains(&replica) {
+        // Under a loaded machine (tests in parallel on 2 cores) the handshake can take a while.
+        assert!(waiting.elapsed() < Duration::from_secs(45), "the manual failover did not happen");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    reads_back(&store);
+    let rewritten: Vec<(String, Vec<u8>)> = all.iter().map(|k| (k.clone(), b"new".to_vec())).collect();
+    store.set_many(&rewritten).unwrap();
+    assert!(store.get_many(&all).unwrap().iter().all(|g| g.as_deref() == Some(&b"new"[..])));
 }
