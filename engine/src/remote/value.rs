@@ -335,7 +335,7 @@ mod tests {
                 let v = encode_rows(&e, 0, 4, &keys, &vec![0.25; keys.len()]);
                 assert_eq!(decode_rows(v, &e, 8), Err(Fault::Corrupt), "{dtype:?} {bad}");
             }
-            let ok = encode_rows(&e, 0, 4, &vec![65504.0; 32], &vec![-1e-7; 32]);
+            let ok = encode_rows(&e, 0, 4, &[65504.0; 32], &[-1e-7; 32]);
             assert!(decode_rows(ok, &e, 8).is_ok(), "{dtype:?}: large and tiny finite values pass");
         }
     }
