@@ -129,17 +129,37 @@ fn publish_then_attach_in_another_engine_answers_the_same() {
     }
 }
 
-#[test]
-fn a_second_publish_writes_nothing_new() {
-    let model = ModelId::of_bytes(b"model a");
-    let store = Arc::new(MemoryStore::new());
-    let spec = ContextSpec::new(shape(), 2).with_method(wave());
+/// A two-layer wave context of [`TOKENS`] tokens (or `spec`'s) in a fresh engine, with a
+/// fresh store, its KV and token ids.
+struct Fixture {
+    model: ModelId,
+    store: Arc<MemoryStore>,
+    spec: ContextSpec,
+    synth: SynthContext,
+    e: Engine,
+    ctx: ContextId,
+    kv: Vec<LayerKv>,
+    ids: Vec<u32>,
+}
+
+fn fixture_of(spec: ContextSpec) -> Fixture {
     let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
     let e = engine();
     let (ctx, kv) = build(&e, &spec, &synth, TOKENS);
+    let (model, store, ids) = (ModelId::of_bytes(b"model a"), Arc::new(MemoryStore::new()), tokens(TOKENS, 1));
+    Fixture { model, store, spec, synth, e, ctx, kv, ids }
+}
+
+fn fixture() -> Fixture {
+    fixture_of(ContextSpec::new(shape(), 2).with_method(wave()))
+}
+
+#[test]
+fn a_second_publish_writes_nothing_new() {
+    let Fixture { model, store, e, ctx, kv, ids, .. } = fixture();
     let t = tier(&store);
-    t.publish(&e, ctx, &model, &tokens(TOKENS, 1), kv.clone()).unwrap();
-    t.publish(&e, ctx, &model, &tokens(TOKENS, 1), kv).unwrap();
+    t.publish(&e, ctx, &model, &ids, kv.clone()).unwrap();
+    t.publish(&e, ctx, &model, &ids, kv).unwrap();
     assert!(t.flush(Duration::from_secs(30)));
     let s = t.stats();
     assert_eq!(s.publishes_done, 2);
@@ -150,13 +170,7 @@ fn a_second_publish_writes_nothing_new() {
 
 #[test]
 fn diverging_prefixes_share_exactly_their_common_chunks() {
-    let model = ModelId::of_bytes(b"model a");
-    let store = Arc::new(MemoryStore::new());
-    let spec = ContextSpec::new(shape(), 2).with_method(wave());
-    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
-    let e = engine();
-    let (ctx, kv) = build(&e, &spec, &synth, TOKENS);
-    let a = tokens(TOKENS, 1);
+    let Fixture { model, store, spec, synth, e, ctx, kv, ids: a } = fixture();
     let t = tier(&store);
     t.publish(&e, ctx, &model, &a, kv.clone()).unwrap();
     assert!(t.flush(Duration::from_secs(30)));
@@ -220,13 +234,7 @@ fn a_prefix_ending_inside_a_published_segment_restores_the_segment_cut_there() {
 
 /// Publishes a two-layer wave context of [`TOKENS`] tokens into a fresh store.
 fn published() -> (Arc<MemoryStore>, ContextSpec, Vec<u32>, ModelId) {
-    let model = ModelId::of_bytes(b"model a");
-    let store = Arc::new(MemoryStore::new());
-    let spec = ContextSpec::new(shape(), 2).with_method(wave());
-    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
-    let e = engine();
-    let (ctx, kv) = build(&e, &spec, &synth, TOKENS);
-    let ids = tokens(TOKENS, 1);
+    let Fixture { model, store, spec, e, ctx, kv, ids, .. } = fixture();
     let t = tier(&store);
     t.publish(&e, ctx, &model, &ids, kv).unwrap();
     assert!(t.flush(Duration::from_secs(30)));
@@ -306,14 +314,8 @@ fn damaged_layouts_are_not_used_and_the_layer_is_indexed_from_its_rows() {
 
 #[test]
 fn a_failing_store_loses_nothing_local_and_serves_nothing_wrong() {
-    let model = ModelId::of_bytes(b"model a");
-    let store = Arc::new(MemoryStore::new());
-    let spec = ContextSpec::new(shape(), 2).with_method(wave());
-    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
-    let e = engine();
-    let (ctx, kv) = build(&e, &spec, &synth, TOKENS);
+    let Fixture { model, store, spec, synth, e, ctx, kv, ids } = fixture();
     let before = answers(&e, ctx, 2, &synth);
-    let ids = tokens(TOKENS, 1);
     let t = tier(&store);
     store.set_down(true);
     t.publish(&e, ctx, &model, &ids, kv.clone()).unwrap();
@@ -332,13 +334,7 @@ fn a_failing_store_loses_nothing_local_and_serves_nothing_wrong() {
 
 #[test]
 fn a_slow_store_never_blocks_a_decode_step_and_a_full_queue_drops_the_oldest() {
-    let model = ModelId::of_bytes(b"model a");
-    let store = Arc::new(MemoryStore::new());
-    let spec = ContextSpec::new(shape(), 2).with_method(wave());
-    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
-    let e = engine();
-    let (ctx, kv) = build(&e, &spec, &synth, TOKENS);
-    let ids = tokens(TOKENS, 1);
+    let Fixture { model, store, synth, e, ctx, kv, ids, .. } = fixture();
     let config = RemoteConfig { chunk_tokens: CHUNK, queue_publishes: 1, ..RemoteConfig::default() };
     let t = RemoteTier::new(Arc::clone(&store) as Arc<dyn RemoteStore>, config).unwrap();
     store.set_delay(Duration::from_millis(300));
@@ -362,15 +358,11 @@ fn a_slow_store_never_blocks_a_decode_step_and_a_full_queue_drops_the_oldest() {
 
 #[test]
 fn window_rows_are_published_for_the_window_the_context_holds() {
-    let model = ModelId::of_bytes(b"model a");
-    let store = Arc::new(MemoryStore::new());
-    let spec = ContextSpec::new(shape(), 2)
-        .with_method(wave())
-        .with_layers(vec![LayerKind::Global, LayerKind::SlidingWindow(300)]);
-    let synth = SynthContext::generate(SynthParams::new(shape(), TOKENS, 3));
-    let e = engine();
-    let (ctx, kv) = build(&e, &spec, &synth, TOKENS);
-    let ids = tokens(TOKENS, 1);
+    let Fixture { model, store, spec, e, ctx, kv, ids, .. } = fixture_of(
+        ContextSpec::new(shape(), 2)
+            .with_method(wave())
+            .with_layers(vec![LayerKind::Global, LayerKind::SlidingWindow(300)]),
+    );
     let t = tier(&store);
     t.publish(&e, ctx, &model, &ids, kv).unwrap();
     assert!(t.flush(Duration::from_secs(30)));

@@ -91,17 +91,7 @@ fn a_sleeping_server_times_out_within_the_bound_and_a_restarted_one_is_reconnect
     let mut server = RedisServer::start().unwrap();
     let store = Arc::new(RedisStore::connect(&server.url(), config(300)).unwrap());
     store.set_many(&[("a".into(), b"1".to_vec())]).unwrap();
-    let port = server.port();
-    let sleeper = std::thread::spawn(move || {
-        let _ = std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "DEBUG", "SLEEP", "3"]).output();
-    });
-    // Until the server sleeps, a PING answers at once.
-    let probe = RedisStore::connect(&server.url(), config(100)).unwrap();
-    let waiting = Instant::now();
-    while probe.exists_many(&["a".into()]).is_ok() {
-        assert!(waiting.elapsed() < Duration::from_secs(5), "the server never slept (DEBUG SLEEP refused?)");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let sleeper = put_to_sleep(server.port(), 3);
     let start = Instant::now();
     let err = store.get_many(&["a".into()]).unwrap_err();
     assert_eq!(err.kind, RemoteErrorKind::Timeout, "{err}");
@@ -347,16 +337,7 @@ fn a_slow_server_never_blocks_decode_steps() {
     let model = ModelId::of_bytes(b"redis test model");
     let p = build();
     let t = tier(Arc::clone(&store));
-    let port = server.port();
-    let sleeper = std::thread::spawn(move || {
-        let _ = std::process::Command::new("redis-cli").args(["-p", &port.to_string(), "DEBUG", "SLEEP", "3"]).output();
-    });
-    let probe = RedisStore::connect(&server.url(), config(100)).unwrap();
-    let waiting = Instant::now();
-    while probe.exists_many(&["a".into()]).is_ok() {
-        assert!(waiting.elapsed() < Duration::from_secs(5), "the server never slept (DEBUG SLEEP refused?)");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let sleeper = put_to_sleep(server.port(), 3);
     t.publish(&p.engine, p.ctx, &model, &ids(TOKENS), vec![p.kv.clone(), p.kv.clone()]).unwrap();
     // The writer waits on the sleeping server; decode steps go on.
     for step in 0..20 {
@@ -431,6 +412,18 @@ fn a_cluster_losing_a_master_keeps_serving_what_it_holds() {
 }
 
 /// Waits until `port` is asleep (`DEBUG SLEEP` sent by another thread): a probe times out.
+/// Sends `DEBUG SLEEP secs` to the server on `port` from another thread and returns once it
+/// sleeps (a probe call times out); join the handle to wait for it to wake.
+fn put_to_sleep(port: u16, secs: u32) -> std::thread::JoinHandle<()> {
+    let sleeper = std::thread::spawn(move || {
+        let _ = std::process::Command::new("redis-cli")
+            .args(["-p", &port.to_string(), "DEBUG", "SLEEP", &secs.to_string()])
+            .output();
+    });
+    wait_asleep(port);
+    sleeper
+}
+
 fn wait_asleep(port: u16) {
     let probe = RedisStore::connect(&format!("redis://127.0.0.1:{port}"), config(100)).unwrap();
     let waiting = Instant::now();
@@ -459,13 +452,7 @@ fn a_cluster_bounds_a_sleeping_master_and_follows_slots_that_moved() {
 
     // One master asleep: the call fails once its pipeline's bound has passed, not once
     // per key that master serves.
-    let sleeper_port = cluster.master_ports()[0];
-    let sleeper = std::thread::spawn(move || {
-        let _ = std::process::Command::new("redis-cli")
-            .args(["-p", &sleeper_port.to_string(), "DEBUG", "SLEEP", "3"])
-            .output();
-    });
-    wait_asleep(sleeper_port);
+    let sleeper = put_to_sleep(cluster.master_ports()[0], 3);
     let start = Instant::now();
     let err = store.get_many(&all).unwrap_err();
     assert_eq!(err.kind, RemoteErrorKind::Timeout, "{err}");
