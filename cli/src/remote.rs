@@ -3,7 +3,7 @@
 //! pipelined SET/GET of the same values, and attach against prefill + index build.
 
 use attnstore::remote::{ModelId, RemoteConfig, RemoteStore, RemoteTier};
-use attnstore::{AttnShape, Budget, ContextSpec, Engine, EngineConfig, Request};
+use attnstore::{Budget, ContextSpec, Engine, EngineConfig, Request};
 use attnstore_bench::synth::{SynthContext, SynthParams};
 use attnstore_remote::{RedisConfig, RedisStore};
 use clap::Args;
@@ -48,15 +48,8 @@ pub struct BenchRemoteArgs {
     /// Tokens of the synthetic context (K and M suffixes allowed).
     #[arg(long, default_value = "128K", value_parser = crate::parse_tokens)]
     tokens: usize,
-    /// Query heads.
-    #[arg(long, default_value_t = 32)]
-    q_heads: usize,
-    /// KV heads.
-    #[arg(long, default_value_t = 8)]
-    kv_heads: usize,
-    /// Head dimension.
-    #[arg(long, default_value_t = 128)]
-    head_dim: usize,
+    #[command(flatten)]
+    shape: crate::ShapeArgs,
     /// Tokens per chunk (one value per chunk: 256 tokens of 8 × 128 f16 KV are 1 MiB).
     #[arg(long, default_value_t = 256, value_parser = crate::parse_count)]
     chunk: usize,
@@ -122,7 +115,7 @@ fn redis_benchmark(url: &str, count: usize, size: usize, pipeline: usize) -> Opt
 
 /// `attnstore bench-remote`.
 pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
-    let shape = AttnShape::new(args.q_heads, args.kv_heads, args.head_dim).map_err(|e| e.to_string())?;
+    let shape = crate::shape_of(&args.shape)?;
     let _server;
     let url = match &args.url {
         Some(u) => u.clone(),
@@ -142,8 +135,11 @@ pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
         args.tokens,
         args.chunk
     );
-    let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, 42));
-    let spec = ContextSpec::new(shape, 1);
+    let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
+    let mut spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype);
+    if let Some(codec) = args.shape.codec {
+        spec = spec.with_codec(codec);
+    }
     let ids: Vec<u32> = (0..args.tokens as u32).map(|i| i.wrapping_mul(2_654_435_761) % 100_000).collect();
     let model = ModelId::of_bytes(b"bench-remote synthetic model");
     let q = synth.queries(0);
