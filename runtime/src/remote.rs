@@ -50,7 +50,7 @@ pub fn start<'a>(
     let kinds = c.layer_kinds();
     let spec = config.spec(c.attn_shape(), &kinds);
     let started = Instant::now();
-    let attached = tier.attach(engine, spec, id, &tokens[..tokens.len() - 1])?;
+    let attached = tier.attach(engine, spec.clone(), id, &tokens[..tokens.len() - 1])?;
     let attach_time = started.elapsed();
     let started = Instant::now();
     let (ctx, reused, p) = match attached {
@@ -61,11 +61,8 @@ pub fn start<'a>(
         }
         None => {
             let p = model.prefill_after(&[], 0, tokens, chunk, true, progress)?;
-            let ctx = crate::session::store_context(
-                engine,
-                config.spec(c.attn_shape(), &kinds),
-                p.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())),
-            )?;
+            let ctx =
+                crate::session::store_context(engine, spec, p.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))?;
             (ctx, 0, p)
         }
     };

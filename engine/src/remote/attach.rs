@@ -94,7 +94,7 @@ impl Fetched<'_> {
                 for (&(k, l), decoded) in part.iter().zip(decoded) {
                     match decoded {
                         Ok(r) => {
-                            shared.counters.hits(1, 0);
+                            shared.counters.hits(1);
                             self.rows.insert((k, l), r);
                         }
                         Err(f) => {
@@ -106,7 +106,7 @@ impl Fetched<'_> {
                         }
                     }
                 }
-                stats::add(&shared.counters.bytes_in, bytes as u64);
+                shared.counters.read(bytes as u64);
             }
             fetcher.join().unwrap_or(false)
         })
@@ -284,13 +284,13 @@ fn layouts(f: &Fetched<'_>, m: usize) -> HashMap<usize, IndexLayout> {
             let decoded = match v {
                 None => Err(Fault::Missing),
                 Some(v) => {
-                    stats::add(&shared.counters.bytes_in, v.len() as u64);
+                    shared.counters.read(v.len() as u64);
                     decode_layout(&v, &f.expect(&f.chain[k], l), (k + 1) * c, method)
                 }
             };
             match decoded {
                 Ok(layout) => {
-                    shared.counters.hits(1, 0);
+                    shared.counters.hits(1);
                     pieces.insert((k, l), layout);
                 }
                 Err(fault) => shared.counters.fault(fault),

@@ -175,11 +175,15 @@ impl Counters {
         metrics::counter!("attnstore_remote_values_total", "result" => fault.name()).increment(1);
     }
 
-    /// Records `n` values used, of `bytes` bytes.
-    pub fn hits(&self, n: u64, bytes: u64) {
+    /// Records `n` values used.
+    pub fn hits(&self, n: u64) {
         add(&self.hits, n);
-        add(&self.bytes_in, bytes);
         metrics::counter!("attnstore_remote_values_total", "result" => "hit").increment(n);
+    }
+
+    /// Records `bytes` of values read from the store.
+    pub fn read(&self, bytes: u64) {
+        add(&self.bytes_in, bytes);
         metrics::counter!("attnstore_remote_bytes_in_total").increment(bytes);
     }
 
