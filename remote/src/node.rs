@@ -87,10 +87,12 @@ impl Node {
         self.con.recv_response().map_err(|e| failure(&self.name, &e))
     }
 
-    /// Sends `packed`, which holds `replies` commands, and reads their replies, all before
-    /// `deadline`.
+    /// Sends `packed`, the last of the commands whose `replies` replies it then reads, all
+    /// before `deadline` (`packed` may be empty: every command was sent already).
     pub fn exchange(&mut self, packed: &[u8], replies: usize, deadline: Instant) -> Result<Vec<Value>, RemoteError> {
-        self.send(packed, deadline)?;
+        if !packed.is_empty() {
+            self.send(packed, deadline)?;
+        }
         (0..replies).map(|_| self.recv(deadline)).collect()
     }
 }

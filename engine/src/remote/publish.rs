@@ -236,10 +236,27 @@ fn write(shared: &Shared, job: &Job) -> bool {
     send_all(shared, &lists)
 }
 
-/// Writes the values of `items` the store does not hold yet, `values_per_call` at a time:
-/// this thread asks which are missing and encodes them (in parallel) while a second one
-/// sends the previous batch, so encoding overlaps the store's I/O.
+/// Writes the values of `items` the store does not hold yet, `values_per_call` at a time.
+/// Which are missing is asked first, for all of them (a store takes one call at a time, so
+/// asking between sends would stall the encoder behind every send); then this thread
+/// encodes each batch (in parallel) while a second one sends the previous batch, so
+/// encoding overlaps the store's I/O.
 fn send_all(shared: &Shared, items: &[Pending<'_>]) -> bool {
+    let per_call = shared.config.values_per_call;
+    let mut present = Vec::with_capacity(items.len());
+    for part in items.chunks(per_call) {
+        if shared.stopping() {
+            return false;
+        }
+        let keys: Vec<String> = part.iter().map(|(k, _)| k.clone()).collect();
+        match shared.call("exists", |s| s.exists_many(&keys)) {
+            Ok(p) if p.len() == keys.len() => present.extend(p),
+            _ => return false,
+        }
+    }
+    let there = present.iter().filter(|&&p| p).count();
+    stats::add(&shared.counters.values_present, there as u64);
+    let missing: Vec<&Pending<'_>> = items.iter().zip(present).filter(|(_, p)| !p).map(|(i, _)| i).collect();
     std::thread::scope(|scope| {
         let (tx, rx) = std::sync::mpsc::sync_channel::<Vec<(String, Vec<u8>)>>(1);
         let sender = scope.spawn(move || {
@@ -252,23 +269,13 @@ fn send_all(shared: &Shared, items: &[Pending<'_>]) -> bool {
             }
             true
         });
-        for part in items.chunks(shared.config.values_per_call) {
+        for part in missing.chunks(per_call) {
             if shared.stopping() {
                 return false;
             }
-            let keys: Vec<String> = part.iter().map(|(k, _)| k.clone()).collect();
-            let present = match shared.call("exists", |s| s.exists_many(&keys)) {
-                Ok(p) if p.len() == keys.len() => p,
-                _ => return false,
-            };
             // Narrowing, copies and checksums are most of a publish's CPU.
-            let entries: Vec<(String, Vec<u8>)> = part
-                .par_iter()
-                .zip(present.into_par_iter())
-                .filter_map(|((key, make), there)| (!there).then(|| (key.clone(), make())))
-                .collect();
-            stats::add(&shared.counters.values_present, (keys.len() - entries.len()) as u64);
-            if !entries.is_empty() && tx.send(entries).is_err() {
+            let entries: Vec<(String, Vec<u8>)> = part.par_iter().map(|(key, make)| (key.clone(), make())).collect();
+            if tx.send(entries).is_err() {
                 break; // the sender stopped on a failed call
             }
         }
