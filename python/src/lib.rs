@@ -6,8 +6,8 @@
 //! the boundary is raised as pyo3's `PanicException`, never an abort.
 
 use attnstore::{
-    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, Method,
-    Request,
+    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, LayerKind,
+    Method, Request,
 };
 use numpy::{PyArray2, PyArray3, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
@@ -19,6 +19,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 mod dlpack;
+mod remote;
 
 create_exception!(_attnstore, AttnstoreError, PyException, "Base class of every error attnstore raises.");
 create_exception!(_attnstore, ShapeError, AttnstoreError, "An array of the wrong shape, or NaN/Inf in it.");
@@ -364,6 +365,42 @@ impl Engine {
     }
 }
 
+/// Per layer, `None` (global) or a sliding window's length (`create_context(windows=...)`).
+type LayerKinds = Vec<Option<usize>>;
+
+/// The spec `create_context` and `RemoteTier.attach` make from their keyword arguments.
+#[allow(clippy::too_many_arguments, reason = "the Python signature's keyword arguments")]
+fn spec_of(
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    layers: usize,
+    dtype: &str,
+    method: &str,
+    codec: Option<&str>,
+    windows: Option<LayerKinds>,
+) -> PyResult<ContextSpec> {
+    let shape = AttnShape::new(q_heads, kv_heads, head_dim).map_err(|e| ShapeError::new_err(e.to_string()))?;
+    let dtype: DType = dtype.parse().map_err(|e| InvalidArgumentError::new_err(format!("dtype: {e}")))?;
+    let method: Method = method.parse().map_err(py_err)?;
+    let mut spec = ContextSpec::new(shape, layers).with_dtype(dtype).with_method(method);
+    if let Some(c) = codec {
+        let codec: Codec = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
+        spec = spec.with_codec(codec);
+    }
+    if let Some(w) = windows {
+        if w.len() != layers {
+            return Err(InvalidArgumentError::new_err(format!(
+                "windows has {} entries; expected one per layer ({layers}): None for a global layer or a window length",
+                w.len()
+            )));
+        }
+        spec = spec.with_layers(w.into_iter().map(|x| x.map_or(LayerKind::Global, LayerKind::SlidingWindow)).collect());
+    }
+    spec.validate().map_err(py_err)?;
+    Ok(spec)
+}
+
 /// One output as a `[q_heads, head_dim]` float32 array.
 fn output<'py>(py: Python<'py>, out: Vec<f32>, shape: AttnShape) -> PyResult<Bound<'py, PyArray2<f32>>> {
     let array = numpy::PyArray1::from_vec(py, out);
@@ -413,8 +450,10 @@ impl Engine {
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
     /// stored); `method`: wave (default), pq or flat (exact only); `codec`: None (plain
     /// `dtype`), "hack2" (2-bit indexed rows, HACK's per-token keys) or "hack2c" (2-bit rows
-    /// with keys normalized per channel; both need dtype f16).
-    #[pyo3(signature = (q_heads, kv_heads, head_dim, layers=1, dtype="f16", method="wave", codec=None))]
+    /// with keys normalized per channel; both need dtype f16); `windows`: per layer, None
+    /// for a global layer or the window of a sliding-window layer (exact over its last
+    /// `window` tokens, nothing older kept); by default every layer is global.
+    #[pyo3(signature = (q_heads, kv_heads, head_dim, layers=1, dtype="f16", method="wave", codec=None, windows=None))]
     #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
     fn create_context(
         &self,
@@ -425,15 +464,9 @@ impl Engine {
         dtype: &str,
         method: &str,
         codec: Option<&str>,
+        windows: Option<LayerKinds>,
     ) -> PyResult<u64> {
-        let shape = AttnShape::new(q_heads, kv_heads, head_dim).map_err(|e| ShapeError::new_err(e.to_string()))?;
-        let dtype: DType = dtype.parse().map_err(|e| InvalidArgumentError::new_err(format!("dtype: {e}")))?;
-        let method: Method = method.parse().map_err(py_err)?;
-        let mut spec = ContextSpec::new(shape, layers).with_dtype(dtype).with_method(method);
-        if let Some(c) = codec {
-            let codec: Codec = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
-            spec = spec.with_codec(codec);
-        }
+        let spec = spec_of(q_heads, kv_heads, head_dim, layers, dtype, method, codec, windows)?;
         self.engine()?.create_context(spec).map(|id| id.0).map_err(py_err)
     }
 
@@ -692,5 +725,5 @@ fn _attnstore(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("StorageError", py.get_type::<StorageError>())?;
     m.add("StalePlanError", py.get_type::<StalePlanError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
-    Ok(())
+    remote::add(m)
 }

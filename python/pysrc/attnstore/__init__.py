@@ -12,6 +12,7 @@
 """
 
 from ._attnstore import (
+    Attached,
     AttnstoreError,
     Budget,
     ClosedError,
@@ -19,13 +20,17 @@ from ._attnstore import (
     Engine,
     InvalidArgumentError,
     Plan,
+    RemoteError,
+    RemoteTier,
     ShapeError,
     StalePlanError,
     StorageError,
     UnknownContextError,
+    model_id,
 )
 
 __all__ = [
+    "Attached",
     "AttnstoreError",
     "Budget",
     "ClosedError",
@@ -33,8 +38,11 @@ __all__ = [
     "Engine",
     "InvalidArgumentError",
     "Plan",
+    "RemoteError",
+    "RemoteTier",
     "ShapeError",
     "StalePlanError",
     "StorageError",
     "UnknownContextError",
+    "model_id",
 ]

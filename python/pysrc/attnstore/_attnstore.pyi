@@ -1,7 +1,7 @@
 """Type stubs of the extension module (see src/lib.rs for the full docs)."""
 
 import os
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import numpy.typing as npt
@@ -18,6 +18,10 @@ class CorruptDataError(AttnstoreError): ...
 class StorageError(AttnstoreError): ...
 class StalePlanError(AttnstoreError): ...
 class ClosedError(AttnstoreError): ...
+class RemoteError(AttnstoreError): ...
+
+# Token ids: a sequence of ints or a 1-D integer array.
+Tokens = Union[Sequence[int], npt.NDArray[np.integer]]
 
 class Budget:
     def __init__(
@@ -71,8 +75,10 @@ class Engine:
         dtype: str = "f16",
         method: str = "wave",
         codec: Optional[str] = None,
+        windows: Optional[Sequence[Optional[int]]] = None,
     ) -> int:
-        """Creates a context (dtype f32/f16/bf16, method wave/pq/flat, codec None, "hack2" or "hack2c"; 2-bit codecs need dtype f16)."""
+        """Creates a context (dtype f32/f16/bf16, method wave/pq/flat, codec None, "hack2" or "hack2c"; 2-bit codecs need dtype f16;
+        windows: per layer None (global) or a sliding window's length)."""
     def drop_context(self, ctx: int) -> None: ...
     def prefill(self, ctx: int, layer: int, k: ArrayLike, v: ArrayLike) -> None:
         """Stores a layer's prompt KV, `k` and `v` of shape [kv_heads, tokens, head_dim]."""
@@ -123,3 +129,57 @@ class Engine:
         """The GPU executor's sums: on_gpu, on_cpu, device_clusters, device_missed."""
     def checkpoint(self) -> None: ...
     def contexts(self) -> List[int]: ...
+
+def model_id(path: Optional[Union[str, os.PathLike]] = None, data: Optional[bytes] = None) -> str:
+    """The sha256 (64 hex digits) of a weights file, or of `data`: the identity KV is shared under."""
+
+class Attached:
+    """A context attached from the remote tier."""
+    @property
+    def context(self) -> int: ...
+    @property
+    def tokens(self) -> int: ...
+    @property
+    def layouts_used(self) -> int: ...
+    @property
+    def fetch_seconds(self) -> float: ...
+    @property
+    def build_seconds(self) -> float: ...
+    def kv(self, layer: int) -> Tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """The layer's attached keys and values, [kv_heads, rows, head_dim] float32."""
+
+class RemoteTier:
+    def __init__(
+        self,
+        url: str,
+        chunk_tokens: int = 256,
+        timeout: float = 2.0,
+        namespace: str = "attnstore",
+        queue_publishes: int = 4,
+    ) -> None:
+        """A remote tier on Redis (redis://HOST:PORT) or a Redis Cluster (seeds separated by commas)."""
+    @property
+    def chunk_tokens(self) -> int: ...
+    def publish(
+        self, engine: Engine, ctx: int, model: str, tokens: Tokens, kv: Sequence[Tuple[ArrayLike, ArrayLike]]
+    ) -> None:
+        """Queues a context's whole chunks and index layouts for the background writer."""
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Waits until every queued publish is written; whether it was."""
+    def attach(
+        self,
+        engine: Engine,
+        model: str,
+        tokens: Tokens,
+        q_heads: int,
+        kv_heads: int,
+        head_dim: int,
+        layers: int = 1,
+        dtype: str = "f16",
+        method: str = "wave",
+        codec: Optional[str] = None,
+        windows: Optional[Sequence[Optional[int]]] = None,
+    ) -> Optional[Attached]:
+        """A new context from the longest published prefix of `tokens` (whole chunks), or None."""
+    def stats(self) -> Dict[str, int]:
+        """Bytes, values, hits, misses, corrupt values, failures, publishes, attaches, calls."""

@@ -19,6 +19,12 @@ How a step runs:
   or ``chunked_attention`` keep transformers' own cache and exact SDPA: their windows are
   short. ``dense_layers`` more layers from the first can be attended exactly by attnstore.
 
+**Prefix reuse across processes and nodes** (``remote=attnstore.RemoteTier(url)``, a batch of
+one, models whose layers are all full attention): the cache first attaches the longest
+prefix of ``prompt`` that any engine published under the same weights (:func:`model_identity`),
+so ``generate`` runs its prompt forward only over the rest (exact SDPA over the attached and
+the new rows), and then publishes the whole prompt for the next process.
+
 What it does not do: padded batches (sequences of one batch have one length), a second
 multi-token forward after the prompt (chunked prefill, speculative decoding), beam search,
 cache cropping. Each of these raises ``NotImplementedError`` saying so.
@@ -26,6 +32,7 @@ cache cropping. Each of these raises ``NotImplementedError`` saying so.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from typing import Any, Optional, Sequence
@@ -36,7 +43,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, Dynam
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import Budget, Engine
+from . import Budget, Engine, RemoteTier
 
 #: The name attnstore's attention is registered under (``config._attn_implementation``).
 NAME = "attnstore"
@@ -72,6 +79,22 @@ def _store_dtype(dtype: torch.dtype) -> str:
     return "f32" if dtype == torch.float32 else "f16"
 
 
+def model_identity(model: Any) -> str:
+    """The sha256 of a model's weights as loaded (every entry of its ``state_dict``, by
+    name, in order: its name, dtype, shape and bytes), 64 hex digits: the identity under
+    which the remote tier publishes and attaches its KV. Cached on the model."""
+    cached = getattr(model, "_attnstore_identity", None)
+    if cached is not None:
+        return cached
+    h = hashlib.sha256(b"attnstore-hf-weights-v1")
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    model._attnstore_identity = h.hexdigest()
+    return model._attnstore_identity
+
+
 def _rows(t: torch.Tensor):
     """`[kv_heads, tokens, head_dim]` float32 NumPy rows of one sequence."""
     return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
@@ -85,6 +108,10 @@ class AttnstoreCache(Cache):
     f16, bf16; by default f32 for float32 models, else f16); ``codec``: None, "hack2" or "hack2c";
     ``exact``: plan every decode step exactly; ``budget``: an ``attnstore.Budget`` (default:
     :func:`model_budget`); ``dense_layers``: the first this many layers are attended exactly.
+    ``remote``: an ``attnstore.RemoteTier`` to attach the longest published prefix of
+    ``prompt`` (token ids, a batch of one) from and to publish the prompt to, under
+    ``model_id`` (:func:`model_identity`); ``model_dtype``: the model's dtype (how attached
+    rows are stored). ``reused`` is then the number of prompt tokens attached.
     """
 
     def __init__(
@@ -98,6 +125,10 @@ class AttnstoreCache(Cache):
         exact: bool = False,
         budget: Optional[Budget] = None,
         dense_layers: int = 0,
+        remote: Optional[RemoteTier] = None,
+        prompt: Optional[Any] = None,
+        model_id: Optional[str] = None,
+        model_dtype: Optional[torch.dtype] = None,
     ):
         text = config.get_text_config(decoder=True)
         n = text.num_hidden_layers
@@ -129,6 +160,14 @@ class AttnstoreCache(Cache):
         #: for the work queued on its device), ``engine`` (planning and executing the step),
         #: ``to_device`` (the output's copy back).
         self.seconds = {"prefill": 0.0, "append": 0.0, "to_host": 0.0, "engine": 0.0, "to_device": 0.0}
+        #: Prompt tokens attached from the remote tier.
+        self.reused = 0
+        self.remote, self.model_id = remote, model_id
+        self._prompt: Optional[list[int]] = None
+        #: Per served layer, the prompt's rows to publish once every layer has them.
+        self._publish: dict[int, tuple] = {}
+        if remote is not None:
+            self._attach(prompt, model_dtype or torch.float32)
 
     def served_layers(self) -> list[int]:
         """The layers attnstore serves (the model's full-attention layers)."""
@@ -136,25 +175,58 @@ class AttnstoreCache(Cache):
 
     def _ensure_contexts(self, batch: int, dtype: torch.dtype) -> list[int]:
         if self.contexts is None:
-            # a 2-bit codec keeps its steady zone in f16
-            store = self.dtype or ("f16" if self.codec else _store_dtype(dtype))
-            self.contexts = [
-                self.engine.create_context(
-                    q_heads=self.q_heads,
-                    kv_heads=self.kv_heads,
-                    head_dim=self.head_dim,
-                    layers=self.n_layers,
-                    dtype=store,
-                    method=self.method,
-                    codec=self.codec,
-                )
-                for _ in range(batch)
-            ]
+            self.contexts = [self.engine.create_context(**self._create_args(dtype)) for _ in range(batch)]
         elif len(self.contexts) != batch:
             raise NotImplementedError(
                 f"the batch changed from {len(self.contexts)} to {batch} sequences; an AttnstoreCache serves one batch"
             )
         return self.contexts
+
+    def _create_args(self, dtype: torch.dtype) -> dict:
+        # a 2-bit codec keeps its steady zone in f16
+        store = self.dtype or ("f16" if self.codec else _store_dtype(dtype))
+        return dict(
+            q_heads=self.q_heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            layers=self.n_layers,
+            dtype=store,
+            method=self.method,
+            codec=self.codec,
+        )
+
+    def _attach(self, prompt: Any, dtype: torch.dtype) -> None:
+        """Attaches the longest published prefix of `prompt` (without its last token, whose
+        logits the prompt forward must compute) and leaves its rows to the layers."""
+        if prompt is None or self.model_id is None:
+            raise ValueError("a remote tier needs prompt= (the token ids) and model_id= (attnstore.hf.model_identity)")
+        ids = torch.as_tensor(prompt).reshape(-1) if not isinstance(prompt, list) else torch.tensor(prompt)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[0] != 1:
+            raise NotImplementedError("the remote tier serves a batch of one sequence")
+        if len(self.served_layers()) != self.n_layers:
+            raise NotImplementedError(
+                "the remote tier needs every layer served by attnstore; this model has sliding-window or other "
+                "layers that transformers keeps"
+            )
+        self._prompt = [int(t) for t in ids.tolist()]
+        got = self.remote.attach(self.engine, self.model_id, self._prompt[:-1], **self._create_args(dtype))
+        if got is None:
+            return
+        self.contexts, self.reused = [got.context], got.tokens
+        for layer in self.layers:
+            k, v = got.kv(layer.index)
+            layer.tokens = got.tokens
+            layer.attached = (torch.from_numpy(k)[None], torch.from_numpy(v)[None])
+
+    def _published(self, layer: int, k, v) -> None:
+        """Records `layer`'s prompt rows; once every layer has them, publishes the prompt."""
+        if self.remote is None or self._prompt is None:
+            return
+        self._publish[layer] = (k, v)
+        if len(self._publish) == self.n_layers:
+            kv = [self._publish[i] for i in range(self.n_layers)]
+            self._publish = {}
+            self.remote.publish(self.engine, self.contexts[0], self.model_id, self._prompt, kv)
 
     def _plan_args(self, layer: int) -> dict:
         if self.exact or layer < self.dense_layers:
@@ -186,6 +258,9 @@ class _EngineLayer(CacheLayerMixin):
         self.cache = cache
         self.index = index
         self.tokens = 0
+        #: Rows attached from the remote tier (``[1, kv_heads, tokens, head_dim]`` keys and
+        #: values) until the prompt forward that continues them.
+        self.attached: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -196,19 +271,28 @@ class _EngineLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         ctxs = self.cache._ensure_contexts(key_states.shape[0], key_states.dtype)
         new = key_states.shape[-2]
-        prompt = self.tokens == 0
+        prompt = self.tokens == 0 or self.attached is not None
         if not prompt and new != 1:
             raise NotImplementedError(
                 f"layer {self.index} got {new} tokens after its prompt; attnstore takes the prompt in one forward "
                 "pass and then one token per step (no chunked prefill or speculative decoding)"
             )
-        store = self.cache.engine.prefill if prompt else self.cache.engine.append
+        store = self.cache.engine.prefill if self.tokens == 0 else self.cache.engine.append
         start = time.perf_counter()
-        for b, ctx in enumerate(ctxs):
-            store(ctx, self.index, _rows(key_states[b]), _rows(value_states[b]))
+        rows = [(_rows(key_states[b]), _rows(value_states[b])) for b in range(len(ctxs))]
+        for ctx, (k, v) in zip(ctxs, rows):
+            store(ctx, self.index, k, v)
         self.cache.seconds["prefill" if prompt else "append"] += time.perf_counter() - start
         self.tokens += new
+        if prompt and self.attached is not None:
+            # The rest of an attached prompt: exact SDPA over the attached and the new rows.
+            ak, av = (t.to(device=key_states.device, dtype=key_states.dtype) for t in self.attached)
+            self.attached = None
+            key_states, value_states = torch.cat([ak, key_states], -2), torch.cat([av, value_states], -2)
+            self.cache._published(self.index, _rows(key_states[0]), _rows(value_states[0]))
+            return key_states, value_states
         if prompt:
+            self.cache._published(self.index, *rows[0])
             return key_states, value_states  # the prompt's own attention: exact, by SDPA
         # A decode step: the attention function finds the layer through the key tensor.
         served = key_states.view_as(key_states)
@@ -270,11 +354,23 @@ def attention(
 def cache_for(model: Any, engine: Optional[Engine] = None, **options) -> AttnstoreCache:
     """Registers attnstore's attention (once), switches `model` to it and returns a new
     :class:`AttnstoreCache` for one generation (pass it as ``past_key_values``). `options`
-    are :class:`AttnstoreCache`'s."""
+    are :class:`AttnstoreCache`'s; with ``remote=`` (and ``prompt=``) the model's identity
+    and dtype are filled in."""
     register()
     if model.config._attn_implementation != NAME:
         model.set_attn_implementation(NAME)
+    if options.get("remote") is not None:
+        options.setdefault("model_id", model_identity(model))
+        options.setdefault("model_dtype", model.dtype)
     return AttnstoreCache(model.config, engine, **options)
 
 
-__all__: Sequence[str] = ["NAME", "AttnstoreCache", "attention", "cache_for", "model_budget", "register"]
+__all__: Sequence[str] = [
+    "NAME",
+    "AttnstoreCache",
+    "attention",
+    "cache_for",
+    "model_budget",
+    "model_identity",
+    "register",
+]
