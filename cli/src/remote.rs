@@ -71,35 +71,80 @@ fn raw_pipeline(
     count: usize,
     size: usize,
     per_call: usize,
-) -> Result<(f64, f64), String> {
+    url: &str,
+) -> Result<(f64, f64, String, String), String> {
     let value = vec![0x5au8; size];
     let keys: Vec<String> = (0..count).map(|i| format!("bench-raw:{run}:{i}")).collect();
+    let cpu = Cpu::now(url);
     let start = Instant::now();
     for part in keys.chunks(per_call) {
         let entries: Vec<(String, Vec<u8>)> = part.iter().map(|k| (k.clone(), value.clone())).collect();
         store.set_many(&entries).map_err(|e| e.to_string())?;
     }
     let write = (count * size) as f64 / start.elapsed().as_secs_f64() / 1e6;
+    let (cpu_write, cpu) = (Cpu::now(url).since(&cpu), Cpu::now(url));
     let start = Instant::now();
     let mut got = 0;
     for part in keys.chunks(per_call) {
         got += store.get_many(part).map_err(|e| e.to_string())?.iter().flatten().map(Vec::len).sum::<usize>();
     }
     let read = got as f64 / start.elapsed().as_secs_f64() / 1e6;
+    let cpu_read = Cpu::now(url).since(&cpu);
     if got != count * size {
         return Err(format!("raw pipeline read back {got} bytes of {}", count * size));
     }
-    Ok((write, read))
+    Ok((write, read, cpu_write, cpu_read))
+}
+
+/// CPU seconds used so far: by this process (`/proc/self/stat`, 100 ticks a second) and by
+/// the server at `url` (`INFO cpu` through `redis-cli`; `None` for a cluster or without
+/// `redis-cli`). Phases are told apart by differences.
+#[derive(Clone, Copy)]
+struct Cpu {
+    client: Option<f64>,
+    server: Option<f64>,
+}
+
+impl Cpu {
+    fn now(url: &str) -> Self {
+        let client = std::fs::read_to_string("/proc/self/stat").ok().and_then(|s| {
+            // Fields after the command name (which may hold spaces) close with ')'.
+            let rest = &s[s.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / 100.0)
+        });
+        let server = single_node(url).and_then(|(host, port)| {
+            let out =
+                std::process::Command::new("redis-cli").args(["-h", host, "-p", port, "INFO", "cpu"]).output().ok()?;
+            let text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let field = |name: &str| -> Option<f64> {
+                text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(':')?.trim().parse().ok())
+            };
+            Some(field("used_cpu_sys")? + field("used_cpu_user")?)
+        });
+        Self { client, server }
+    }
+
+    /// What was used since `earlier`, as `client X s + server Y s`.
+    fn since(&self, earlier: &Cpu) -> String {
+        let part = |a: Option<f64>, b: Option<f64>| a.zip(b).map_or("?".to_string(), |(a, b)| format!("{:.2}", a - b));
+        format!("CPU client {} s + server {} s", part(self.client, earlier.client), part(self.server, earlier.server))
+    }
+}
+
+/// Host and port of a single-server `redis://HOST:PORT` url.
+fn single_node(url: &str) -> Option<(&str, &str)> {
+    let hostport = url.strip_prefix("redis://")?;
+    if hostport.contains(',') {
+        return None;
+    }
+    hostport.trim_end_matches('/').rsplit_once(':')
 }
 
 /// `redis-benchmark` SET and GET of `size`-byte values (one connection, pipelines of
 /// `pipeline`), MB/s; `None` when it is not installed or the store is a cluster.
 fn redis_benchmark(url: &str, count: usize, size: usize, pipeline: usize) -> Option<(f64, f64)> {
-    let hostport = url.strip_prefix("redis://")?;
-    if hostport.contains(',') {
-        return None;
-    }
-    let (host, port) = hostport.trim_end_matches('/').rsplit_once(':')?;
+    let (host, port) = single_node(url)?;
     let out = std::process::Command::new("redis-benchmark")
         .args(["-h", host, "-p", port, "-t", "set,get", "-c", "1", "-q", "--csv"])
         .args(["-n", &count.to_string(), "-d", &size.to_string(), "-P", &pipeline.to_string()])
@@ -116,15 +161,14 @@ fn redis_benchmark(url: &str, count: usize, size: usize, pipeline: usize) -> Opt
 /// `attnstore bench-remote`.
 pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
     let shape = crate::shape_of(&args.shape)?;
-    let _server;
+    // A server of the run's own is emptied before each run, so every run starts alike.
+    let mut server = None;
     let url = match &args.url {
         Some(u) => u.clone(),
         None => {
             let s =
                 attnstore_remote::testing::RedisServer::start_with(&["--maxmemory", "0"]).map_err(|e| e.to_string())?;
-            let u = s.url();
-            _server = s;
-            u
+            server.insert(s).url()
         }
     };
     let store: Arc<dyn RemoteStore> =
@@ -149,6 +193,9 @@ pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
     };
     let (mut publish_ratio, mut fetch_ratio, mut attach_speedup) = (Vec::new(), Vec::new(), Vec::new());
     for run in 0..args.repeat {
+        if let Some(s) = &server {
+            s.cli(&["FLUSHALL"]).map_err(|e| format!("FLUSHALL: {e}"))?;
+        }
         // Baseline: prefill (clustering) and the first attention.
         let a = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
         let start = Instant::now();
@@ -161,12 +208,14 @@ pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
             RemoteConfig { namespace: format!("bench{run}"), chunk_tokens: args.chunk, ..RemoteConfig::default() };
         let tier = RemoteTier::new(Arc::clone(&store), config.clone()).map_err(|e| e.to_string())?;
         let kv = vec![(synth.keys.clone(), synth.values.clone())];
+        let cpu = Cpu::now(&url);
         let start = Instant::now();
         tier.publish(&a, ctx, &model, &ids, kv).map_err(|e| e.to_string())?;
         if !tier.flush(Duration::from_secs(600)) {
             return Err("the publish did not finish in 600 s".into());
         }
         let publish_s = start.elapsed().as_secs_f64();
+        let cpu_publish = Cpu::now(&url).since(&cpu);
         let ps = tier.stats();
         if ps.publishes_done != 1 {
             return Err(format!("the publish failed: {}", ps.summary()));
@@ -175,22 +224,25 @@ pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
         // Attach in a second engine, and the first attention there.
         let b = Engine::in_memory(EngineConfig::default()).map_err(|e| e.to_string())?;
         let tier = RemoteTier::new(Arc::clone(&store), config).map_err(|e| e.to_string())?;
+        let cpu = Cpu::now(&url);
         let start = Instant::now();
         let attached =
             tier.attach(&b, spec.clone(), &model, &ids).map_err(|e| e.to_string())?.ok_or("nothing attached")?;
         let got = first_attention(&b, attached.context)?;
         let attach_s = start.elapsed().as_secs_f64();
+        let cpu_attach = Cpu::now(&url).since(&cpu);
         if got != want {
             return Err("the attached context's first attention differs from the published one's".into());
         }
         let s = tier.stats();
         let value_bytes = ps.bytes_out / ps.values_out.max(1);
-        let (raw_w, raw_r) = raw_pipeline(
+        let (raw_w, raw_r, cpu_raw_w, cpu_raw_r) = raw_pipeline(
             &*store,
             run,
             ps.values_out as usize,
             value_bytes as usize,
             RemoteConfig::default().values_per_call,
+            &url,
         )?;
         let fetch_s = attached.fetch_time.as_secs_f64();
         let (pub_mb, fetch_mb) = (ps.bytes_out as f64 / publish_s / 1e6, s.bytes_in as f64 / fetch_s / 1e6);
@@ -206,6 +258,9 @@ pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
             attached.layouts_used,
             attached.build_time.as_secs_f64(),
             prefill_s / attach_s
+        );
+        println!(
+            "       publish {cpu_publish}; raw SET {cpu_raw_w}; attach + first attention {cpu_attach}; raw GET {cpu_raw_r}"
         );
         publish_ratio.push(pub_mb / raw_w);
         fetch_ratio.push(fetch_mb / raw_r);
