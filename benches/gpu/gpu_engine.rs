@@ -13,8 +13,14 @@
 //! many contexts as a 100 GiB pinned host budget holds for a
 //! 32-layer 8B model at this length (6 at 128K), stepped by one plan; and, for comparison,
 //! the engine's older GPU path (`Engine::plan` on the CPU, then `execute_gpu`).
+//!
+//! `ATTNSTORE_BENCH_CODEC=hack2` stores the indexed rows as 2-bit blocks (every context
+//! prefilled on the CPU: the GPU clustering builds plain rows): the batch the 100 GiB budget
+//! holds grows by f16's bytes over hack2's, up to `ATTNSTORE_BENCH_MAX_BATCH` (default 8).
 
-use attnstore::{AttnShape, Budget, BufferSettings, ContextId, ContextSpec, Engine, EngineConfig, Request, Tier};
+use attnstore::{
+    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, Engine, EngineConfig, Request, Tier,
+};
 use attnstore_bench::{SynthContext, SynthParams};
 use serde_json::json;
 use std::time::Instant;
@@ -40,12 +46,16 @@ fn warmup_steps() -> usize {
 fn main() {
     let tokens = tokens_arg();
     let shape = AttnShape::new(32, 8, 128).expect("shape");
-    let kv_per_seq = 32 * tokens * 8 * 128 * 2 * 2;
-    let batch = ((100usize << 30) / kv_per_seq).clamp(1, 8);
+    let codec: Codec = std::env::var("ATTNSTORE_BENCH_CODEC")
+        .map_or(Codec::F16, |c| c.parse().unwrap_or_else(|e| panic!("ATTNSTORE_BENCH_CODEC={c}: {e}")));
+    let max_batch = std::env::var("ATTNSTORE_BENCH_MAX_BATCH").ok().and_then(|v| v.parse().ok()).unwrap_or(8usize);
+    // A 32-layer model's KV per sequence in the codec's bytes per token and KV head.
+    let kv_per_seq = (32.0 * tokens as f64 * 8.0 * codec.kv_row_bytes(128)) as usize;
+    let batch = ((100usize << 30) / kv_per_seq).clamp(1, max_batch);
     // Context 0 takes part in all three runs, a token appended per step.
     // Context 0 appends a token per step in each of the five runs.
     let total = tokens + 6 * (warmup_steps() + STEPS) + 8;
-    let host_blocks = batch * attnstore_bench::blocks_for_context(&shape, attnstore::DType::F16, total, 2048);
+    let host_blocks = batch * attnstore_bench::blocks_for_codec(&shape, codec, total, 2048);
     // The maintainer's pause after a round of work (default 100 µs): `ATTNSTORE_MAINTAINER_PAUSE_US`.
     let mut settings = BufferSettings::new(host_blocks);
     if let Some(us) = std::env::var("ATTNSTORE_MAINTAINER_PAUSE_US").ok().and_then(|v| v.parse().ok()) {
@@ -62,13 +72,13 @@ fn main() {
     // on the GPU (`Engine::prefill_gpu`): both timed, from f32 KV in host memory to an index
     // ready to plan. `ATTNSTORE_BENCH_PREFILL=cpu` prefills every context on the CPU, so two
     // builds whose device clustering differs can be compared on the same layouts.
-    let cpu_only = std::env::var("ATTNSTORE_BENCH_PREFILL").is_ok_and(|v| v == "cpu");
+    let cpu_only = std::env::var("ATTNSTORE_BENCH_PREFILL").is_ok_and(|v| v == "cpu") || codec.hack().is_some();
     let mut ctxs = Vec::new();
     let (mut cpu_prefill_us, mut gpu_prefill_us) = (Vec::new(), Vec::new());
     for i in 0..batch {
         eprintln!("context {} of {batch}: generating and prefilling {tokens} tokens", i + 1);
         let synth = SynthContext::generate(SynthParams::new(shape, total, 42 + i as u64));
-        let ctx = engine.create_context(ContextSpec::new(shape, 1)).expect("context");
+        let ctx = engine.create_context(ContextSpec::new(shape, 1).with_codec(codec)).expect("context");
         let (k, v) = synth.slice(0, tokens);
         let t = Instant::now();
         if i == 0 || cpu_only {
@@ -94,7 +104,7 @@ fn main() {
     let budget = Budget::default();
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
-        "head_dim": 128, "dtype": "f16", "gpu_tier_frac": 0.05, "steps_measured": STEPS, "steps_warmup": warmup_steps(),
+        "head_dim": 128, "dtype": "f16", "codec": codec.to_string(), "kv_bytes_per_seq_32_layers": kv_per_seq, "gpu_tier_frac": 0.05, "steps_measured": STEPS, "steps_warmup": warmup_steps(),
         "maintainer_pause_us": pause_us, "prefill": if cpu_only { "cpu" } else { "context 0 cpu, others gpu" }});
     let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();

@@ -103,6 +103,16 @@ def main():
             qb = torch.randn(4, 32, 1, 128, device=dev, dtype=torch.float16, generator=g)
             rows.append(("sdpa_batch4", timed(lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)), 4))
             del kb, vb
+            # The largest batch this GPU's HBM admits for a 32-layer 8B model: its bf16
+            # weights (16.06 GB) and 2 GB of activations, then 16 GiB of f16 KV per sequence.
+            total = torch.cuda.mem_get_info()[1]
+            per_seq = 32 * tokens * 8 * 128 * 2 * 2
+            most = max(1, int((total - 16.06e9 - 2e9) // per_seq))
+            kb = torch.randn(most, 8, tokens, 128, device=dev, dtype=torch.float16, generator=g)
+            vb = torch.randn(most, 8, tokens, 128, device=dev, dtype=torch.float16, generator=g)
+            qb = torch.randn(most, 32, 1, 128, device=dev, dtype=torch.float16, generator=g)
+            rows.append(("sdpa_batch_max", timed(lambda: F.scaled_dot_product_attention(qb, kb, vb, enable_gqa=True)), most))
+            del kb, vb
             # The index build's yardstick: SDPA's causal prefill of the same layer (every
             # query of the context at once), which the build must stay well under (≤ 5%).
             qp = torch.randn(1, 32, tokens, 128, device=dev, dtype=torch.float16, generator=g)

@@ -10,4 +10,5 @@ for b in gpu_decode gpu_tiered gpu_wave gpu_hack gpu_engine; do cp "target/relea
 cp benches/gpu/sdpa.py benches/gpu/compare.py .gpu/
 cp benches/gpu/run.sh .gpu/bench.sh
 cp benches/gpu/hack.sh .gpu/hack.sh
+cp benches/gpu/batch.sh .gpu/batch.sh
 du -sh .gpu
