@@ -14,10 +14,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 free -g | head -2
 for r in $(seq 1 "$rounds"); do
   echo "round $r"
+  python3 "$here/sdpa.py" 131072 | grep '"sdpa_batch' | tee -a "$out/sdpa.jsonl"
   "$here/gpu_engine" 131072 | tee -a "$out/engine_f16.jsonl"
   ATTNSTORE_BENCH_CODEC=hack2 ATTNSTORE_BENCH_MAX_BATCH="${HACK2_MAX_BATCH:-64}" "$here/gpu_engine" 131072 \
     | tee -a "$out/engine_hack2.jsonl"
-  python3 "$here/sdpa.py" 131072 | grep '"sdpa_batch' | tee -a "$out/sdpa.jsonl"
 done
 python3 - "$out" <<'PY'
 import json, sys, pathlib
