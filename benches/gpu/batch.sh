@@ -4,7 +4,8 @@
 # with hack2 rows (KV homed in pinned host memory, a 5% Gpu tier; the batch a 100 GiB host
 # budget holds for a 32-layer model), and PyTorch SDPA with the KV in HBM (the batch the
 # GPU's memory holds beside an 8B model's weights). Staged by `benches/gpu/stage.sh`; run as
-# `bash .gpu/batch.sh [ROUNDS]`: each round runs all three, so ratios are same-round.
+# `bash .gpu/batch.sh [ROUNDS]`: each round runs all three, so ratios are same-round
+# (`SKIP_HACK2=1`: SDPA and f16 only; `HACK2_MAX_BATCH`: cap the hack2 batch).
 set -euo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -16,13 +17,15 @@ for r in $(seq 1 "$rounds"); do
   echo "round $r"
   python3 "$here/sdpa.py" 131072 | grep '"sdpa_batch' | tee -a "$out/sdpa.jsonl"
   "$here/gpu_engine" 131072 | tee -a "$out/engine_f16.jsonl"
-  ATTNSTORE_BENCH_CODEC=hack2 ATTNSTORE_BENCH_MAX_BATCH="${HACK2_MAX_BATCH:-64}" "$here/gpu_engine" 131072 \
-    | tee -a "$out/engine_hack2.jsonl"
+  if [ -z "${SKIP_HACK2:-}" ]; then
+    ATTNSTORE_BENCH_CODEC=hack2 ATTNSTORE_BENCH_MAX_BATCH="${HACK2_MAX_BATCH:-64}" "$here/gpu_engine" 131072 \
+      | tee -a "$out/engine_hack2.jsonl"
+  fi
 done
 python3 - "$out" <<'PY'
 import json, sys, pathlib
 out = pathlib.Path(sys.argv[1])
-rows = lambda f: [json.loads(l) for l in (out / f).read_text().splitlines() if l.startswith("{")]
+rows = lambda f: [json.loads(l) for l in (out / f).read_text().splitlines() if l.startswith("{")] if (out / f).exists() else []
 sdpa = [r for r in rows("sdpa.jsonl") if r["method"] == "sdpa_batch_max"]
 for codec, f in (("f16", "engine_f16.jsonl"), ("hack2", "engine_hack2.jsonl")):
     ours = [r for r in rows(f) if r.get("method") == "engine_device_batch"]
