@@ -127,22 +127,24 @@ impl Fetched<'_> {
     }
 
     /// Rows `lo..hi` (token positions) of layer `l` from the fetched chunks, as
-    /// `kv_heads × (hi - lo) × head_dim` keys and values.
+    /// `kv_heads × (hi - lo) × head_dim` keys and values, widened head by head in parallel.
     fn assemble(&self, l: usize, lo: usize, hi: usize) -> (Vec<f32>, Vec<f32>) {
-        let (h, d, c) = (self.spec.shape.kv_heads, self.spec.shape.head_dim, self.shared.config.chunk_tokens);
-        let (mut keys, mut values) = (Vec::with_capacity(h * (hi - lo) * d), Vec::with_capacity(h * (hi - lo) * d));
-        for head in 0..h {
+        let (h, c) = (self.spec.shape.kv_heads, self.shared.config.chunk_tokens);
+        let head_rows = |values: bool, head: usize| {
+            let mut out = Vec::with_capacity((hi - lo) * self.spec.shape.head_dim);
             let mut pos = lo;
             while pos < hi {
                 let k = pos / c;
                 let r = &self.rows[&(k, l)];
                 let (from, to) = (pos - k * c - r.first, (hi.min((k + 1) * c)) - k * c - r.first);
-                r.widen_into(false, head, from, to, &mut keys);
-                r.widen_into(true, head, from, to, &mut values);
+                r.widen_into(values, head, from, to, &mut out);
                 pos = (k + 1) * c;
             }
-        }
-        (keys, values)
+            out
+        };
+        let (keys, values): (Vec<Vec<f32>>, Vec<Vec<f32>>) =
+            (0..h).into_par_iter().map(|head| (head_rows(false, head), head_rows(true, head))).unzip();
+        (keys.concat(), values.concat())
     }
 }
 
@@ -363,8 +365,13 @@ fn build(
                     }
                     (a, b)
                 };
-                let ((k0, k1), (v0, v1)) = (split(&keys), split(&values));
-                let batch = Batch { keys: &k0, values: &v0, prefill: true, layout: Some(layout) };
+                // A layout of every token (a wave layout always) takes the rows as they are.
+                let parts = (t < p).then(|| (split(&keys), split(&values)));
+                let (k0, v0): (&[f32], &[f32]) = match &parts {
+                    Some(((k0, _), (v0, _))) => (k0, v0),
+                    None => (&keys, &values),
+                };
+                let batch = Batch { keys: k0, values: v0, prefill: true, layout: Some(layout) };
                 engine.ingest_with(id, l, batch, true)?;
                 // A layout that did not fit was reported and the rows indexed instead: count
                 // only layers whose index is the layout.
@@ -374,8 +381,8 @@ fn build(
                 if restored.as_ref() == Some(layout) {
                     used += 1;
                 }
-                if t < p {
-                    engine.append(id, l, &k1, &v1)?;
+                if let Some(((_, k1), (_, v1))) = &parts {
+                    engine.append(id, l, k1, v1)?;
                 }
             }
             None => engine.prefill(id, l, &keys, &values)?,
