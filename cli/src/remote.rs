@@ -82,14 +82,15 @@ fn raw_pipeline(
         store.set_many(&entries).map_err(|e| e.to_string())?;
     }
     let write = (count * size) as f64 / start.elapsed().as_secs_f64() / 1e6;
-    let (cpu_write, cpu) = (Cpu::now(url).since(&cpu), Cpu::now(url));
+    let written = Cpu::now(url);
+    let cpu_write = written.since(&cpu);
     let start = Instant::now();
     let mut got = 0;
     for part in keys.chunks(per_call) {
         got += store.get_many(part).map_err(|e| e.to_string())?.iter().flatten().map(Vec::len).sum::<usize>();
     }
     let read = got as f64 / start.elapsed().as_secs_f64() / 1e6;
-    let cpu_read = Cpu::now(url).since(&cpu);
+    let cpu_read = Cpu::now(url).since(&written);
     if got != count * size {
         return Err(format!("raw pipeline read back {got} bytes of {}", count * size));
     }
@@ -180,10 +181,7 @@ pub fn bench_remote(args: BenchRemoteArgs) -> Result<(), String> {
         args.chunk
     );
     let synth = SynthContext::generate(SynthParams::new(shape, args.tokens, args.shape.seed));
-    let mut spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype);
-    if let Some(codec) = args.shape.codec {
-        spec = spec.with_codec(codec);
-    }
+    let spec = ContextSpec::new(shape, 1).with_dtype(args.shape.dtype).with_codec(crate::codec_of(&args.shape));
     let ids: Vec<u32> = (0..args.tokens as u32).map(|i| i.wrapping_mul(2_654_435_761) % 100_000).collect();
     let model = ModelId::of_bytes(b"bench-remote synthetic model");
     let q = synth.queries(0);

@@ -365,6 +365,14 @@ impl Engine {
     }
 }
 
+/// A timeout argument in seconds, or a `ValueError` unless it is finite and at least 0.
+fn seconds(timeout: f64) -> PyResult<Duration> {
+    if !(timeout >= 0.0 && timeout.is_finite()) {
+        return Err(PyValueError::new_err(format!("timeout {timeout} must be a finite number of seconds ≥ 0")));
+    }
+    Ok(Duration::from_secs_f64(timeout))
+}
+
 /// Per layer, `None` (global) or a sliding window's length (`create_context(windows=...)`).
 type LayerKinds = Vec<Option<usize>>;
 
@@ -511,11 +519,9 @@ impl Engine {
     /// when `timeout` seconds passed first.
     #[pyo3(signature = (ctx, layer, timeout=600.0))]
     fn wait_index(&self, py: Python<'_>, ctx: u64, layer: usize, timeout: f64) -> PyResult<bool> {
-        if !(timeout >= 0.0 && timeout.is_finite()) {
-            return Err(PyValueError::new_err(format!("timeout {timeout} must be a finite number of seconds ≥ 0")));
-        }
+        let timeout = seconds(timeout)?;
         let e = self.engine()?;
-        py.detach(|| e.wait_index(ContextId(ctx), layer, Duration::from_secs_f64(timeout))).map_err(py_err)
+        py.detach(|| e.wait_index(ContextId(ctx), layer, timeout)).map_err(py_err)
     }
 
     /// Plans attention of query `q` (`[q_heads, head_dim]`) over a layer: exact, or the

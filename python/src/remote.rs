@@ -21,8 +21,7 @@ create_exception!(
     "The remote store could not be reached when the tier was made."
 );
 
-/// A model's identity: 64 hex digits of a sha256 of its weights, or a `path` whose file's
-/// sha256 is taken.
+/// A model's identity from the 64 hex digits of a sha256 of its weights (`model_id`).
 fn model(model: &str) -> PyResult<ModelId> {
     ModelId::from_hex(model).ok_or_else(|| {
         InvalidArgumentError::new_err(format!(
@@ -172,10 +171,8 @@ impl RemoteTier {
     /// Waits up to `timeout` seconds until every queued publish is written; whether it was.
     #[pyo3(signature = (timeout=60.0))]
     fn flush(&self, py: Python<'_>, timeout: f64) -> PyResult<bool> {
-        if !(timeout >= 0.0 && timeout.is_finite()) {
-            return Err(PyValueError::new_err(format!("timeout {timeout} must be a finite number of seconds ≥ 0")));
-        }
-        Ok(py.detach(|| self.inner.flush(Duration::from_secs_f64(timeout))))
+        let timeout = crate::seconds(timeout)?;
+        Ok(py.detach(|| self.inner.flush(timeout)))
     }
 
     /// Builds a new context in `engine` (arguments as `Engine.create_context`) from the

@@ -37,6 +37,7 @@ import math
 import time
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer
@@ -200,23 +201,22 @@ class AttnstoreCache(Cache):
         logits the prompt forward must compute) and leaves its rows to the layers."""
         if prompt is None or self.model_id is None:
             raise ValueError("a remote tier needs prompt= (the token ids) and model_id= (attnstore.hf.model_identity)")
-        ids = torch.as_tensor(prompt).reshape(-1) if not isinstance(prompt, list) else torch.tensor(prompt)
-        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[0] != 1:
+        ids = torch.as_tensor(prompt)
+        if ids.dim() == 2 and ids.shape[0] != 1:
             raise NotImplementedError("the remote tier serves a batch of one sequence")
         if len(self.served_layers()) != self.n_layers:
             raise NotImplementedError(
                 "the remote tier needs every layer served by attnstore; this model has sliding-window or other "
                 "layers that transformers keeps"
             )
-        self._prompt = [int(t) for t in ids.tolist()]
+        self._prompt = [int(t) for t in ids.reshape(-1).tolist()]
         got = self.remote.attach(self.engine, self.model_id, self._prompt[:-1], **self._create_args(dtype))
         if got is None:
             return
         self.contexts, self.reused = [got.context], got.tokens
         for layer in self.layers:
-            k, v = got.kv(layer.index)
             layer.tokens = got.tokens
-            layer.attached = (torch.from_numpy(k)[None], torch.from_numpy(v)[None])
+            layer.attached = got.kv(layer.index)
 
     def _published(self, layer: int, k, v) -> None:
         """Records `layer`'s prompt rows; once every layer has them, publishes the prompt."""
@@ -258,9 +258,9 @@ class _EngineLayer(CacheLayerMixin):
         self.cache = cache
         self.index = index
         self.tokens = 0
-        #: Rows attached from the remote tier (``[1, kv_heads, tokens, head_dim]`` keys and
-        #: values) until the prompt forward that continues them.
-        self.attached: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        #: Rows attached from the remote tier (``[kv_heads, tokens, head_dim]`` float32 keys
+        #: and values) until the prompt forward that continues them.
+        self.attached: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -285,12 +285,13 @@ class _EngineLayer(CacheLayerMixin):
         self.cache.seconds["prefill" if prompt else "append"] += time.perf_counter() - start
         self.tokens += new
         if prompt and self.attached is not None:
-            # The rest of an attached prompt: exact SDPA over the attached and the new rows.
-            ak, av = (t.to(device=key_states.device, dtype=key_states.dtype) for t in self.attached)
-            self.attached = None
-            key_states, value_states = torch.cat([ak, key_states], -2), torch.cat([av, value_states], -2)
-            self.cache._published(self.index, _rows(key_states[0]), _rows(value_states[0]))
-            return key_states, value_states
+            # The rest of an attached prompt: exact SDPA over the attached and the new rows;
+            # the prompt's rows to publish are the attached ones and the new ones as stored.
+            (ak, av), self.attached = self.attached, None
+            nk, nv = rows[0]
+            self.cache._published(self.index, np.concatenate([ak, nk], 1), np.concatenate([av, nv], 1))
+            ak, av = (torch.from_numpy(t)[None].to(device=key_states.device, dtype=key_states.dtype) for t in (ak, av))
+            return torch.cat([ak, key_states], -2), torch.cat([av, value_states], -2)
         if prompt:
             self.cache._published(self.index, *rows[0])
             return key_states, value_states  # the prompt's own attention: exact, by SDPA
