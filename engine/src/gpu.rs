@@ -105,6 +105,10 @@ struct DeviceLayer {
     last: Option<WaveFetched>,
     /// Device steps run over this copy (which of its hits a step logs, `HIT_TOUCH_EVERY`).
     steps: u64,
+    /// For 2-bit rows, per KV head one past its highest value-block id (a step logs the
+    /// value blocks it read, by id, instead of clusters), and per head and id the arena
+    /// blocks the value block spans.
+    blocks: Option<(Vec<u32>, Vec<Vec<u8>>)>,
 }
 
 /// A request launched on the device, until its output is fetched.
@@ -164,6 +168,7 @@ fn device_layer(
     let Some(steady) = layer.method.clustered().and_then(|c| c.steady_rows_from(0)) else { return Ok(None) };
     let mut wave = gpu.upload_arena_wave(&arena.wave, steady.len + STEADY_SLACK)?;
     gpu.set_steady(&mut wave, 0, &steady.keys, &steady.values)?;
+    let blocks = wave.block_id_end().map(|end| (end.to_vec(), arena.block_pages));
     Ok(Some(DeviceLayer {
         wave,
         indexed,
@@ -173,6 +178,7 @@ fn device_layer(
         tokens_per_block: arena.tokens_per_block,
         last: None,
         steps: 0,
+        blocks,
     }))
 }
 
@@ -510,12 +516,17 @@ impl Engine {
                     block_bytes,
                 );
             }
+            // A 2-bit layer's blocks are keyed by value block: the step logs those it read.
+            let (flagged, per_head, real) = match &dl.blocks {
+                Some((end, _)) => (got.blocks.clone(), got.blocks_per_head, end.clone()),
+                None => (got.flagged.clone(), got.per_head, dl.real_clusters.clone()),
+            };
             logged.push(FlaggedReads {
                 context: dl.keys.0,
                 layer: dl.keys.1,
-                flagged: got.flagged.clone(),
-                per_head: got.per_head,
-                real: dl.real_clusters.clone(),
+                flagged,
+                per_head,
+                real,
                 hit_every: HIT_TOUCH_EVERY as u32,
                 hit_turn: (dl.steps % HIT_TOUCH_EVERY) as u32,
             });
@@ -614,7 +625,7 @@ impl Engine {
             let clustered = guard
                 .method
                 .clustered()
-                .filter(|c| c.storage() == attnstore_index::RowStorage::Homed)
+                .filter(|c| c.storage() != attnstore_index::RowStorage::Memory)
                 .ok_or_else(|| Error::InvalidSpec(format!("{} layer {} cannot be analyzed", r.context, r.layer)))?;
             let heads = (0..r.shape.kv_heads)
                 .map(|h| clustered.plan_head_retrieving(h, &r.queries[h * g * d..(h + 1) * g * d], &selection[h]))
@@ -811,14 +822,31 @@ fn meter_device_step(meter: &Meter, layer: &Layer, dl: &DeviceLayer, got: &WaveF
         let mut retrieved = 0;
         for &c in chosen.iter().filter(|&&c| c < real) {
             let size = sizes.get(c as usize).copied().unwrap_or(0) as usize;
-            let tier = if missed.contains(&c) { Tier::Host } else { Tier::Gpu };
-            for _ in 0..size.div_ceil(per_block) {
-                retrieve.pinned(tier, block_bytes);
+            if dl.blocks.is_none() {
+                let tier = if missed.contains(&c) { Tier::Host } else { Tier::Gpu };
+                for _ in 0..size.div_ceil(per_block) {
+                    retrieve.pinned(tier, block_bytes);
+                }
             }
             retrieve.block_rows(size);
             retrieved += 1;
         }
         estimate.index_rows(real as usize - retrieved, 0);
+    }
+    // A 2-bit layer's reads are its listed value blocks, each spanning a few arena blocks.
+    if let Some((end, pages)) = &dl.blocks {
+        for (h, words) in got.blocks.chunks(got.blocks_per_head.max(1)).enumerate() {
+            for &w in words {
+                let (id, tier) = if w < 0 { (!w as u32, Tier::Host) } else { (w as u32, Tier::Gpu) };
+                if id >= end.get(h).copied().unwrap_or(0) {
+                    continue;
+                }
+                let n = pages.get(h).and_then(|p| p.get(id as usize)).copied().unwrap_or(0);
+                for _ in 0..n {
+                    retrieve.pinned(tier, block_bytes);
+                }
+            }
+        }
     }
 }
 

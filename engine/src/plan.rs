@@ -256,7 +256,7 @@ pub(crate) fn plan_request(
         None if on_device
             && matches!(spec.method, Method::Wave(_))
             && spec.dtype == DType::F16
-            && spec.codec == Codec::F16
+            && device_codec(spec.codec, shape.head_dim)
             && zone.mode == attnstore_index::SelectionMode::PerKvHead
             && config.buffers.is_some()
             && stats.clusters > 0 =>
@@ -325,6 +325,16 @@ pub(crate) fn plan_request(
 /// Adds what a device-selected plan reads besides its steady zone: the centroids it scores,
 /// the retrieved clusters' rows (average sizes) and the estimated clusters' mean values. The
 /// tier of the retrieved rows is decided on the GPU; they are counted as host reads.
+/// Whether the device step reads rows of `codec`: f16 rows, or `hack2` rows (HACK's
+/// per-token keys, Π = 64) of a head dimension its kernels take (a multiple of 64).
+fn device_codec(codec: Codec, head_dim: usize) -> bool {
+    match codec {
+        Codec::F16 => true,
+        Codec::Hack2(p) => p == attnstore_kernels::HackParams::default() && head_dim.is_multiple_of(64),
+        _ => false,
+    }
+}
+
 fn device_cost(c: &mut PlanCost, dev: &DeviceSelection, kv_heads: usize, row_bytes: usize, rows: RowBytes) {
     let (r, n) = (dev.clusters_per_head, dev.clusters);
     c.retrieve_clusters = r * kv_heads;

@@ -339,9 +339,13 @@ pub trait Clustered: Sync {
     /// Tokens in indexed segments.
     fn indexed_tokens(&self) -> usize;
     /// Steady-zone rows (sink, then pending and local tokens) from row `from` on, as f16
-    /// bits row-major over KV heads, with the zone's length; `None` unless rows are f16 and
-    /// plain.
+    /// bits row-major over KV heads, with the zone's length; `None` unless the method's
+    /// element type is f16 (the steady zone is kept plain under every codec).
     fn steady_rows_from(&self, from: usize) -> Option<SteadyRows>;
+    /// With [`RowStorage::HomedEncoded`]: per directory cluster of `kv_head`, in directory
+    /// order, the value blocks of the segment holding its rows and the rows it occupies
+    /// there (clusters are contiguous in their segment); `None` for other storage.
+    fn encoded_clusters(&self, kv_head: usize) -> Option<Vec<(crate::HomedGroups, std::ops::Range<u32>)>>;
     /// The plan of `kv_head` that retrieves exactly the directory clusters `retrieve` for
     /// the whole group and estimates every other cluster (what a device-selected step
     /// computed). Ids past the directory are ignored (the device's padding).

@@ -73,6 +73,9 @@ pub(crate) struct ArenaLayer {
     pub context: u64,
     /// Layer of those keys.
     pub layer: u32,
+    /// For 2-bit rows, per KV head and value-block id, the arena blocks the value block
+    /// spans (empty for f16 rows).
+    pub block_pages: Vec<Vec<u8>>,
 }
 
 /// The layer's homed f16 clusters and their store, when its rows are such.
@@ -229,29 +232,56 @@ pub(crate) fn gpu_hack_work(
 
 /// The layer as a GPU decode step that selects its clusters on the device reads it, or
 /// `None` when it cannot be served that way (not a wave index, rows not homed in the buffer
-/// manager, not f16, 2-bit rows, nothing indexed). An error when a block is not in the Host
-/// arena (spilled or lost): run on the CPU.
+/// manager, neither f16 rows nor `hack2` rows of a head dimension that is a multiple of 64,
+/// nothing indexed). An error when a block is not in the Host arena (spilled or lost): run
+/// on the CPU.
 pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Result<ArenaLayer>> {
-    let (store, clustered) = homed_f16(layer)?;
+    let clustered = layer.method.clustered()?;
+    let store = layer.home.as_ref()?;
+    let encoded = match clustered.storage() {
+        RowStorage::Homed if clustered.dtype() == DType::F16 => false,
+        // The GPU kernels read HACK's per-token keys in value blocks of Π = 64 rows (as
+        // gpu_hack_work), and the steady zone as f16 rows.
+        RowStorage::HomedEncoded if clustered.dtype() == DType::F16 && d.is_multiple_of(64) => {
+            let all_default = (0..kv_heads).all(|h| {
+                clustered
+                    .encoded_clusters(h)
+                    .is_some_and(|c| c.iter().all(|(g, _)| g.params == HackParams::default()))
+            });
+            if !all_default {
+                return None;
+            }
+            true
+        }
+        _ => return None,
+    };
     if clustered.indexed_tokens() == 0 {
         return None;
     }
     Some((|| {
         let row_bytes = d * 2;
         let per_block = store.rows_per_block(row_bytes)?;
-        if 2 * per_block * row_bytes != store.buffers().layout().block_bytes() {
+        let block_bytes = store.buffers().layout().block_bytes();
+        if 2 * per_block * row_bytes != block_bytes {
             return Err(Error::Index(attnstore_index::Error::InvalidParameter {
                 what: "block size",
                 message: format!(
-                    "a device step addresses arena rows as slot × 2R + row: blocks of {} bytes are not 2 × {per_block} rows of {row_bytes} bytes",
-                    store.buffers().layout().block_bytes()
+                    "a device step addresses arena rows as slot × 2R + row: blocks of {block_bytes} bytes are not 2 × {per_block} rows of {row_bytes} bytes"
                 ),
             }));
         }
         let stride = 2 * per_block;
         let mut rows: Vec<Vec<u32>> = Vec::with_capacity(kv_heads);
         let mut metas = Vec::with_capacity(kv_heads);
+        let mut groups = encoded.then(|| attnstore_kernels::ArenaGroups::new(block_bytes));
+        let mut block_pages: Vec<Vec<u8>> = Vec::new();
         for h in 0..kv_heads {
+            metas.push(clustered.directory_f16(h));
+            if let Some(groups) = groups.as_mut() {
+                block_pages.push(encoded_head(store, clustered, h, groups)?);
+                rows.push(Vec::new());
+                continue;
+            }
             let sizes = clustered.cluster_sizes(h);
             let keys: Vec<_> = (0..sizes.len() as u32).map(|id| store.key(h, id)).collect();
             let found = store.lookup(&keys)?;
@@ -270,7 +300,6 @@ pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Re
                 }
             }
             rows.push(map);
-            metas.push(clustered.directory_f16(h));
         }
         let heads: Vec<HeadClusters<'_>> = (0..kv_heads)
             .map(|h| HeadClusters {
@@ -280,14 +309,73 @@ pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Re
                 rows: &rows[h],
             })
             .collect();
+        let wave = match groups {
+            Some(groups) => ArenaWave::new_encoded(d, &heads, groups)?,
+            None => ArenaWave::new(d, &heads)?,
+        };
         Ok(ArenaLayer {
-            wave: ArenaWave::new(d, &heads)?,
+            wave,
             tokens_per_block: per_block,
             real_clusters: (0..kv_heads).map(|h| clustered.cluster_sizes(h).len()).collect(),
             context: store.context(),
             layer: store.layer(),
+            block_pages,
         })
     })())
+}
+
+/// Adds KV head `h`'s value blocks (each segment's, in its Host-arena blocks) and clusters
+/// to `groups`; returns, per value-block id of the head, the arena blocks it spans.
+fn encoded_head(
+    store: &BlockStore,
+    clustered: &dyn Clustered,
+    h: usize,
+    groups: &mut attnstore_kernels::ArenaGroups,
+) -> Result<Vec<u8>> {
+    let clusters = clustered
+        .encoded_clusters(h)
+        .ok_or_else(|| missing_rows(format!("head {h}'s 2-bit rows are not all homed in value blocks")))?;
+    // Each segment's value blocks, pushed once, at the first cluster of the segment.
+    let mut first_index = BTreeMap::<u32, u32>::new();
+    let mut pages_of: Vec<u8> = Vec::new();
+    for (g, range) in clusters {
+        let first = match first_index.get(&g.first) {
+            Some(&i) => i,
+            None => {
+                let keys: Vec<_> = g.ids().map(|id| store.key(h, id)).collect();
+                let (locations, counts) = store.lookup_counted(&keys)?;
+                let mut at = 0;
+                let mut index = None;
+                for (b, &n) in counts.iter().enumerate() {
+                    let mut pages = Vec::with_capacity(n);
+                    for location in &locations[at..at + n] {
+                        let (tier, slot) = location.home();
+                        if tier != Tier::Host {
+                            return Err(missing_rows(format!(
+                                "value block {} of head {h} has a block homed on {tier:?}, not in the Host arena",
+                                g.first + b as u32
+                            )));
+                        }
+                        pages.push(slot);
+                    }
+                    at += n;
+                    let id = g.first + b as u32;
+                    let i = groups.push_group(&pages, g.rows_in(b), id)?;
+                    index.get_or_insert(i);
+                    if pages_of.len() <= id as usize {
+                        pages_of.resize(id as usize + 1, 0);
+                    }
+                    pages_of[id as usize] = n as u8;
+                }
+                let i = index.ok_or_else(|| missing_rows(format!("a segment of head {h} has no value block")))?;
+                first_index.insert(g.first, i);
+                i
+            }
+        };
+        groups.push_cluster(first, range)?;
+    }
+    groups.end_head();
+    Ok(pages_of)
 }
 
 fn missing_rows(message: String) -> Error {

@@ -663,7 +663,7 @@ impl<E: Element> Clustered for WaveIndex<E> {
     }
 
     fn steady_rows_from(&self, from: usize) -> Option<SteadyRows> {
-        if E::DTYPE != attnstore_kernels::DType::F16 || self.codec.is_encoded() {
+        if E::DTYPE != attnstore_kernels::DType::F16 {
             return None;
         }
         let (d, sink) = (self.head_dim, self.sink_len);
@@ -688,6 +688,19 @@ impl<E: Element> Clustered for WaveIndex<E> {
             }
         }
         Some(out)
+    }
+
+    fn encoded_clusters(&self, kv_head: usize) -> Option<Vec<(crate::HomedGroups, std::ops::Range<u32>)>> {
+        let store = &self.heads[kv_head];
+        store
+            .dir
+            .spans
+            .iter()
+            .map(|span| match &store.segments.get(span.unit as usize)?.rows {
+                crate::segment::SegmentRows::HomedEncoded(g) => Some((*g, span.start..span.end)),
+                _ => None,
+            })
+            .collect()
     }
 
     fn plan_head_retrieving(&self, kv_head: usize, q: &[f32], retrieve: &[u32]) -> HeadPlan {

@@ -288,13 +288,15 @@ ATTN_PARTIAL(8)
 // `lse` (may be null): per query head, the log of the softmax denominator m + ln l, so the
 // normalized output and it form a partial (o = out, m = lse, l = 1) the host can merge.
 // `part2` (may be null): `chunks2` more partials per KV head in a second buffer, same layout
-// (a wave step's estimation partials, written on another stream). `out_copy` (may be null):
+// (a wave step's estimation partials, written on another stream); `part3`/`chunks3` (may be
+// null) a third (a 2-bit wave step's homomorphic partials). `out_copy` (may be null):
 // a second destination of the output, e.g. a job's mapped pinned buffer, so the host reads
 // the result with no copy node after the kernel. `words_src` (may be null): `words` ints the
 // step wrote in device memory (a wave step's flagged selection) that go to `words_dst` (mapped)
 // too, each CTA one run of consecutive words, written first so the writes overlap the merge.
 extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
                                       float* __restrict__ lse, const float* __restrict__ part2, int chunks2,
+                                      const float* __restrict__ part3, int chunks3,
                                       float* __restrict__ out_copy, const int* __restrict__ words_src, int words,
                                       int* __restrict__ words_dst) {
   const int qh = blockIdx.x;
@@ -308,9 +310,14 @@ extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks
   const float* base1 = part + (long long)h * chunks * stride + g * PART;
   const float* base2 = part2 == nullptr ? nullptr : part2 + (long long)h * chunks2 * stride + g * PART;
   if (part2 == nullptr) chunks2 = 0;
-  // Chunk c of the merge: c < chunks from the first buffer, the rest from the second.
-#define CHUNK_AT(c) ((c) < chunks ? base1 + (long long)(c) * stride : base2 + (long long)((c) - chunks) * stride)
-  const int all = chunks + chunks2;
+  const float* base3 = part3 == nullptr ? nullptr : part3 + (long long)h * chunks3 * stride + g * PART;
+  if (part3 == nullptr) chunks3 = 0;
+  // Chunk c of the merge: c < chunks from the first buffer, then the second's, then the third's.
+#define CHUNK_AT(c)                                                 \
+  ((c) < chunks            ? base1 + (long long)(c) * stride        \
+   : (c) < chunks + chunks2 ? base2 + (long long)((c) - chunks) * stride \
+                            : base3 + (long long)((c) - chunks - chunks2) * stride)
+  const int all = chunks + chunks2 + chunks3;
   __shared__ float red[MERGE_WARPS];
   __shared__ float acc_s[MERGE_WARPS][HEAD_DIM + 1];
   float mx = NEG_INF;

@@ -77,14 +77,17 @@ struct HackPagedSrc {
   __device__ unsigned long long at(int h, int i) {
     const long long g = (long long)h * n_sel + i;
     if (threadIdx.x < MAX_PAGES) hack_pages_s[threadIdx.x] = pages[g * MAX_PAGES + threadIdx.x];
-    const int n = rows_of[g];
+    set_rows(rows_of[g]);
+    return masks[g];
+  }
+  // The offsets of the group layout's parts for a block of n rows.
+  __device__ void set_rows(int n) {
     vc_off = n * (HEAD_DIM / 4);
     kmin_off = vc_off + (HBLK / 4) * HEAD_DIM;
     kscale_off = kmin_off + 2 * n * KP;
     ksum_off = kscale_off + 2 * n * KP;
     vmin_off = ksum_off + 2 * n * KP;
     vscale_off = vmin_off + 2 * HEAD_DIM;
-    return masks[g];
   }
   // With pages of a power of two bytes (the buffer manager's 2 KiB), a shift and a mask;
   // otherwise a division.
@@ -116,10 +119,13 @@ struct HackPagedSrc {
 // in the order the score loop isolates the key codes: word s of dims 16w.. holds dims
 // 16w+s, 16w+4+s, 16w+8+s, 16w+12+s (so `(key word >> 2s) & 0x03030303` pairs with it);
 // qmeta: [q_heads][KP][3] = scale, minimum, scale·Σcodes + 64·minimum.
+// With `qf` (f32 queries, [q_heads][HEAD_DIM]) instead, each CTA quantizes its group's
+// queries itself as `Quantized8::encode` does on the CPU (same IEEE operations, no
+// contraction: the same codes), so a device step needs no quantization launch.
 template <int G, class Src>
 __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8,
-                            const float* __restrict__ qmeta, float scale, int chunk_blocks,
-                            float* __restrict__ part) {
+                            const float* __restrict__ qmeta, const float* __restrict__ qf, float scale,
+                            int chunk_blocks, float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
   __shared__ __align__(16) unsigned q_s[G][HEAD_DIM / 4];
@@ -127,10 +133,47 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
   __shared__ float score_s[G][HBLK];
   __shared__ __align__(16) unsigned p8_s[G][HBLK / 4];
   __shared__ float m_s[G], l_s[G], corr_s[G], step_s[G], psum_s[G];
-  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
-    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
-  for (int i = t; i < G * KP * 3; i += HACK_THREADS)
-    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
+  if (qf != nullptr) {
+    __shared__ unsigned char code_s[G][HEAD_DIM];
+    // One warp per 64-value partition: two values per lane.
+    for (int p = warp; p < G * KP; p += HACK_THREADS / 32) {
+      const int g = p / KP, k = p % KP;
+      const float* x = qf + (long long)(h * G + g) * HEAD_DIM + k * 64;
+      const float a = x[lane], b = x[lane + 32];
+      float lo = fminf(a, b), hi = fmaxf(a, b);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+      }
+      const float sc = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 0.f), 255.f);
+      const float inv = sc > 0.f ? __fdiv_rn(1.f, sc) : 0.f;
+      const unsigned ca = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(a, lo), inv), 0.5f), 255.f);
+      const unsigned cb = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(b, lo), inv), 0.5f), 255.f);
+      unsigned sum = ca + cb;
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      code_s[g][k * 64 + lane] = (unsigned char)ca;
+      code_s[g][k * 64 + lane + 32] = (unsigned char)cb;
+      if (lane == 0) {
+        qm_s[g][k][0] = sc;
+        qm_s[g][k][1] = lo;
+        qm_s[g][k][2] = __fadd_rn(__fmul_rn(sc, (float)sum), __fmul_rn(64.f, lo));
+      }
+    }
+    __syncthreads();
+    // Word s of dims 16j.. holds dims 16j+s, 16j+4+s, 16j+8+s, 16j+12+s (see above).
+    for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS) {
+      const int g = i / (HEAD_DIM / 4), w = i % (HEAD_DIM / 4);
+      const unsigned char* c = code_s[g] + 16 * (w / 4) + w % 4;
+      q_s[g][w] = (unsigned)c[0] | (unsigned)c[4] << 8 | (unsigned)c[8] << 16 | (unsigned)c[12] << 24;
+    }
+  } else {
+    for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
+      q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
+    for (int i = t; i < G * KP * 3; i += HACK_THREADS)
+      qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
+  }
   if (t < G) { m_s[t] = NEG_INF; l_s[t] = 0.f; }
   // Each thread owns channels t and t + 128 of every head's output.
   float o[G][(HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS];
@@ -267,7 +310,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     src.sel_blocks = sel_blocks; src.sel_masks = sel_masks; src.n_sel = n_sel;                               \
     src.row0 = 0; src.vblock = 0;                                                                            \
     const int listed = sel_blocks ? n_sel : (rows + HBLK - 1) / HBLK;                                        \
-    hack_attend<G>(src, listed, q8, qmeta, scale, chunk_blocks, part);                                       \
+    hack_attend<G>(src, listed, q8, qmeta, nullptr, scale, chunk_blocks, part);                                       \
   }                                                                                                          \
   extern "C" __global__ void hack_paged_g##G(                                                               \
       const unsigned long long* __restrict__ pages, const unsigned long long* __restrict__ masks,             \
@@ -277,7 +320,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;                          \
     src.page_bytes = page_bytes; src.page_shift = page_bytes & (page_bytes - 1) ? -1 : __ffs(page_bytes) - 1; \
     src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
-    hack_attend<G>(src, n_sel, q8, qmeta, scale, chunk_blocks, part);                                        \
+    hack_attend<G>(src, n_sel, q8, qmeta, nullptr, scale, chunk_blocks, part);                                        \
   }
 HACK_KERNELS(1)
 HACK_KERNELS(2)

@@ -44,7 +44,7 @@ impl DeviceHack {
 /// Pages a value block in the group layout may span on the device (`MAX_PAGES` in
 /// `hack.cu`): 8 blocks of the buffer manager's default 2 KiB hold a group of head
 /// dimension 256 (10.5 KiB).
-pub const MAX_PAGES: usize = 8;
+pub const MAX_PAGES: usize = crate::arena_wave::GROUP_PAGES;
 
 /// Buffers of one homomorphic decode launch.
 pub struct HackJob {
@@ -186,7 +186,7 @@ impl GpuBackend {
     }
 
     /// The typed error for a head dimension the hack2 kernels were not compiled for.
-    fn hack_head_dim_error(&self) -> Error {
+    pub(super) fn hack_head_dim_error(&self) -> Error {
         Error::InvalidArgument {
             what: "head_dim",
             message: format!(
@@ -511,7 +511,7 @@ impl GpuBackend {
     fn merge_hack(&self, job: &mut HackJob) -> Result<()> {
         let lse = device_address(&job.lse, &self.stream);
         let copies = super::MailboxCopies::default();
-        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, (0, 0), copies)
+        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, [(0, 0); 2], copies)
     }
 
     /// Waits for the stream and copies a homomorphic decode's output back.

@@ -29,7 +29,13 @@ pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
 pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
 
 const SOURCE: &str =
-    concat!(include_str!("decode.cu"), include_str!("hack.cu"), include_str!("wave.cu"), include_str!("build.cu"));
+    concat!(
+        include_str!("decode.cu"),
+        include_str!("hack.cu"),
+        include_str!("wave.cu"),
+        include_str!("hack_wave.cu"),
+        include_str!("build.cu")
+    );
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
 /// has not too many chunks to fold.
@@ -81,7 +87,15 @@ pub struct GpuBackend {
     hack_partial: Option<Vec<CudaFunction>>,
     hack_paged: Option<Vec<CudaFunction>>,
     hack_dequant: Option<CudaFunction>,
+    /// The 2-bit wave step's kernels (`hack_wave.cu`), with the hack2 kernels.
+    hack_wave: Option<HackWaveKernels>,
     head_dim: usize,
+}
+
+/// `hack_arena_g{G}` for G = 1..=MAX_GROUP (index G − 1) and `hack_expand`.
+struct HackWaveKernels {
+    arena: Vec<CudaFunction>,
+    expand: CudaFunction,
 }
 
 /// The kernels of [`GpuBackend::build_layout`], in the order it launches them.
@@ -267,10 +281,15 @@ impl GpuBackend {
             gather: load("lay_gather")?,
             means: load("lay_means")?,
         };
-        let (hack_partial, hack_paged, hack_dequant) = if head_dim.is_multiple_of(64) {
-            (Some(per_group("hack_partial")?), Some(per_group("hack_paged")?), Some(load("hack_dequant")?))
+        let (hack_partial, hack_paged, hack_dequant, hack_wave) = if head_dim.is_multiple_of(64) {
+            (
+                Some(per_group("hack_partial")?),
+                Some(per_group("hack_paged")?),
+                Some(load("hack_dequant")?),
+                Some(HackWaveKernels { arena: per_group("hack_arena")?, expand: load("hack_expand")? }),
+            )
         } else {
-            (None, None, None)
+            (None, None, None, None)
         };
         Ok(Self {
             ctx,
@@ -290,6 +309,7 @@ impl GpuBackend {
             hack_partial,
             hack_paged,
             hack_dequant,
+            hack_wave,
             head_dim,
         })
     }
@@ -676,7 +696,7 @@ impl GpuBackend {
         self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), NO_STEADY, job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
-        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, (0, 0), MailboxCopies::default())
+        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, [(0, 0); 2], MailboxCopies::default())
     }
 
     /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `chunks` CTAs per
@@ -730,23 +750,24 @@ impl GpuBackend {
         chunks: usize,
         out: &mut CudaSlice<f32>,
         lse: u64,
-        (part2, chunks2): (u64, usize),
+        [(part2, chunks2), (part3, chunks3)]: [(u64, usize); 2],
         copies: MailboxCopies,
     ) -> Result<()> {
         let need = sh.kv_heads * chunks * sh.group() * (self.head_dim + 2);
         if part.len() < need || out.len() < sh.query_len() {
             return Err(Error::ShapeMismatch { what: "merge partials", expected: need, got: part.len() });
         }
-        let (chunks, group, chunks2) = (chunks as i32, sh.group() as i32, chunks2 as i32);
+        let (chunks, group, chunks2, chunks3) = (chunks as i32, sh.group() as i32, chunks2 as i32, chunks3 as i32);
         let words = copies.words as i32;
         // 32 warps per query head (MERGE_WARPS in decode.cu).
         let cfg = LaunchConfig { grid_dim: (sh.q_heads as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let mut b = stream.launch_builder(&self.merge);
-        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2).arg(&copies.out);
+        b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2);
+        b.arg(&part3).arg(&chunks3).arg(&copies.out);
         b.arg(&copies.words_src).arg(&words).arg(&copies.words_dst);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
-        // floats (both checked above); part2 (when not 0) kv_heads × chunks2 × group partials
-        // (the caller's wave job allocated it so); copies.out (when not 0) is the device address
+        // floats (both checked above); part2 and part3 (when not 0) kv_heads × chunks2 (and
+        // chunks3) × group partials (the caller's wave job allocated them so); copies.out (when not 0) is the device address
         // of the caller's mapped buffer of q_heads × head_dim floats, and words_src / words_dst
         // (when not 0) of `words` ints each (MailboxCopies' contract); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;

@@ -227,7 +227,7 @@ impl GpuBackend {
     /// Everything a step's launches depend on besides the job's own buffers (fixed from
     /// `prepare_wave` on): equal keys mean identical launches, so a graph captured under one
     /// key replays exactly what launching eagerly would enqueue.
-    fn step_key(&self, s: &WaveStep<'_>) -> [u64; 31] {
+    fn step_key(&self, s: &WaveStep<'_>) -> Vec<u64> {
         let (w, j) = (s.wave, &*s.job);
         let c = self.cache_args(s.cache);
         let size = |x: usize| x as u64;
@@ -274,6 +274,9 @@ impl GpuBackend {
             s.wave.arena.as_ref().map_or(0, |a| a.stage.dev),
             s.wave.arena.as_ref().map_or(0, |a| a.marks.dev),
         ]
+        .into_iter()
+        .chain(w.groups.as_ref().map(|g| g.key(&self.stream)).into_iter().flatten())
+        .collect()
     }
 
     /// A step's cache as the kernels take it.

@@ -6,9 +6,12 @@
 //! the selection back afterwards, to keep the Gpu tier (admissions are the maintainer's
 //! work, off the decode path).
 
+mod hack;
 mod launch;
 mod timing;
 mod upload;
+
+use hack::{DeviceGroups, HackBuffers};
 
 use launch::Graphs;
 pub use launch::WaveBatch;
@@ -45,6 +48,8 @@ pub struct DeviceWave {
     largest: usize,
     /// Set for a layer whose indexed rows live in a shared arena ([`GpuBackend::upload_arena_wave`]).
     arena: Option<ArenaRows>,
+    /// Set for an arena layer of 2-bit rows: where its value blocks are.
+    groups: Option<DeviceGroups>,
 }
 
 /// The parts of an arena layer ([`ArenaWave`]) besides its meta index: where each indexed
@@ -99,6 +104,12 @@ impl DeviceWave {
     /// Rows per KV head (the KV a launch reads must hold at least these).
     pub fn rows(&self) -> usize {
         self.rows
+    }
+
+    /// For a layer of 2-bit rows, per KV head one past the highest value-block id (what
+    /// [`WaveFetched::blocks`] names); `None` for f16 rows.
+    pub fn block_id_end(&self) -> Option<&[u32]> {
+        self.groups.as_ref().map(|g| &g.table.id_end[..])
     }
 }
 
@@ -233,6 +244,8 @@ pub struct WaveJob {
     /// Pinned host buffers for the step's queries, output and selection: copies from and to
     /// them are asynchronous (pageable memory makes each copy a wait of its own).
     io: JobIo,
+    /// A 2-bit layer's piece lists and homomorphic partials.
+    hack: Option<HackBuffers>,
 }
 
 /// See [`WaveJob::io`].
@@ -326,6 +339,12 @@ pub struct WaveFetched {
     pub flagged: Vec<i32>,
     /// Words per KV head (the step's retrieved clusters per head).
     pub per_head: usize,
+    /// For a layer of 2-bit rows, the value blocks the step read, `blocks_per_head` words
+    /// per KV head: block id `b` as `b` when every page of it was read from the Gpu tier, as
+    /// `!b` when not (a miss), `i32::MAX` past the head's list. Empty for f16 rows.
+    pub blocks: Vec<i32>,
+    /// Words of `blocks` per KV head.
+    pub blocks_per_head: usize,
 }
 
 /// The cluster of a flagged word (a miss `c` is written `!c`): `w ^ (w >> 31)`, no branch.
@@ -389,11 +408,13 @@ impl GpuBackend {
                 .map_err(gpu_err("allocating wave buffers"))?,
         );
         let steady = wave.rows - wave.indexed;
-        // Room per head for the steady zone and the r largest clusters.
-        let capacity = steady + r * wave.largest;
+        // Room per head for the steady zone and the r largest clusters (only the steady zone
+        // for 2-bit rows: their clusters are listed as pieces of value blocks).
+        let capacity = if wave.groups.is_some() { steady } else { steady + r * wave.largest };
         // Chunks sized for a typical list (r average clusters) and a grid for 1.25 times that: a
         // longer list is covered by CTAs taking several chunks (attn_partial's chunk loop).
-        let typical = steady + r * wave.indexed.div_ceil(wave.clusters);
+        let typical =
+            if wave.groups.is_some() { steady } else { steady + r * wave.indexed.div_ceil(wave.clusters) };
         let chunk = chunk_rows(typical, shape.kv_heads);
         let chunks = capacity.min(typical + typical / 4).div_ceil(chunk).max(1);
         // Chunks of a multiple of 128 clusters (four 32-cluster tiles), at most ~64 CTAs per head.
@@ -415,17 +436,23 @@ impl GpuBackend {
             shape: *shape,
             scale: shape.scale(),
         };
+        let hack = match &wave.groups {
+            Some(g) => Some(self.hack_buffers(shape, g, r)?),
+            None => None,
+        };
+        let cap = hack.as_ref().map_or(0, |h| h.cap);
         Ok(WaveJob {
             select,
             decode,
             scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
-            flags: alloc_i(shape.kv_heads * r)?,
+            flags: alloc_i(shape.kv_heads * (r + cap))?,
             mark: alloc_i(shape.kv_heads * wave.clusters)?,
             est_part: alloc_f(shape.kv_heads * est_chunks * shape.group() * (self.head_dim + 2))?,
             est_chunks,
             per_cta,
             graphs: Graphs::default(),
-            io: self.job_io(shape, r)?,
+            io: self.job_io(shape, r, cap)?,
+            hack,
         })
     }
 
@@ -446,11 +473,11 @@ impl GpuBackend {
         Ok(())
     }
 
-    /// A job's pinned buffers.
-    fn job_io(&self, shape: &AttnShape, r: usize) -> Result<JobIo> {
+    /// A job's pinned buffers (`blocks`: value-block words per head a 2-bit step reports).
+    fn job_io(&self, shape: &AttnShape, r: usize, blocks: usize) -> Result<JobIo> {
         let q = self.mailbox::<f32>(shape.query_len())?;
         let out = self.mailbox::<f32>(shape.query_len())?;
-        let sel = self.mailbox::<i32>(shape.kv_heads * r)?;
+        let sel = self.mailbox::<i32>(shape.kv_heads * (r + blocks))?;
         let done = self
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
@@ -464,10 +491,14 @@ impl GpuBackend {
     pub fn fetch_wave_selected(&self, job: &mut WaveJob) -> Result<WaveFetched> {
         // The step ends with copies of both into the job's pinned buffers.
         job.io.wait()?;
+        let words = job.io.sel.as_slice();
+        let clusters = job.decode.shape.kv_heads * job.select.r;
         Ok(WaveFetched {
             output: job.io.out.as_slice().to_vec(),
-            flagged: job.io.sel.as_slice().to_vec(),
+            flagged: words[..clusters].to_vec(),
             per_head: job.select.r,
+            blocks: if job.hack.is_some() { words[clusters..].to_vec() } else { Vec::new() },
+            blocks_per_head: job.hack.as_ref().map_or(0, |h| h.cap),
         })
     }
 
@@ -496,6 +527,7 @@ impl GpuBackend {
             if kv.rows < kv_needs
                 || job.mark.len() < wave.kv_heads * wave.clusters
                 || job.decode.identity_rows != wave.rows
+                || job.hack.is_some() != wave.groups.is_some()
             {
                 return Err(Error::InvalidArgument {
                     what: "wave launch",
@@ -555,10 +587,63 @@ impl GpuBackend {
         let mark = device_address(&job.mark, main);
         self.launch_select_marking(main, &wave.cent, &mut job.select, mark)?;
         phase_done("select", main)?;
+        self.launch_estimation(main, side, wave, job)?;
+        phase_done("estimation", side)?;
+        let c = self.cache_args(cache);
+        let hack = match &wave.groups {
+            Some(groups) => {
+                // The retrieved clusters as pieces of value blocks, attended homomorphically;
+                // the row list below is then the steady zone alone.
+                self.launch_hack_pieces(main, wave, groups, &c, job)?;
+                phase_done("row list", main)?;
+                self.launch_hack_attention(main, groups, kv, &c, job)?;
+                phase_done("2-bit attention", main)?;
+                job.hack.as_ref().map(|h| (device_address(&h.part, main), h.chunks))
+            }
+            None => None,
+        };
+        let r = if wave.groups.is_some() { 0 } else { job.select.r as i32 };
+        self.launch_row_list(main, wave, &c, r, job)?;
+        if hack.is_none() {
+            phase_done("row list", main)?;
+        }
+        let steady = match &wave.arena {
+            Some(a) => (c.rows, device_address(&a.keys, main), device_address(&a.values, main)),
+            None => NO_STEADY,
+        };
+        let head_stride = if wave.arena.is_some() { 0 } else { (kv.rows * self.head_dim) as i64 };
+        self.launch_attn(main, (kv.keys, kv.values, head_stride), (c.keys, c.values), steady, &mut job.decode)?;
+        phase_done("attention", main)?;
+        main.join(side).map_err(gpu_err("ordering the streams"))?;
         let sh = job.decode.shape;
-        let (r, n, kvh) = (job.select.r as i32, wave.clusters as i32, wave.kv_heads as i32);
-        // The estimation needs only the selection: it runs on the side stream, beside the
-        // row list and the attention.
+        let lse = device_address(&job.decode.lse, main);
+        let est = (device_address(&job.est_part, main), job.est_chunks);
+        // The output and the flagged selection go to the job's mailboxes (job_io: q_heads ×
+        // head_dim floats and the flags' ints).
+        let copies = super::MailboxCopies {
+            out: job.io.out.dev,
+            words_src: device_address(&job.flags, main),
+            words: job.flags.len(),
+            words_dst: job.io.sel.dev,
+        };
+        let parts = [est, hack.unwrap_or((0, 0))];
+        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, parts, copies)?;
+        phase_done("merge", main)
+    }
+
+    /// The estimation of every cluster the selection did not mark, on `side` once the
+    /// selection on `main` is done (it needs nothing else): beside the row list and the
+    /// attention.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_estimation(
+        &self,
+        main: &Arc<CudaStream>,
+        side: &Arc<CudaStream>,
+        wave: &DeviceWave,
+        job: &mut WaveJob,
+    ) -> Result<()> {
+        let sh = job.decode.shape;
+        let n = wave.clusters as i32;
         side.join(main).map_err(gpu_err("ordering the streams"))?;
         let per_cta = job.per_cta as i32;
         let cfg = LaunchConfig {
@@ -577,9 +662,22 @@ impl GpuBackend {
         // sized for. The previous step's merge read est_part on the main stream before this
         // step's selection, so it is not overwritten early.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching est_partial"))?;
-        phase_done("estimation", side)?;
+        Ok(())
+    }
+
+    /// The row list of the step's attention (`wave_expand`): the steady zone and the `r`
+    /// retrieved clusters per head (r = 0: the steady zone alone).
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_row_list(
+        &self,
+        main: &Arc<CudaStream>,
+        wave: &DeviceWave,
+        c: &CacheArgs,
+        r: i32,
+        job: &mut WaveJob,
+    ) -> Result<()> {
+        let (n, kvh) = (wave.clusters as i32, wave.kv_heads as i32);
         let (indexed, rows) = (wave.indexed as i32, wave.rows as i32);
-        let c = self.cache_args(cache);
         let (map, steady_len) = match &wave.arena {
             Some(a) => (device_address(&a.row_map, main), device_address(&a.len, main)),
             None => (0u64, 0u64),
@@ -595,35 +693,16 @@ impl GpuBackend {
         b.arg(&c.table).arg(&c.block_rows).arg(&c.blocks_per_head).arg(&c.slot_rows);
         b.arg(&map).arg(&steady_len).arg(&c.rows);
         b.arg(&mut job.scan).arg(list).arg(list_offsets).arg(&mut job.flags);
-        // SAFETY: out holds r distinct cluster ids < n per head (select_scored), offsets
-        // kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has at most
-        // steady + r × largest entries = the capacity allocated per head (an arena layer's
-        // steady length ≤ its capacity, set_steady); the table (checked above, or the arena
-        // cache's owner's claim) names cache rows < the cache's rows; an arena layer's row map
-        // holds kv_heads × indexed rows < the arena's (check_steps); scan holds kv_heads ×
-        // EXPAND_SPLIT × (r + 1) (one slice per CTA) and flags kv_heads × r.
+        // SAFETY: out holds r ≤ select.r distinct cluster ids < n per head (select_scored),
+        // offsets kv_heads × (n + 1) increasing row bounds ≤ indexed, so each head's list has
+        // at most steady + r × largest entries ≤ the capacity allocated per head (steady only
+        // for a 2-bit layer, which passes r = 0; an arena layer's steady length ≤ its
+        // capacity, set_steady); the table (checked above, or the arena cache's owner's claim)
+        // names cache rows < the cache's rows; an arena layer's row map holds kv_heads ×
+        // indexed rows < the arena's (check_steps); scan holds kv_heads × EXPAND_SPLIT ×
+        // (select.r + 1) (one slice per CTA) and flags at least kv_heads × select.r.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching wave_expand"))?;
-        phase_done("row list", main)?;
-        let steady = match &wave.arena {
-            Some(a) => (c.rows, device_address(&a.keys, main), device_address(&a.values, main)),
-            None => NO_STEADY,
-        };
-        let head_stride = if wave.arena.is_some() { 0 } else { (kv.rows * self.head_dim) as i64 };
-        self.launch_attn(main, (kv.keys, kv.values, head_stride), (c.keys, c.values), steady, &mut job.decode)?;
-        phase_done("attention", main)?;
-        main.join(side).map_err(gpu_err("ordering the streams"))?;
-        let lse = device_address(&job.decode.lse, main);
-        let est = (device_address(&job.est_part, main), job.est_chunks);
-        // The output and the flagged selection go to the job's mailboxes (job_io: q_heads ×
-        // head_dim floats and kv_heads × r ints).
-        let copies = super::MailboxCopies {
-            out: job.io.out.dev,
-            words_src: device_address(&job.flags, main),
-            words: job.flags.len(),
-            words_dst: job.io.sel.dev,
-        };
-        self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, est, copies)?;
-        phase_done("merge", main)
+        Ok(())
     }
 
     /// A step's first launch (`step_ingest`): the job's queries from its mapped pinned buffer
@@ -688,7 +767,7 @@ mod tests {
         // one real miss (9).
         let mut flagged: Vec<i32> = (0..16).map(|c| if [2, 5, 13].contains(&c) { !c } else { c }).collect();
         flagged.extend([1, 2, !9, 12, !15]);
-        let fetched = WaveFetched { output: Vec::new(), flagged, per_head: 16 };
+        let fetched = WaveFetched { output: Vec::new(), flagged, per_head: 16, blocks: Vec::new(), blocks_per_head: 0 };
         assert_eq!(fetched.selection(), vec![(0..16).collect::<Vec<u32>>(), vec![1, 2, 9, 12, 15]]);
         assert_eq!(fetched.missed(), vec![vec![2, 5, 13], vec![9, 15]]);
         assert_eq!(fetched.count_real(&[20, 10]), (16 + 3, 3 + 1));

@@ -22,10 +22,10 @@ impl GpuBackend {
         self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, layer.rows, None)
     }
 
-    /// Copies an arena layer to device memory: its meta index and row map, and room for
-    /// `steady_capacity` steady-zone rows per head (written with [`GpuBackend::set_steady`]).
-    /// Steps over it read indexed rows from the arena (head stride 0) and Gpu-tier hits from
-    /// an [`ArenaCache`].
+    /// Copies an arena layer to device memory: its meta index and row map (or, for 2-bit
+    /// rows, its value-block table), and room for `steady_capacity` steady-zone rows per head
+    /// (written with [`GpuBackend::set_steady`]). Steps over it read indexed rows (value
+    /// blocks) from the arena (head stride 0) and Gpu-tier hits from an [`ArenaCache`].
     pub fn upload_arena_wave(&self, layer: &ArenaWave, steady_capacity: usize) -> Result<DeviceWave> {
         if layer.head_dim != self.head_dim {
             return Err(Error::ShapeMismatch { what: "layer head_dim", expected: self.head_dim, got: layer.head_dim });
@@ -38,7 +38,15 @@ impl GpuBackend {
                 message: format!("needs 1..2^30 steady rows and < 2^31 rows, got {steady_capacity} and {rows}"),
             });
         }
-        let arena_rows = layer.arena_rows_needed();
+        let groups = match &layer.groups {
+            Some(g) => Some(self.upload_groups(g, layer.kv_heads, layer.clusters)?),
+            None => None,
+        };
+        // A 2-bit layer reads whole arena blocks of 2R f16 rows (its pages).
+        let arena_rows = match &groups {
+            Some(g) => g.table.pages_needed() * (g.table.page_bytes / (2 * self.head_dim)),
+            None => layer.arena_rows_needed(),
+        };
         if arena_rows > i32::MAX as usize {
             return Err(Error::InvalidArgument {
                 what: "arena layer",
@@ -71,7 +79,9 @@ impl GpuBackend {
             sizes: &layer.sizes,
             offsets: &offsets,
         };
-        self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, rows, Some(arena))
+        let mut wave = self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, rows, Some(arena))?;
+        wave.groups = groups;
+        Ok(wave)
     }
 
     /// Writes steady-zone rows `from..from + n` of an arena layer (`keys`, `values`: f16 bits,
@@ -148,6 +158,7 @@ impl GpuBackend {
             rows,
             largest: meta.sizes.iter().copied().max().unwrap_or(0) as usize,
             arena,
+            groups: None,
         })
     }
 
