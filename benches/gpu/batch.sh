@@ -5,7 +5,9 @@
 # budget holds for a 32-layer model), and PyTorch SDPA with the KV in HBM (the batch the
 # GPU's memory holds beside an 8B model's weights). Staged by `benches/gpu/stage.sh`; run as
 # `bash .gpu/batch.sh [ROUNDS]`: each round runs all three, so ratios are same-round
-# (`SKIP_HACK2=1`: SDPA and f16 only; `HACK2_MAX_BATCH`: cap the hack2 batch).
+# (`SKIP_HACK2=1`: SDPA and f16 only; `SKIP_F16=1`: SDPA and hack2 only; `HACK2_MAX_BATCH`:
+# cap the hack2 batch; `BATCH_RUNS=N`: SDPA N times and the hack2 batch measured N times in
+# its process, paired in order).
 set -euo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -15,9 +17,16 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader ||
 free -g | head -2
 for r in $(seq 1 "$rounds"); do
   echo "round $r"
-  python3 "$here/sdpa.py" 131072 | grep '"sdpa_batch' | tee -a "$out/sdpa.jsonl"
-  "$here/gpu_engine" 131072 | tee -a "$out/engine_f16.jsonl"
+  for i in $(seq 1 "${BATCH_RUNS:-1}"); do
+    python3 "$here/sdpa.py" 131072 | grep '"sdpa_batch' | tee -a "$out/sdpa.jsonl"
+  done
+  if [ -z "${SKIP_F16:-}" ]; then
+    "$here/gpu_engine" 131072 | tee -a "$out/engine_f16.jsonl"
+  fi
   if [ -z "${SKIP_HACK2:-}" ]; then
+    export ATTNSTORE_BENCH_BATCH_RUNS="${BATCH_RUNS:-1}"
+    # HACK2_GPU_FRAC: the hack2 run's Gpu-tier share (e.g. 0.3: about f16's 5% in bytes).
+    export ATTNSTORE_BENCH_GPU_FRAC="${HACK2_GPU_FRAC:-0.05}"
     ATTNSTORE_BENCH_CODEC=hack2 ATTNSTORE_BENCH_MAX_BATCH="${HACK2_MAX_BATCH:-64}" "$here/gpu_engine" 131072 \
       | tee -a "$out/engine_hack2.jsonl"
   fi

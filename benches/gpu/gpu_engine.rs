@@ -17,6 +17,8 @@
 //! `ATTNSTORE_BENCH_CODEC=hack2` stores the indexed rows as 2-bit blocks (every context
 //! prefilled on the CPU: the GPU clustering builds plain rows): the batch the 100 GiB budget
 //! holds grows by f16's bytes over hack2's, up to `ATTNSTORE_BENCH_MAX_BATCH` (default 8).
+//! `ATTNSTORE_BENCH_BATCH_RUNS=N` measures the batch N times (a query path each);
+//! `ATTNSTORE_BENCH_GPU_FRAC` sets the Gpu tier's share of the blocks (default 0.05).
 
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, Engine, EngineConfig, Request, Tier,
@@ -52,16 +54,23 @@ fn main() {
     // A 32-layer model's KV per sequence in the codec's bytes per token and KV head.
     let kv_per_seq = (32.0 * tokens as f64 * 8.0 * codec.kv_row_bytes(128)) as usize;
     let batch = ((100usize << 30) / kv_per_seq).clamp(1, max_batch);
-    // Context 0 takes part in all three runs, a token appended per step.
-    // Context 0 appends a token per step in each of the five runs.
-    let total = tokens + 6 * (warmup_steps() + STEPS) + 8;
+    // Context 0 appends a token per step in each run: three alone, then the batch runs and
+    // the maintained batch run (and one run of slack).
+    let batch_runs = std::env::var("ATTNSTORE_BENCH_BATCH_RUNS").ok().and_then(|v| v.parse().ok()).unwrap_or(1usize);
+    let total = tokens + (5 + batch_runs.max(1)) * (warmup_steps() + STEPS) + 8;
     let host_blocks = batch * attnstore_bench::blocks_for_codec(&shape, codec, total, 2048);
     // The maintainer's pause after a round of work (default 100 µs): `ATTNSTORE_MAINTAINER_PAUSE_US`.
     let mut settings = BufferSettings::new(host_blocks);
+    // The Gpu tier's share of the Host arena's blocks (default 5%): `ATTNSTORE_BENCH_GPU_FRAC`.
+    // hack2 blocks are ~6x smaller than f16's, so the same device memory per context holds
+    // ~6x their share.
+    let gpu_frac: f64 = std::env::var("ATTNSTORE_BENCH_GPU_FRAC").ok().and_then(|v| v.parse().ok()).unwrap_or(0.05);
+    settings.gpu_blocks = ((host_blocks as f64 * gpu_frac) as usize).max(1);
     if let Some(us) = std::env::var("ATTNSTORE_MAINTAINER_PAUSE_US").ok().and_then(|v| v.parse().ok()) {
         settings.maintainer_pause = std::time::Duration::from_micros(us);
     }
     let pause_us = settings.maintainer_pause.as_micros() as u64;
+    let settings_gpu_bytes = settings.gpu_blocks * 2048;
     let engine =
         Engine::in_memory(EngineConfig { buffers: Some(settings), ..EngineConfig::default() }).expect("engine");
     if engine.buffer_stats().is_none_or(|s| !s.gpu_on_device) {
@@ -104,7 +113,7 @@ fn main() {
     let budget = Budget::default();
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
-        "head_dim": 128, "dtype": "f16", "codec": codec.to_string(), "kv_bytes_per_seq_32_layers": kv_per_seq, "gpu_tier_frac": 0.05, "steps_measured": STEPS, "steps_warmup": warmup_steps(),
+        "head_dim": 128, "dtype": "f16", "codec": codec.to_string(), "kv_bytes_per_seq_32_layers": kv_per_seq, "gpu_tier_frac": gpu_frac, "gpu_tier_bytes": settings_gpu_bytes, "steps_measured": STEPS, "steps_warmup": warmup_steps(),
         "maintainer_pause_us": pause_us, "prefill": if cpu_only { "cpu" } else { "context 0 cpu, others gpu" }});
     let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();
@@ -132,10 +141,12 @@ fn main() {
     let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit, "plan": "plan"});
     row("engine_cpu_planned_gpu_step", 1, r.step_us, extra);
     if batch > 1 {
-        for (path, (method, between)) in
-            [("engine_device_batch", false), ("engine_device_batch_maintained", true)].into_iter().enumerate()
-        {
-            let r = steps(&engine, &mut ctxs, &budget, true, between, 3 + path as u64);
+        // `ATTNSTORE_BENCH_BATCH_RUNS` measured runs of the batch (default 1), each on a query
+        // path of its own: several same-process figures for ratios against SDPA.
+        let plain =
+            (0..batch_runs.max(1)).map(|i| ("engine_device_batch", false, if i == 0 { 3 } else { 4 + i as u64 }));
+        for (method, between, path) in plain.chain([("engine_device_batch_maintained", true, 4)]) {
+            let r = steps(&engine, &mut ctxs, &budget, true, between, path);
             let extra = json!({"plan_us": round(r.plan_us), "hit_ratio": r.hit, "step_hit_ratio": r.step_hit,
                 "us_per_request": round(r.step_us / batch as f64), "host_budget_gib": 100,
                 "maintain_us": round(r.maintain_us)});

@@ -41,7 +41,7 @@ pub use device_read::DeviceRead;
 pub use disk::{DiskConfig, DiskTier, FaultPlan, FaultyIo, IoBackend, IoChoice};
 pub use error::{Error, Result};
 pub use maintainer::Maintainer;
-pub use manager::{BufferConfig, BufferManager, FlaggedReads, LayerReads, PinGuard, Reader};
+pub use manager::{BufferConfig, BufferManager, FlaggedReads, LayerReads, PinGuard, Reader, ROUND_ADMISSIONS};
 pub use mapping::{BlockLocation, Locations, LocationsIter, MappingReader, MappingTable};
 pub use replacer::{Replacer, ReplacerKind};
 pub use slot_table::DeviceSlotTable;

@@ -198,12 +198,22 @@ pub struct BufferManager {
     /// `maintain` batches a round's device writes and publishes its admissions at the end (the
     /// Gpu tier has a device mirror; forced on in tests and the fuzz driver).
     batched_rounds: bool,
+    /// Admissions a batched round makes at most ([`ROUND_ADMISSIONS`]; tests lower it).
+    round_admissions: usize,
     queued_records: AtomicU64,
     dropped: AtomicU64,
     /// Cluster reads of device steps superseded by a newer step of the same layer.
     superseded: AtomicU64,
     counters: [TierCounters; 3],
 }
+
+/// Admissions one batched maintenance round makes at most (32 MiB of 2 KiB blocks): a round
+/// holds the state lock from its first admission to its device writes' end, and writers
+/// (appends, stores) wait for that lock for at most [`BufferConfig::lock_timeout`]. With 39
+/// contexts of 2-bit rows stepping at once, an unbounded round after their decode segments
+/// (every new block a miss) held it past the 1 s bound and an append failed. Misses past the
+/// bound are not admitted this round; the steps that keep reading them log them again.
+pub const ROUND_ADMISSIONS: usize = 16_384;
 
 impl BufferManager {
     /// A buffer manager with empty tiers.
@@ -257,6 +267,7 @@ impl BufferManager {
             slot_table,
             epochs: Epochs::new(),
             batched_rounds,
+            round_admissions: ROUND_ADMISSIONS,
             queued_records: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
             superseded: AtomicU64::new(0),
@@ -268,6 +279,12 @@ impl BufferManager {
     /// without one too (tests and the fuzz driver check the batched path on the CPU).
     pub(crate) fn force_batched_rounds(&mut self) {
         self.batched_rounds = true;
+    }
+
+    /// Lowers the admissions a batched round makes at most (tests).
+    #[cfg(test)]
+    pub(crate) fn set_round_admissions(&mut self, n: usize) {
+        self.round_admissions = n;
     }
 
     /// The block layout.

@@ -294,3 +294,43 @@ fn hack2_rows_live_in_the_buffer_manager_in_2_bit_form_and_give_the_answers_of_r
         assert_eq!(left, 0, "{stats}");
     }
 }
+
+#[test]
+fn hack2_plans_leave_the_choice_to_the_gpu_where_its_kernels_read_the_rows() {
+    let buffered = engine(Some(settings(4096)));
+    let wave = WaveParams { segment_tokens: 1024, decode_segment_tokens: 256, ..WaveParams::default() };
+    let per_token = attnstore::Codec::Hack2(attnstore::HackParams::default());
+    let per_channel =
+        attnstore::Codec::Hack2(attnstore::HackParams::default().with_keys(attnstore::KeyLayout::PerChannel));
+    let plan_of = |shape: AttnShape, codec| {
+        let synth = SynthContext::generate(SynthParams::new(shape, 3000, 13));
+        let spec = ContextSpec::new(shape, 1).with_method(attnstore::Method::Wave(wave)).with_codec(codec);
+        let ctx = buffered.create_context(spec).unwrap();
+        engine_prefill(&buffered, ctx, &synth);
+        let q = synth.queries(0);
+        let plan = buffered.plan_gpu(&[Request::new(ctx, 0, q.clone())], &sparse()).unwrap();
+        (plan, ctx, q)
+    };
+    // HACK's per-token keys of a head dimension that is a multiple of 64: the device step.
+    let (plan, ctx, q) = plan_of(AttnShape::new(8, 2, 64).unwrap(), per_token);
+    let dev = plan.requests[0].device.expect("hack2 rows homed in the buffer manager go to the device");
+    assert!(plan.explain().contains("chosen on the GPU"), "{}", plan.explain());
+    assert!(dev.clusters_per_head >= 1 && dev.clusters_per_head < dev.clusters, "{dev:?}");
+    // Without a GPU it runs on the CPU (the same zones chosen there): as near exact as the
+    // host-planned sparse plan of the same budget.
+    let exact = run(&buffered, ctx, &q, &Budget::full()).unwrap();
+    let err = |x: &[f32]| rel_l2(x, &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    let device = err(&buffered.execute(&plan).unwrap().remove(0));
+    let host = err(&run(&buffered, ctx, &q, &sparse()).unwrap());
+    assert!(device <= 1.25 * host + 0.02, "device-selected {device}, host-planned {host}");
+    // Per-channel keys, or a head dimension the kernels do not take: planned on the host.
+    for (shape, codec) in [(AttnShape::new(8, 2, 64).unwrap(), per_channel), (shape(), per_token)] {
+        let (plan, _, _) = plan_of(shape, codec);
+        assert!(plan.requests[0].device.is_none(), "{codec:?} at d = {}", shape.head_dim);
+    }
+}
+
+fn engine_prefill(engine: &Engine, ctx: ContextId, synth: &SynthContext) {
+    let (k, v) = synth.slice(0, synth.params.tokens);
+    engine.prefill(ctx, 0, &k, &v).unwrap();
+}

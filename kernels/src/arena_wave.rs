@@ -382,7 +382,8 @@ mod tests {
     #[test]
     fn value_block_tables_that_do_not_match_the_directory_are_typed_errors() {
         let meta = [f16::ONE; 4];
-        let head = |sizes: &'static [u32]| HeadClusters { sizes, centroids: &meta[..2], value_means: &meta[..2], rows: &[] };
+        let head =
+            |sizes: &'static [u32]| HeadClusters { sizes, centroids: &meta[..2], value_means: &meta[..2], rows: &[] };
         let mut g = ArenaGroups::new(2048);
         assert!(g.push_group(&[], 64, 0).is_err());
         assert!(g.push_group(&[1; GROUP_PAGES + 1], 64, 0).is_err());

@@ -80,6 +80,7 @@ impl BufferManager {
         }
         counts.add_to(self);
         let admitted = round.as_ref().map_or(0, Round::admitted);
+        let capped = round.as_ref().map_or(0, Round::capped);
         let steps = round.as_ref().and_then(Round::times);
         let chosen = trace.map(|t| t.elapsed());
         if let Some(round) = round {
@@ -89,7 +90,7 @@ impl BufferManager {
         self.mapping.collect_garbage();
         if let (Some(t), Some(chosen)) = (trace, chosen) {
             eprintln!(
-                "attnstore-buffer: round of {} records and {} cluster reads: {admitted} batched admissions; {:.2} ms choosing, {:.2} ms in all",
+                "attnstore-buffer: round of {} records and {} cluster reads: {admitted} batched admissions ({capped} misses past the round's bound); {:.2} ms choosing, {:.2} ms in all",
                 records.len(),
                 clusters.len(),
                 chosen.as_secs_f64() * 1e3,

@@ -31,6 +31,8 @@ pub(super) struct Round<'p> {
     table_writes: Vec<u32>,
     /// Time per step of the admissions, kept only when rounds are traced.
     times: Option<[(std::time::Duration, usize); 3]>,
+    /// Misses not admitted because the round had made its most admissions.
+    capped: usize,
 }
 
 struct Admitted<'p> {
@@ -55,6 +57,11 @@ impl Round<'_> {
     /// Time and count of each step of the admissions (victims, latches, fills), if traced.
     pub(super) fn times(&self) -> Option<[(std::time::Duration, usize); 3]> {
         self.times
+    }
+
+    /// Misses the round left for later rounds (it had made its most admissions).
+    pub(super) fn capped(&self) -> usize {
+        self.capped
     }
 
     /// Now, when rounds are traced (a clock read per admission step costs an untraced round
@@ -86,6 +93,11 @@ impl BufferManager {
             return;
         }
         let home = meta.home;
+        // A bounded round: the state lock is held until its device writes are done.
+        if round.admitted.len() + round.waiting >= self.round_admissions {
+            round.capped += 1;
+            return;
+        }
         if matches!(home, Home::Lost(_)) || !round.handled.insert(block) {
             return;
         }
@@ -284,6 +296,32 @@ mod tests {
         drop(reader);
         let gpu = gpu_stat(&buffers);
         assert_eq!((gpu.used_blocks, gpu.moves_in, gpu.evictions, gpu.failures), (900, 900, 0, 0));
+    }
+
+    #[test]
+    fn a_round_admits_at_most_its_bound_and_later_rounds_admit_the_rest() {
+        let mut buffers = batched(BufferConfig::new(64, 32));
+        buffers.set_round_admissions(4);
+        let blocks: Vec<BlockId> = (0..10).map(|c| buffers.store_cluster(key(c), &content(c, 1)).unwrap()[0]).collect();
+        let cached =
+            |buffers: &BufferManager| blocks.iter().filter(|&&b| buffers.tier_of(b).unwrap() == Tier::Gpu).count();
+        for (round, want) in [4, 8, 10].into_iter().enumerate() {
+            // A step that keeps reading the ten clusters logs them again.
+            buffers.log_cluster_reads((0..10).map(key).collect());
+            buffers.maintain(usize::MAX);
+            buffers.check_slot_table().unwrap();
+            assert_eq!(cached(&buffers), want, "round {round}");
+        }
+        // Hits past the bound still count as hits: nothing is admitted twice.
+        buffers.log_cluster_reads((0..10).map(key).collect());
+        buffers.maintain(usize::MAX);
+        let gpu = gpu_stat(&buffers);
+        assert_eq!((gpu.moves_in, gpu.used_blocks, gpu.failures), (10, 10, 0));
+        for (c, &b) in blocks.iter().enumerate() {
+            let reader = buffers.reader();
+            let pin = reader.pin(&buffers.mapping().get(&key(c as u32)).unwrap()[0]).unwrap();
+            assert_eq!(&pin[..], &content(c as u32, 1)[..], "block {b:?} of cluster {c}");
+        }
     }
 
     #[test]

@@ -244,9 +244,7 @@ pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Re
         // gpu_hack_work), and the steady zone as f16 rows.
         RowStorage::HomedEncoded if clustered.dtype() == DType::F16 && d.is_multiple_of(64) => {
             let all_default = (0..kv_heads).all(|h| {
-                clustered
-                    .encoded_clusters(h)
-                    .is_some_and(|c| c.iter().all(|(g, _)| g.params == HackParams::default()))
+                clustered.encoded_clusters(h).is_some_and(|c| c.iter().all(|(g, _)| g.params == HackParams::default()))
             });
             if !all_default {
                 return None;
@@ -391,7 +389,7 @@ mod tests {
     use attnstore_index::{AccessMethod, SelectionMode, WaveIndex, WaveParams, ZoneBudget};
     use attnstore_kernels::cpu::reference::rel_l2;
     use attnstore_kernels::random::SplitMix64;
-    use attnstore_kernels::{AttnShape, HackParams, HackScratch, HackView};
+    use attnstore_kernels::{AttnShape, HackParams, HackScratch, HackView, GROUP_PAGES};
     use half::f16;
     use std::sync::Arc;
 
@@ -512,5 +510,74 @@ mod tests {
         let exact = channel.plan_exact();
         let channel = self::layer(Box::new(channel), Some(store));
         assert!(gpu_hack_work(&channel, 0, &q[..g * d], d, &exact, None).is_none());
+    }
+    #[test]
+    fn the_device_value_block_table_lists_what_the_host_planned_path_reads_for_any_selection() {
+        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (g, d) = (shape.group(), shape.head_dim);
+        let tokens = 3000;
+        let (k, v) = (randn(shape.kv_len(tokens), 81, 1.0), randn(shape.kv_len(tokens), 82, 1.0));
+        // 2 KiB blocks: 2 × 8 f16 rows of 64 dims, as the device step addresses the arena.
+        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(8192, 0) };
+        let manager = Arc::new(BufferManager::new(config).unwrap());
+        let store = BlockStore::new(Arc::clone(&manager), 1, 0);
+        let mut wave = WaveIndex::<f16>::new(params, 2, 64)
+            .unwrap()
+            .with_codec(Some(HackParams::default()))
+            .unwrap()
+            .with_home(Arc::new(store.clone()))
+            .unwrap();
+        wave.prefill(&k, &v).unwrap();
+        let layer = layer(Box::new(wave), Some(store));
+        let arena = arena_layer(&layer, shape.kv_heads, d).expect("homed hack2 rows").unwrap();
+        let groups = arena.wave.groups.as_ref().expect("a value-block table");
+        assert!(arena.wave.row_map.is_empty());
+        let clusters = arena.wave.clusters;
+        let clustered = layer.method.clustered().unwrap();
+        let q = randn(shape.query_len(), 83, 2.0);
+        for h in 0..shape.kv_heads {
+            let n = clustered.cluster_sizes(h).len();
+            // Every cluster, the even ones, and a handful: the pieces of the chosen clusters,
+            // merged per value block, are the blocks and rows the host-planned path reads.
+            for chosen in [(0..n as u32).collect::<Vec<_>>(), (0..n as u32).step_by(2).collect(), vec![0, 3, 7]] {
+                let qg = &q[h * g * d..(h + 1) * g * d];
+                let plan = clustered.plan_head_retrieving(h, qg, &chosen);
+                let work = gpu_hack_work(&layer, h, qg, d, &plan, None).unwrap().unwrap();
+                let mut device = BTreeMap::<u32, (Vec<i32>, u32, u64)>::new();
+                for &c in &chosen {
+                    let at = h * (clusters + 1) + c as usize;
+                    for p in groups.piece_bounds[at]..groups.piece_bounds[at + 1] {
+                        let i = groups.piece_group[p as usize] as usize;
+                        let pages = groups.pages[i * GROUP_PAGES..(i + 1) * GROUP_PAGES].to_vec();
+                        let e = device.entry(groups.ids[i]).or_insert((pages, groups.rows[i], 0));
+                        e.2 |= groups.piece_mask[p as usize];
+                    }
+                }
+                assert_eq!(device.len(), work.groups.len(), "head {h}, {} clusters", chosen.len());
+                let mut at = 0;
+                for ((id, (pages, rows, mask)), want) in device.iter().zip(&work.groups) {
+                    let slots: Vec<i32> =
+                        work.locations[at..at + want.blocks as usize].iter().map(|l| l.home().1 as i32).collect();
+                    at += want.blocks as usize;
+                    assert_eq!((*rows, *mask), (want.rows, want.mask), "value block {id} of head {h}");
+                    assert_eq!(pages[..slots.len()], slots[..], "value block {id} of head {h}");
+                    assert!(pages[slots.len()..].iter().all(|&p| p == -1));
+                    let spanned = arena.block_pages[h][*id as usize] as usize;
+                    assert_eq!(spanned, slots.len());
+                }
+            }
+        }
+        // f16 rows have a row map and no table; per-channel keys have no device step.
+        let per_channel = HackParams::default().with_keys(attnstore_kernels::KeyLayout::PerChannel);
+        let store = BlockStore::new(Arc::clone(&manager), 2, 0);
+        let mut channel = WaveIndex::<f16>::new(params, 2, 64)
+            .unwrap()
+            .with_codec(Some(per_channel))
+            .unwrap()
+            .with_home(Arc::new(store.clone()))
+            .unwrap();
+        channel.prefill(&k, &v).unwrap();
+        assert!(arena_layer(&self::layer(Box::new(channel), Some(store)), shape.kv_heads, d).is_none());
     }
 }

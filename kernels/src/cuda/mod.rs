@@ -28,14 +28,13 @@ pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
 pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
 
-const SOURCE: &str =
-    concat!(
-        include_str!("decode.cu"),
-        include_str!("hack.cu"),
-        include_str!("wave.cu"),
-        include_str!("hack_wave.cu"),
-        include_str!("build.cu")
-    );
+const SOURCE: &str = concat!(
+    include_str!("decode.cu"),
+    include_str!("hack.cu"),
+    include_str!("wave.cu"),
+    include_str!("hack_wave.cu"),
+    include_str!("build.cu")
+);
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
 /// has not too many chunks to fold.
@@ -696,7 +695,16 @@ impl GpuBackend {
         self.launch_attn(&self.stream, (k, v, head_stride), (ck, cv), NO_STEADY, job)?;
         let lse = device_address(&job.lse, &self.stream);
         let sh = job.shape;
-        self.launch_merge(&self.stream, &sh, &job.part, job.chunks, &mut job.out, lse, [(0, 0); 2], MailboxCopies::default())
+        self.launch_merge(
+            &self.stream,
+            &sh,
+            &job.part,
+            job.chunks,
+            &mut job.out,
+            lse,
+            [(0, 0); 2],
+            MailboxCopies::default(),
+        )
     }
 
     /// Enqueues `attn_partial` alone (see [`GpuBackend::launch_partial`]): `chunks` CTAs per

@@ -413,8 +413,7 @@ impl GpuBackend {
         let capacity = if wave.groups.is_some() { steady } else { steady + r * wave.largest };
         // Chunks sized for a typical list (r average clusters) and a grid for 1.25 times that: a
         // longer list is covered by CTAs taking several chunks (attn_partial's chunk loop).
-        let typical =
-            if wave.groups.is_some() { steady } else { steady + r * wave.indexed.div_ceil(wave.clusters) };
+        let typical = if wave.groups.is_some() { steady } else { steady + r * wave.indexed.div_ceil(wave.clusters) };
         let chunk = chunk_rows(typical, shape.kv_heads);
         let chunks = capacity.min(typical + typical / 4).div_ceil(chunk).max(1);
         // Chunks of a multiple of 128 clusters (four 32-cluster tiles), at most ~64 CTAs per head.
@@ -441,7 +440,7 @@ impl GpuBackend {
             None => None,
         };
         let cap = hack.as_ref().map_or(0, |h| h.cap);
-        Ok(WaveJob {
+        let job = WaveJob {
             select,
             decode,
             scan: alloc_i(shape.kv_heads * EXPAND_SPLIT * (r + 1))?,
@@ -453,7 +452,20 @@ impl GpuBackend {
             graphs: Graphs::default(),
             io: self.job_io(shape, r, cap)?,
             hack,
-        })
+        };
+        self.settle()?;
+        Ok(job)
+    }
+
+    /// Waits until everything enqueued on the backend's stream has run. Buffers are allocated
+    /// (and zeroed, and uploaded) in that stream's order (cudarc allocates with
+    /// `cuMemAllocAsync`), while a step on a batch lane's streams does not wait for the
+    /// backend's stream: a layer or job made for a lane is settled before it is handed out, or
+    /// the lane's kernels could run before its memory exists or holds its zeros. (Without it,
+    /// a batch of 39 contexts whose layers were made again after a decode segment faulted
+    /// with `CUDA_ERROR_LAUNCH_FAILED`, or crashed the process, a run or two later.)
+    pub(super) fn settle(&self) -> Result<()> {
+        self.stream.synchronize().map_err(gpu_err("settling new device buffers"))
     }
 
     /// Sets the queries (`q_heads × head_dim`) of `job`'s next step: written to the job's

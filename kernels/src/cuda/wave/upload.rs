@@ -19,7 +19,9 @@ impl GpuBackend {
             sizes: &sizes,
             offsets: &layer.offsets,
         };
-        self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, layer.rows, None)
+        let wave = self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, layer.rows, None)?;
+        self.settle()?;
+        Ok(wave)
     }
 
     /// Copies an arena layer to device memory: its meta index and row map (or, for 2-bit
@@ -81,6 +83,7 @@ impl GpuBackend {
         };
         let mut wave = self.upload_meta(meta, layer.kv_heads, layer.clusters, layer.indexed, rows, Some(arena))?;
         wave.groups = groups;
+        self.settle()?;
         Ok(wave)
     }
 
