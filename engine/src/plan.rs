@@ -322,9 +322,6 @@ pub(crate) fn plan_request(
     })
 }
 
-/// Adds what a device-selected plan reads besides its steady zone: the centroids it scores,
-/// the retrieved clusters' rows (average sizes) and the estimated clusters' mean values. The
-/// tier of the retrieved rows is decided on the GPU; they are counted as host reads.
 /// Whether the device step reads rows of `codec`: f16 rows, or `hack2` rows (HACK's
 /// per-token keys, Π = 64) of a head dimension its kernels take (a multiple of 64).
 fn device_codec(codec: Codec, head_dim: usize) -> bool {
@@ -335,6 +332,9 @@ fn device_codec(codec: Codec, head_dim: usize) -> bool {
     }
 }
 
+/// Adds what a device-selected plan reads besides its steady zone: the centroids it scores,
+/// the retrieved clusters' rows (average sizes) and the estimated clusters' mean values. The
+/// tier of the retrieved rows is decided on the GPU; they are counted as host reads.
 fn device_cost(c: &mut PlanCost, dev: &DeviceSelection, kv_heads: usize, row_bytes: usize, rows: RowBytes) {
     let (r, n) = (dev.clusters_per_head, dev.clusters);
     c.retrieve_clusters = r * kv_heads;

@@ -334,3 +334,35 @@ fn engine_prefill(engine: &Engine, ctx: ContextId, synth: &SynthContext) {
     let (k, v) = synth.slice(0, synth.params.tokens);
     engine.prefill(ctx, 0, &k, &v).unwrap();
 }
+
+/// Timing probe (run by hand: `cargo test --release -p attnstore --test buffers
+/// plan_gpu_host_time -- --ignored --nocapture`): the host time of `plan_gpu` for one request
+/// and of `Engine::stats` (which the planner and the device executor each ask for per
+/// request) over a 64K-token context of f16 and of `hack2` rows. Prints, asserts nothing.
+#[test]
+#[ignore = "timing probe"]
+fn plan_gpu_host_time_probe() {
+    let shape = AttnShape::new(32, 8, 128).unwrap();
+    let tokens = 65536;
+    let synth = SynthContext::generate(SynthParams::new(shape, tokens, 3));
+    for codec in [attnstore::Codec::F16, attnstore::Codec::Hack2(attnstore::HackParams::default())] {
+        let host_blocks = common::blocks_for_context(&shape, DType::F16, tokens, 2048);
+        let engine = engine(Some(settings(host_blocks)));
+        let ctx = engine.create_context(ContextSpec::new(shape, 1).with_codec(codec)).unwrap();
+        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+        let request = [Request::new(ctx, 0, synth.queries(0))];
+        for _ in 0..3 {
+            let t = std::time::Instant::now();
+            for _ in 0..2000 {
+                assert!(engine.plan_gpu(&request, &Budget::default()).unwrap().requests[0].device.is_some());
+            }
+            let plan = t.elapsed().as_secs_f64() * 1e6 / 2000.0;
+            let t = std::time::Instant::now();
+            for _ in 0..2000 {
+                engine.stats(ctx, 0).unwrap();
+            }
+            let stats = t.elapsed().as_secs_f64() * 1e6 / 2000.0;
+            println!("{codec}: plan_gpu {plan:.1} us per request, stats {stats:.1} us");
+        }
+    }
+}

@@ -410,6 +410,39 @@ mod tests {
         }
     }
 
+    /// Segments of 512 tokens (128 for decode) over 8 q / 2 kv heads of 64 dimensions.
+    fn hack2_setup() -> (WaveParams, AttnShape) {
+        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        (params, AttnShape::new(8, 2, 64).unwrap())
+    }
+
+    /// A buffer manager of 8,192 2 KiB blocks in ordinary host memory, no Gpu tier.
+    fn test_manager() -> Arc<BufferManager> {
+        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(8192, 0) };
+        Arc::new(BufferManager::new(config).unwrap())
+    }
+
+    /// A wave index of 2-bit rows (`codec`) prefilled with `k`, `v` and homed in `manager` as
+    /// context `context`, with its store.
+    fn hack2_wave(
+        manager: &Arc<BufferManager>,
+        context: u64,
+        codec: HackParams,
+        k: &[f32],
+        v: &[f32],
+    ) -> (WaveIndex<f16>, BlockStore) {
+        let (params, shape) = hack2_setup();
+        let store = BlockStore::new(Arc::clone(manager), context, 0);
+        let mut wave = WaveIndex::<f16>::new(params, shape.kv_heads, shape.head_dim)
+            .unwrap()
+            .with_codec(Some(codec))
+            .unwrap()
+            .with_home(Arc::new(store.clone()))
+            .unwrap();
+        wave.prefill(k, v).unwrap();
+        (wave, store)
+    }
+
     /// What a GPU homomorphic kernel computes from [`gpu_hack_work`], done here on the CPU:
     /// each listed value block's bytes read from its buffer-manager blocks, its masked rows
     /// attended with the 8-bit query, merged with the CPU's partials.
@@ -443,21 +476,11 @@ mod tests {
 
     #[test]
     fn gpu_hack_work_lists_the_blocks_and_rows_that_attend_as_the_cpu_executor_does() {
-        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
-        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (params, shape) = hack2_setup();
         let (g, d) = (shape.group(), shape.head_dim);
-        let tokens = 3000;
-        let (k, v) = (randn(shape.kv_len(tokens), 51, 1.0), randn(shape.kv_len(tokens), 52, 1.0));
-        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(8192, 0) };
-        let manager = Arc::new(BufferManager::new(config).unwrap());
-        let store = BlockStore::new(Arc::clone(&manager), 1, 0);
-        let mut wave = WaveIndex::<f16>::new(params, 2, 64)
-            .unwrap()
-            .with_codec(Some(HackParams::default()))
-            .unwrap()
-            .with_home(Arc::new(store.clone()))
-            .unwrap();
-        wave.prefill(&k, &v).unwrap();
+        let (k, v) = (randn(shape.kv_len(3000), 51, 1.0), randn(shape.kv_len(3000), 52, 1.0));
+        let manager = test_manager();
+        let (wave, store) = hack2_wave(&manager, 1, HackParams::default(), &k, &v);
         let indexed = wave.stats().indexed_tokens;
         assert!(wave.stats().segments >= 3 && indexed > 2000, "{:?}", wave.stats());
         let layer = layer(Box::new(wave), Some(store));
@@ -498,37 +521,21 @@ mod tests {
         let unhomed = self::layer(Box::new(unhomed), None);
         assert!(gpu_hack_work(&unhomed, 0, &q[..g * d], d, &exact, None).is_none());
         // Homed blocks with per-channel keys (hack2c) have no GPU kernel: the CPU runs them.
-        let store = BlockStore::new(Arc::clone(&manager), 2, 0);
         let per_channel = HackParams::default().with_keys(attnstore_kernels::KeyLayout::PerChannel);
-        let mut channel = WaveIndex::<f16>::new(params, 2, 64)
-            .unwrap()
-            .with_codec(Some(per_channel))
-            .unwrap()
-            .with_home(Arc::new(store.clone()))
-            .unwrap();
-        channel.prefill(&k, &v).unwrap();
+        let (channel, store) = hack2_wave(&manager, 2, per_channel, &k, &v);
         let exact = channel.plan_exact();
         let channel = self::layer(Box::new(channel), Some(store));
         assert!(gpu_hack_work(&channel, 0, &q[..g * d], d, &exact, None).is_none());
     }
+
     #[test]
     fn the_device_value_block_table_lists_what_the_host_planned_path_reads_for_any_selection() {
-        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
-        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (_, shape) = hack2_setup();
         let (g, d) = (shape.group(), shape.head_dim);
-        let tokens = 3000;
-        let (k, v) = (randn(shape.kv_len(tokens), 81, 1.0), randn(shape.kv_len(tokens), 82, 1.0));
+        let (k, v) = (randn(shape.kv_len(3000), 81, 1.0), randn(shape.kv_len(3000), 82, 1.0));
         // 2 KiB blocks: 2 × 8 f16 rows of 64 dims, as the device step addresses the arena.
-        let config = BufferConfig { pinned_host: false, ..BufferConfig::new(8192, 0) };
-        let manager = Arc::new(BufferManager::new(config).unwrap());
-        let store = BlockStore::new(Arc::clone(&manager), 1, 0);
-        let mut wave = WaveIndex::<f16>::new(params, 2, 64)
-            .unwrap()
-            .with_codec(Some(HackParams::default()))
-            .unwrap()
-            .with_home(Arc::new(store.clone()))
-            .unwrap();
-        wave.prefill(&k, &v).unwrap();
+        let manager = test_manager();
+        let (wave, store) = hack2_wave(&manager, 1, HackParams::default(), &k, &v);
         let layer = layer(Box::new(wave), Some(store));
         let arena = arena_layer(&layer, shape.kv_heads, d).expect("homed hack2 rows").unwrap();
         let groups = arena.wave.groups.as_ref().expect("a value-block table");
@@ -568,16 +575,9 @@ mod tests {
                 }
             }
         }
-        // f16 rows have a row map and no table; per-channel keys have no device step.
+        // Per-channel keys have no device step.
         let per_channel = HackParams::default().with_keys(attnstore_kernels::KeyLayout::PerChannel);
-        let store = BlockStore::new(Arc::clone(&manager), 2, 0);
-        let mut channel = WaveIndex::<f16>::new(params, 2, 64)
-            .unwrap()
-            .with_codec(Some(per_channel))
-            .unwrap()
-            .with_home(Arc::new(store.clone()))
-            .unwrap();
-        channel.prefill(&k, &v).unwrap();
+        let (channel, store) = hack2_wave(&manager, 2, per_channel, &k, &v);
         assert!(arena_layer(&self::layer(Box::new(channel), Some(store)), shape.kv_heads, d).is_none());
     }
 }
