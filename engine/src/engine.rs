@@ -255,7 +255,8 @@ impl Engine {
     }
 
     /// Like [`Engine::plan`], but sparse wave plans whose rows the GPU can read in place
-    /// (f16 rows homed in the buffer manager, one selection per KV head) leave the choice
+    /// (f16 rows, or `hack2` rows with per-token keys and a head dimension that is a
+    /// multiple of 64, homed in the buffer manager; one selection per KV head) leave the choice
     /// of clusters to the GPU ([`crate::DeviceSelection`]): planning reads no meta data, and
     /// [`Engine::execute_gpu`] runs the whole step on the device. Other requests are planned
     /// as by [`Engine::plan`]. [`Engine::execute`] runs such a plan on the CPU too.

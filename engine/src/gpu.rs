@@ -16,13 +16,15 @@
 //! the plan, `launch_wave_batch`, took ~23 µs to launch for six on the H100 host, and the
 //! device waited for all of it.) Each
 //! layer keeps a device copy of its meta index, of the Host-arena row of every indexed row
-//! and of its steady zone (`DeviceLayer`), made again when a segment is added (decode tokens
-//! are appended to the steady zone step by step). The kernels read Gpu-tier hits through the
+//! (for `hack2` rows: of every value block's arena blocks, and each cluster's value blocks
+//! with their row masks) and of its steady zone (`DeviceLayer`), made again when a segment
+//! is added (decode tokens are appended to the steady zone step by step). The kernels read Gpu-tier hits through the
 //! buffer manager's device slot table, under a `DeviceRead` that keeps the maintainer from
 //! overwriting any slot the table named; afterwards the step's selection is read back and
 //! logged as cluster reads, so the maintainer keeps the Gpu tier warm: every cluster the step
 //! missed (the row-list kernel flags them as it looks the table up) and a rotating sample of
-//! its hits, enough for recency.
+//! its hits, enough for recency (for `hack2` rows, the value blocks it read: the buffer
+//! manager keys those rows by value block).
 
 use std::collections::HashMap;
 use std::sync::Arc;
