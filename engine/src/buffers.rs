@@ -25,6 +25,10 @@ pub struct BufferSettings {
     /// counts rows as they arrive.
     pub host_blocks: usize,
     /// Blocks of the Gpu tier's cache (host memory standing in for it without a GPU).
+    /// `hack2` rows need a larger share than f16 rows for the same hit ratio: a device step
+    /// reads whole value blocks of 64 rows for clusters of ~16, ~10% of a context's 2-bit
+    /// blocks per step against ~2% of its f16 blocks (on the H200 a 5% share hit 4.7% of a
+    /// 39-context batch's reads, a 30% share 96%; `docs/bench.md`, session 44).
     pub gpu_blocks: usize,
     /// Replacement policy of the Gpu tier.
     pub replacer: ReplacerKind,
