@@ -107,10 +107,10 @@ struct DeviceLayer {
     last: Option<WaveFetched>,
     /// Device steps run over this copy (which of its hits a step logs, `HIT_TOUCH_EVERY`).
     steps: u64,
-    /// For 2-bit rows, per KV head one past its highest value-block id (a step logs the
-    /// value blocks it read, by id, instead of clusters), and per head and id the arena
-    /// blocks the value block spans.
-    blocks: Option<(Vec<u32>, Vec<Vec<u8>>)>,
+    /// For 2-bit rows, per KV head and value-block id, the arena blocks the value block
+    /// spans (a step logs the value blocks it read, by id, instead of clusters; the ids'
+    /// ends are the device copy's `block_id_end`).
+    block_pages: Option<Vec<Vec<u8>>>,
 }
 
 /// A request launched on the device, until its output is fetched.
@@ -170,7 +170,7 @@ fn device_layer(
     let Some(steady) = layer.method.clustered().and_then(|c| c.steady_rows_from(0)) else { return Ok(None) };
     let mut wave = gpu.upload_arena_wave(&arena.wave, steady.len + STEADY_SLACK)?;
     gpu.set_steady(&mut wave, 0, &steady.keys, &steady.values)?;
-    let blocks = wave.block_id_end().map(|end| (end.to_vec(), arena.block_pages));
+    let block_pages = wave.block_id_end().map(|_| arena.block_pages);
     Ok(Some(DeviceLayer {
         wave,
         indexed,
@@ -180,7 +180,7 @@ fn device_layer(
         tokens_per_block: arena.tokens_per_block,
         last: None,
         steps: 0,
-        blocks,
+        block_pages,
     }))
 }
 
@@ -519,8 +519,8 @@ impl Engine {
                 );
             }
             // A 2-bit layer's blocks are keyed by value block: the step logs those it read.
-            let (flagged, per_head, real) = match &dl.blocks {
-                Some((end, _)) => (got.blocks.clone(), got.blocks_per_head, end.clone()),
+            let (flagged, per_head, real) = match dl.wave.block_id_end() {
+                Some(end) => (got.blocks.clone(), got.blocks_per_head, end.to_vec()),
                 None => (got.flagged.clone(), got.per_head, dl.real_clusters.clone()),
             };
             logged.push(FlaggedReads {
@@ -824,7 +824,7 @@ fn meter_device_step(meter: &Meter, layer: &Layer, dl: &DeviceLayer, got: &WaveF
         let mut retrieved = 0;
         for &c in chosen.iter().filter(|&&c| c < real) {
             let size = sizes.get(c as usize).copied().unwrap_or(0) as usize;
-            if dl.blocks.is_none() {
+            if dl.block_pages.is_none() {
                 let tier = if missed.contains(&c) { Tier::Host } else { Tier::Gpu };
                 for _ in 0..size.div_ceil(per_block) {
                     retrieve.pinned(tier, block_bytes);
@@ -836,7 +836,7 @@ fn meter_device_step(meter: &Meter, layer: &Layer, dl: &DeviceLayer, got: &WaveF
         estimate.index_rows(real as usize - retrieved, 0);
     }
     // A 2-bit layer's reads are its listed value blocks, each spanning a few arena blocks.
-    if let Some((end, pages)) = &dl.blocks {
+    if let (Some(end), Some(pages)) = (dl.wave.block_id_end(), &dl.block_pages) {
         for (h, words) in got.blocks.chunks(got.blocks_per_head.max(1)).enumerate() {
             for &w in words {
                 let (id, tier) = if w < 0 { (!w as u32, Tier::Host) } else { (w as u32, Tier::Gpu) };

@@ -84,6 +84,15 @@ impl HomedGroups {
         HackView::group_len(self.head_dim, self.params, self.rows_in(b))
     }
 
+    /// Bytes of all value blocks in the group layout: every block but the last holds Π
+    /// rows, so two sizes, not one per block (the planner asks for these bytes at every step).
+    pub fn bytes(&self) -> usize {
+        match self.count as usize {
+            0 => 0,
+            n => (n - 1) * self.len_of(0) + self.len_of(n - 1),
+        }
+    }
+
     /// Home cluster ids of all value blocks.
     pub fn ids(&self) -> Range<u32> {
         self.first..self.first + self.count

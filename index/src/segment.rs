@@ -70,12 +70,7 @@ impl<E: Element> HeadSegment<E> {
             SegmentRows::Plain { keys, values } => (keys.len() + values.len()) * E::DTYPE.size_bytes(),
             SegmentRows::Encoded(rows) => rows.bytes(),
             SegmentRows::Homed(b) => 2 * self.positions.len() * b.row_bytes,
-            // Every value block but the last holds Π rows: two sizes, not one per block (the
-            // planner asks for these bytes at every step).
-            SegmentRows::HomedEncoded(g) => match g.count as usize {
-                0 => 0,
-                n => (n - 1) * g.len_of(0) + g.len_of(n - 1),
-            },
+            SegmentRows::HomedEncoded(g) => g.bytes(),
         }
     }
 

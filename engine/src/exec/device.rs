@@ -238,18 +238,17 @@ pub(crate) fn gpu_hack_work(
 pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Result<ArenaLayer>> {
     let clustered = layer.method.clustered()?;
     let store = layer.home.as_ref()?;
+    // For 2-bit rows, each head's clusters in their value blocks (None: f16 rows).
     let encoded = match clustered.storage() {
-        RowStorage::Homed if clustered.dtype() == DType::F16 => false,
+        RowStorage::Homed if clustered.dtype() == DType::F16 => None,
         // The GPU kernels read HACK's per-token keys in value blocks of Π = 64 rows (as
         // gpu_hack_work), and the steady zone as f16 rows.
         RowStorage::HomedEncoded if clustered.dtype() == DType::F16 && d.is_multiple_of(64) => {
-            let all_default = (0..kv_heads).all(|h| {
-                clustered.encoded_clusters(h).is_some_and(|c| c.iter().all(|(g, _)| g.params == HackParams::default()))
-            });
-            if !all_default {
+            let heads = (0..kv_heads).map(|h| clustered.encoded_clusters(h)).collect::<Option<Vec<_>>>()?;
+            if !heads.iter().flatten().all(|(g, _)| g.params == HackParams::default()) {
                 return None;
             }
-            true
+            Some(heads)
         }
         _ => return None,
     };
@@ -271,12 +270,12 @@ pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Re
         let stride = 2 * per_block;
         let mut rows: Vec<Vec<u32>> = Vec::with_capacity(kv_heads);
         let mut metas = Vec::with_capacity(kv_heads);
-        let mut groups = encoded.then(|| attnstore_kernels::ArenaGroups::new(block_bytes));
+        let mut groups = encoded.as_ref().map(|_| attnstore_kernels::ArenaGroups::new(block_bytes));
         let mut block_pages: Vec<Vec<u8>> = Vec::new();
         for h in 0..kv_heads {
             metas.push(clustered.directory_f16(h));
-            if let Some(groups) = groups.as_mut() {
-                block_pages.push(encoded_head(store, clustered, h, groups)?);
+            if let (Some(groups), Some(clusters)) = (groups.as_mut(), encoded.as_ref()) {
+                block_pages.push(encoded_head(store, &clusters[h], h, groups)?);
                 rows.push(Vec::new());
                 continue;
             }
@@ -322,17 +321,15 @@ pub(crate) fn arena_layer(layer: &Layer, kv_heads: usize, d: usize) -> Option<Re
     })())
 }
 
-/// Adds KV head `h`'s value blocks (each segment's, in its Host-arena blocks) and clusters
-/// to `groups`; returns, per value-block id of the head, the arena blocks it spans.
+/// Adds KV head `h`'s value blocks (each segment's, in its Host-arena blocks) and its
+/// `clusters` (`Clustered::encoded_clusters`) to `groups`; returns, per value-block id of
+/// the head, the arena blocks it spans.
 fn encoded_head(
     store: &BlockStore,
-    clustered: &dyn Clustered,
+    clusters: &[(HomedGroups, std::ops::Range<u32>)],
     h: usize,
     groups: &mut attnstore_kernels::ArenaGroups,
 ) -> Result<Vec<u8>> {
-    let clusters = clustered
-        .encoded_clusters(h)
-        .ok_or_else(|| missing_rows(format!("head {h}'s 2-bit rows are not all homed in value blocks")))?;
     // Each segment's value blocks, pushed once, at the first cluster of the segment.
     let mut first_index = BTreeMap::<u32, u32>::new();
     let mut pages_of: Vec<u8> = Vec::new();
@@ -370,7 +367,7 @@ fn encoded_head(
                 i
             }
         };
-        groups.push_cluster(first, range)?;
+        groups.push_cluster(first, range.clone())?;
     }
     groups.end_head();
     Ok(pages_of)

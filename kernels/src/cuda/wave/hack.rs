@@ -95,14 +95,14 @@ impl GpuBackend {
         let chunks = typical.div_ceil(2).clamp(1, HACK_CHUNKS_MAX);
         let s = &self.stream;
         let n = shape.kv_heads * cap;
-        let err = gpu_err("allocating the piece lists");
+        const ALLOCATING: &str = "allocating the piece lists";
         Ok(HackBuffers {
-            list_group: s.alloc_zeros::<i32>(n).map_err(err)?,
-            list_mask: s.alloc_zeros::<u64>(n).map_err(gpu_err("allocating the piece lists"))?,
-            counts: s.alloc_zeros::<i32>(shape.kv_heads).map_err(gpu_err("allocating the piece lists"))?,
+            list_group: s.alloc_zeros::<i32>(n).map_err(gpu_err(ALLOCATING))?,
+            list_mask: s.alloc_zeros::<u64>(n).map_err(gpu_err(ALLOCATING))?,
+            counts: s.alloc_zeros::<i32>(shape.kv_heads).map_err(gpu_err(ALLOCATING))?,
             part: s
                 .alloc_zeros::<f32>(shape.kv_heads * chunks * shape.group() * (self.head_dim + 2))
-                .map_err(gpu_err("allocating the piece lists"))?,
+                .map_err(gpu_err(ALLOCATING))?,
             chunks,
             cap,
         })
