@@ -14,8 +14,7 @@
 //! 32-layer 8B model at this length (6 at 128K), stepped by one plan; and, for comparison,
 //! the engine's older GPU path (`Engine::plan` on the CPU, then `execute_gpu`).
 //!
-//! `ATTNSTORE_BENCH_CODEC=hack2` stores the indexed rows as 2-bit blocks (every context
-//! prefilled on the CPU: the GPU clustering builds plain rows): the batch the 100 GiB budget
+//! `ATTNSTORE_BENCH_CODEC=hack2` stores the indexed rows as 2-bit blocks: the batch the 100 GiB budget
 //! holds grows by f16's bytes over hack2's, up to `ATTNSTORE_BENCH_MAX_BATCH` (default 8).
 //! `ATTNSTORE_BENCH_BATCH_RUNS=N` measures the batch N times (a query path each);
 //! `ATTNSTORE_BENCH_GPU_FRAC` sets the Gpu tier's share of the blocks (default 0.05).
@@ -81,7 +80,7 @@ fn main() {
     // on the GPU (`Engine::prefill_gpu`): both timed, from f32 KV in host memory to an index
     // ready to plan. `ATTNSTORE_BENCH_PREFILL=cpu` prefills every context on the CPU, so two
     // builds whose device clustering differs can be compared on the same layouts.
-    let cpu_only = std::env::var("ATTNSTORE_BENCH_PREFILL").is_ok_and(|v| v == "cpu") || codec.hack().is_some();
+    let cpu_only = std::env::var("ATTNSTORE_BENCH_PREFILL").is_ok_and(|v| v == "cpu");
     let mut ctxs = Vec::new();
     let (mut cpu_prefill_us, mut gpu_prefill_us) = (Vec::new(), Vec::new());
     for i in 0..batch {
@@ -103,7 +102,7 @@ fn main() {
         let (gpu, cpu) = (median(gpu_prefill_us.clone()), cpu_prefill_us[0]);
         println!(
             "{}",
-            json!({"bench": "engine_prefill", "device": "cuda", "method": "engine_prefill_gpu", "tokens": tokens,
+            json!({"bench": "engine_prefill", "device": "cuda", "method": "engine_prefill_gpu", "tokens": tokens, "codec": codec.to_string(),
                 "kv_heads": 8, "head_dim": 128, "time_us": gpu.round(), "runs": gpu_prefill_us.len(),
                 "baseline": "engine_prefill_cpu", "baseline_time_us": cpu.round(),
                 "cpu_threads": std::thread::available_parallelism().map_or(1, |n| n.get()),

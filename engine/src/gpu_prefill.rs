@@ -14,8 +14,9 @@ use crate::spec::{LayerKind, Method};
 
 impl Engine {
     /// [`Engine::prefill`] with the clustering on the GPU. It applies to the first ingest of
-    /// a global layer of a wave context with plain (f32 / f16 / bf16) rows whose prefill
-    /// makes at least one segment; any other prefill, and a machine without a usable GPU,
+    /// a global layer of a wave context (plain f32 / f16 / bf16 rows, or `hack2` rows, which
+    /// the index encodes from the GPU's cluster order as it would from its own) whose
+    /// prefill makes at least one segment; any other prefill, and a machine without a usable GPU,
     /// runs [`Engine::prefill`] itself (the CPU), and the result says which ran: `true` when
     /// the GPU clustered. Bad input is rejected as `prefill` rejects it.
     ///
@@ -44,11 +45,7 @@ impl Engine {
         let ctx = self.context(id)?;
         let (h, d) = (ctx.spec.shape.kv_heads, ctx.spec.shape.head_dim);
         let Method::Wave(params) = ctx.spec.method else { return Ok(None) };
-        if ctx.spec.codec.hack().is_some()
-            || keys.is_empty()
-            || !keys.len().is_multiple_of(h * d)
-            || values.len() != keys.len()
-        {
+        if keys.is_empty() || !keys.len().is_multiple_of(h * d) || values.len() != keys.len() {
             return Ok(None);
         }
         {

@@ -133,6 +133,8 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
   __shared__ float score_s[G][HBLK];
   __shared__ __align__(16) unsigned p8_s[G][HBLK / 4];
   __shared__ float m_s[G], l_s[G], corr_s[G], step_s[G], psum_s[G];
+  // Bit r: some head gives row r of the current block a nonzero 7-bit weight.
+  __shared__ unsigned long long live_s;
   if (qf != nullptr) {
     __shared__ unsigned char code_s[G][HEAD_DIM];
     // One warp per 64-value partition: two values per lane.
@@ -189,6 +191,8 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     // No row to attend (a padding entry): nothing read, the softmax state is unchanged.
     // The mask is the same for the whole CTA, so every thread skips the barriers alike.
     if (mask == 0ull) continue;
+    // Cleared before the barrier after the scores; set by the softmax warps after it.
+    if (t == 0) live_s = 0ull;
     // Scores: KWORDS lanes per row, 16 codes (4 bytes) per lane.
     const int per_pass = HACK_THREADS / KWORDS;
     for (int r0 = 0; r0 < HBLK; r0 += per_pass) {
@@ -238,6 +242,8 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
       for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
       reinterpret_cast<unsigned char*>(p8_s[g])[lane] = (unsigned char)ca;
       reinterpret_cast<unsigned char*>(p8_s[g])[lane + 32] = (unsigned char)cc;
+      const unsigned lo_live = __ballot_sync(0xffffffffu, ca != 0), hi_live = __ballot_sync(0xffffffffu, cc != 0);
+      if (lane == 0 && (lo_live | hi_live) != 0) atomicOr(&live_s, (unsigned long long)hi_live << 32 | lo_live);
       if (lane == 0) {
         const float corr = m_old == NEG_INF ? 0.f : __expf(m_old - m_new);
         corr_s[g] = corr;
@@ -248,7 +254,10 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
       }
     }
     __syncthreads();
-    // Values: one thread per channel, dp4a over each quad's four rows.
+    // Values: one thread per channel, dp4a over each quad's four rows. A quad whose four
+    // rows weigh zero for every head adds nothing: its codes are not read (with peaked
+    // attention most are not; the test is the same for the whole CTA, so nothing diverges).
+    const unsigned long long live = live_s;
 #pragma unroll
     for (int j = 0; j < (HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS; j++) {
       const int ch = t + j * HACK_THREADS;
@@ -261,7 +270,8 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
         for (int q4 = 0; q4 < HBLK / 16; q4++) {
           unsigned sp[4];
 #pragma unroll
-          for (int u = 0; u < 4; u++) sp[u] = spread4(src.vbyte(4 * q4 + u, ch));
+          for (int u = 0; u < 4; u++)
+            sp[u] = (live >> (4 * (4 * q4 + u)) & 0xfull) != 0ull ? spread4(src.vbyte(4 * q4 + u, ch)) : 0u;
 #pragma unroll
           for (int g = 0; g < G; g++) {
             const uint4 pw = reinterpret_cast<const uint4*>(p8_s[g])[q4];
