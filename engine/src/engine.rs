@@ -459,3 +459,65 @@ pub(crate) fn check_fresh(r: &crate::plan::RequestPlan, layer: &Layer) -> Result
     }
     Err(Error::StalePlan { context: r.context, layer: r.layer, planned: r.tokens, now: layer.method.stats().tokens })
 }
+
+#[cfg(test)]
+mod layout_tests {
+    use crate::*;
+
+    /// A prefill with a layout computed elsewhere (`Engine::prefill_gpu`'s path) restores
+    /// exactly that layout, and a `hack2` layer restored from any valid layout — here the
+    /// CPU's with every segment's rows shuffled and cut into clusters of random sizes —
+    /// answers alike with its 2-bit rows homed in the buffer manager or kept in memory.
+    #[test]
+    fn a_hack2_layer_restored_from_any_layout_answers_alike_homed_or_not() {
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let tokens = 16_952; // two prefill segments and pending tokens
+        let n = shape.kv_heads * tokens * 64;
+        let mut rng = attnstore_kernels::random::SplitMix64::new(5);
+        let k: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+        let v: Vec<f32> = (0..n).map(|_| rng.normal()).collect();
+        let q: Vec<f32> = (0..8 * 64).map(|_| rng.normal()).collect();
+        let mut outs = Vec::new();
+        let mut layout = None;
+        for buffers in [false, true] {
+            let config = EngineConfig {
+                buffers: buffers.then(|| BufferSettings { maintainer_idle: None, ..BufferSettings::new(20_000) }),
+                ..EngineConfig::default()
+            };
+            let engine = Engine::in_memory(config).unwrap();
+            let spec = ContextSpec::new(shape, 1).with_codec(Codec::Hack2(HackParams::default()));
+            let (a, b) = (engine.create_context(spec.clone()).unwrap(), engine.create_context(spec).unwrap());
+            engine.prefill(a, 0, &k, &v).unwrap();
+            let layout_of = |c| {
+                let ctx = engine.context(c).unwrap();
+                let g = crate::engine::layer_of(&ctx, c, 0).unwrap().read();
+                g.method.snapshots().unwrap().layout()
+            };
+            if layout.is_none() {
+                let Some(attnstore_index::IndexLayout::Wave(mut w)) = layout_of(a) else { panic!("a wave layout") };
+                for h in w.segments.iter_mut().flat_map(|s| s.heads.iter_mut()) {
+                    let total: u32 = h.sizes.iter().sum();
+                    for i in (1..h.positions.len()).rev() {
+                        h.positions.swap(i, rng.below(i + 1));
+                    }
+                    h.sizes.clear();
+                    let mut left = total;
+                    while left > 0 {
+                        let size = (1 + rng.below(40) as u32).min(left);
+                        h.sizes.push(size);
+                        left -= size;
+                    }
+                }
+                layout = Some(attnstore_index::IndexLayout::Wave(w));
+            }
+            let batch = crate::catalog::Batch { keys: &k, values: &v, prefill: true, layout: layout.as_ref() };
+            engine.ingest_with(b, 0, batch, true).unwrap();
+            assert_eq!(layout_of(b), layout, "the layer keeps the layout it was given");
+            let run = |c| engine.execute(&engine.plan(&[Request::new(c, 0, q.clone())], &Budget::full()).unwrap());
+            outs.push((run(a).unwrap(), run(b).unwrap()));
+        }
+        assert_eq!(outs[0].0, outs[1].0, "the CPU's layout, in memory and homed");
+        assert_eq!(outs[0].1, outs[1].1, "the shuffled layout, in memory and homed");
+        assert_ne!(outs[0].0, outs[0].1, "another layout groups other rows into value blocks");
+    }
+}
