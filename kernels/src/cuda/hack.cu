@@ -193,19 +193,30 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     if (mask == 0ull) continue;
     // Cleared before the barrier after the scores; set by the softmax warps after it.
     if (t == 0) live_s = 0ull;
-    // Scores: KWORDS lanes per row, 16 codes (4 bytes) per lane.
-    const int per_pass = HACK_THREADS / KWORDS;
-    for (int r0 = 0; r0 < HBLK; r0 += per_pass) {
-      const int r = r0 + t / KWORDS, w = t % KWORDS;
+    // Scores: KWORDS lanes per row, 16 codes (4 bytes) per lane, PASSES rows per thread.
+    // Every pass's loads are issued before any is used: one memory round trip, not PASSES.
+    constexpr int per_pass = HACK_THREADS / KWORDS, PASSES = HBLK / per_pass;
+    const int w = t % KWORDS, k = w / 4;  // this lane's word and 64-dim partition
+    unsigned words[PASSES];
+    float skp[PASSES], mkp[PASSES], ksp[PASSES];
+#pragma unroll
+    for (int pass = 0; pass < PASSES; pass++) {
+      const int r = pass * per_pass + t / KWORDS;
       const bool live = mask >> r & 1ull;
-      const unsigned word = live ? src.kword(r, w) : 0u;
+      words[pass] = live ? src.kword(r, w) : 0u;
+      skp[pass] = mkp[pass] = ksp[pass] = 0.f;
+      if (live) src.kmeta(r, k, skp[pass], mkp[pass], ksp[pass]);
+    }
+#pragma unroll
+    for (int pass = 0; pass < PASSES; pass++) {
+      const int r = pass * per_pass + t / KWORDS;
+      const bool live = mask >> r & 1ull;
+      const unsigned word = words[pass];
+      const float sk = skp[pass], mk = mkp[pass], ks = ksp[pass];
       // Code s of each byte in that byte's lane: two instructions per four codes.
       unsigned c4[4];
 #pragma unroll
       for (int s = 0; s < 4; s++) c4[s] = word >> (2 * s) & 0x03030303u;
-      const int k = w / 4;  // this lane's 64-dim partition
-      float sk = 0.f, mk = 0.f, ks = 0.f;
-      if (live) src.kmeta(r, k, sk, mk, ks);
 #pragma unroll
       for (int g = 0; g < G; g++) {
         // This lane's four query words in one 16-byte shared load.

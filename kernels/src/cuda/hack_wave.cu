@@ -11,27 +11,17 @@
 
 #if HEAD_DIM % 64 == 0
 
-// Value blocks read through the layer's group table: listed entry i of head h is value block
-// list_group[h·cap + i] with rows list_mask[h·cap + i]; block g's pages are arena blocks
-// group_pages[g·MAX_PAGES…] (−1 past its last), each read from Gpu slot table[s] when the
-// buffer manager's table holds it there (≥ 0), else from the pinned Host arena.
+// The listed pieces as hack_expand resolved them: entry i of head h (at h·cap + i) has its
+// value block's page addresses at list_addr[(h·cap + i)·MAX_PAGES…] (each in the Gpu tier or
+// the pinned Host arena, 0 past the block's last page), its row count and its row mask. The
+// three loads are independent: one memory round trip per piece (resolving the pages through
+// the group and slot tables here took three dependent ones).
 struct HackArenaSrc : HackPagedSrc {
-  const int* list_group; const unsigned long long* list_mask; int cap;
-  const int* group_pages; const int* group_rows; const int* table;
-  unsigned long long host_base, gpu_base;
+  const unsigned long long* list_addr; const int* list_rows; const unsigned long long* list_mask; int cap;
   __device__ unsigned long long at(int h, int i) {
     const long long e = (long long)h * cap + i;
-    const int g = list_group[e];
-    if (threadIdx.x < MAX_PAGES) {
-      const int s = group_pages[g * MAX_PAGES + threadIdx.x];
-      unsigned long long a = 0;
-      if (s >= 0) {
-        const int c = table != nullptr ? table[s] : -1;
-        a = c >= 0 ? gpu_base + (unsigned long long)c * page_bytes : host_base + (unsigned long long)s * page_bytes;
-      }
-      hack_pages_s[threadIdx.x] = a;
-    }
-    set_rows(group_rows[g]);
+    if (threadIdx.x < MAX_PAGES) hack_pages_s[threadIdx.x] = list_addr[e * MAX_PAGES + threadIdx.x];
+    set_rows(list_rows[e]);
     return list_mask[e];
   }
 };
@@ -41,15 +31,11 @@ struct HackArenaSrc : HackPagedSrc {
 // grid does not). Partials in attn_partial's layout ([kv_head][chunk][g][PART]).
 #define HACK_ARENA(G)                                                                                        \
   extern "C" __global__ void hack_arena_g##G(                                                               \
-      const int* __restrict__ list_group, const unsigned long long* __restrict__ list_mask,                  \
-      const int* __restrict__ counts, int cap, const int* __restrict__ group_pages,                         \
-      const int* __restrict__ group_rows, const int* __restrict__ table, unsigned long long host_base,       \
-      unsigned long long gpu_base, int page_bytes, const float* __restrict__ q, float scale,                 \
-      float* __restrict__ part) {                                                                            \
+      const unsigned long long* __restrict__ list_addr, const int* __restrict__ list_rows,                   \
+      const unsigned long long* __restrict__ list_mask, const int* __restrict__ counts, int cap,             \
+      int page_bytes, const float* __restrict__ q, float scale, float* __restrict__ part) {                  \
     HackArenaSrc src;                                                                                        \
-    src.list_group = list_group; src.list_mask = list_mask; src.cap = cap;                                   \
-    src.group_pages = group_pages; src.group_rows = group_rows; src.table = table;                           \
-    src.host_base = host_base; src.gpu_base = gpu_base;                                                      \
+    src.list_addr = list_addr; src.list_rows = list_rows; src.list_mask = list_mask; src.cap = cap;          \
     src.pages = nullptr; src.masks = nullptr; src.rows_of = nullptr; src.n_sel = 0;                          \
     src.page_bytes = page_bytes; src.page_shift = page_bytes & (page_bytes - 1) ? -1 : __ffs(page_bytes) - 1; \
     src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
@@ -69,7 +55,10 @@ HACK_ARENA(8)
 // The retrieved clusters' pieces as one list per head (at h·cap), CTAs (h, ·) serving KV
 // head h, each computing the head's piece offsets (an exclusive scan over its r selected
 // clusters, in its slice of `scan`, kv_heads × gridDim.y × (r + 1) ints) and writing the
-// pieces of every gridDim.y-th cluster, a warp per cluster. Writes counts[h] (pieces), and in
+// pieces of every gridDim.y-th cluster, a warp per cluster: each piece's row mask, row count
+// and page addresses (group_pages[g·MAX_PAGES…], −1 past the last, each read from Gpu slot
+// table[s] of the tier at gpu_base when the buffer manager's table holds it there, else
+// from the pinned Host arena at host_base; 0 past the last). Writes counts[h] (pieces), and in
 // `flags` (device memory, copied to the job's mailbox by the merge) the selection as
 // wave_expand does (kv_heads × r: cluster c, or −c−1 when a page of it was not in the Gpu
 // tier) followed by the listed value blocks (kv_heads × cap: the block's id, or −id−1 when a
@@ -78,8 +67,10 @@ extern "C" __global__ void hack_expand(const int* __restrict__ sel, int r, const
                                        const int* __restrict__ piece_group,
                                        const unsigned long long* __restrict__ piece_mask,
                                        const int* __restrict__ group_pages, const int* __restrict__ group_ids,
-                                       const int* __restrict__ table, int cap, int* __restrict__ scan,
-                                       int* __restrict__ list_group, unsigned long long* __restrict__ list_mask,
+                                       const int* __restrict__ group_rows, const int* __restrict__ table,
+                                       unsigned long long host_base, unsigned long long gpu_base, int page_bytes,
+                                       int cap, int* __restrict__ scan, unsigned long long* __restrict__ list_addr,
+                                       int* __restrict__ list_rows, unsigned long long* __restrict__ list_mask,
                                        int* __restrict__ counts, int* __restrict__ flags) {
   const int h = blockIdx.x, kv_heads = gridDim.x;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
@@ -102,13 +93,19 @@ extern "C" __global__ void hack_expand(const int* __restrict__ sel, int r, const
     for (int p = lo + lane; p < hi; p += 32) {
       const int g = piece_group[p];
       const long long e = (long long)h * cap + out + (p - lo);
-      list_group[e] = g;
+      list_rows[e] = group_rows[g];
       list_mask[e] = piece_mask[p];
       bool miss = false;
       for (int k = 0; k < MAX_PAGES; k++) {
         const int s = group_pages[g * MAX_PAGES + k];
-        if (s < 0) break;
-        miss |= table == nullptr || table[s] < 0;
+        unsigned long long a = 0;
+        if (s >= 0) {
+          const int slot = table != nullptr ? table[s] : -1;
+          miss |= slot < 0;
+          a = slot >= 0 ? gpu_base + (unsigned long long)slot * page_bytes
+                        : host_base + (unsigned long long)s * page_bytes;
+        }
+        list_addr[e * MAX_PAGES + k] = a;
       }
       const int id = group_ids[g];
       block_flags[out + (p - lo)] = miss ? -id - 1 : id;

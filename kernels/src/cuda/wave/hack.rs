@@ -32,10 +32,12 @@ impl DeviceGroups {
     }
 }
 
-/// A job's buffers for a 2-bit layer: per KV head a list of `cap` pieces (value block,
-/// row mask) and its length, and the homomorphic kernel's partials (`chunks` per head).
+/// A job's buffers for a 2-bit layer: per KV head a list of `cap` pieces (the value block's
+/// page addresses as the step resolved them, its rows, the row mask) and its length, and the
+/// homomorphic kernel's partials (`chunks` per head).
 pub(super) struct HackBuffers {
-    list_group: CudaSlice<i32>,
+    list_addr: CudaSlice<u64>,
+    list_rows: CudaSlice<i32>,
     list_mask: CudaSlice<u64>,
     counts: CudaSlice<i32>,
     pub(super) part: CudaSlice<f32>,
@@ -97,7 +99,8 @@ impl GpuBackend {
         let n = shape.kv_heads * cap;
         const ALLOCATING: &str = "allocating the piece lists";
         Ok(HackBuffers {
-            list_group: s.alloc_zeros::<i32>(n).map_err(gpu_err(ALLOCATING))?,
+            list_addr: s.alloc_zeros::<u64>(n * crate::GROUP_PAGES).map_err(gpu_err(ALLOCATING))?,
+            list_rows: s.alloc_zeros::<i32>(n).map_err(gpu_err(ALLOCATING))?,
             list_mask: s.alloc_zeros::<u64>(n).map_err(gpu_err(ALLOCATING))?,
             counts: s.alloc_zeros::<i32>(shape.kv_heads).map_err(gpu_err(ALLOCATING))?,
             part: s
@@ -108,8 +111,9 @@ impl GpuBackend {
         })
     }
 
-    /// `hack_expand`: the step's retrieved clusters as pieces per KV head, their flags and
-    /// the value blocks' (misses looked up in the Gpu tier's table).
+    /// `hack_expand`: the step's retrieved clusters as pieces per KV head, each with its
+    /// pages' addresses (looked up in the Gpu tier's table: hits there, misses in the Host
+    /// arena at `kv.keys`), their flags and the value blocks'.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     pub(super) fn launch_hack_pieces(
         &self,
@@ -117,11 +121,13 @@ impl GpuBackend {
         wave: &DeviceWave,
         g: &DeviceGroups,
         c: &CacheArgs,
+        kv: KvPointers,
         job: &mut WaveJob,
     ) -> Result<()> {
         let kernels = self.hack_wave.as_ref().ok_or_else(|| self.hack_head_dim_error())?;
         let h = job.hack.as_mut().expect("a 2-bit layer's job has piece lists (check_steps)");
         let (r, n, cap) = (job.select.r as i32, wave.clusters as i32, h.cap as i32);
+        let page_bytes = g.table.page_bytes as i32;
         let cfg = LaunchConfig {
             grid_dim: (wave.kv_heads as u32, EXPAND_SPLIT as u32, 1),
             block_dim: (512, 1, 1),
@@ -129,15 +135,19 @@ impl GpuBackend {
         };
         let mut b = main.launch_builder(&kernels.expand);
         b.arg(&job.select.out).arg(&r).arg(&g.bounds).arg(&n).arg(&g.piece_group).arg(&g.piece_mask);
-        b.arg(&g.pages).arg(&g.ids).arg(&c.table).arg(&cap).arg(&mut job.scan);
-        b.arg(&mut h.list_group).arg(&mut h.list_mask).arg(&mut h.counts).arg(&mut job.flags);
+        b.arg(&g.pages).arg(&g.ids).arg(&g.rows).arg(&c.table).arg(&kv.keys).arg(&c.keys).arg(&page_bytes);
+        b.arg(&cap).arg(&mut job.scan).arg(&mut h.list_addr).arg(&mut h.list_rows).arg(&mut h.list_mask);
+        b.arg(&mut h.counts).arg(&mut job.flags);
         // SAFETY: out holds r distinct cluster ids < n per head (select_scored); bounds hold
         // kv_heads × (n + 1) increasing piece bounds into piece_group / piece_mask, whose
         // groups index the pages (MAX_PAGES each) and ids of the table (upload_groups); any
         // r clusters of a head have at most cap pieces (pieces_for), so the lists (kv_heads ×
         // cap) and the flags (kv_heads × (r + cap)) hold them; scan holds kv_heads ×
         // EXPAND_SPLIT × (r + 1); the table (when not 0) has an entry per arena block, and
-        // the pages name arena blocks below the arena's (check_steps).
+        // the pages name arena blocks below the arena's (check_steps: kv.keys is the Host
+        // arena's base) or, through the table, Gpu slots of the arena cache at c.keys (its
+        // owner's claim), each page_bytes long; list_addr holds cap × MAX_PAGES addresses
+        // per head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_expand"))?;
         Ok(())
     }
@@ -149,8 +159,6 @@ impl GpuBackend {
         &self,
         main: &Arc<CudaStream>,
         g: &DeviceGroups,
-        kv: KvPointers,
-        c: &CacheArgs,
         job: &mut WaveJob,
     ) -> Result<()> {
         let kernels = self.hack_wave.as_ref().ok_or_else(|| self.hack_head_dim_error())?;
@@ -167,16 +175,14 @@ impl GpuBackend {
         };
         let (cap, page_bytes, scale) = (h.cap as i32, g.table.page_bytes as i32, sh.scale());
         let mut b = main.launch_builder(f);
-        b.arg(&h.list_group).arg(&h.list_mask).arg(&h.counts).arg(&cap).arg(&g.pages).arg(&g.rows);
-        b.arg(&c.table).arg(&kv.keys).arg(&c.keys).arg(&page_bytes).arg(&job.decode.q).arg(&scale);
-        b.arg(&mut h.part);
+        b.arg(&h.list_addr).arg(&h.list_rows).arg(&h.list_mask).arg(&h.counts).arg(&cap).arg(&page_bytes);
+        b.arg(&job.decode.q).arg(&scale).arg(&mut h.part);
         // SAFETY: the lists hold counts[h] ≤ cap pieces per head, written by hack_expand
-        // before this on the same stream; every piece names a value block of the table whose
-        // pages are arena blocks below the arena's (check_steps: kv.keys is the Host arena's
-        // base) or, through the table, Gpu slots of the arena cache at c.keys (its owner's
-        // claim), each page_bytes long and holding the group layout of its value block
-        // (upload_groups); q holds q_heads × head_dim floats (step_ingest); part holds
-        // kv_heads × chunks × group partials.
+        // before this on the same stream: per piece its row count and the addresses of its
+        // value block's pages in the Host arena or the Gpu tier (page_bytes each, holding the
+        // group layout of the block, upload_groups), which the step's DeviceRead keeps from
+        // being overwritten until it is fetched; q holds q_heads × head_dim floats
+        // (step_ingest); part holds kv_heads × chunks × group partials.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_arena"))?;
         Ok(())
     }

@@ -606,9 +606,9 @@ impl GpuBackend {
             Some(groups) => {
                 // The retrieved clusters as pieces of value blocks, attended homomorphically;
                 // the row list below is then the steady zone alone.
-                self.launch_hack_pieces(main, wave, groups, &c, job)?;
+                self.launch_hack_pieces(main, wave, groups, &c, kv, job)?;
                 phase_done("row list", main)?;
-                self.launch_hack_attention(main, groups, kv, &c, job)?;
+                self.launch_hack_attention(main, groups, job)?;
                 phase_done("2-bit attention", main)?;
                 job.hack.as_ref().map(|h| (device_address(&h.part, main), h.chunks))
             }
