@@ -168,6 +168,35 @@ impl ArenaGroups {
         self.pages.iter().copied().max().map_or(0, |p| (p + 1).max(0) as usize)
     }
 
+    /// What a device copy of this table needs to keep on the host (sizes and ends, a few
+    /// hundred KB at 128K tokens instead of the table's ~2 MB).
+    pub fn summary(&self) -> GroupSummary {
+        let heads = self.id_end.len().max(1);
+        let per_head = (self.piece_bounds.len() / heads).max(1);
+        let most_pieces = self
+            .piece_bounds
+            .chunks(per_head)
+            .map(|b| {
+                let mut counts: Vec<u32> = b.windows(2).map(|w| w[1] - w[0]).collect();
+                counts.sort_unstable_by(|a, b| b.cmp(a));
+                std::iter::once(0)
+                    .chain(counts.iter().scan(0u32, |sum, &c| {
+                        *sum += c;
+                        Some(*sum)
+                    }))
+                    .collect()
+            })
+            .collect();
+        GroupSummary {
+            page_bytes: self.page_bytes,
+            id_end: self.id_end.clone(),
+            pages_needed: self.pages_needed(),
+            pieces: self.piece_group.len(),
+            bounds: self.piece_bounds.len(),
+            most_pieces,
+        }
+    }
+
     /// Pads every head to `clusters` clusters (empty ones after its own) and checks that
     /// the table has `kv_heads` heads with `sizes[h]` clusters each; `piece_bounds` then
     /// holds `kv_heads × (clusters + 1)` bounds.
@@ -194,6 +223,30 @@ impl ArenaGroups {
         }
         self.piece_bounds = bounds;
         Ok(())
+    }
+}
+
+/// The host's part of a value-block table copied to the device ([`ArenaGroups::summary`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupSummary {
+    /// Bytes of an arena block.
+    pub page_bytes: usize,
+    /// Per KV head, the value-block ids' end ([`ArenaGroups::id_end`]).
+    pub id_end: Vec<u32>,
+    /// One past the highest arena block named ([`ArenaGroups::pages_needed`]).
+    pub pages_needed: usize,
+    /// Pieces of every cluster of every head.
+    pub pieces: usize,
+    /// Entries of [`ArenaGroups::piece_bounds`].
+    pub bounds: usize,
+    /// Per KV head, entry `r`: the most pieces `r` of its clusters have.
+    most_pieces: Vec<Vec<u32>>,
+}
+
+impl GroupSummary {
+    /// [`ArenaGroups::pieces_for`] of the table this summarizes.
+    pub fn pieces_for(&self, r: usize) -> usize {
+        self.most_pieces.iter().map(|p| p.get(r).or(p.last()).copied().unwrap_or(0) as usize).max().unwrap_or(0)
     }
 }
 
@@ -377,6 +430,13 @@ mod tests {
         assert_eq!(g.pages[..GROUP_PAGES], [5, 6, 7, -1, -1, -1, -1, -1]);
         assert_eq!((g.id_end.clone(), g.pages_needed()), (vec![2, 6], 11));
         assert_eq!((g.pieces_for(1), g.pieces_for(2), g.pieces_for(9)), (2, 3, 4));
+        // What a device copy keeps instead of the table answers the same.
+        let sum = g.summary();
+        for r in 0..12 {
+            assert_eq!(sum.pieces_for(r), g.pieces_for(r), "r = {r}");
+        }
+        let sizes = (sum.page_bytes, sum.id_end.clone(), sum.pages_needed, sum.pieces, sum.bounds);
+        assert_eq!(sizes, (2048, vec![2, 6], 11, 6, 8));
     }
 
     #[test]

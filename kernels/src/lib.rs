@@ -19,7 +19,7 @@ pub mod random;
 mod shape;
 mod view;
 
-pub use arena_wave::{ArenaGroups, ArenaWave, HeadClusters, GROUP_PAGES};
+pub use arena_wave::{ArenaGroups, ArenaWave, GroupSummary, HeadClusters, GROUP_PAGES};
 pub use backend::{Backend, BlockRows, CpuBackend};
 pub use codec::Codec;
 pub use cpu::hack::{HackParams, KeyLayout};

@@ -142,6 +142,15 @@ def layouts():
     add("hybrid keys G=64 nearest, values f16", hybrid(2, 64, False), f16, hb, 16)
     # ranges shared by 8 value blocks: the query prepared once per 512 rows
     add("hybrid keys G=512 nearest, values 2-bit nearest", hybrid(2, 512, False), v2n, hb - 0.5 + 32 / 512, vbits)
+    # round 3 (session 45): 3-bit values, which 2-bit values' own cost (KL 0.025 on SmolLM2,
+    # 0.0095 on Gemma-3 with f16 keys) says the goal needs
+    v3n = pc(3, 64, False)
+    v3bits = 3 + 32 / 64
+    add("r3 keys f16, values 3-bit G=64 nearest", f16, v3n, 16, v3bits)
+    add("r3 keys 3-bit per-channel G=64, values 3-bit", pc(3, 64, False), v3n, 3 + 32 / 64 + 8 / d, v3bits)
+    add("r3 hybrid keys 3-bit G=64, values 3-bit", hybrid(3, 64, False), v3n, hb + 1, v3bits)
+    add("r3 keys 4-bit per-channel G=64, values 3-bit", pc(4, 64, False), v3n, 4 + 32 / 64 + 8 / d, v3bits)
+    add("r3 keys 3-bit per-channel G=32, values 3-bit", pc(3, 32, False), v3n, 3 + 1 + 8 / d, v3bits)
     return out
 
 

@@ -4,7 +4,7 @@
 //! over them read in place from the Gpu tier or the pinned Host arena.
 
 use super::*;
-use crate::arena_wave::ArenaGroups;
+use crate::arena_wave::{ArenaGroups, GroupSummary};
 
 /// A 2-bit layer's value-block table in device memory ([`ArenaGroups`]).
 pub(super) struct DeviceGroups {
@@ -14,8 +14,9 @@ pub(super) struct DeviceGroups {
     bounds: CudaSlice<i32>,
     piece_group: CudaSlice<i32>,
     piece_mask: CudaSlice<u64>,
-    /// The host copy (piece counts size a job's lists; ids' ends name the real blocks).
-    pub(super) table: ArenaGroups,
+    /// What the host keeps of the table (piece counts size a job's lists; ids' ends name
+    /// the real blocks).
+    pub(super) table: GroupSummary,
 }
 
 impl DeviceGroups {
@@ -85,7 +86,7 @@ impl GpuBackend {
             bounds: up_i(ints(&g.piece_bounds))?,
             piece_group: up_i(ints(&g.piece_group))?,
             piece_mask: s.clone_htod(&g.piece_mask).map_err(gpu_err("copying the value-block table"))?,
-            table: g.clone(),
+            table: g.summary(),
         })
     }
 
@@ -93,7 +94,7 @@ impl GpuBackend {
     pub(super) fn hack_buffers(&self, shape: &AttnShape, g: &DeviceGroups, r: usize) -> Result<HackBuffers> {
         let cap = g.table.pieces_for(r).max(1);
         // About two pieces per CTA when the selection takes its typical pieces.
-        let typical = (r * g.table.piece_group.len()).div_ceil(g.table.piece_bounds.len().max(1)).max(1);
+        let typical = (r * g.table.pieces).div_ceil(g.table.bounds.max(1)).max(1);
         let chunks = typical.div_ceil(2).clamp(1, HACK_CHUNKS_MAX);
         let s = &self.stream;
         let n = shape.kv_heads * cap;

@@ -46,7 +46,7 @@ impl GpuBackend {
         };
         // A 2-bit layer reads whole arena blocks of 2R f16 rows (its pages).
         let arena_rows = match &groups {
-            Some(g) => g.table.pages_needed() * (g.table.page_bytes / (2 * self.head_dim)),
+            Some(g) => g.table.pages_needed * (g.table.page_bytes / (2 * self.head_dim)),
             None => layer.arena_rows_needed(),
         };
         if arena_rows > i32::MAX as usize {
