@@ -7,7 +7,8 @@
 # `bash .gpu/batch.sh [ROUNDS]`: each round runs all three, so ratios are same-round
 # (`SKIP_HACK2=1`: SDPA and f16 only; `SKIP_F16=1`: SDPA and hack2 only; `HACK2_MAX_BATCH`:
 # cap the hack2 batch; `BATCH_RUNS=N`: SDPA N times and the hack2 batch measured N times in
-# its process, paired in order).
+# its process, paired in order). CUDA_DEVICE_MAX_CONNECTIONS, when set, passes through to the
+# engine's runs (the rows record it): how many hardware queues the lanes' streams share.
 set -euo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 here="$(cd "$(dirname "$0")" && pwd)"

@@ -113,7 +113,9 @@ fn main() {
     let round = |x: f64| (x * 100.0).round() / 100.0;
     let common = json!({"bench": "decode", "device": "cuda", "tokens": tokens, "q_heads": 32, "kv_heads": 8,
         "head_dim": 128, "dtype": "f16", "codec": codec.to_string(), "kv_bytes_per_seq_32_layers": kv_per_seq, "gpu_tier_frac": gpu_frac, "gpu_tier_bytes": settings_gpu_bytes, "steps_measured": STEPS, "steps_warmup": warmup_steps(),
-        "maintainer_pause_us": pause_us, "prefill": if cpu_only { "cpu" } else { "context 0 cpu, others gpu" }});
+        "maintainer_pause_us": pause_us, "prefill": if cpu_only { "cpu" } else { "context 0 cpu, others gpu" },
+        // CUDA's hardware queues for the batch's lane streams (8 unless the environment says).
+        "cuda_device_max_connections": std::env::var("CUDA_DEVICE_MAX_CONNECTIONS").ok()});
     let row = |method: &str, n: usize, t: f64, extra: serde_json::Value| {
         let mut v = common.clone();
         v["method"] = json!(method);

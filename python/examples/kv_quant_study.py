@@ -151,6 +151,19 @@ def layouts():
     add("r3 hybrid keys 3-bit G=64, values 3-bit", hybrid(3, 64, False), v3n, hb + 1, v3bits)
     add("r3 keys 4-bit per-channel G=64, values 3-bit", pc(4, 64, False), v3n, 4 + 32 / 64 + 8 / d, v3bits)
     add("r3 keys 3-bit per-channel G=32, values 3-bit", pc(3, 32, False), v3n, 3 + 1 + 8 / d, v3bits)
+
+    def outliers_8bit(n, bits, grp):
+        # the n largest-magnitude channels per head quantized per channel to 8 bits over
+        # `grp` tokens, the others to `bits` bits
+        def f(x, g):
+            m = outlier_mask(x, n)
+            return torch.where(m[:, None, :], per_channel(x, 8, grp, False, g), per_channel(x, bits, grp, False, g))
+
+        return f
+
+    for n, kb in ((4, 3), (8, 3), (4, 4)):
+        bits_k = kb + 32 / 64 + 8 / d + n * (8 - kb) / d
+        add(f"r3 keys {kb}-bit G=64 + {n} 8-bit channels, values 3-bit", outliers_8bit(n, kb, 64), v3n, bits_k, v3bits)
     return out
 
 
