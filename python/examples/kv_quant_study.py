@@ -161,6 +161,10 @@ def layouts():
 
         return f
 
+    # longer groups: less metadata per value (under 0.25× f16 with 4-bit keys)
+    add("r3 keys 4-bit per-channel G=128, values 3-bit", pc(4, 128, False), v3n, 4 + 32 / 128 + 8 / d, v3bits)
+    add("r3 keys 4-bit per-channel G=64, values 3-bit G=128", pc(4, 64, False), pc(3, 128, False), 4 + 32 / 64 + 8 / d, 3 + 32 / 128)
+    add("r3 keys 4-bit per-channel G=128, values 3-bit G=128", pc(4, 128, False), pc(3, 128, False), 4 + 32 / 128 + 8 / d, 3 + 32 / 128)
     for n, kb in ((4, 3), (8, 3), (4, 4)):
         bits_k = kb + 32 / 64 + 8 / d + n * (8 - kb) / d
         add(f"r3 keys {kb}-bit G=64 + {n} 8-bit channels, values 3-bit", outliers_8bit(n, kb, 64), v3n, bits_k, v3bits)
