@@ -11,6 +11,7 @@ mod hack_avx2;
 mod hack_avx512;
 pub mod hack_rows;
 pub mod kmeans;
+pub mod kv43;
 mod microkernel;
 pub mod partial;
 pub mod pq;

@@ -1,0 +1,429 @@
+//! A reference for the next codec of issue 43 (`docs/codec.md`, "Round 3"): keys quantized
+//! to 4 bits **per channel** over groups of `key_group` tokens (KIVI's layout, because
+//! outliers live in channels), values to 3 bits per channel over blocks of `value_block`
+//! tokens, and attention computed on the codes without dequantizing:
+//!
+//! - a key is `k_jc = m_c + s_c·u_jc` (`u` in 0..=15, `m`, `s` per channel and key group, f16),
+//!   so `q·k_j = Σ_c q_c m_c + Σ_c (q_c s_c) u_jc`: the query is scaled by the group's channel
+//!   scales, quantized once per group to 8 bits per 64-dimension partition
+//!   (`q_c s_c ≈ a + b·w_c`), and `Σ_c (q_c s_c) u_jc ≈ a·U_j + b·Σ_c w_c u_jc` with the
+//!   stored code sums `U_j` per partition — an integer dot product per row;
+//! - a value is `v_tc = m'_c + s'_c·z_tc` (`z` in 0..=7), so with each block's probabilities
+//!   coded to 7 bits (`p_t ≈ step·P_t`), `Σ_t p_t v_tc = step·(m'_c Σ_t P_t + s'_c Σ_t P_t z_tc)`,
+//!   again an integer product per channel.
+//!
+//! Scalar and plain-data: the format, the encoder, the dequantizer and the homomorphic
+//! decode, with tests that the homomorphic arithmetic equals dequantize-then-multiply. The
+//! codec's SIMD kernels, its place in `Codec`, the index, the disk format and the GPU come
+//! after this (none of them exist yet).
+
+use half::f16;
+
+use crate::error::{Error, Result};
+
+/// Dimensions of a partition of the 8-bit query.
+const PART: usize = 64;
+/// Largest 4-bit key code.
+const KEY_LEVELS: f32 = 15.0;
+/// Largest 3-bit value code.
+const VALUE_LEVELS: f32 = 7.0;
+/// Levels of a block's probabilities.
+const P_LEVELS: f32 = 127.0;
+
+/// Group sizes of the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kv43Params {
+    /// Tokens sharing each channel's key minimum and scale (a multiple of `value_block`).
+    pub key_group: usize,
+    /// Tokens sharing each channel's value minimum and scale (a multiple of 8).
+    pub value_block: usize,
+}
+
+impl Default for Kv43Params {
+    /// Keys over 128 tokens, values over 64: the study's best layout under 0.25× f16.
+    fn default() -> Self {
+        Self { key_group: 128, value_block: 64 }
+    }
+}
+
+impl Kv43Params {
+    fn check(&self, d: usize) -> Result<()> {
+        let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 parameters", message });
+        if d == 0 || !d.is_multiple_of(PART) {
+            return bad(format!("the head dimension must be a positive multiple of {PART}, got {d}"));
+        }
+        if self.value_block == 0 || !self.value_block.is_multiple_of(8) {
+            return bad(format!("value blocks must be a positive multiple of 8 tokens, got {}", self.value_block));
+        }
+        if self.key_group == 0 || !self.key_group.is_multiple_of(self.value_block) {
+            return bad(format!(
+                "key groups must be a positive multiple of the value block ({}), got {}",
+                self.value_block, self.key_group
+            ));
+        }
+        Ok(())
+    }
+
+    /// Bytes per token and head of dimension `d`, metadata included: 4-bit key codes, a
+    /// u16 code sum per key partition, 3-bit value codes, and per channel an f16 minimum
+    /// and scale per key group and per value block.
+    pub fn bytes_per_token(&self, d: usize) -> f64 {
+        let codes = d as f64 / 2.0 + 3.0 * d as f64 / 8.0 + 2.0 * (d / PART) as f64;
+        let meta = 4.0 * d as f64 / self.key_group as f64 + 4.0 * d as f64 / self.value_block as f64;
+        codes + meta
+    }
+}
+
+/// One head's rows in the layout (a whole number of key groups).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kv43Rows {
+    d: usize,
+    rows: usize,
+    params: Kv43Params,
+    /// Row `j`'s key codes, two per byte (channel `2i` in the low nibble): `rows × d/2`.
+    key_codes: Vec<u8>,
+    /// Per key group and channel: minimum and scale.
+    key_min: Vec<f16>,
+    key_scale: Vec<f16>,
+    /// Per row and partition: the sum of its key codes.
+    key_sums: Vec<u16>,
+    /// Value codes as bit planes: per 8 rows and channel, three bytes (plane `b` holds bit
+    /// `b` of the eight rows' codes, row `t mod 8` in bit `t mod 8`): `rows/8 × d × 3`.
+    value_planes: Vec<u8>,
+    /// Per value block and channel: minimum and scale.
+    value_min: Vec<f16>,
+    value_scale: Vec<f16>,
+}
+
+/// Minimum and scale of `levels`-level codes over `x` (f16, as stored), and the codes.
+fn quantize_run(x: impl Iterator<Item = f32> + Clone, levels: f32) -> (f16, f16, Vec<u8>) {
+    let (lo, hi) = x.clone().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    let min = f16::from_f32(lo);
+    let scale = f16::from_f32((hi - min.to_f32()).max(0.0) / levels);
+    let (m, s) = (min.to_f32(), scale.to_f32());
+    let codes = x.map(|v| if s > 0.0 { ((v - m) / s).round().clamp(0.0, levels) as u8 } else { 0 }).collect();
+    (min, scale, codes)
+}
+
+impl Kv43Rows {
+    /// Encodes `rows` rows of `keys` and `values` (`rows × d` each, finite) rounding to
+    /// nearest. `rows` must be a positive multiple of the key group.
+    pub fn encode(keys: &[f32], values: &[f32], d: usize, params: Kv43Params) -> Result<Self> {
+        params.check(d)?;
+        if keys.len() != values.len() || !keys.len().is_multiple_of(d) {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 keys and values (rows × d each)",
+                expected: keys.len(),
+                got: values.len(),
+            });
+        }
+        let rows = keys.len() / d;
+        if rows == 0 || !rows.is_multiple_of(params.key_group) {
+            return Err(Error::InvalidArgument {
+                what: "kv43 rows",
+                message: format!("{rows} rows are not a positive multiple of the key group ({})", params.key_group),
+            });
+        }
+        if let Some(i) = keys.iter().chain(values).position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument { what: "kv43 rows", message: format!("element {i} is not finite") });
+        }
+        let mut out = Self {
+            d,
+            rows,
+            params,
+            key_codes: vec![0; rows * d / 2],
+            key_min: Vec::new(),
+            key_scale: Vec::new(),
+            key_sums: vec![0; rows * (d / PART)],
+            value_planes: vec![0; rows / 8 * d * 3],
+            value_min: Vec::new(),
+            value_scale: Vec::new(),
+        };
+        for g in 0..rows / params.key_group {
+            let base = g * params.key_group;
+            for c in 0..d {
+                let col = (base..base + params.key_group).map(|j| keys[j * d + c]);
+                let (m, s, codes) = quantize_run(col, KEY_LEVELS);
+                out.key_min.push(m);
+                out.key_scale.push(s);
+                for (i, &u) in codes.iter().enumerate() {
+                    let j = base + i;
+                    out.key_codes[j * d / 2 + c / 2] |= u << (4 * (c % 2));
+                    out.key_sums[j * (d / PART) + c / PART] += u16::from(u);
+                }
+            }
+        }
+        for b in 0..rows / params.value_block {
+            let base = b * params.value_block;
+            for c in 0..d {
+                let col = (base..base + params.value_block).map(|t| values[t * d + c]);
+                let (m, s, codes) = quantize_run(col, VALUE_LEVELS);
+                out.value_min.push(m);
+                out.value_scale.push(s);
+                for (i, &z) in codes.iter().enumerate() {
+                    let t = base + i;
+                    let at = ((t / 8) * d + c) * 3;
+                    for (bit, plane) in out.value_planes[at..at + 3].iter_mut().enumerate() {
+                        *plane |= ((z >> bit) & 1) << (t % 8);
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Rows encoded.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Bytes held (codes and metadata).
+    pub fn bytes(&self) -> usize {
+        self.key_codes.len()
+            + self.value_planes.len()
+            + 2 * self.key_sums.len()
+            + 2 * (self.key_min.len() + self.key_scale.len() + self.value_min.len() + self.value_scale.len())
+    }
+
+    fn key_code(&self, j: usize, c: usize) -> u8 {
+        self.key_codes[j * self.d / 2 + c / 2] >> (4 * (c % 2)) & 0xf
+    }
+
+    fn value_code(&self, t: usize, c: usize) -> u8 {
+        let at = ((t / 8) * self.d + c) * 3;
+        (0..3).map(|bit| ((self.value_planes[at + bit] >> (t % 8)) & 1) << bit).sum()
+    }
+
+    /// The rows the codes stand for (`rows × d` keys, then values).
+    pub fn dequantize(&self) -> (Vec<f32>, Vec<f32>) {
+        let (d, p) = (self.d, self.params);
+        let mut keys = Vec::with_capacity(self.rows * d);
+        let mut values = Vec::with_capacity(self.rows * d);
+        for j in 0..self.rows {
+            let (g, b) = (j / p.key_group, j / p.value_block);
+            for c in 0..d {
+                let (m, s) = (self.key_min[g * d + c].to_f32(), self.key_scale[g * d + c].to_f32());
+                keys.push(m + s * f32::from(self.key_code(j, c)));
+            }
+            for c in 0..d {
+                let (m, s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
+                values.push(m + s * f32::from(self.value_code(j, c)));
+            }
+        }
+        (keys, values)
+    }
+
+    /// The 8-bit query of key group `g` for query `q` (`d` values): per partition the
+    /// minimum `a` and step `b` of `q∘s` and each channel's code `w`, plus `Σ_c q_c m_c`.
+    fn group_query(&self, q: &[f32], g: usize) -> (Vec<(f32, f32)>, Vec<u8>, f32) {
+        let d = self.d;
+        let scaled: Vec<f32> = (0..d).map(|c| q[c] * self.key_scale[g * d + c].to_f32()).collect();
+        let qm: f32 = (0..d).map(|c| q[c] * self.key_min[g * d + c].to_f32()).sum();
+        let mut ab = Vec::with_capacity(d / PART);
+        let mut w = Vec::with_capacity(d);
+        for part in scaled.chunks_exact(PART) {
+            let (min, step, codes) = quantize_run(part.iter().copied(), 255.0);
+            ab.push((min.to_f32(), step.to_f32()));
+            w.extend(codes);
+        }
+        (ab, w, qm)
+    }
+
+    /// Homomorphic scores of query `q` (`d` values, times `scale`) against every row.
+    pub fn scores(&self, q: &[f32], scale: f32) -> Vec<f32> {
+        let (d, p) = (self.d, self.params);
+        let mut out = Vec::with_capacity(self.rows);
+        for g in 0..self.rows / p.key_group {
+            let (ab, w, qm) = self.group_query(q, g);
+            for j in g * p.key_group..(g + 1) * p.key_group {
+                let mut s = qm;
+                for (k, &(a, b)) in ab.iter().enumerate() {
+                    let dot: u32 =
+                        (k * PART..(k + 1) * PART).map(|c| u32::from(w[c]) * u32::from(self.key_code(j, c))).sum();
+                    s += a * f32::from(self.key_sums[j * (d / PART) + k]) + b * dot as f32;
+                }
+                out.push(s * scale);
+            }
+        }
+        out
+    }
+
+    /// Homomorphic decode attention of query `q` over every row: softmax of
+    /// [`Kv43Rows::scores`], each value block's probabilities coded to 7 bits, values
+    /// never dequantized. Returns `d` values.
+    pub fn attend(&self, q: &[f32], scale: f32) -> Vec<f32> {
+        let (d, vb) = (self.d, self.params.value_block);
+        let scores = self.scores(q, scale);
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let p: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
+        let (mut out, mut total) = (vec![0.0f32; d], 0.0f32);
+        for b in 0..self.rows / vb {
+            let block = &p[b * vb..(b + 1) * vb];
+            let step = block.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
+            if step == 0.0 {
+                continue;
+            }
+            let codes: Vec<u32> = block.iter().map(|&x| (x / step).round().min(P_LEVELS) as u32).collect();
+            let sum: u32 = codes.iter().sum();
+            total += step * sum as f32;
+            for (c, o) in out.iter_mut().enumerate() {
+                let dot: u32 =
+                    codes.iter().enumerate().map(|(i, &pc)| pc * u32::from(self.value_code(b * vb + i, c))).sum();
+                let (m, s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
+                *o += step * (m * sum as f32 + s * dot as f32);
+            }
+        }
+        out.iter_mut().for_each(|o| *o /= total);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::random::SplitMix64;
+
+    /// Keys with outlier channels (as real models' are) and plain values.
+    fn data(rows: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let mut rng = SplitMix64::new(seed);
+        let keys = (0..rows * d).map(|i| rng.normal() * if i % d < 3 { 8.0 } else { 1.0 }).collect();
+        let values = (0..rows * d).map(|_| rng.normal()).collect();
+        let q = (0..d).map(|_| rng.normal()).collect();
+        (keys, values, q)
+    }
+
+    #[test]
+    fn codes_round_trip_within_half_a_step_and_bytes_match_the_formula() {
+        for (d, params) in [
+            (64, Kv43Params::default()),
+            (128, Kv43Params { key_group: 64, value_block: 64 }),
+            (256, Kv43Params { key_group: 256, value_block: 32 }),
+        ] {
+            let rows = 2 * params.key_group;
+            let (k, v, _) = data(rows, d, 3);
+            let enc = Kv43Rows::encode(&k, &v, d, params).unwrap();
+            let (dk, dv) = enc.dequantize();
+            for j in 0..rows {
+                for c in 0..d {
+                    let (g, b) = (j / params.key_group, j / params.value_block);
+                    let ks = enc.key_scale[g * d + c].to_f32();
+                    let vs = enc.value_scale[b * d + c].to_f32();
+                    // Half a step, plus the f16 rounding of the minimum and scale.
+                    assert!(
+                        (dk[j * d + c] - k[j * d + c]).abs() <= 0.5 * ks + 1e-2 * ks.max(1e-3) + 4e-3,
+                        "key {j},{c}"
+                    );
+                    assert!(
+                        (dv[j * d + c] - v[j * d + c]).abs() <= 0.5 * vs + 1e-2 * vs.max(1e-3) + 4e-3,
+                        "value {j},{c}"
+                    );
+                }
+            }
+            assert_eq!(
+                enc.bytes() as f64,
+                params.bytes_per_token(d) * rows as f64,
+                "d = {d}: {} bytes for {rows} rows",
+                enc.bytes()
+            );
+        }
+        // The default layout is a quarter of f16's bytes at every supported d: d/2 + 3d/8
+        // bytes of codes, d/32 of code sums, d/32 of key and d/16 of value metadata.
+        for d in [64, 128, 256] {
+            assert_eq!(Kv43Params::default().bytes_per_token(d), 0.25 * 4.0 * d as f64, "d = {d}");
+        }
+    }
+
+    #[test]
+    fn homomorphic_scores_and_values_equal_dequantize_then_multiply() {
+        let d = 128;
+        let params = Kv43Params::default();
+        let (k, v, q) = data(256, d, 5);
+        let enc = Kv43Rows::encode(&k, &v, d, params).unwrap();
+        let (dk, dv) = enc.dequantize();
+        let scale = 1.0 / (d as f32).sqrt();
+        // Scores: the same 8-bit query, dequantized, times the dequantized keys (f64).
+        let got = enc.scores(&q, scale);
+        for (j, &s) in got.iter().enumerate() {
+            let g = j / params.key_group;
+            let (ab, w, _) = enc.group_query(&q, g);
+            let want: f64 = (0..d)
+                .map(|c| {
+                    let (a, b) = ab[c / PART];
+                    let qs = f64::from(a) + f64::from(b) * f64::from(w[c]);
+                    let ks = f64::from(enc.key_scale[g * d + c].to_f32());
+                    // q_c·k_c = q_c m_c + (q_c s_c)·u: the scaled query's code stands for q_c s_c.
+                    let u = if ks > 0.0 {
+                        (f64::from(dk[j * d + c]) - f64::from(enc.key_min[g * d + c].to_f32())) / ks
+                    } else {
+                        0.0
+                    };
+                    f64::from(q[c]) * f64::from(enc.key_min[g * d + c].to_f32()) + qs * u
+                })
+                .sum::<f64>()
+                * f64::from(scale);
+            assert!((f64::from(s) - want).abs() <= 1e-4 * want.abs().max(1.0), "row {j}: {s} vs {want}");
+        }
+        // Values: the same 7-bit probabilities times the dequantized values.
+        let out = enc.attend(&q, scale);
+        let max = got.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let p: Vec<f32> = got.iter().map(|s| (s - max).exp()).collect();
+        let (mut want, mut total) = (vec![0.0f64; d], 0.0f64);
+        for block in p.chunks(params.value_block).enumerate() {
+            let (b, ps) = block;
+            let step = ps.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
+            for (i, &x) in ps.iter().enumerate() {
+                let w = f64::from(step) * f64::from((x / step).round().min(P_LEVELS));
+                total += w;
+                let t = b * params.value_block + i;
+                want.iter_mut().enumerate().for_each(|(c, o)| *o += w * f64::from(dv[t * d + c]));
+            }
+        }
+        for (c, (&o, w)) in out.iter().zip(&want).enumerate() {
+            let w = w / total;
+            assert!((f64::from(o) - w).abs() <= 1e-4 * w.abs().max(0.1), "channel {c}: {o} vs {w}");
+        }
+    }
+
+    #[test]
+    fn the_8_bit_query_and_7_bit_probabilities_add_little_to_the_rounding_error() {
+        use crate::cpu::reference::{attend_f64, rel_l2};
+        let d = 128;
+        let (k, v, _) = data(512, d, 7);
+        let enc = Kv43Rows::encode(&k, &v, d, Kv43Params::default()).unwrap();
+        let (dk, dv) = enc.dequantize();
+        let scale = 1.0 / (d as f32).sqrt();
+        for row in [17, 300] {
+            // A query aimed at one row, as decode queries mostly are (attend_f64 scales by 1/√d).
+            let q: Vec<f32> = k[row * d..(row + 1) * d].iter().map(|x| x * 0.3).collect();
+            let exact = attend_f64(&q, &k, &v, None);
+            let rounding =
+                rel_l2(&attend_f64(&q, &dk, &dv, None).iter().map(|&x| x as f32).collect::<Vec<_>>(), &exact);
+            let codes = rel_l2(&enc.attend(&q, scale), &exact);
+            println!("row {row}: on the codes {codes:.4}, rounding alone {rounding:.4}");
+            assert!(codes <= rounding * 1.25 + 0.01, "row {row}: on the codes {codes}, rounding alone {rounding}");
+            // 3-bit codes of Gaussian values: a step of ~6σ/7, an error of ~0.25σ per value.
+            assert!(rounding < 0.3, "row {row}: rounding alone {rounding}");
+        }
+    }
+
+    #[test]
+    fn bad_parameters_and_rows_are_typed_errors() {
+        let (k, v, _) = data(128, 64, 1);
+        for params in [
+            Kv43Params { key_group: 96, value_block: 64 },
+            Kv43Params { key_group: 128, value_block: 12 },
+            Kv43Params { key_group: 0, value_block: 64 },
+        ] {
+            assert!(matches!(Kv43Rows::encode(&k, &v, 64, params), Err(Error::InvalidArgument { .. })), "{params:?}");
+        }
+        assert!(Kv43Rows::encode(&k, &v, 48, Kv43Params::default()).is_err(), "d not a multiple of 64");
+        assert!(
+            Kv43Rows::encode(&k[..64 * 64], &v[..64 * 64], 64, Kv43Params::default()).is_err(),
+            "a partial key group"
+        );
+        assert!(Kv43Rows::encode(&k, &v[1..], 64, Kv43Params::default()).is_err(), "lengths differ");
+        let mut nan = k.clone();
+        nan[5] = f32::NAN;
+        assert!(Kv43Rows::encode(&nan, &v, 64, Kv43Params::default()).is_err(), "NaN");
+    }
+}
