@@ -105,6 +105,27 @@ fn quantize_run(x: impl Iterator<Item = f32> + Clone, levels: f32) -> (f16, f16,
     (min, scale, codes)
 }
 
+/// Quantizes every channel of `rows` (`n × d`) over runs of `run` rows to `levels` levels,
+/// pushing each run's per-channel minimum and scale (run-major) and handing each code to
+/// `put(row, channel, code)`.
+fn quantize_columns(
+    rows: &[f32],
+    d: usize,
+    run: usize,
+    levels: f32,
+    (min, scale): (&mut Vec<f16>, &mut Vec<f16>),
+    mut put: impl FnMut(usize, usize, u8),
+) {
+    for base in (0..rows.len() / d).step_by(run) {
+        for c in 0..d {
+            let (m, s, codes) = quantize_run((base..base + run).map(|j| rows[j * d + c]), levels);
+            min.push(m);
+            scale.push(s);
+            codes.iter().enumerate().for_each(|(i, &code)| put(base + i, c, code));
+        }
+    }
+}
+
 impl Kv43Rows {
     /// Encodes `rows` rows of `keys` and `values` (`rows × d` each, finite) rounding to
     /// nearest. `rows` must be a positive multiple of the key group.
@@ -139,36 +160,19 @@ impl Kv43Rows {
             value_min: Vec::new(),
             value_scale: Vec::new(),
         };
-        for g in 0..rows / params.key_group {
-            let base = g * params.key_group;
-            for c in 0..d {
-                let col = (base..base + params.key_group).map(|j| keys[j * d + c]);
-                let (m, s, codes) = quantize_run(col, KEY_LEVELS);
-                out.key_min.push(m);
-                out.key_scale.push(s);
-                for (i, &u) in codes.iter().enumerate() {
-                    let j = base + i;
-                    out.key_codes[j * d / 2 + c / 2] |= u << (4 * (c % 2));
-                    out.key_sums[j * (d / PART) + c / PART] += u16::from(u);
-                }
+        let (mut kmin, mut kscale) = (Vec::new(), Vec::new());
+        quantize_columns(keys, d, params.key_group, KEY_LEVELS, (&mut kmin, &mut kscale), |j, c, u| {
+            out.key_codes[j * d / 2 + c / 2] |= u << (4 * (c % 2));
+            out.key_sums[j * (d / PART) + c / PART] += u16::from(u);
+        });
+        let (mut vmin, mut vscale) = (Vec::new(), Vec::new());
+        quantize_columns(values, d, params.value_block, VALUE_LEVELS, (&mut vmin, &mut vscale), |t, c, z| {
+            let at = ((t / 8) * d + c) * 3;
+            for (bit, plane) in out.value_planes[at..at + 3].iter_mut().enumerate() {
+                *plane |= ((z >> bit) & 1) << (t % 8);
             }
-        }
-        for b in 0..rows / params.value_block {
-            let base = b * params.value_block;
-            for c in 0..d {
-                let col = (base..base + params.value_block).map(|t| values[t * d + c]);
-                let (m, s, codes) = quantize_run(col, VALUE_LEVELS);
-                out.value_min.push(m);
-                out.value_scale.push(s);
-                for (i, &z) in codes.iter().enumerate() {
-                    let t = base + i;
-                    let at = ((t / 8) * d + c) * 3;
-                    for (bit, plane) in out.value_planes[at..at + 3].iter_mut().enumerate() {
-                        *plane |= ((z >> bit) & 1) << (t % 8);
-                    }
-                }
-            }
-        }
+        });
+        (out.key_min, out.key_scale, out.value_min, out.value_scale) = (kmin, kscale, vmin, vscale);
         Ok(out)
     }
 
