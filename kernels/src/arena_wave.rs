@@ -150,17 +150,7 @@ impl ArenaGroups {
     /// counts, the largest over heads): the room a step retrieving `r` clusters per head
     /// needs per head. For a table padded by [`ArenaWave::new_encoded`].
     pub fn pieces_for(&self, r: usize) -> usize {
-        let heads = self.id_end.len().max(1);
-        let per_head = self.piece_bounds.len() / heads;
-        self.piece_bounds
-            .chunks(per_head.max(1))
-            .map(|b| {
-                let mut counts: Vec<u32> = b.windows(2).map(|w| w[1] - w[0]).collect();
-                counts.sort_unstable_by(|a, b| b.cmp(a));
-                counts.iter().take(r).sum::<u32>() as usize
-            })
-            .max()
-            .unwrap_or(0)
+        self.summary().pieces_for(r)
     }
 
     /// One past the highest arena block named.
@@ -430,10 +420,22 @@ mod tests {
         assert_eq!(g.pages[..GROUP_PAGES], [5, 6, 7, -1, -1, -1, -1, -1]);
         assert_eq!((g.id_end.clone(), g.pages_needed()), (vec![2, 6], 11));
         assert_eq!((g.pieces_for(1), g.pieces_for(2), g.pieces_for(9)), (2, 3, 4));
-        // What a device copy keeps instead of the table answers the same.
+        // What a device copy keeps instead of the table answers as the sum of each head's r
+        // largest piece counts, the largest over heads.
         let sum = g.summary();
+        let per_head = g.piece_bounds.len() / g.id_end.len();
         for r in 0..12 {
-            assert_eq!(sum.pieces_for(r), g.pieces_for(r), "r = {r}");
+            let want = g
+                .piece_bounds
+                .chunks(per_head)
+                .map(|b| {
+                    let mut counts: Vec<u32> = b.windows(2).map(|w| w[1] - w[0]).collect();
+                    counts.sort_unstable_by(|a, b| b.cmp(a));
+                    counts.iter().take(r).sum::<u32>() as usize
+                })
+                .max()
+                .unwrap();
+            assert_eq!(sum.pieces_for(r), want, "r = {r}");
         }
         let sizes = (sum.page_bytes, sum.id_end.clone(), sum.pages_needed, sum.pieces, sum.bounds);
         assert_eq!(sizes, (2048, vec![2, 6], 11, 6, 8));
