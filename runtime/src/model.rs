@@ -259,6 +259,32 @@ struct Block {
     post_ffn_norm: Option<Tensor>,
 }
 
+/// Tanh-approximated GELU at f16 precision, the way ggml's CPU backend evaluates it: the
+/// input rounded to f16 indexes a table of f16 results (inputs ≤ −10 give 0, ≥ 10 pass
+/// through). Differs from f32 GELU by up to an f16 step of input and output; matching it
+/// moves the runtime's near-tie argmaxes toward llama.cpp's.
+fn gelu_f16_table(x: &Tensor) -> Result<Tensor> {
+    use half::f16;
+    let shape = x.shape().clone();
+    let y: Vec<f32> = x
+        .flatten_all()?
+        .to_vec1::<f32>()?
+        .into_iter()
+        .map(|v| {
+            if v <= -10.0 {
+                0.0
+            } else if v >= 10.0 {
+                v
+            } else {
+                let h = f16::from_f32(v).to_f32();
+                let g = 0.5 * h * (1.0 + (0.797_884_6 * h * (1.0 + 0.044_715 * h * h)).tanh());
+                f16::from_f32(g).to_f32()
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(y, shape, x.device())?)
+}
+
 /// `cos`/`sin` tables of one RoPE base, `[positions, head_dim/2]`.
 struct Rope {
     cos: Tensor,
@@ -647,6 +673,9 @@ impl Model {
         let h = candle_nn::ops::rms_norm(x, &b.ffn_norm, eps)?;
         let gate = b.gate.forward(&h)?;
         let gate = match self.config.arch {
+            // With the weights as stored (the numerics llama.cpp is checked against), GELU
+            // as ggml's CPU backend computes it: tabulated over f16 inputs, f16 outputs.
+            Arch::Gemma3 if self.weights == Weights::Quantized => gelu_f16_table(&gate)?,
             Arch::Gemma3 => gate.gelu()?,
             Arch::Llama | Arch::Qwen2 => candle_nn::ops::silu(&gate)?,
         };
@@ -725,4 +754,32 @@ pub fn log_softmax(logits: &[f32]) -> Vec<f64> {
 pub fn kl_divergence(p_logits: &[f32], q_logits: &[f32]) -> f64 {
     let (lp, lq) = (log_softmax(p_logits), log_softmax(q_logits));
     lp.iter().zip(&lq).map(|(a, b)| a.exp() * (a - b)).sum::<f64>().max(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn f16_table_gelu_is_f32_gelu_at_f16_precision_and_clamps_outside_ten() {
+        let xs: Vec<f32> = vec![-12.0, -10.0, -3.3, -0.7, -1e-3, 0.0, 1e-3, 0.123_456, 0.7, 2.5, 9.99, 10.0, 37.5];
+        let t = Tensor::from_vec(xs.clone(), (1, xs.len()), &Device::Cpu).unwrap();
+        let table = gelu_f16_table(&t).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let exact = t.gelu().unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        for ((&x, &a), &e) in xs.iter().zip(&table).zip(&exact) {
+            if x <= -10.0 {
+                assert_eq!(a, 0.0, "x = {x}");
+            } else if x >= 10.0 {
+                assert_eq!(a, x, "x = {x}");
+            } else {
+                // Every output is an f16 value, within an f16 step of input and output of f32 GELU.
+                assert_eq!(half::f16::from_f32(a).to_f32(), a, "x = {x}: output not an f16 value");
+                assert!((a - e).abs() <= 2e-3 * (1.0 + e.abs()), "x = {x}: {a} vs {e}");
+            }
+        }
+        // Inputs that round to the same f16 give the same output (the table's index).
+        let pair = Tensor::from_vec(vec![0.700_01f32, 0.700_02], (1, 2), &Device::Cpu).unwrap();
+        let out = gelu_f16_table(&pair).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(out[0], out[1]);
+    }
 }
