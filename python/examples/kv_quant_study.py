@@ -165,10 +165,80 @@ def layouts():
     add("r3 keys 4-bit per-channel G=128, values 3-bit", pc(4, 128, False), v3n, 4 + 32 / 128 + 8 / d, v3bits)
     add("r3 keys 4-bit per-channel G=64, values 3-bit G=128", pc(4, 64, False), pc(3, 128, False), 4 + 32 / 64 + 8 / d, 3 + 32 / 128)
     add("r3 keys 4-bit per-channel G=128, values 3-bit G=128", pc(4, 128, False), pc(3, 128, False), 4 + 32 / 128 + 8 / d, 3 + 32 / 128)
+    # kv43 (session 46): the same codes as "r3 keys 4-bit per-channel G=128, values 3-bit",
+    # scored with the codec's 8-bit query of q∘s and 7-bit probabilities (see kv43_attention)
+    add("kv43 arithmetic: keys 4-bit G=128, values 3-bit G=64, 8-bit q∘s, 7-bit p", "kv43", v3n, 4 + 32 / 128 + 8 / d, v3bits)
     for n, kb in ((4, 3), (8, 3), (4, 4)):
         bits_k = kb + 32 / 64 + 8 / d + n * (8 - kb) / d
         add(f"r3 keys {kb}-bit G=64 + {n} 8-bit channels, values 3-bit", outliers_8bit(n, kb, 64), v3n, bits_k, v3bits)
     return out
+
+
+# ---- kv43's arithmetic (session 46): the codec `kernels/src/cpu/kv43.rs` computes scores
+# from an 8-bit code of q∘s per 64-dim partition (s: the key group's channel scales) and
+# weighs each 64-row value block with 7-bit probabilities. Emulated here in the decode
+# attention of the quantized layers, on the same codes as the rounding-only layout.
+KV43 = {}  # layer -> {"start", "u": [kvh, full, d] codes, "m", "s": [kvh, groups, d]}
+KV43_KEY_GROUP, KV43_VALUE_BLOCK, KV43_PART = 128, 64, 64
+# `--kv43-plain-arithmetic`: the kv43 row with an exact query and probabilities, which must
+# give the rounding-only row's numbers (a check of this emulation)
+KV43_PLAIN_ARITHMETIC = False
+
+
+def f16_quant(x, levels, dim):
+    """kv43's `quantize_run`: f16 minimum and scale along `dim`, codes rounded to nearest."""
+    m = x.amin(dim=dim, keepdim=True).half().float()
+    s = ((x.amax(dim=dim, keepdim=True) - m).clamp_min(0) / levels).half().float()
+    u = torch.where(s > 0, ((x - m) / s.clamp_min(1e-30)).round().clamp(0, levels), torch.zeros_like(x))
+    return m, s, u
+
+
+def kv43_keys(layer, x, start):
+    """[h, t, d] span keys → dequantized (partial last group plain); records the codes."""
+    h, t, d = x.shape
+    full = t // KV43_KEY_GROUP * KV43_KEY_GROUP
+    out = x.clone()
+    if full:
+        g = x[:, :full].reshape(h, full // KV43_KEY_GROUP, KV43_KEY_GROUP, d)
+        m, s, u = f16_quant(g, 15, 2)
+        out[:, :full] = (m + s * u).reshape(h, full, d)
+        KV43[layer] = {"start": start, "full": full, "m": m[:, :, 0], "s": s[:, :, 0], "u": u.reshape(h, full, d)}
+    return out
+
+
+def kv43_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    st = KV43.get(getattr(module, "layer_idx", -1))
+    if st is None or query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    hq, d = query.shape[1], query.shape[3]
+    grp = hq // key.shape[1]
+    scaling = scaling if scaling is not None else d**-0.5
+    q = query[0, :, 0].float()  # [hq, d]
+    k = key[0].float().repeat_interleave(grp, 0)  # [hq, T, d]
+    v = value[0].float().repeat_interleave(grp, 0)
+    scores = torch.einsum("hd,htd->ht", q, k)
+    a, full = st["start"], st["full"]
+    gm, gs = st["m"].repeat_interleave(grp, 0), st["s"].repeat_interleave(grp, 0)  # [hq, G, d]
+    u = st["u"].repeat_interleave(grp, 0).reshape(hq, gm.shape[1], KV43_KEY_GROUP, d)
+    qm = (q[:, None, :] * gm).sum(-1)  # Σ_c q_c m_c per group
+    qs = (q[:, None, :] * gs).reshape(hq, gm.shape[1], d // KV43_PART, KV43_PART)
+    qa, qb, qw = f16_quant(qs, 255, -1)
+    qt = (qa + qb * qw).reshape(hq, gm.shape[1], d)  # the 8-bit query as the integer dot sees it
+    if KV43_PLAIN_ARITHMETIC:  # the check: same codes, exact query and probabilities
+        qt = qs.reshape(hq, gm.shape[1], d)
+    scores[:, a : a + full] = (qm[:, :, None] + torch.einsum("hgd,hgjd->hgj", qt, u)).reshape(hq, full)
+    scores = scores * scaling
+    p = (scores - scores.amax(-1, keepdim=True)).exp()
+    vfull = st["vfull"]  # the span's full value blocks (a partial last block stays plain)
+    blk = p[:, a : a + vfull].reshape(hq, -1, KV43_VALUE_BLOCK)
+    step = blk.amax(-1, keepdim=True) / 127
+    codes = torch.where(step > 0, (blk / step.clamp_min(1e-38)).round().clamp(max=127), torch.zeros_like(blk))
+    if not KV43_PLAIN_ARITHMETIC:
+        p[:, a : a + vfull] = (codes * step).reshape(hq, vfull)
+    out = torch.einsum("ht,htd->hd", p, v) / p.sum(-1, keepdim=True)
+    return out[None, None].to(query.dtype), None
 
 
 def main():
@@ -182,8 +252,14 @@ def main():
     ap.add_argument("--keep-layers", default="", help="comma-separated layers kept unquantized")
     ap.add_argument("--per-layer", action="store_true", help="quantize one layer at a time (sensitivity per layer)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--kv43-plain-arithmetic", action="store_true", help="check: kv43 rows without the 8-bit query and 7-bit probabilities")
     args = ap.parse_args()
+    global KV43_PLAIN_ARITHMETIC
+    KV43_PLAIN_ARITHMETIC = args.kv43_plain_arithmetic
 
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("kv43", kv43_attention)
     model, ids, _ = load(args)
     logits, reference, prompt_kv, _ = greedy_reference(model, ids, args.chunk, args.tokens)
     types = getattr(model.config, "layer_types", None) or ["full_attention"] * len(prompt_kv)
@@ -202,12 +278,19 @@ def main():
         t = time.time()
         gen = torch.Generator().manual_seed(7)
         c = DynamicCache(config=model.config)
+        KV43.clear()
         for i, (k, v) in enumerate(prompt_kv):
             k, v = k.clone(), v.clone()
             if i in quantized:
-                k[0, :, span] = kf(k[0, :, span].float(), gen).to(k.dtype)
+                if kf == "kv43":
+                    k[0, :, span] = kv43_keys(i, k[0, :, span].float(), SINK).to(k.dtype)
+                    if i in KV43:
+                        KV43[i]["vfull"] = (n - LOCAL - SINK) // KV43_VALUE_BLOCK * KV43_VALUE_BLOCK
+                else:
+                    k[0, :, span] = kf(k[0, :, span].float(), gen).to(k.dtype)
                 v[0, :, span] = vf(v[0, :, span].float(), gen).to(v.dtype)
             c.update(k, v, i)
+        model.set_attn_implementation("kv43" if kf == "kv43" else "sdpa")
         top1 = kl = 0.0
         for i in range(1, args.tokens):
             out = step(model, c, reference[i - 1])
