@@ -5,12 +5,13 @@
 # 2. traced batches of 4, 8 and 16 (`BATCHES`): the device span per batch step, so the
 #    device time per request shows where the GPU saturates;
 # 3. with CONNECTIONS="8 32": the batch of 16 under each CUDA_DEVICE_MAX_CONNECTIONS.
+# SKIP_NCU=1 leaves out step 1; FRAC sets the Gpu tier's share (default 0.3; 1.0: no misses).
 set -uo pipefail
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 here="$(cd "$(dirname "$0")" && pwd)"
 out="${OUT:-/tmp}"
 ncu=/usr/local/cuda/bin/ncu
-codecs=hack2; [ -n "${PROFILE_F16:-}" ] && codecs="hack2 f16"
+codecs=hack2; [ -n "${PROFILE_F16:-}" ] && codecs="hack2 f16"; [ -n "${SKIP_NCU:-}" ] && codecs=
 for codec in $codecs; do
   frac=0.05; [ "$codec" = hack2 ] && frac=0.3
   ATTNSTORE_BENCH_CODEC=$codec ATTNSTORE_BENCH_MAX_BATCH=1 ATTNSTORE_BENCH_GPU_FRAC=$frac timeout 150 \
@@ -19,7 +20,7 @@ for codec in $codecs; do
   echo "ncu $codec: rc $?, $(wc -l < "$out/ncu_$codec.csv") lines in $out/ncu_$codec.csv"
 done
 run_batch() {  # batch, tag
-  ATTNSTORE_GPU_TRACE=1 ATTNSTORE_BENCH_CODEC=hack2 ATTNSTORE_BENCH_MAX_BATCH=$1 ATTNSTORE_BENCH_GPU_FRAC=0.3 \
+  ATTNSTORE_GPU_TRACE=1 ATTNSTORE_BENCH_CODEC=hack2 ATTNSTORE_BENCH_MAX_BATCH=$1 ATTNSTORE_BENCH_GPU_FRAC=${FRAC:-0.3} \
     timeout 200 "$here/gpu_engine" 131072 > "$out/b$2.jsonl" 2> "$out/b$2.err"
   python3 - "$out/b$2" <<'PY'
 import json, re, statistics, sys

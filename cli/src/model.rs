@@ -6,12 +6,14 @@ use attnstore_bench::plot::{Axis, Chart, Series};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
 use attnstore_runtime::synth::{write_model, SynthConfig};
 use attnstore_runtime::trace::{self, Trace, TraceRow};
-use attnstore_runtime::{argmax, default_model_path, remote, Arch, AttnConfig, AttnMethod, Model, Session, Weights};
+use attnstore_runtime::{
+    argmax, default_model_path, remote, Arch, AttnConfig, AttnMethod, Model, Numerics, Session, Weights,
+};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 /// Model file and weight handling.
@@ -178,6 +180,15 @@ pub struct ArgmaxArgs {
     /// greedily, which checks little.
     #[arg(long)]
     random_tokens: bool,
+    /// Teacher-force the continuation recorded in this earlier `argmax` output (same model
+    /// and prompt) instead of this run's own greedy one: two numerics compared on the same
+    /// tokens.
+    #[arg(long, value_name = "FILE", conflicts_with = "random_tokens")]
+    teacher_tokens: Option<PathBuf>,
+    /// Rounding of the forward: `ggml` (llama.cpp's CPU roundings, what the check compares
+    /// against) or `f32`.
+    #[arg(long, default_value = "ggml", value_parser = parse_numerics)]
+    numerics: Numerics,
     /// The JSON file to write.
     #[arg(long)]
     out: PathBuf,
@@ -209,6 +220,14 @@ pub fn synth_model(args: SynthArgs) -> Result<(), String> {
     write_model(&args.out, &config).map_err(|e| e.to_string())?;
     println!("wrote {} ({config:?})", args.out.display());
     Ok(())
+}
+
+fn parse_numerics(s: &str) -> Result<Numerics, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "ggml" => Ok(Numerics::Ggml),
+        "f32" => Ok(Numerics::F32),
+        _ => Err(format!("unknown numerics {s:?}: expected ggml or f32")),
+    }
 }
 
 fn parse_weights(s: &str) -> Result<Weights, String> {
@@ -737,18 +756,28 @@ fn passkey_table(rows: &[PasskeyRow]) -> String {
 pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
     let text = read_prompt(&args.prompt_file)?;
     let path = model_path(&args.model);
-    let model = load(&args.model, Weights::Quantized)?;
+    let model = load(&args.model, Weights::Quantized)?.with_numerics(args.numerics);
     let ids = prompt_ids(&model, &text, false)?;
+    let teacher = args.teacher_tokens.as_deref().map(|f| teacher_continuation(f, &ids)).transpose()?;
     let p = prefill(&model, &ids, args.model.chunk)?;
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
     let mut s =
         Session::new(&model, &engine, AttnConfig::new(AttnMethod::Exact), &p, false).map_err(|e| e.to_string())?;
     // `fed[i]` follows the prompt at position `ids.len() + i`; `cont[i]` is the argmax after
     // the prompt and `fed[..i]` (for the greedy continuation the two are the same tokens).
-    let (fed, cont) = if args.random_tokens {
-        let vocab = model.config().vocab as u64;
-        let fed: Vec<u32> =
-            (0..args.max_tokens.saturating_sub(1) as u64).map(|i| ((i * 2_654_435_761 + 97) % vocab) as u32).collect();
+    let forced = match teacher {
+        Some(t) => Some(t.into_iter().take(args.max_tokens.saturating_sub(1)).collect::<Vec<u32>>()),
+        None if args.random_tokens => {
+            let vocab = model.config().vocab as u64;
+            Some(
+                (0..args.max_tokens.saturating_sub(1) as u64)
+                    .map(|i| ((i * 2_654_435_761 + 97) % vocab) as u32)
+                    .collect(),
+            )
+        }
+        None => None,
+    };
+    let (fed, cont) = if let Some(fed) = forced {
         let mut cont = vec![argmax(&p.logits)];
         for &t in &fed {
             cont.push(argmax(&s.step(t).map_err(|e| e.to_string())?));
@@ -764,6 +793,7 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
         "model": path.file_stem().map(|s| s.to_string_lossy().into_owned()),
         "arch": model.config().arch.name(),
         "weights": format!("{:?}", model.weights()),
+        "numerics": format!("{:?}", model.numerics()),
         "tokens": tokens,
         "prompt_tokens": ids.len(),
         "argmax_from": ids.len() - 1,
@@ -775,6 +805,23 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
         .map_err(|e| format!("{}: {e}", args.out.display()))?;
     println!("wrote {} ({} prompt tokens, {} teacher-forced positions)", args.out.display(), ids.len(), cont.len());
     Ok(())
+}
+
+/// The continuation an earlier `argmax` output teacher-forced after `prompt` (which must be
+/// its prompt too): its tokens past the prompt.
+fn teacher_continuation(file: &Path, prompt: &[u32]) -> Result<Vec<u32>, String> {
+    let bad = |why: String| format!("{}: {why}", file.display());
+    let v: serde_json::Value = serde_json::from_slice(&std::fs::read(file).map_err(|e| bad(e.to_string()))?)
+        .map_err(|e| bad(e.to_string()))?;
+    let tokens: Vec<u32> = v["tokens"]
+        .as_array()
+        .and_then(|a| a.iter().map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok())).collect())
+        .ok_or_else(|| bad("expected \"tokens\", an array of token ids (an `attnstore argmax --out` file)".into()))?;
+    let n = v["prompt_tokens"].as_u64().ok_or_else(|| bad("expected \"prompt_tokens\"".into()))? as usize;
+    if n > tokens.len() || tokens[..n] != *prompt {
+        return Err(bad(format!("its prompt ({n} tokens) is not this prompt ({} tokens)", prompt.len())));
+    }
+    Ok(tokens[n..].to_vec())
 }
 
 #[cfg(test)]

@@ -22,7 +22,7 @@ pub mod trace;
 
 pub use error::{Error, Result};
 pub use model::{
-    argmax, kl_divergence, log_softmax, Arch, AttentionBackend, Model, ModelConfig, Prefill, Weights,
+    argmax, kl_divergence, log_softmax, Arch, AttentionBackend, Model, ModelConfig, Numerics, Prefill, Weights,
     GEMMA3_WINDOW_PATTERN,
 };
 pub use session::{

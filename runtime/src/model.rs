@@ -237,6 +237,20 @@ pub enum Weights {
     Dequantized,
 }
 
+/// How the forward rounds its intermediate values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Numerics {
+    /// Everything in f32 (the default).
+    #[default]
+    F32,
+    /// ggml's CPU backend's roundings, for agreement checks against llama.cpp (`attnstore
+    /// argmax`): GELU from its f16 table; queries, keys and values rounded to f16 (its KV cache
+    /// and the f16 operand of its attention matmuls) and, in the prefill, attention
+    /// probabilities rounded to f16 before they weigh the values. Decode attention's
+    /// probabilities stay the attention backend's.
+    Ggml,
+}
+
 /// One transformer block. The optional parts are those of some architectures only.
 struct Block {
     kind: LayerKind,
@@ -295,6 +309,7 @@ struct Rope {
 pub struct Model {
     config: ModelConfig,
     weights: Weights,
+    numerics: Numerics,
     embed: Tensor,
     output: QMatMul,
     norm: Tensor,
@@ -418,12 +433,42 @@ impl Model {
             Some(_) => Some(rope_tables(config.head_dim, config.rope_base_local, 1.0, positions, &dev)?),
             None => None,
         };
-        Ok(Self { config, weights, embed, output, norm, blocks, rope_global, rope_local, tokenizer })
+        Ok(Self {
+            config,
+            weights,
+            numerics: Numerics::F32,
+            embed,
+            output,
+            norm,
+            blocks,
+            rope_global,
+            rope_local,
+            tokenizer,
+        })
     }
 
     /// The model's shape.
     pub fn config(&self) -> &ModelConfig {
         &self.config
+    }
+
+    /// The same model computing with `numerics`.
+    pub fn with_numerics(mut self, numerics: Numerics) -> Self {
+        self.numerics = numerics;
+        self
+    }
+
+    /// How the forward rounds ([`Numerics`]).
+    pub fn numerics(&self) -> Numerics {
+        self.numerics
+    }
+
+    /// `x` rounded to f16 under [`Numerics::Ggml`], else `x` itself.
+    fn ggml_f16(&self, x: Tensor) -> Result<Tensor> {
+        Ok(match self.numerics {
+            Numerics::Ggml => x.to_dtype(DType::F16)?.to_dtype(DType::F32)?,
+            Numerics::F32 => x,
+        })
     }
 
     /// How the weights are held.
@@ -545,6 +590,7 @@ impl Model {
             for (l, b) in self.blocks.iter().enumerate() {
                 let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
                 let (q, k, v) = self.qkv(b, &h, pos, n)?;
+                let (q, k, v) = (self.ggml_f16(q)?, self.ggml_f16(k)?, self.ggml_f16(v)?);
                 if keep_window_rows && matches!(b.kind, LayerKind::SlidingWindow(_)) {
                     kept[l].push((k.clone(), v.clone()));
                 }
@@ -559,7 +605,7 @@ impl Model {
                 let g = c.q_heads / c.kv_heads;
                 let (kr, vr) = (repeat_kv(&k, g)?, repeat_kv(&v, g)?);
                 let att = (q.matmul(&kr.t()?)? / (c.head_dim as f64).sqrt())?;
-                let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?;
+                let att = self.ggml_f16(candle_nn::ops::softmax_last_dim(&att.broadcast_add(mask)?)?)?;
                 let y = att.matmul(&vr)?.transpose(1, 2)?.reshape((1, n, c.attn_dim()))?;
                 x = self.attn_residual(b, &x, &y)?;
                 x = self.mlp(b, &x)?;
@@ -602,6 +648,7 @@ impl Model {
         for (l, b) in self.blocks.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let (q, k, v) = self.qkv(b, &h, pos, 1)?;
+            let (q, k, v) = (self.ggml_f16(q)?, self.ggml_f16(k)?, self.ggml_f16(v)?);
             let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
             let y = backend.attend(l, &flat(&q)?, &flat(&k)?, &flat(&v)?)?;
             if y.len() != c.attn_dim() {
@@ -673,9 +720,7 @@ impl Model {
         let h = candle_nn::ops::rms_norm(x, &b.ffn_norm, eps)?;
         let gate = b.gate.forward(&h)?;
         let gate = match self.config.arch {
-            // With the weights as stored (the numerics llama.cpp is checked against), GELU
-            // as ggml's CPU backend computes it: tabulated over f16 inputs, f16 outputs.
-            Arch::Gemma3 if self.weights == Weights::Quantized => gelu_f16_table(&gate)?,
+            Arch::Gemma3 if self.numerics == Numerics::Ggml => gelu_f16_table(&gate)?,
             Arch::Gemma3 => gate.gelu()?,
             Arch::Llama | Arch::Qwen2 => candle_nn::ops::silu(&gate)?,
         };

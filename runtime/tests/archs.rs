@@ -5,7 +5,7 @@
 
 use attnstore::{Budget, Codec, ContextSpec, Engine, EngineConfig, LayerKind, Method, Request};
 use attnstore_runtime::synth::{metadata, tensors, write_gguf, write_model, SynthConfig};
-use attnstore_runtime::{relative_l2, Arch, AttnConfig, AttnMethod, Error, Model, Session, Weights};
+use attnstore_runtime::{relative_l2, Arch, AttnConfig, AttnMethod, Error, Model, Numerics, Session, Weights};
 use candle_core::quantized::gguf_file::Value;
 use std::path::Path;
 
@@ -57,6 +57,32 @@ fn every_architecture_decodes_through_attnstore_exactly_as_its_own_prefill() {
         assert!(worst < 1e-4, "{arch}: decode logits differ from prefill by {worst:e}");
         session.close().unwrap();
     }
+}
+
+#[test]
+fn ggml_numerics_round_the_kv_to_f16_and_stay_close_to_f32() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path(), Arch::Gemma3);
+    let tokens = ids(&model, 40);
+    let f32_run = model.prefill(&tokens, 16, &mut |_| {}).unwrap();
+    let model = model.with_numerics(Numerics::Ggml);
+    assert_eq!(model.numerics(), Numerics::Ggml);
+    let ggml = model.prefill(&tokens, 16, &mut |_| {}).unwrap();
+    // Every kept key and value is an f16 value (llama.cpp's cache type) ...
+    for (l, (k, v)) in ggml.kv.iter().enumerate() {
+        assert!(k.iter().chain(v).all(|&x| half::f16::from_f32(x).to_f32() == x), "layer {l}: not f16 values");
+    }
+    // ... and the roundings move the logits, a little.
+    let d = relative_l2(&ggml.logits, &f32_run.logits);
+    assert!(d > 0.0 && d < 2e-2, "ggml vs f32 logits: relative difference {d:e}");
+    // Decoding through attnstore after the Ggml prefill still matches its own prefill.
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let start = model.prefill(&tokens[..30], 16, &mut |_| {}).unwrap();
+    let mut session = Session::new(&model, &engine, exact_f32(), &start, false).unwrap();
+    let got = session.step(tokens[30]).unwrap();
+    let want = model.prefill(&tokens[..=30], 16, &mut |_| {}).unwrap().logits;
+    assert!(relative_l2(&got, &want) < 2e-2, "decode vs prefill under Ggml numerics");
+    session.close().unwrap();
 }
 
 #[test]
