@@ -87,8 +87,9 @@ pub struct Kv43Rows {
     key_scale: Vec<f16>,
     /// Per row and partition: the sum of its key codes.
     key_sums: Vec<u16>,
-    /// Value codes as bit planes: per 8 rows and channel, three bytes (plane `b` holds bit
-    /// `b` of the eight rows' codes, row `t mod 8` in bit `t mod 8`): `rows/8 × d × 3`.
+    /// Value codes as bit planes: per 8 rows, three planes of `d` bytes (byte `c` of plane
+    /// `b` holds bit `b` of channel `c`'s codes of the eight rows, row `t mod 8` in bit
+    /// `t mod 8`), plane-major so SIMD reads 32 channels of a plane at once: `rows/8 × 3 × d`.
     value_planes: Vec<u8>,
     /// Per value block and channel: minimum and scale.
     value_min: Vec<f16>,
@@ -167,9 +168,8 @@ impl Kv43Rows {
         });
         let (mut vmin, mut vscale) = (Vec::new(), Vec::new());
         quantize_columns(values, d, params.value_block, VALUE_LEVELS, (&mut vmin, &mut vscale), |t, c, z| {
-            let at = ((t / 8) * d + c) * 3;
-            for (bit, plane) in out.value_planes[at..at + 3].iter_mut().enumerate() {
-                *plane |= ((z >> bit) & 1) << (t % 8);
+            for bit in 0..3 {
+                out.value_planes[((t / 8) * 3 + bit) * d + c] |= ((z >> bit) & 1) << (t % 8);
             }
         });
         (out.key_min, out.key_scale, out.value_min, out.value_scale) = (kmin, kscale, vmin, vscale);
@@ -194,8 +194,7 @@ impl Kv43Rows {
     }
 
     fn value_code(&self, t: usize, c: usize) -> u8 {
-        let at = ((t / 8) * self.d + c) * 3;
-        (0..3).map(|bit| ((self.value_planes[at + bit] >> (t % 8)) & 1) << bit).sum()
+        (0..3).map(|bit| ((self.value_planes[((t / 8) * 3 + bit) * self.d + c] >> (t % 8)) & 1) << bit).sum()
     }
 
     /// The rows the codes stand for (`rows × d` keys, then values).
@@ -259,6 +258,102 @@ impl Kv43Rows {
         out
     }
 
+    /// Homomorphic decode attention of `heads` query heads sharing this KV head (`q`:
+    /// `heads × d`; a GQA group), each row's codes read once for all of them: the scores'
+    /// nibbles unpacked once per row, each 64-row value block's 3-bit codes unpacked from
+    /// their planes once and weighed per head by its 7-bit probabilities (AVX2 where the
+    /// target has it). The arithmetic of [`Kv43Rows::attend`] per head, with a vectorized
+    /// `exp`. Returns `heads × d`.
+    pub fn attend_heads(&self, q: &[f32], heads: usize, scale: f32) -> Result<Vec<f32>> {
+        let (d, p) = (self.d, self.params);
+        if heads == 0 || q.len() != heads * d {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 queries (heads × d)",
+                expected: heads.max(1) * d,
+                got: q.len(),
+            });
+        }
+        let parts = d / PART;
+        // Scores, heads × rows (rows padded to 8 for the vectorized exp).
+        let padded = self.rows.div_ceil(8) * 8;
+        let mut scores = vec![f32::NEG_INFINITY; heads * padded];
+        let mut dots = vec![0u32; heads];
+        let mut s = Vec::with_capacity(heads);
+        for g in 0..self.rows / p.key_group {
+            let prepared: Vec<_> = (0..heads)
+                .map(|h| {
+                    let (ab, w, qm) = self.group_query(&q[h * d..(h + 1) * d], g);
+                    let (even, odd): (Vec<u8>, Vec<u8>) = w.chunks_exact(2).map(|c| (c[0], c[1])).unzip();
+                    (ab, qm, PartitionQuery::new(&even, &odd))
+                })
+                .collect();
+            let queries: Vec<&PartitionQuery> = prepared.iter().map(|(_, _, pq)| pq).collect();
+            for j in g * p.key_group..(g + 1) * p.key_group {
+                let codes = &self.key_codes[j * d / 2..(j + 1) * d / 2];
+                s.clear();
+                s.extend(prepared.iter().map(|&(_, qm, _)| qm));
+                for k in 0..parts {
+                    let row = &codes[k * PART / 2..(k + 1) * PART / 2];
+                    PartitionQuery::dots(&queries, k, row, &mut dots);
+                    let u = f32::from(self.key_sums[j * parts + k]);
+                    for ((s, (ab, _, _)), &dot) in s.iter_mut().zip(&prepared).zip(&dots) {
+                        let (a, b) = ab[k];
+                        *s += a * u + b * dot as f32;
+                    }
+                }
+                for (h, &s) in s.iter().enumerate() {
+                    scores[h * padded + j] = s * scale;
+                }
+            }
+        }
+        // Probabilities per head (unnormalized), then per value block its 7-bit codes.
+        let vb = p.value_block;
+        let mut z = vec![0u8; vb * d];
+        let mut out = vec![0.0f32; heads * d];
+        let mut total = vec![0.0f32; heads];
+        for h in 0..heads {
+            let row = &mut scores[h * padded..(h + 1) * padded];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            crate::cpu::microkernel::exp_shifted_sum(row, max);
+        }
+        let mut pcodes = vec![0u8; heads * vb];
+        let mut dot = vec![0u32; heads * d];
+        let (mut mins, mut scales) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for b in 0..self.rows / vb {
+            let mut steps = vec![0.0f32; heads];
+            let mut sums = vec![0u32; heads];
+            for h in 0..heads {
+                let block = &scores[h * padded + b * vb..h * padded + (b + 1) * vb];
+                let step = block.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
+                steps[h] = step;
+                let codes = &mut pcodes[h * vb..(h + 1) * vb];
+                for (c, &x) in codes.iter_mut().zip(block) {
+                    *c = if step == 0.0 { 0 } else { (x / step).round().min(P_LEVELS) as u8 };
+                }
+                sums[h] = codes.iter().map(|&c| u32::from(c)).sum();
+                total[h] += step * sums[h] as f32;
+            }
+            let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
+            weigh_value_planes(planes, d, &pcodes, &mut dot, &mut z);
+            for (c, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
+                (*m, *s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
+            }
+            for h in 0..heads {
+                if steps[h] == 0.0 {
+                    continue;
+                }
+                let (o, dh) = (&mut out[h * d..(h + 1) * d], &dot[h * d..(h + 1) * d]);
+                for (((o, &x), &m), &s) in o.iter_mut().zip(dh).zip(&mins).zip(&scales) {
+                    *o += steps[h] * (m * sums[h] as f32 + s * x as f32);
+                }
+            }
+        }
+        for (o, t) in out.chunks_exact_mut(d).zip(&total) {
+            o.iter_mut().for_each(|x| *x /= t);
+        }
+        Ok(out)
+    }
+
     /// [`Kv43Rows::scores`] one code at a time: the reference the fast path must equal.
     pub fn scores_reference(&self, q: &[f32], scale: f32) -> Vec<f32> {
         let (d, p) = (self.d, self.params);
@@ -305,10 +400,11 @@ impl Kv43Rows {
                 for m in 1..256usize {
                     subset[m] = subset[m & (m - 1)] + eight[m.trailing_zeros() as usize];
                 }
-                let at = ((b * vb) / 8 + i) * d * 3;
-                for (c, planes) in self.value_planes[at..at + 3 * d].chunks_exact(3).enumerate() {
-                    dot[c] +=
-                        subset[planes[0] as usize] + 2 * subset[planes[1] as usize] + 4 * subset[planes[2] as usize];
+                let at = ((b * vb) / 8 + i) * 3 * d;
+                let (p0, rest) = self.value_planes[at..at + 3 * d].split_at(d);
+                let (p1, p2) = rest.split_at(d);
+                for (c, dot) in dot.iter_mut().enumerate() {
+                    *dot += subset[p0[c] as usize] + 2 * subset[p1[c] as usize] + 4 * subset[p2[c] as usize];
                 }
             }
             for (c, o) in out.iter_mut().enumerate() {
@@ -342,6 +438,33 @@ impl PartitionQuery {
         Self { codes: (even.to_vec(), odd.to_vec()) }
     }
 
+    /// [`PartitionQuery::dot`] of several heads' queries against the same row partition:
+    /// with AVX2, the nibbles unpacked once and four heads reduced together.
+    #[inline]
+    fn dots(queries: &[&PartitionQuery], k: usize, codes: &[u8], out: &mut [u32]) {
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+        {
+            let mut done = 0;
+            for (four, o) in queries.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
+                let q = [four[0].vectors[k], four[1].vectors[k], four[2].vectors[k], four[3].vectors[k]];
+                #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+                // SAFETY: compiled only when the build enables avx2 for the whole program
+                // (cfg above); `codes` holds 32 bytes (checked by the slice read inside).
+                unsafe {
+                    o.copy_from_slice(&avx2::partition_dots4(codes, &q));
+                }
+                done += 4;
+            }
+            for (o, q) in out[done..].iter_mut().zip(&queries[done..]) {
+                *o = q.dot(k, codes);
+            }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+        for (o, q) in out.iter_mut().zip(queries) {
+            *o = q.dot(k, codes);
+        }
+    }
+
     /// `Σ_c w_c·u_c` over partition `k` with the 32 code bytes `codes` of a key row's
     /// partition (channel `2i` in byte `i`'s low nibble, `2i + 1` in its high nibble).
     #[inline]
@@ -369,6 +492,54 @@ impl PartitionQuery {
     }
 }
 
+/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 7-bit
+/// probability codes) over one value block's 3-bit codes, read from their planes
+/// (`rows/8 × 3 × d` bytes): with AVX2 the codes of two rows are made in registers and
+/// weighed for every head; else through `z` (`rows × d` scratch) one code per byte.
+fn weigh_value_planes(planes: &[u8], d: usize, p: &[u8], dot: &mut [u32], z: &mut [u8]) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    if d.is_multiple_of(32) {
+        #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+        // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
+        // above); every slice read inside is bounds-checked.
+        unsafe {
+            avx2::weigh_value_planes(planes, d, p, dot)
+        };
+        return;
+    }
+    unpack_value_codes(planes, d, z);
+    weigh_value_codes(z, d, p, dot);
+}
+
+/// The 3-bit codes of one value block from its planes (`rows/8 × 3 × d` bytes) into `z`
+/// (`rows × d`, one code per byte).
+fn unpack_value_codes(planes: &[u8], d: usize, z: &mut [u8]) {
+    for (i, group) in planes.chunks_exact(3 * d).enumerate() {
+        let (p0, rest) = group.split_at(d);
+        let (p1, p2) = rest.split_at(d);
+        for r in 0..8 {
+            let zr = &mut z[(8 * i + r) * d..(8 * i + r + 1) * d];
+            for (c, x) in zr.iter_mut().enumerate() {
+                *x = (p0[c] >> r & 1) | (p1[c] >> r & 1) << 1 | (p2[c] >> r & 1) << 2;
+            }
+        }
+    }
+}
+
+/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 7-bit
+/// probability codes) over one value block's codes `z` (`rows × d`).
+fn weigh_value_codes(z: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
+    let rows = z.len() / d;
+    for (ph, dh) in p.chunks_exact(rows).zip(dot.chunks_exact_mut(d)) {
+        dh.iter_mut().for_each(|x| *x = 0);
+        for (t, &pt) in ph.iter().enumerate() {
+            for (x, &zc) in dh.iter_mut().zip(&z[t * d..(t + 1) * d]) {
+                *x += u32::from(pt) * u32::from(zc);
+            }
+        }
+    }
+}
+
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
 mod avx2 {
     use std::arch::x86_64::*;
@@ -389,6 +560,84 @@ mod avx2 {
         let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
         let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
         _mm_cvtsi128_si32(s) as u32
+    }
+
+    /// [`partition_dot`] of four heads' query codes against the same 32 code bytes: the
+    /// nibbles unpacked once, the four sums reduced together by two rounds of `vphaddd`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(super) fn partition_dots4(codes: &[u8], q: &[(__m256i, __m256i); 4]) -> [u32; 4] {
+        let x: __m256i = bytemuck::pod_read_unaligned(&codes[..32]);
+        let nibble = _mm256_set1_epi8(0x0f);
+        let lo = _mm256_and_si256(x, nibble);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+        let ones = _mm256_set1_epi16(1);
+        let [a, b, c, e] = q.map(|(even, odd)| {
+            let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, lo), _mm256_maddubs_epi16(odd, hi));
+            _mm256_madd_epi16(pairs, ones)
+        });
+        // Per 128-bit lane: [Σa, Σb, Σc, Σe] of that lane's four words each; then both lanes.
+        let s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, e));
+        let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+        bytemuck::cast(s)
+    }
+
+    /// See `weigh_value_planes`: per eight rows and 32 channels, the three planes loaded
+    /// once; each row's codes made in registers (bit `r` of every byte to bit 0 by a 16-bit
+    /// shift and a byte mask, then `b0 + 2·b1 + 4·b2` by byte adds); each row pair
+    /// interleaved so `vpmaddubsw` multiplies a channel's two codes (≤ 7) by the rows' two
+    /// probability codes (≤ 127) for each head: pair sums ≤ 1,778, eight rows ≤ 7,112 in 16
+    /// bits, widened to 32 bits per eight rows. Up to eight heads per pass.
+    #[target_feature(enable = "avx2")]
+    pub(super) fn weigh_value_planes(planes: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
+        let rows = planes.len() / (3 * d) * 8;
+        let heads = p.len() / rows;
+        let one = _mm256_set1_epi8(1);
+        let zero = _mm256_setzero_si256();
+        for h0 in (0..heads).step_by(8) {
+            let hn = (heads - h0).min(8);
+            for c0 in (0..d).step_by(32) {
+                let mut acc = [[zero; 4]; 8];
+                for (i, group) in planes.chunks_exact(3 * d).enumerate() {
+                    let load =
+                        |b: usize| -> __m256i { bytemuck::pod_read_unaligned(&group[b * d + c0..b * d + c0 + 32]) };
+                    let (p0, p1, p2) = (load(0), load(1), load(2));
+                    let code = |r: i32| {
+                        let n = _mm_cvtsi32_si128(r);
+                        let bit = |x: __m256i| _mm256_and_si256(_mm256_srl_epi16(x, n), one);
+                        let (b0, b1, b2) = (bit(p0), bit(p1), bit(p2));
+                        let b2 = _mm256_add_epi8(b2, b2);
+                        _mm256_add_epi8(b0, _mm256_add_epi8(_mm256_add_epi8(b1, b1), _mm256_add_epi8(b2, b2)))
+                    };
+                    let (mut lo, mut hi) = ([zero; 8], [zero; 8]);
+                    for r in (0..8).step_by(2) {
+                        let (a, b) = (code(r as i32), code(r as i32 + 1));
+                        let (ul, uh) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
+                        for h in 0..hn {
+                            let ph = &p[(h0 + h) * rows + 8 * i + r..(h0 + h) * rows + 8 * i + r + 2];
+                            let w = _mm256_set1_epi16((i16::from(ph[1] as i8) << 8) | i16::from(ph[0]));
+                            lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(ul, w));
+                            hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(uh, w));
+                        }
+                    }
+                    // lo: channels 0..8 | 16..24, hi: 8..16 | 24..32 (unpack works per lane).
+                    for h in 0..hn {
+                        let a = &mut acc[h];
+                        a[0] = _mm256_add_epi32(a[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo[h])));
+                        a[1] = _mm256_add_epi32(a[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi[h])));
+                        a[2] = _mm256_add_epi32(a[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(lo[h])));
+                        a[3] = _mm256_add_epi32(a[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(hi[h])));
+                    }
+                }
+                for (h, a) in acc.iter().enumerate().take(hn) {
+                    for (k, v) in a.iter().enumerate() {
+                        let lanes: [u32; 8] = bytemuck::cast(*v);
+                        let at = (h0 + h) * d + c0 + 8 * k;
+                        dot[at..at + 8].copy_from_slice(&lanes);
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -518,6 +767,27 @@ mod tests {
             // 3-bit codes of Gaussian values: a step of ~6σ/7, an error of ~0.25σ per value.
             assert!(rounding < 0.3, "row {row}: rounding alone {rounding}");
         }
+    }
+
+    #[test]
+    fn heads_together_equal_each_head_alone() {
+        for (d, heads) in [(64, 1), (128, 4), (256, 3)] {
+            let (keys, values, _) = data(384, d, 5 + d as u64);
+            let rows = Kv43Rows::encode(&keys, &values, d, Kv43Params::default()).unwrap();
+            let mut rng = SplitMix64::new(9);
+            let q: Vec<f32> = (0..heads * d).map(|_| rng.normal()).collect();
+            let together = rows.attend_heads(&q, heads, 0.1).unwrap();
+            for h in 0..heads {
+                let alone = rows.attend(&q[h * d..(h + 1) * d], 0.1);
+                let alone: Vec<f64> = alone.iter().map(|&x| f64::from(x)).collect();
+                let err = crate::cpu::reference::rel_l2(&together[h * d..(h + 1) * d], &alone);
+                // Only the vectorized exp differs (a few ulp), which can move a 7-bit code.
+                assert!(err < 2e-3, "d = {d}, head {h}: {err}");
+            }
+        }
+        let rows = Kv43Rows::encode(&vec![0.5; 128 * 64], &vec![0.5; 128 * 64], 64, Kv43Params::default()).unwrap();
+        assert!(matches!(rows.attend_heads(&[0.0; 100], 2, 1.0), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(rows.attend_heads(&[], 0, 1.0), Err(Error::ShapeMismatch { .. })));
     }
 
     #[test]
