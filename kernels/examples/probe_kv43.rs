@@ -39,6 +39,13 @@ fn main() {
     let codes = Kv43Rows::encode(&keys, &values, D, Kv43Params::default()).expect("encodes");
     let scale = 1.0 / (D as f32).sqrt();
     let mut scratch = Scratch::default();
+    // `PROBE_KV43_HEADS_ONLY=N`: only `attend_heads`, N times (for a profiler).
+    if let Some(n) = std::env::var("PROBE_KV43_HEADS_ONLY").ok().and_then(|v| v.parse::<usize>().ok()) {
+        for _ in 0..n {
+            std::hint::black_box(codes.attend_heads(&q, HEADS, scale).expect("shapes"));
+        }
+        return;
+    }
     println!("{rows} rows, d = {D}, {HEADS} query heads per KV head, one thread: ns per row and KV head");
     let mut ratios = Vec::new();
     for round in 1..=5 {

@@ -98,12 +98,22 @@ pub struct Kv43Rows {
 
 /// Minimum and scale of `levels`-level codes over `x` (f16, as stored), and the codes.
 fn quantize_run(x: impl Iterator<Item = f32> + Clone, levels: f32) -> (f16, f16, Vec<u8>) {
-    let (lo, hi) = x.clone().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), v| (a.min(v), b.max(v)));
+    let x: Vec<f32> = x.collect();
+    let mut codes = vec![0; x.len()];
+    let (min, scale) = quantize_into(&x, levels, &mut codes);
+    (min, scale, codes)
+}
+
+/// [`quantize_run`] of a contiguous run into `codes` (no allocation): its f16 minimum and scale.
+fn quantize_into(x: &[f32], levels: f32, codes: &mut [u8]) -> (f16, f16) {
+    let (lo, hi) = x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
     let min = f16::from_f32(lo);
     let scale = f16::from_f32((hi - min.to_f32()).max(0.0) / levels);
     let (m, s) = (min.to_f32(), scale.to_f32());
-    let codes = x.map(|v| if s > 0.0 { ((v - m) / s).round().clamp(0.0, levels) as u8 } else { 0 }).collect();
-    (min, scale, codes)
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = if s > 0.0 { ((v - m) / s).round().clamp(0.0, levels) as u8 } else { 0 };
+    }
+    (min, scale)
 }
 
 /// Quantizes every channel of `rows` (`n × d`) over runs of `run` rows to `levels` levels,
@@ -279,25 +289,41 @@ impl Kv43Rows {
         let mut scores = vec![f32::NEG_INFINITY; heads * padded];
         let mut dots = vec![0u32; heads];
         let mut s = Vec::with_capacity(heads);
+        let (mut kscale, mut kmin, mut scaled) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
+        let (mut w, mut even, mut odd) = (vec![0u8; d], vec![0u8; d / 2], vec![0u8; d / 2]);
+        let (mut ab, mut qms) = (vec![(0.0f32, 0.0f32); parts * heads], vec![0.0f32; heads]);
+        let mut queries: Vec<PartitionQuery> = (0..heads).map(|_| PartitionQuery::new(&even, &odd)).collect();
         for g in 0..self.rows / p.key_group {
-            let prepared: Vec<_> = (0..heads)
-                .map(|h| {
-                    let (ab, w, qm) = self.group_query(&q[h * d..(h + 1) * d], g);
-                    let (even, odd): (Vec<u8>, Vec<u8>) = w.chunks_exact(2).map(|c| (c[0], c[1])).unzip();
-                    (ab, qm, PartitionQuery::new(&even, &odd))
-                })
-                .collect();
-            let queries: Vec<&PartitionQuery> = prepared.iter().map(|(_, _, pq)| pq).collect();
+            // The group's channel scales and minima once for all heads, then per head its
+            // 8-bit code of q∘s per partition (as `group_query`, into reused buffers).
+            for c in 0..d {
+                (kscale[c], kmin[c]) = (self.key_scale[g * d + c].to_f32(), self.key_min[g * d + c].to_f32());
+            }
+            for h in 0..heads {
+                let qh = &q[h * d..(h + 1) * d];
+                qms[h] = qh.iter().zip(&kmin).map(|(a, b)| a * b).sum();
+                for ((x, a), b) in scaled.iter_mut().zip(qh).zip(&kscale) {
+                    *x = a * b;
+                }
+                for (k, part) in scaled.chunks_exact(PART).enumerate() {
+                    let (min, step) = quantize_into(part, 255.0, &mut w[k * PART..(k + 1) * PART]);
+                    ab[k * heads + h] = (min.to_f32(), step.to_f32());
+                }
+                for (i, pair) in w.chunks_exact(2).enumerate() {
+                    (even[i], odd[i]) = (pair[0], pair[1]);
+                }
+                queries[h] = PartitionQuery::new(&even, &odd);
+            }
+            let refs: Vec<&PartitionQuery> = queries.iter().collect();
             for j in g * p.key_group..(g + 1) * p.key_group {
                 let codes = &self.key_codes[j * d / 2..(j + 1) * d / 2];
                 s.clear();
-                s.extend(prepared.iter().map(|&(_, qm, _)| qm));
+                s.extend_from_slice(&qms);
                 for k in 0..parts {
                     let row = &codes[k * PART / 2..(k + 1) * PART / 2];
-                    PartitionQuery::dots(&queries, k, row, &mut dots);
+                    PartitionQuery::dots(&refs, k, row, &mut dots);
                     let u = f32::from(self.key_sums[j * parts + k]);
-                    for ((s, (ab, _, _)), &dot) in s.iter_mut().zip(&prepared).zip(&dots) {
-                        let (a, b) = ab[k];
+                    for ((s, &(a, b)), &dot) in s.iter_mut().zip(&ab[k * heads..(k + 1) * heads]).zip(&dots) {
                         *s += a * u + b * dot as f32;
                     }
                 }
@@ -586,8 +612,8 @@ mod avx2 {
     /// once; each row's codes made in registers (bit `r` of every byte to bit 0 by a 16-bit
     /// shift and a byte mask, then `b0 + 2·b1 + 4·b2` by byte adds); each row pair
     /// interleaved so `vpmaddubsw` multiplies a channel's two codes (≤ 7) by the rows' two
-    /// probability codes (≤ 127) for each head: pair sums ≤ 1,778, eight rows ≤ 7,112 in 16
-    /// bits, widened to 32 bits per eight rows. Up to eight heads per pass.
+    /// probability codes (≤ 127) for each head: pair sums ≤ 1,778, summed in 16 bits over up
+    /// to 64 rows (≤ 56,896, unsigned) and then widened to 32. Up to eight heads per pass.
     #[target_feature(enable = "avx2")]
     pub(super) fn weigh_value_planes(planes: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
         let rows = planes.len() / (3 * d) * 8;
@@ -598,6 +624,7 @@ mod avx2 {
             let hn = (heads - h0).min(8);
             for c0 in (0..d).step_by(32) {
                 let mut acc = [[zero; 4]; 8];
+                let (mut lo, mut hi) = ([zero; 8], [zero; 8]);
                 for (i, group) in planes.chunks_exact(3 * d).enumerate() {
                     let load =
                         |b: usize| -> __m256i { bytemuck::pod_read_unaligned(&group[b * d + c0..b * d + c0 + 32]) };
@@ -609,7 +636,6 @@ mod avx2 {
                         let b2 = _mm256_add_epi8(b2, b2);
                         _mm256_add_epi8(b0, _mm256_add_epi8(_mm256_add_epi8(b1, b1), _mm256_add_epi8(b2, b2)))
                     };
-                    let (mut lo, mut hi) = ([zero; 8], [zero; 8]);
                     for r in (0..8).step_by(2) {
                         let (a, b) = (code(r as i32), code(r as i32 + 1));
                         let (ul, uh) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
@@ -620,13 +646,19 @@ mod avx2 {
                             hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(uh, w));
                         }
                     }
-                    // lo: channels 0..8 | 16..24, hi: 8..16 | 24..32 (unpack works per lane).
-                    for h in 0..hn {
-                        let a = &mut acc[h];
-                        a[0] = _mm256_add_epi32(a[0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(lo[h])));
-                        a[1] = _mm256_add_epi32(a[1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(hi[h])));
-                        a[2] = _mm256_add_epi32(a[2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(lo[h])));
-                        a[3] = _mm256_add_epi32(a[3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256::<1>(hi[h])));
+                    // Widened every 64 rows (and at the end): 64 rows sum to ≤ 56,896, which
+                    // 16 bits hold unsigned. lo: channels 0..8 | 16..24, hi: 8..16 | 24..32
+                    // (unpack works per lane).
+                    if i % 8 == 7 || i + 1 == rows / 8 {
+                        for h in 0..hn {
+                            let a = &mut acc[h];
+                            let wide = |x: __m128i| _mm256_cvtepu16_epi32(x);
+                            a[0] = _mm256_add_epi32(a[0], wide(_mm256_castsi256_si128(lo[h])));
+                            a[1] = _mm256_add_epi32(a[1], wide(_mm256_castsi256_si128(hi[h])));
+                            a[2] = _mm256_add_epi32(a[2], wide(_mm256_extracti128_si256::<1>(lo[h])));
+                            a[3] = _mm256_add_epi32(a[3], wide(_mm256_extracti128_si256::<1>(hi[h])));
+                            (lo[h], hi[h]) = (zero, zero);
+                        }
                     }
                 }
                 for (h, a) in acc.iter().enumerate().take(hn) {
