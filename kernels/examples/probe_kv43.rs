@@ -6,6 +6,8 @@
 //! unpacked once and weighed with AVX2). Five rounds, each timing all five in turn; prints
 //! each round and the f16 / `attend_heads` ratios.
 //!
+//! `probe_kv43 ROWS THREADS`: THREADS KV heads at once, one per thread (see `parallel`).
+//!
 //! Run: `cargo run --release -p attnstore-kernels --example probe_kv43 -- 32768`.
 
 use attnstore_kernels::cpu::attention::{attend_ranges, Scratch};
@@ -27,8 +29,62 @@ fn ns_per_row(rows: usize, mut f: impl FnMut()) -> f64 {
     best
 }
 
+/// `probe_kv43 ROWS THREADS`: every thread its own KV head of ROWS rows (as a layer's KV heads
+/// spread over cores), all timed together, f16 exact then kv43 `attend_heads`, five rounds:
+/// where the f16 kernel is memory-bound, kv43's 0.25× bytes count.
+fn parallel(rows: usize, threads: usize) {
+    let scale = 1.0 / (D as f32).sqrt();
+    let heads: Vec<_> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..threads)
+            .map(|t| {
+                sc.spawn(move || {
+                    let mut rng = SplitMix64::new(100 + t as u64);
+                    let keys: Vec<f32> =
+                        (0..rows * D).map(|i| rng.normal() * if i % D < 3 { 8.0 } else { 1.0 }).collect();
+                    let values: Vec<f32> = (0..rows * D).map(|_| rng.normal()).collect();
+                    let q: Vec<f32> = (0..HEADS * D).map(|_| rng.normal()).collect();
+                    let k16: Vec<half::f16> = keys.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    let v16: Vec<half::f16> = values.iter().map(|&x| half::f16::from_f32(x)).collect();
+                    let codes = Kv43Rows::encode(&keys, &values, D, Kv43Params::default()).expect("encodes");
+                    (k16, v16, codes, q)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("generation")).collect()
+    });
+    println!("{threads} threads, each a KV head of {rows} rows (d = {D}, {HEADS} query heads): ns per row and KV head, all together");
+    let mut ratios = Vec::new();
+    for round in 1..=5 {
+        let time = |kv43: bool| {
+            let t = Instant::now();
+            std::thread::scope(|sc| {
+                for (k16, v16, codes, q) in &heads {
+                    sc.spawn(move || {
+                        let mut scratch = Scratch::default();
+                        if kv43 {
+                            std::hint::black_box(codes.attend_heads(q, HEADS, scale).expect("shapes"));
+                        } else {
+                            std::hint::black_box(attend_ranges(q, HEADS, scale, k16, v16, &[0..rows], &mut scratch));
+                        }
+                    });
+                }
+            });
+            t.elapsed().as_secs_f64() * 1e9 / (rows * threads) as f64
+        };
+        let (f16, kv43) = (time(false), time(true));
+        println!("round {round}: f16 exact {f16:.2}, kv43 attend_heads {kv43:.2}; f16 / kv43 {:.2}x", f16 / kv43);
+        ratios.push(f16 / kv43);
+    }
+    ratios.sort_by(f64::total_cmp);
+    println!("f16 exact / kv43 attend_heads: min {:.2} / median {:.2} / max {:.2}x", ratios[0], ratios[2], ratios[4]);
+}
+
 fn main() {
-    let rows: usize = std::env::args().nth(1).and_then(|s| s.parse().ok()).unwrap_or(32768);
+    let args: Vec<usize> = std::env::args().skip(1).filter_map(|s| s.parse().ok()).collect();
+    if let [rows, threads] = args[..] {
+        return parallel(rows.div_ceil(128).max(1) * 128, threads.max(1));
+    }
+    let rows: usize = args.first().copied().unwrap_or(32768);
     let rows = rows.div_ceil(128).max(1) * 128;
     let mut rng = SplitMix64::new(7);
     let keys: Vec<f32> = (0..rows * D).map(|i| rng.normal() * if i % D < 3 { 8.0 } else { 1.0 }).collect();
