@@ -829,6 +829,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn teacher_tokens_come_from_an_argmax_file_of_the_same_prompt_and_bad_files_say_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("t.json");
+        let write = |v: serde_json::Value| std::fs::write(&file, v.to_string()).unwrap();
+        write(serde_json::json!({"tokens": [1, 2, 3, 7, 8], "prompt_tokens": 3}));
+        assert_eq!(teacher_continuation(&file, &[1, 2, 3]).unwrap(), vec![7, 8]);
+        let other = teacher_continuation(&file, &[1, 2, 4]).unwrap_err();
+        assert!(other.contains("is not this prompt"), "{other}");
+        write(serde_json::json!({"tokens": "x", "prompt_tokens": 3}));
+        assert!(teacher_continuation(&file, &[1, 2, 3]).unwrap_err().contains("array of token ids"));
+        write(serde_json::json!({"tokens": [1, 2, 3]}));
+        assert!(teacher_continuation(&file, &[1, 2, 3]).unwrap_err().contains("prompt_tokens"));
+        write(serde_json::json!({"tokens": [1], "prompt_tokens": 3}));
+        assert!(teacher_continuation(&file, &[1, 2, 3]).unwrap_err().contains("is not this prompt"));
+        std::fs::write(&file, "not json").unwrap();
+        assert!(teacher_continuation(&file, &[1]).unwrap_err().contains("t.json"));
+        assert!(teacher_continuation(&dir.path().join("missing.json"), &[1]).is_err());
+        assert!(parse_numerics("GGML").is_ok() && parse_numerics("f16").unwrap_err().contains("expected ggml or f32"));
+    }
+
+    #[test]
     fn eval_rows_become_a_frontier_per_length_kl_top1_and_passkey_charts() {
         let row = |length, method, scale, exact_tokens, attn_error, kl| EvalRow {
             length,
