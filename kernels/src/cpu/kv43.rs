@@ -13,7 +13,8 @@
 //!   again an integer product per channel.
 //!
 //! Scalar and plain-data: the format, the encoder, the dequantizer and the homomorphic
-//! decode, with tests that the homomorphic arithmetic equals dequantize-then-multiply. The
+//! decode, with tests that the homomorphic arithmetic equals dequantize-then-multiply, and
+//! [`Kv43Head`], rows as they arrive (each key group encoded once, when it fills). The
 //! codec's SIMD kernels, its place in `Codec`, the index, the disk format and the GPU come
 //! after this (none of them exist yet).
 
@@ -275,6 +276,16 @@ impl Kv43Rows {
     /// target has it). The arithmetic of [`Kv43Rows::attend`] per head, with a vectorized
     /// `exp`. Returns `heads × d`.
     pub fn attend_heads(&self, q: &[f32], heads: usize, scale: f32) -> Result<Vec<f32>> {
+        let Partials { mut out, sum, .. } = self.partials(q, heads, scale)?;
+        for (o, t) in out.chunks_exact_mut(self.d).zip(&sum) {
+            o.iter_mut().for_each(|x| *x /= t);
+        }
+        Ok(out)
+    }
+
+    /// [`Kv43Rows::attend_heads`] before its normalization: per head the weighted value sums,
+    /// the largest score and the sum of the (coded) probabilities relative to it.
+    fn partials(&self, q: &[f32], heads: usize, scale: f32) -> Result<Partials> {
         let (d, p) = (self.d, self.params);
         if heads == 0 || q.len() != heads * d {
             return Err(Error::ShapeMismatch {
@@ -337,10 +348,11 @@ impl Kv43Rows {
         let mut z = vec![0u8; vb * d];
         let mut out = vec![0.0f32; heads * d];
         let mut total = vec![0.0f32; heads];
-        for h in 0..heads {
+        let mut maxes = vec![f32::NEG_INFINITY; heads];
+        for (h, max) in maxes.iter_mut().enumerate() {
             let row = &mut scores[h * padded..(h + 1) * padded];
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            crate::cpu::microkernel::exp_shifted_sum(row, max);
+            *max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            crate::cpu::microkernel::exp_shifted_sum(row, *max);
         }
         let mut pcodes = vec![0u8; heads * vb];
         let mut dot = vec![0u32; heads * d];
@@ -374,10 +386,20 @@ impl Kv43Rows {
                 }
             }
         }
-        for (o, t) in out.chunks_exact_mut(d).zip(&total) {
-            o.iter_mut().for_each(|x| *x /= t);
-        }
-        Ok(out)
+        Ok(Partials { out, max: maxes, sum: total })
+    }
+
+    /// Appends `other`'s rows (same head dimension and parameters) after these.
+    fn extend(&mut self, other: Kv43Rows) {
+        debug_assert!(self.d == other.d && self.params == other.params);
+        self.rows += other.rows;
+        self.key_codes.extend(other.key_codes);
+        self.key_min.extend(other.key_min);
+        self.key_scale.extend(other.key_scale);
+        self.key_sums.extend(other.key_sums);
+        self.value_planes.extend(other.value_planes);
+        self.value_min.extend(other.value_min);
+        self.value_scale.extend(other.value_scale);
     }
 
     /// [`Kv43Rows::scores`] one code at a time: the reference the fast path must equal.
@@ -440,6 +462,126 @@ impl Kv43Rows {
         }
         out.iter_mut().for_each(|o| *o /= total);
         out
+    }
+}
+
+/// Unnormalized attention of several heads: `out` (`heads × d`), and per head `max` and `sum`
+/// (the output is `out / sum`, probabilities relative to `exp(max)`).
+struct Partials {
+    out: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+/// One KV head's rows as they arrive: every full key group encoded once, when it fills, and
+/// never again; the rows of the partial group after it kept in f16 until it fills (as the
+/// codec keeps a segment's unencoded rows) and attended exactly.
+#[derive(Debug, Clone)]
+pub struct Kv43Head {
+    encoded: Option<Kv43Rows>,
+    d: usize,
+    params: Kv43Params,
+    tail_keys: Vec<f16>,
+    tail_values: Vec<f16>,
+}
+
+impl Kv43Head {
+    /// An empty head of dimension `d`.
+    pub fn new(d: usize, params: Kv43Params) -> Result<Self> {
+        params.check(d)?;
+        Ok(Self { encoded: None, d, params, tail_keys: Vec::new(), tail_values: Vec::new() })
+    }
+
+    /// Rows held (encoded and in f16).
+    pub fn rows(&self) -> usize {
+        self.encoded_rows() + self.tail_keys.len() / self.d
+    }
+
+    /// Rows encoded (a whole number of key groups).
+    pub fn encoded_rows(&self) -> usize {
+        self.encoded.as_ref().map_or(0, Kv43Rows::rows)
+    }
+
+    /// The encoded rows, if any.
+    pub fn encoded(&self) -> Option<&Kv43Rows> {
+        self.encoded.as_ref()
+    }
+
+    /// Bytes held: the codes and metadata, and 4 per f16 row value of the partial group.
+    pub fn bytes(&self) -> usize {
+        self.encoded.as_ref().map_or(0, Kv43Rows::bytes) + 2 * (self.tail_keys.len() + self.tail_values.len())
+    }
+
+    /// Appends rows (`n × d` keys and values, finite); each key group that fills is encoded.
+    pub fn append(&mut self, keys: &[f32], values: &[f32]) -> Result<()> {
+        let d = self.d;
+        if keys.len() != values.len() || !keys.len().is_multiple_of(d) {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 appended keys and values (n × d each)",
+                expected: keys.len(),
+                got: values.len(),
+            });
+        }
+        if let Some(i) = keys.iter().chain(values).position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument { what: "kv43 rows", message: format!("element {i} is not finite") });
+        }
+        self.tail_keys.extend(keys.iter().map(|&x| f16::from_f32(x)));
+        self.tail_values.extend(values.iter().map(|&x| f16::from_f32(x)));
+        let group = self.params.key_group * d;
+        while self.tail_keys.len() >= group {
+            let k: Vec<f32> = self.tail_keys.drain(..group).map(f16::to_f32).collect();
+            let v: Vec<f32> = self.tail_values.drain(..group).map(f16::to_f32).collect();
+            let rows = Kv43Rows::encode(&k, &v, d, self.params)?;
+            match &mut self.encoded {
+                Some(e) => e.extend(rows),
+                None => self.encoded = Some(rows),
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode attention of `heads` query heads (`heads × d`) over every row: the encoded
+    /// rows on their codes ([`Kv43Rows::attend_heads`]' arithmetic), the partial group
+    /// exactly, merged. Returns `heads × d`; an empty head is an error.
+    pub fn attend(&self, q: &[f32], heads: usize, scale: f32) -> Result<Vec<f32>> {
+        let d = self.d;
+        if heads == 0 || q.len() != heads * d {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 queries (heads × d)",
+                expected: heads.max(1) * d,
+                got: q.len(),
+            });
+        }
+        if self.rows() == 0 {
+            return Err(Error::InvalidArgument { what: "kv43 head", message: "no rows to attend".into() });
+        }
+        let mut part = match &self.encoded {
+            Some(e) => e.partials(q, heads, scale)?,
+            None => Partials { out: vec![0.0; heads * d], max: vec![f32::NEG_INFINITY; heads], sum: vec![0.0; heads] },
+        };
+        let tail = self.tail_keys.len() / d;
+        for h in 0..heads {
+            let qh = &q[h * d..(h + 1) * d];
+            let s: Vec<f32> = (0..tail)
+                .map(|t| {
+                    scale * self.tail_keys[t * d..(t + 1) * d].iter().zip(qh).map(|(k, q)| k.to_f32() * q).sum::<f32>()
+                })
+                .collect();
+            let m = s.iter().copied().fold(part.max[h], f32::max);
+            let old = if part.max[h] == f32::NEG_INFINITY { 0.0 } else { (part.max[h] - m).exp() };
+            let o = &mut part.out[h * d..(h + 1) * d];
+            o.iter_mut().for_each(|x| *x *= old);
+            let mut sum = part.sum[h] * old;
+            for (t, &st) in s.iter().enumerate() {
+                let w = (st - m).exp();
+                sum += w;
+                for (x, v) in o.iter_mut().zip(&self.tail_values[t * d..(t + 1) * d]) {
+                    *x += w * v.to_f32();
+                }
+            }
+            o.iter_mut().for_each(|x| *x /= sum);
+        }
+        Ok(part.out)
     }
 }
 
@@ -820,6 +962,68 @@ mod tests {
         let rows = Kv43Rows::encode(&vec![0.5; 128 * 64], &vec![0.5; 128 * 64], 64, Kv43Params::default()).unwrap();
         assert!(matches!(rows.attend_heads(&[0.0; 100], 2, 1.0), Err(Error::ShapeMismatch { .. })));
         assert!(matches!(rows.attend_heads(&[], 0, 1.0), Err(Error::ShapeMismatch { .. })));
+    }
+
+    #[test]
+    fn groups_are_encoded_once_when_they_fill_and_the_partial_group_is_attended_exactly() {
+        let (d, heads, n) = (128, 4, 128 * 3 + 50);
+        let (keys, values, _) = data(n, d, 21);
+        // f16 first, as the head keeps rows before encoding them.
+        let r16 = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v).to_f32()).collect::<Vec<_>>();
+        let (k16, v16) = (r16(&keys), r16(&values));
+        let mut head = Kv43Head::new(d, Kv43Params::default()).unwrap();
+        let mut seen: Vec<Kv43Rows> = Vec::new();
+        for (i, (k, v)) in keys.chunks(7 * d).zip(values.chunks(7 * d)).enumerate() {
+            head.append(k, v).unwrap();
+            // What is encoded is a prefix of whole groups, and an encoded group never changes.
+            let done = head.encoded_rows();
+            assert_eq!(done % 128, 0, "chunk {i}");
+            assert!(done <= head.rows() && head.rows() - done < 128, "chunk {i}");
+            if let Some(e) = head.encoded() {
+                let whole = Kv43Rows::encode(&k16[..done * d], &v16[..done * d], d, Kv43Params::default()).unwrap();
+                assert_eq!(*e, whole, "chunk {i}: the groups differ from encoding them at once");
+                if let Some(prev) = seen.last() {
+                    assert_eq!(
+                        e.key_codes[..prev.key_codes.len()],
+                        prev.key_codes[..],
+                        "chunk {i}: a group was re-encoded"
+                    );
+                    assert_eq!(e.value_planes[..prev.value_planes.len()], prev.value_planes[..]);
+                }
+                seen.push(e.clone());
+            }
+        }
+        assert_eq!((head.rows(), head.encoded_rows()), (n, 384));
+        assert_eq!(head.bytes(), head.encoded().unwrap().bytes() + 4 * 50 * d);
+        // Attention: the codes' arithmetic over the encoded rows, exact over the 50 in f16,
+        // close to exact attention over the dequantized rows and the f16 tail.
+        let mut rng = SplitMix64::new(4);
+        let q: Vec<f32> = (0..heads * d).map(|_| rng.normal() * 0.3).collect();
+        let out = head.attend(&q, heads, 0.09).unwrap();
+        let (dk, dv) = head.encoded().unwrap().dequantize();
+        let (mut ak, mut av) = (dk, dv);
+        ak.extend_from_slice(&k16[384 * d..]);
+        av.extend_from_slice(&v16[384 * d..]);
+        for h in 0..heads {
+            let qs: Vec<f32> = q[h * d..(h + 1) * d].iter().map(|x| x * 0.09 * (d as f32).sqrt()).collect();
+            let want = crate::cpu::reference::attend_f64(&qs, &ak, &av, None);
+            let err = crate::cpu::reference::rel_l2(&out[h * d..(h + 1) * d], &want);
+            println!("head {h}: codes + exact tail vs exact over the dequantized rows: {err:.5}");
+            assert!(err < 0.05, "head {h}: {err}");
+        }
+        // Only the tail: exact attention of its f16 rows.
+        let mut small = Kv43Head::new(d, Kv43Params::default()).unwrap();
+        small.append(&keys[..10 * d], &values[..10 * d]).unwrap();
+        let qs: Vec<f32> = q[..d].iter().map(|x| x * 0.09 * (d as f32).sqrt()).collect();
+        let want = crate::cpu::reference::attend_f64(&qs, &k16[..10 * d], &v16[..10 * d], None);
+        assert!(crate::cpu::reference::rel_l2(&small.attend(&q[..d], 1, 0.09).unwrap(), &want) < 1e-5);
+        // Bad input changes nothing.
+        let before = head.rows();
+        assert!(matches!(head.append(&keys[..d], &values[..d - 1]), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(head.append(&[f32::NAN; 128], &[0.0; 128]), Err(Error::InvalidArgument { .. })));
+        assert_eq!(head.rows(), before);
+        assert!(Kv43Head::new(d, Kv43Params::default()).unwrap().attend(&q[..d], 1, 0.1).is_err());
+        assert!(Kv43Head::new(100, Kv43Params::default()).is_err());
     }
 
     #[test]
