@@ -12,11 +12,13 @@
 //!   coded to 7 bits (`p_t ≈ step·P_t`), `Σ_t p_t v_tc = step·(m'_c Σ_t P_t + s'_c Σ_t P_t z_tc)`,
 //!   again an integer product per channel.
 //!
-//! Scalar and plain-data: the format, the encoder, the dequantizer and the homomorphic
-//! decode, with tests that the homomorphic arithmetic equals dequantize-then-multiply, and
+//! Plain data: the format, the encoder, the dequantizer, the homomorphic scores and decode
+//! (scalar references, and AVX2 paths where the target has them: [`Kv43Rows::scores`],
+//! [`Kv43Rows::attend_heads`] for a GQA group at once), with tests that the homomorphic
+//! arithmetic equals dequantize-then-multiply and the fast paths their references; and
 //! [`Kv43Head`], rows as they arrive (each key group encoded once, when it fills). The
-//! codec's SIMD kernels, its place in `Codec`, the index, the disk format and the GPU come
-//! after this (none of them exist yet).
+//! codec's place in `Codec`, the index, the disk format and the GPU come after this (none of
+//! them exist yet).
 
 use half::f16;
 
