@@ -1,10 +1,10 @@
 //! Probe of the kv43 reference codec on the CPU (issue 43; `docs/codec.md`, round 4): ns per
 //! row and KV head for four query heads (a GQA group) over ROWS rows of d = 128, one thread:
 //! the f16 exact kernel (`attend_ranges`), kv43's homomorphic scores (scalar reference and
-//! the AVX2 path), its whole decode per head (`Kv43Rows::attend`, values by subset-sum
-//! tables) and for the four heads at once (`Kv43Rows::attend_heads`: codes read once, values
-//! unpacked once and weighed with AVX2). Five rounds, each timing all five in turn; prints
-//! each round and the f16 / `attend_heads` ratios.
+//! the AVX2 path), its whole decode per head (`Kv43Rows::attend`) and for the four heads at
+//! once (`Kv43Rows::attend_heads`: codes read once, values unpacked once and weighed with
+//! AVX2). Five rounds, each timing all five in turn; prints each round and the f16 /
+//! `attend_heads` ratios.
 //!
 //! `probe_kv43 ROWS THREADS`: THREADS KV heads at once, one per thread (see `parallel`).
 //!

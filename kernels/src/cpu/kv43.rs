@@ -100,7 +100,7 @@ pub struct Kv43Rows {
 }
 
 /// Minimum and scale of `levels`-level codes over `x` (f16, as stored), and the codes.
-fn quantize_run(x: impl Iterator<Item = f32> + Clone, levels: f32) -> (f16, f16, Vec<u8>) {
+fn quantize_run(x: impl Iterator<Item = f32>, levels: f32) -> (f16, f16, Vec<u8>) {
     let x: Vec<f32> = x.collect();
     let mut codes = vec![0; x.len()];
     let (min, scale) = quantize_into(&x, levels, &mut codes);
@@ -229,20 +229,12 @@ impl Kv43Rows {
         (keys, values)
     }
 
-    /// The 8-bit query of key group `g` for query `q` (`d` values): per partition the
-    /// minimum `a` and step `b` of `q∘s` and each channel's code `w`, plus `Σ_c q_c m_c`.
-    fn group_query(&self, q: &[f32], g: usize) -> (Vec<(f32, f32)>, Vec<u8>, f32) {
+    /// Key group `g`'s channel scales and minima as f32, into `scale` and `min` (`d` each).
+    fn group_channels(&self, g: usize, scale: &mut [f32], min: &mut [f32]) {
         let d = self.d;
-        let scaled: Vec<f32> = (0..d).map(|c| q[c] * self.key_scale[g * d + c].to_f32()).collect();
-        let qm: f32 = (0..d).map(|c| q[c] * self.key_min[g * d + c].to_f32()).sum();
-        let mut ab = Vec::with_capacity(d / PART);
-        let mut w = Vec::with_capacity(d);
-        for part in scaled.chunks_exact(PART) {
-            let (min, step, codes) = quantize_run(part.iter().copied(), 255.0);
-            ab.push((min.to_f32(), step.to_f32()));
-            w.extend(codes);
+        for (c, (s, m)) in scale.iter_mut().zip(min.iter_mut()).enumerate() {
+            (*s, *m) = (self.key_scale[g * d + c].to_f32(), self.key_min[g * d + c].to_f32());
         }
-        (ab, w, qm)
     }
 
     /// Homomorphic scores of query `q` (`d` values, times `scale`) against every row: the
@@ -252,16 +244,15 @@ impl Kv43Rows {
     pub fn scores(&self, q: &[f32], scale: f32) -> Vec<f32> {
         let (d, p) = (self.d, self.params);
         let mut out = Vec::with_capacity(self.rows);
+        let mut gq = GroupQuery::new(d);
         for g in 0..self.rows / p.key_group {
-            let (ab, w, qm) = self.group_query(q, g);
-            // The query codes split as the key bytes hold channels: even channels (low
-            // nibbles) and odd channels (high nibbles) of each partition.
-            let (even, odd): (Vec<u8>, Vec<u8>) = w.chunks_exact(2).map(|c| (c[0], c[1])).unzip();
-            let query = PartitionQuery::new(&even, &odd);
+            self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
+            gq.prepare(q);
+            let query = PartitionQuery::new(&gq.w);
             for j in g * p.key_group..(g + 1) * p.key_group {
                 let codes = &self.key_codes[j * d / 2..(j + 1) * d / 2];
-                let mut s = qm;
-                for (k, &(a, b)) in ab.iter().enumerate() {
+                let mut s = gq.qm;
+                for (k, &(a, b)) in gq.ab.iter().enumerate() {
                     let dot = query.dot(k, &codes[k * PART / 2..(k + 1) * PART / 2]);
                     s += a * f32::from(self.key_sums[j * (d / PART) + k]) + b * dot as f32;
                 }
@@ -302,30 +293,20 @@ impl Kv43Rows {
         let mut scores = vec![f32::NEG_INFINITY; heads * padded];
         let mut dots = vec![0u32; heads];
         let mut s = Vec::with_capacity(heads);
-        let (mut kscale, mut kmin, mut scaled) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
-        let (mut w, mut even, mut odd) = (vec![0u8; d], vec![0u8; d / 2], vec![0u8; d / 2]);
+        let mut gq = GroupQuery::new(d);
         let (mut ab, mut qms) = (vec![(0.0f32, 0.0f32); parts * heads], vec![0.0f32; heads]);
-        let mut queries: Vec<PartitionQuery> = (0..heads).map(|_| PartitionQuery::new(&even, &odd)).collect();
+        let mut queries: Vec<PartitionQuery> = (0..heads).map(|_| PartitionQuery::new(&gq.w)).collect();
         for g in 0..self.rows / p.key_group {
-            // The group's channel scales and minima once for all heads, then per head its
-            // 8-bit code of q∘s per partition (as `group_query`, into reused buffers).
-            for c in 0..d {
-                (kscale[c], kmin[c]) = (self.key_scale[g * d + c].to_f32(), self.key_min[g * d + c].to_f32());
-            }
+            // The group's channel scales and minima once for all heads, then each head's
+            // 8-bit code of q∘s.
+            self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
             for h in 0..heads {
-                let qh = &q[h * d..(h + 1) * d];
-                qms[h] = qh.iter().zip(&kmin).map(|(a, b)| a * b).sum();
-                for ((x, a), b) in scaled.iter_mut().zip(qh).zip(&kscale) {
-                    *x = a * b;
+                gq.prepare(&q[h * d..(h + 1) * d]);
+                qms[h] = gq.qm;
+                for (k, &ab_k) in gq.ab.iter().enumerate() {
+                    ab[k * heads + h] = ab_k;
                 }
-                for (k, part) in scaled.chunks_exact(PART).enumerate() {
-                    let (min, step) = quantize_into(part, 255.0, &mut w[k * PART..(k + 1) * PART]);
-                    ab[k * heads + h] = (min.to_f32(), step.to_f32());
-                }
-                for (i, pair) in w.chunks_exact(2).enumerate() {
-                    (even[i], odd[i]) = (pair[0], pair[1]);
-                }
-                queries[h] = PartitionQuery::new(&even, &odd);
+                queries[h] = PartitionQuery::new(&gq.w);
             }
             let refs: Vec<&PartitionQuery> = queries.iter().collect();
             for j in g * p.key_group..(g + 1) * p.key_group {
@@ -359,9 +340,8 @@ impl Kv43Rows {
         let mut pcodes = vec![0u8; heads * vb];
         let mut dot = vec![0u32; heads * d];
         let (mut mins, mut scales) = (vec![0.0f32; d], vec![0.0f32; d]);
+        let (mut steps, mut sums) = (vec![0.0f32; heads], vec![0u32; heads]);
         for b in 0..self.rows / vb {
-            let mut steps = vec![0.0f32; heads];
-            let mut sums = vec![0u32; heads];
             for h in 0..heads {
                 let block = &scores[h * padded + b * vb..h * padded + (b + 1) * vb];
                 let step = block.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
@@ -408,13 +388,15 @@ impl Kv43Rows {
     pub fn scores_reference(&self, q: &[f32], scale: f32) -> Vec<f32> {
         let (d, p) = (self.d, self.params);
         let mut out = Vec::with_capacity(self.rows);
+        let mut gq = GroupQuery::new(d);
         for g in 0..self.rows / p.key_group {
-            let (ab, w, qm) = self.group_query(q, g);
+            self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
+            gq.prepare(q);
             for j in g * p.key_group..(g + 1) * p.key_group {
-                let mut s = qm;
-                for (k, &(a, b)) in ab.iter().enumerate() {
+                let mut s = gq.qm;
+                for (k, &(a, b)) in gq.ab.iter().enumerate() {
                     let dot: u32 =
-                        (k * PART..(k + 1) * PART).map(|c| u32::from(w[c]) * u32::from(self.key_code(j, c))).sum();
+                        (k * PART..(k + 1) * PART).map(|c| u32::from(gq.w[c]) * u32::from(self.key_code(j, c))).sum();
                     s += a * f32::from(self.key_sums[j * (d / PART) + k]) + b * dot as f32;
                 }
                 out.push(s * scale);
@@ -432,31 +414,20 @@ impl Kv43Rows {
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let p: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
         let (mut out, mut total) = (vec![0.0f32; d], 0.0f32);
+        let (mut codes, mut dot, mut z) = (vec![0u8; vb], vec![0u32; d], vec![0u8; vb * d]);
         for b in 0..self.rows / vb {
             let block = &p[b * vb..(b + 1) * vb];
             let step = block.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
             if step == 0.0 {
                 continue;
             }
-            let codes: Vec<u32> = block.iter().map(|&x| (x / step).round().min(P_LEVELS) as u32).collect();
-            let sum: u32 = codes.iter().sum();
-            total += step * sum as f32;
-            // Σ_t P_t·z_tc = Σ_bit 2^bit·Σ_{t: bit set} P_t: per 8 rows, the sums of every
-            // subset of their probabilities (a table indexed by a plane byte), then three
-            // lookups per channel instead of eight 3-bit extractions.
-            let mut dot = vec![0u32; d];
-            let mut subset = [0u32; 256];
-            for (i, eight) in codes.chunks_exact(8).enumerate() {
-                for m in 1..256usize {
-                    subset[m] = subset[m & (m - 1)] + eight[m.trailing_zeros() as usize];
-                }
-                let at = ((b * vb) / 8 + i) * 3 * d;
-                let (p0, rest) = self.value_planes[at..at + 3 * d].split_at(d);
-                let (p1, p2) = rest.split_at(d);
-                for (c, dot) in dot.iter_mut().enumerate() {
-                    *dot += subset[p0[c] as usize] + 2 * subset[p1[c] as usize] + 4 * subset[p2[c] as usize];
-                }
+            for (c, &x) in codes.iter_mut().zip(block) {
+                *c = (x / step).round().min(P_LEVELS) as u8;
             }
+            let sum: u32 = codes.iter().map(|&c| u32::from(c)).sum();
+            total += step * sum as f32;
+            let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
+            weigh_value_planes(planes, d, &codes, &mut dot, &mut z);
             for (c, o) in out.iter_mut().enumerate() {
                 let (m, s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
                 *o += step * (m * sum as f32 + s * dot[c] as f32);
@@ -587,6 +558,37 @@ impl Kv43Head {
     }
 }
 
+/// One query's preparation for a key group, in buffers reused from group to group: the
+/// group's channel scales and minima (f32), and for the query its 8-bit code `w` of `q∘s`
+/// per 64-dim partition with the partition's minimum and step `ab`, and `qm = Σ_c q_c m_c`.
+struct GroupQuery {
+    key_scale: Vec<f32>,
+    key_min: Vec<f32>,
+    scaled: Vec<f32>,
+    w: Vec<u8>,
+    ab: Vec<(f32, f32)>,
+    qm: f32,
+}
+
+impl GroupQuery {
+    fn new(d: usize) -> Self {
+        let f = || vec![0.0f32; d];
+        Self { key_scale: f(), key_min: f(), scaled: f(), w: vec![0; d], ab: vec![(0.0, 0.0); d / PART], qm: 0.0 }
+    }
+
+    /// Codes query `q` (`d` values) against the group in `key_scale` / `key_min`.
+    fn prepare(&mut self, q: &[f32]) {
+        self.qm = q.iter().zip(&self.key_min).map(|(a, b)| a * b).sum();
+        for ((x, a), b) in self.scaled.iter_mut().zip(q).zip(&self.key_scale) {
+            *x = a * b;
+        }
+        for ((part, w), ab) in self.scaled.chunks_exact(PART).zip(self.w.chunks_exact_mut(PART)).zip(&mut self.ab) {
+            let (min, step) = quantize_into(part, 255.0, w);
+            *ab = (min.to_f32(), step.to_f32());
+        }
+    }
+}
+
 /// A key group's 8-bit query codes laid out for the integer products: per 64-dim partition,
 /// the 32 even-channel and 32 odd-channel codes.
 struct PartitionQuery {
@@ -597,7 +599,10 @@ struct PartitionQuery {
 }
 
 impl PartitionQuery {
-    fn new(even: &[u8], odd: &[u8]) -> Self {
+    /// From the query codes `w` (`d`, channel order), split as the key bytes hold channels:
+    /// even channels (low nibbles) and odd channels (high nibbles) of each partition.
+    fn new(w: &[u8]) -> Self {
+        let (even, odd): (Vec<u8>, Vec<u8>) = w.chunks_exact(2).map(|c| (c[0], c[1])).unzip();
         #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
         {
             let load = |b: &[u8]| -> std::arch::x86_64::__m256i { bytemuck::pod_read_unaligned(&b[..32]) };
@@ -605,7 +610,7 @@ impl PartitionQuery {
             Self { vectors: vectors.collect() }
         }
         #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-        Self { codes: (even.to_vec(), odd.to_vec()) }
+        Self { codes: (even, odd) }
     }
 
     /// [`PartitionQuery::dot`] of several heads' queries against the same row partition:
@@ -882,13 +887,15 @@ mod tests {
         let scale = 1.0 / (d as f32).sqrt();
         // Scores: the same 8-bit query, dequantized, times the dequantized keys (f64).
         let got = enc.scores(&q, scale);
+        let mut gq = GroupQuery::new(d);
         for (j, &s) in got.iter().enumerate() {
             let g = j / params.key_group;
-            let (ab, w, _) = enc.group_query(&q, g);
+            enc.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
+            gq.prepare(&q);
             let want: f64 = (0..d)
                 .map(|c| {
-                    let (a, b) = ab[c / PART];
-                    let qs = f64::from(a) + f64::from(b) * f64::from(w[c]);
+                    let (a, b) = gq.ab[c / PART];
+                    let qs = f64::from(a) + f64::from(b) * f64::from(gq.w[c]);
                     let ks = f64::from(enc.key_scale[g * d + c].to_f32());
                     // q_c·k_c = q_c m_c + (q_c s_c)·u: the scaled query's code stands for q_c s_c.
                     let u = if ks > 0.0 {
