@@ -590,7 +590,6 @@ impl Model {
             for (l, b) in self.blocks.iter().enumerate() {
                 let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
                 let (q, k, v) = self.qkv(b, &h, pos, n)?;
-                let (q, k, v) = (self.ggml_f16(q)?, self.ggml_f16(k)?, self.ggml_f16(v)?);
                 if keep_window_rows && matches!(b.kind, LayerKind::SlidingWindow(_)) {
                     kept[l].push((k.clone(), v.clone()));
                 }
@@ -648,7 +647,6 @@ impl Model {
         for (l, b) in self.blocks.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
             let (q, k, v) = self.qkv(b, &h, pos, 1)?;
-            let (q, k, v) = (self.ggml_f16(q)?, self.ggml_f16(k)?, self.ggml_f16(v)?);
             let flat = |t: &Tensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1::<f32>()?) };
             let y = backend.attend(l, &flat(&q)?, &flat(&k)?, &flat(&v)?)?;
             if y.len() != c.attn_dim() {
@@ -700,7 +698,8 @@ impl Model {
         if c.query_scale != 1.0 {
             q = (q * c.query_scale as f64)?;
         }
-        Ok((q, rotate(&k)?, v))
+        // Under `Numerics::Ggml`, rounded to f16 as ggml's cache and attention operands are.
+        Ok((self.ggml_f16(q)?, self.ggml_f16(rotate(&k)?)?, self.ggml_f16(v)?))
     }
 
     /// `x + o`, `o = wo(y)` (Gemma-3: RMSNorm-ed first).
