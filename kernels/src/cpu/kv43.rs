@@ -16,12 +16,14 @@
 //! (scalar references, and AVX2 paths where the target has them: [`Kv43Rows::scores`],
 //! [`Kv43Rows::attend_heads`] for a GQA group at once), with tests that the homomorphic
 //! arithmetic equals dequantize-then-multiply and the fast paths their references; and
-//! [`Kv43Head`], rows as they arrive (each key group encoded once, when it fills). The
-//! codec's place in `Codec`, the index, the disk format and the GPU come after this (none of
-//! them exist yet).
+//! [`Kv43Head`], rows as they arrive (each key group encoded once, when it fills), which is
+//! what a `kv43` wave segment stores per KV head (`Codec::Kv43`); plans attend any of its
+//! row runs on the codes ([`Kv43Head::attend_runs`]). No disk format or GPU kernels yet.
 
 use half::f16;
+use std::ops::Range;
 
+use crate::cpu::partial::Partial;
 use crate::error::{Error, Result};
 
 /// Dimensions of a partition of the 8-bit query.
@@ -34,7 +36,7 @@ const VALUE_LEVELS: f32 = 7.0;
 const P_LEVELS: f32 = 127.0;
 
 /// Group sizes of the layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Kv43Params {
     /// Tokens sharing each channel's key minimum and scale (a multiple of `value_block`).
     pub key_group: usize,
@@ -50,11 +52,27 @@ impl Default for Kv43Params {
 }
 
 impl Kv43Params {
-    fn check(&self, d: usize) -> Result<()> {
-        let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 parameters", message });
+    /// Keys over groups of `key_group` tokens (a positive multiple of the 64-token value
+    /// block), values over the default 64-token blocks.
+    pub fn with_key_group(key_group: usize) -> Result<Self> {
+        let params = Self { key_group, ..Self::default() };
+        params.check_groups()?;
+        Ok(params)
+    }
+
+    /// Checks the parameters for heads of dimension `d` (a positive multiple of 64).
+    pub fn check(&self, d: usize) -> Result<()> {
         if d == 0 || !d.is_multiple_of(PART) {
-            return bad(format!("the head dimension must be a positive multiple of {PART}, got {d}"));
+            return Err(Error::InvalidArgument {
+                what: "kv43 parameters",
+                message: format!("the head dimension must be a positive multiple of {PART}, got {d}"),
+            });
         }
+        self.check_groups()
+    }
+
+    fn check_groups(&self) -> Result<()> {
+        let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 parameters", message });
         if self.value_block == 0 || !self.value_block.is_multiple_of(8) {
             return bad(format!("value blocks must be a positive multiple of 8 tokens, got {}", self.value_block));
         }
@@ -269,106 +287,147 @@ impl Kv43Rows {
     /// target has it). The arithmetic of [`Kv43Rows::attend`] per head, with a vectorized
     /// `exp`. Returns `heads × d`.
     pub fn attend_heads(&self, q: &[f32], heads: usize, scale: f32) -> Result<Vec<f32>> {
-        let Partials { mut out, sum, .. } = self.partials(q, heads, scale)?;
-        for (o, t) in out.chunks_exact_mut(self.d).zip(&sum) {
-            o.iter_mut().for_each(|x| *x /= t);
+        let d = self.d;
+        let mut parts = vec![Partial::empty(d); heads];
+        if heads == 0 {
+            return Err(Error::ShapeMismatch { what: "kv43 queries (heads × d)", expected: d, got: q.len() });
         }
-        Ok(out)
+        self.attend_runs(q, scale, &[0..self.rows], &mut parts)?;
+        Ok(parts.iter().flat_map(Partial::finish).collect())
     }
 
-    /// [`Kv43Rows::attend_heads`] before its normalization: per head the weighted value sums,
-    /// the largest score and the sum of the (coded) probabilities relative to it.
-    fn partials(&self, q: &[f32], heads: usize, scale: f32) -> Result<Partials> {
+    /// Folds rows `ranges` (each within `0..rows()`; any order, sorted and disjoint is what
+    /// plans give) into the online-softmax partials `parts` of `parts.len()` query heads
+    /// sharing this KV head (`q`: `heads × d`), with [`Kv43Rows::attend_heads`]' arithmetic:
+    /// per key group the heads' 8-bit codes of `q∘s` are made once, per 64-row value block
+    /// the selected rows are scored, their probabilities coded to 7 bits against the block's
+    /// largest and the values weighed on their codes. Rows outside `ranges` get probability
+    /// code 0, so they add nothing (no value code sums needed), as in `HackRows::attend`.
+    pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
         let (d, p) = (self.d, self.params);
-        if heads == 0 || q.len() != heads * d {
+        let heads = parts.len();
+        if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
             return Err(Error::ShapeMismatch {
-                what: "kv43 queries (heads × d)",
+                what: "kv43 queries (heads × d) and their partials",
                 expected: heads.max(1) * d,
                 got: q.len(),
             });
         }
-        let parts = d / PART;
-        // Scores, heads × rows (rows padded to 8 for the vectorized exp).
-        let padded = self.rows.div_ceil(8) * 8;
-        let mut scores = vec![f32::NEG_INFINITY; heads * padded];
-        let mut dots = vec![0u32; heads];
-        let mut s = Vec::with_capacity(heads);
+        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > self.rows) {
+            return Err(Error::InvalidArgument {
+                what: "kv43 row ranges",
+                message: format!("{r:?} is not a range within the {} rows", self.rows),
+            });
+        }
+        let parts_of_d = d / PART;
+        let vb = p.value_block;
+        let mut block = Block::new(heads, d, vb);
         let mut gq = GroupQuery::new(d);
-        let (mut ab, mut qms) = (vec![(0.0f32, 0.0f32); parts * heads], vec![0.0f32; heads]);
+        let (mut ab, mut qms) = (vec![(0.0f32, 0.0f32); parts_of_d * heads], vec![0.0f32; heads]);
         let mut queries: Vec<PartitionQuery> = (0..heads).map(|_| PartitionQuery::new(&gq.w)).collect();
-        for g in 0..self.rows / p.key_group {
-            // The group's channel scales and minima once for all heads, then each head's
-            // 8-bit code of q∘s.
-            self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
-            for h in 0..heads {
-                gq.prepare(&q[h * d..(h + 1) * d]);
-                qms[h] = gq.qm;
-                for (k, &ab_k) in gq.ab.iter().enumerate() {
-                    ab[k * heads + h] = ab_k;
+        let mut group = None;
+        let (mut current, mut dots, mut s) = (None, vec![0u32; heads], Vec::with_capacity(heads));
+        for r in ranges.iter().filter(|r| !r.is_empty()) {
+            let mut j = r.start;
+            while j < r.end {
+                let b = j / vb;
+                let end = r.end.min((b + 1) * vb);
+                if current != Some(b) {
+                    if let Some(done) = current {
+                        self.fold_block(done, &mut block, parts);
+                    }
+                    current = Some(b);
                 }
-                queries[h] = PartitionQuery::new(&gq.w);
-            }
-            let refs: Vec<&PartitionQuery> = queries.iter().collect();
-            for j in g * p.key_group..(g + 1) * p.key_group {
-                let codes = &self.key_codes[j * d / 2..(j + 1) * d / 2];
-                s.clear();
-                s.extend_from_slice(&qms);
-                for k in 0..parts {
-                    let row = &codes[k * PART / 2..(k + 1) * PART / 2];
-                    PartitionQuery::dots(&refs, k, row, &mut dots);
-                    let u = f32::from(self.key_sums[j * parts + k]);
-                    for ((s, &(a, b)), &dot) in s.iter_mut().zip(&ab[k * heads..(k + 1) * heads]).zip(&dots) {
-                        *s += a * u + b * dot as f32;
+                let g = j / p.key_group;
+                if group != Some(g) {
+                    // The group's channel scales and minima once for all heads, then each
+                    // head's 8-bit code of q∘s.
+                    self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
+                    for h in 0..heads {
+                        gq.prepare(&q[h * d..(h + 1) * d]);
+                        qms[h] = gq.qm;
+                        for (k, &ab_k) in gq.ab.iter().enumerate() {
+                            ab[k * heads + h] = ab_k;
+                        }
+                        queries[h] = PartitionQuery::new(&gq.w);
+                    }
+                    group = Some(g);
+                }
+                let refs: Vec<&PartitionQuery> = queries.iter().collect();
+                for row in j..end {
+                    let codes = &self.key_codes[row * d / 2..(row + 1) * d / 2];
+                    s.clear();
+                    s.extend_from_slice(&qms);
+                    for k in 0..parts_of_d {
+                        let part = &codes[k * PART / 2..(k + 1) * PART / 2];
+                        PartitionQuery::dots(&refs, k, part, &mut dots);
+                        let u = f32::from(self.key_sums[row * parts_of_d + k]);
+                        for ((s, &(a, b)), &dot) in s.iter_mut().zip(&ab[k * heads..(k + 1) * heads]).zip(&dots) {
+                            *s += a * u + b * dot as f32;
+                        }
+                    }
+                    for (h, &s) in s.iter().enumerate() {
+                        block.scores[h * vb + row - b * vb] = s * scale;
                     }
                 }
-                for (h, &s) in s.iter().enumerate() {
-                    scores[h * padded + j] = s * scale;
-                }
+                j = end;
             }
         }
-        // Probabilities per head (unnormalized), then per value block its 7-bit codes.
-        let vb = p.value_block;
-        let mut z = vec![0u8; vb * d];
-        let mut out = vec![0.0f32; heads * d];
-        let mut total = vec![0.0f32; heads];
-        let mut maxes = vec![f32::NEG_INFINITY; heads];
-        for (h, max) in maxes.iter_mut().enumerate() {
-            let row = &mut scores[h * padded..(h + 1) * padded];
-            *max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            crate::cpu::microkernel::exp_shifted_sum(row, *max);
+        if let Some(done) = current {
+            self.fold_block(done, &mut block, parts);
         }
-        let mut pcodes = vec![0u8; heads * vb];
-        let mut dot = vec![0u32; heads * d];
-        let (mut mins, mut scales) = (vec![0.0f32; d], vec![0.0f32; d]);
-        let (mut steps, mut sums) = (vec![0.0f32; heads], vec![0u32; heads]);
-        for b in 0..self.rows / vb {
-            for h in 0..heads {
-                let block = &scores[h * padded + b * vb..h * padded + (b + 1) * vb];
-                let step = block.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
-                steps[h] = step;
-                let codes = &mut pcodes[h * vb..(h + 1) * vb];
-                for (c, &x) in codes.iter_mut().zip(block) {
-                    *c = if step == 0.0 { 0 } else { (x / step).round().min(P_LEVELS) as u8 };
-                }
-                sums[h] = codes.iter().map(|&c| u32::from(c)).sum();
-                total[h] += step * sums[h] as f32;
+        Ok(())
+    }
+
+    /// Folds value block `b`'s scored rows (`block.scores`, `-∞` for rows not attended) into
+    /// `parts` and resets the scores: per head the block's largest score raises the running
+    /// maximum, the probabilities relative to it are coded to 7 bits against the block's
+    /// largest, and the values are weighed on their codes.
+    fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
+        let (d, vb) = (self.d, self.params.value_block);
+        let mut live = false;
+        for (h, part) in parts.iter_mut().enumerate() {
+            let row = &mut block.scores[h * vb..(h + 1) * vb];
+            let codes = &mut block.codes[h * vb..(h + 1) * vb];
+            let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            block.steps[h] = 0.0;
+            codes.iter_mut().for_each(|c| *c = 0);
+            if top == f32::NEG_INFINITY {
+                continue;
             }
-            let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
-            weigh_value_planes(planes, d, &pcodes, &mut dot, &mut z);
-            for (c, (m, s)) in mins.iter_mut().zip(scales.iter_mut()).enumerate() {
-                (*m, *s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
+            part.rescale_to(part.m.max(top));
+            crate::cpu::microkernel::exp_shifted_sum(row, part.m);
+            let step = row.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
+            if step == 0.0 {
+                continue;
             }
-            for h in 0..heads {
-                if steps[h] == 0.0 {
-                    continue;
-                }
-                let (o, dh) = (&mut out[h * d..(h + 1) * d], &dot[h * d..(h + 1) * d]);
-                for (((o, &x), &m), &s) in o.iter_mut().zip(dh).zip(&mins).zip(&scales) {
-                    *o += steps[h] * (m * sums[h] as f32 + s * x as f32);
-                }
+            for (c, &x) in codes.iter_mut().zip(row.iter()) {
+                *c = (x / step).round().min(P_LEVELS) as u8;
+            }
+            block.sums[h] = codes.iter().map(|&c| u32::from(c)).sum();
+            block.steps[h] = step;
+            part.l += step * block.sums[h] as f32;
+            live = true;
+        }
+        block.scores.iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
+        if !live {
+            return;
+        }
+        let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
+        weigh_value_planes(planes, d, &block.codes, &mut block.dot, &mut block.z);
+        for (c, (m, s)) in block.mins.iter_mut().zip(block.scales.iter_mut()).enumerate() {
+            (*m, *s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
+        }
+        for (h, part) in parts.iter_mut().enumerate() {
+            let (step, sum) = (block.steps[h], block.sums[h] as f32);
+            if step == 0.0 {
+                continue;
+            }
+            let dh = &block.dot[h * d..(h + 1) * d];
+            for (((o, &x), &m), &s) in part.o.iter_mut().zip(dh).zip(&block.mins).zip(&block.scales) {
+                *o += step * (m * sum + s * x as f32);
             }
         }
-        Ok(Partials { out, max: maxes, sum: total })
     }
 
     /// Appends `other`'s rows (same head dimension and parameters) after these.
@@ -438,18 +497,39 @@ impl Kv43Rows {
     }
 }
 
-/// Unnormalized attention of several heads: `out` (`heads × d`), and per head `max` and `sum`
-/// (the output is `out / sum`, probabilities relative to `exp(max)`).
-struct Partials {
-    out: Vec<f32>,
-    max: Vec<f32>,
-    sum: Vec<f32>,
+/// One value block's buffers while [`Kv43Rows::attend_runs`] folds it: per head the rows'
+/// scores (`heads × value_block`, `-∞` for rows not attended), their 7-bit probability codes,
+/// step and code sum, the weighed value codes (`heads × d`) and the block's value metadata.
+struct Block {
+    scores: Vec<f32>,
+    codes: Vec<u8>,
+    steps: Vec<f32>,
+    sums: Vec<u32>,
+    dot: Vec<u32>,
+    z: Vec<u8>,
+    mins: Vec<f32>,
+    scales: Vec<f32>,
+}
+
+impl Block {
+    fn new(heads: usize, d: usize, vb: usize) -> Self {
+        Self {
+            scores: vec![f32::NEG_INFINITY; heads * vb],
+            codes: vec![0; heads * vb],
+            steps: vec![0.0; heads],
+            sums: vec![0; heads],
+            dot: vec![0; heads * d],
+            z: vec![0; vb * d],
+            mins: vec![0.0; d],
+            scales: vec![0.0; d],
+        }
+    }
 }
 
 /// One KV head's rows as they arrive: every full key group encoded once, when it fills, and
 /// never again; the rows of the partial group after it kept in f16 until it fills (as the
 /// codec keeps a segment's unencoded rows) and attended exactly.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Kv43Head {
     encoded: Option<Kv43Rows>,
     d: usize,
@@ -528,33 +608,78 @@ impl Kv43Head {
         if self.rows() == 0 {
             return Err(Error::InvalidArgument { what: "kv43 head", message: "no rows to attend".into() });
         }
-        let mut part = match &self.encoded {
-            Some(e) => e.partials(q, heads, scale)?,
-            None => Partials { out: vec![0.0; heads * d], max: vec![f32::NEG_INFINITY; heads], sum: vec![0.0; heads] },
-        };
-        let tail = self.tail_keys.len() / d;
-        for h in 0..heads {
+        let mut parts = vec![Partial::empty(d); heads];
+        self.attend_runs(q, scale, &[0..self.rows()], &mut parts)?;
+        Ok(parts.iter().flat_map(Partial::finish).collect())
+    }
+
+    /// Folds rows `ranges` (within `0..rows()`) into the partials `parts` of `parts.len()`
+    /// query heads (`q`: `heads × d`): the encoded rows among them on their codes
+    /// ([`Kv43Rows::attend_runs`]), the rows of the partial group in f16 exactly.
+    pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
+        let (d, rows, done) = (self.d, self.rows(), self.encoded_rows());
+        let heads = parts.len();
+        if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 queries (heads × d) and their partials",
+                expected: heads.max(1) * d,
+                got: q.len(),
+            });
+        }
+        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > rows) {
+            return Err(Error::InvalidArgument {
+                what: "kv43 row ranges",
+                message: format!("{r:?} is not a range within the {rows} rows"),
+            });
+        }
+        if let Some(e) = &self.encoded {
+            let coded: Vec<Range<usize>> =
+                ranges.iter().map(|r| r.start.min(done)..r.end.min(done)).filter(|r| !r.is_empty()).collect();
+            if !coded.is_empty() {
+                e.attend_runs(q, scale, &coded, parts)?;
+            }
+        }
+        let (mut s, mut w) = (Vec::new(), Vec::new());
+        for (h, part) in parts.iter_mut().enumerate() {
             let qh = &q[h * d..(h + 1) * d];
-            let s: Vec<f32> = (0..tail)
-                .map(|t| {
-                    scale * self.tail_keys[t * d..(t + 1) * d].iter().zip(qh).map(|(k, q)| k.to_f32() * q).sum::<f32>()
-                })
-                .collect();
-            let m = s.iter().copied().fold(part.max[h], f32::max);
-            let old = if part.max[h] == f32::NEG_INFINITY { 0.0 } else { (part.max[h] - m).exp() };
-            let o = &mut part.out[h * d..(h + 1) * d];
-            o.iter_mut().for_each(|x| *x *= old);
-            let mut sum = part.sum[h] * old;
-            for (t, &st) in s.iter().enumerate() {
-                let w = (st - m).exp();
-                sum += w;
-                for (x, v) in o.iter_mut().zip(&self.tail_values[t * d..(t + 1) * d]) {
-                    *x += w * v.to_f32();
+            s.clear();
+            for r in ranges {
+                for t in r.start.max(done) - done..r.end.max(done) - done {
+                    let k = &self.tail_keys[t * d..(t + 1) * d];
+                    s.push((t, scale * k.iter().zip(qh).map(|(k, q)| k.to_f32() * q).sum::<f32>()));
                 }
             }
-            o.iter_mut().for_each(|x| *x /= sum);
+            let Some(top) = s.iter().map(|&(_, x)| x).reduce(f32::max) else { continue };
+            part.rescale_to(part.m.max(top));
+            w.clear();
+            w.extend(s.iter().map(|&(_, x)| (x - part.m).exp()));
+            for (&(t, _), &wt) in s.iter().zip(&w) {
+                part.l += wt;
+                for (o, v) in part.o.iter_mut().zip(&self.tail_values[t * d..(t + 1) * d]) {
+                    *o += wt * v.to_f32();
+                }
+            }
         }
-        Ok(part.out)
+        Ok(())
+    }
+
+    /// The rows the head stands for (`rows() × d` keys, then values): the encoded rows
+    /// dequantized, then the partial group's f16 rows.
+    pub fn dequantize(&self) -> (Vec<f32>, Vec<f32>) {
+        let (mut keys, mut values) = self.encoded.as_ref().map(Kv43Rows::dequantize).unwrap_or_default();
+        keys.extend(self.tail_keys.iter().map(|x| x.to_f32()));
+        values.extend(self.tail_values.iter().map(|x| x.to_f32()));
+        (keys, values)
+    }
+
+    /// Head dimension.
+    pub fn head_dim(&self) -> usize {
+        self.d
+    }
+
+    /// The group sizes.
+    pub fn params(&self) -> Kv43Params {
+        self.params
     }
 }
 
@@ -1033,6 +1158,57 @@ mod tests {
         assert_eq!(head.rows(), before);
         assert!(Kv43Head::new(d, Kv43Params::default()).unwrap().attend(&q[..d], 1, 0.1).is_err());
         assert!(Kv43Head::new(100, Kv43Params::default()).is_err());
+    }
+
+    #[test]
+    fn row_runs_attend_only_their_rows_and_splits_at_blocks_merge_back() {
+        use crate::cpu::reference::{attend_f64, rel_l2};
+        let (d, heads, n) = (128, 4, 128 * 3 + 40);
+        let (keys, values, _) = data(n, d, 31);
+        let mut head = Kv43Head::new(d, Kv43Params::default()).unwrap();
+        head.append(&keys, &values).unwrap();
+        let (dk, dv) = head.dequantize();
+        let mut rng = SplitMix64::new(8);
+        let q: Vec<f32> = (0..heads * d).map(|_| rng.normal() * 0.3).collect();
+        let scale = 1.0 / (d as f32).sqrt();
+        let run = |ranges: &[Range<usize>]| {
+            let mut parts = vec![Partial::empty(d); heads];
+            head.attend_runs(&q, scale, ranges, &mut parts).unwrap();
+            parts
+        };
+        // Runs across key groups, value blocks and the f16 tail: close to exact attention
+        // over the same dequantized rows (the 8-bit query and 7-bit probabilities' error).
+        let ranges = [5..70, 100..300, 390..420];
+        let got: Vec<f32> = run(&ranges).iter().flat_map(Partial::finish).collect();
+        let pick = |x: &[f32]| -> Vec<f32> { ranges.iter().flat_map(|r| x[r.start * d..r.end * d].to_vec()).collect() };
+        let (sk, sv) = (pick(&dk), pick(&dv));
+        for h in 0..heads {
+            let want = attend_f64(&q[h * d..(h + 1) * d], &sk, &sv, None);
+            let err = rel_l2(&got[h * d..(h + 1) * d], &want);
+            assert!(err < 0.05, "head {h}: {err}");
+        }
+        // Split at value-block boundaries and merged: the same codes, the same answer.
+        let whole = run(&[5..420]);
+        let mut merged = vec![Partial::empty(d); heads];
+        for r in [5..64, 64..192, 192..384, 384..420] {
+            merged.iter_mut().zip(run(&[r])).for_each(|(a, b)| a.merge(&b));
+        }
+        for (a, b) in whole.iter().zip(&merged) {
+            let b: Vec<f64> = b.finish().iter().map(|&x| f64::from(x)).collect();
+            let err = rel_l2(&a.finish(), &b);
+            assert!(err < 1e-5, "{err}");
+        }
+        // No rows: nothing changes; bad ranges and shapes are typed errors.
+        assert!(run(&[]).iter().all(Partial::is_empty));
+        let mut parts = vec![Partial::empty(d); heads];
+        assert!(matches!(head.attend_runs(&q, scale, &[0..n + 1], &mut parts), Err(Error::InvalidArgument { .. })));
+        #[allow(clippy::reversed_empty_ranges)]
+        let backwards = [9..3];
+        assert!(matches!(head.attend_runs(&q, scale, &backwards, &mut parts), Err(Error::InvalidArgument { .. })));
+        let mut short = vec![Partial::empty(d - 1); heads];
+        assert!(matches!(head.attend_runs(&q, scale, &[0..4], &mut short), Err(Error::ShapeMismatch { .. })));
+        assert!(matches!(head.attend_runs(&q[..d], scale, &[0..4], &mut parts), Err(Error::ShapeMismatch { .. })));
+        assert!(parts.iter().all(Partial::is_empty));
     }
 
     #[test]
