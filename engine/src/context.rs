@@ -86,7 +86,8 @@ pub(crate) fn make_method(
             (LayerKind::Global, Method::Wave(p)) => {
                 let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?;
                 match home {
-                    Some(store) => Box::new(index.with_home(Arc::new(store.clone()))?),
+                    // kv43 segments stay in the index's memory (no row home layout yet).
+                    Some(store) if spec.codec.kv43().is_none() => Box::new(index.with_home(Arc::new(store.clone()))?),
                     _ => Box::new(index),
                 }
             }

@@ -156,6 +156,19 @@ pub enum Error {
         /// What is there instead.
         found: String,
     },
+    /// A GPU execution was asked for a layer whose codec has no GPU kernels (`kv43`): run it
+    /// with [`crate::Engine::execute`] on the CPU.
+    #[error(
+        "{context} layer {layer}: the {codec} codec has no GPU kernels yet; execute it on the CPU (Engine::execute)"
+    )]
+    NoGpuKernels {
+        /// The context.
+        context: ContextId,
+        /// The layer.
+        layer: usize,
+        /// The layer's codec.
+        codec: attnstore_kernels::Codec,
+    },
     /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
     #[error("{0} needs a durable engine (Engine::open), this one is in memory")]
     NotDurable(&'static str),
@@ -190,7 +203,8 @@ impl Error {
             Error::InvalidBudget(_)
             | Error::InvalidSpec(_)
             | Error::AlreadyPrefilled { .. }
-            | Error::OutOfRange { .. } => ErrorKind::InvalidArgument,
+            | Error::OutOfRange { .. }
+            | Error::NoGpuKernels { .. } => ErrorKind::InvalidArgument,
             Error::StalePlan { .. } => ErrorKind::StalePlan,
             Error::Corrupt { .. } | Error::DataFileShort { .. } => ErrorKind::Corrupt,
             Error::Buffer(_) | Error::Wal(_) => ErrorKind::Storage,

@@ -218,17 +218,12 @@ fn render_head(s: &mut String, h: usize, head: &HeadPlan) {
     }
 }
 
-/// The codec as EXPLAIN names it: a 2-bit codec with its stored bytes per token and KV head
-/// (codes and metadata) and their share of f16's.
+/// The codec as EXPLAIN names it: an encoded codec (`hack2`, `kv43`) with its stored bytes
+/// per token and KV head (codes and metadata) and their share of f16's.
 fn codec_label(codec: Codec, head_dim: usize) -> String {
-    match codec.hack() {
-        Some(_) => {
-            let bytes = codec.kv_row_bytes(head_dim);
-            format!(
-                "{codec} ({bytes:.1} B per token and kv head, {:.3}× f16)",
-                bytes / Codec::F16.kv_row_bytes(head_dim)
-            )
-        }
-        None => codec.to_string(),
+    if !codec.is_encoded() {
+        return codec.to_string();
     }
+    let bytes = codec.kv_row_bytes(head_dim);
+    format!("{codec} ({bytes:.1} B per token and kv head, {:.3}× f16)", bytes / Codec::F16.kv_row_bytes(head_dim))
 }

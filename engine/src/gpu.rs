@@ -352,6 +352,7 @@ impl Engine {
 
     /// [`Engine::execute_gpu`], counting into `meters` when given.
     fn run_gpu(&self, plan: &Plan, mut meters: Option<&mut GpuMeters>) -> Result<(Vec<Vec<f32>>, GpuRun)> {
+        plan.check_gpu_codecs()?;
         let mut run = GpuRun::default();
         let mut done: Vec<Option<Vec<f32>>> = vec![None; plan.requests.len()];
         let device: Vec<usize> = (0..plan.requests.len()).filter(|&i| plan.requests[i].device.is_some()).collect();

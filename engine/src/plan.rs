@@ -322,6 +322,18 @@ pub(crate) fn plan_request(
     })
 }
 
+impl Plan {
+    /// Refuses GPU execution of a plan with a request whose codec has no GPU kernels
+    /// (`kv43`): an [`Error::NoGpuKernels`] naming the first, before anything runs.
+    #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code, reason = "the GPU path is built with cuda"))]
+    pub(crate) fn check_gpu_codecs(&self) -> Result<()> {
+        match self.requests.iter().find(|r| r.codec.kv43().is_some()) {
+            Some(r) => Err(Error::NoGpuKernels { context: r.context, layer: r.layer, codec: r.codec }),
+            None => Ok(()),
+        }
+    }
+}
+
 /// Whether the device step reads rows of `codec`: f16 rows, or `hack2` rows (HACK's
 /// per-token keys, Π = 64) of a head dimension its kernels take (a multiple of 64).
 fn device_codec(codec: Codec, head_dim: usize) -> bool {
@@ -461,5 +473,38 @@ pub(crate) fn human_bytes(b: usize) -> String {
         _ if b >= 1e6 => format!("{:.1} MB", b / 1e6),
         _ if b >= 1e3 => format!("{:.1} KB", b / 1e3),
         _ => format!("{b:.0} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::*;
+
+    /// Until kv43 has GPU kernels, a GPU execution of a plan over a kv43 layer is refused
+    /// with a typed error naming the layer and the codec; plain plans pass the check.
+    #[test]
+    fn a_kv43_plan_is_refused_on_the_gpu_with_a_typed_error() {
+        let shape = AttnShape::new(4, 1, 64).unwrap();
+        let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+        let kv43 =
+            engine.create_context(ContextSpec::new(shape, 1).with_codec(Codec::Kv43(Kv43Params::default()))).unwrap();
+        let plain = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+        let mut rng = attnstore_kernels::random::SplitMix64::new(2);
+        let k: Vec<f32> = (0..300 * 64).map(|_| rng.normal()).collect();
+        let q: Vec<f32> = (0..4 * 64).map(|_| rng.normal()).collect();
+        for ctx in [kv43, plain] {
+            engine.prefill(ctx, 0, &k, &k).unwrap();
+        }
+        let requests = [Request::new(plain, 0, q.clone()), Request::new(kv43, 0, q.clone())];
+        let plan = engine.plan(&requests, &Budget::full()).unwrap();
+        match plan.check_gpu_codecs() {
+            Err(e @ Error::NoGpuKernels { context, layer: 0, codec: Codec::Kv43(_) }) if context == kv43 => {
+                assert!(e.to_string().contains("kv43 codec has no GPU kernels yet"), "{e}");
+                assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+            }
+            other => panic!("expected NoGpuKernels for the kv43 request, got {other:?}"),
+        }
+        let plan = engine.plan(&requests[..1], &Budget::full()).unwrap();
+        assert!(plan.check_gpu_codecs().is_ok());
     }
 }

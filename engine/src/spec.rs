@@ -89,7 +89,7 @@ impl ContextSpec {
     /// steady zone then uses this type).
     pub fn with_dtype(mut self, dtype: DType) -> Self {
         self.dtype = dtype;
-        if self.codec.hack().is_none() {
+        if !self.codec.is_encoded() {
             self.codec = Codec::from(dtype);
         }
         self
@@ -98,7 +98,7 @@ impl ContextSpec {
     /// Sets the codec; a plain codec also sets the storage type.
     pub fn with_codec(mut self, codec: Codec) -> Self {
         self.codec = codec;
-        if codec.hack().is_none() {
+        if !codec.is_encoded() {
             self.dtype = codec.plain_dtype();
         }
         self
@@ -125,7 +125,15 @@ impl ContextSpec {
         if let Some(i) = self.layers.iter().position(|k| *k == LayerKind::SlidingWindow(0)) {
             return Err(Error::InvalidSpec(format!("layer {i}: a sliding window must hold at least one token")));
         }
-        match (self.codec.hack(), &self.method) {
+        if let Some(p) = self.codec.kv43() {
+            if matches!(self.method, Method::Pq(_)) {
+                return Err(Error::InvalidSpec(
+                    "kv43 is not yet served by pq: use kv43 with the wave method, or hack2 / f16 with pq".into(),
+                ));
+            }
+            p.check(self.shape.head_dim).map_err(|e| Error::InvalidSpec(format!("the kv43 codec: {e}")))?;
+        }
+        match (self.codec.is_encoded().then_some(self.codec), &self.method) {
             (None, _) if self.codec.plain_dtype() != self.dtype => {
                 return Err(Error::InvalidSpec(format!(
                     "codec {} stores {} rows but the spec's dtype is {}: set one with with_codec",
@@ -134,15 +142,16 @@ impl ContextSpec {
                     self.dtype
                 )));
             }
-            (Some(_), Method::Flat) => {
-                return Err(Error::InvalidSpec(
-                    "the hack2 codec encodes indexed rows: use it with the wave or pq method (flat keeps rows plain as the exact oracle)"
-                        .into(),
-                ));
-            }
-            (Some(_), _) if self.dtype != DType::F16 => {
+            (Some(c), Method::Flat) => {
                 return Err(Error::InvalidSpec(format!(
-                    "the hack2 codec keeps its unencoded rows (steady zone) in f16, not {}",
+                    "the {} codec encodes indexed rows: use it with the wave or pq method (flat keeps rows plain as the exact oracle)",
+                    c.name()
+                )));
+            }
+            (Some(c), _) if self.dtype != DType::F16 => {
+                return Err(Error::InvalidSpec(format!(
+                    "the {} codec keeps its unencoded rows (steady zone) in f16, not {}",
+                    c.name(),
                     self.dtype
                 )));
             }

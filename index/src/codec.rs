@@ -1,11 +1,11 @@
 //! The codec of an access method's indexed rows, as a type: plain rows of the method's
-//! element type, or HACK's 2-bit rows. Methods hold a [`RowCodec`] and ask it to encode what
+//! element type, HACK's 2-bit rows, or kv43's 4-bit keys and 3-bit values. Methods hold a [`RowCodec`] and ask it to encode what
 //! they build; the executor dispatches on the rows' form ([`crate::Run`]), never on
 //! parameters.
 
 use crate::error::{Error, Result};
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{Codec, Element, HackParams, HackRows};
+use attnstore_kernels::{Codec, Element, HackParams, HackRows, Kv43Head, Kv43Params};
 
 /// How an access method stores the rows it indexes (the steady zone is always plain).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -15,29 +15,57 @@ pub enum RowCodec {
     Plain,
     /// HACK 2-bit rows (keys and values quantized per partition of Π rows).
     Hack2(HackParams),
+    /// kv43 rows: keys 4-bit per channel over key groups, values 3-bit per channel over
+    /// value blocks ([`Kv43Head`] per KV head and segment: whole key groups encoded, the
+    /// segment's last partial group in f16).
+    Kv43(Kv43Params),
+}
+
+/// One head's segment rows in an encoded form.
+#[derive(Debug)]
+pub(crate) enum EncodedRows {
+    /// HACK 2-bit rows.
+    Hack(HackRows),
+    /// kv43 rows.
+    Kv43(Kv43Head),
 }
 
 impl RowCodec {
     /// The row codec of a context codec (`f32`, `f16`, `bf16` are plain).
     pub fn of(codec: Codec) -> Self {
-        codec.hack().map_or(RowCodec::Plain, RowCodec::Hack2)
+        match codec {
+            Codec::Hack2(p) => RowCodec::Hack2(p),
+            Codec::Kv43(p) => RowCodec::Kv43(p),
+            Codec::F32 | Codec::F16 | Codec::Bf16 => RowCodec::Plain,
+        }
     }
 
     /// The 2-bit parameters, for `hack2`.
     pub fn hack(self) -> Option<HackParams> {
         match self {
-            RowCodec::Plain => None,
             RowCodec::Hack2(p) => Some(p),
+            RowCodec::Plain | RowCodec::Kv43(_) => None,
         }
     }
 
-    /// True for 2-bit rows.
+    /// The 4+3-bit parameters, for `kv43`.
+    pub fn kv43(self) -> Option<Kv43Params> {
+        match self {
+            RowCodec::Kv43(p) => Some(p),
+            RowCodec::Plain | RowCodec::Hack2(_) => None,
+        }
+    }
+
+    /// True for encoded rows (`hack2`, `kv43`).
     pub fn is_encoded(self) -> bool {
-        matches!(self, RowCodec::Hack2(_))
+        !matches!(self, RowCodec::Plain)
     }
 
     /// Checks that rows of `head_dim` values can take this codec.
     pub(crate) fn check(self, head_dim: usize) -> Result<()> {
+        if let RowCodec::Kv43(p) = self {
+            return p.check(head_dim).map_err(|e| Error::InvalidParameter { what: "codec", message: e.to_string() });
+        }
         if self.is_encoded() && !head_dim.is_multiple_of(4) {
             return Err(Error::InvalidParameter {
                 what: "codec",
@@ -48,12 +76,31 @@ impl RowCodec {
     }
 
     /// Encodes plain `keys`/`values` (`rows × d`, in storage order) with rounding seeded by
-    /// `seed` (each value quantized once), or `None` for the plain codec.
-    pub(crate) fn encode<E: Element>(self, keys: &[E], values: &[E], d: usize, seed: u64) -> Result<Option<HackRows>> {
-        let RowCodec::Hack2(params) = self else { return Ok(None) };
-        let mut rows = HackRows::new(d, params)?;
-        rows.push_rows(keys, values, &mut SplitMix64::new(seed))?;
-        Ok(Some(rows))
+    /// `seed` (`hack2`; `kv43` rounds to nearest), each value quantized once, or `None` for
+    /// the plain codec.
+    pub(crate) fn encode<E: Element>(
+        self,
+        keys: &[E],
+        values: &[E],
+        d: usize,
+        seed: u64,
+    ) -> Result<Option<EncodedRows>> {
+        match self {
+            RowCodec::Plain => Ok(None),
+            RowCodec::Hack2(params) => {
+                let mut rows = HackRows::new(d, params)?;
+                rows.push_rows(keys, values, &mut SplitMix64::new(seed))?;
+                Ok(Some(EncodedRows::Hack(rows)))
+            }
+            RowCodec::Kv43(params) => {
+                let (mut k, mut v) = (vec![0.0f32; keys.len()], vec![0.0f32; values.len()]);
+                E::widen(keys, &mut k);
+                E::widen(values, &mut v);
+                let mut head = Kv43Head::new(d, params)?;
+                head.append(&k, &v)?;
+                Ok(Some(EncodedRows::Kv43(head)))
+            }
+        }
     }
 }
 
@@ -67,5 +114,33 @@ impl From<Option<HackParams>> for RowCodec {
 impl From<Codec> for RowCodec {
     fn from(codec: Codec) -> Self {
         RowCodec::of(codec)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    #[test]
+    fn kv43_encodes_whole_key_groups_once_and_keeps_the_last_partial_group_in_f16() {
+        let (d, rows) = (64, 300);
+        let mut g = SplitMix64::new(3);
+        let k: Vec<f16> = (0..rows * d).map(|_| f16::from_f32(g.normal())).collect();
+        let v: Vec<f16> = (0..rows * d).map(|_| f16::from_f32(g.normal())).collect();
+        let codec = RowCodec::of(Codec::Kv43(Kv43Params::default()));
+        assert!(codec.is_encoded() && codec.hack().is_none() && codec.kv43().is_some());
+        let Some(EncodedRows::Kv43(head)) = codec.encode(&k, &v, d, 1).unwrap() else { panic!("kv43 rows") };
+        assert_eq!((head.rows(), head.encoded_rows()), (300, 256));
+        // Rounding to nearest: encoding again gives the same codes (a restore re-derives them).
+        let Some(EncodedRows::Kv43(again)) = codec.encode(&k, &v, d, 99).unwrap() else { panic!("kv43 rows") };
+        assert_eq!(head, again);
+        assert!(matches!(codec.check(48), Err(Error::InvalidParameter { .. })));
+        assert!(codec.check(128).is_ok());
+        assert_eq!(RowCodec::of(Codec::F16), RowCodec::Plain);
+        // PQ does not serve kv43 yet: a typed error that says so.
+        let pq = crate::PqIndex::<f16>::new(crate::PqParams::default(), 2, 64).unwrap();
+        let err = pq.with_codec(Codec::Kv43(Kv43Params::default())).unwrap_err();
+        assert!(matches!(&err, Error::InvalidParameter { .. }) && err.to_string().contains("not yet served by pq"));
     }
 }

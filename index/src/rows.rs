@@ -3,7 +3,7 @@
 //! one KV head under one [`HeadPlan`](crate::HeadPlan), the steady zone's runs, an exact
 //! plan's scan, and per selection the retrieved runs or clusters and the estimation zone.
 
-use attnstore_kernels::{DType, Element, HackParams, HackRows, HackView, Partial};
+use attnstore_kernels::{DType, Element, HackParams, HackRows, HackView, Kv43Head, Partial};
 use half::{bf16, f16};
 use std::ops::Range;
 
@@ -116,6 +116,14 @@ pub enum Run<'a> {
         /// The segment's clusters.
         clusters: HomedClusters<'a>,
         /// Segment row ranges to attend.
+        ranges: Vec<Range<usize>>,
+    },
+    /// kv43 rows in the index's memory: rows `ranges` of them (attended on their codes,
+    /// the partial key group's f16 rows exactly).
+    Kv43 {
+        /// The rows.
+        rows: &'a Kv43Head,
+        /// Row ranges to attend.
         ranges: Vec<Range<usize>>,
     },
     /// 2-bit rows of a segment homed as value blocks: segment rows `ranges`.

@@ -1,12 +1,12 @@
 //! Building one segment of one head: spherical k-means on the centred keys, then the
 //! tokens laid out cluster-contiguous with each cluster's mean key and mean value.
 
-use crate::codec::RowCodec;
+use crate::codec::{EncodedRows, RowCodec};
 use crate::error::{Error, Result};
 use crate::home::RowHome;
 use crate::rows::{HomedClusters, HomedGroups, PlainRows, Run};
 use attnstore_kernels::cpu::kmeans::{center_and_normalize, cluster_order, spherical_kmeans, KMeansParams};
-use attnstore_kernels::{Element, HackRows, HackView};
+use attnstore_kernels::{Element, HackRows, HackView, Kv43Head};
 use std::ops::Range;
 
 /// The KV rows of one head's segment, in cluster order, and where they are.
@@ -20,6 +20,9 @@ pub(crate) enum SegmentRows<E> {
     Homed(SegmentBlocks),
     /// 2-bit rows in the row home, one home cluster per value block.
     HomedEncoded(HomedGroups),
+    /// kv43 rows in the index's memory (whole key groups encoded, the last partial group
+    /// in f16).
+    Kv43(Box<Kv43Head>),
 }
 
 /// One head's segment: its rows and the original token position of every row.
@@ -56,11 +59,22 @@ impl<E: Element> HeadSegment<E> {
     /// plain copy; plain rows stay as they are under the plain codec.
     pub fn encode(&mut self, codec: RowCodec, d: usize, seed: u64) -> Result<()> {
         if let SegmentRows::Plain { keys, values } = &self.rows {
-            if let Some(rows) = codec.encode(keys, values, d, seed)? {
-                self.rows = SegmentRows::Encoded(Box::new(rows));
+            match codec.encode(keys, values, d, seed)? {
+                Some(EncodedRows::Hack(rows)) => self.rows = SegmentRows::Encoded(Box::new(rows)),
+                Some(EncodedRows::Kv43(rows)) => self.rows = SegmentRows::Kv43(Box::new(rows)),
+                None => {}
             }
         }
         Ok(())
+    }
+
+    /// The kv43 rows, when the segment holds them.
+    #[cfg(test)]
+    pub fn kv43_rows(&self) -> Option<&Kv43Head> {
+        match &self.rows {
+            SegmentRows::Kv43(rows) => Some(rows),
+            _ => None,
+        }
     }
 
     /// Bytes of the stored rows, encoded, plain, or in the row home's blocks (the rows'
@@ -71,6 +85,7 @@ impl<E: Element> HeadSegment<E> {
             SegmentRows::Encoded(rows) => rows.bytes(),
             SegmentRows::Homed(b) => 2 * self.positions.len() * b.row_bytes,
             SegmentRows::HomedEncoded(g) => g.bytes(),
+            SegmentRows::Kv43(rows) => rows.bytes(),
         }
     }
 
@@ -166,6 +181,7 @@ impl<E: Element> HeadSegment<E> {
                 ranges,
             },
             SegmentRows::Encoded(rows) => Run::Encoded { rows, ranges },
+            SegmentRows::Kv43(rows) => Run::Kv43 { rows, ranges },
             SegmentRows::Plain { keys, values } => {
                 let d = if self.positions.is_empty() { 0 } else { keys.len() / self.positions.len() };
                 Run::Plain(

@@ -143,6 +143,12 @@ pub(crate) enum DTypeRecord {
     Hack2cF16 {
         partition: u64,
     },
+    /// The kv43 codec: f16 rows in the data files (the 4+3-bit form is derived, rounded to
+    /// nearest, when segments are built), key group and value block; appended last.
+    Kv43F16 {
+        key_group: u64,
+        value_block: u64,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -191,6 +197,10 @@ impl SpecRecord {
             })
             .collect();
         let dtype = match (spec.codec.hack(), spec.dtype) {
+            _ if spec.codec.kv43().is_some() => {
+                let p = spec.codec.kv43().unwrap_or_default();
+                DTypeRecord::Kv43F16 { key_group: wide(p.key_group), value_block: wide(p.value_block) }
+            }
             (Some(p), _) if p.per_channel() => DTypeRecord::Hack2cF16 { partition: wide(p.partition) },
             (Some(p), _) => DTypeRecord::Hack2F16 { partition: wide(p.partition) },
             (None, DType::F32) => DTypeRecord::F32,
@@ -257,6 +267,11 @@ impl SpecRecord {
                     .map_err(|e| e.to_string())?
                     .with_keys(attnstore_kernels::KeyLayout::PerChannel),
             ),
+            // The groups are checked with the head dimension by `validate` below.
+            DTypeRecord::Kv43F16 { key_group, value_block } => Codec::Kv43(attnstore_kernels::Kv43Params {
+                key_group: narrow(key_group, "key group")?,
+                value_block: narrow(value_block, "value block")?,
+            }),
         };
         let method = match self.method {
             MethodRecord::Wave {
@@ -338,6 +353,8 @@ mod tests {
             ContextSpec::new(shape, 1).with_dtype(DType::F32).with_method(Method::Flat),
             ContextSpec::new(shape, 1).with_dtype(DType::Bf16).with_method(Method::Pq(pq)),
             ContextSpec::new(shape, 1).with_codec(Codec::Hack2(HackParams::new(32).unwrap())),
+            ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 1)
+                .with_codec(Codec::Kv43(attnstore_kernels::Kv43Params::with_key_group(256).unwrap())),
             ContextSpec::new(shape, 3).with_layers(vec![
                 LayerKind::Global,
                 LayerKind::SlidingWindow(512),
@@ -348,6 +365,13 @@ mod tests {
             let back: SpecRecord = decode(&encode(&record)).unwrap();
             assert_eq!(back.to_spec().unwrap(), spec);
         }
+        // A kv43 record whose groups do not fit is refused, not trusted.
+        let mut bad = SpecRecord::from_spec(
+            &ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 1)
+                .with_codec(Codec::Kv43(attnstore_kernels::Kv43Params::default())),
+        );
+        bad.dtype = DTypeRecord::Kv43F16 { key_group: 100, value_block: 64 };
+        assert!(bad.to_spec().unwrap_err().contains("kv43"));
     }
 
     #[test]

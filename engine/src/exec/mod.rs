@@ -319,6 +319,16 @@ impl Gather<'_> {
                 }
                 Ok(())
             }
+            Run::Kv43 { rows, ranges } => {
+                // The GQA group at once, on the codes (the partial key group's f16 rows
+                // exactly), folded into the same partials as every other run.
+                rows.attend_runs(q, self.scale, ranges, parts)?;
+                if let Some(m) = meter {
+                    let n: usize = ranges.iter().map(|r| r.len()).sum();
+                    m.index_rows(n, n * rows.bytes() / rows.rows().max(1));
+                }
+                Ok(())
+            }
             Run::Homed { clusters, ranges } => {
                 let (store, h, scale) = (self.store()?, self.kv_head, self.scale);
                 let read = gather::Read { scan, meter };

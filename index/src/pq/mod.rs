@@ -132,8 +132,15 @@ impl<E: Element> PqIndex<E> {
 
     /// Stores the prefill (base) rows past the sink in HACK 2-bit form (`Some`) once the
     /// codebook build starts; decode tokens (the tail) stay in the plain type.
+    /// `kv43` is not served by PQ yet: a typed error.
     pub fn with_codec(mut self, codec: impl Into<RowCodec>) -> Result<Self> {
         let codec = codec.into();
+        if codec.kv43().is_some() {
+            return Err(Error::InvalidParameter {
+                what: "codec",
+                message: "kv43 is not yet served by pq: use kv43 with the wave method, or hack2 / f16 with pq".into(),
+            });
+        }
         codec.check(self.head_dim)?;
         self.codec = codec;
         Ok(self)
@@ -292,7 +299,8 @@ impl<E: Element> PqIndex<E> {
             jobs.push(Arc::clone(&keys));
             let seed = self.params.seed ^ 0x4841_434b ^ (h as u64) << 40;
             match self.codec.encode(&keys[start * d..], &values[start * d..], d, seed)? {
-                Some(rows) => {
+                Some(crate::codec::EncodedRows::Kv43(_)) => unreachable!("PqIndex::with_codec refuses kv43"),
+                Some(crate::codec::EncodedRows::Hack(rows)) => {
                     // The build thread keeps its own reference to the plain keys until the
                     // codebooks are trained; the index keeps only the 2-bit rows.
                     kv.hack = Some(rows);

@@ -177,8 +177,9 @@ impl<E: Element> WaveIndex<E> {
         })
     }
 
-    /// Stores every segment built from now on in HACK 2-bit form (`Some`), or plain.
-    /// The steady zone (sink, local window, pending tokens) stays in the plain type.
+    /// Stores every segment built from now on encoded (`hack2`: HACK 2-bit rows; `kv43`:
+    /// 4-bit keys and 3-bit values per channel), or plain. The steady zone (sink, local
+    /// window, pending tokens) stays in the plain type.
     pub fn with_codec(mut self, codec: impl Into<RowCodec>) -> Result<Self> {
         let codec = codec.into();
         codec.check(self.head_dim)?;
@@ -203,6 +204,12 @@ impl<E: Element> WaveIndex<E> {
             return Err(Error::InvalidParameter {
                 what: "row home",
                 message: "only an empty index can move its segments to a row home".into(),
+            });
+        }
+        if self.codec.kv43().is_some() {
+            return Err(Error::InvalidParameter {
+                what: "row home",
+                message: "kv43 segments stay in the index's memory (no row home layout for them yet)".into(),
             });
         }
         if !self.codec.is_encoded() {
@@ -344,7 +351,7 @@ impl<E: Element> WaveIndex<E> {
         mut built: Vec<(HeadSegment<E>, Vec<ClusterMeta>)>,
     ) -> Result<()> {
         let d = self.head_dim;
-        if let (Some(home), true) = (self.home.as_deref(), self.codec.is_encoded()) {
+        if let (Some(home), Some(_)) = (self.home.as_deref(), self.codec.hack()) {
             // 2-bit rows: one cluster per value block, numbered on from the head's last one.
             let end = |s: &HeadStore<E>| s.segments.iter().filter_map(HeadSegment::homed_ids).map(|r| r.end).max();
             let first: Vec<u32> = self.heads.iter().map(|s| end(s).unwrap_or(0)).collect();
@@ -635,8 +642,9 @@ impl<E: Element> Clustered for WaveIndex<E> {
     fn storage(&self) -> RowStorage {
         match (&self.home, self.codec) {
             (None, _) => RowStorage::Memory,
-            (Some(_), RowCodec::Plain) => RowStorage::Homed,
             (Some(_), RowCodec::Hack2(_)) => RowStorage::HomedEncoded,
+            // `with_home` refuses kv43: only plain rows are homed otherwise.
+            (Some(_), RowCodec::Plain | RowCodec::Kv43(_)) => RowStorage::Homed,
         }
     }
 
@@ -731,6 +739,62 @@ fn plan_trace() -> bool {
 mod tests {
     use super::*;
     use attnstore_kernels::random::SplitMix64;
+
+    #[test]
+    fn kv43_segments_are_encoded_once_in_storage_order_and_never_again() {
+        use attnstore_kernels::{Codec, Kv43Head, Kv43Params};
+        let p = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        let (h, d, prefill, decode) = (2, 64, 1500, 400);
+        let mut g = SplitMix64::new(17);
+        let total = prefill + decode;
+        let k: Vec<f32> = (0..h * total * d).map(|_| g.normal()).collect();
+        let v: Vec<f32> = (0..h * total * d).map(|_| g.normal()).collect();
+        let batch = |x: &[f32], a: usize, b: usize| -> Vec<f32> {
+            (0..h).flat_map(|hh| x[(hh * total + a) * d..(hh * total + b) * d].to_vec()).collect()
+        };
+        let mut wave = WaveIndex::<f16>::new(p, h, d).unwrap().with_codec(Codec::Kv43(Kv43Params::default())).unwrap();
+        wave.prefill(&batch(&k, 0, prefill), &batch(&v, 0, prefill)).unwrap();
+        let encoded = |w: &WaveIndex<f16>| -> Vec<Vec<Kv43Head>> {
+            w.heads.iter().map(|s| s.segments.iter().map(|seg| seg.kv43_rows().unwrap().clone()).collect()).collect()
+        };
+        // Each segment holds its rows in storage (cluster) order, encoded from their f16
+        // values, and nothing plain.
+        let check = |w: &WaveIndex<f16>| {
+            let layout = w.layout();
+            for (u, seg) in layout.segments.iter().enumerate() {
+                for (hh, hl) in seg.heads.iter().enumerate() {
+                    let row = |x: &[f32], pos: u32| -> Vec<f32> {
+                        let at = (hh * total + pos as usize) * d;
+                        x[at..at + d].iter().map(|&y| f16::from_f32(y).to_f32()).collect()
+                    };
+                    let sk: Vec<f32> = hl.positions.iter().flat_map(|&pos| row(&k, pos)).collect();
+                    let sv: Vec<f32> = hl.positions.iter().flat_map(|&pos| row(&v, pos)).collect();
+                    let mut want = Kv43Head::new(d, Kv43Params::default()).unwrap();
+                    want.append(&sk, &sv).unwrap();
+                    assert_eq!(w.heads[hh].segments[u].kv43_rows(), Some(&want), "segment {u} head {hh}");
+                }
+            }
+        };
+        check(&wave);
+        let before = encoded(&wave);
+        assert!(before[0].len() >= 2, "the test must build several segments");
+        // Decode tokens build new segments; the old ones are never encoded again.
+        for t in (prefill..total).step_by(37) {
+            let e = (t + 37).min(total);
+            wave.append(&batch(&k, t, e), &batch(&v, t, e)).unwrap();
+        }
+        let after = encoded(&wave);
+        assert!(after[0].len() > before[0].len(), "decode tokens must build a segment");
+        for (a, b) in after.iter().zip(&before) {
+            assert_eq!(&a[..b.len()], &b[..]);
+        }
+        check(&wave);
+        // A quarter of f16's bytes for the encoded rows (a little more: partial groups in f16).
+        let segment_rows: usize = after[0].iter().map(Kv43Head::rows).sum();
+        let coded: usize = wave.heads.iter().flat_map(|s| &s.segments).map(HeadSegment::kv_bytes).sum();
+        assert!(coded * 10 < 4 * h * segment_rows * d * 2 * 2, "{coded} bytes for {segment_rows} rows per head");
+        assert!(WaveIndex::<f16>::new(p, h, 48).unwrap().with_codec(Codec::Kv43(Kv43Params::default())).is_err());
+    }
 
     #[test]
     fn prefill_segments_is_how_a_prefill_into_an_empty_index_cuts() {

@@ -1,0 +1,261 @@
+//! A `kv43` wave context (keys 4-bit per channel over 128-token groups, values 3-bit over
+//! 64-token blocks, `docs/codec.md`): its segments are encoded once when built and attended
+//! on their codes, exact and sparse plans answer close to exact attention over the very rows
+//! the codes stand for, EXPLAIN counts a quarter of f16's bytes, a durable context recovers
+//! the same answers, and what it cannot do yet is a typed error.
+
+use attnstore::{
+    AttnShape, Budget, BufferSettings, Codec, ContextSpec, DurableConfig, Engine, EngineConfig, Error, EstimateShare,
+    IndexRebuild, Kv43Params, Method, PqParams, Request, WaveParams,
+};
+use attnstore_index::{AccessMethod, WaveIndex};
+use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
+use attnstore_kernels::random::SplitMix64;
+use attnstore_kernels::Kv43Head;
+use half::f16;
+
+const TOKENS: usize = 3000;
+
+fn shape() -> AttnShape {
+    AttnShape::new(8, 2, 64).unwrap()
+}
+
+fn wave() -> WaveParams {
+    WaveParams { segment_tokens: 512, decode_segment_tokens: 128, local_tokens: 32, ..WaveParams::default() }
+}
+
+fn spec() -> ContextSpec {
+    ContextSpec::new(shape(), 1).with_method(Method::Wave(wave())).with_codec(Codec::Kv43(Kv43Params::default()))
+}
+
+/// `kv_heads × tokens × d` keys with three outlier channels (as real post-RoPE keys have) and
+/// values around per-channel means, and one query per query head.
+fn data(seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let s = shape();
+    let d = s.head_dim;
+    let mut g = SplitMix64::new(seed);
+    let mu: Vec<f32> = (0..d).map(|_| g.normal()).collect();
+    let k = (0..s.kv_len(TOKENS)).map(|i| g.normal() * if i % d < 3 { 6.0 } else { 1.0 }).collect();
+    let v = (0..s.kv_len(TOKENS)).map(|i| mu[i % d] + 0.5 * g.normal()).collect();
+    let q = (0..s.query_len()).map(|_| g.normal() * 0.4).collect();
+    (k, v, q)
+}
+
+fn f16_rows(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
+}
+
+/// Exact attention (f64) of every query head over the rows a `kv43` wave index of `k`/`v`
+/// stands for: the f16 sink and tail, and each segment's rows in storage order encoded as
+/// the index encodes them and dequantized. `plain` instead takes the f16 rows themselves.
+fn reference(k: &[f32], v: &[f32], q: &[f32], plain: bool) -> Vec<f64> {
+    let s = shape();
+    let (h, d, g) = (s.kv_heads, s.head_dim, s.group());
+    // The same index the engine builds (the same deterministic k-means), for its layout.
+    let mut index =
+        WaveIndex::<f16>::new(wave(), h, d).unwrap().with_codec(Codec::Kv43(Kv43Params::default())).unwrap();
+    index.prefill(k, v).unwrap();
+    let layout = index.layout();
+    let mut out = Vec::new();
+    for head in 0..h {
+        let row = |x: &[f32], t: usize| f16_rows(&x[(head * TOKENS + t) * d..(head * TOKENS + t + 1) * d]);
+        let (mut rk, mut rv): (Vec<f32>, Vec<f32>) = (Vec::new(), Vec::new());
+        for t in 0..layout.sink_len as usize {
+            rk.extend(row(k, t));
+            rv.extend(row(v, t));
+        }
+        for seg in &layout.segments {
+            let positions = &seg.heads[head].positions;
+            let sk: Vec<f32> = positions.iter().flat_map(|&p| row(k, p as usize)).collect();
+            let sv: Vec<f32> = positions.iter().flat_map(|&p| row(v, p as usize)).collect();
+            if plain {
+                rk.extend(sk);
+                rv.extend(sv);
+            } else {
+                let mut coded = Kv43Head::new(d, Kv43Params::default()).unwrap();
+                coded.append(&sk, &sv).unwrap();
+                let (dk, dv) = coded.dequantize();
+                rk.extend(dk);
+                rv.extend(dv);
+            }
+        }
+        for t in layout.tail_start as usize..TOKENS {
+            rk.extend(row(k, t));
+            rv.extend(row(v, t));
+        }
+        for j in 0..g {
+            let qh = &q[(head * g + j) * d..(head * g + j + 1) * d];
+            out.extend(attend_f64(qh, &rk, &rv, None));
+        }
+    }
+    out
+}
+
+fn answer(engine: &Engine, ctx: attnstore::ContextId, q: &[f32], budget: &Budget) -> Vec<f32> {
+    let plan = engine.plan(&[Request::new(ctx, 0, q.to_vec())], budget).unwrap();
+    engine.execute(&plan).unwrap().remove(0)
+}
+
+#[test]
+fn exact_and_sparse_plans_answer_close_to_attention_over_the_rows_the_codes_stand_for() {
+    let (k, v, q) = data(3);
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(spec()).unwrap();
+    let plain = engine.create_context(spec().with_codec(Codec::F16)).unwrap();
+    engine.prefill(ctx, 0, &k, &v).unwrap();
+    engine.prefill(plain, 0, &k, &v).unwrap();
+    let (coded, f16_kv) = (engine.stats(ctx, 0).unwrap(), engine.stats(plain, 0).unwrap());
+    assert_eq!(
+        (coded.segments, coded.clusters),
+        (f16_kv.segments, f16_kv.clusters),
+        "the codec does not change the index"
+    );
+    assert!(coded.segments >= 4, "the test must exercise several segments");
+
+    // Exact over the codes: within the codec's own arithmetic (8-bit queries per key group,
+    // 7-bit probabilities per value block) of exact attention over the dequantized rows,
+    // which is much nearer than the f16 rows are (the rounding of 4+3 bits).
+    let exact = answer(&engine, ctx, &q, &Budget::full());
+    let (dequantized, f16_rows_ref) = (reference(&k, &v, &q, false), reference(&k, &v, &q, true));
+    let (err_codes, err_rounding) = (rel_l2(&exact, &dequantized), rel_l2(&exact, &f16_rows_ref));
+    let rounding = rel_l2(&dequantized.iter().map(|&x| x as f32).collect::<Vec<_>>(), &f16_rows_ref);
+    println!("exact over kv43: {err_codes:.5} from the dequantized rows, {err_rounding:.5} from f16 (rounding alone {rounding:.5})");
+    assert!(err_codes < 0.01, "exact plan vs attention over the dequantized rows: {err_codes}");
+    assert!(err_codes < rounding / 2.0, "{err_codes} vs the rounding's own {rounding}");
+    assert!(err_rounding < 0.1, "exact plan vs f16 rows: {err_rounding}");
+
+    // Retrieving every cluster reads the same rows in the same value blocks: the same answer.
+    let all =
+        Budget::default().with_retrieve(1.0).with_estimate(EstimateShare::Fraction(0.0)).with_exact_threshold(100.0);
+    let retrieved = answer(&engine, ctx, &q, &all);
+    let err = rel_l2(&retrieved, &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    assert!(err < 1e-4, "retrieve-all vs exact over the codes: {err}");
+
+    // A tripartite plan over kv43 rows stays near the same plan over f16 rows.
+    let sparse = Budget::default().with_retrieve_floor(64).with_retrieve(0.05).with_exact_threshold(100.0);
+    let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &sparse).unwrap();
+    assert!(plan.explain().contains("Retrieve"), "{}", plan.explain());
+    let (a, b) = (answer(&engine, ctx, &q, &sparse), answer(&engine, plain, &q, &sparse));
+    let err = rel_l2(&a, &b.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+    println!("sparse over kv43 vs the same budget over f16: {err:.5}");
+    assert!(err < 0.1, "kv43 vs f16 under the same sparse budget: {err}");
+}
+
+#[test]
+fn a_kv43_context_stores_a_quarter_of_f16_and_explain_says_so() {
+    let (k, v, q) = data(4);
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(spec()).unwrap();
+    let plain = engine.create_context(spec().with_codec(Codec::F16)).unwrap();
+    engine.prefill(ctx, 0, &k, &v).unwrap();
+    engine.prefill(plain, 0, &k, &v).unwrap();
+    let plan = engine.plan(&[Request::new(ctx, 0, q)], &Budget::full()).unwrap();
+    let text = plan.explain();
+    assert!(text.contains("kv43 (64.0 B per token and kv head, 0.250× f16)"), "{text}");
+    // Segment rows at a quarter of f16 (a little more: each segment's partial key group
+    // stays f16), the steady zone in f16.
+    let (coded, f16_kv) = (engine.stats(ctx, 0).unwrap(), engine.stats(plain, 0).unwrap());
+    let steady = 2 * (TOKENS - coded.indexed_tokens) * shape().kv_heads * 64 * 2;
+    let (segments, f16_segments) = (coded.kv_bytes - steady, f16_kv.kv_bytes - steady);
+    println!("segment rows: {segments} B in kv43, {f16_segments} B in f16");
+    assert!(segments as f64 <= 0.32 * f16_segments as f64, "{segments} vs {f16_segments}");
+    assert!(segments as f64 >= 0.25 * f16_segments as f64, "{segments} vs {f16_segments}");
+}
+
+#[test]
+fn what_kv43_cannot_serve_yet_is_a_typed_error() {
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let refused = |spec: ContextSpec, says: &str| match engine.create_context(spec) {
+        Err(Error::InvalidSpec(why)) => assert!(why.contains(says), "{why}"),
+        other => panic!("expected InvalidSpec saying {says:?}, got {other:?}"),
+    };
+    refused(spec().with_method(Method::Flat), "kv43 codec encodes indexed rows");
+    refused(spec().with_method(Method::Pq(PqParams::default())), "not yet served by pq");
+    refused(
+        ContextSpec::new(AttnShape::new(4, 2, 32).unwrap(), 1).with_codec(Codec::Kv43(Kv43Params::default())),
+        "multiple of 64",
+    );
+    refused(
+        ContextSpec::new(shape(), 1).with_codec(Codec::Kv43(Kv43Params { key_group: 96, value_block: 64 })),
+        "multiple of the value block",
+    );
+    let mut f32_steady = spec();
+    f32_steady.dtype = attnstore::DType::F32;
+    refused(f32_steady, "in f16");
+    // Bad rows are refused and change nothing.
+    let ctx = engine.create_context(spec()).unwrap();
+    let (mut k, v, _) = data(5);
+    k[100] = f32::NAN;
+    assert!(engine.prefill(ctx, 0, &k, &v).is_err());
+    assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 0);
+    assert!(engine.prefill(ctx, 0, &k[..64], &v[..65]).is_err());
+}
+
+#[test]
+fn a_durable_kv43_context_recovers_the_same_answers_from_its_f16_data_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k, v, q) = data(6);
+    let s = shape();
+    let d = s.head_dim;
+    // Head-major slices of tokens a..b, as the engine takes batches.
+    let slice = |x: &[f32], a: usize, b: usize| -> Vec<f32> {
+        (0..s.kv_heads).flat_map(|h| x[(h * TOKENS + a) * d..(h * TOKENS + b) * d].to_vec()).collect()
+    };
+    let budgets = [Budget::full(), Budget::default().with_retrieve_floor(64).with_retrieve(0.05)];
+    let outputs =
+        |engine: &Engine, ctx| -> Vec<Vec<f32>> { budgets.iter().map(|b| answer(engine, ctx, &q, b)).collect() };
+    let reference = Engine::in_memory(EngineConfig::default()).unwrap();
+    let rctx = reference.create_context(spec()).unwrap();
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(spec()).unwrap();
+    for e in [(&engine, ctx), (&reference, rctx)] {
+        e.0.prefill(e.1, 0, &slice(&k, 0, 2000), &slice(&v, 0, 2000)).unwrap();
+        for a in (2000..2400).step_by(40) {
+            e.0.append(e.1, 0, &slice(&k, a, a + 40), &slice(&v, a, a + 40)).unwrap();
+        }
+    }
+    engine.checkpoint().unwrap();
+    for a in (2400..2600).step_by(40) {
+        for e in [(&engine, ctx), (&reference, rctx)] {
+            e.0.append(e.1, 0, &slice(&k, a, a + 40), &slice(&v, a, a + 40)).unwrap();
+        }
+    }
+    let before = outputs(&engine, ctx);
+    assert_eq!(before, outputs(&reference, rctx));
+    drop(engine);
+    // The f16 data file is the home (no 0.25× disk form yet); recovery restores the
+    // checkpointed layout and encodes each segment again from the same f16 rows, to nearest:
+    // the same codes, so the same answers, bit for bit.
+    for rebuild in [IndexRebuild::Blocking, IndexRebuild::Background] {
+        let config = DurableConfig { index_rebuild: rebuild, ..DurableConfig::default() };
+        let engine = Engine::open_with(dir.path(), EngineConfig::default(), config).unwrap();
+        let report = engine.recovery_report().unwrap();
+        assert!(report.layout_errors.is_empty(), "{rebuild:?}: {report}");
+        // No 2-bit home: the checkpointed layout serves (at once, or by the background rebuild).
+        assert_eq!(report.homes_restored, 0, "{rebuild:?}: {report}");
+        if rebuild == IndexRebuild::Blocking {
+            assert_eq!(report.layouts_restored, 1, "{report}");
+        }
+        assert!(engine.wait_index_rebuild(std::time::Duration::from_secs(60)).unwrap(), "{rebuild:?}");
+        assert_eq!(engine.stats(ctx, 0).unwrap(), reference.stats(rctx, 0).unwrap(), "{rebuild:?}");
+        assert_eq!(outputs(&engine, ctx), before, "{rebuild:?}");
+    }
+}
+
+#[test]
+fn with_a_buffer_manager_kv43_segments_stay_in_the_index_and_answer_alike() {
+    let (k, v, q) = data(7);
+    let config = EngineConfig {
+        buffers: Some(BufferSettings { maintainer_idle: None, ..BufferSettings::new(20_000) }),
+        ..EngineConfig::default()
+    };
+    let homed = Engine::in_memory(config).unwrap();
+    let memory = Engine::in_memory(EngineConfig::default()).unwrap();
+    let (a, b) = (homed.create_context(spec()).unwrap(), memory.create_context(spec()).unwrap());
+    homed.prefill(a, 0, &k, &v).unwrap();
+    memory.prefill(b, 0, &k, &v).unwrap();
+    assert_eq!(homed.stats(a, 0).unwrap(), memory.stats(b, 0).unwrap());
+    for budget in [Budget::full(), Budget::default().with_retrieve_floor(64).with_retrieve(0.05)] {
+        assert_eq!(answer(&homed, a, &q, &budget), answer(&memory, b, &q, &budget));
+    }
+}
