@@ -78,7 +78,7 @@ impl BenchConfig {
         let copies = f32_kv / 4 * self.dtype.size_bytes() as u64;
         let stored = |codec: Codec, method: Method| memory::context_bytes(shape, codec, &method, tokens);
         let mut contexts = stored(Codec::from(self.dtype), Method::Flat)?;
-        if self.methods.contains(&BenchMethod::Wave) || self.codec.hack().is_some() {
+        if self.methods.contains(&BenchMethod::Wave) || self.codec.is_encoded() {
             contexts = contexts.checked_add(stored(self.codec, Method::Wave(WaveParams::default()))?)?;
         }
         if self.methods.contains(&BenchMethod::Pq) {
@@ -226,7 +226,7 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     let spec = ContextSpec::new(shape, 1).with_dtype(cfg.dtype);
     let coded = spec.clone().with_codec(cfg.codec);
     let wave = engine.create_context(coded.clone().with_method(Method::Wave(WaveParams::default())))?;
-    if cfg.methods.contains(&BenchMethod::Wave) || cfg.codec.hack().is_some() {
+    if cfg.methods.contains(&BenchMethod::Wave) || cfg.codec.is_encoded() {
         measure_wave_build(cfg, &engine, wave, &synth, tokens, emit)?;
     }
     pb.inc(1);
@@ -242,7 +242,7 @@ fn run_length<E: Element>(cfg: &BenchConfig, tokens: usize, emit: &mut dyn FnMut
     }
 
     let ctx = Inputs { engine: &engine, shape, queries: &queries, references: &references, kview, vview, reps };
-    if cfg.codec.hack().is_some() {
+    if cfg.codec.is_encoded() {
         pb.set_message(format!("exact attention over {} rows", cfg.codec));
         let run = measure_sparse(&ctx, wave, &Budget::full(), &exact_once, &pb)?;
         let mut r = base_row(cfg, "decode", "exact_hack2", tokens);

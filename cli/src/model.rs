@@ -52,8 +52,9 @@ pub struct ModelBudgetArgs {
     #[arg(long, default_value = "rest", value_parser = crate::parse_share)]
     estimate: EstimateShare,
     /// Codec of the stored KV: f16 (default), or hack2 / hack2:Π (2-bit homomorphic rows,
-    /// HACK's per-token keys), hack2c / hack2c:Π (keys normalized per channel first); with
-    /// `exact`, exact attention over the 2-bit rows.
+    /// HACK's per-token keys), hack2c / hack2c:Π (keys normalized per channel first), kv43 /
+    /// kv43:G (4-bit per-channel keys over G-token groups, 3-bit values; not with pq); with
+    /// `exact`, exact attention over the encoded rows.
     #[arg(long, default_value = "f16")]
     codec: Codec,
 }
@@ -123,8 +124,8 @@ pub struct EvalArgs {
     #[arg(long, default_value = "2K,4K,8K", value_delimiter = ',', value_parser = crate::parse_tokens)]
     lengths: Vec<usize>,
     /// Methods compared with exact attention: wave, pq, topk (or oracle: top-k of the true
-    /// scores), and exact, which adds rows only with a 2-bit --codec (exact attention over
-    /// the 2-bit rows; over f16 it is the reference itself and is skipped).
+    /// scores), and exact, which adds rows only with an encoded --codec (exact attention
+    /// over the hack2 or kv43 rows; over f16 it is the reference itself and is skipped).
     #[arg(long, default_value = "wave,pq,topk", value_delimiter = ',', value_parser = parse_method)]
     methods: Vec<AttnMethod>,
     /// Budget scales relative to the default budget (each positive: retrieval fraction and
@@ -546,8 +547,8 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
     let mut variants = Vec::new();
     let codec = args.budget.codec;
     for &m in &args.methods {
-        // Exact attention is the reference; over a 2-bit codec it is a variant of its own.
-        if m == AttnMethod::Exact && codec.hack().is_none() {
+        // Exact attention is the reference; over an encoded codec it is a variant of its own.
+        if m == AttnMethod::Exact && !codec.is_encoded() {
             continue;
         }
         for &s in &args.scales {
@@ -559,7 +560,7 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
     if variants.is_empty() {
         return Err(format!(
             "--methods {} leaves nothing to compare with exact attention over {codec}: name wave, pq or topk \
-             (exact is a variant only with a 2-bit --codec such as hack2)",
+             (exact is a variant only with an encoded --codec such as hack2 or kv43)",
             args.methods.iter().map(|m| m.name()).collect::<Vec<_>>().join(",")
         ));
     }

@@ -112,15 +112,14 @@ impl AttnConfig {
     }
 
     /// The spec of the context that serves this configuration. Exact attention over
-    /// `hack2` rows runs on a wave context under a full budget (the 2-bit form lives in the
-    /// indexed segments); the oracle top-k always keeps plain rows (f16 for `hack2`).
+    /// encoded rows (`hack2`, `kv43`) runs on a wave context under a full budget (the
+    /// encoded form lives in the indexed segments); the oracle top-k always keeps plain rows
+    /// (f16 for the encoded codecs).
     pub(crate) fn spec(&self, shape: AttnShape, kinds: &[LayerKind]) -> ContextSpec {
         let base = ContextSpec::new(shape, kinds.len()).with_layers(kinds.to_vec());
-        match (self.method, self.codec.hack()) {
-            (AttnMethod::Exact, Some(_)) => {
-                base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default()))
-            }
-            (AttnMethod::TopK, Some(_)) => {
+        match (self.method, self.codec.is_encoded()) {
+            (AttnMethod::Exact, true) => base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default())),
+            (AttnMethod::TopK, true) => {
                 base.with_codec(Codec::from(self.codec.plain_dtype())).with_method(Method::Flat)
             }
             (m, _) => base.with_codec(self.codec).with_method(m.spec_method()),
@@ -212,7 +211,7 @@ impl<'a> Session<'a> {
         let kinds = c.layer_kinds();
         let ctx = make(config.spec(c.attn_shape(), &kinds))?;
         let exact_twin = ContextSpec::new(c.attn_shape(), c.layers).with_layers(kinds).with_method(Method::Flat);
-        let audit = if audit && (config.method != AttnMethod::Exact || config.codec.hack().is_some()) {
+        let audit = if audit && (config.method != AttnMethod::Exact || config.codec.is_encoded()) {
             Some(make(exact_twin)?)
         } else {
             None
