@@ -1,0 +1,284 @@
+//! kv43's tests: codes round-trip, the homomorphic arithmetic equals dequantize-then-
+//! multiply, fast paths equal their references, row runs, rows as they arrive, bad input.
+
+use super::*;
+use crate::random::SplitMix64;
+
+/// Keys with outlier channels (as real models' are) and plain values.
+fn data(rows: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let mut rng = SplitMix64::new(seed);
+    let keys = (0..rows * d).map(|i| rng.normal() * if i % d < 3 { 8.0 } else { 1.0 }).collect();
+    let values = (0..rows * d).map(|_| rng.normal()).collect();
+    let q = (0..d).map(|_| rng.normal()).collect();
+    (keys, values, q)
+}
+
+#[test]
+fn codes_round_trip_within_half_a_step_and_bytes_match_the_formula() {
+    for (d, params) in [
+        (64, Kv43Params::default()),
+        (128, Kv43Params { key_group: 64, value_block: 64 }),
+        (256, Kv43Params { key_group: 256, value_block: 32 }),
+    ] {
+        let rows = 2 * params.key_group;
+        let (k, v, _) = data(rows, d, 3);
+        let enc = Kv43Rows::encode(&k, &v, d, params).unwrap();
+        let (dk, dv) = enc.dequantize();
+        for j in 0..rows {
+            for c in 0..d {
+                let (g, b) = (j / params.key_group, j / params.value_block);
+                let ks = enc.key_scale[g * d + c].to_f32();
+                let vs = enc.value_scale[b * d + c].to_f32();
+                // Half a step, plus the f16 rounding of the minimum and scale.
+                assert!((dk[j * d + c] - k[j * d + c]).abs() <= 0.5 * ks + 1e-2 * ks.max(1e-3) + 4e-3, "key {j},{c}");
+                assert!((dv[j * d + c] - v[j * d + c]).abs() <= 0.5 * vs + 1e-2 * vs.max(1e-3) + 4e-3, "value {j},{c}");
+            }
+        }
+        assert_eq!(
+            enc.bytes() as f64,
+            params.bytes_per_token(d) * rows as f64,
+            "d = {d}: {} bytes for {rows} rows",
+            enc.bytes()
+        );
+    }
+    // The default layout is a quarter of f16's bytes at every supported d: d/2 + 3d/8
+    // bytes of codes, d/32 of code sums, d/32 of key and d/16 of value metadata.
+    for d in [64, 128, 256] {
+        assert_eq!(Kv43Params::default().bytes_per_token(d), 0.25 * 4.0 * d as f64, "d = {d}");
+    }
+}
+
+#[test]
+fn homomorphic_scores_and_values_equal_dequantize_then_multiply() {
+    let d = 128;
+    let params = Kv43Params::default();
+    let (k, v, q) = data(256, d, 5);
+    let enc = Kv43Rows::encode(&k, &v, d, params).unwrap();
+    let (dk, dv) = enc.dequantize();
+    let scale = 1.0 / (d as f32).sqrt();
+    // Scores: the same 8-bit query, dequantized, times the dequantized keys (f64).
+    let got = enc.scores(&q, scale);
+    let mut gq = GroupQuery::new(d);
+    for (j, &s) in got.iter().enumerate() {
+        let g = j / params.key_group;
+        enc.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
+        gq.prepare(&q);
+        let want: f64 = (0..d)
+            .map(|c| {
+                let (a, b) = gq.ab[c / PART];
+                let qs = f64::from(a) + f64::from(b) * f64::from(gq.w[c]);
+                let ks = f64::from(enc.key_scale[g * d + c].to_f32());
+                // q_c·k_c = q_c m_c + (q_c s_c)·u: the scaled query's code stands for q_c s_c.
+                let u = if ks > 0.0 {
+                    (f64::from(dk[j * d + c]) - f64::from(enc.key_min[g * d + c].to_f32())) / ks
+                } else {
+                    0.0
+                };
+                f64::from(q[c]) * f64::from(enc.key_min[g * d + c].to_f32()) + qs * u
+            })
+            .sum::<f64>()
+            * f64::from(scale);
+        assert!((f64::from(s) - want).abs() <= 1e-4 * want.abs().max(1.0), "row {j}: {s} vs {want}");
+    }
+    // Values: the same 7-bit probabilities times the dequantized values.
+    let out = enc.attend(&q, scale);
+    let max = got.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let p: Vec<f32> = got.iter().map(|s| (s - max).exp()).collect();
+    let (mut want, mut total) = (vec![0.0f64; d], 0.0f64);
+    for block in p.chunks(params.value_block).enumerate() {
+        let (b, ps) = block;
+        let step = ps.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
+        for (i, &x) in ps.iter().enumerate() {
+            let w = f64::from(step) * f64::from((x / step).round().min(P_LEVELS));
+            total += w;
+            let t = b * params.value_block + i;
+            want.iter_mut().enumerate().for_each(|(c, o)| *o += w * f64::from(dv[t * d + c]));
+        }
+    }
+    for (c, (&o, w)) in out.iter().zip(&want).enumerate() {
+        let w = w / total;
+        assert!((f64::from(o) - w).abs() <= 1e-4 * w.abs().max(0.1), "channel {c}: {o} vs {w}");
+    }
+}
+
+#[test]
+fn the_8_bit_query_and_7_bit_probabilities_add_little_to_the_rounding_error() {
+    use crate::cpu::reference::{attend_f64, rel_l2};
+    let d = 128;
+    let (k, v, _) = data(512, d, 7);
+    let enc = Kv43Rows::encode(&k, &v, d, Kv43Params::default()).unwrap();
+    let (dk, dv) = enc.dequantize();
+    let scale = 1.0 / (d as f32).sqrt();
+    for row in [17, 300] {
+        // A query aimed at one row, as decode queries mostly are (attend_f64 scales by 1/√d).
+        let q: Vec<f32> = k[row * d..(row + 1) * d].iter().map(|x| x * 0.3).collect();
+        let exact = attend_f64(&q, &k, &v, None);
+        let rounding = rel_l2(&attend_f64(&q, &dk, &dv, None).iter().map(|&x| x as f32).collect::<Vec<_>>(), &exact);
+        let codes = rel_l2(&enc.attend(&q, scale), &exact);
+        println!("row {row}: on the codes {codes:.4}, rounding alone {rounding:.4}");
+        assert!(codes <= rounding * 1.25 + 0.01, "row {row}: on the codes {codes}, rounding alone {rounding}");
+        // 3-bit codes of Gaussian values: a step of ~6σ/7, an error of ~0.25σ per value.
+        assert!(rounding < 0.3, "row {row}: rounding alone {rounding}");
+    }
+}
+
+#[test]
+fn heads_together_equal_each_head_alone() {
+    for (d, heads) in [(64, 1), (128, 4), (256, 3)] {
+        let (keys, values, _) = data(384, d, 5 + d as u64);
+        let rows = Kv43Rows::encode(&keys, &values, d, Kv43Params::default()).unwrap();
+        let mut rng = SplitMix64::new(9);
+        let q: Vec<f32> = (0..heads * d).map(|_| rng.normal()).collect();
+        let together = rows.attend_heads(&q, heads, 0.1).unwrap();
+        for h in 0..heads {
+            let alone = rows.attend(&q[h * d..(h + 1) * d], 0.1);
+            let alone: Vec<f64> = alone.iter().map(|&x| f64::from(x)).collect();
+            let err = crate::cpu::reference::rel_l2(&together[h * d..(h + 1) * d], &alone);
+            // Only the vectorized exp differs (a few ulp), which can move a 7-bit code.
+            assert!(err < 2e-3, "d = {d}, head {h}: {err}");
+        }
+    }
+    let rows = Kv43Rows::encode(&vec![0.5; 128 * 64], &vec![0.5; 128 * 64], 64, Kv43Params::default()).unwrap();
+    assert!(matches!(rows.attend_heads(&[0.0; 100], 2, 1.0), Err(Error::ShapeMismatch { .. })));
+    assert!(matches!(rows.attend_heads(&[], 0, 1.0), Err(Error::ShapeMismatch { .. })));
+}
+
+#[test]
+fn groups_are_encoded_once_when_they_fill_and_the_partial_group_is_attended_exactly() {
+    let (d, heads, n) = (128, 4, 128 * 3 + 50);
+    let (keys, values, _) = data(n, d, 21);
+    // f16 first, as the head keeps rows before encoding them.
+    let r16 = |x: &[f32]| x.iter().map(|&v| f16::from_f32(v).to_f32()).collect::<Vec<_>>();
+    let (k16, v16) = (r16(&keys), r16(&values));
+    let mut head = Kv43Head::new(d, Kv43Params::default()).unwrap();
+    let mut seen: Vec<Kv43Rows> = Vec::new();
+    for (i, (k, v)) in keys.chunks(7 * d).zip(values.chunks(7 * d)).enumerate() {
+        head.append(k, v).unwrap();
+        // What is encoded is a prefix of whole groups, and an encoded group never changes.
+        let done = head.encoded_rows();
+        assert_eq!(done % 128, 0, "chunk {i}");
+        assert!(done <= head.rows() && head.rows() - done < 128, "chunk {i}");
+        if let Some(e) = head.encoded() {
+            let whole = Kv43Rows::encode(&k16[..done * d], &v16[..done * d], d, Kv43Params::default()).unwrap();
+            assert_eq!(*e, whole, "chunk {i}: the groups differ from encoding them at once");
+            if let Some(prev) = seen.last() {
+                assert_eq!(
+                    e.key_codes[..prev.key_codes.len()],
+                    prev.key_codes[..],
+                    "chunk {i}: a group was re-encoded"
+                );
+                assert_eq!(e.value_planes[..prev.value_planes.len()], prev.value_planes[..]);
+            }
+            seen.push(e.clone());
+        }
+    }
+    assert_eq!((head.rows(), head.encoded_rows()), (n, 384));
+    assert_eq!(head.bytes(), head.encoded().unwrap().bytes() + 4 * 50 * d);
+    // Attention: the codes' arithmetic over the encoded rows, exact over the 50 in f16,
+    // close to exact attention over the dequantized rows and the f16 tail.
+    let mut rng = SplitMix64::new(4);
+    let q: Vec<f32> = (0..heads * d).map(|_| rng.normal() * 0.3).collect();
+    let out = head.attend(&q, heads, 0.09).unwrap();
+    let (dk, dv) = head.encoded().unwrap().dequantize();
+    let (mut ak, mut av) = (dk, dv);
+    ak.extend_from_slice(&k16[384 * d..]);
+    av.extend_from_slice(&v16[384 * d..]);
+    for h in 0..heads {
+        let qs: Vec<f32> = q[h * d..(h + 1) * d].iter().map(|x| x * 0.09 * (d as f32).sqrt()).collect();
+        let want = crate::cpu::reference::attend_f64(&qs, &ak, &av, None);
+        let err = crate::cpu::reference::rel_l2(&out[h * d..(h + 1) * d], &want);
+        println!("head {h}: codes + exact tail vs exact over the dequantized rows: {err:.5}");
+        assert!(err < 0.05, "head {h}: {err}");
+    }
+    // Only the tail: exact attention of its f16 rows.
+    let mut small = Kv43Head::new(d, Kv43Params::default()).unwrap();
+    small.append(&keys[..10 * d], &values[..10 * d]).unwrap();
+    let qs: Vec<f32> = q[..d].iter().map(|x| x * 0.09 * (d as f32).sqrt()).collect();
+    let want = crate::cpu::reference::attend_f64(&qs, &k16[..10 * d], &v16[..10 * d], None);
+    assert!(crate::cpu::reference::rel_l2(&small.attend(&q[..d], 1, 0.09).unwrap(), &want) < 1e-5);
+    // Bad input changes nothing.
+    let before = head.rows();
+    assert!(matches!(head.append(&keys[..d], &values[..d - 1]), Err(Error::ShapeMismatch { .. })));
+    assert!(matches!(head.append(&[f32::NAN; 128], &[0.0; 128]), Err(Error::InvalidArgument { .. })));
+    assert_eq!(head.rows(), before);
+    assert!(Kv43Head::new(d, Kv43Params::default()).unwrap().attend(&q[..d], 1, 0.1).is_err());
+    assert!(Kv43Head::new(100, Kv43Params::default()).is_err());
+}
+
+#[test]
+fn row_runs_attend_only_their_rows_and_splits_at_blocks_merge_back() {
+    use crate::cpu::reference::{attend_f64, rel_l2};
+    let (d, heads, n) = (128, 4, 128 * 3 + 40);
+    let (keys, values, _) = data(n, d, 31);
+    let mut head = Kv43Head::new(d, Kv43Params::default()).unwrap();
+    head.append(&keys, &values).unwrap();
+    let (dk, dv) = head.dequantize();
+    let mut rng = SplitMix64::new(8);
+    let q: Vec<f32> = (0..heads * d).map(|_| rng.normal() * 0.3).collect();
+    let scale = 1.0 / (d as f32).sqrt();
+    let run = |ranges: &[Range<usize>]| {
+        let mut parts = vec![Partial::empty(d); heads];
+        head.attend_runs(&q, scale, ranges, &mut parts).unwrap();
+        parts
+    };
+    // Runs across key groups, value blocks and the f16 tail: close to exact attention
+    // over the same dequantized rows (the 8-bit query and 7-bit probabilities' error).
+    let ranges = [5..70, 100..300, 390..420];
+    let got: Vec<f32> = run(&ranges).iter().flat_map(Partial::finish).collect();
+    let pick = |x: &[f32]| -> Vec<f32> { ranges.iter().flat_map(|r| x[r.start * d..r.end * d].to_vec()).collect() };
+    let (sk, sv) = (pick(&dk), pick(&dv));
+    for h in 0..heads {
+        let want = attend_f64(&q[h * d..(h + 1) * d], &sk, &sv, None);
+        let err = rel_l2(&got[h * d..(h + 1) * d], &want);
+        assert!(err < 0.05, "head {h}: {err}");
+    }
+    // Split at value-block boundaries and merged: the same codes, the same answer.
+    let whole = run(&[5..420]);
+    let mut merged = vec![Partial::empty(d); heads];
+    for r in [5..64, 64..192, 192..384, 384..420] {
+        merged.iter_mut().zip(run(&[r])).for_each(|(a, b)| a.merge(&b));
+    }
+    for (a, b) in whole.iter().zip(&merged) {
+        let b: Vec<f64> = b.finish().iter().map(|&x| f64::from(x)).collect();
+        let err = rel_l2(&a.finish(), &b);
+        assert!(err < 1e-5, "{err}");
+    }
+    // No rows: nothing changes; bad ranges and shapes are typed errors.
+    assert!(run(&[]).iter().all(Partial::is_empty));
+    let mut parts = vec![Partial::empty(d); heads];
+    assert!(matches!(head.attend_runs(&q, scale, &[0..n + 1], &mut parts), Err(Error::InvalidArgument { .. })));
+    #[allow(clippy::reversed_empty_ranges)]
+    let backwards = [9..3];
+    assert!(matches!(head.attend_runs(&q, scale, &backwards, &mut parts), Err(Error::InvalidArgument { .. })));
+    let mut short = vec![Partial::empty(d - 1); heads];
+    assert!(matches!(head.attend_runs(&q, scale, &[0..4], &mut short), Err(Error::ShapeMismatch { .. })));
+    assert!(matches!(head.attend_runs(&q[..d], scale, &[0..4], &mut parts), Err(Error::ShapeMismatch { .. })));
+    assert!(parts.iter().all(Partial::is_empty));
+}
+
+#[test]
+fn fast_scores_equal_the_reference_exactly() {
+    for d in [64, 128, 256] {
+        let (keys, values, q) = data(256, d, 11 + d as u64);
+        let rows = Kv43Rows::encode(&keys, &values, d, Kv43Params::default()).unwrap();
+        assert_eq!(rows.scores(&q, 0.125), rows.scores_reference(&q, 0.125), "d = {d}");
+    }
+}
+
+#[test]
+fn bad_parameters_and_rows_are_typed_errors() {
+    let (k, v, _) = data(128, 64, 1);
+    for params in [
+        Kv43Params { key_group: 96, value_block: 64 },
+        Kv43Params { key_group: 128, value_block: 12 },
+        Kv43Params { key_group: 0, value_block: 64 },
+    ] {
+        assert!(matches!(Kv43Rows::encode(&k, &v, 64, params), Err(Error::InvalidArgument { .. })), "{params:?}");
+    }
+    assert!(Kv43Rows::encode(&k, &v, 48, Kv43Params::default()).is_err(), "d not a multiple of 64");
+    assert!(Kv43Rows::encode(&k[..64 * 64], &v[..64 * 64], 64, Kv43Params::default()).is_err(), "a partial key group");
+    assert!(Kv43Rows::encode(&k, &v[1..], 64, Kv43Params::default()).is_err(), "lengths differ");
+    let mut nan = k.clone();
+    nan[5] = f32::NAN;
+    assert!(Kv43Rows::encode(&nan, &v, 64, Kv43Params::default()).is_err(), "NaN");
+}
