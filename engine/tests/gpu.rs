@@ -201,11 +201,15 @@ fn device_selected_steps_over_2_bit_rows_equal_the_cpu_over_the_gpus_selection()
         eprintln!("skipped: set ATTNSTORE_GPU=1 on a machine with a GPU to run the engine's hack2 device steps");
         return;
     }
-    let shape = AttnShape::new(32, 8, 128).unwrap();
-    let spec = ContextSpec::new(shape, 1).with_codec(attnstore::Codec::Hack2(attnstore::HackParams::default()));
     // The GPU quantizes each piece's probabilities to 7 bits over that piece's rows (a value
     // block shared by two retrieved clusters is two pieces), the CPU over the block's rows.
-    device_steps_equal_the_cpu_over_their_selection(spec, 5e-3, 11);
+    // Groups of 4, 2 and 8 query heads; head dimensions 128, 64 and 256 (the kernel's value
+    // channels per lane: 4, 2 and 8).
+    for (q_heads, kv_heads, d) in [(32, 8, 128), (16, 8, 64), (8, 1, 256)] {
+        let shape = AttnShape::new(q_heads, kv_heads, d).unwrap();
+        let spec = ContextSpec::new(shape, 1).with_codec(attnstore::Codec::Hack2(attnstore::HackParams::default()));
+        device_steps_equal_the_cpu_over_their_selection(spec, 5e-3, 11);
+    }
 }
 
 #[test]

@@ -294,7 +294,8 @@ ATTN_PARTIAL(8)
 // the result with no copy node after the kernel. `words_src` (may be null): `words` ints the
 // step wrote in device memory (a wave step's flagged selection) that go to `words_dst` (mapped)
 // too, each CTA one run of consecutive words, written first so the writes overlap the merge.
-extern "C" __global__ void attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
+// (Its launch of MERGE_WARPS × 32 threads needs ≤ 64 registers a thread: the bound says so.)
+extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32) attn_merge(const float* __restrict__ part, int chunks, int group, float* __restrict__ out,
                                       float* __restrict__ lse, const float* __restrict__ part2, int chunks2,
                                       const float* __restrict__ part3, int chunks3,
                                       float* __restrict__ out_copy, const int* __restrict__ words_src, int words,

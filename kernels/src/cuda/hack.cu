@@ -109,6 +109,51 @@ struct HackPagedSrc {
   }
 };
 
+// Quantizes the G query heads of KV head h (`qf`: f32, [q_heads][HEAD_DIM]) to 8 bits per
+// 64-dim partition into `q_s` (the score loop's word order, see hack_attend) and `qm_s`, as
+// `Quantized8::encode` does on the CPU (same IEEE operations, no contraction: the same codes),
+// so a device step needs no quantization launch. Every thread of the CTA (HACK_THREADS) calls
+// it; a barrier must follow before the results are read.
+template <int G>
+__device__ void hack_quantize_queries(const float* __restrict__ qf, int h, unsigned (*q_s)[HEAD_DIM / 4],
+                                      float (*qm_s)[KP][3]) {
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  __shared__ unsigned char code_s[G][HEAD_DIM];
+  // One warp per 64-value partition: two values per lane.
+  for (int p = warp; p < G * KP; p += HACK_THREADS / 32) {
+    const int g = p / KP, k = p % KP;
+    const float* x = qf + (long long)(h * G + g) * HEAD_DIM + k * 64;
+    const float a = x[lane], b = x[lane + 32];
+    float lo = fminf(a, b), hi = fmaxf(a, b);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+    }
+    const float sc = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 0.f), 255.f);
+    const float inv = sc > 0.f ? __fdiv_rn(1.f, sc) : 0.f;
+    const unsigned ca = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(a, lo), inv), 0.5f), 255.f);
+    const unsigned cb = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(b, lo), inv), 0.5f), 255.f);
+    unsigned sum = ca + cb;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+    code_s[g][k * 64 + lane] = (unsigned char)ca;
+    code_s[g][k * 64 + lane + 32] = (unsigned char)cb;
+    if (lane == 0) {
+      qm_s[g][k][0] = sc;
+      qm_s[g][k][1] = lo;
+      qm_s[g][k][2] = __fadd_rn(__fmul_rn(sc, (float)sum), __fmul_rn(64.f, lo));
+    }
+  }
+  __syncthreads();
+  // Word s of dims 16j.. holds dims 16j+s, 16j+4+s, 16j+8+s, 16j+12+s (see hack_attend).
+  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS) {
+    const int g = i / (HEAD_DIM / 4), w = i % (HEAD_DIM / 4);
+    const unsigned char* c = code_s[g] + 16 * (w / 4) + w % 4;
+    q_s[g][w] = (unsigned)c[0] | (unsigned)c[4] << 8 | (unsigned)c[8] << 16 | (unsigned)c[12] << 24;
+  }
+}
+
 // One CTA per (chunk of `chunk_blocks` listed value blocks, KV head), templated on the GQA
 // group G (one kernel per group size: every loop over the group is unrolled and no lane
 // issues work for heads past it); partials in the layout of attn_partial
@@ -119,13 +164,9 @@ struct HackPagedSrc {
 // in the order the score loop isolates the key codes: word s of dims 16w.. holds dims
 // 16w+s, 16w+4+s, 16w+8+s, 16w+12+s (so `(key word >> 2s) & 0x03030303` pairs with it);
 // qmeta: [q_heads][KP][3] = scale, minimum, scale·Σcodes + 64·minimum.
-// With `qf` (f32 queries, [q_heads][HEAD_DIM]) instead, each CTA quantizes its group's
-// queries itself as `Quantized8::encode` does on the CPU (same IEEE operations, no
-// contraction: the same codes), so a device step needs no quantization launch.
 template <int G, class Src>
 __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8,
-                            const float* __restrict__ qmeta, const float* __restrict__ qf, float scale,
-                            int chunk_blocks, float* __restrict__ part) {
+                            const float* __restrict__ qmeta, float scale, int chunk_blocks, float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
   __shared__ __align__(16) unsigned q_s[G][HEAD_DIM / 4];
@@ -135,47 +176,10 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
   __shared__ float m_s[G], l_s[G], corr_s[G], step_s[G], psum_s[G];
   // Bit r: some head gives row r of the current block a nonzero 7-bit weight.
   __shared__ unsigned long long live_s;
-  if (qf != nullptr) {
-    __shared__ unsigned char code_s[G][HEAD_DIM];
-    // One warp per 64-value partition: two values per lane.
-    for (int p = warp; p < G * KP; p += HACK_THREADS / 32) {
-      const int g = p / KP, k = p % KP;
-      const float* x = qf + (long long)(h * G + g) * HEAD_DIM + k * 64;
-      const float a = x[lane], b = x[lane + 32];
-      float lo = fminf(a, b), hi = fmaxf(a, b);
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) {
-        lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-        hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
-      }
-      const float sc = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 0.f), 255.f);
-      const float inv = sc > 0.f ? __fdiv_rn(1.f, sc) : 0.f;
-      const unsigned ca = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(a, lo), inv), 0.5f), 255.f);
-      const unsigned cb = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(b, lo), inv), 0.5f), 255.f);
-      unsigned sum = ca + cb;
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-      code_s[g][k * 64 + lane] = (unsigned char)ca;
-      code_s[g][k * 64 + lane + 32] = (unsigned char)cb;
-      if (lane == 0) {
-        qm_s[g][k][0] = sc;
-        qm_s[g][k][1] = lo;
-        qm_s[g][k][2] = __fadd_rn(__fmul_rn(sc, (float)sum), __fmul_rn(64.f, lo));
-      }
-    }
-    __syncthreads();
-    // Word s of dims 16j.. holds dims 16j+s, 16j+4+s, 16j+8+s, 16j+12+s (see above).
-    for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS) {
-      const int g = i / (HEAD_DIM / 4), w = i % (HEAD_DIM / 4);
-      const unsigned char* c = code_s[g] + 16 * (w / 4) + w % 4;
-      q_s[g][w] = (unsigned)c[0] | (unsigned)c[4] << 8 | (unsigned)c[8] << 16 | (unsigned)c[12] << 24;
-    }
-  } else {
-    for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
-      q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
-    for (int i = t; i < G * KP * 3; i += HACK_THREADS)
-      qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
-  }
+  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
+    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
+  for (int i = t; i < G * KP * 3; i += HACK_THREADS)
+    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
   if (t < G) { m_s[t] = NEG_INF; l_s[t] = 0.f; }
   // Each thread owns channels t and t + 128 of every head's output.
   float o[G][(HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS];
@@ -331,7 +335,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     src.sel_blocks = sel_blocks; src.sel_masks = sel_masks; src.n_sel = n_sel;                               \
     src.row0 = 0; src.vblock = 0;                                                                            \
     const int listed = sel_blocks ? n_sel : (rows + HBLK - 1) / HBLK;                                        \
-    hack_attend<G>(src, listed, q8, qmeta, nullptr, scale, chunk_blocks, part);                                       \
+    hack_attend<G>(src, listed, q8, qmeta, scale, chunk_blocks, part);                                                \
   }                                                                                                          \
   extern "C" __global__ void hack_paged_g##G(                                                               \
       const unsigned long long* __restrict__ pages, const unsigned long long* __restrict__ masks,             \
@@ -341,7 +345,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;                          \
     src.page_bytes = page_bytes; src.page_shift = page_bytes & (page_bytes - 1) ? -1 : __ffs(page_bytes) - 1; \
     src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
-    hack_attend<G>(src, n_sel, q8, qmeta, nullptr, scale, chunk_blocks, part);                                        \
+    hack_attend<G>(src, n_sel, q8, qmeta, scale, chunk_blocks, part);                                                 \
   }
 HACK_KERNELS(1)
 HACK_KERNELS(2)

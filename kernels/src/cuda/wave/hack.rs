@@ -47,8 +47,18 @@ pub(super) struct HackBuffers {
 }
 
 /// CTAs per KV head of the homomorphic kernel at most (each takes an even share of the
-/// head's listed pieces; a step of a few hundred pieces per head gets about two each).
+/// head's listed pieces, one warp per piece).
 const HACK_CHUNKS_MAX: usize = 256;
+
+/// Pieces a CTA of the homomorphic kernel takes when the selection takes its typical
+/// pieces: one per warp (`ARENA_WARPS` in `hack_wave.cu`), so a step's pieces are all in
+/// flight at once. `ATTNSTORE_HACK_PIECES_PER_CTA` overrides it (for measuring).
+fn pieces_per_cta() -> usize {
+    static PER: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PER.get_or_init(|| {
+        std::env::var("ATTNSTORE_HACK_PIECES_PER_CTA").ok().and_then(|v| v.parse().ok()).filter(|&v| v > 0).unwrap_or(4)
+    })
+}
 
 /// Converts a table's `u32` entries to the kernels' `i32` (checked at upload).
 fn ints(x: &[u32]) -> Vec<i32> {
@@ -73,6 +83,12 @@ impl GpuBackend {
         if g.page_bytes == 0 || !g.page_bytes.is_multiple_of(row_bytes) || g.page_bytes > i32::MAX as usize {
             return Err(bad(format!("pages of {} bytes are not whole f16 rows of {row_bytes} bytes", g.page_bytes)));
         }
+        if !g.page_bytes.is_power_of_two() {
+            return Err(bad(format!(
+                "the 2-bit kernel reads pages of a power of two bytes (the buffer manager's 2 KiB blocks), got {}",
+                g.page_bytes
+            )));
+        }
         let too_big = |x: &[u32]| x.iter().any(|&v| v > i32::MAX as u32);
         if too_big(&g.ids) || too_big(&g.piece_bounds) || g.rows.len() > i32::MAX as usize {
             return Err(bad("ids, pieces and value blocks must stay below 2^31".into()));
@@ -93,9 +109,8 @@ impl GpuBackend {
     /// A job's piece lists for steps retrieving `r` clusters per KV head of `g`'s layer.
     pub(super) fn hack_buffers(&self, shape: &AttnShape, g: &DeviceGroups, r: usize) -> Result<HackBuffers> {
         let cap = g.table.pieces_for(r).max(1);
-        // About two pieces per CTA when the selection takes its typical pieces.
         let typical = (r * g.table.pieces).div_ceil(g.table.bounds.max(1)).max(1);
-        let chunks = typical.div_ceil(2).clamp(1, HACK_CHUNKS_MAX);
+        let chunks = typical.div_ceil(pieces_per_cta()).clamp(1, HACK_CHUNKS_MAX);
         let s = &self.stream;
         let n = shape.kv_heads * cap;
         const ALLOCATING: &str = "allocating the piece lists";
@@ -174,13 +189,15 @@ impl GpuBackend {
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
-        let (cap, page_bytes, scale) = (h.cap as i32, g.table.page_bytes as i32, sh.scale());
+        // A power of two (upload_groups).
+        let page_shift = g.table.page_bytes.trailing_zeros() as i32;
+        let (cap, scale) = (h.cap as i32, sh.scale());
         let mut b = main.launch_builder(f);
-        b.arg(&h.list_addr).arg(&h.list_rows).arg(&h.list_mask).arg(&h.counts).arg(&cap).arg(&page_bytes);
+        b.arg(&h.list_addr).arg(&h.list_rows).arg(&h.list_mask).arg(&h.counts).arg(&cap).arg(&page_shift);
         b.arg(&job.decode.q).arg(&scale).arg(&mut h.part);
         // SAFETY: the lists hold counts[h] ≤ cap pieces per head, written by hack_expand
         // before this on the same stream: per piece its row count and the addresses of its
-        // value block's pages in the Host arena or the Gpu tier (page_bytes each, holding the
+        // value block's pages in the Host arena or the Gpu tier (2^page_shift bytes each, holding the
         // group layout of the block, upload_groups), which the step's DeviceRead keeps from
         // being overwritten until it is fetched; q holds q_heads × head_dim floats
         // (step_ingest); part holds kv_heads × chunks × group partials.
