@@ -118,7 +118,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     ap.add_argument("--scale", type=float, default=1.0, help="scales the budget's floor and retrieved share")
     ap.add_argument("--method", default="wave")
-    ap.add_argument("--codec", help="codec of the engine's rows (hack2, hack2c; default f16/f32 rows)")
+    ap.add_argument("--codec", help="codec of the engine's rows (hack2, hack2c, kv43; default f16/f32 rows)")
     ap.add_argument("--exact", action="store_true", help="plan every step exactly (with --codec: exact over the 2-bit rows)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

@@ -457,8 +457,9 @@ impl Engine {
 
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
     /// stored); `method`: wave (default), pq or flat (exact only); `codec`: None (plain
-    /// `dtype`), "hack2" (2-bit indexed rows, HACK's per-token keys) or "hack2c" (2-bit rows
-    /// with keys normalized per channel; both need dtype f16); `windows`: per layer, None
+    /// `dtype`), "hack2" (2-bit indexed rows, HACK's per-token keys), "hack2c" (2-bit rows
+    /// with keys normalized per channel) or "kv43" (4-bit per-channel keys, 3-bit values; wave
+    /// only); all need dtype f16; `windows`: per layer, None
     /// for a global layer or the window of a sliding-window layer (exact over its last
     /// `window` tokens, nothing older kept); by default every layer is global.
     #[pyo3(signature = (q_heads, kv_heads, head_dim, layers=1, dtype="f16", method="wave", codec=None, windows=None))]

@@ -106,7 +106,7 @@ class AttnstoreCache(Cache):
 
     ``config``: the model's config. ``engine``: an ``attnstore.Engine`` (a new in-memory one
     if None). ``method``: wave (default), pq or flat; ``dtype``: how rows are stored (f32,
-    f16, bf16; by default f32 for float32 models, else f16); ``codec``: None, "hack2" or "hack2c";
+    f16, bf16; by default f32 for float32 models, else f16); ``codec``: None, "hack2", "hack2c" or "kv43";
     ``exact``: plan every decode step exactly; ``budget``: an ``attnstore.Budget`` (default:
     :func:`model_budget`); ``dense_layers``: the first this many layers are attended exactly.
     ``remote``: an ``attnstore.RemoteTier`` to attach the longest published prefix of
