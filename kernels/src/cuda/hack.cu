@@ -109,49 +109,42 @@ struct HackPagedSrc {
   }
 };
 
-// Quantizes the G query heads of KV head h (`qf`: f32, [q_heads][HEAD_DIM]) to 8 bits per
-// 64-dim partition into `q_s` (the score loop's word order, see hack_attend) and `qm_s`, as
-// `Quantized8::encode` does on the CPU (same IEEE operations, no contraction: the same codes),
-// so a device step needs no quantization launch. Every thread of the CTA (HACK_THREADS) calls
-// it; a barrier must follow before the results are read.
-template <int G>
-__device__ void hack_quantize_queries(const float* __restrict__ qf, int h, unsigned (*q_s)[HEAD_DIM / 4],
-                                      float (*qm_s)[KP][3]) {
-  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
-  __shared__ unsigned char code_s[G][HEAD_DIM];
-  // One warp per 64-value partition: two values per lane.
-  for (int p = warp; p < G * KP; p += HACK_THREADS / 32) {
-    const int g = p / KP, k = p % KP;
-    const float* x = qf + (long long)(h * G + g) * HEAD_DIM + k * 64;
-    const float a = x[lane], b = x[lane + 32];
-    float lo = fminf(a, b), hi = fmaxf(a, b);
+// Quantizes one 64-dim partition `x` of a query (f32) to 8 bits, as `Quantized8::encode`
+// does on the CPU (same IEEE operations, no contraction: the same codes), one warp: writes
+// the partition's 16 words in the score loop's order (hack_attend) to `words` and its
+// scale, minimum and scale·Σcodes + 64·minimum to `meta`. `codes` is 64 bytes of the
+// warp's own shared memory. Every lane of the warp calls it.
+__device__ void hack_quantize_partition(const float* __restrict__ x, unsigned char* codes, unsigned* __restrict__ words,
+                                        float* __restrict__ meta) {
+  const int lane = threadIdx.x % 32;
+  const float a = x[lane], b = x[lane + 32];
+  float lo = fminf(a, b), hi = fmaxf(a, b);
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
-      hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
-    }
-    const float sc = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 0.f), 255.f);
-    const float inv = sc > 0.f ? __fdiv_rn(1.f, sc) : 0.f;
-    const unsigned ca = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(a, lo), inv), 0.5f), 255.f);
-    const unsigned cb = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(b, lo), inv), 0.5f), 255.f);
-    unsigned sum = ca + cb;
+  for (int off = 16; off > 0; off >>= 1) {
+    lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
+    hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
+  }
+  const float sc = __fdiv_rn(fmaxf(__fsub_rn(hi, lo), 0.f), 255.f);
+  const float inv = sc > 0.f ? __fdiv_rn(1.f, sc) : 0.f;
+  const unsigned ca = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(a, lo), inv), 0.5f), 255.f);
+  const unsigned cb = (unsigned)fminf(__fadd_rn(__fmul_rn(__fsub_rn(b, lo), inv), 0.5f), 255.f);
+  unsigned sum = ca + cb;
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    code_s[g][k * 64 + lane] = (unsigned char)ca;
-    code_s[g][k * 64 + lane + 32] = (unsigned char)cb;
-    if (lane == 0) {
-      qm_s[g][k][0] = sc;
-      qm_s[g][k][1] = lo;
-      qm_s[g][k][2] = __fadd_rn(__fmul_rn(sc, (float)sum), __fmul_rn(64.f, lo));
-    }
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  codes[lane] = (unsigned char)ca;
+  codes[lane + 32] = (unsigned char)cb;
+  __syncwarp();
+  // Word s of dims 16j.. holds dims 16j+s, 16j+4+s, 16j+8+s, 16j+12+s.
+  if (lane < 16) {
+    const unsigned char* c = codes + 16 * (lane / 4) + lane % 4;
+    words[lane] = (unsigned)c[0] | (unsigned)c[4] << 8 | (unsigned)c[8] << 16 | (unsigned)c[12] << 24;
   }
-  __syncthreads();
-  // Word s of dims 16j.. holds dims 16j+s, 16j+4+s, 16j+8+s, 16j+12+s (see hack_attend).
-  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS) {
-    const int g = i / (HEAD_DIM / 4), w = i % (HEAD_DIM / 4);
-    const unsigned char* c = code_s[g] + 16 * (w / 4) + w % 4;
-    q_s[g][w] = (unsigned)c[0] | (unsigned)c[4] << 8 | (unsigned)c[8] << 16 | (unsigned)c[12] << 24;
+  if (lane == 0) {
+    meta[0] = sc;
+    meta[1] = lo;
+    meta[2] = __fadd_rn(__fmul_rn(sc, (float)sum), __fmul_rn(64.f, lo));
   }
+  __syncwarp();
 }
 
 // One CTA per (chunk of `chunk_blocks` listed value blocks, KV head), templated on the GQA

@@ -6,7 +6,7 @@
 // top-r of the centroids, then hack_expand (the retrieved clusters' pieces as one list per
 // head, each page looked up in the Gpu tier's slot table), hack_arena_g{G} (homomorphic
 // attention over the listed pieces, reading each page from the Gpu tier or zero-copy from
-// the pinned Host arena, the queries quantized by every CTA), the steady zone in f16 through
+// the pinned Host arena, the queries quantized once by step_ingest), the steady zone in f16 through
 // wave_expand with no cluster and attn_partial, est_partial, and attn_merge over all three.
 
 #if HEAD_DIM % 64 == 0
@@ -40,10 +40,12 @@ __device__ __forceinline__ float arena_half(const unsigned long long* pages, int
 // lane j scores rows j and j + 32 of the block for every head of the group, then owns value
 // channels ARENA_CPL·j… of every head's output. The CTA's warps fold their partials at the
 // end (one barrier), in attn_partial's layout ([kv_head][chunk][g][PART]) for attn_merge.
+// q8 and qmeta: the queries in 8 bits as step_ingest wrote them (hack_attend's layout).
 template <int G>
 __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_addr, const int* __restrict__ list_rows,
                                   const unsigned long long* __restrict__ list_mask, int cap, int page_shift,
-                                  int listed, const float* __restrict__ qf, float scale, float* __restrict__ part) {
+                                  int listed, const unsigned* __restrict__ q8, const float* __restrict__ qmeta,
+                                  float scale, float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x, warp = t / 32, lane = t % 32;
   __shared__ __align__(16) unsigned q_s[G][HEAD_DIM / 4];
   __shared__ float qm_s[G][KP][3];
@@ -55,7 +57,8 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
   // Each warp's current piece's page addresses (0 past its last page).
   __shared__ unsigned long long pages_s[ARENA_WARPS][MAX_PAGES];
   const unsigned long long* pages = pages_s[warp];
-  hack_quantize_queries<G>(qf, h, q_s, qm_s);
+  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS) q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[h * G * (HEAD_DIM / 4) + i];
+  for (int i = t; i < G * KP * 3; i += HACK_THREADS) qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[h * G * KP * 3 + i];
   __syncthreads();
   const int ch0 = lane * ARENA_CPL;  // this lane's first value channel
   float m[G], l[G], o[G][ARENA_CPL];
@@ -270,8 +273,9 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
   extern "C" __global__ void __launch_bounds__(HACK_THREADS, ARENA_MIN_CTAS(G)) hack_arena_g##G(          \
       const unsigned long long* __restrict__ list_addr, const int* __restrict__ list_rows,                   \
       const unsigned long long* __restrict__ list_mask, const int* __restrict__ counts, int cap,             \
-      int page_shift, const float* __restrict__ q, float scale, float* __restrict__ part) {                  \
-    hack_arena_attend<G>(list_addr, list_rows, list_mask, cap, page_shift, counts[blockIdx.y], q, scale, part); \
+      int page_shift, const unsigned* __restrict__ q8, const float* __restrict__ qmeta, float scale,          \
+      float* __restrict__ part) {                                                                            \
+    hack_arena_attend<G>(list_addr, list_rows, list_mask, cap, page_shift, counts[blockIdx.y], q8, qmeta, scale, part); \
   }
 HACK_ARENA(1)
 HACK_ARENA(2)

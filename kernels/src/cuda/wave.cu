@@ -213,16 +213,31 @@ EST_PARTIAL(8)
 // marks[0] = its length and marks[1] = min(marks[1], the first row it changed). CTA 0 copies
 // rows [min(*dev_len, marks[1]), marks[0]) to the device zone, sets *dev_len = marks[0] and
 // marks[1] = INT_MAX. So a step's launches take no per-step argument and the host makes no
-// copy call, whatever was appended: one kernel node instead of copy nodes.
-extern "C" __global__ void step_ingest(const uint4* __restrict__ q_src, uint4* __restrict__ q_a,
+// copy call, whatever was appended: one kernel node instead of copy nodes. For a 2-bit layer
+// (`q8` not null, HEAD_DIM % 64 == 0) it also quantizes the queries to 8 bits once for the
+// step's hack_arena CTAs (hack_quantize_partition).
+#define INGEST_THREADS 256
+extern "C" __global__ void __launch_bounds__(INGEST_THREADS) step_ingest(const uint4* __restrict__ q_src, uint4* __restrict__ q_a,
                                        uint4* __restrict__ q_b, int q_words, const uint4* __restrict__ stage_k,
                                        const uint4* __restrict__ stage_v, int* marks, uint4* __restrict__ k,
-                                       uint4* __restrict__ v, int* __restrict__ dev_len, int row_words) {
+                                       uint4* __restrict__ v, int* __restrict__ dev_len, int row_words,
+                                       unsigned* __restrict__ q8, float* __restrict__ qmeta) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < q_words; i += gridDim.x * blockDim.x) {
     const uint4 x = q_src[i];
     q_a[i] = x;
     q_b[i] = x;
   }
+#if HEAD_DIM % 64 == 0
+  // A 2-bit layer's queries in 8 bits for hack_arena (q8: [q_heads][HEAD_DIM/4] words,
+  // qmeta: [q_heads][KP][3]), one warp per 64-dim partition.
+  if (q8 != nullptr) {
+    __shared__ unsigned char codes_s[INGEST_THREADS / 32][64];
+    const int warp = threadIdx.x / 32, warps = gridDim.x * (blockDim.x / 32);
+    const int parts = q_words * 4 / 64;
+    for (int p = blockIdx.x * (blockDim.x / 32) + warp; p < parts; p += warps)
+      hack_quantize_partition(reinterpret_cast<const float*>(q_src) + p * 64, codes_s[warp], q8 + p * 16, qmeta + p * 3);
+  }
+#endif
   if (blockIdx.x != 0 || marks == nullptr) return;
   __shared__ int bounds[2];
   if (threadIdx.x == 0) {

@@ -42,6 +42,11 @@ pub(super) struct HackBuffers {
     list_mask: CudaSlice<u64>,
     counts: CudaSlice<i32>,
     pub(super) part: CudaSlice<f32>,
+    /// The step's queries in 8 bits (`q_heads × head_dim / 4` words, written by
+    /// `step_ingest`) and their scales, minima and correction terms (`q_heads × head_dim / 64
+    /// × 3`).
+    pub(super) q8: CudaSlice<u32>,
+    pub(super) qmeta: CudaSlice<f32>,
     pub(super) chunks: usize,
     pub(super) cap: usize,
 }
@@ -122,6 +127,8 @@ impl GpuBackend {
             part: s
                 .alloc_zeros::<f32>(shape.kv_heads * chunks * shape.group() * (self.head_dim + 2))
                 .map_err(gpu_err(ALLOCATING))?,
+            q8: s.alloc_zeros::<u32>(shape.query_len() / 4).map_err(gpu_err(ALLOCATING))?,
+            qmeta: s.alloc_zeros::<f32>(shape.query_len() / 64 * 3).map_err(gpu_err(ALLOCATING))?,
             chunks,
             cap,
         })
@@ -194,13 +201,15 @@ impl GpuBackend {
         let (cap, scale) = (h.cap as i32, sh.scale());
         let mut b = main.launch_builder(f);
         b.arg(&h.list_addr).arg(&h.list_rows).arg(&h.list_mask).arg(&h.counts).arg(&cap).arg(&page_shift);
-        b.arg(&job.decode.q).arg(&scale).arg(&mut h.part);
+        b.arg(&h.q8).arg(&h.qmeta).arg(&scale).arg(&mut h.part);
         // SAFETY: the lists hold counts[h] ≤ cap pieces per head, written by hack_expand
         // before this on the same stream: per piece its row count and the addresses of its
         // value block's pages in the Host arena or the Gpu tier (2^page_shift bytes each, holding the
         // group layout of the block, upload_groups), which the step's DeviceRead keeps from
-        // being overwritten until it is fetched; q holds q_heads × head_dim floats
-        // (step_ingest); part holds kv_heads × chunks × group partials.
+        // being overwritten until it is fetched; q8 and qmeta hold the queries in 8 bits
+        // (q_heads × head_dim / 4 words, q_heads × head_dim / 64 × 3 floats, written by
+        // step_ingest before this on the same stream); part holds kv_heads × chunks × group
+        // partials.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching hack_arena"))?;
         Ok(())
     }

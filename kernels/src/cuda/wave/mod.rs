@@ -738,9 +738,14 @@ impl GpuBackend {
             }
             None => (0, 0, 0, 0, 0, 0, 0),
         };
+        // A 2-bit layer's queries in 8 bits for hack_arena; none otherwise.
+        let (q8, qmeta) = match &job.hack {
+            Some(h) => (device_address(&h.q8, main), device_address(&h.qmeta, main)),
+            None => (0u64, 0u64),
+        };
         let mut b = main.launch_builder(&self.ingest);
         b.arg(&job.io.q.dev).arg(&q_select).arg(&q_decode).arg(&q_words);
-        b.arg(&sk).arg(&sv).arg(&marks).arg(&k).arg(&v).arg(&len).arg(&row_words);
+        b.arg(&sk).arg(&sv).arg(&marks).arg(&k).arg(&v).arg(&len).arg(&row_words).arg(&q8).arg(&qmeta);
         // SAFETY: the query source is the job's mapped pinned buffer of query_len floats (alive
         // as long as the job; a graph replaying this launch is kept by the job or by a batch
         // whose key holds its address), both device buffers hold query_len floats, and
@@ -749,7 +754,9 @@ impl GpuBackend {
         // size is a multiple of 16 bytes) and the device zone have the same layout; the marks
         // hold [length ≤ capacity, first changed row] (set_steady checks both), so every
         // copied word is inside both; the length int is the zone's. Otherwise marks is 0 and
-        // no steady pointer is read.
+        // no steady pointer is read. For a 2-bit layer q8 and qmeta are the job's buffers of
+        // query_len / 4 words and query_len / 64 × 3 floats (hack_buffers; head_dim is a
+        // multiple of 64 there), else 0.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching step_ingest"))?;
         Ok(())
     }
