@@ -122,7 +122,7 @@ fn help_texts_say_what_the_code_accepts() {
     let (_, text) = attnstore(&["inspect", "--help"]);
     assert!(text.contains("multiple of 64") && text.contains("multiple of 512"), "{text}");
     let (_, text) = attnstore(&["eval", "--help"]);
-    assert!(text.contains("oracle") && text.contains("exact, which adds rows only with a 2-bit"), "{text}");
+    assert!(text.contains("oracle") && text.contains("exact, which adds rows only with an encoded --codec"), "{text}");
     let (_, text) = attnstore(&["bench", "--help"]);
     assert!(text.contains("PQ") && text.contains("--trace") && text.contains("memory-read"), "{text}");
 }
