@@ -222,11 +222,11 @@ def test_a_closed_engine_raises_and_its_directory_reopens(data, tmp_path):
     again.close()
 
 
-def test_two_bit_codecs_per_token_and_per_channel_keys():
-    """Keys with outlier channels (as real models' post-RoPE keys have): exact attention over
-    2-bit rows whose keys are normalized per channel (hack2c) stays near f16, HACK's per-token
-    keys (hack2) do not; a codec that does not exist is an InvalidArgumentError naming it."""
-    rng = np.random.default_rng(11)
+def exact_errors_with_outlier_keys(seed, codecs):
+    """Relative error of exact attention over each codec's rows against attention over the
+    f32 rows, for keys with outlier channels (as real models' post-RoPE keys have): 2 KV
+    heads × 4,096 tokens × 64 dims, 8 query heads; and the engine the contexts live in."""
+    rng = np.random.default_rng(seed)
     k = rng.standard_normal((2, 4096, 64)).astype(np.float32)
     k[:, :, [3, 17, 40]] = 15.0 + 0.5 * k[:, :, [3, 17, 40]]
     mu = rng.standard_normal(64).astype(np.float32)
@@ -235,10 +235,18 @@ def test_two_bit_codecs_per_token_and_per_channel_keys():
     want = reference(q, k, v)
     eng = attnstore.Engine()
     errors = {}
-    for codec in ("hack2", "hack2c"):
+    for codec in codecs:
         ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, dtype="f16", codec=codec)
         eng.prefill(ctx, 0, k, v)
         errors[codec] = rel(eng.attend(ctx, 0, q, exact=True), want)
+    return errors, eng
+
+
+def test_two_bit_codecs_per_token_and_per_channel_keys():
+    """Keys with outlier channels: exact attention over 2-bit rows whose keys are normalized
+    per channel (hack2c) stays near f16, HACK's per-token keys (hack2) do not; a codec that
+    does not exist is an InvalidArgumentError naming it."""
+    errors, eng = exact_errors_with_outlier_keys(11, ("hack2", "hack2c"))
     assert errors["hack2c"] < 0.05, errors
     assert errors["hack2c"] * 2 < errors["hack2"], errors
     with pytest.raises(attnstore.InvalidArgumentError, match="hack2c"):
@@ -249,19 +257,7 @@ def test_kv43_rows_stay_near_f16_and_pq_is_refused():
     """Keys with outlier channels: exact attention over kv43 rows (4-bit keys per channel,
     3-bit values) stays near f16 (1.1e-3 here), nearer than hack2c (2.8e-3); kv43 with pq is an
     InvalidArgumentError saying it is not served yet."""
-    rng = np.random.default_rng(12)
-    k = rng.standard_normal((2, 4096, 64)).astype(np.float32)
-    k[:, :, [3, 17, 40]] = 15.0 + 0.5 * k[:, :, [3, 17, 40]]
-    mu = rng.standard_normal(64).astype(np.float32)
-    v = (2.0 * mu + 0.5 * rng.standard_normal((2, 4096, 64))).astype(np.float32)
-    q = (0.5 * rng.standard_normal((8, 64))).astype(np.float32)
-    want = reference(q, k, v)
-    eng = attnstore.Engine()
-    errors = {}
-    for codec in ("hack2c", "kv43"):
-        ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, dtype="f16", codec=codec)
-        eng.prefill(ctx, 0, k, v)
-        errors[codec] = rel(eng.attend(ctx, 0, q, exact=True), want)
+    errors, eng = exact_errors_with_outlier_keys(12, ("hack2c", "kv43"))
     assert errors["kv43"] < 0.005, errors
     assert errors["kv43"] < errors["hack2c"], errors
     with pytest.raises(attnstore.InvalidArgumentError, match="not yet served by pq"):
