@@ -65,6 +65,14 @@ struct HackArraysSrc {
 // read in the pinned Host arena or the Gpu tier. Listed block i of head h has its page
 // addresses at pages[(h·n_sel + i)·MAX_PAGES…], its row count and its mask.
 #define MAX_PAGES 8
+// The byte offsets of the group layout's parts for a value block of n rows.
+struct HackGroupLayout {
+  int vc, kmin, kscale, ksum, vmin, vscale;
+  HackGroupLayout() = default;
+  __device__ explicit HackGroupLayout(int n)
+      : vc(n * (HEAD_DIM / 4)), kmin(vc + (HBLK / 4) * HEAD_DIM), kscale(kmin + 2 * n * KP),
+        ksum(kscale + 2 * n * KP), vmin(ksum + 2 * n * KP), vscale(vmin + 2 * HEAD_DIM) {}
+};
 // The page addresses of the block a CTA is at, loaded once per block by `at` (a load of
 // the address from global memory on every byte access cost the paged kernel ~50%).
 __shared__ unsigned long long hack_pages_s[MAX_PAGES];
@@ -73,21 +81,13 @@ struct HackPagedSrc {
   static constexpr bool SYNC_AFTER_AT = true;
   const unsigned long long* pages; const unsigned long long* masks; const int* rows_of;
   int n_sel; int page_bytes; int page_shift;
-  int vc_off, kmin_off, kscale_off, ksum_off, vmin_off, vscale_off;
+  // The current block's layout.
+  HackGroupLayout lay;
   __device__ unsigned long long at(int h, int i) {
     const long long g = (long long)h * n_sel + i;
     if (threadIdx.x < MAX_PAGES) hack_pages_s[threadIdx.x] = pages[g * MAX_PAGES + threadIdx.x];
-    set_rows(rows_of[g]);
+    lay = HackGroupLayout(rows_of[g]);
     return masks[g];
-  }
-  // The offsets of the group layout's parts for a block of n rows.
-  __device__ void set_rows(int n) {
-    vc_off = n * (HEAD_DIM / 4);
-    kmin_off = vc_off + (HBLK / 4) * HEAD_DIM;
-    kscale_off = kmin_off + 2 * n * KP;
-    ksum_off = kscale_off + 2 * n * KP;
-    vmin_off = ksum_off + 2 * n * KP;
-    vscale_off = vmin_off + 2 * HEAD_DIM;
   }
   // With pages of a power of two bytes (the buffer manager's 2 KiB), a shift and a mask;
   // otherwise a division.
@@ -101,11 +101,11 @@ struct HackPagedSrc {
   }
   __device__ void kmeta(int r, int k, float& sk, float& mk, float& ks) const {
     const int i = 2 * (r * KP + k);
-    sk = h2f(half_at(kscale_off + i)); mk = h2f(half_at(kmin_off + i)); ks = (float)half_at(ksum_off + i);
+    sk = h2f(half_at(lay.kscale + i)); mk = h2f(half_at(lay.kmin + i)); ks = (float)half_at(lay.ksum + i);
   }
-  __device__ unsigned vbyte(int qi, int ch) const { return *byte(vc_off + qi * HEAD_DIM + ch); }
+  __device__ unsigned vbyte(int qi, int ch) const { return *byte(lay.vc + qi * HEAD_DIM + ch); }
   __device__ void vmeta(int ch, float& sv, float& mv) const {
-    sv = h2f(half_at(vscale_off + 2 * ch)); mv = h2f(half_at(vmin_off + 2 * ch));
+    sv = h2f(half_at(lay.vscale + 2 * ch)); mv = h2f(half_at(lay.vmin + 2 * ch));
   }
 };
 
@@ -147,6 +147,17 @@ __device__ void hack_quantize_partition(const float* __restrict__ x, unsigned ch
   __syncwarp();
 }
 
+// KV head h's G query heads in 8 bits (q8, qmeta in hack_attend's layout) into a CTA's
+// shared memory; every thread of the CTA (HACK_THREADS) calls it, a barrier must follow.
+template <int G>
+__device__ void hack_load_queries(const unsigned* __restrict__ q8, const float* __restrict__ qmeta, int h,
+                                  unsigned (*q_s)[HEAD_DIM / 4], float (*qm_s)[KP][3]) {
+  for (int i = threadIdx.x; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
+    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
+  for (int i = threadIdx.x; i < G * KP * 3; i += HACK_THREADS)
+    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
+}
+
 // One CTA per (chunk of `chunk_blocks` listed value blocks, KV head), templated on the GQA
 // group G (one kernel per group size: every loop over the group is unrolled and no lane
 // issues work for heads past it); partials in the layout of attn_partial
@@ -169,10 +180,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
   __shared__ float m_s[G], l_s[G], corr_s[G], step_s[G], psum_s[G];
   // Bit r: some head gives row r of the current block a nonzero 7-bit weight.
   __shared__ unsigned long long live_s;
-  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS)
-    q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[(h * G) * (HEAD_DIM / 4) + i];
-  for (int i = t; i < G * KP * 3; i += HACK_THREADS)
-    qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[(h * G) * KP * 3 + i];
+  hack_load_queries<G>(q8, qmeta, h, q_s, qm_s);
   if (t < G) { m_s[t] = NEG_INF; l_s[t] = 0.f; }
   // Each thread owns channels t and t + 128 of every head's output.
   float o[G][(HEAD_DIM + HACK_THREADS - 1) / HACK_THREADS];
@@ -337,7 +345,7 @@ __device__ void hack_attend(Src src, int listed, const unsigned* __restrict__ q8
     HackPagedSrc src;                                                                                        \
     src.pages = pages; src.masks = masks; src.rows_of = rows_of; src.n_sel = n_sel;                          \
     src.page_bytes = page_bytes; src.page_shift = page_bytes & (page_bytes - 1) ? -1 : __ffs(page_bytes) - 1; \
-    src.vc_off = src.kmin_off = src.kscale_off = src.ksum_off = src.vmin_off = src.vscale_off = 0;           \
+    src.lay = HackGroupLayout(0);                                                                            \
     hack_attend<G>(src, n_sel, q8, qmeta, scale, chunk_blocks, part);                                                 \
   }
 HACK_KERNELS(1)

@@ -57,8 +57,7 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
   // Each warp's current piece's page addresses (0 past its last page).
   __shared__ unsigned long long pages_s[ARENA_WARPS][MAX_PAGES];
   const unsigned long long* pages = pages_s[warp];
-  for (int i = t; i < G * (HEAD_DIM / 4); i += HACK_THREADS) q_s[i / (HEAD_DIM / 4)][i % (HEAD_DIM / 4)] = q8[h * G * (HEAD_DIM / 4) + i];
-  for (int i = t; i < G * KP * 3; i += HACK_THREADS) qm_s[i / (KP * 3)][(i / 3) % KP][i % 3] = qmeta[h * G * KP * 3 + i];
+  hack_load_queries<G>(q8, qmeta, h, q_s, qm_s);
   __syncthreads();
   const int ch0 = lane * ARENA_CPL;  // this lane's first value channel
   float m[G], l[G], o[G][ARENA_CPL];
@@ -80,10 +79,7 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
     // The previous piece's reads of the page addresses are done (the __syncwarp closing it).
     if (lane < MAX_PAGES) pages_s[warp][lane] = list_addr[e * MAX_PAGES + lane];
     __syncwarp();
-    // The group layout's parts for a block of n rows (HackPagedSrc::set_rows).
-    const int vc_off = n * (HEAD_DIM / 4), kmin_off = vc_off + (HBLK / 4) * HEAD_DIM;
-    const int kscale_off = kmin_off + 2 * n * KP, ksum_off = kscale_off + 2 * n * KP;
-    const int vmin_off = ksum_off + 2 * n * KP, vscale_off = vmin_off + 2 * HEAD_DIM;
+    const HackGroupLayout lay(n);
     // Every load of both rows first (one memory round trip), then the scores.
     uint4 kw[2][KWORDS / 4];
     float sk[2][KP], mk[2][KP], ks[2][KP];
@@ -99,9 +95,9 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
 #pragma unroll
       for (int k = 0; k < KP; k++) {
         const int at = 2 * (r * KP + k);
-        sk[half][k] = arena_half(pages, kscale_off + at, page_shift, live[half]);
-        mk[half][k] = arena_half(pages, kmin_off + at, page_shift, live[half]);
-        const unsigned short* sum = reinterpret_cast<const unsigned short*>(arena_byte(pages, ksum_off + at, page_shift));
+        sk[half][k] = arena_half(pages, lay.kscale + at, page_shift, live[half]);
+        mk[half][k] = arena_half(pages, lay.kmin + at, page_shift, live[half]);
+        const unsigned short* sum = reinterpret_cast<const unsigned short*>(arena_byte(pages, lay.ksum + at, page_shift));
         ks[half][k] = live[half] ? (float)*sum : 0.f;
       }
     }
@@ -193,7 +189,7 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
       for (int u = 0; u < 4; u++) {
         const int qi = 4 * q4 + u;
         const bool used = (alive >> (4 * qi) & 0xfull) != 0ull;
-        const unsigned char* at = arena_byte(pages, vc_off + qi * HEAD_DIM + ch0, page_shift);
+        const unsigned char* at = arena_byte(pages, lay.vc + qi * HEAD_DIM + ch0, page_shift);
 #if ARENA_CPL % 4 == 0
 #pragma unroll
         for (int j = 0; j < ARENA_CPL / 4; j++) {
@@ -224,8 +220,8 @@ __device__ void hack_arena_attend(const unsigned long long* __restrict__ list_ad
     }
 #pragma unroll
     for (int c = 0; c < ARENA_CPL; c++) {
-      const float sv = arena_half(pages, vscale_off + 2 * (ch0 + c), page_shift, true);
-      const float mv = arena_half(pages, vmin_off + 2 * (ch0 + c), page_shift, true);
+      const float sv = arena_half(pages, lay.vscale + 2 * (ch0 + c), page_shift, true);
+      const float mv = arena_half(pages, lay.vmin + 2 * (ch0 + c), page_shift, true);
 #pragma unroll
       for (int g = 0; g < G; g++) o[g][c] = o[g][c] * corr[g] + step[g] * (sv * (float)acc[g][c] + mv * psum[g]);
     }
