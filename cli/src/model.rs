@@ -190,11 +190,38 @@ pub struct ArgmaxArgs {
     /// against) or `f32`.
     #[arg(long, default_value = "ggml", value_parser = parse_numerics)]
     numerics: Numerics,
+    /// Who attends at the teacher-forced positions: `engine` (attnstore's exact plan, as
+    /// `generate` decodes) or `model` (the runtime's own causal attention, the prefill's
+    /// arithmetic, as llama.cpp computes every position of a batch; under `ggml` numerics its
+    /// probabilities are rounded to f16 like llama.cpp's).
+    #[arg(long, default_value = "engine", value_parser = parse_decode)]
+    decode: ArgmaxDecode,
+    /// Also the argmax after every prompt prefix (the prompt's teacher-forced positions, by
+    /// one prefill in chunks of 64 tokens), before the continuation's.
+    #[arg(long)]
+    prompt_positions: bool,
     /// The JSON file to write.
     #[arg(long)]
     out: PathBuf,
     #[command(flatten)]
     model: ModelArgs,
+}
+
+/// Who attends at `attnstore argmax`'s teacher-forced positions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ArgmaxDecode {
+    /// attnstore's exact plan, through a session.
+    Engine,
+    /// The runtime's own causal attention, one token at a time after the prompt's KV.
+    Model,
+}
+
+fn parse_decode(s: &str) -> Result<ArgmaxDecode, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "engine" => Ok(ArgmaxDecode::Engine),
+        "model" => Ok(ArgmaxDecode::Model),
+        _ => Err(format!("unknown decode {s:?}: expected engine or model")),
+    }
 }
 
 /// `attnstore synth-model`: a small model with random weights (tests, llama.cpp checks).
@@ -757,7 +784,7 @@ fn passkey_table(rows: &[PasskeyRow]) -> String {
 pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
     let text = read_prompt(&args.prompt_file)?;
     let path = model_path(&args.model);
-    let model = load(&args.model, Weights::Quantized)?.with_numerics(args.numerics);
+    let model = load(&args.model, Weights::Quantized)?.with_numerics(args.numerics).map_err(|e| e.to_string())?;
     let ids = prompt_ids(&model, &text, false)?;
     let teacher = args.teacher_tokens.as_deref().map(|f| teacher_continuation(f, &ids)).transpose()?;
     let p = prefill(&model, &ids, args.model.chunk)?;
@@ -778,26 +805,56 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
         }
         None => None,
     };
-    let (fed, cont) = if let Some(fed) = forced {
-        let mut cont = vec![argmax(&p.logits)];
-        for &t in &fed {
-            cont.push(argmax(&s.step(t).map_err(|e| e.to_string())?));
+    // The next-token logits after feeding `t`, by the chosen attention.
+    let mut past = p.kv.clone();
+    let mut pos = ids.len();
+    let mut step = |t: u32| -> Result<Vec<f32>, String> {
+        match args.decode {
+            ArgmaxDecode::Engine => s.step(t).map_err(|e| e.to_string()),
+            ArgmaxDecode::Model => {
+                let next = model.prefill_after(&past, pos, &[t], 1, false, &mut |_| {}).map_err(|e| e.to_string())?;
+                (past, pos) = (next.kv, pos + 1);
+                Ok(next.logits)
+            }
         }
-        (fed, cont)
-    } else {
-        let cont = s.greedy(argmax(&p.logits), args.max_tokens, None).map_err(|e| e.to_string())?;
-        (cont.clone(), cont)
+    };
+    let mut cont = vec![argmax(&p.logits)];
+    let fed = match forced {
+        Some(fed) => {
+            for &t in &fed {
+                cont.push(argmax(&step(t)?));
+            }
+            fed
+        }
+        None => {
+            while cont.len() < args.max_tokens {
+                let t = *cont.last().expect("cont holds the first token");
+                cont.push(argmax(&step(t)?));
+            }
+            cont.clone()
+        }
     };
     let mut tokens = ids.clone();
     tokens.extend(&fed);
+    // The prompt's own positions first (their last one is the continuation's first).
+    let (argmax_from, cont) = match args.prompt_positions {
+        true => {
+            let mut all = model.prompt_argmax(&ids, 64).map_err(|e| e.to_string())?;
+            all.pop();
+            all.extend(cont);
+            (0, all)
+        }
+        false => (ids.len() - 1, cont),
+    };
     let value = serde_json::json!({
         "model": path.file_stem().map(|s| s.to_string_lossy().into_owned()),
         "arch": model.config().arch.name(),
         "weights": format!("{:?}", model.weights()),
         "numerics": format!("{:?}", model.numerics()),
+        "decode": format!("{:?}", args.decode),
         "tokens": tokens,
         "prompt_tokens": ids.len(),
-        "argmax_from": ids.len() - 1,
+        "argmax_from": argmax_from,
         "argmax": cont,
         "prompt_text": model.tokenizer().chat_prompt(text.trim()),
         "add_bos": model.tokenizer().bos().is_some(),

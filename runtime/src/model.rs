@@ -244,10 +244,11 @@ pub enum Numerics {
     #[default]
     F32,
     /// ggml's CPU backend's roundings, for agreement checks against llama.cpp (`attnstore
-    /// argmax`): GELU from its f16 table; queries, keys and values rounded to f16 (its KV cache
-    /// and the f16 operand of its attention matmuls) and, in the prefill, attention
-    /// probabilities rounded to f16 before they weigh the values. Decode attention's
-    /// probabilities stay the attention backend's.
+    /// argmax`): GELU from its f16 table; RoPE angles as its cache makes them (each
+    /// frequency the previous one times `base^(-2/d)` in f32); queries, keys and values
+    /// rounded to f16 (its KV cache and the f16 operand of its attention matmuls) and, in
+    /// the prefill, attention probabilities rounded to f16 before they weigh the values.
+    /// Decode attention's probabilities stay the attention backend's.
     Ggml,
 }
 
@@ -427,12 +428,7 @@ impl Model {
                 post_ffn_norm,
             });
         }
-        let positions = config.context_length.max(1);
-        let rope_global = rope_tables(config.head_dim, config.rope_base, config.rope_scale, positions, &dev)?;
-        let rope_local = match config.sliding_window {
-            Some(_) => Some(rope_tables(config.head_dim, config.rope_base_local, 1.0, positions, &dev)?),
-            None => None,
-        };
+        let (rope_global, rope_local) = rope_pair(&config, Numerics::F32)?;
         Ok(Self {
             config,
             weights,
@@ -453,9 +449,13 @@ impl Model {
     }
 
     /// The same model computing with `numerics`.
-    pub fn with_numerics(mut self, numerics: Numerics) -> Self {
+    pub fn with_numerics(mut self, numerics: Numerics) -> Result<Self> {
+        if numerics != self.numerics {
+            let (global, local) = rope_pair(&self.config, numerics)?;
+            (self.rope_global, self.rope_local) = (global, local);
+        }
         self.numerics = numerics;
-        self
+        Ok(self)
     }
 
     /// How the forward rounds ([`Numerics`]).
@@ -532,6 +532,37 @@ impl Model {
         chunk: usize,
         keep_window_rows: bool,
         progress: &mut dyn FnMut(usize),
+    ) -> Result<Prefill> {
+        self.prefill_rows(past, start, tokens, chunk, keep_window_rows, progress, &mut |_| Ok(()))
+    }
+
+    /// The next-token argmax after every prefix of `tokens`: entry `i` is the model's most
+    /// likely token after `tokens[..=i]`, all computed by one prefill (`chunk` tokens at a
+    /// time) — the teacher-forced predictions at every prompt position, as llama.cpp
+    /// computes them over a batch.
+    pub fn prompt_argmax(&self, tokens: &[u32], chunk: usize) -> Result<Vec<u32>> {
+        let mut out = Vec::with_capacity(tokens.len());
+        self.prefill_rows(&[], 0, tokens, chunk, false, &mut |_| {}, &mut |x| {
+            let x = candle_nn::ops::rms_norm(x, &self.norm, self.config.rms_eps)?;
+            let best = self.output.forward(&x)?.argmax(candle_core::D::Minus1)?;
+            out.extend(best.flatten_all()?.to_vec1::<u32>()?);
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
+    /// [`Model::prefill_after`], handing every chunk's final hidden rows (`[1, n, d_model]`,
+    /// before the output norm) to `rows`.
+    #[allow(clippy::too_many_arguments, reason = "prefill_after's arguments and the rows' consumer")]
+    fn prefill_rows(
+        &self,
+        past: &[(Vec<f32>, Vec<f32>)],
+        start: usize,
+        tokens: &[u32],
+        chunk: usize,
+        keep_window_rows: bool,
+        progress: &mut dyn FnMut(usize),
+        rows: &mut dyn FnMut(&Tensor) -> Result<()>,
     ) -> Result<Prefill> {
         if tokens.is_empty() {
             return Err(Error::InvalidInput("the prompt is empty: at least one token is needed".into()));
@@ -618,6 +649,7 @@ impl Model {
             }
             pos += n;
             progress(pos - start);
+            rows(&x)?;
             last = Some(x.narrow(1, n - 1, 1)?);
         }
         let logits = self.logits(&last.expect("the prompt is not empty"))?;
@@ -736,12 +768,47 @@ impl Model {
     }
 }
 
-/// `cos`/`sin` of `scale · pos · base^(-i/d)` for even `i`, `[positions, d/2]`.
-fn rope_tables(head_dim: usize, base: f32, scale: f32, positions: usize, dev: &Device) -> Result<Rope> {
-    let theta: Vec<f32> = (0..head_dim).step_by(2).map(|i| scale / base.powf(i as f32 / head_dim as f32)).collect();
-    let theta = Tensor::new(theta.as_slice(), dev)?;
-    let pos = Tensor::arange(0, positions as u32, dev)?.to_dtype(DType::F32)?.reshape((positions, 1))?;
-    let angles = pos.matmul(&theta.reshape((1, head_dim / 2))?)?;
+/// The global layers' RoPE tables and the window layers' (Gemma-3), for every position of
+/// the model's context, as `numerics` computes them.
+fn rope_pair(config: &ModelConfig, numerics: Numerics) -> Result<(Rope, Option<Rope>)> {
+    let positions = config.context_length.max(1);
+    let global = rope_tables(config.head_dim, config.rope_base, config.rope_scale, positions, numerics)?;
+    let local = match config.sliding_window {
+        Some(_) => Some(rope_tables(config.head_dim, config.rope_base_local, 1.0, positions, numerics)?),
+        None => None,
+    };
+    Ok((global, local))
+}
+
+/// `cos`/`sin` of `scale · pos · base^(-i/d)` for even `i`, `[positions, d/2]`: each angle a
+/// product of `pos` and its frequency; under [`Numerics::Ggml`] the frequencies are made as
+/// ggml's RoPE cache makes them, `pos` times `base^(-2/d)` again and again in f32 (the
+/// rounding of those products differs from the direct power's by up to ~1e-3 radians at a
+/// few thousand positions).
+fn rope_tables(head_dim: usize, base: f32, scale: f32, positions: usize, numerics: Numerics) -> Result<Rope> {
+    let half = head_dim / 2;
+    let dev = &Device::Cpu;
+    let angles = match numerics {
+        Numerics::F32 => {
+            let theta: Vec<f32> =
+                (0..head_dim).step_by(2).map(|i| scale / base.powf(i as f32 / head_dim as f32)).collect();
+            let theta = Tensor::new(theta.as_slice(), dev)?;
+            let pos = Tensor::arange(0, positions as u32, dev)?.to_dtype(DType::F32)?.reshape((positions, 1))?;
+            pos.matmul(&theta.reshape((1, half))?)?
+        }
+        Numerics::Ggml => {
+            let step = base.powf(-2.0 / head_dim as f32);
+            let mut angles = Vec::with_capacity(positions * half);
+            for p in 0..positions {
+                let mut theta = p as f32;
+                for _ in 0..half {
+                    angles.push(scale * theta);
+                    theta *= step;
+                }
+            }
+            Tensor::from_vec(angles, (positions, half), dev)?
+        }
+    };
     Ok(Rope { cos: angles.cos()?, sin: angles.sin()? })
 }
 

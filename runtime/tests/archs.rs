@@ -65,7 +65,7 @@ fn ggml_numerics_round_the_kv_to_f16_and_stay_close_to_f32() {
     let model = synth(dir.path(), Arch::Gemma3);
     let tokens = ids(&model, 40);
     let f32_run = model.prefill(&tokens, 16, &mut |_| {}).unwrap();
-    let model = model.with_numerics(Numerics::Ggml);
+    let model = model.with_numerics(Numerics::Ggml).unwrap();
     assert_eq!(model.numerics(), Numerics::Ggml);
     let ggml = model.prefill(&tokens, 16, &mut |_| {}).unwrap();
     // Every kept key and value is an f16 value (llama.cpp's cache type) ...
