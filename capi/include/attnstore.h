@@ -59,6 +59,26 @@ typedef enum AttnstoreStatus {
   ATTNSTORE_STATUS_BUFFER_TOO_SMALL = 10,
 } AttnstoreStatus;
 
+#if defined(ATTNSTORE_CUDA)
+/**
+ * Element type of a query and output in device memory (`attnstore_attend_device`).
+ */
+typedef enum AttnstoreElement {
+  /**
+   * 32-bit floats.
+   */
+  ATTNSTORE_ELEMENT_F32 = 0,
+  /**
+   * IEEE half precision.
+   */
+  ATTNSTORE_ELEMENT_F16 = 1,
+  /**
+   * bfloat16.
+   */
+  ATTNSTORE_ELEMENT_BF16 = 2,
+} AttnstoreElement;
+#endif
+
 /**
  * An attnstore engine (opaque).
  */
@@ -73,6 +93,19 @@ typedef struct AttnstoreEngine AttnstoreEngine;
  * pointer.
  */
 enum AttnstoreStatus attnstore_engine_open(const char *path, struct AttnstoreEngine **out);
+
+/**
+ * Opens an engine like `attnstore_engine_open` whose rows are homed by a buffer manager
+ * over `host_blocks` blocks of pinned host memory (at least 1), `gpu_blocks` of them cached
+ * on the GPU (0: none) — what GPU steps (`attnstore_attend_device`) read.
+ *
+ * # Safety
+ * As `attnstore_engine_open`.
+ */
+enum AttnstoreStatus attnstore_engine_open_buffered(const char *path,
+                                                    size_t host_blocks,
+                                                    size_t gpu_blocks,
+                                                    struct AttnstoreEngine **out);
 
 /**
  * Closes an engine and frees its handle (null is a no-op). A durable engine's committed
@@ -146,6 +179,32 @@ enum AttnstoreStatus attnstore_attend(const struct AttnstoreEngine *engine,
                                       int32_t exact,
                                       float *out,
                                       size_t out_len);
+
+#if defined(ATTNSTORE_CUDA)
+/**
+ * Attention of a query in GPU memory over a layer, written to GPU memory (GPU 0, the
+ * device's primary context, e.g. a CUDA runtime's or torch's): `q` and `out` hold
+ * `q_heads × head_dim` C-contiguous elements of type `dtype` (an `AttnstoreElement`
+ * value); exact when `exact` is non-zero, else the default sparse plan, which runs
+ * entirely on the GPU when the engine homes the layer's rows (`attnstore_engine_open_buffered`).
+ * The query is read after the work queued on `stream` (a `CUstream`; null for the legacy
+ * default stream) so far; the output is written when this returns. A non-finite query
+ * element is `ATTNSTORE_STATUS_SHAPE` and leaves `out` as it was.
+ *
+ * # Safety
+ * `engine` is a live handle; `q` is the device address of `q_heads × head_dim` readable
+ * elements of `dtype` and `out` of as many writable ones, valid for the call; `stream` is
+ * null or a stream of the primary context of GPU 0.
+ */
+enum AttnstoreStatus attnstore_attend_device(const struct AttnstoreEngine *engine,
+                                             uint64_t ctx,
+                                             size_t layer,
+                                             const void *q,
+                                             void *out,
+                                             int32_t dtype,
+                                             int32_t exact,
+                                             void *stream);
+#endif
 
 /**
  * EXPLAIN of the plan `attnstore_attend` would run, as a NUL-terminated string in `buf`

@@ -16,7 +16,9 @@
 
 #![allow(unsafe_code, reason = "a C ABI: raw pointers from the caller, each checked and documented")]
 
-use attnstore::{AttnShape, Budget, ContextId, ContextSpec, DType, Engine, EngineConfig, Method, Request};
+use attnstore::{
+    AttnShape, Budget, BufferSettings, ContextId, ContextSpec, DType, Engine, EngineConfig, Method, Request,
+};
 use std::cell::RefCell;
 use std::ffi::{c_char, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -148,28 +150,56 @@ fn engine<'a>(handle: *const AttnstoreEngine) -> Option<&'a Engine> {
 /// pointer.
 #[no_mangle]
 pub unsafe extern "C" fn attnstore_engine_open(path: *const c_char, out: *mut *mut AttnstoreEngine) -> AttnstoreStatus {
+    guarded(|| open_with(path, EngineConfig::default(), out))
+}
+
+/// Opens an engine like `attnstore_engine_open` whose rows are homed by a buffer manager
+/// over `host_blocks` blocks of pinned host memory (at least 1), `gpu_blocks` of them cached
+/// on the GPU (0: none) — what GPU steps (`attnstore_attend_device`) read.
+///
+/// # Safety
+/// As `attnstore_engine_open`.
+#[no_mangle]
+pub unsafe extern "C" fn attnstore_engine_open_buffered(
+    path: *const c_char,
+    host_blocks: usize,
+    gpu_blocks: usize,
+    out: *mut *mut AttnstoreEngine,
+) -> AttnstoreStatus {
     guarded(|| {
-        if out.is_null() {
-            return fail(AttnstoreStatus::NullArgument, "out is null");
+        if host_blocks == 0 {
+            return fail(AttnstoreStatus::InvalidArgument, "host_blocks must be at least 1");
         }
-        let opened = if path.is_null() {
-            Engine::in_memory(EngineConfig::default())
-        } else {
-            match c_str(path) {
-                Some(p) => Engine::open(p, EngineConfig::default()),
-                None => return fail(AttnstoreStatus::NullArgument, "path is not UTF-8"),
-            }
-        };
-        match opened {
-            Ok(inner) => {
-                let handle = Box::into_raw(Box::new(AttnstoreEngine { inner }));
-                // SAFETY: `out` is non-null and writable (the caller's contract).
-                unsafe { out.write(handle) };
-                AttnstoreStatus::Ok
-            }
-            Err(e) => engine_error(e),
-        }
+        let mut settings = BufferSettings::new(host_blocks);
+        settings.gpu_blocks = gpu_blocks;
+        let config = EngineConfig { buffers: Some(settings), ..EngineConfig::default() };
+        open_with(path, config, out)
     })
+}
+
+/// Opens an engine under `config`, in memory (null `path`) or durable at `path`, and writes
+/// its handle to `*out`.
+fn open_with(path: *const c_char, config: EngineConfig, out: *mut *mut AttnstoreEngine) -> AttnstoreStatus {
+    if out.is_null() {
+        return fail(AttnstoreStatus::NullArgument, "out is null");
+    }
+    let opened = if path.is_null() {
+        Engine::in_memory(config)
+    } else {
+        match c_str(path) {
+            Some(p) => Engine::open(p, config),
+            None => return fail(AttnstoreStatus::NullArgument, "path is not UTF-8"),
+        }
+    };
+    match opened {
+        Ok(inner) => {
+            let handle = Box::into_raw(Box::new(AttnstoreEngine { inner }));
+            // SAFETY: `out` is non-null and writable (the caller's contract).
+            unsafe { out.write(handle) };
+            AttnstoreStatus::Ok
+        }
+        Err(e) => engine_error(e),
+    }
 }
 
 /// Closes an engine and frees its handle (null is a no-op). A durable engine's committed
@@ -365,6 +395,73 @@ pub unsafe extern "C" fn attnstore_attend(
         let Some(out) = slice_mut(out, out_len) else { return fail(AttnstoreStatus::NullArgument, "out is null") };
         out.copy_from_slice(&got);
         AttnstoreStatus::Ok
+    })
+}
+
+/// Element type of a query and output in device memory (`attnstore_attend_device`).
+#[cfg(feature = "cuda")]
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnstoreElement {
+    /// 32-bit floats.
+    F32 = 0,
+    /// IEEE half precision.
+    F16 = 1,
+    /// bfloat16.
+    Bf16 = 2,
+}
+
+/// Attention of a query in GPU memory over a layer, written to GPU memory (GPU 0, the
+/// device's primary context, e.g. a CUDA runtime's or torch's): `q` and `out` hold
+/// `q_heads × head_dim` C-contiguous elements of type `dtype` (an `AttnstoreElement`
+/// value); exact when `exact` is non-zero, else the default sparse plan, which runs
+/// entirely on the GPU when the engine homes the layer's rows (`attnstore_engine_open_buffered`).
+/// The query is read after the work queued on `stream` (a `CUstream`; null for the legacy
+/// default stream) so far; the output is written when this returns. A non-finite query
+/// element is `ATTNSTORE_STATUS_SHAPE` and leaves `out` as it was.
+///
+/// # Safety
+/// `engine` is a live handle; `q` is the device address of `q_heads × head_dim` readable
+/// elements of `dtype` and `out` of as many writable ones, valid for the call; `stream` is
+/// null or a stream of the primary context of GPU 0.
+#[cfg(feature = "cuda")]
+#[no_mangle]
+#[allow(clippy::too_many_arguments, reason = "a C signature: the call's arguments, flat")]
+pub unsafe extern "C" fn attnstore_attend_device(
+    engine: *const AttnstoreEngine,
+    ctx: u64,
+    layer: usize,
+    q: *const std::ffi::c_void,
+    out: *mut std::ffi::c_void,
+    dtype: i32,
+    exact: i32,
+    stream: *mut std::ffi::c_void,
+) -> AttnstoreStatus {
+    guarded(|| {
+        let Some(e) = self::engine(engine) else { return fail(AttnstoreStatus::NullArgument, "engine is null") };
+        if q.is_null() || out.is_null() {
+            return fail(AttnstoreStatus::NullArgument, "q and out must be non-null device addresses");
+        }
+        let dtype = match dtype {
+            0 => attnstore::IoDType::F32,
+            1 => attnstore::IoDType::F16,
+            2 => attnstore::IoDType::Bf16,
+            other => {
+                return fail(
+                    AttnstoreStatus::InvalidArgument,
+                    format!("dtype {other}: expected 0 (f32), 1 (f16) or 2 (bf16), an AttnstoreElement"),
+                )
+            }
+        };
+        let budget = if exact != 0 { Budget::full() } else { Budget::default() };
+        let request =
+            attnstore::DeviceRequest { context: ContextId(ctx), layer, query: q as u64, output: out as u64, dtype };
+        // SAFETY: `q` and `out` name device tensors of the context's shape and `dtype`, and
+        // `stream` a stream of the primary context (the caller's contract).
+        match unsafe { e.attend_device(&[request], &budget, stream as u64) } {
+            Ok(_) => AttnstoreStatus::Ok,
+            Err(err) => engine_error(err),
+        }
     })
 }
 

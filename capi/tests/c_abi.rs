@@ -16,9 +16,16 @@ fn static_lib() -> PathBuf {
             return lib;
         }
     }
-    let found = std::fs::read_dir(deps).unwrap().filter_map(|e| e.ok().map(|e| e.path())).find(|p| {
-        p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("libattnstore_capi") && n.ends_with(".a"))
-    });
+    // The newest: builds with other features leave libraries of their own beside it.
+    let found = std::fs::read_dir(deps)
+        .unwrap()
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libattnstore_capi") && n.ends_with(".a"))
+        })
+        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok());
     found.unwrap_or_else(|| panic!("no libattnstore_capi.a near {}", exe.display()))
 }
 
@@ -30,7 +37,10 @@ fn the_c_test_compiles_against_the_header_and_passes() {
     }
     let dir = env!("CARGO_MANIFEST_DIR");
     let out = std::env::temp_dir().join(format!("attnstore-c-abi-{}", std::process::id()));
+    // A `cuda` build's library has `attnstore_attend_device`: the test checks it too.
+    let cuda: &[&str] = if cfg!(feature = "cuda") { &["-DATTNSTORE_CUDA"] } else { &[] };
     let built = Command::new("cc")
+        .args(cuda)
         .args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-I"])
         .arg(format!("{dir}/include"))
         .arg(format!("{dir}/tests/c/basic.c"))

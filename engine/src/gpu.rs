@@ -31,7 +31,7 @@ use std::sync::Arc;
 
 use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
 use attnstore_kernels::cuda::{
-    ArenaCache, CudaBlock, CudaBlocks, DeviceWave, GpuBackend, KvPointers, PagedGroup, SharedRows, WaveBatch,
+    ArenaCache, CudaBlock, CudaBlocks, DeviceIo, DeviceWave, GpuBackend, KvPointers, PagedGroup, SharedRows, WaveBatch,
     WaveCache, WaveFetched, WaveJob, WaveStep,
 };
 use attnstore_kernels::{Backend, BlockRows, Partial};
@@ -48,7 +48,7 @@ use crate::plan::{Plan, RequestPlan};
 use std::time::{Duration, Instant};
 
 /// EXPLAIN ANALYZE's counters of one GPU execution ([`Engine::execute_gpu_analyze`]).
-struct GpuMeters {
+pub(crate) struct GpuMeters {
     /// One per request.
     meters: Vec<Meter>,
     /// What the CPU executor counted for a request the GPU could not serve.
@@ -296,6 +296,21 @@ impl ArenaRows {
     }
 }
 
+/// [`GpuBackend::launch_wave_lane_io`] of a request of [`Engine::attend_device`].
+#[allow(unsafe_code, reason = "the caller's device pointers")]
+fn launch_io(
+    gpu: &GpuBackend,
+    batch: &WaveBatch,
+    lane: usize,
+    step: &mut WaveStep<'_>,
+    io: &DeviceIo,
+) -> attnstore_kernels::Result<()> {
+    // SAFETY: `io` names the caller's device tensors of this request's shape and type, valid
+    // until `Engine::attend_device` returns (its contract), and the step is fetched before
+    // it returns.
+    unsafe { gpu.launch_wave_lane_io(batch, lane, step, io) }
+}
+
 /// What [`Engine::execute_gpu`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct GpuRun {
@@ -318,6 +333,19 @@ pub struct GpuRun {
     /// see every miss but only a sample of the hits (see `HIT_TOUCH_EVERY` in `gpu.rs`), so
     /// `1 − device_missed / device_clusters` is the step's hit ratio by cluster.
     pub device_missed: usize,
+}
+
+impl GpuRun {
+    /// Adds `other`'s counts to these.
+    pub(crate) fn absorb(&mut self, other: &GpuRun) {
+        self.on_gpu += other.on_gpu;
+        self.on_cpu += other.on_cpu;
+        self.gpu_blocks += other.gpu_blocks;
+        self.host_blocks += other.host_blocks;
+        self.device_selected += other.device_selected;
+        self.device_clusters += other.device_clusters;
+        self.device_missed += other.device_missed;
+    }
 }
 
 impl Engine {
@@ -351,13 +379,13 @@ impl Engine {
     }
 
     /// [`Engine::execute_gpu`], counting into `meters` when given.
-    fn run_gpu(&self, plan: &Plan, mut meters: Option<&mut GpuMeters>) -> Result<(Vec<Vec<f32>>, GpuRun)> {
+    pub(crate) fn run_gpu(&self, plan: &Plan, mut meters: Option<&mut GpuMeters>) -> Result<(Vec<Vec<f32>>, GpuRun)> {
         plan.check_gpu_codecs()?;
         let mut run = GpuRun::default();
         let mut done: Vec<Option<Vec<f32>>> = vec![None; plan.requests.len()];
         let device: Vec<usize> = (0..plan.requests.len()).filter(|&i| plan.requests[i].device.is_some()).collect();
         if !device.is_empty() {
-            self.execute_device(plan, &device, &mut done, &mut run, meters.as_deref_mut())?;
+            self.execute_device(plan, &device, &[], &mut done, &mut run, meters.as_deref_mut())?;
         }
         let mut outputs = Vec::with_capacity(plan.requests.len());
         for (i, (r, done)) in plan.requests.iter().zip(done).enumerate() {
@@ -396,10 +424,14 @@ impl Engine {
     /// of its own as soon as its layer copy and query are ready
     /// (`GpuBackend::launch_wave_lane`), so the device runs the first requests while the host
     /// prepares the next; then every output is fetched and the selections are logged.
-    fn execute_device(
+    /// `io[i]`, where given, holds request `i`'s query and output in the caller's device
+    /// memory (its plan's host query is then not read).
+    #[allow(clippy::too_many_arguments, reason = "the plan, what runs, its device I/O and what it produced")]
+    pub(crate) fn execute_device(
         &self,
         plan: &Plan,
         which: &[usize],
+        io: &[Option<DeviceIo>],
         outputs: &mut [Option<Vec<f32>>],
         run: &mut GpuRun,
         mut meters: Option<&mut GpuMeters>,
@@ -454,7 +486,8 @@ impl Engine {
             }
             let lane = launched.iter().filter(|l| l.head_dim == r.shape.head_dim).count();
             let arena = |per_block| ArenaRows::of(manager, settings, host_base, per_block, r.shape.head_dim);
-            match self.launch_request(&mut state, r, i, layer, lane, arena, eager, &mut trace) {
+            let io = io.get(i).copied().flatten();
+            match self.launch_request(&mut state, r, i, io, layer, lane, arena, eager, &mut trace) {
                 Ok(Some(l)) => launched.push(l),
                 Ok(None) => {}
                 Err(e) => {
@@ -495,6 +528,10 @@ impl Engine {
                 continue;
             };
             if result.is_err() {
+                continue;
+            }
+            if let Some((index, value)) = l.gpu.io_status(&l.layer.jobs[l.job].1) {
+                result = Err(Error::NonFinite { what: "device queries", index, value });
                 continue;
             }
             outputs[l.request] = Some(std::mem::take(&mut got.output));
@@ -550,13 +587,16 @@ impl Engine {
 
     /// Brings request `i`'s layer copy up to date, sets its query and launches its step on
     /// lane `lane` of its head dimension's batch (or, `eager`, phase by phase for the trace).
-    /// `None`: the layer cannot run on the device (the CPU runs the request).
+    /// With `io`, the query is read from and the output written to the caller's device
+    /// memory (never eagerly). `None`: the layer cannot run on the device (the CPU runs the
+    /// request).
     #[allow(clippy::too_many_arguments, reason = "the executor's state, the request and where it runs")]
     fn launch_request(
         &self,
         state: &mut DeviceState,
         r: &RequestPlan,
         i: usize,
+        io: Option<DeviceIo>,
         layer: &Layer,
         lane: usize,
         arena: impl Fn(usize) -> ArenaRows,
@@ -587,14 +627,20 @@ impl Engine {
         let (kv, cache) = arena(dl.tokens_per_block).pointers();
         let DeviceLayer { wave, jobs, .. } = &mut dl;
         let mut step = WaveStep { wave, kv, cache, job: &mut jobs[job].1 };
-        let launched = gpu.set_wave_query(step.job, &r.queries).and_then(|()| {
-            if eager {
-                gpu.wave_phases(step.wave, step.kv, step.cache, step.job).map(|ms| trace.device_ms = ms)
-            } else {
+        let launched = match io {
+            Some(io) => {
                 let batch = state.batches.get(&d).expect("a batch per head dimension (execute_device)");
-                gpu.launch_wave_lane(batch, lane, &mut step)
+                launch_io(&gpu, batch, lane, &mut step, &io)
             }
-        });
+            None => gpu.set_wave_query(step.job, &r.queries).and_then(|()| {
+                if eager {
+                    gpu.wave_phases(step.wave, step.kv, step.cache, step.job).map(|ms| trace.device_ms = ms)
+                } else {
+                    let batch = state.batches.get(&d).expect("a batch per head dimension (execute_device)");
+                    gpu.launch_wave_lane(batch, lane, &mut step)
+                }
+            }),
+        };
         if let Err(e) = launched {
             state.layers.insert(key, dl);
             return Err(e.into());

@@ -23,6 +23,8 @@ mod explain;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod gpu_io;
+#[cfg(feature = "cuda")]
 mod gpu_prefill;
 mod metrics;
 mod plan;
@@ -43,5 +45,7 @@ pub use error::{Error, ErrorKind, Result};
 pub use exec::{execute_head, RequestActual, ZoneActual};
 #[cfg(feature = "cuda")]
 pub use gpu::GpuRun;
+#[cfg(feature = "cuda")]
+pub use gpu_io::{DeviceRequest, IoDType};
 pub use plan::{DeviceSelection, Plan, PlanCost, Request, RequestPlan, Strategy};
 pub use spec::{ContextSpec, LayerKind, Method};

@@ -2,8 +2,9 @@
 //! float32, float16, bfloat16 or float64, contiguous or strided, read as f32. The capsule is
 //! not consumed: the producer's destructor frees the tensor when the capsule goes, after the
 //! copy. A tensor on a device (CUDA) is copied to host memory by its producer, on request
-//! (`__dlpack__(dl_device=(1, 0), copy=True)`), ordered after the work queued on its stream;
-//! reading CUDA queries in place, without that copy, is not done yet.
+//! (`__dlpack__(dl_device=(1, 0), copy=True)`), ordered after the work queued on its stream —
+//! except on a GPU engine, whose steps read CUDA queries and write CUDA outputs in place
+//! ([`cuda_tensor`]).
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -38,6 +39,9 @@ struct DlTensor {
 }
 
 const CPU: i32 = 1;
+/// DLPack's `kDLCUDA`.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "CUDA tensors are read in place by the cuda build"))]
+const CUDA: i32 = 2;
 
 /// The DLTensor in a `__dlpack__` capsule, borrowed for as long as the capsule.
 fn tensor<'a>(what: &str, capsule: &'a Bound<'_, PyAny>) -> PyResult<&'a DlTensor> {
@@ -94,7 +98,42 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
         copied
     };
     let t = tensor(what, &capsule)?;
-    let kind = match (t.dtype.code, t.dtype.bits, t.dtype.lanes) {
+    let kind = kind_of(what, t)?;
+    let (shape, strides, contiguous) = layout(what, t)?;
+    let count: usize = shape.iter().product();
+    let mut out = Vec::with_capacity(count);
+    if count > 0 && contiguous {
+        // SAFETY: a C-contiguous tensor's `count` elements follow `data + byte_offset`.
+        let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
+        let size = usize::from(t.dtype.bits / 8);
+        // SAFETY: `i < count` elements of `size` bytes from `base`, as above.
+        out.extend((0..count).map(|i| read(unsafe { base.add(i * size) }, kind)));
+    } else if count > 0 {
+        // SAFETY: `data + byte_offset` is the tensor's first element (DLPack's layout).
+        let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
+        let size = usize::from(t.dtype.bits / 8) as isize;
+        let mut index = vec![0usize; shape.len()];
+        for _ in 0..count {
+            let offset: i64 = index.iter().zip(&strides).map(|(&i, &s)| i as i64 * s).sum();
+            // SAFETY: every index is within `shape`, so `offset` names an element of the
+            // tensor the producer laid out with these strides; reads are unaligned-safe.
+            let at = unsafe { base.offset(offset as isize * size) };
+            out.push(read(at, kind));
+            for d in (0..shape.len()).rev() {
+                index[d] += 1;
+                if index[d] < shape[d] {
+                    break;
+                }
+                index[d] = 0;
+            }
+        }
+    }
+    Ok(Some((out, shape)))
+}
+
+/// The element type of `t`, or a `TypeError` naming those read.
+fn kind_of(what: &str, t: &DlTensor) -> PyResult<Kind> {
+    Ok(match (t.dtype.code, t.dtype.bits, t.dtype.lanes) {
         (2, 32, 1) => Kind::F32,
         (2, 16, 1) => Kind::F16,
         (4, 16, 1) => Kind::Bf16,
@@ -104,7 +143,12 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
                 "{what} has DLPack dtype code {code}, {bits} bits, {lanes} lanes; expected float32, float16, bfloat16 or float64"
             )))
         }
-    };
+    })
+}
+
+/// `t`'s shape, its strides in elements (C order when DLPack gives none) and whether it is
+/// C-contiguous.
+fn layout(what: &str, t: &DlTensor) -> PyResult<(Vec<usize>, Vec<i64>, bool)> {
     let ndim = usize::try_from(t.ndim).map_err(|_| PyValueError::new_err(format!("{what}: negative ndim")))?;
     let dims = |p: *const i64| -> Vec<i64> {
         if ndim == 0 || p.is_null() {
@@ -130,36 +174,80 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
             s
         }
     };
-    let count: usize = shape.iter().product();
-    let mut out = Vec::with_capacity(count);
-    let contiguous = (0..ndim).all(|i| strides[i] == shape[i + 1..].iter().product::<usize>() as i64);
-    if count > 0 && contiguous {
-        // SAFETY: a C-contiguous tensor's `count` elements follow `data + byte_offset`.
-        let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
-        let size = usize::from(t.dtype.bits / 8);
-        // SAFETY: `i < count` elements of `size` bytes from `base`, as above.
-        out.extend((0..count).map(|i| read(unsafe { base.add(i * size) }, kind)));
-    } else if count > 0 {
-        // SAFETY: `data + byte_offset` is the tensor's first element (DLPack's layout).
-        let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
-        let size = usize::from(t.dtype.bits / 8) as isize;
-        let mut index = vec![0usize; ndim];
-        for _ in 0..count {
-            let offset: i64 = index.iter().zip(&strides).map(|(&i, &s)| i as i64 * s).sum();
-            // SAFETY: every index is within `shape`, so `offset` names an element of the
-            // tensor the producer laid out with these strides; reads are unaligned-safe.
-            let at = unsafe { base.offset(offset as isize * size) };
-            out.push(read(at, kind));
-            for d in (0..ndim).rev() {
-                index[d] += 1;
-                if index[d] < shape[d] {
-                    break;
-                }
-                index[d] = 0;
-            }
-        }
+    // A dimension of length 1 may carry any stride.
+    let contiguous = (0..ndim).all(|i| shape[i] == 1 || strides[i] == shape[i + 1..].iter().product::<usize>() as i64);
+    Ok((shape, strides, contiguous))
+}
+
+/// Whether `obj` is a DLPack tensor on a CUDA device (`__dlpack_device__()`).
+pub(crate) fn on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if !obj.hasattr("__dlpack_device__")? {
+        return Ok(false);
     }
-    Ok(Some((out, shape)))
+    let (device_type, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+    Ok(device_type == CUDA)
+}
+
+/// A C-contiguous tensor in CUDA memory, read and written in place; its capsule is kept
+/// (the producer frees the tensor only when the capsule goes).
+#[cfg(feature = "cuda")]
+pub(crate) struct CudaTensor<'py> {
+    _capsule: Bound<'py, PyAny>,
+    /// Device address of the first element.
+    pub(crate) address: u64,
+    pub(crate) dtype: attnstore::IoDType,
+    pub(crate) shape: Vec<usize>,
+    /// The CUDA device's ordinal.
+    pub(crate) device: i32,
+}
+
+/// `obj`, a DLPack tensor on a CUDA device, in place: float32, float16 or bfloat16 and
+/// C-contiguous, else a `TypeError` / `ValueError` naming what is expected. The capsule is
+/// asked for with `stream=-1` (no synchronization): the engine orders its reads after the
+/// caller's stream itself.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_tensor<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<CudaTensor<'py>> {
+    let kwargs = pyo3::types::PyDict::new(obj.py());
+    kwargs.set_item("stream", -1)?;
+    let capsule = obj.call_method("__dlpack__", (), Some(&kwargs))?;
+    let t = tensor(what, &capsule)?;
+    if t.device.device_type != CUDA {
+        return Err(PyValueError::new_err(format!(
+            "{what} is on DLPack device type {}; expected a CUDA tensor (type {CUDA})",
+            t.device.device_type
+        )));
+    }
+    let dtype = match kind_of(what, t)? {
+        Kind::F32 => attnstore::IoDType::F32,
+        Kind::F16 => attnstore::IoDType::F16,
+        Kind::Bf16 => attnstore::IoDType::Bf16,
+        Kind::F64 => {
+            return Err(PyTypeError::new_err(format!(
+                "{what} is a CUDA float64 tensor; CUDA tensors must be float32, float16 or bfloat16"
+            )))
+        }
+    };
+    let (shape, _, contiguous) = layout(what, t)?;
+    if !contiguous {
+        return Err(PyValueError::new_err(format!(
+            "{what} is a non-contiguous CUDA tensor (shape {shape:?}); pass a contiguous one (.contiguous())"
+        )));
+    }
+    let address = t.data as u64 + t.byte_offset;
+    let device = t.device.device_id;
+    Ok(CudaTensor { _capsule: capsule, address, dtype, shape, device })
+}
+
+/// The stream the caller's work on `obj` is queued on: torch's current stream of its
+/// device for a torch tensor, else 0 (the legacy default stream).
+#[cfg(feature = "cuda")]
+pub(crate) fn current_stream(obj: &Bound<'_, PyAny>, device: i32) -> PyResult<u64> {
+    let module: String = obj.get_type().getattr("__module__")?.extract()?;
+    if !module.starts_with("torch") {
+        return Ok(0);
+    }
+    let stream = obj.py().import("torch")?.getattr("cuda")?.call_method1("current_stream", (device,))?;
+    stream.getattr("cuda_stream")?.extract()
 }
 
 /// One element at `at` as f32.

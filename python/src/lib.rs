@@ -9,7 +9,7 @@ use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, LayerKind,
     Method, Request,
 };
-use numpy::{PyArray2, PyArray3, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -329,6 +329,127 @@ impl Engine {
 }
 
 impl Engine {
+    /// Whether a call over `q` runs in place on the GPU: a CUDA `q` on a `gpu=True` engine.
+    /// `out` is only for those calls (else a `ValueError`).
+    fn in_place(&self, q: &Bound<'_, PyAny>, out: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let cuda = self.gpu && dlpack::on_cuda(q)?;
+        if out.is_some() && !cuda {
+            return Err(PyValueError::new_err(
+                "out= is for CUDA queries on an Engine(gpu=True) (written in place); this call returns a new array",
+            ));
+        }
+        Ok(cuda)
+    }
+
+    /// Attention of one CUDA query per context of `ctxs` (one shape) over `layer`, read from
+    /// `q` and written to `out` in place (`Engine::attend_device`): `q` is `[q_heads,
+    /// head_dim]`, or `[len(ctxs), q_heads, head_dim]` when `batched`. Returns `out`.
+    #[cfg(feature = "cuda")]
+    #[allow(clippy::too_many_arguments, reason = "one call's arguments, as attend and attend_many take them")]
+    fn attend_cuda<'py>(
+        &self,
+        py: Python<'py>,
+        e: &Arc<attnstore::Engine>,
+        ctxs: &[u64],
+        layer: usize,
+        q: &Bound<'py, PyAny>,
+        out: Option<Bound<'py, PyAny>>,
+        stream: Option<u64>,
+        budget: &Budget,
+        batched: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let Some(&first) = ctxs.first() else {
+            return Err(PyValueError::new_err("ctxs is empty; expected at least one context id"));
+        };
+        let shape = Self::shape(e, first)?;
+        for &c in &ctxs[1..] {
+            if Self::shape(e, c)? != shape {
+                return Err(ShapeError::new_err(format!("context {c}'s shape differs from context {first}'s")));
+            }
+        }
+        let mut want = vec![shape.q_heads, shape.head_dim];
+        if batched {
+            want.insert(0, ctxs.len());
+        }
+        let qt = dlpack::cuda_tensor("q", q)?;
+        if qt.shape != want {
+            return Err(ShapeError::new_err(format!("q has shape {:?}; expected {want:?}", qt.shape)));
+        }
+        if qt.device != 0 {
+            return Err(PyValueError::new_err(format!(
+                "q is on CUDA device {}; attnstore runs on device 0",
+                qt.device
+            )));
+        }
+        let out = match out {
+            Some(o) => o,
+            None => q.call_method1("new_empty", (want.clone(),)).map_err(|_| {
+                PyTypeError::new_err("q has no new_empty(shape): pass out=, a CUDA tensor of q's shape and dtype")
+            })?,
+        };
+        let ot = dlpack::cuda_tensor("out", &out)?;
+        if ot.shape != want || ot.dtype != qt.dtype || ot.device != qt.device {
+            return Err(ShapeError::new_err(format!(
+                "out is {:?} {:?} on CUDA device {}; expected q's: {want:?} {:?} on device {}",
+                ot.dtype, ot.shape, ot.device, qt.dtype, qt.device
+            )));
+        }
+        let stream = match stream {
+            Some(s) => s,
+            None => dlpack::current_stream(q, qt.device)?,
+        };
+        let per = (shape.q_heads * shape.head_dim * qt.dtype.size_bytes()) as u64;
+        let requests: Vec<attnstore::DeviceRequest> = ctxs
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| attnstore::DeviceRequest {
+                context: ContextId(c),
+                layer,
+                query: qt.address + i as u64 * per,
+                output: ot.address + i as u64 * per,
+                dtype: qt.dtype,
+            })
+            .collect();
+        let run = py
+            .detach(|| {
+                // SAFETY: each request names a slice of q and out, CUDA tensors on device 0
+                // of the context's shape and one dtype (checked above), alive while their
+                // capsules (held by qt and ot) are, past this call.
+                unsafe { e.attend_device(&requests, budget, stream) }
+            })
+            .map_err(py_err)?;
+        self.count(&run);
+        Ok(out)
+    }
+
+    /// Without the GPU executor: never called (`in_place` needs a `gpu=True` engine).
+    #[cfg(not(feature = "cuda"))]
+    #[allow(clippy::too_many_arguments, reason = "the cuda build's signature")]
+    fn attend_cuda<'py>(
+        &self,
+        _py: Python<'py>,
+        _e: &Arc<attnstore::Engine>,
+        _ctxs: &[u64],
+        _layer: usize,
+        _q: &Bound<'py, PyAny>,
+        _out: Option<Bound<'py, PyAny>>,
+        _stream: Option<u64>,
+        _budget: &Budget,
+        _batched: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        Err(PyValueError::new_err("CUDA tensors are read in place by a cuda build's Engine(gpu=True) only"))
+    }
+
+    /// Adds a GPU run's counts to `gpu_stats`.
+    #[cfg(feature = "cuda")]
+    fn count(&self, run: &attnstore::GpuRun) {
+        let t = &self.gpu_totals;
+        t.on_gpu.fetch_add(run.on_gpu as u64, Ordering::Relaxed);
+        t.on_cpu.fetch_add(run.on_cpu as u64, Ordering::Relaxed);
+        t.device_clusters.fetch_add(run.device_clusters as u64, Ordering::Relaxed);
+        t.device_missed.fetch_add(run.device_missed as u64, Ordering::Relaxed);
+    }
+
     /// Plans `requests` under `budget` and executes them (on the GPU for a `gpu=True`
     /// engine), one output per request.
     fn run(&self, e: &attnstore::Engine, requests: &[Request], budget: &Budget) -> attnstore::Result<Vec<Vec<f32>>> {
@@ -354,11 +475,7 @@ impl Engine {
         #[cfg(feature = "cuda")]
         if self.gpu {
             let (out, run) = e.execute_gpu(plan)?;
-            let t = &self.gpu_totals;
-            t.on_gpu.fetch_add(run.on_gpu as u64, Ordering::Relaxed);
-            t.on_cpu.fetch_add(run.on_cpu as u64, Ordering::Relaxed);
-            t.device_clusters.fetch_add(run.device_clusters as u64, Ordering::Relaxed);
-            t.device_missed.fetch_add(run.device_missed as u64, Ordering::Relaxed);
+            self.count(&run);
             return Ok(out);
         }
         e.execute(plan)
@@ -555,49 +672,63 @@ impl Engine {
     }
 
     /// Plans and executes attention of `q` (`[q_heads, head_dim]`) over a layer in one call:
-    /// exact, or the default sparse plan. Returns `[q_heads, head_dim]` float32.
-    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None, budget=None))]
+    /// exact, or the default sparse plan. Returns `[q_heads, head_dim]` float32 — or, on a
+    /// `gpu=True` engine with a CUDA `q`, the CUDA tensor `out` (`q`'s shape, dtype and
+    /// device; made with `q.new_empty` when not given), `q` read and `out` written in place
+    /// after the work queued on `stream` (torch's current stream when not given).
+    #[pyo3(signature = (ctx, layer, q, exact=false, retrieve=None, budget=None, out=None, stream=None))]
     #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
     fn attend<'py>(
         &self,
         py: Python<'py>,
         ctx: u64,
         layer: usize,
-        q: &Bound<'_, PyAny>,
+        q: &Bound<'py, PyAny>,
         exact: bool,
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
-    ) -> PyResult<Bound<'py, PyArray2<f32>>> {
+        out: Option<Bound<'py, PyAny>>,
+        stream: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let e = self.engine()?;
-        let (query, shape) = Self::query(&e, ctx, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
+        if self.in_place(q, out.as_ref())? {
+            return self.attend_cuda(py, &e, &[ctx], layer, q, out, stream, &budget, false);
+        }
+        let (query, shape) = Self::query(&e, ctx, q)?;
         let request = [Request::new(ContextId(ctx), layer, query)];
-        let mut out = py.detach(|| self.run(&e, &request, &budget)).map_err(py_err)?;
-        output(py, out.remove(0), shape)
+        let mut outs = py.detach(|| self.run(&e, &request, &budget)).map_err(py_err)?;
+        Ok(output(py, outs.remove(0), shape)?.into_any())
     }
 
     /// Attention of one query per context over the same layer of each, planned and executed
     /// as one batch (a decode step of a batch of sequences): `q` is `[len(ctxs), q_heads,
     /// head_dim]`, the contexts share their shape; returns `[len(ctxs), q_heads, head_dim]`
-    /// float32.
-    #[pyo3(signature = (ctxs, layer, q, exact=false, retrieve=None, budget=None))]
+    /// float32 — or, on a `gpu=True` engine with a CUDA `q`, the CUDA tensor `out`, in place
+    /// as [`Engine::attend`] does.
+    #[pyo3(signature = (ctxs, layer, q, exact=false, retrieve=None, budget=None, out=None, stream=None))]
     #[allow(clippy::too_many_arguments, reason = "the Python signature: keyword arguments with defaults")]
     fn attend_many<'py>(
         &self,
         py: Python<'py>,
         ctxs: Vec<u64>,
         layer: usize,
-        q: &Bound<'_, PyAny>,
+        q: &Bound<'py, PyAny>,
         exact: bool,
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
-    ) -> PyResult<Bound<'py, PyArray3<f32>>> {
+        out: Option<Bound<'py, PyAny>>,
+        stream: Option<u64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let e = self.engine()?;
-        let (requests, shape) = Self::batch(&e, &ctxs, layer, q)?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
+        if self.in_place(q, out.as_ref())? {
+            return self.attend_cuda(py, &e, &ctxs, layer, q, out, stream, &budget, true);
+        }
+        let (requests, shape) = Self::batch(&e, &ctxs, layer, q)?;
         let outs = py.detach(|| self.run(&e, &requests, &budget)).map_err(py_err)?;
         let flat: Vec<f32> = outs.concat();
-        numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])
+        Ok(numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])?.into_any())
     }
 
     /// Times `iters` calls of the step `attend_many` runs (plan and execute, on the GPU for a

@@ -226,14 +226,97 @@ def test_gpu_full_budget_plans_equal_torch_sdpa_on_cuda(dtype):
     q = torch.randn(32, 128, generator=gen, device="cuda").to(dtype)
     ctx = eng.create_context(q_heads=32, kv_heads=8, head_dim=128, layers=1, dtype="f16")
     eng.prefill(ctx, 0, k, v)  # CUDA tensors: copied to the CPU by torch through DLPack
-    want = sdpa(q, k, v).cpu()
-    got = torch.from_numpy(eng.attend(ctx, 0, q, exact=True))
-    assert torch.allclose(got, want, atol=3e-3, rtol=3e-3), (got - want).abs().max()
+    want = sdpa(q, k, v)
+    # A CUDA query on a GPU engine comes back as a CUDA tensor of its dtype, written in place
+    # (an exact plan: the query read to the host, the output written back).
+    got = eng.attend(ctx, 0, q, exact=True)
+    assert got.is_cuda and got.dtype == dtype and got.shape == q.shape
+    tol = 3e-3 if dtype == torch.float16 else 2e-2
+    assert torch.allclose(got.float(), want, atol=tol, rtol=tol), (got.float() - want).abs().max()
     # The device-planned sparse step runs and stays near exact on these peaked queries.
     peaked = (3.0 * k[torch.arange(32, device="cuda") // 4, torch.arange(32, device="cuda") * 200]).cpu()
     exact = torch.from_numpy(eng.attend(ctx, 0, peaked, exact=True))
     sparse = torch.from_numpy(eng.attend(ctx, 0, peaked))
     assert (sparse - exact).norm() / exact.norm() < 0.1
+
+
+def peaked_context(eng, tokens=8192, contexts=1):
+    """Contexts of 32 q / 8 kv heads, d = 128, f16 rows, wave-indexed (long enough for the
+    device-selected step), and a peaked f32 CUDA query per context: [contexts, 32, 128]."""
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    ctxs, qs = [], []
+    for _ in range(contexts):
+        k = torch.randn(8, tokens, 128, generator=gen, device="cuda")
+        v = torch.randn(8, tokens, 128, generator=gen, device="cuda")
+        ctx = eng.create_context(q_heads=32, kv_heads=8, head_dim=128, layers=1, dtype="f16")
+        eng.prefill(ctx, 0, k.cpu(), v.cpu())
+        eng.wait_index(ctx, 0, 120.0)
+        ctxs.append(ctx)
+        qs.append(3.0 * k[torch.arange(32, device="cuda") // 4, torch.arange(32, device="cuda") * 200])
+    return ctxs, torch.stack(qs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_gpu_cuda_queries_are_read_and_outputs_written_in_place(dtype):
+    eng = gpu_engine(host_blocks=65536)
+    ctxs, q = peaked_context(eng, contexts=2)
+    q = q.to(dtype)
+    host = q.float().cpu()  # the same values, through the host path
+    clusters = eng.gpu_stats()["device_clusters"]
+    out = torch.full_like(q[0], 7.0)
+    got = eng.attend(ctxs[0], 0, q[0], out=out)
+    assert got is out
+    assert eng.gpu_stats()["device_clusters"] > clusters, "the step was not device-selected"
+    want = torch.from_numpy(eng.attend(ctxs[0], 0, host[0].numpy())).cuda()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    assert torch.allclose(out.float(), want, atol=tol, rtol=tol), (out.float() - want).abs().max()
+    # A batch: one query per context from one [2, 32, 128] tensor, the output made for it.
+    many = eng.attend_many(ctxs, 0, q)
+    assert many.is_cuda and many.dtype == dtype and many.shape == q.shape
+    want = torch.from_numpy(eng.attend_many(ctxs, 0, host.numpy())).cuda()
+    assert torch.allclose(many.float(), want, atol=tol, rtol=tol), (many.float() - want).abs().max()
+
+
+def test_gpu_cuda_queries_wait_for_the_callers_stream():
+    eng = gpu_engine(host_blocks=65536)
+    ctxs, q = peaked_context(eng)
+    want = torch.from_numpy(eng.attend(ctxs[0], 0, q[0].cpu().numpy())).cuda()
+    side = torch.cuda.Stream()
+    late = torch.zeros_like(q[0])
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of device time before the query is written
+        late.copy_(q[0])
+        got = eng.attend(ctxs[0], 0, late)  # ordered after the copy on `side`
+    torch.cuda.synchronize()
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_gpu_bad_cuda_tensors_raise_and_change_nothing():
+    eng = gpu_engine(host_blocks=65536)
+    ctxs, q = peaked_context(eng)
+    q = q[0]
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(ValueError, match="non-contiguous"):
+        eng.attend(ctxs[0], 0, torch.cat([q, q], dim=1)[:, ::2], out=out)
+    with pytest.raises(TypeError, match="float64"):
+        eng.attend(ctxs[0], 0, q.double())
+    with pytest.raises(attnstore.ShapeError, match="shape"):
+        eng.attend(ctxs[0], 0, q[:16], out=out)
+    with pytest.raises(attnstore.ShapeError, match="expected q's"):
+        eng.attend(ctxs[0], 0, q, out=out.half())
+    with pytest.raises(ValueError, match="out= is for CUDA queries"):
+        eng.attend(ctxs[0], 0, q.cpu(), out=out)
+    bad = q.clone()
+    bad[3, 17] = float("nan")
+    for exact in (False, True):  # the device-selected step, and the exact plan's host path
+        with pytest.raises(attnstore.ShapeError, match="non-finite"):
+            eng.attend(ctxs[0], 0, bad, out=out, exact=exact)
+    with pytest.raises(attnstore.UnknownContextError):
+        eng.attend(12345, 0, q, out=out)
+    torch.cuda.synchronize()
+    assert bool((out == 7.0).all()), "a refused call wrote its output"
+    # The engine still serves the same query afterwards.
+    assert torch.isfinite(eng.attend(ctxs[0], 0, q, out=out)).all()
 
 
 def test_gpu_exact_generation_equals_sdpa_on_cuda():

@@ -1,6 +1,7 @@
 /* The C ABI from C: an in-memory engine, a wave context of 4096 random tokens, exact
  * attention checked against a direct softmax(qK^T/sqrt(d))V in double, the sparse plan's
- * EXPLAIN, and typed failures (wrong sizes, unknown context, a second prefill). Exit code 0
+ * EXPLAIN, typed failures (wrong sizes, unknown context, a second prefill), an engine with a
+ * buffer manager, and (built with ATTNSTORE_CUDA) the device attend's refusals. Exit code 0
  * when every check holds; each failed check prints a line. */
 #include "attnstore.h"
 #include <math.h>
@@ -73,6 +74,28 @@ int main(void) {
     CHECK(attnstore_prefill(eng, ctx, 0, k, v, T) == ATTNSTORE_STATUS_INVALID_ARGUMENT, "second prefill");
     CHECK(attnstore_context_create(eng, QH, KVH, D, 1, "f8", "wave", &ctx) == ATTNSTORE_STATUS_INVALID_ARGUMENT, "bad dtype");
     CHECK(attnstore_attend(NULL, ctx, 0, q, QH * D, 1, out, QH * D) == ATTNSTORE_STATUS_NULL_ARGUMENT, "null engine");
+
+    /* An engine whose rows a buffer manager homes attends exactly as the plain one does. */
+    AttnstoreEngine *buffered = NULL;
+    CHECK(attnstore_engine_open_buffered(NULL, 0, 0, &buffered) == ATTNSTORE_STATUS_INVALID_ARGUMENT, "no blocks");
+    CHECK(attnstore_engine_open_buffered(NULL, 4096, 0, &buffered) == ATTNSTORE_STATUS_OK && buffered, "open buffered");
+    uint64_t bctx = 0;
+    float bout[QH * D];
+    CHECK(attnstore_context_create(buffered, QH, KVH, D, 1, "f32", "wave", &bctx) == ATTNSTORE_STATUS_OK, "create");
+    CHECK(attnstore_prefill(buffered, bctx, 0, k, v, T) == ATTNSTORE_STATUS_OK, "buffered prefill");
+    CHECK(attnstore_attend(eng, ctx, 0, q, QH * D, 1, out, QH * D) == ATTNSTORE_STATUS_OK, "exact attend");
+    CHECK(attnstore_attend(buffered, bctx, 0, q, QH * D, 1, bout, QH * D) == ATTNSTORE_STATUS_OK, "buffered attend");
+    double most = 0;
+    for (size_t i = 0; i < QH * D; i++) most = fmax(most, fabs((double)bout[i] - out[i]));
+    CHECK(most < 1e-5, "buffered vs plain exact attention: %g", most);
+#ifdef ATTNSTORE_CUDA
+    /* Device attends refuse bad arguments before touching the GPU. */
+    CHECK(attnstore_attend_device(buffered, bctx, 0, NULL, NULL, 0, 1, NULL) == ATTNSTORE_STATUS_NULL_ARGUMENT, "null q");
+    CHECK(attnstore_attend_device(buffered, bctx, 0, q, bout, 7, 1, NULL) == ATTNSTORE_STATUS_INVALID_ARGUMENT, "dtype");
+    CHECK(attnstore_attend_device(buffered, bctx + 9, 0, q, bout, 0, 1, NULL) == ATTNSTORE_STATUS_UNKNOWN_CONTEXT, "ctx");
+    CHECK(attnstore_attend_device(NULL, bctx, 0, q, bout, 0, 1, NULL) == ATTNSTORE_STATUS_NULL_ARGUMENT, "engine");
+#endif
+    attnstore_engine_free(buffered);
 
     attnstore_engine_free(eng);
     free(text); free(p); free(k); free(v);

@@ -26,14 +26,18 @@ mod wave;
 pub use blocks::{CudaBlock, CudaBlocks};
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
-pub use wave::{ArenaCache, DeviceWave, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep, WaveTable};
+pub use wave::{
+    ArenaCache, DeviceIo, DeviceWave, IoDType, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep,
+    WaveTable,
+};
 
 const SOURCE: &str = concat!(
     include_str!("decode.cu"),
     include_str!("hack.cu"),
     include_str!("wave.cu"),
     include_str!("hack_wave.cu"),
-    include_str!("build.cu")
+    include_str!("build.cu"),
+    include_str!("io.cu")
 );
 /// CTAs a launch aims for: enough to keep every SM busy with several CTAs, so the
 /// latency of each row's load is hidden (an H100 has 132 SMs), few enough that the merge
@@ -77,6 +81,9 @@ pub struct GpuBackend {
     select_candidates: CudaFunction,
     expand: CudaFunction,
     ingest: CudaFunction,
+    /// The caller's device tensors read into a step and written from it (`io.cu`).
+    io_import: CudaFunction,
+    io_export: CudaFunction,
     /// `est_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
     est: Vec<CudaFunction>,
     /// The whole index build on the device (`build.cu`).
@@ -269,6 +276,8 @@ impl GpuBackend {
         let expand = module.load_function("wave_expand").map_err(gpu_err("wave_expand"))?;
         let ingest = module.load_function("step_ingest").map_err(gpu_err("step_ingest"))?;
         let est = per_group("est_partial")?;
+        let io_import = module.load_function("io_import").map_err(gpu_err("io_import"))?;
+        let io_export = module.load_function("io_export").map_err(gpu_err("io_export"))?;
         let load = |name: &'static str| module.load_function(name).map_err(gpu_err(name));
         let build = BuildKernels {
             mean: load("lay_mean")?,
@@ -303,6 +312,8 @@ impl GpuBackend {
             select_candidates,
             expand,
             ingest,
+            io_import,
+            io_export,
             est,
             build,
             hack_partial,

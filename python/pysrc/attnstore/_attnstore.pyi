@@ -105,8 +105,14 @@ class Engine:
         exact: bool = False,
         retrieve: Optional[float] = None,
         budget: Optional[Budget] = None,
-    ) -> npt.NDArray[np.float32]:
-        """Plans and executes in one call; returns [q_heads, head_dim] float32."""
+        out: Any = None,
+        stream: Optional[int] = None,
+    ) -> Any:
+        """Plans and executes in one call; returns [q_heads, head_dim] float32 (a NumPy
+        array). On an Engine(gpu=True) with a CUDA q (a DLPack tensor: float32, float16 or
+        bfloat16, contiguous, device 0) the query is read and the output written in place:
+        returns `out` (a CUDA tensor of q's shape and dtype; q.new_empty(...) when None),
+        ordered after the work queued on `stream` (torch's current stream when None)."""
     def attend_many(
         self,
         ctxs: List[int],
@@ -115,9 +121,12 @@ class Engine:
         exact: bool = False,
         retrieve: Optional[float] = None,
         budget: Optional[Budget] = None,
-    ) -> npt.NDArray[np.float32]:
+        out: Any = None,
+        stream: Optional[int] = None,
+    ) -> Any:
         """One query per context (q: [len(ctxs), q_heads, head_dim]) as one batch; returns
-        [len(ctxs), q_heads, head_dim] float32."""
+        [len(ctxs), q_heads, head_dim] float32, or, with a CUDA q on an Engine(gpu=True),
+        `out` written in place as attend does."""
     def time_steps(
         self, ctxs: List[int], layer: int, q: ArrayLike, iters: int, exact: bool = False, budget: Optional[Budget] = None
     ) -> List[float]:

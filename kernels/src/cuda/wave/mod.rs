@@ -7,12 +7,14 @@
 //! work, off the decode path).
 
 mod hack;
+mod io;
 mod launch;
 mod timing;
 mod upload;
 
 use hack::{DeviceGroups, HackBuffers};
 
+pub use io::{DeviceIo, IoDType};
 use launch::Graphs;
 pub use launch::WaveBatch;
 pub use timing::StreamMark;
@@ -259,6 +261,8 @@ struct JobIo {
     /// The event that marks the end of the job's last launch (its own `done`, or the batch's
     /// when it ran in one: one record per batch, not per job), until waited for.
     pending: Option<Arc<CudaEvent>>,
+    /// For steps over the caller's device memory (`launch_wave_lane_io`), made by the first.
+    ext: Option<io::IoState>,
 }
 
 impl JobIo {
@@ -494,7 +498,7 @@ impl GpuBackend {
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(gpu_err("creating an event"))?;
-        Ok(JobIo { q, out, sel, done: Arc::new(done), pending: None })
+        Ok(JobIo { q, out, sel, done: Arc::new(done), pending: None, ext: None })
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`), the clusters it
