@@ -1,105 +1,177 @@
-//! kv43's AVX2 kernels: the 4-bit key codes' integer products against 8-bit query codes
-//! (one head, or four heads reduced together) and the 3-bit value codes made from their
-//! planes and weighed by 7-bit probabilities.
+//! kv43's AVX2 kernels: the scores of up to four query heads over an 8-row key tile (rows in
+//! lanes, so no horizontal sums), the 3-bit value codes made from their planes and weighed
+//! by 7-bit probabilities for up to four heads, and the exact round-to-nearest of a run of
+//! codes (the query's 8-bit codes and the probabilities' 7-bit ones).
 
 use std::arch::x86_64::*;
 
-/// The integer product of one 64-dim partition: 32 code bytes against the even- and
-/// odd-channel query codes, by `vpmaddubsw` (unsigned 8-bit query codes times the
-/// 4-bit key codes, pair sums ≤ 2·255·15, so nothing saturates) and `vpmaddwd`.
-#[inline]
+use super::{PART, TILE};
+
+/// `codes[i] = clamp(round((x[i] − min) / step), 0, levels)` as `u8`, with `f32::round`'s
+/// ties away from zero, eight at a time; the scalar loop of [`super::code_run`] exactly (the
+/// same subtraction and division; `round` as `trunc` plus one where the exact fraction is
+/// at least ½, after the clamp below at 0 and before the one above, as `f32::clamp` and
+/// `as u8` treat a NaN: 0). `step > 0`.
 #[target_feature(enable = "avx2")]
-pub(super) fn partition_dot(codes: &[u8], even: __m256i, odd: __m256i) -> u32 {
-    let x: __m256i = bytemuck::pod_read_unaligned(&codes[..32]);
-    let nibble = _mm256_set1_epi8(0x0f);
-    let lo = _mm256_and_si256(x, nibble);
-    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
-    let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, lo), _mm256_maddubs_epi16(odd, hi));
-    let s = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
-    _mm_cvtsi128_si32(s) as u32
+pub(super) fn code_run(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]) {
+    let (m, s, top) = (_mm256_set1_ps(min), _mm256_set1_ps(step), _mm256_set1_ps(levels));
+    let (zero, half, one) = (_mm256_setzero_ps(), _mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let (mut xs, mut cs) = (x.chunks_exact(8), codes.chunks_exact_mut(8));
+    for (v, out) in (&mut xs).zip(&mut cs) {
+        let v: __m256 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(v));
+        // max(q, 0) gives 0 for a NaN (its second operand), as `clamp` then `as u8` do.
+        let q = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(v, m), s), zero);
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
+        let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(q, t), half), one);
+        let c = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_add_ps(t, up), top));
+        // Eight 32-bit codes ≤ 255 narrowed to bytes (the packs work per 128-bit lane).
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        let b: [u8; 16] = bytemuck::cast(_mm_packus_epi16(w, w));
+        out.copy_from_slice(&b[..8]);
+    }
+    super::code_run_scalar(xs.remainder(), min, step, levels, cs.into_remainder());
 }
 
-/// [`partition_dot`] of four heads' query codes against the same 32 code bytes: the
-/// nibbles unpacked once, the four sums reduced together by two rounds of `vphaddd`.
-#[inline]
+/// `codes[i] = min(round(x[i] / step), 127)` for probabilities `x[i] ≥ 0` (a NaN gives
+/// 127, as `f32::min` does), eight at a time; returns the codes' sum. Exactly the scalar
+/// loop of [`super::probability_codes`].
 #[target_feature(enable = "avx2")]
-pub(super) fn partition_dots4(codes: &[u8], q: &[(__m256i, __m256i); 4]) -> [u32; 4] {
-    let x: __m256i = bytemuck::pod_read_unaligned(&codes[..32]);
+pub(super) fn probability_codes(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
+    let (s, top) = (_mm256_set1_ps(step), _mm256_set1_ps(super::P_LEVELS));
+    let (zero, half, one) = (_mm256_setzero_ps(), _mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
+    let mut sum = _mm256_setzero_si256();
+    let (mut xs, mut cs) = (x.chunks_exact(8), codes.chunks_exact_mut(8));
+    for (v, out) in (&mut xs).zip(&mut cs) {
+        let v: __m256 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(v));
+        // min(q, 127) gives 127 for a NaN (its second operand), as `f32::min` does.
+        let q = _mm256_max_ps(_mm256_min_ps(_mm256_div_ps(v, s), top), zero);
+        let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
+        let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(q, t), half), one);
+        let c = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_add_ps(t, up), top));
+        sum = _mm256_add_epi32(sum, c);
+        let w = _mm_packus_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c));
+        let b: [u8; 16] = bytemuck::cast(_mm_packus_epi16(w, w));
+        out.copy_from_slice(&b[..8]);
+    }
+    let lanes: [u32; 8] = bytemuck::cast(sum);
+    lanes.iter().sum::<u32>() + super::probability_codes_scalar(xs.remainder(), step, cs.into_remainder())
+}
+
+/// The scores of `H` query heads over one key tile (`TILE` = 8 rows; see `Kv43Rows::key_codes`
+/// for the layout): `out[h][r] = scale·(qm_h + Σ_k (a_hk·U_rk + b_hk·dot_hrk))`, in that
+/// order of float operations, as `scores_reference`. Rows are in 32-bit lanes, so the
+/// integer products need no horizontal sums: per 8 channels one load, the nibbles split
+/// once, and per head two `vpmaddubsw` of the broadcast query codes (unsigned, ≤ 255)
+/// against the key codes (≤ 15): 16-bit lanes of ≤ 7,650 each, two octets summed to
+/// ≤ 30,600 (no overflow), then `vpmaddwd` with ones adds a row's two lanes into 32 bits.
+/// `codes`: `TILE·d/2` bytes; `sums`: the tile's code sums (`d/64 × TILE`); `w[h]`: head
+/// `h`'s `d` query codes, four to a little-endian word; `a[h]`, `b[h]`: its partitions'
+/// minima and steps.
+#[target_feature(enable = "avx2")]
+pub(super) fn tile_scores<const H: usize>(
+    codes: &[u8],
+    sums: &[u16],
+    w: [&[u32]; H],
+    (a, b, qm): ([&[f32]; H], [&[f32]; H], [f32; H]),
+    scale: f32,
+    out: &mut [[f32; TILE]; H],
+) {
+    let parts = sums.len() / TILE;
+    // The lengths every read below relies on, stated once so the compiler can drop the
+    // per-read bounds checks.
+    assert!(codes.len() == parts * PART / 8 * 32 && w.iter().all(|w| w.len() == parts * PART / 4), "tile shapes");
+    assert!(a.iter().chain(&b).all(|x| x.len() == parts), "partition shapes");
     let nibble = _mm256_set1_epi8(0x0f);
-    let lo = _mm256_and_si256(x, nibble);
-    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
     let ones = _mm256_set1_epi16(1);
-    let [a, b, c, e] = q.map(|(even, odd)| {
-        let pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, lo), _mm256_maddubs_epi16(odd, hi));
-        _mm256_madd_epi16(pairs, ones)
-    });
-    // Per 128-bit lane: [Σa, Σb, Σc, Σe] of that lane's four words each; then both lanes.
-    let s = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, e));
-    let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
-    bytemuck::cast(s)
-}
-
-/// See `weigh_value_planes`: per eight rows and 32 channels, the three planes loaded
-/// once; each row's codes made in registers (bit `r` of every byte to bit 0 by a 16-bit
-/// shift and a byte mask, then `b0 + 2·b1 + 4·b2` by byte adds); each row pair
-/// interleaved so `vpmaddubsw` multiplies a channel's two codes (≤ 7) by the rows' two
-/// probability codes (≤ 127) for each head: pair sums ≤ 1,778, summed in 16 bits over up
-/// to 64 rows (≤ 56,896, unsigned) and then widened to 32. Up to eight heads per pass.
-#[target_feature(enable = "avx2")]
-pub(super) fn weigh_value_planes(planes: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
-    let rows = planes.len() / (3 * d) * 8;
-    let heads = p.len() / rows;
-    let one = _mm256_set1_epi8(1);
-    let zero = _mm256_setzero_si256();
-    for h0 in (0..heads).step_by(8) {
-        let hn = (heads - h0).min(8);
-        for c0 in (0..d).step_by(32) {
-            let mut acc = [[zero; 4]; 8];
-            let (mut lo, mut hi) = ([zero; 8], [zero; 8]);
-            for (i, group) in planes.chunks_exact(3 * d).enumerate() {
-                let load = |b: usize| -> __m256i { bytemuck::pod_read_unaligned(&group[b * d + c0..b * d + c0 + 32]) };
-                let (p0, p1, p2) = (load(0), load(1), load(2));
-                let code = |r: i32| {
-                    let n = _mm_cvtsi32_si128(r);
-                    let bit = |x: __m256i| _mm256_and_si256(_mm256_srl_epi16(x, n), one);
-                    let (b0, b1, b2) = (bit(p0), bit(p1), bit(p2));
-                    let b2 = _mm256_add_epi8(b2, b2);
-                    _mm256_add_epi8(b0, _mm256_add_epi8(_mm256_add_epi8(b1, b1), _mm256_add_epi8(b2, b2)))
-                };
-                for r in (0..8).step_by(2) {
-                    let (a, b) = (code(r as i32), code(r as i32 + 1));
-                    let (ul, uh) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
-                    for h in 0..hn {
-                        let ph = &p[(h0 + h) * rows + 8 * i + r..(h0 + h) * rows + 8 * i + r + 2];
-                        let w = _mm256_set1_epi16((i16::from(ph[1] as i8) << 8) | i16::from(ph[0]));
-                        lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(ul, w));
-                        hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(uh, w));
-                    }
-                }
-                // Widened every 64 rows (and at the end): 64 rows sum to ≤ 56,896, which
-                // 16 bits hold unsigned. lo: channels 0..8 | 16..24, hi: 8..16 | 24..32
-                // (unpack works per lane).
-                if i % 8 == 7 || i + 1 == rows / 8 {
-                    for h in 0..hn {
-                        let a = &mut acc[h];
-                        let wide = |x: __m128i| _mm256_cvtepu16_epi32(x);
-                        a[0] = _mm256_add_epi32(a[0], wide(_mm256_castsi256_si128(lo[h])));
-                        a[1] = _mm256_add_epi32(a[1], wide(_mm256_castsi256_si128(hi[h])));
-                        a[2] = _mm256_add_epi32(a[2], wide(_mm256_extracti128_si256::<1>(lo[h])));
-                        a[3] = _mm256_add_epi32(a[3], wide(_mm256_extracti128_si256::<1>(hi[h])));
-                        (lo[h], hi[h]) = (zero, zero);
-                    }
+    let mut s = qm.map(|x| _mm256_set1_ps(x));
+    for k in 0..parts {
+        let mut dot = [_mm256_setzero_si256(); H];
+        for pair in (0..PART / 8).step_by(2) {
+            let mut acc = [_mm256_setzero_si256(); H];
+            for o in k * PART / 8 + pair..k * PART / 8 + pair + 2 {
+                let x: __m256i = bytemuck::pod_read_unaligned(&codes[o * 32..o * 32 + 32]);
+                let lo = _mm256_and_si256(x, nibble);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+                for h in 0..H {
+                    let (ql, qh) = (_mm256_set1_epi32(w[h][2 * o] as i32), _mm256_set1_epi32(w[h][2 * o + 1] as i32));
+                    let p = _mm256_add_epi16(_mm256_maddubs_epi16(ql, lo), _mm256_maddubs_epi16(qh, hi));
+                    acc[h] = _mm256_add_epi16(acc[h], p);
                 }
             }
-            for (h, a) in acc.iter().enumerate().take(hn) {
-                for (k, v) in a.iter().enumerate() {
-                    let lanes: [u32; 8] = bytemuck::cast(*v);
-                    let at = (h0 + h) * d + c0 + 8 * k;
-                    dot[at..at + 8].copy_from_slice(&lanes);
+            for h in 0..H {
+                dot[h] = _mm256_add_epi32(dot[h], _mm256_madd_epi16(acc[h], ones));
+            }
+        }
+        let u: __m128i = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&sums[k * TILE..(k + 1) * TILE]));
+        let u = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u));
+        for h in 0..H {
+            let t = _mm256_add_ps(
+                _mm256_mul_ps(_mm256_set1_ps(a[h][k]), u),
+                _mm256_mul_ps(_mm256_set1_ps(b[h][k]), _mm256_cvtepi32_ps(dot[h])),
+            );
+            s[h] = _mm256_add_ps(s[h], t);
+        }
+    }
+    for h in 0..H {
+        out[h] = bytemuck::cast(_mm256_mul_ps(s[h], _mm256_set1_ps(scale)));
+    }
+}
+
+/// See `weigh_value_planes`, for `H` heads: per eight rows and 32 channels the three planes
+/// loaded once; each row's codes made in registers (bit `r` of every byte to bit 0 by a
+/// 16-bit shift and a byte mask, then `b0 + 2·b1 + 4·b2` by byte adds); each row pair
+/// interleaved so `vpmaddubsw` multiplies a channel's two codes (≤ 7) by the rows' two
+/// probability codes (≤ 127, `weights[h·rows/2 + i]` broadcast, made once per block by the
+/// caller): pair sums ≤ 1,778, summed in 16 bits over up to 64 rows (≤ 56,896, unsigned)
+/// and then widened to 32. `weights`: `H × rows/2` words, row `2i` in the low byte.
+#[target_feature(enable = "avx2")]
+pub(super) fn weigh_value_planes<const H: usize>(planes: &[u8], d: usize, weights: &[[u16; 16]], dot: &mut [u32]) {
+    let rows = planes.len() / (3 * d) * 8;
+    let one = _mm256_set1_epi8(1);
+    let zero = _mm256_setzero_si256();
+    let weight = |h: usize, pair: usize| -> __m256i { bytemuck::cast(weights[h * rows / 2 + pair]) };
+    for c0 in (0..d).step_by(32) {
+        let mut acc = [[zero; 4]; H];
+        let (mut lo, mut hi) = ([zero; H], [zero; H]);
+        for (i, group) in planes.chunks_exact(3 * d).enumerate() {
+            let load = |b: usize| -> __m256i { bytemuck::pod_read_unaligned(&group[b * d + c0..b * d + c0 + 32]) };
+            let (p0, p1, p2) = (load(0), load(1), load(2));
+            let code = |r: i32| {
+                let n = _mm_cvtsi32_si128(r);
+                let bit = |x: __m256i| _mm256_and_si256(_mm256_srl_epi16(x, n), one);
+                let (b0, b1, b2) = (bit(p0), bit(p1), bit(p2));
+                let b2 = _mm256_add_epi8(b2, b2);
+                _mm256_add_epi8(b0, _mm256_add_epi8(_mm256_add_epi8(b1, b1), _mm256_add_epi8(b2, b2)))
+            };
+            for r in (0..8).step_by(2) {
+                let (x, y) = (code(r as i32), code(r as i32 + 1));
+                let (ul, uh) = (_mm256_unpacklo_epi8(x, y), _mm256_unpackhi_epi8(x, y));
+                for h in 0..H {
+                    let w = weight(h, 4 * i + r / 2);
+                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(ul, w));
+                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(uh, w));
                 }
+            }
+            // Widened every 64 rows (and at the end): 64 rows sum to ≤ 56,896, which 16
+            // bits hold unsigned. lo: channels 0..8 | 16..24, hi: 8..16 | 24..32 (unpack
+            // works per lane).
+            if i % 8 == 7 || i + 1 == rows / 8 {
+                for h in 0..H {
+                    let a = &mut acc[h];
+                    let wide = |x: __m128i| _mm256_cvtepu16_epi32(x);
+                    a[0] = _mm256_add_epi32(a[0], wide(_mm256_castsi256_si128(lo[h])));
+                    a[1] = _mm256_add_epi32(a[1], wide(_mm256_castsi256_si128(hi[h])));
+                    a[2] = _mm256_add_epi32(a[2], wide(_mm256_extracti128_si256::<1>(lo[h])));
+                    a[3] = _mm256_add_epi32(a[3], wide(_mm256_extracti128_si256::<1>(hi[h])));
+                    (lo[h], hi[h]) = (zero, zero);
+                }
+            }
+        }
+        for (h, a) in acc.iter().enumerate() {
+            for (k, v) in a.iter().enumerate() {
+                let lanes: [u32; 8] = bytemuck::cast(*v);
+                let at = h * d + c0 + 8 * k;
+                dot[at..at + 8].copy_from_slice(&lanes);
             }
         }
     }

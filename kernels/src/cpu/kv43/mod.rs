@@ -13,9 +13,10 @@
 //!   again an integer product per channel.
 //!
 //! Plain data: the format, the encoder, the dequantizer, the homomorphic scores and decode
-//! (scalar references, and AVX2 paths where the target has them: [`Kv43Rows::scores`],
-//! [`Kv43Rows::attend_heads`] for a GQA group at once), with tests that the homomorphic
-//! arithmetic equals dequantize-then-multiply and the fast paths their references; and
+//! (scalar references here, and the fast path for a GQA group at once in `attention.rs`,
+//! [`Kv43Rows::attend_runs`], with AVX2 kernels where the target has them), with tests that
+//! the homomorphic arithmetic equals dequantize-then-multiply and the fast paths their
+//! references; and
 //! [`Kv43Head`], rows as they arrive (each key group encoded once, when it fills), which is
 //! what a `kv43` wave segment stores per KV head (`Codec::Kv43`); plans attend any of its
 //! row runs on the codes ([`Kv43Head::attend_runs`]). No disk format or GPU kernels yet.
@@ -34,6 +35,9 @@ const KEY_LEVELS: f32 = 15.0;
 const VALUE_LEVELS: f32 = 7.0;
 /// Levels of a block's probabilities.
 const P_LEVELS: f32 = 127.0;
+/// Rows of a key tile: the key codes and code sums are laid out per 8 rows so that SIMD
+/// holds one row per 32-bit lane (a tile divides every key group, a multiple of 8 rows).
+const TILE: usize = 8;
 
 /// Group sizes of the layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -101,12 +105,16 @@ pub struct Kv43Rows {
     d: usize,
     rows: usize,
     params: Kv43Params,
-    /// Row `j`'s key codes, two per byte (channel `2i` in the low nibble): `rows × d/2`.
+    /// Key codes, two per byte, per tile of `TILE` = 8 rows (`TILE·d/2` bytes) and in it per
+    /// octet of channels `8o..8o + 8` (32 bytes): byte `4r + i` holds row `r`'s channel
+    /// `8o + i` in its low nibble and `8o + 4 + i` in its high nibble (`i` in 0..4), so a
+    /// 32-byte load holds eight rows' codes of eight channels, one row per 32-bit lane.
     key_codes: Vec<u8>,
     /// Per key group and channel: minimum and scale.
     key_min: Vec<f16>,
     key_scale: Vec<f16>,
-    /// Per row and partition: the sum of its key codes.
+    /// Per row and partition: the sum of its key codes; per tile, partition-major
+    /// (`d/64 × TILE`), so a partition's sums of a tile are contiguous.
     key_sums: Vec<u16>,
     /// Value codes as bit planes: per 8 rows, three planes of `d` bytes (byte `c` of plane
     /// `b` holds bit `b` of channel `c`'s codes of the eight rows, row `t mod 8` in bit
@@ -127,14 +135,83 @@ fn quantize_run(x: impl Iterator<Item = f32>, levels: f32) -> (f16, f16, Vec<u8>
 
 /// [`quantize_run`] of a contiguous run into `codes` (no allocation): its f16 minimum and scale.
 fn quantize_into(x: &[f32], levels: f32, codes: &mut [u8]) -> (f16, f16) {
-    let (lo, hi) = x.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(a, b), &v| (a.min(v), b.max(v)));
+    let (lo, hi) = min_max(x);
     let min = f16::from_f32(lo);
     let scale = f16::from_f32((hi - min.to_f32()).max(0.0) / levels);
     let (m, s) = (min.to_f32(), scale.to_f32());
-    for (c, &v) in codes.iter_mut().zip(x) {
-        *c = if s > 0.0 { ((v - m) / s).round().clamp(0.0, levels) as u8 } else { 0 };
+    if s > 0.0 {
+        code_run(x, m, s, levels, codes);
+    } else {
+        codes[..x.len()].iter_mut().for_each(|c| *c = 0);
     }
     (min, scale)
+}
+
+/// The smallest and largest of `x` (NaNs ignored, as `f32::min` and `max` do), in eight
+/// lanes so the compiler can keep them in registers: the same values as one fold.
+fn min_max(x: &[f32]) -> (f32, f32) {
+    let (mut lo, mut hi) = ([f32::INFINITY; 8], [f32::NEG_INFINITY; 8]);
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for ((l, h), &v) in lo.iter_mut().zip(hi.iter_mut()).zip(c) {
+            (*l, *h) = (l.min(v), h.max(v));
+        }
+    }
+    let rest = chunks.remainder().iter();
+    let lo = lo.iter().chain(rest.clone()).fold(f32::INFINITY, |a, &v| a.min(v));
+    let hi = hi.iter().chain(rest).fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+    (lo, hi)
+}
+
+/// `codes[i] = clamp(round((x[i] − min) / step), 0, levels)` (`step > 0`): with AVX2 eight
+/// at a time where the target has it, equal to [`code_run_scalar`] exactly.
+fn code_run(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    {
+        #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+        // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
+        // above), so every CPU that runs the binary has it; every slice read inside is
+        // bounds-checked.
+        unsafe {
+            avx2::code_run(x, min, step, levels, codes)
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+    code_run_scalar(x, min, step, levels, codes)
+}
+
+/// [`code_run`] one value at a time: the reference.
+fn code_run_scalar(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]) {
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = ((v - min) / step).round().clamp(0.0, levels) as u8;
+    }
+}
+
+/// The 7-bit codes of probabilities `x` (≥ 0) in steps of `step` (> 0), `min(round(x /
+/// step), 127)`, into `codes`; returns their sum. With AVX2 eight at a time where the target
+/// has it, equal to [`probability_codes_scalar`] exactly.
+fn probability_codes(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    {
+        #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+        // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
+        // above); every slice read inside is bounds-checked.
+        unsafe {
+            avx2::probability_codes(x, step, codes)
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+    probability_codes_scalar(x, step, codes)
+}
+
+/// [`probability_codes`] one value at a time: the reference.
+fn probability_codes_scalar(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
+    let mut sum = 0;
+    for (c, &v) in codes.iter_mut().zip(x) {
+        *c = (v / step).round().min(P_LEVELS) as u8;
+        sum += u32::from(*c);
+    }
+    sum
 }
 
 /// Quantizes every channel of `rows` (`n × d`) over runs of `run` rows to `levels` levels,
@@ -194,8 +271,9 @@ impl Kv43Rows {
         };
         let (mut kmin, mut kscale) = (Vec::new(), Vec::new());
         quantize_columns(keys, d, params.key_group, KEY_LEVELS, (&mut kmin, &mut kscale), |j, c, u| {
-            out.key_codes[j * d / 2 + c / 2] |= u << (4 * (c % 2));
-            out.key_sums[j * (d / PART) + c / PART] += u16::from(u);
+            let (at, shift) = key_code_at(d, j, c);
+            out.key_codes[at] |= u << shift;
+            out.key_sums[key_sum_at(d, j, c / PART)] += u16::from(u);
         });
         let (mut vmin, mut vscale) = (Vec::new(), Vec::new());
         quantize_columns(values, d, params.value_block, VALUE_LEVELS, (&mut vmin, &mut vscale), |t, c, z| {
@@ -221,7 +299,13 @@ impl Kv43Rows {
     }
 
     fn key_code(&self, j: usize, c: usize) -> u8 {
-        self.key_codes[j * self.d / 2 + c / 2] >> (4 * (c % 2)) & 0xf
+        let (at, shift) = key_code_at(self.d, j, c);
+        self.key_codes[at] >> shift & 0xf
+    }
+
+    /// Row `j`'s code sum over partition `k`.
+    fn key_sum(&self, j: usize, k: usize) -> u16 {
+        self.key_sums[key_sum_at(self.d, j, k)]
     }
 
     fn value_code(&self, t: usize, c: usize) -> u8 {
@@ -249,185 +333,20 @@ impl Kv43Rows {
 
     /// Key group `g`'s channel scales and minima as f32, into `scale` and `min` (`d` each).
     fn group_channels(&self, g: usize, scale: &mut [f32], min: &mut [f32]) {
+        use half::slice::HalfFloatSliceExt;
         let d = self.d;
-        for (c, (s, m)) in scale.iter_mut().zip(min.iter_mut()).enumerate() {
-            (*s, *m) = (self.key_scale[g * d + c].to_f32(), self.key_min[g * d + c].to_f32());
-        }
+        self.key_scale[g * d..(g + 1) * d].convert_to_f32_slice(scale);
+        self.key_min[g * d..(g + 1) * d].convert_to_f32_slice(min);
     }
 
-    /// Homomorphic scores of query `q` (`d` values, times `scale`) against every row: the
-    /// integer products 32 code bytes (a 64-dim partition) at a time with AVX2 where the
-    /// target has it, else as [`Kv43Rows::scores_reference`]; equal to it exactly (the
-    /// integer products are exact and the float operations the same, in the same order).
+    /// Homomorphic scores of query `q` (`d` values, times `scale`) against every row, with
+    /// the multi-head path's tile kernel (one head); equal to [`Kv43Rows::scores_reference`]
+    /// exactly (the integer products are exact and the float operations the same, in the
+    /// same order).
     pub fn scores(&self, q: &[f32], scale: f32) -> Vec<f32> {
-        let (d, p) = (self.d, self.params);
-        let mut out = Vec::with_capacity(self.rows);
-        let mut gq = GroupQuery::new(d);
-        for g in 0..self.rows / p.key_group {
-            self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
-            gq.prepare(q);
-            let query = PartitionQuery::new(&gq.w);
-            for j in g * p.key_group..(g + 1) * p.key_group {
-                let codes = &self.key_codes[j * d / 2..(j + 1) * d / 2];
-                let mut s = gq.qm;
-                for (k, &(a, b)) in gq.ab.iter().enumerate() {
-                    let dot = query.dot(k, &codes[k * PART / 2..(k + 1) * PART / 2]);
-                    s += a * f32::from(self.key_sums[j * (d / PART) + k]) + b * dot as f32;
-                }
-                out.push(s * scale);
-            }
-        }
+        let mut out = vec![0.0; self.rows];
+        self.scores_heads(q, 1, scale, &mut out);
         out
-    }
-
-    /// Homomorphic decode attention of `heads` query heads sharing this KV head (`q`:
-    /// `heads × d`; a GQA group), each row's codes read once for all of them: the scores'
-    /// nibbles unpacked once per row, each 64-row value block's 3-bit codes unpacked from
-    /// their planes once and weighed per head by its 7-bit probabilities (AVX2 where the
-    /// target has it). The arithmetic of [`Kv43Rows::attend`] per head, with a vectorized
-    /// `exp`. Returns `heads × d`.
-    pub fn attend_heads(&self, q: &[f32], heads: usize, scale: f32) -> Result<Vec<f32>> {
-        let d = self.d;
-        let mut parts = vec![Partial::empty(d); heads];
-        if heads == 0 {
-            return Err(Error::ShapeMismatch { what: "kv43 queries (heads × d)", expected: d, got: q.len() });
-        }
-        self.attend_runs(q, scale, &[0..self.rows], &mut parts)?;
-        Ok(parts.iter().flat_map(Partial::finish).collect())
-    }
-
-    /// Folds rows `ranges` (each within `0..rows()`; any order, sorted and disjoint is what
-    /// plans give) into the online-softmax partials `parts` of `parts.len()` query heads
-    /// sharing this KV head (`q`: `heads × d`), with [`Kv43Rows::attend_heads`]' arithmetic:
-    /// per key group the heads' 8-bit codes of `q∘s` are made once, per 64-row value block
-    /// the selected rows are scored, their probabilities coded to 7 bits against the block's
-    /// largest and the values weighed on their codes. Rows outside `ranges` get probability
-    /// code 0, so they add nothing (no value code sums needed), as in `HackRows::attend`.
-    pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
-        let (d, p) = (self.d, self.params);
-        let heads = parts.len();
-        if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
-            return Err(Error::ShapeMismatch {
-                what: "kv43 queries (heads × d) and their partials",
-                expected: heads.max(1) * d,
-                got: q.len(),
-            });
-        }
-        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > self.rows) {
-            return Err(Error::InvalidArgument {
-                what: "kv43 row ranges",
-                message: format!("{r:?} is not a range within the {} rows", self.rows),
-            });
-        }
-        let parts_of_d = d / PART;
-        let vb = p.value_block;
-        let mut block = Block::new(heads, d, vb);
-        let mut gq = GroupQuery::new(d);
-        let (mut ab, mut qms) = (vec![(0.0f32, 0.0f32); parts_of_d * heads], vec![0.0f32; heads]);
-        let mut queries: Vec<PartitionQuery> = (0..heads).map(|_| PartitionQuery::new(&gq.w)).collect();
-        let mut group = None;
-        let (mut current, mut dots, mut s) = (None, vec![0u32; heads], Vec::with_capacity(heads));
-        for r in ranges.iter().filter(|r| !r.is_empty()) {
-            let mut j = r.start;
-            while j < r.end {
-                let b = j / vb;
-                let end = r.end.min((b + 1) * vb);
-                if current != Some(b) {
-                    if let Some(done) = current {
-                        self.fold_block(done, &mut block, parts);
-                    }
-                    current = Some(b);
-                }
-                let g = j / p.key_group;
-                if group != Some(g) {
-                    // The group's channel scales and minima once for all heads, then each
-                    // head's 8-bit code of q∘s.
-                    self.group_channels(g, &mut gq.key_scale, &mut gq.key_min);
-                    for h in 0..heads {
-                        gq.prepare(&q[h * d..(h + 1) * d]);
-                        qms[h] = gq.qm;
-                        for (k, &ab_k) in gq.ab.iter().enumerate() {
-                            ab[k * heads + h] = ab_k;
-                        }
-                        queries[h] = PartitionQuery::new(&gq.w);
-                    }
-                    group = Some(g);
-                }
-                let refs: Vec<&PartitionQuery> = queries.iter().collect();
-                for row in j..end {
-                    let codes = &self.key_codes[row * d / 2..(row + 1) * d / 2];
-                    s.clear();
-                    s.extend_from_slice(&qms);
-                    for k in 0..parts_of_d {
-                        let part = &codes[k * PART / 2..(k + 1) * PART / 2];
-                        PartitionQuery::dots(&refs, k, part, &mut dots);
-                        let u = f32::from(self.key_sums[row * parts_of_d + k]);
-                        for ((s, &(a, b)), &dot) in s.iter_mut().zip(&ab[k * heads..(k + 1) * heads]).zip(&dots) {
-                            *s += a * u + b * dot as f32;
-                        }
-                    }
-                    for (h, &s) in s.iter().enumerate() {
-                        block.scores[h * vb + row - b * vb] = s * scale;
-                    }
-                }
-                j = end;
-            }
-        }
-        if let Some(done) = current {
-            self.fold_block(done, &mut block, parts);
-        }
-        Ok(())
-    }
-
-    /// Folds value block `b`'s scored rows (`block.scores`, `-∞` for rows not attended) into
-    /// `parts` and resets the scores: per head the block's largest score raises the running
-    /// maximum, the probabilities relative to it are coded to 7 bits against the block's
-    /// largest, and the values are weighed on their codes.
-    fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
-        let (d, vb) = (self.d, self.params.value_block);
-        let mut live = false;
-        for (h, part) in parts.iter_mut().enumerate() {
-            let row = &mut block.scores[h * vb..(h + 1) * vb];
-            let codes = &mut block.codes[h * vb..(h + 1) * vb];
-            let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            block.steps[h] = 0.0;
-            codes.iter_mut().for_each(|c| *c = 0);
-            if top == f32::NEG_INFINITY {
-                continue;
-            }
-            part.rescale_to(part.m.max(top));
-            crate::cpu::microkernel::exp_shifted_sum(row, part.m);
-            let step = row.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
-            if step == 0.0 {
-                continue;
-            }
-            for (c, &x) in codes.iter_mut().zip(row.iter()) {
-                *c = (x / step).round().min(P_LEVELS) as u8;
-            }
-            block.sums[h] = codes.iter().map(|&c| u32::from(c)).sum();
-            block.steps[h] = step;
-            part.l += step * block.sums[h] as f32;
-            live = true;
-        }
-        block.scores.iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
-        if !live {
-            return;
-        }
-        let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
-        weigh_value_planes(planes, d, &block.codes, &mut block.dot, &mut block.z);
-        for (c, (m, s)) in block.mins.iter_mut().zip(block.scales.iter_mut()).enumerate() {
-            (*m, *s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
-        }
-        for (h, part) in parts.iter_mut().enumerate() {
-            let (step, sum) = (block.steps[h], block.sums[h] as f32);
-            if step == 0.0 {
-                continue;
-            }
-            let dh = &block.dot[h * d..(h + 1) * d];
-            for (((o, &x), &m), &s) in part.o.iter_mut().zip(dh).zip(&block.mins).zip(&block.scales) {
-                *o += step * (m * sum + s * x as f32);
-            }
-        }
     }
 
     /// Appends `other`'s rows (same head dimension and parameters) after these.
@@ -456,7 +375,7 @@ impl Kv43Rows {
                 for (k, &(a, b)) in gq.ab.iter().enumerate() {
                     let dot: u32 =
                         (k * PART..(k + 1) * PART).map(|c| u32::from(gq.w[c]) * u32::from(self.key_code(j, c))).sum();
-                    s += a * f32::from(self.key_sums[j * (d / PART) + k]) + b * dot as f32;
+                    s += a * f32::from(self.key_sum(j, k)) + b * dot as f32;
                 }
                 out.push(s * scale);
             }
@@ -466,7 +385,8 @@ impl Kv43Rows {
 
     /// Homomorphic decode attention of query `q` over every row: softmax of
     /// [`Kv43Rows::scores`], each value block's probabilities coded to 7 bits, values
-    /// never dequantized. Returns `d` values.
+    /// never dequantized, one code at a time: the reference of [`Kv43Rows::attend_runs`].
+    /// Returns `d` values.
     pub fn attend(&self, q: &[f32], scale: f32) -> Vec<f32> {
         let (d, vb) = (self.d, self.params.value_block);
         let scores = self.scores(q, scale);
@@ -486,7 +406,8 @@ impl Kv43Rows {
             let sum: u32 = codes.iter().map(|&c| u32::from(c)).sum();
             total += step * sum as f32;
             let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
-            weigh_value_planes(planes, d, &codes, &mut dot, &mut z);
+            unpack_value_codes(planes, d, &mut z);
+            weigh_value_codes(&z, d, &codes, &mut dot);
             for (c, o) in out.iter_mut().enumerate() {
                 let (m, s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
                 *o += step * (m * sum as f32 + s * dot[c] as f32);
@@ -494,35 +415,6 @@ impl Kv43Rows {
         }
         out.iter_mut().for_each(|o| *o /= total);
         out
-    }
-}
-
-/// One value block's buffers while [`Kv43Rows::attend_runs`] folds it: per head the rows'
-/// scores (`heads × value_block`, `-∞` for rows not attended), their 7-bit probability codes,
-/// step and code sum, the weighed value codes (`heads × d`) and the block's value metadata.
-struct Block {
-    scores: Vec<f32>,
-    codes: Vec<u8>,
-    steps: Vec<f32>,
-    sums: Vec<u32>,
-    dot: Vec<u32>,
-    z: Vec<u8>,
-    mins: Vec<f32>,
-    scales: Vec<f32>,
-}
-
-impl Block {
-    fn new(heads: usize, d: usize, vb: usize) -> Self {
-        Self {
-            scores: vec![f32::NEG_INFINITY; heads * vb],
-            codes: vec![0; heads * vb],
-            steps: vec![0.0; heads],
-            sums: vec![0; heads],
-            dot: vec![0; heads * d],
-            z: vec![0; vb * d],
-            mins: vec![0.0; d],
-            scales: vec![0.0; d],
-        }
     }
 }
 
@@ -701,9 +593,17 @@ impl GroupQuery {
         Self { key_scale: f(), key_min: f(), scaled: f(), w: vec![0; d], ab: vec![(0.0, 0.0); d / PART], qm: 0.0 }
     }
 
-    /// Codes query `q` (`d` values) against the group in `key_scale` / `key_min`.
+    /// Codes query `q` (`d` values) against the group in `key_scale` / `key_min`. `qm` is
+    /// summed in eight lanes, then the lanes pairwise (one order, which the fast path shares).
     fn prepare(&mut self, q: &[f32]) {
-        self.qm = q.iter().zip(&self.key_min).map(|(a, b)| a * b).sum();
+        let mut lanes = [0.0f32; 8];
+        for (qs, ms) in q.chunks_exact(8).zip(self.key_min.chunks_exact(8)) {
+            for ((l, a), b) in lanes.iter_mut().zip(qs).zip(ms) {
+                *l += a * b;
+            }
+        }
+        let [a, b, c, d, e, f, g, h] = lanes;
+        self.qm = ((a + e) + (c + g)) + ((b + f) + (d + h));
         for ((x, a), b) in self.scaled.iter_mut().zip(q).zip(&self.key_scale) {
             *x = a * b;
         }
@@ -714,101 +614,16 @@ impl GroupQuery {
     }
 }
 
-/// A key group's 8-bit query codes laid out for the integer products: per 64-dim partition,
-/// the 32 even-channel and 32 odd-channel codes.
-struct PartitionQuery {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    vectors: Vec<(std::arch::x86_64::__m256i, std::arch::x86_64::__m256i)>,
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-    codes: (Vec<u8>, Vec<u8>),
+/// Where channel `c` of row `j`'s key code lies (see `Kv43Rows::key_codes`): the byte and
+/// the nibble's shift.
+fn key_code_at(d: usize, j: usize, c: usize) -> (usize, u32) {
+    let (tile, r, octet, i) = (j / TILE, j % TILE, c / 8, c % 8);
+    (tile * TILE * d / 2 + octet * 32 + 4 * r + i % 4, 4 * (i / 4) as u32)
 }
 
-impl PartitionQuery {
-    /// From the query codes `w` (`d`, channel order), split as the key bytes hold channels:
-    /// even channels (low nibbles) and odd channels (high nibbles) of each partition.
-    fn new(w: &[u8]) -> Self {
-        let (even, odd): (Vec<u8>, Vec<u8>) = w.chunks_exact(2).map(|c| (c[0], c[1])).unzip();
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-        {
-            let load = |b: &[u8]| -> std::arch::x86_64::__m256i { bytemuck::pod_read_unaligned(&b[..32]) };
-            let vectors = even.chunks_exact(PART / 2).zip(odd.chunks_exact(PART / 2)).map(|(e, o)| (load(e), load(o)));
-            Self { vectors: vectors.collect() }
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-        Self { codes: (even, odd) }
-    }
-
-    /// [`PartitionQuery::dot`] of several heads' queries against the same row partition:
-    /// with AVX2, the nibbles unpacked once and four heads reduced together.
-    #[inline]
-    fn dots(queries: &[&PartitionQuery], k: usize, codes: &[u8], out: &mut [u32]) {
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-        {
-            let mut done = 0;
-            for (four, o) in queries.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-                let q = [four[0].vectors[k], four[1].vectors[k], four[2].vectors[k], four[3].vectors[k]];
-                #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
-                // SAFETY: compiled only when the build enables avx2 for the whole program
-                // (cfg above); `codes` holds 32 bytes (checked by the slice read inside).
-                unsafe {
-                    o.copy_from_slice(&avx2::partition_dots4(codes, &q));
-                }
-                done += 4;
-            }
-            for (o, q) in out[done..].iter_mut().zip(&queries[done..]) {
-                *o = q.dot(k, codes);
-            }
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-        for (o, q) in out.iter_mut().zip(queries) {
-            *o = q.dot(k, codes);
-        }
-    }
-
-    /// `Σ_c w_c·u_c` over partition `k` with the 32 code bytes `codes` of a key row's
-    /// partition (channel `2i` in byte `i`'s low nibble, `2i + 1` in its high nibble).
-    #[inline]
-    fn dot(&self, k: usize, codes: &[u8]) -> u32 {
-        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-        {
-            let (even, odd) = self.vectors[k];
-            #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
-            // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
-            // above), so every CPU that runs the binary has it; `codes` holds 32 bytes
-            // (checked by the slice read inside).
-            unsafe {
-                avx2::partition_dot(codes, even, odd)
-            }
-        }
-        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-        {
-            let (even, odd) = (&self.codes.0[k * PART / 2..], &self.codes.1[k * PART / 2..]);
-            codes
-                .iter()
-                .zip(even.iter().zip(odd))
-                .map(|(&x, (&e, &o))| u32::from(e) * u32::from(x & 0xf) + u32::from(o) * u32::from(x >> 4))
-                .sum()
-        }
-    }
-}
-
-/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 7-bit
-/// probability codes) over one value block's 3-bit codes, read from their planes
-/// (`rows/8 × 3 × d` bytes): with AVX2 the codes of two rows are made in registers and
-/// weighed for every head; else through `z` (`rows × d` scratch) one code per byte.
-fn weigh_value_planes(planes: &[u8], d: usize, p: &[u8], dot: &mut [u32], z: &mut [u8]) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    if d.is_multiple_of(32) {
-        #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
-        // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
-        // above); every slice read inside is bounds-checked.
-        unsafe {
-            avx2::weigh_value_planes(planes, d, p, dot)
-        };
-        return;
-    }
-    unpack_value_codes(planes, d, z);
-    weigh_value_codes(z, d, p, dot);
+/// Where row `j`'s code sum over partition `k` lies (see `Kv43Rows::key_sums`).
+fn key_sum_at(d: usize, j: usize, k: usize) -> usize {
+    (j / TILE) * TILE * (d / PART) + k * TILE + j % TILE
 }
 
 /// The 3-bit codes of one value block from its planes (`rows/8 × 3 × d` bytes) into `z`
@@ -840,6 +655,7 @@ fn weigh_value_codes(z: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
     }
 }
 
+mod attention;
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
 mod avx2;
 

@@ -282,3 +282,101 @@ fn bad_parameters_and_rows_are_typed_errors() {
     nan[5] = f32::NAN;
     assert!(Kv43Rows::encode(&nan, &v, 64, Kv43Params::default()).is_err(), "NaN");
 }
+
+#[test]
+fn tile_scores_of_every_head_count_equal_the_reference_exactly() {
+    // Partial tiles at both ends of a run, key groups of 24 rows (three tiles), d with
+    // three partitions, and more heads than one kernel pass serves.
+    for (d, params) in [
+        (64, Kv43Params { key_group: 24, value_block: 8 }),
+        (128, Kv43Params::default()),
+        (192, Kv43Params { key_group: 64, value_block: 32 }),
+    ] {
+        let rows = 3 * params.key_group;
+        let (keys, values, _) = data(rows, d, 40 + d as u64);
+        let enc = Kv43Rows::encode(&keys, &values, d, params).unwrap();
+        for heads in 1..=6 {
+            let mut rng = SplitMix64::new(heads as u64);
+            let q: Vec<f32> = (0..heads * d).map(|_| rng.normal()).collect();
+            let mut got = vec![0.0; heads * rows];
+            enc.scores_heads(&q, heads, 0.2, &mut got);
+            for h in 0..heads {
+                let want = enc.scores_reference(&q[h * d..(h + 1) * d], 0.2);
+                assert_eq!(got[h * rows..(h + 1) * rows], want[..], "d = {d}, {heads} heads, head {h}");
+            }
+            // A run that starts and ends inside tiles writes only its rows.
+            let g = 1;
+            let run = g * params.key_group + 3..(g + 1) * params.key_group - 5;
+            let mut queries = attention::GroupQueries::new(heads, d);
+            queries.prepare(&enc, g, &q);
+            // The portable tile kernel (the fast path of targets without AVX2) too.
+            let t = g * params.key_group / TILE;
+            let parts = d / PART;
+            let (codes, sums) = (&enc.key_codes[t * TILE * d / 2..][..TILE * d / 2], &enc.key_sums[t * TILE * parts..]);
+            for h in 0..heads {
+                let portable = attention::tile_scores_portable(codes, &sums[..TILE * parts], &queries, h, 0.2);
+                assert_eq!(portable[..], got[h * rows + t * TILE..][..TILE], "d = {d}, head {h}: portable tile");
+            }
+            let mut out = vec![f32::NAN; heads * rows];
+            enc.score_rows(&queries, run.clone(), 0.2, &mut out, (rows, 0));
+            for (i, (&o, &w)) in out.iter().zip(&got).enumerate() {
+                if run.contains(&(i % rows)) {
+                    assert_eq!(o, w, "d = {d}, {heads} heads, score {i}");
+                } else {
+                    assert!(o.is_nan(), "d = {d}, {heads} heads: score {i} outside the run was written");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn fast_codes_equal_the_scalar_rounding_exactly() {
+    let mut rng = SplitMix64::new(17);
+    // Exact halves (ties round away from zero), values below the minimum and above the top
+    // level, a NaN, and lengths that leave every remainder of eight.
+    let mut x: Vec<f32> = (0..203).map(|_| rng.normal() * 3.0 + 1.0).collect();
+    x.extend([0.5, 1.5, 2.5, -0.5, 0.49999997, 14.5, 15.5, 300.0, f32::NAN, -7.0]);
+    for len in [0, 1, 7, 8, 9, 64, 100, x.len()] {
+        let x = &x[..len];
+        for (min, step, levels) in [(-2.0, 0.5, 15.0), (0.0, 1.0, 15.0), (-5.0, 0.037, 255.0), (1.0, 3.0, 7.0)] {
+            let (mut fast, mut scalar) = (vec![0u8; len], vec![0u8; len]);
+            code_run(x, min, step, levels, &mut fast);
+            code_run_scalar(x, min, step, levels, &mut scalar);
+            assert_eq!(fast, scalar, "{len} values, min {min}, step {step}, levels {levels}");
+        }
+        // Probabilities: in [0, 1], with the block's largest at 127 steps.
+        let p: Vec<f32> = x.iter().map(|v| if v.is_nan() { *v } else { (v.abs() / 10.0).min(1.0) }).collect();
+        for step in [1.0 / 127.0, 0.5 / 127.0, 0.013] {
+            let (mut fast, mut scalar) = (vec![0u8; len], vec![0u8; len]);
+            let sums = (probability_codes(&p, step, &mut fast), probability_codes_scalar(&p, step, &mut scalar));
+            assert_eq!((fast, sums.0), (scalar, sums.1), "{len} probabilities, step {step}");
+        }
+    }
+}
+
+#[test]
+fn value_weighing_for_every_head_count_equals_the_reference() {
+    // Blocks of one, three and eight 8-row groups and of 128 rows (widened twice), the
+    // largest probability codes everywhere (the 16-bit sums' bound) or random ones.
+    for (d, vb) in [(64, 8), (128, 24), (64, 64), (128, 128)] {
+        let params = Kv43Params { key_group: 8 * vb, value_block: vb };
+        let (keys, values, _) = data(params.key_group, d, vb as u64);
+        let enc = Kv43Rows::encode(&keys, &values, d, params).unwrap();
+        let planes = &enc.value_planes[..vb / 8 * 3 * d];
+        let mut rng = SplitMix64::new(3);
+        for heads in 1..=9 {
+            for full in [true, false] {
+                let p: Vec<u8> =
+                    (0..heads * vb).map(|_| if full { 127 } else { (rng.next_u64() % 128) as u8 }).collect();
+                let mut want = vec![0u32; heads * d];
+                let mut z = vec![0u8; vb * d];
+                unpack_value_codes(planes, d, &mut z);
+                weigh_value_codes(&z, d, &p, &mut want);
+                let mut got = vec![u32::MAX; heads * d];
+                attention::weigh_value_planes(planes, d, &p, (&mut Vec::new(), &mut Vec::new()), &mut got);
+                assert_eq!(got, want, "d = {d}, block {vb}, {heads} heads, full {full}");
+            }
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! kv43's fast decode attention for a GQA group at once ([`Kv43Rows::attend_runs`]): per key
+//! group each head's 8-bit query made once ([`GroupQueries`]); per 8-row key tile the scores
+//! of up to four heads from one read of the codes; per value block the probabilities coded
+//! to 7 bits and the value codes weighed for up to four heads from one unpacking. AVX2
+//! kernels where the target has them (`avx2.rs`), portable loops otherwise; both equal the
+//! scalar references in `mod.rs` (`scores_reference`, `attend`'s value loop) exactly.
+
+use half::slice::HalfFloatSliceExt;
+use std::ops::Range;
+
+use super::{probability_codes, GroupQuery, Kv43Rows, PART, TILE};
+use crate::cpu::partial::Partial;
+use crate::error::{Error, Result};
+
+/// Heads one pass of a kernel serves (their accumulators stay in registers).
+const HEADS_PER_PASS: usize = 4;
+
+/// Every head's query prepared for one key group, in buffers reused from group to group:
+/// per head its `d` 8-bit codes of `q∘s` (channel order, four to a little-endian word, as
+/// the tile kernel broadcasts them), per head and partition the codes' minimum `a` and step
+/// `b`, and `qm = Σ_c q_c m_c`.
+pub(super) struct GroupQueries {
+    one: GroupQuery,
+    d: usize,
+    w: Vec<u32>,
+    a: Vec<f32>,
+    b: Vec<f32>,
+    qm: Vec<f32>,
+}
+
+impl GroupQueries {
+    pub(super) fn new(heads: usize, d: usize) -> Self {
+        let parts = d / PART;
+        let one = GroupQuery::new(d);
+        Self {
+            one,
+            d,
+            w: vec![0; heads * d / 4],
+            a: vec![0.0; heads * parts],
+            b: vec![0.0; heads * parts],
+            qm: vec![0.0; heads],
+        }
+    }
+
+    /// Codes the queries `q` (`heads × d`) against key group `g` of `rows`: the group's
+    /// channels converted once, each head as [`GroupQuery::prepare`].
+    pub(super) fn prepare(&mut self, rows: &Kv43Rows, g: usize, q: &[f32]) {
+        let (d, parts) = (self.d, self.d / PART);
+        rows.group_channels(g, &mut self.one.key_scale, &mut self.one.key_min);
+        for (h, qh) in q.chunks_exact(d).enumerate() {
+            self.one.prepare(qh);
+            self.qm[h] = self.one.qm;
+            for (x, c) in self.w[h * d / 4..(h + 1) * d / 4].iter_mut().zip(self.one.w.chunks_exact(4)) {
+                *x = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            for (k, &(a, b)) in self.one.ab.iter().enumerate() {
+                (self.a[h * parts + k], self.b[h * parts + k]) = (a, b);
+            }
+        }
+    }
+
+    fn heads(&self) -> usize {
+        self.qm.len()
+    }
+}
+
+/// One value block's buffers while [`Kv43Rows::attend_runs`] folds it: per head the rows'
+/// scores (`heads × value_block`, `-∞` for rows not attended), their 7-bit probability codes,
+/// step and code sum, the codes as broadcast row-pair weights for the AVX2 kernel, the
+/// weighed value codes (`heads × d`), the portable path's unpacked codes and the block's
+/// value metadata.
+struct Block {
+    scores: Vec<f32>,
+    codes: Vec<u8>,
+    steps: Vec<f32>,
+    sums: Vec<u32>,
+    weights: Vec<[u16; 16]>,
+    dot: Vec<u32>,
+    z: Vec<u8>,
+    mins: Vec<f32>,
+    scales: Vec<f32>,
+}
+
+impl Block {
+    fn new(heads: usize, d: usize, vb: usize) -> Self {
+        Self {
+            scores: vec![f32::NEG_INFINITY; heads * vb],
+            codes: vec![0; heads * vb],
+            steps: vec![0.0; heads],
+            sums: vec![0; heads],
+            weights: Vec::new(),
+            dot: vec![0; heads * d],
+            z: Vec::new(),
+            mins: vec![0.0; d],
+            scales: vec![0.0; d],
+        }
+    }
+}
+
+impl Kv43Rows {
+    /// Homomorphic decode attention of `heads` query heads sharing this KV head (`q`:
+    /// `heads × d`; a GQA group), each row's codes read once for all of them: with
+    /// [`Kv43Rows::attend_runs`] over every row. The arithmetic of [`Kv43Rows::attend`] per
+    /// head, with a vectorized `exp`. Returns `heads × d`.
+    pub fn attend_heads(&self, q: &[f32], heads: usize, scale: f32) -> Result<Vec<f32>> {
+        let d = self.d;
+        let mut parts = vec![Partial::empty(d); heads];
+        if heads == 0 {
+            return Err(Error::ShapeMismatch { what: "kv43 queries (heads × d)", expected: d, got: q.len() });
+        }
+        self.attend_runs(q, scale, &[0..self.rows], &mut parts)?;
+        Ok(parts.iter().flat_map(Partial::finish).collect())
+    }
+
+    /// Folds rows `ranges` (each within `0..rows()`; any order, sorted and disjoint is what
+    /// plans give) into the online-softmax partials `parts` of `parts.len()` query heads
+    /// sharing this KV head (`q`: `heads × d`), with [`Kv43Rows::attend`]'s arithmetic per
+    /// head: per key group the heads' 8-bit codes of `q∘s` are made once, per value block
+    /// the selected rows are scored (whole 8-row tiles, up to four heads per read of the
+    /// codes), their probabilities coded to 7 bits against the block's largest and the
+    /// values weighed on their codes (unpacked once for up to four heads). Rows outside
+    /// `ranges` get probability code 0, so they add nothing (no value code sums needed), as
+    /// in `HackRows::attend`.
+    pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
+        let (d, p) = (self.d, self.params);
+        let heads = parts.len();
+        if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 queries (heads × d) and their partials",
+                expected: heads.max(1) * d,
+                got: q.len(),
+            });
+        }
+        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > self.rows) {
+            return Err(Error::InvalidArgument {
+                what: "kv43 row ranges",
+                message: format!("{r:?} is not a range within the {} rows", self.rows),
+            });
+        }
+        let vb = p.value_block;
+        let mut block = Block::new(heads, d, vb);
+        let mut queries = GroupQueries::new(heads, d);
+        let (mut group, mut current) = (None, None);
+        for r in ranges.iter().filter(|r| !r.is_empty()) {
+            let mut j = r.start;
+            while j < r.end {
+                let b = j / vb;
+                let end = r.end.min((b + 1) * vb);
+                if current != Some(b) {
+                    if let Some(done) = current {
+                        self.fold_block(done, &mut block, parts);
+                    }
+                    current = Some(b);
+                }
+                // A value block lies in one key group (key groups are whole value blocks).
+                let g = j / p.key_group;
+                if group != Some(g) {
+                    queries.prepare(self, g, q);
+                    group = Some(g);
+                }
+                self.score_rows(&queries, j..end, scale, &mut block.scores, (vb, b * vb));
+                j = end;
+            }
+        }
+        if let Some(done) = current {
+            self.fold_block(done, &mut block, parts);
+        }
+        Ok(())
+    }
+
+    /// Scores of every head of `queries` (prepared for the rows' key group) over `rows`:
+    /// head `h`'s score of row `j` into `out[h·stride + j − base]`. Whole tiles are scored;
+    /// only `rows` are written.
+    pub(super) fn score_rows(
+        &self,
+        queries: &GroupQueries,
+        rows: Range<usize>,
+        scale: f32,
+        out: &mut [f32],
+        (stride, base): (usize, usize),
+    ) {
+        let (d, parts) = (self.d, self.d / PART);
+        let mut tile = [[0.0f32; TILE]; HEADS_PER_PASS];
+        for t in rows.start / TILE..rows.end.div_ceil(TILE) {
+            let codes = &self.key_codes[t * TILE * d / 2..(t + 1) * TILE * d / 2];
+            let sums = &self.key_sums[t * TILE * parts..(t + 1) * TILE * parts];
+            let live = rows.start.max(t * TILE)..rows.end.min((t + 1) * TILE);
+            for h0 in (0..queries.heads()).step_by(HEADS_PER_PASS) {
+                let n = (queries.heads() - h0).min(HEADS_PER_PASS);
+                score_tile(codes, sums, queries, h0..h0 + n, scale, &mut tile[..n]);
+                for (h, scores) in (h0..h0 + n).zip(&tile) {
+                    for j in live.clone() {
+                        out[h * stride + j - base] = scores[j - t * TILE];
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Kv43Rows::score_rows`] of every row for `heads` queries (`q`: `heads × d`) into
+    /// `out` (`heads × rows`).
+    pub(super) fn scores_heads(&self, q: &[f32], heads: usize, scale: f32, out: &mut [f32]) {
+        let group = self.params.key_group;
+        let mut queries = GroupQueries::new(heads, self.d);
+        for g in 0..self.rows / group {
+            queries.prepare(self, g, q);
+            self.score_rows(&queries, g * group..(g + 1) * group, scale, out, (self.rows, 0));
+        }
+    }
+
+    /// Folds value block `b`'s scored rows (`block.scores`, `-∞` for rows not attended) into
+    /// `parts` and resets the scores: per head the block's largest score raises the running
+    /// maximum, the probabilities relative to it are coded to 7 bits against the block's
+    /// largest, and the values are weighed on their codes.
+    fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
+        let (d, vb) = (self.d, self.params.value_block);
+        let mut live = false;
+        for (h, part) in parts.iter_mut().enumerate() {
+            let row = &mut block.scores[h * vb..(h + 1) * vb];
+            let codes = &mut block.codes[h * vb..(h + 1) * vb];
+            let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            block.steps[h] = 0.0;
+            codes.iter_mut().for_each(|c| *c = 0);
+            if top == f32::NEG_INFINITY {
+                continue;
+            }
+            part.rescale_to(part.m.max(top));
+            crate::cpu::microkernel::exp_shifted_sum(row, part.m);
+            let step = row.iter().copied().fold(0.0f32, f32::max) / super::P_LEVELS;
+            if step == 0.0 {
+                continue;
+            }
+            block.sums[h] = probability_codes(row, step, codes);
+            block.steps[h] = step;
+            part.l += step * block.sums[h] as f32;
+            live = true;
+        }
+        block.scores.iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
+        if !live {
+            return;
+        }
+        let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
+        weigh_value_planes(planes, d, &block.codes, (&mut block.weights, &mut block.z), &mut block.dot);
+        self.value_min[b * d..(b + 1) * d].convert_to_f32_slice(&mut block.mins);
+        self.value_scale[b * d..(b + 1) * d].convert_to_f32_slice(&mut block.scales);
+        for (h, part) in parts.iter_mut().enumerate() {
+            let (step, sum) = (block.steps[h], block.sums[h] as f32);
+            if step == 0.0 {
+                continue;
+            }
+            let dh = &block.dot[h * d..(h + 1) * d];
+            for (((o, &x), &m), &s) in part.o.iter_mut().zip(dh).zip(&block.mins).zip(&block.scales) {
+                *o += step * (m * sum + s * x as f32);
+            }
+        }
+    }
+}
+
+/// The scores of `heads` (at most four) of `queries` over one key tile (`codes`, `sums`)
+/// into `out` (one array per head): AVX2's [`super::avx2::tile_scores`] where the target has
+/// it, else [`tile_scores_portable`].
+fn score_tile(
+    codes: &[u8],
+    sums: &[u16],
+    queries: &GroupQueries,
+    heads: Range<usize>,
+    scale: f32,
+    out: &mut [[f32; TILE]],
+) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    {
+        let (d, parts) = (queries.d, queries.d / PART);
+        let h0 = heads.start;
+        macro_rules! pass {
+            ($n:literal) => {{
+                let w: [&[u32]; $n] = std::array::from_fn(|i| &queries.w[(h0 + i) * d / 4..(h0 + i + 1) * d / 4]);
+                let a: [&[f32]; $n] = std::array::from_fn(|i| &queries.a[(h0 + i) * parts..(h0 + i + 1) * parts]);
+                let b: [&[f32]; $n] = std::array::from_fn(|i| &queries.b[(h0 + i) * parts..(h0 + i + 1) * parts]);
+                let qm: [f32; $n] = std::array::from_fn(|i| queries.qm[h0 + i]);
+                let out: &mut [[f32; TILE]; $n] = (&mut out[..$n]).try_into().expect("one array per head");
+                #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+                // SAFETY: compiled only when the build enables avx2 for the whole program
+                // (cfg above), so every CPU that runs the binary has it; every slice read
+                // inside is bounds-checked.
+                unsafe {
+                    super::avx2::tile_scores::<$n>(codes, sums, w, (a, b, qm), scale, out)
+                }
+            }};
+        }
+        match heads.len() {
+            1 => pass!(1),
+            2 => pass!(2),
+            3 => pass!(3),
+            _ => pass!(4),
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+    for (h, o) in heads.zip(out.iter_mut()) {
+        *o = tile_scores_portable(codes, sums, queries, h, scale);
+    }
+}
+
+/// Head `h`'s scores over one key tile one code at a time, with the float operations of
+/// `scores_reference` in its order.
+#[cfg_attr(all(target_arch = "x86_64", target_feature = "avx2"), allow(dead_code, reason = "the tests' oracle there"))]
+pub(super) fn tile_scores_portable(
+    codes: &[u8],
+    sums: &[u16],
+    queries: &GroupQueries,
+    h: usize,
+    scale: f32,
+) -> [f32; TILE] {
+    let (d, parts) = (queries.d, queries.d / PART);
+    let w: Vec<u8> = queries.w[h * d / 4..(h + 1) * d / 4].iter().flat_map(|x| x.to_le_bytes()).collect();
+    std::array::from_fn(|r| {
+        let mut s = queries.qm[h];
+        for k in 0..parts {
+            let dot: u32 = (k * PART..(k + 1) * PART)
+                .map(|c| {
+                    let (at, shift) = super::key_code_at(d, r, c);
+                    u32::from(w[c]) * u32::from(codes[at] >> shift & 0xf)
+                })
+                .sum();
+            let (a, b) = (queries.a[h * parts + k], queries.b[h * parts + k]);
+            s += a * f32::from(sums[k * TILE + r]) + b * dot as f32;
+        }
+        s * scale
+    })
+}
+
+/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 7-bit
+/// probability codes) over one value block's 3-bit codes, read from their planes
+/// (`rows/8 × 3 × d` bytes): with AVX2 the codes of two rows made in registers and weighed
+/// for up to four heads per pass (`weights`: scratch for the broadcast row pairs); else
+/// through `z` (scratch, `rows × d`) one code per byte (`unpack_value_codes`,
+/// `weigh_value_codes`: the reference).
+pub(super) fn weigh_value_planes(
+    planes: &[u8],
+    d: usize,
+    p: &[u8],
+    (weights, z): (&mut Vec<[u16; 16]>, &mut Vec<u8>),
+    dot: &mut [u32],
+) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+    {
+        let _ = &z;
+        let rows = planes.len() / (3 * d) * 8;
+        weights.clear();
+        weights.extend(p.chunks_exact(2).map(|pair| [u16::from_le_bytes([pair[0], pair[1]]); 16]));
+        let heads = p.len() / rows;
+        for h0 in (0..heads).step_by(HEADS_PER_PASS) {
+            let n = (heads - h0).min(HEADS_PER_PASS);
+            let w = &weights[h0 * rows / 2..(h0 + n) * rows / 2];
+            let out = &mut dot[h0 * d..(h0 + n) * d];
+            #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+            // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
+            // above); every slice read inside is bounds-checked.
+            unsafe {
+                match n {
+                    1 => super::avx2::weigh_value_planes::<1>(planes, d, w, out),
+                    2 => super::avx2::weigh_value_planes::<2>(planes, d, w, out),
+                    3 => super::avx2::weigh_value_planes::<3>(planes, d, w, out),
+                    _ => super::avx2::weigh_value_planes::<4>(planes, d, w, out),
+                }
+            }
+        }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+    {
+        let _ = &weights;
+        z.resize(planes.len() / (3 * d) * 8 * d, 0);
+        super::unpack_value_codes(planes, d, z);
+        super::weigh_value_codes(z, d, p, dot);
+    }
+}
