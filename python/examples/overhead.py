@@ -6,7 +6,9 @@ d = 128, f16 rows) holds `--tokens` random tokens. Each round times `--iters` ca
 comes back as a NumPy array) and `--iters` calls of the very same plan + execute inside Rust
 (`Engine.time_steps`, the baseline, same process, same data), and reports the medians and
 their difference: the boundary's cost per layer. `--gpu` runs both on the GPU executor
-(a `cuda` build and a GPU). Rounds alternate; min / median / max over rounds are printed.
+(a `cuda` build and a GPU), and adds a third Python call: the query a CUDA tensor read in
+place and the output written into a CUDA tensor (`out=`; nothing crosses to the host).
+Rounds alternate; min / median / max over rounds are printed.
 
     target/pyenv/bin/python python/examples/overhead.py [--tokens 32768] [--gpu]
 """
@@ -46,21 +48,23 @@ def main():
         import torch
 
         qt = torch.from_numpy(q.copy())
+        qc = qt.cuda() if args.gpu else None
+        out = torch.empty_like(qc) if args.gpu else None
     except ImportError:
-        qt = None
+        qt = qc = out = None
     kw = {"exact": True} if args.exact else {}
     for _ in range(10):  # warm up (the GPU copies the layer at its first step)
         engine.attend_many([ctx], 0, q, **kw)
 
-    def py_median(query):
+    def py_median(query, **extra):
         times = []
         for _ in range(args.iters):
             t = time.perf_counter()
-            engine.attend_many([ctx], 0, query, **kw)
+            engine.attend_many([ctx], 0, query, **kw, **extra)
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    added, added_torch, rust_us, py_us = [], [], [], []
+    added, added_torch, added_cuda, rust_us, py_us = [], [], [], [], []
     for _ in range(args.rounds):
         rust = statistics.median(engine.time_steps([ctx], 0, q, args.iters, **kw))
         py = py_median(q)
@@ -69,6 +73,8 @@ def main():
         added.append((py - rust) * 1e6)
         if qt is not None:
             added_torch.append((py_median(qt) - rust) * 1e6)
+        if qc is not None:
+            added_cuda.append((py_median(qc, out=out) - rust) * 1e6)
 
     def mmm(xs):
         return [round(min(xs), 2), round(statistics.median(xs), 2), round(max(xs), 2)] if xs else None
@@ -81,6 +87,7 @@ def main():
         "python_step_us": mmm(py_us),
         "added_us_numpy": mmm(added),
         "added_us_torch": mmm(added_torch),
+        "added_us_cuda_in_place": mmm(added_cuda),
     }
     print(json.dumps(row) if args.json else "\n".join(f"{k:>16}: {v}  (min / median / max)" for k, v in row.items()))
 
