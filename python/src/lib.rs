@@ -422,24 +422,6 @@ impl Engine {
         Ok(out)
     }
 
-    /// Without the GPU executor: never called (`in_place` needs a `gpu=True` engine).
-    #[cfg(not(feature = "cuda"))]
-    #[allow(clippy::too_many_arguments, reason = "the cuda build's signature")]
-    fn attend_cuda<'py>(
-        &self,
-        _py: Python<'py>,
-        _e: &Arc<attnstore::Engine>,
-        _ctxs: &[u64],
-        _layer: usize,
-        _q: &Bound<'py, PyAny>,
-        _out: Option<Bound<'py, PyAny>>,
-        _stream: Option<u64>,
-        _budget: &Budget,
-        _batched: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        Err(PyValueError::new_err("CUDA tensors are read in place by a cuda build's Engine(gpu=True) only"))
-    }
-
     /// Adds a GPU run's counts to `gpu_stats`.
     #[cfg(feature = "cuda")]
     fn count(&self, run: &attnstore::GpuRun) {
@@ -688,11 +670,13 @@ impl Engine {
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
         out: Option<Bound<'py, PyAny>>,
-        stream: Option<u64>,
+        #[cfg_attr(not(feature = "cuda"), allow(unused_variables, reason = "CUDA calls only"))] stream: Option<u64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let e = self.engine()?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
+        // Only a `cuda` build's engine runs on the GPU (in_place is false, or an error, else).
         if self.in_place(q, out.as_ref())? {
+            #[cfg(feature = "cuda")]
             return self.attend_cuda(py, &e, &[ctx], layer, q, out, stream, &budget, false);
         }
         let (query, shape) = Self::query(&e, ctx, q)?;
@@ -718,11 +702,13 @@ impl Engine {
         retrieve: Option<f64>,
         budget: Option<PyRef<'_, PyBudget>>,
         out: Option<Bound<'py, PyAny>>,
-        stream: Option<u64>,
+        #[cfg_attr(not(feature = "cuda"), allow(unused_variables, reason = "CUDA calls only"))] stream: Option<u64>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let e = self.engine()?;
         let budget = self::budget(exact, retrieve, budget.as_deref())?;
+        // Only a `cuda` build's engine runs on the GPU (in_place is false, or an error, else).
         if self.in_place(q, out.as_ref())? {
+            #[cfg(feature = "cuda")]
             return self.attend_cuda(py, &e, &ctxs, layer, q, out, stream, &budget, true);
         }
         let (requests, shape) = Self::batch(&e, &ctxs, layer, q)?;

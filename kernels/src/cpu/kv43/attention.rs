@@ -8,7 +8,7 @@
 use half::slice::HalfFloatSliceExt;
 use std::ops::Range;
 
-use super::{probability_codes, GroupQuery, Kv43Rows, PART, TILE};
+use super::{check_runs, probability_codes, GroupQuery, Kv43Rows, PART, TILE};
 use crate::cpu::partial::Partial;
 use crate::error::{Error, Result};
 
@@ -124,19 +124,7 @@ impl Kv43Rows {
     pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
         let (d, p) = (self.d, self.params);
         let heads = parts.len();
-        if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
-            return Err(Error::ShapeMismatch {
-                what: "kv43 queries (heads × d) and their partials",
-                expected: heads.max(1) * d,
-                got: q.len(),
-            });
-        }
-        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > self.rows) {
-            return Err(Error::InvalidArgument {
-                what: "kv43 row ranges",
-                message: format!("{r:?} is not a range within the {} rows", self.rows),
-            });
-        }
+        check_runs(q, d, self.rows, ranges, parts)?;
         let vb = p.value_block;
         let mut block = Block::new(heads, d, vb);
         let mut queries = GroupQueries::new(heads, d);

@@ -510,20 +510,7 @@ impl Kv43Head {
     /// ([`Kv43Rows::attend_runs`]), the rows of the partial group in f16 exactly.
     pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
         let (d, rows, done) = (self.d, self.rows(), self.encoded_rows());
-        let heads = parts.len();
-        if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
-            return Err(Error::ShapeMismatch {
-                what: "kv43 queries (heads × d) and their partials",
-                expected: heads.max(1) * d,
-                got: q.len(),
-            });
-        }
-        if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > rows) {
-            return Err(Error::InvalidArgument {
-                what: "kv43 row ranges",
-                message: format!("{r:?} is not a range within the {rows} rows"),
-            });
-        }
+        check_runs(q, d, rows, ranges, parts)?;
         if let Some(e) = &self.encoded {
             let coded: Vec<Range<usize>> =
                 ranges.iter().map(|r| r.start.min(done)..r.end.min(done)).filter(|r| !r.is_empty()).collect();
@@ -658,6 +645,26 @@ fn weigh_value_codes(z: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
 mod attention;
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
 mod avx2;
+
+/// The checks of an `attend_runs` call: `parts.len()` heads (at least one) of `d`-dim
+/// partials and queries, row ranges within `rows`.
+fn check_runs(q: &[f32], d: usize, rows: usize, ranges: &[Range<usize>], parts: &[Partial]) -> Result<()> {
+    let heads = parts.len();
+    if heads == 0 || q.len() != heads * d || parts.iter().any(|x| x.o.len() != d) {
+        return Err(Error::ShapeMismatch {
+            what: "kv43 queries (heads × d) and their partials",
+            expected: heads.max(1) * d,
+            got: q.len(),
+        });
+    }
+    if let Some(r) = ranges.iter().find(|r| r.start > r.end || r.end > rows) {
+        return Err(Error::InvalidArgument {
+            what: "kv43 row ranges",
+            message: format!("{r:?} is not a range within the {rows} rows"),
+        });
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests;
