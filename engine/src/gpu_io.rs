@@ -40,7 +40,7 @@ impl Engine {
     /// caller's device memory, after the work queued on the caller's `stream` (a `CUstream`
     /// of the primary context; 0 for the legacy default stream) so far. When this returns
     /// the outputs are written (the caller's later work on any stream sees them). A
-    /// non-finite query element is an [`crate::Error::InvalidArgument`]; that request's
+    /// non-finite query element is an [`Error::NonFinite`]; that request's
     /// output is left as it was. The returned [`GpuRun`] counts where requests ran.
     ///
     /// # Safety

@@ -4,7 +4,7 @@
 //! f16 / bf16 to the f32 the step reads) and writes its output into the caller's tensor in
 //! that tensor's type (`io_export`); nothing crosses to the host but the step's selection.
 
-use super::{gpu_err, Error, GpuBackend, Mailbox, Result, WaveBatch, WaveJob, WaveStep};
+use super::{gpu_err, GpuBackend, Mailbox, Result, WaveBatch, WaveJob, WaveStep};
 use cudarc::driver::{sys, CudaEvent, CudaStream, LaunchConfig, PushKernelArg};
 use std::sync::Arc;
 
@@ -85,13 +85,7 @@ impl GpuBackend {
         step: &mut WaveStep<'_>,
         io: &DeviceIo,
     ) -> Result<()> {
-        let Some(home) = batch.lanes.get(lane) else {
-            return Err(Error::InvalidArgument {
-                what: "wave lane",
-                message: format!("lane {lane} of a batch of {} lanes", batch.lanes.len()),
-            });
-        };
-        let main = &home.0;
+        let main = &batch.lane(lane)?.0;
         let n = step.job.decode.shape.query_len();
         // The job's last step (and its export, which reads the status word) must be done.
         step.job.io.wait()?;

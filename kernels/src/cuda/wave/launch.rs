@@ -35,6 +35,14 @@ pub struct WaveBatch {
 }
 
 impl WaveBatch {
+    /// Lane `lane`'s streams, or an error naming the batch's size.
+    pub(super) fn lane(&self, lane: usize) -> Result<&Lane> {
+        self.lanes.get(lane).ok_or_else(|| Error::InvalidArgument {
+            what: "wave lane",
+            message: format!("lane {lane} of a batch of {} lanes", self.lanes.len()),
+        })
+    }
+
     /// Requests a step of this batch can hold.
     pub fn capacity(&self) -> usize {
         self.lanes.len()
@@ -82,12 +90,7 @@ impl GpuBackend {
     /// one graph of six lanes took ~23 µs on the H100 host). [`GpuBackend::fetch_wave`] of
     /// the job waits for this step only.
     pub fn launch_wave_lane(&self, batch: &WaveBatch, lane: usize, step: &mut WaveStep<'_>) -> Result<()> {
-        let Some(home) = batch.lanes.get(lane) else {
-            return Err(Error::InvalidArgument {
-                what: "wave lane",
-                message: format!("lane {lane} of a batch of {} lanes", batch.lanes.len()),
-            });
-        };
+        let home = batch.lane(lane)?;
         let step = WaveStep { wave: step.wave, kv: step.kv, cache: step.cache, job: &mut *step.job };
         self.launch_one(home, step, batch.graphs.off)
     }
