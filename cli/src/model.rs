@@ -196,8 +196,8 @@ pub struct ArgmaxArgs {
     /// probabilities are rounded to f16 like llama.cpp's).
     #[arg(long, default_value = "engine", value_parser = parse_decode)]
     decode: ArgmaxDecode,
-    /// Also the argmax after every prompt prefix (the prompt's teacher-forced positions, by
-    /// one prefill in chunks of 64 tokens), before the continuation's.
+    /// Also the argmax after every prompt prefix (the prompt's teacher-forced positions, from
+    /// the prompt's prefill), before the continuation's.
     #[arg(long)]
     prompt_positions: bool,
     /// The JSON file to write.
@@ -345,9 +345,18 @@ fn bar(len: usize, what: &str) -> ProgressBar {
 }
 
 fn prefill(model: &Model, ids: &[u32], chunk: usize) -> Result<attnstore_runtime::Prefill, String> {
+    timed_prefill(ids, |progress| model.prefill(ids, chunk, progress))
+}
+
+/// `run` (a prefill of `ids`, reporting tokens done to its argument) under a progress bar,
+/// its speed printed after.
+fn timed_prefill<T>(
+    ids: &[u32],
+    run: impl FnOnce(&mut dyn FnMut(usize)) -> attnstore_runtime::Result<T>,
+) -> Result<T, String> {
     let pb = bar(ids.len(), "prefill");
     let start = Instant::now();
-    let p = model.prefill(ids, chunk, &mut |n| pb.set_position(n as u64)).map_err(|e| e.to_string())?;
+    let p = run(&mut |n| pb.set_position(n as u64)).map_err(|e| e.to_string())?;
     pb.finish_and_clear();
     let s = start.elapsed().as_secs_f64();
     eprintln!("prefill: {} tokens in {s:.1} s ({:.0} tokens/s)", ids.len(), ids.len() as f64 / s);
@@ -787,7 +796,14 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
     let model = load(&args.model, Weights::Quantized)?.with_numerics(args.numerics).map_err(|e| e.to_string())?;
     let ids = prompt_ids(&model, &text, false)?;
     let teacher = args.teacher_tokens.as_deref().map(|f| teacher_continuation(f, &ids)).transpose()?;
-    let p = prefill(&model, &ids, args.model.chunk)?;
+    // With --prompt-positions the same prefill gives the argmax after every prompt prefix.
+    let (p, prompt_argmax) = match args.prompt_positions {
+        true => {
+            let (p, best) = timed_prefill(&ids, |progress| model.prefill_argmax(&ids, args.model.chunk, progress))?;
+            (p, Some(best))
+        }
+        false => (prefill(&model, &ids, args.model.chunk)?, None),
+    };
     let engine = attnstore::Engine::in_memory(attnstore::EngineConfig::default()).map_err(|e| e.to_string())?;
     let mut s =
         Session::new(&model, &engine, AttnConfig::new(AttnMethod::Exact), &p, false).map_err(|e| e.to_string())?;
@@ -837,14 +853,13 @@ pub fn argmax_dump(args: ArgmaxArgs) -> Result<(), String> {
     let mut tokens = ids.clone();
     tokens.extend(&fed);
     // The prompt's own positions first (their last one is the continuation's first).
-    let (argmax_from, cont) = match args.prompt_positions {
-        true => {
-            let mut all = model.prompt_argmax(&ids, 64).map_err(|e| e.to_string())?;
+    let (argmax_from, cont) = match prompt_argmax {
+        Some(mut all) => {
             all.pop();
             all.extend(cont);
             (0, all)
         }
-        false => (ids.len() - 1, cont),
+        None => (ids.len() - 1, cont),
     };
     let value = serde_json::json!({
         "model": path.file_stem().map(|s| s.to_string_lossy().into_owned()),

@@ -536,19 +536,29 @@ impl Model {
         self.prefill_rows(past, start, tokens, chunk, keep_window_rows, progress, &mut |_| Ok(()))
     }
 
-    /// The next-token argmax after every prefix of `tokens`: entry `i` is the model's most
-    /// likely token after `tokens[..=i]`, all computed by one prefill (`chunk` tokens at a
-    /// time) — the teacher-forced predictions at every prompt position, as llama.cpp
-    /// computes them over a batch.
-    pub fn prompt_argmax(&self, tokens: &[u32], chunk: usize) -> Result<Vec<u32>> {
-        let mut out = Vec::with_capacity(tokens.len());
-        self.prefill_rows(&[], 0, tokens, chunk, false, &mut |_| {}, &mut |x| {
-            let x = candle_nn::ops::rms_norm(x, &self.norm, self.config.rms_eps)?;
-            let best = self.output.forward(&x)?.argmax(candle_core::D::Minus1)?;
-            out.extend(best.flatten_all()?.to_vec1::<u32>()?);
+    /// [`Model::prefill`] of `tokens`, with the next-token argmax after every prefix: entry
+    /// `i` is the model's most likely token after `tokens[..=i]` — the teacher-forced
+    /// predictions at every prompt position, as llama.cpp computes them over a batch. The
+    /// logits are made 64 rows at a time (a row is the whole vocabulary).
+    pub fn prefill_argmax(
+        &self,
+        tokens: &[u32],
+        chunk: usize,
+        progress: &mut dyn FnMut(usize),
+    ) -> Result<(Prefill, Vec<u32>)> {
+        const LOGIT_ROWS: usize = 64;
+        let mut best = Vec::with_capacity(tokens.len());
+        let p = self.prefill_rows(&[], 0, tokens, chunk, false, progress, &mut |x| {
+            let n = x.dim(1)?;
+            for at in (0..n).step_by(LOGIT_ROWS) {
+                let rows = x.narrow(1, at, LOGIT_ROWS.min(n - at))?;
+                let rows = candle_nn::ops::rms_norm(&rows, &self.norm, self.config.rms_eps)?;
+                let top = self.output.forward(&rows)?.argmax(candle_core::D::Minus1)?;
+                best.extend(top.flatten_all()?.to_vec1::<u32>()?);
+            }
             Ok(())
         })?;
-        Ok(out)
+        Ok((p, best))
     }
 
     /// [`Model::prefill_after`], handing every chunk's final hidden rows (`[1, n, d_model]`,

@@ -86,6 +86,22 @@ fn ggml_numerics_round_the_kv_to_f16_and_stay_close_to_f32() {
 }
 
 #[test]
+fn prefill_argmax_gives_each_prefixs_own_prefill_argmax_in_one_pass() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path(), Arch::Gemma3);
+    let tokens = ids(&model, 40);
+    // Chunks of 16 rows: prefixes end inside chunks and at their edges.
+    let (all, best) = model.prefill_argmax(&tokens, 16, &mut |_| {}).unwrap();
+    assert_eq!(best.len(), tokens.len());
+    let whole = model.prefill(&tokens, 16, &mut |_| {}).unwrap();
+    assert_eq!(all.logits, whole.logits, "the prefill itself is unchanged");
+    for end in [1, 15, 16, 17, 39, 40] {
+        let p = model.prefill(&tokens[..end], 16, &mut |_| {}).unwrap();
+        assert_eq!(best[end - 1], attnstore_runtime::argmax(&p.logits), "after {end} tokens");
+    }
+}
+
+#[test]
 fn gemma3_window_layers_keep_only_their_window_and_global_layers_everything() {
     let dir = tempfile::tempdir().unwrap();
     let model = synth(dir.path(), Arch::Gemma3);
