@@ -4,11 +4,15 @@
 //! copy. A tensor on a device (CUDA) is copied to host memory by its producer, on request
 //! (`__dlpack__(dl_device=(1, 0), copy=True)`), ordered after the work queued on its stream —
 //! except on a GPU engine, whose steps read CUDA queries and write CUDA outputs in place
-//! ([`cuda_tensor`]).
+//! ([`cuda_tensor`]). A plain torch CPU tensor skips torch's Python-level `Tensor.__dlpack__`
+//! (microseconds a call, most of what a torch query added to a decode step) for the C
+//! function behind it ([`torch_capsule`]).
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyCapsule, PyCapsuleMethods};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyCapsule, PyCapsuleMethods, PyType};
 use std::ffi::c_void;
 
 /// DLPack's `DLDevice`.
@@ -64,38 +68,52 @@ enum Kind {
     F64,
 }
 
+/// `torch.Tensor` and `torch.utils.dlpack.to_dlpack`, looked up once torch is imported.
+static TORCH: PyOnceLock<(Py<PyType>, Py<PyAny>)> = PyOnceLock::new();
+
+/// `torch.utils.dlpack.to_dlpack` when `obj` is a plain `torch.Tensor`: not a subclass,
+/// whose `__torch_function__` may override `__dlpack__` and the rest. Nothing is imported:
+/// torch is, if `obj` is one of its tensors.
+fn plain_torch<'a>(obj: &Bound<'a, PyAny>) -> PyResult<Option<&'a Bound<'a, PyAny>>> {
+    let py = obj.py();
+    let ty = obj.get_type();
+    let (tensor_type, to_dlpack) = match TORCH.get(py) {
+        Some(t) => t,
+        None if ty.module().is_ok_and(|m| m == "torch") => TORCH.get_or_try_init(py, || {
+            let torch = py.import("torch")?;
+            let to_dlpack = torch.getattr("utils")?.getattr("dlpack")?.getattr("to_dlpack")?;
+            PyResult::Ok((torch.getattr("Tensor")?.cast_into::<PyType>()?.unbind(), to_dlpack.unbind()))
+        })?,
+        None => return Ok(None),
+    };
+    Ok(ty.is(tensor_type.bind(py)).then(|| to_dlpack.bind(py)))
+}
+
+/// A capsule of `obj` made by `torch.utils.dlpack.to_dlpack` (the C function behind
+/// `Tensor.__dlpack__`, a fraction of a microsecond) for a plain torch tensor that does not
+/// require grad, when the capsule is a CPU tensor of a dtype read here; `None` sends `obj`
+/// the generic way (`__dlpack__`), so whatever `Tensor.__dlpack__` refuses (requires grad,
+/// the conjugate bit, a sparse layout, ...) still raises its own error.
+fn torch_capsule<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let Some(to_dlpack) = plain_torch(obj)? else { return Ok(None) };
+    if obj.getattr(intern!(obj.py(), "requires_grad"))?.is_truthy()? {
+        return Ok(None);
+    }
+    let Ok(capsule) = to_dlpack.call1((obj,)) else { return Ok(None) };
+    let readable =
+        tensor("tensor", &capsule).is_ok_and(|t| t.device.device_type == CPU && kind_of("tensor", t).is_ok());
+    Ok(readable.then_some(capsule))
+}
+
 /// `obj`'s elements as f32 in C order and its shape, when `obj` has `__dlpack__`; `None`
 /// when it has not.
 pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<f32>, Vec<usize>)>> {
-    if !obj.hasattr("__dlpack__")? {
-        return Ok(None);
-    }
-    let first = obj.call_method0("__dlpack__")?;
-    let on_device = &tensor(what, &first)?.device;
-    let (device_type, device_id) = (on_device.device_type, on_device.device_id);
-    let capsule = if device_type == CPU {
-        first
-    } else {
-        // A device tensor (CUDA, ROCm, ...): its producer copies it to host memory, ordered
-        // after the work queued on its current stream (DLPack's `dl_device` / `copy`
-        // request, array API 2023.12; torch ≥ 2.6 honours it).
-        drop(first);
-        let kwargs = pyo3::types::PyDict::new(obj.py());
-        kwargs.set_item("dl_device", (CPU, 0))?;
-        kwargs.set_item("copy", true)?;
-        let copied = obj.call_method("__dlpack__", (), Some(&kwargs)).map_err(|e| {
-            PyValueError::new_err(format!(
-                "{what} is on DLPack device type {device_type} (id {device_id}) and its producer could not copy it to the CPU \
-                 (__dlpack__(dl_device=(1, 0), copy=True) failed: {e}); pass a CPU tensor"
-            ))
-        })?;
-        let copied_to = tensor(what, &copied)?.device.device_type;
-        if copied_to != CPU {
-            return Err(PyValueError::new_err(format!(
-                "{what}: its producer was asked for a CPU copy and gave device type {copied_to}"
-            )));
-        }
-        copied
+    let capsule = match torch_capsule(obj)? {
+        Some(capsule) => capsule,
+        None => match host_capsule(what, obj)? {
+            Some(capsule) => capsule,
+            None => return Ok(None),
+        },
     };
     let t = tensor(what, &capsule)?;
     let kind = kind_of(what, t)?;
@@ -105,9 +123,8 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
     if count > 0 && contiguous {
         // SAFETY: a C-contiguous tensor's `count` elements follow `data + byte_offset`.
         let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
-        let size = usize::from(t.dtype.bits / 8);
-        // SAFETY: `i < count` elements of `size` bytes from `base`, as above.
-        out.extend((0..count).map(|i| read(unsafe { base.add(i * size) }, kind)));
+        // SAFETY: as above, `count` elements of `kind` from `base`, alive with the capsule.
+        unsafe { read_run(base, count, kind, &mut out) };
     } else if count > 0 {
         // SAFETY: `data + byte_offset` is the tensor's first element (DLPack's layout).
         let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
@@ -129,6 +146,61 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
         }
     }
     Ok(Some((out, shape)))
+}
+
+/// `obj.__dlpack__()` as a capsule of host memory (a device tensor copied by its producer),
+/// or `None` when `obj` has no `__dlpack__`.
+fn host_capsule<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let py = obj.py();
+    if !obj.hasattr(intern!(py, "__dlpack__"))? {
+        return Ok(None);
+    }
+    let first = obj.call_method0(intern!(py, "__dlpack__"))?;
+    let on_device = &tensor(what, &first)?.device;
+    let (device_type, device_id) = (on_device.device_type, on_device.device_id);
+    if device_type == CPU {
+        return Ok(Some(first));
+    }
+    // A device tensor (CUDA, ROCm, ...): its producer copies it to host memory, ordered
+    // after the work queued on its current stream (DLPack's `dl_device` / `copy` request,
+    // array API 2023.12; torch ≥ 2.6 honours it).
+    drop(first);
+    let kwargs = pyo3::types::PyDict::new(py);
+    kwargs.set_item("dl_device", (CPU, 0))?;
+    kwargs.set_item("copy", true)?;
+    let copied = obj.call_method(intern!(py, "__dlpack__"), (), Some(&kwargs)).map_err(|e| {
+        PyValueError::new_err(format!(
+            "{what} is on DLPack device type {device_type} (id {device_id}) and its producer could not copy it to the CPU \
+             (__dlpack__(dl_device=(1, 0), copy=True) failed: {e}); pass a CPU tensor"
+        ))
+    })?;
+    let copied_to = tensor(what, &copied)?.device.device_type;
+    if copied_to != CPU {
+        return Err(PyValueError::new_err(format!(
+            "{what}: its producer was asked for a CPU copy and gave device type {copied_to}"
+        )));
+    }
+    Ok(Some(copied))
+}
+
+/// Appends `count` elements of `kind` from `base` to `out` as f32, the type matched once
+/// for the run (so each arm's loop is a plain copy or conversion the compiler vectorizes).
+///
+/// # Safety
+/// `base` points at `count` consecutive elements of `kind`, readable for this call.
+unsafe fn read_run(base: *const u8, count: usize, kind: Kind, out: &mut Vec<f32>) {
+    // SAFETY (each arm): element `i < count` lies within the run the caller guarantees;
+    // read unaligned, as DLPack does not promise alignment.
+    unsafe {
+        match kind {
+            Kind::F32 => out.extend((0..count).map(|i| base.cast::<f32>().add(i).read_unaligned())),
+            Kind::F16 => out
+                .extend((0..count).map(|i| half::f16::from_bits(base.cast::<u16>().add(i).read_unaligned()).to_f32())),
+            Kind::Bf16 => out
+                .extend((0..count).map(|i| half::bf16::from_bits(base.cast::<u16>().add(i).read_unaligned()).to_f32())),
+            Kind::F64 => out.extend((0..count).map(|i| base.cast::<f64>().add(i).read_unaligned() as f32)),
+        }
+    }
 }
 
 /// The element type of `t`, or a `TypeError` naming those read.
@@ -181,6 +253,11 @@ fn layout(what: &str, t: &DlTensor) -> PyResult<(Vec<usize>, Vec<i64>, bool)> {
 
 /// Whether `obj` is a DLPack tensor on a CUDA device (`__dlpack_device__()`).
 pub(crate) fn on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
+    // A plain torch CPU tensor says so through a C getter; torch's `__dlpack_device__` is
+    // Python, microseconds a call.
+    if plain_torch(obj)?.is_some() && obj.getattr(intern!(obj.py(), "is_cpu"))?.is_truthy()? {
+        return Ok(false);
+    }
     if !obj.hasattr("__dlpack_device__")? {
         return Ok(false);
     }

@@ -71,6 +71,37 @@ def test_attend_many_equals_one_call_per_context():
         eng.attend_many([ctxs[0], other], 1, q[:2])
 
 
+def test_torch_cpu_tensors_read_like_numpy_and_keep_dlpack_errors():
+    # Plain torch CPU tensors skip Tensor.__dlpack__ (torch.utils.dlpack.to_dlpack); what
+    # __dlpack__ refuses still goes through it and raises its own error.
+    gen = torch.Generator().manual_seed(9)
+    eng = attnstore.Engine()
+    ctx = eng.create_context(q_heads=4, kv_heads=2, head_dim=32, layers=1, dtype="f32")
+    eng.prefill(ctx, 0, torch.randn(2, 300, 32, generator=gen), torch.randn(2, 300, 32, generator=gen))
+    q = torch.randn(4, 32, generator=gen)
+    want = eng.attend(ctx, 0, q.numpy(), exact=True)
+    np.testing.assert_array_equal(eng.attend(ctx, 0, q, exact=True), want)
+    np.testing.assert_array_equal(eng.attend(ctx, 0, q.t().contiguous().t(), exact=True), want)  # strided
+    np.testing.assert_array_equal(eng.attend(ctx, 0, torch.cat([q, q], 1)[:, 32:], exact=True), want)  # offset
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        np.testing.assert_array_equal(eng.attend(ctx, 0, q.to(dtype), exact=True),
+                                      eng.attend(ctx, 0, q.to(dtype).float().numpy(), exact=True))
+    np.testing.assert_array_equal(eng.attend_many([ctx], 0, q[None], exact=True), want[None])
+
+    class Sub(torch.Tensor):
+        pass
+
+    np.testing.assert_array_equal(eng.attend(ctx, 0, q.as_subclass(Sub), exact=True), want)
+    with pytest.raises(BufferError, match="require gradient"):
+        eng.attend(ctx, 0, q.clone().requires_grad_())
+    with pytest.raises(BufferError, match="layout"):
+        eng.attend(ctx, 0, q.to_sparse())
+    with pytest.raises(TypeError, match="DLPack dtype code 0"):
+        eng.attend(ctx, 0, q.to(torch.int32))
+    with pytest.raises(attnstore.ShapeError):
+        eng.attend(ctx, 0, q[:2])
+
+
 def test_budget_arguments_are_checked():
     b = attnstore.Budget(retrieve=0.05, floor=1024, estimate="rest", short_context=6144)
     assert (b.retrieve, b.floor, b.short_context, b.exact) == (0.05, 1024, 6144, False)
