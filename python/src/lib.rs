@@ -9,7 +9,7 @@ use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, LayerKind,
     Method, Request,
 };
-use numpy::{PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use numpy::{IntoPyArray, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -61,11 +61,13 @@ fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize
     let dtype = untyped.dtype();
     let py = array.py();
     let values: Vec<f32> = if dtype.is_equiv_to(&numpy::dtype::<f32>(py)) {
-        let a = array.cast::<numpy::PyArrayDyn<f32>>()?.readonly();
-        // A C-contiguous array is one copy; others are walked in C order.
-        match a.as_slice() {
-            Ok(slice) => slice.to_vec(),
-            Err(_) => a.as_array().iter().copied().collect(),
+        let a = array.cast::<numpy::PyArrayDyn<f32>>()?;
+        // A C-contiguous array is one copy, made under the GIL without taking rust-numpy's
+        // borrow flags (a global table: a tenth of what the boundary adds); others are
+        // walked in C order.
+        match a.to_vec() {
+            Ok(values) => values,
+            Err(_) => a.readonly().as_array().iter().copied().collect(),
         }
     } else if dtype.is_equiv_to(&numpy::dtype::<half::f16>(py)) {
         let a = array.cast::<numpy::PyArrayDyn<half::f16>>()?.readonly();
@@ -79,13 +81,14 @@ fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize
     Ok((values, shape))
 }
 
-/// Checks `shape` against `want` (`None`: any length), naming the layout in the error.
-fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>], layout: &str) -> PyResult<()> {
+/// Checks `shape` against `want` (`None`: any length), naming the layout in the error
+/// (`layout` is only formatted then: a decode step's query passes every time).
+fn check_shape(what: &str, shape: &[usize], want: &[Option<usize>], layout: impl FnOnce() -> String) -> PyResult<()> {
     let ok = shape.len() == want.len() && shape.iter().zip(want).all(|(s, w)| w.is_none_or(|w| w == *s));
     if ok {
         return Ok(());
     }
-    Err(ShapeError::new_err(format!("{what} has shape {shape:?}; expected {layout}")))
+    Err(ShapeError::new_err(format!("{what} has shape {shape:?}; expected {}", layout())))
 }
 
 /// The budget of a call: exact, else `given` (a [`PyBudget`]) or the engine's default, with
@@ -258,12 +261,12 @@ impl Engine {
         v: &Bound<'_, PyAny>,
     ) -> PyResult<(Vec<f32>, Vec<f32>)> {
         let shape = Self::shape(e, ctx)?;
-        let layout = format!("[kv_heads={}, tokens, head_dim={}]", shape.kv_heads, shape.head_dim);
+        let layout = || format!("[kv_heads={}, tokens, head_dim={}]", shape.kv_heads, shape.head_dim);
         let want = [Some(shape.kv_heads), None, Some(shape.head_dim)];
         let (keys, ks) = floats("k", k)?;
-        check_shape("k", &ks, &want, &layout)?;
+        check_shape("k", &ks, &want, layout)?;
         let (values, vs) = floats("v", v)?;
-        check_shape("v", &vs, &want, &layout)?;
+        check_shape("v", &vs, &want, layout)?;
         if ks != vs {
             return Err(ShapeError::new_err(format!("k has shape {ks:?} but v has {vs:?}; they must match")));
         }
@@ -307,8 +310,12 @@ impl Engine {
             }
         }
         let (query, qs) = floats("q", q)?;
-        let layout = format!("[{}, q_heads={}, head_dim={}]", ctxs.len(), shape.q_heads, shape.head_dim);
-        check_shape("q", &qs, &[Some(ctxs.len()), Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
+        let layout = || format!("[{}, q_heads={}, head_dim={}]", ctxs.len(), shape.q_heads, shape.head_dim);
+        check_shape("q", &qs, &[Some(ctxs.len()), Some(shape.q_heads), Some(shape.head_dim)], layout)?;
+        if let [c] = ctxs {
+            // One context (batch 1): its request takes the query as read, no second copy.
+            return Ok((vec![Request::new(ContextId(*c), layer, query)], shape));
+        }
         let per = shape.q_heads * shape.head_dim;
         let requests = ctxs
             .iter()
@@ -322,8 +329,8 @@ impl Engine {
     fn query(e: &attnstore::Engine, ctx: u64, q: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, AttnShape)> {
         let shape = Self::shape(e, ctx)?;
         let (query, qs) = floats("q", q)?;
-        let layout = format!("[q_heads={}, head_dim={}]", shape.q_heads, shape.head_dim);
-        check_shape("q", &qs, &[Some(shape.q_heads), Some(shape.head_dim)], &layout)?;
+        let layout = || format!("[q_heads={}, head_dim={}]", shape.q_heads, shape.head_dim);
+        check_shape("q", &qs, &[Some(shape.q_heads), Some(shape.head_dim)], layout)?;
         Ok((query, shape))
     }
 }
@@ -508,10 +515,17 @@ fn spec_of(
     Ok(spec)
 }
 
-/// One output as a `[q_heads, head_dim]` float32 array.
+/// One output as a `[q_heads, head_dim]` float32 array, the engine's vector as its memory.
 fn output<'py>(py: Python<'py>, out: Vec<f32>, shape: AttnShape) -> PyResult<Bound<'py, PyArray2<f32>>> {
-    let array = numpy::PyArray1::from_vec(py, out);
-    array.reshape([shape.q_heads, shape.head_dim])
+    let dims = (shape.q_heads, shape.head_dim);
+    let array = numpy::ndarray::Array2::from_shape_vec(dims, out).map_err(|e| output_error(e, dims))?;
+    Ok(array.into_pyarray(py))
+}
+
+/// An engine output of the wrong length for its array (a broken engine invariant, raised
+/// rather than aborting the interpreter).
+fn output_error(e: numpy::ndarray::ShapeError, dims: impl std::fmt::Debug) -> PyErr {
+    AttnstoreError::new_err(format!("the engine's output does not fill an array of shape {dims:?}: {e}"))
 }
 
 #[pymethods]
@@ -712,9 +726,12 @@ impl Engine {
             return self.attend_cuda(py, &e, &ctxs, layer, q, out, stream, &budget, true);
         }
         let (requests, shape) = Self::batch(&e, &ctxs, layer, q)?;
-        let outs = py.detach(|| self.run(&e, &requests, &budget)).map_err(py_err)?;
-        let flat: Vec<f32> = outs.concat();
-        Ok(numpy::PyArray1::from_vec(py, flat).reshape([ctxs.len(), shape.q_heads, shape.head_dim])?.into_any())
+        let mut outs = py.detach(|| self.run(&e, &requests, &budget)).map_err(py_err)?;
+        // One context's output becomes the array as it is; several are laid end to end.
+        let flat = if outs.len() == 1 { outs.remove(0) } else { outs.concat() };
+        let dims = (ctxs.len(), shape.q_heads, shape.head_dim);
+        let array = numpy::ndarray::Array3::from_shape_vec(dims, flat).map_err(|e| output_error(e, dims))?;
+        Ok(array.into_pyarray(py).into_any())
     }
 
     /// Times `iters` calls of the step `attend_many` runs (plan and execute, on the GPU for a
