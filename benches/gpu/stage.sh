@@ -11,5 +11,5 @@ cp benches/gpu/sdpa.py benches/gpu/compare.py .gpu/
 cp benches/gpu/run.sh .gpu/bench.sh
 cp benches/gpu/hack.sh .gpu/hack.sh
 cp benches/gpu/batch.sh .gpu/batch.sh
-cp benches/gpu/profile.sh benches/gpu/ncu_detail.sh .gpu/
+cp benches/gpu/profile.sh benches/gpu/ncu_detail.sh benches/gpu/ab.sh .gpu/
 du -sh .gpu

@@ -277,6 +277,41 @@ ATTN_PARTIAL(6)
 ATTN_PARTIAL(7)
 ATTN_PARTIAL(8)
 
+// Elements of the caller's device tensors (an embedding runtime's queries and outputs) in
+// their type: 0 f32, 1 f16, 2 bf16 (`IoDType` on the host).
+__device__ __forceinline__ float io_load(const void* src, int dtype, int i) {
+  if (dtype == 1) return h2f(((const unsigned short*)src)[i]);
+  if (dtype == 2) return __int_as_float(((int)((const unsigned short*)src)[i]) << 16);
+  return ((const float*)src)[i];
+}
+
+__device__ __forceinline__ void io_store(void* dst, int dtype, int i, float x) {
+  if (dtype == 1) {
+    ((unsigned short*)dst)[i] = f2h(x);
+  } else if (dtype == 2) {
+    // Round to nearest even; a NaN stays a (quiet) NaN.
+    unsigned int b = (unsigned int)__float_as_int(x);
+    unsigned short r = (b & 0x7fffffffu) > 0x7f800000u
+        ? (unsigned short)((b >> 16) | 0x40u)
+        : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+    ((unsigned short*)dst)[i] = r;
+  } else {
+    ((float*)dst)[i] = x;
+  }
+}
+
+// A step's I/O descriptor in device memory (the job's, copied there by step_ingest from the
+// mapped words the host wrote before the launch): the caller's query and output addresses
+// (0: the query came through the job's mailbox, no caller output), their element type, the
+// step's token, and the token of the last step whose query held a non-finite element (that
+// step writes no output).
+#define IO_QUERY 0
+#define IO_OUTPUT 1
+#define IO_TYPE 2
+#define IO_TOKEN 3
+#define IO_BAD 4
+#define IO_WORDS 5
+
 // One CTA per query head, MERGE_WARPS warps: the maximum m over chunks by a block
 // reduction, then warp w folds chunks w, w + MERGE_WARPS, … (lanes split the head
 // dimension, so each chunk's partial is one coalesced read), then the warps' sums are
@@ -299,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32) attn_merge(const 
                                       float* __restrict__ lse, const float* __restrict__ part2, int chunks2,
                                       const float* __restrict__ part3, int chunks3,
                                       float* __restrict__ out_copy, const int* __restrict__ words_src, int words,
-                                      int* __restrict__ words_dst) {
+                                      int* __restrict__ words_dst, const unsigned long long* __restrict__ io) {
   const int qh = blockIdx.x;
   if (words_src != nullptr) {
     const int span = (words + gridDim.x - 1) / gridDim.x, lo = qh * span, hi = min(words, lo + span);
@@ -319,6 +354,14 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32) attn_merge(const 
    : (c) < chunks + chunks2 ? base2 + (long long)((c) - chunks) * stride \
                             : base3 + (long long)((c) - chunks - chunks2) * stride)
   const int all = chunks + chunks2 + chunks3;
+  // `io` (may be null): the step's I/O descriptor; a caller output is written too unless the
+  // step's query was not finite.
+  void* io_out = nullptr;
+  int io_type = 0;
+  if (io != nullptr && io[IO_OUTPUT] != 0 && io[IO_BAD] != io[IO_TOKEN]) {
+    io_out = (void*)io[IO_OUTPUT];
+    io_type = (int)io[IO_TYPE];
+  }
   __shared__ float red[MERGE_WARPS];
   __shared__ float acc_s[MERGE_WARPS][HEAD_DIM + 1];
   float mx = NEG_INF;
@@ -369,6 +412,7 @@ extern "C" __global__ void __launch_bounds__(MERGE_WARPS * 32) attn_merge(const 
     const float o = l > 0.f ? a / l : 0.f;
     out[qh * HEAD_DIM + i] = o;
     if (out_copy != nullptr) out_copy[qh * HEAD_DIM + i] = o;
+    if (io_out != nullptr) io_store(io_out, io_type, qh * HEAD_DIM + i, o);
   }
   if (lse != nullptr && threadIdx.x == 0) {
     float l = 0.f;

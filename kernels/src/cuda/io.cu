@@ -2,28 +2,10 @@
 // Queries and outputs in the caller's device memory (an embedding runtime's CUDA tensors):
 // `io_import` reads a C-contiguous query of f32, f16 or bf16 elements into the f32 buffer a
 // step reads, `io_export` writes a step's f32 output into the caller's tensor in its type.
-// Element types: 0 f32, 1 f16, 2 bf16 (`IoDType` on the host).
-
-__device__ __forceinline__ float io_load(const void* src, int dtype, int i) {
-  if (dtype == 1) return h2f(((const unsigned short*)src)[i]);
-  if (dtype == 2) return __int_as_float(((int)((const unsigned short*)src)[i]) << 16);
-  return ((const float*)src)[i];
-}
-
-__device__ __forceinline__ void io_store(void* dst, int dtype, int i, float x) {
-  if (dtype == 1) {
-    ((unsigned short*)dst)[i] = f2h(x);
-  } else if (dtype == 2) {
-    // Round to nearest even; a NaN stays a (quiet) NaN.
-    unsigned int b = (unsigned int)__float_as_int(x);
-    unsigned short r = (b & 0x7fffffffu) > 0x7f800000u
-        ? (unsigned short)((b >> 16) | 0x40u)
-        : (unsigned short)((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-    ((unsigned short*)dst)[i] = r;
-  } else {
-    ((float*)dst)[i] = x;
-  }
-}
+// Element types: 0 f32, 1 f16, 2 bf16 (`IoDType` on the host); io_load / io_store are in
+// decode.cu. A wave step reads and writes the caller's tensors inside its own graph instead
+// (step_ingest and attn_merge, through the job's I/O descriptor): these two kernels serve
+// the requests the device step does not.
 
 // n elements of `src` (type `dtype`) as f32 into `dst`. A non-finite element is written as 0
 // (the step then runs on finite numbers) and `status` (two words, zero before the launch)

@@ -783,12 +783,14 @@ impl GpuBackend {
         let mut b = stream.launch_builder(&self.merge);
         b.arg(part).arg(&chunks).arg(&group).arg(out).arg(&lse).arg(&part2).arg(&chunks2);
         b.arg(&part3).arg(&chunks3).arg(&copies.out);
-        b.arg(&copies.words_src).arg(&words).arg(&copies.words_dst);
+        b.arg(&copies.words_src).arg(&words).arg(&copies.words_dst).arg(&copies.io);
         // SAFETY: part holds kv_heads × chunks × group partials and out q_heads × head_dim
         // floats (both checked above); part2 and part3 (when not 0) kv_heads × chunks2 (and
         // chunks3) × group partials (the caller's wave job allocated them so); copies.out (when not 0) is the device address
         // of the caller's mapped buffer of q_heads × head_dim floats, and words_src / words_dst
-        // (when not 0) of `words` ints each (MailboxCopies' contract); one CTA per query head.
+        // (when not 0) of `words` ints each, and io (when not 0) a device descriptor whose
+        // output names q_heads × head_dim writable elements of its type or is 0
+        // (MailboxCopies' contract); one CTA per query head.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_merge"))?;
         Ok(())
     }
@@ -990,4 +992,7 @@ pub(crate) struct MailboxCopies {
     pub(crate) words_src: u64,
     pub(crate) words: usize,
     pub(crate) words_dst: u64,
+    /// A wave step's I/O descriptor in device memory (`IO_WORDS` words, `decode.cu`), or 0:
+    /// the merge also writes the caller's output tensor it names.
+    pub(crate) io: u64,
 }

@@ -205,37 +205,72 @@ EST_PARTIAL(6)
 EST_PARTIAL(7)
 EST_PARTIAL(8)
 
-// The head of every wave step: the job's queries from its mapped pinned mailbox into the
-// device buffers the selection (`q_a`) and the attention (`q_b`) read, `q_words` 16-byte words
-// spread over every CTA; and CTA 0, for an arena layer (`marks` not null), the steady zone.
+// The head of every wave step: the job's queries into the device buffers the selection
+// (`q_a`) and the attention (`q_b`) read, one 16-byte word (four floats) per thread (the
+// host launches enough CTAs), from one of two places the job's I/O descriptor `io_desc`
+// (mapped; IO_* words, decode.cu) names: the job's mapped pinned mailbox `q_src`, or, when
+// its IO_QUERY word is not 0, the caller's device tensor there (f32, f16 or bf16: an
+// embedding runtime's query read in place, no copy through the host). A non-finite element of
+// a caller's query is read as 0; the step's token goes to the device descriptor's IO_BAD word
+// (so attn_merge writes no caller output) and its index + 1 and bits to `io_status` (mapped,
+// zeroed by the host) for the host to report. CTA 0 copies the descriptor to `io_dev` for
+// attn_merge. Then CTA 0, for an arena layer (`marks` not null), the steady zone.
 // That zone arrives through mapped pinned staging laid out like the device zone (row i of
 // every head at i·row_words 16-byte words, keys then values): the host writes rows and then
 // marks[0] = its length and marks[1] = min(marks[1], the first row it changed). CTA 0 copies
 // rows [min(*dev_len, marks[1]), marks[0]) to the device zone, sets *dev_len = marks[0] and
 // marks[1] = INT_MAX. So a step's launches take no per-step argument and the host makes no
 // copy call, whatever was appended: one kernel node instead of copy nodes. For a 2-bit layer
-// (`q8` not null, HEAD_DIM % 64 == 0) it also quantizes the queries to 8 bits once for the
-// step's hack_arena CTAs (hack_quantize_partition).
+// (`q8` not null, HEAD_DIM % 64 == 0) each CTA then quantizes its own words' queries to 8
+// bits once for the step's hack_arena CTAs (hack_quantize_partition).
 #define INGEST_THREADS 256
 extern "C" __global__ void __launch_bounds__(INGEST_THREADS) step_ingest(const uint4* __restrict__ q_src, uint4* __restrict__ q_a,
-                                       uint4* __restrict__ q_b, int q_words, const uint4* __restrict__ stage_k,
+                                       uint4* __restrict__ q_b, int q_words,
+                                       const unsigned long long* __restrict__ io_desc,
+                                       unsigned long long* __restrict__ io_dev, int* __restrict__ io_status,
+                                       const uint4* __restrict__ stage_k,
                                        const uint4* __restrict__ stage_v, int* marks, uint4* __restrict__ k,
                                        uint4* __restrict__ v, int* __restrict__ dev_len, int row_words,
                                        unsigned* __restrict__ q8, float* __restrict__ qmeta) {
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < q_words; i += gridDim.x * blockDim.x) {
-    const uint4 x = q_src[i];
+  __shared__ unsigned long long desc[IO_WORDS];
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool mine = i < q_words;
+  // The mailbox's word is read while the descriptor is (both over PCIe: one round trip).
+  uint4 x = make_uint4(0u, 0u, 0u, 0u);
+  if (mine) x = q_src[i];
+  if (threadIdx.x < IO_TOKEN + 1) desc[threadIdx.x] = ((const volatile unsigned long long*)io_desc)[threadIdx.x];
+  __syncthreads();
+  if (mine && desc[IO_QUERY] != 0) {
+    const void* src = (const void*)desc[IO_QUERY];
+    const int type = (int)desc[IO_TYPE];
+    float f[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+      f[j] = io_load(src, type, 4 * i + j);
+      if ((__float_as_int(f[j]) & 0x7f800000) == 0x7f800000) {
+        io_dev[IO_BAD] = desc[IO_TOKEN];
+        if (atomicCAS(io_status, 0, 4 * i + j + 1) == 0) io_status[1] = __float_as_int(f[j]);
+        f[j] = 0.0f;
+      }
+    }
+    x = make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  if (mine) {
     q_a[i] = x;
     q_b[i] = x;
   }
+  if (blockIdx.x == 0 && threadIdx.x <= IO_TOKEN) io_dev[threadIdx.x] = desc[threadIdx.x];
 #if HEAD_DIM % 64 == 0
   // A 2-bit layer's queries in 8 bits for hack_arena (q8: [q_heads][HEAD_DIM/4] words,
-  // qmeta: [q_heads][KP][3]), one warp per 64-dim partition.
+  // qmeta: [q_heads][KP][3]), one warp per 64-dim partition of this CTA's words (16 words
+  // each), read back from q_b once the CTA wrote them.
   if (q8 != nullptr) {
     __shared__ unsigned char codes_s[INGEST_THREADS / 32][64];
-    const int warp = threadIdx.x / 32, warps = gridDim.x * (blockDim.x / 32);
-    const int parts = q_words * 4 / 64;
-    for (int p = blockIdx.x * (blockDim.x / 32) + warp; p < parts; p += warps)
-      hack_quantize_partition(reinterpret_cast<const float*>(q_src) + p * 64, codes_s[warp], q8 + p * 16, qmeta + p * 3);
+    __syncthreads();
+    const int warp = threadIdx.x / 32, per_cta = INGEST_THREADS / 16;
+    const int hi = min(q_words * 4 / 64, (blockIdx.x + 1) * per_cta);
+    for (int p = blockIdx.x * per_cta + warp; p < hi; p += INGEST_THREADS / 32)
+      hack_quantize_partition(reinterpret_cast<const float*>(q_b) + p * 64, codes_s[warp], q8 + p * 16, qmeta + p * 3);
   }
 #endif
   if (blockIdx.x != 0 || marks == nullptr) return;

@@ -1,12 +1,14 @@
-//! Queries and outputs in the caller's device memory (`io.cu`): an embedding runtime's CUDA
-//! tensors read and written in place, ordered after the work the caller queued on its own
-//! stream. A device step takes its query from the caller's tensor (`io_import`, converting
-//! f16 / bf16 to the f32 the step reads) and writes its output into the caller's tensor in
-//! that tensor's type (`io_export`); nothing crosses to the host but the step's selection.
+//! Queries and outputs in the caller's device memory: an embedding runtime's CUDA tensors
+//! read and written in place, ordered after the work the caller queued on its own stream. A
+//! device step reads its query from the caller's tensor and writes its output there inside
+//! its own graph: the host names both in the job's I/O descriptor before the launch, the
+//! step's first kernel (`step_ingest`) converts the f32 / f16 / bf16 query to the f32 the
+//! step reads, and its last (`attn_merge`) writes the output in the tensor's type — no
+//! launch besides the step's graph, and nothing crosses to the host but the step's selection.
+//! Requests the device step does not serve go through `io_import` / `io_export` (`io.cu`).
 
-use super::{gpu_err, GpuBackend, Mailbox, Result, WaveBatch, WaveJob, WaveStep};
+use super::{gpu_err, GpuBackend, Result, WaveBatch, WaveJob, WaveStep};
 use cudarc::driver::{sys, CudaEvent, CudaStream, LaunchConfig, PushKernelArg};
-use std::sync::Arc;
 
 /// Element type of a tensor in the caller's device memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -21,7 +23,7 @@ pub enum IoDType {
 
 impl IoDType {
     /// The element type's code in `io.cu`.
-    fn code(self) -> i32 {
+    pub(super) fn code(self) -> i32 {
         match self {
             IoDType::F32 => 0,
             IoDType::F16 => 1,
@@ -52,11 +54,9 @@ pub struct DeviceIo {
     pub stream: u64,
 }
 
-/// What a job keeps for steps over caller memory: the import's status (0, or the index + 1
-/// of a non-finite query element, and that element's bits) and the event that orders the
-/// step after the caller.
+/// What a job keeps for steps over caller memory: the event that orders a step after the
+/// caller's stream.
 pub(super) struct IoState {
-    status: Mailbox<i32>,
     caller: CudaEvent,
 }
 
@@ -66,10 +66,10 @@ const IO_THREADS: u32 = 256;
 impl GpuBackend {
     /// Enqueues one decode step of `step` on lane `lane` of `batch` like
     /// [`GpuBackend::launch_wave_lane`], its query read from and its output written to the
-    /// caller's device memory `io`, after the work queued on `io.stream` so far.
-    /// [`GpuBackend::fetch_wave_selected`] waits for the whole of it (the output's write
-    /// included); then [`GpuBackend::io_status`] says whether the query was finite (if not,
-    /// nothing was written to `io.output`).
+    /// caller's device memory `io` by the step's own kernels, after the work queued on
+    /// `io.stream` so far. [`GpuBackend::fetch_wave_selected`] waits for the whole of it (the
+    /// output's write included); then [`GpuBackend::io_status`] says whether the query was
+    /// finite (if not, nothing was written to `io.output`).
     ///
     /// # Safety
     ///
@@ -77,7 +77,7 @@ impl GpuBackend {
     /// device and `io.output` as many writable ones, both in memory of the device's primary
     /// context and valid until the step is fetched; `io.stream` must be a stream of that
     /// context (or 0).
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    #[allow(unsafe_code, reason = "the caller vouches for the device addresses the step's kernels use")]
     pub unsafe fn launch_wave_lane_io(
         &self,
         batch: &WaveBatch,
@@ -86,46 +86,25 @@ impl GpuBackend {
         io: &DeviceIo,
     ) -> Result<()> {
         let main = &batch.lane(lane)?.0;
-        let n = step.job.decode.shape.query_len();
-        // The job's last step (and its export, which reads the status word) must be done.
+        // The job's last step must be done with its descriptor.
         step.job.io.wait()?;
         if step.job.io.ext.is_none() {
-            let status = self.mailbox::<i32>(2)?;
-            let caller = self.event()?;
-            step.job.io.ext = Some(IoState { status, caller });
+            step.job.io.ext = Some(IoState { caller: self.event()? });
         }
-        let ext = step.job.io.ext.as_mut().expect("made above");
-        ext.status.as_mut().fill(0);
+        let ext = step.job.io.ext.as_ref().expect("made above");
         self.after_caller(main, &ext.caller, io.stream)?;
-        let (status, q) = (ext.status.dev, step.job.io.q.dev);
-        let cfg = io_config(n);
-        let mut b = main.launch_builder(&self.io_import);
-        let (dtype, count) = (io.dtype.code(), n as i32);
-        b.arg(&io.query).arg(&dtype).arg(&count).arg(&q).arg(&status);
-        // SAFETY: the caller's query holds n elements of `dtype` (this function's contract);
-        // `q` is the job's mapped query mailbox of n floats and `status` its two-word status
-        // mailbox, both alive as long as the job; the previous step that read them is done.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching io_import"))?;
-        self.launch_wave_lane(batch, lane, step)?;
-        let out = super::device_address(&step.job.decode.out, main);
-        let mut b = main.launch_builder(&self.io_export);
-        b.arg(&out).arg(&io.output).arg(&dtype).arg(&count).arg(&status);
-        // SAFETY: the step's output buffer holds n floats, written by the merge earlier on
-        // this stream; the caller's output holds n writable elements of `dtype` (the
-        // contract); the status word is the one the import above set.
-        unsafe { b.launch(cfg) }.map_err(gpu_err("launching io_export"))?;
-        // The job is done once the export is: its event is recorded again, later.
-        let done = Arc::clone(&step.job.io.done);
-        done.record(main).map_err(gpu_err("recording an event"))?;
-        step.job.io.pending = Some(done);
-        Ok(())
+        step.job.io.device = Some(*io);
+        let launched = self.launch_wave_lane(batch, lane, step);
+        // A failed launch leaves no descriptor for the job's next step.
+        step.job.io.device = None;
+        launched
     }
 
     /// After the job's last step was fetched: `Some((i, x))` when element `i` of the query
     /// its last [`GpuBackend::launch_wave_lane_io`] read was not finite (`x`; the step ran on
     /// a zero there and wrote no output), `None` when all were or the step took a host query.
     pub fn io_status(&self, job: &WaveJob) -> Option<BadElement> {
-        bad_element(job.io.ext.as_ref()?.status.as_slice())
+        bad_element(job.io.status.as_slice())
     }
 
     /// Reads `len` elements of the caller's device tensor at `src` (type `dtype`) as f32,

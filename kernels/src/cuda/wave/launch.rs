@@ -154,6 +154,9 @@ impl GpuBackend {
         done: Option<&Arc<CudaEvent>>,
     ) -> Result<()> {
         let main = &home.0;
+        for s in steps.iter_mut() {
+            s.job.io.write_descriptor();
+        }
         if !graphs.off {
             // A graph launches on the stream it was captured from: the key names it.
             let from = std::iter::once(main.cu_stream() as u64);
@@ -274,6 +277,9 @@ impl GpuBackend {
             j.io.q.addr as u64,
             j.io.out.addr as u64,
             j.io.sel.addr as u64,
+            j.io.desc.addr as u64,
+            j.io.status.addr as u64,
+            device_address(&j.io.desc_dev, &self.stream),
             s.wave.arena.as_ref().map_or(0, |a| a.stage.dev),
             s.wave.arena.as_ref().map_or(0, |a| a.marks.dev),
         ]

@@ -250,6 +250,11 @@ pub struct WaveJob {
     hack: Option<HackBuffers>,
 }
 
+/// Words of a step's I/O descriptor the host writes (`IO_QUERY` … `IO_TOKEN` in `decode.cu`).
+const IO_DESC_WORDS: usize = 4;
+/// Words of its device copy (`IO_WORDS`: the host's and `IO_BAD`).
+const IO_DEV_WORDS: usize = 5;
+
 /// See [`WaveJob::io`].
 struct JobIo {
     q: Mailbox<f32>,
@@ -261,11 +266,40 @@ struct JobIo {
     /// The event that marks the end of the job's last launch (its own `done`, or the batch's
     /// when it ran in one: one record per batch, not per job), until waited for.
     pending: Option<Arc<CudaEvent>>,
+    /// The step's I/O descriptor (`IO_*` words of `decode.cu`: the caller's query and output
+    /// addresses, their element type, the step's token), written by the host before each
+    /// launch; all zero for a step whose query is in `q`.
+    desc: Mailbox<u64>,
+    /// Its device copy (step_ingest writes it, attn_merge reads it), with the `IO_BAD` word.
+    desc_dev: CudaSlice<u64>,
+    /// A caller's non-finite query element: its index + 1 and bits (zero: none).
+    status: Mailbox<i32>,
+    /// The caller's tensors of the next launch (`launch_wave_lane_io`), taken by it.
+    device: Option<io::DeviceIo>,
+    /// The token of the last step over caller memory (from 1).
+    token: u64,
     /// For steps over the caller's device memory (`launch_wave_lane_io`), made by the first.
     ext: Option<io::IoState>,
 }
 
 impl JobIo {
+    /// Writes the descriptor of the launch about to be made: the caller's tensors of a
+    /// `launch_wave_lane_io` (which waited for the job's previous step), or none, and clears
+    /// the status. A step over the mailbox's query after another such step leaves both as
+    /// they are (nothing to change, and the previous step may still be running).
+    fn write_descriptor(&mut self) {
+        let words = match self.device.take() {
+            Some(io) => {
+                self.token += 1;
+                [io.query, io.output, io.dtype.code() as u64, self.token]
+            }
+            None if self.desc.as_slice()[0] == 0 => return,
+            None => [0; IO_DESC_WORDS],
+        };
+        self.desc.as_mut().copy_from_slice(&words);
+        self.status.as_mut().fill(0);
+    }
+
     /// Waits for the job's last step (without noting that it is done).
     fn wait_shared(&self) -> Result<()> {
         if let Some(e) = &self.pending {
@@ -498,7 +532,22 @@ impl GpuBackend {
             .ctx
             .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
             .map_err(gpu_err("creating an event"))?;
-        Ok(JobIo { q, out, sel, done: Arc::new(done), pending: None, ext: None })
+        let desc = self.mailbox::<u64>(IO_DESC_WORDS)?;
+        let desc_dev = self.stream.alloc_zeros::<u64>(IO_DEV_WORDS).map_err(gpu_err("allocating a descriptor"))?;
+        let status = self.mailbox::<i32>(2)?;
+        Ok(JobIo {
+            q,
+            out,
+            sel,
+            done: Arc::new(done),
+            pending: None,
+            desc,
+            desc_dev,
+            status,
+            device: None,
+            token: 0,
+            ext: None,
+        })
     }
 
     /// Waits for the step and returns its output (`q_heads × head_dim`), the clusters it
@@ -641,6 +690,7 @@ impl GpuBackend {
             words_src: device_address(&job.flags, main),
             words: job.flags.len(),
             words_dst: job.io.sel.dev,
+            io: device_address(&job.io.desc_dev, main),
         };
         let parts = [est, hack.unwrap_or((0, 0))];
         self.launch_merge(main, &sh, &job.decode.part, job.decode.chunks, &mut job.decode.out, lse, parts, copies)?;
@@ -749,11 +799,16 @@ impl GpuBackend {
         };
         let mut b = main.launch_builder(&self.ingest);
         b.arg(&job.io.q.dev).arg(&q_select).arg(&q_decode).arg(&q_words);
+        b.arg(&job.io.desc.dev).arg(&mut job.io.desc_dev).arg(&job.io.status.dev);
         b.arg(&sk).arg(&sv).arg(&marks).arg(&k).arg(&v).arg(&len).arg(&row_words).arg(&q8).arg(&qmeta);
         // SAFETY: the query source is the job's mapped pinned buffer of query_len floats (alive
         // as long as the job; a graph replaying this launch is kept by the job or by a batch
         // whose key holds its address), both device buffers hold query_len floats, and
-        // query_len · 4 bytes is a multiple of 16 (head_dim is a multiple of 32). For an arena
+        // query_len · 4 bytes is a multiple of 16 (head_dim is a multiple of 32); one thread
+        // per 16-byte word. The descriptor (mapped, IO_DESC_WORDS), its device copy
+        // (IO_DEV_WORDS) and the status (mapped, two ints) are the job's; a non-zero query
+        // address in the descriptor names query_len readable elements of its type and its
+        // output as many writable ones (launch_wave_lane_io's contract). For an arena
         // layer the staging (mapped, 2 × capacity rows of kv_heads × head_dim f16, whose row
         // size is a multiple of 16 bytes) and the device zone have the same layout; the marks
         // hold [length ≤ capacity, first changed row] (set_steady checks both), so every
