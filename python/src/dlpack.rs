@@ -253,10 +253,10 @@ fn layout(what: &str, t: &DlTensor) -> PyResult<(Vec<usize>, Vec<i64>, bool)> {
 
 /// Whether `obj` is a DLPack tensor on a CUDA device (`__dlpack_device__()`).
 pub(crate) fn on_cuda(obj: &Bound<'_, PyAny>) -> PyResult<bool> {
-    // A plain torch CPU tensor says so through a C getter; torch's `__dlpack_device__` is
+    // A plain torch tensor says where it is through a C getter; torch's `__dlpack_device__` is
     // Python, microseconds a call.
-    if plain_torch(obj)?.is_some() && obj.getattr(intern!(obj.py(), "is_cpu"))?.is_truthy()? {
-        return Ok(false);
+    if plain_torch(obj)?.is_some() {
+        return obj.getattr(intern!(obj.py(), "is_cuda"))?.is_truthy();
     }
     if !obj.hasattr("__dlpack_device__")? {
         return Ok(false);
@@ -284,9 +284,20 @@ pub(crate) struct CudaTensor<'py> {
 /// caller's stream itself.
 #[cfg(feature = "cuda")]
 pub(crate) fn cuda_tensor<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<CudaTensor<'py>> {
-    let kwargs = pyo3::types::PyDict::new(obj.py());
-    kwargs.set_item("stream", -1)?;
-    let capsule = obj.call_method("__dlpack__", (), Some(&kwargs))?;
+    // A plain torch tensor that does not require grad: `to_dlpack` (C; it orders nothing, as
+    // `stream=-1` asks), else `__dlpack__` (Python), which also raises what it refuses.
+    let plain = match plain_torch(obj)? {
+        Some(to_dlpack) if !obj.getattr(intern!(obj.py(), "requires_grad"))?.is_truthy()? => Some(to_dlpack),
+        _ => None,
+    };
+    let capsule = match plain.map(|f| f.call1((obj,))) {
+        Some(Ok(capsule)) => capsule,
+        _ => {
+            let kwargs = pyo3::types::PyDict::new(obj.py());
+            kwargs.set_item("stream", -1)?;
+            obj.call_method("__dlpack__", (), Some(&kwargs))?
+        }
+    };
     let t = tensor(what, &capsule)?;
     if t.device.device_type != CUDA {
         return Err(PyValueError::new_err(format!(
@@ -319,11 +330,25 @@ pub(crate) fn cuda_tensor<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<
 /// device for a torch tensor, else 0 (the legacy default stream).
 #[cfg(feature = "cuda")]
 pub(crate) fn current_stream(obj: &Bound<'_, PyAny>, device: i32) -> PyResult<u64> {
+    let py = obj.py();
+    if plain_torch(obj)?.is_some() {
+        // torch's C getter of the raw stream (`torch.cuda.current_stream` builds a Python
+        // Stream object first, microseconds a call), looked up once.
+        static RAW: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
+        let raw = RAW.get_or_try_init(py, || {
+            PyResult::Ok(
+                py.import("torch")?.getattr("_C")?.getattr("_cuda_getCurrentRawStream").ok().map(Bound::unbind),
+            )
+        })?;
+        if let Some(f) = raw {
+            return f.bind(py).call1((device,))?.extract();
+        }
+    }
     let module: String = obj.get_type().getattr("__module__")?.extract()?;
     if !module.starts_with("torch") {
         return Ok(0);
     }
-    let stream = obj.py().import("torch")?.getattr("cuda")?.call_method1("current_stream", (device,))?;
+    let stream = py.import("torch")?.getattr("cuda")?.call_method1("current_stream", (device,))?;
     stream.getattr("cuda_stream")?.extract()
 }
 
