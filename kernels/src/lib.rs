@@ -24,7 +24,7 @@ pub use backend::{Backend, BlockRows, CpuBackend};
 pub use codec::Codec;
 pub use cpu::hack::{HackParams, KeyLayout};
 pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch, HackView};
-pub use cpu::kv43::{Kv43Head, Kv43Params, Kv43Rows};
+pub use cpu::kv43::{Kv43Arrays, Kv43Head, Kv43Params, Kv43Rows};
 pub use cpu::partial::Partial;
 pub use element::{first_non_finite, narrow_vec, DType, Element};
 pub use error::{Error, Result};

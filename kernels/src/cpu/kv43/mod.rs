@@ -19,7 +19,9 @@
 //! references; and
 //! [`Kv43Head`], rows as they arrive (each key group encoded once, when it fills), which is
 //! what a `kv43` wave segment stores per KV head (`Codec::Kv43`); plans attend any of its
-//! row runs on the codes ([`Kv43Head::attend_runs`]). No disk format or GPU kernels yet.
+//! row runs on the codes ([`Kv43Head::attend_runs`]); [`Kv43Head::arrays`] and
+//! [`Kv43Head::from_arrays`] take a head apart for a disk format and check it back
+//! (`arrays.rs`). No GPU kernels yet.
 
 use half::f16;
 use std::ops::Range;
@@ -642,9 +644,12 @@ fn weigh_value_codes(z: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
     }
 }
 
+mod arrays;
 mod attention;
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
 mod avx2;
+
+pub use arrays::Kv43Arrays;
 
 /// The checks of an `attend_runs` call: `parts.len()` heads (at least one) of `d`-dim
 /// partials and queries, row ranges within `rows`.

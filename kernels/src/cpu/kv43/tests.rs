@@ -380,3 +380,61 @@ fn value_weighing_for_every_head_count_equals_the_reference() {
         }
     }
 }
+
+#[test]
+fn heads_taken_apart_into_arrays_come_back_equal() {
+    for (d, params, rows) in [
+        (64, Kv43Params::default(), 0),
+        (64, Kv43Params::default(), 50),
+        (64, Kv43Params::default(), 128),
+        (128, Kv43Params { key_group: 64, value_block: 64 }, 3 * 64 + 17),
+        (256, Kv43Params { key_group: 256, value_block: 32 }, 2 * 256 + 255),
+    ] {
+        let (k, v, q) = data(rows.max(1), d, 17);
+        let mut head = Kv43Head::new(d, params).unwrap();
+        head.append(&k[..rows * d], &v[..rows * d]).unwrap();
+        let back = Kv43Head::from_arrays(d, params, head.arrays()).unwrap();
+        assert_eq!(back, head, "d = {d}, {rows} rows");
+        assert_eq!(back.arrays(), head.arrays());
+        if rows > 0 {
+            let qs: Vec<f32> = q.iter().chain(&q).copied().collect();
+            assert_eq!(back.attend(&qs, 2, 0.1).unwrap(), head.attend(&qs, 2, 0.1).unwrap());
+        }
+    }
+}
+
+#[test]
+fn arrays_that_do_not_fit_are_typed_errors_naming_what_was_wrong() {
+    let (d, params) = (64, Kv43Params::default());
+    let (k, v, _) = data(2 * 128 + 5, d, 23);
+    let mut head = Kv43Head::new(d, params).unwrap();
+    head.append(&k, &v).unwrap();
+    let a = head.arrays();
+    let check = |a: Kv43Arrays<'_>, expect: &str| {
+        let e = Kv43Head::from_arrays(d, params, a).unwrap_err().to_string();
+        assert!(e.contains(expect), "{e:?} should say {expect:?}");
+    };
+    check(Kv43Arrays { rows: 100, ..a }, "not a multiple of the key group");
+    check(Kv43Arrays { key_codes: &a.key_codes[1..], ..a }, "key codes");
+    check(Kv43Arrays { value_planes: &a.value_planes[..10], ..a }, "value planes");
+    check(Kv43Arrays { key_sums: &a.key_sums[2..], ..a }, "key code sums");
+    check(Kv43Arrays { value_scale: &[], ..a }, "value scales");
+    let mut min = a.key_min.to_vec();
+    min[3] = f16::NAN;
+    check(Kv43Arrays { key_min: &min, ..a }, "key minimum 3");
+    let mut scale = a.value_scale.to_vec();
+    scale[7] = f16::from_f32(-1.0);
+    check(Kv43Arrays { value_scale: &scale, ..a }, "value scale 7");
+    let mut codes = a.key_codes.to_vec();
+    codes[40] ^= 0x10;
+    check(Kv43Arrays { key_codes: &codes, ..a }, "stored key code sum");
+    check(Kv43Arrays { tail_values: &a.tail_values[d..], ..a }, "partial group");
+    let long: Vec<f16> = vec![f16::ZERO; 128 * d];
+    check(Kv43Arrays { tail_keys: &long, tail_values: &long, ..a }, "fewer than a key group");
+    let mut tail = a.tail_keys.to_vec();
+    tail[1] = f16::INFINITY;
+    check(Kv43Arrays { tail_keys: &tail, ..a }, "partial group entry 1");
+    let wrong = Kv43Params { key_group: 100, value_block: 64 };
+    assert!(Kv43Head::from_arrays(d, wrong, a).is_err());
+    assert!(Kv43Head::from_arrays(48, params, a).is_err());
+}
