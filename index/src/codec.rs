@@ -22,12 +22,38 @@ pub enum RowCodec {
 }
 
 /// One head's segment rows in an encoded form.
-#[derive(Debug)]
-pub(crate) enum EncodedRows {
-    /// HACK 2-bit rows.
+#[derive(Debug, Clone)]
+pub enum EncodedRows {
+    /// HACK 2-bit rows (`hack2`).
     Hack(HackRows),
-    /// kv43 rows.
+    /// kv43 rows: whole key groups encoded, the segment's last partial group in f16.
     Kv43(Kv43Head),
+}
+
+impl EncodedRows {
+    /// Rows held.
+    pub fn rows(&self) -> usize {
+        match self {
+            EncodedRows::Hack(r) => r.rows(),
+            EncodedRows::Kv43(r) => r.rows(),
+        }
+    }
+
+    /// Bytes held (codes, metadata and any f16 rows).
+    pub fn bytes(&self) -> usize {
+        match self {
+            EncodedRows::Hack(r) => r.bytes(),
+            EncodedRows::Kv43(r) => r.bytes(),
+        }
+    }
+
+    /// The 2-bit rows, for `hack2`.
+    pub fn hack(&self) -> Option<&HackRows> {
+        match self {
+            EncodedRows::Hack(r) => Some(r),
+            EncodedRows::Kv43(_) => None,
+        }
+    }
 }
 
 impl RowCodec {

@@ -1,5 +1,6 @@
-//! An index whose rows are stored in 2-bit form (the `hack2` codec), taken apart for a
-//! checkpoint and put back together on recovery.
+//! An index whose rows are stored encoded (the `hack2` codec's 2-bit rows, or `kv43`'s
+//! 4-bit keys and 3-bit values), taken apart for a checkpoint and put back together on
+//! recovery.
 //!
 //! A `hack2` wave segment drops its plain rows once they are encoded, so the 2-bit rows,
 //! the clusters' mean keys and values, and the rows the index keeps plain (sink, local
@@ -13,10 +14,11 @@
 //! its codebooks and codes in its [`crate::PqSnapshot`], which a checkpoint keeps as the
 //! layer's index layout ([`crate::PqIndex::encoded_home`], [`crate::PqIndex::restore_encoded`]).
 
-use attnstore_kernels::{Element, HackRows};
+use crate::codec::EncodedRows;
+use attnstore_kernels::Element;
 use half::f16;
 
-/// One KV head of one segment in 2-bit form (a PQ index's segments have no clusters: their
+/// One KV head of one segment in encoded form (a PQ index's segments have no clusters: their
 /// sizes, positions and means are empty, their rows in position order).
 #[derive(Debug, Clone)]
 pub struct EncodedHead {
@@ -29,10 +31,10 @@ pub struct EncodedHead {
     /// Mean value of every cluster (`clusters × head_dim`).
     pub value_means: Vec<f16>,
     /// The segment's rows, in storage order.
-    pub rows: HackRows,
+    pub rows: EncodedRows,
 }
 
-/// One segment (tokens `first..first + len`) in 2-bit form, every KV head.
+/// One segment (tokens `first..first + len`) in encoded form, every KV head.
 #[derive(Debug, Clone)]
 pub struct EncodedSegment {
     /// First token position.
@@ -81,8 +83,8 @@ pub(crate) fn halves<E: Element>(x: &[E]) -> Vec<f16> {
     bytemuck::cast_slice::<E, u16>(x).iter().map(|&b| f16::from_bits(b)).collect()
 }
 
-/// A `hack2` index as a checkpoint keeps it: where its zones lie, its plain rows and (from
-/// some segment on) its segments in 2-bit form.
+/// An encoded (`hack2` or `kv43`) index as a checkpoint keeps it: where its zones lie, its
+/// plain rows and (from some segment on) its segments in encoded form.
 #[derive(Debug, Clone, Default)]
 pub struct EncodedHome {
     /// Tokens covered.

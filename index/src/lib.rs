@@ -25,7 +25,7 @@ mod wave;
 mod window;
 
 pub use build::{BuildHandle, BuildReport};
-pub use codec::RowCodec;
+pub use codec::{EncodedRows, RowCodec};
 pub use directory::Directory;
 pub use encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 pub use error::{Error, Result};

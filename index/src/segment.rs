@@ -68,6 +68,15 @@ impl<E: Element> HeadSegment<E> {
         Ok(())
     }
 
+    /// The encoded rows a checkpoint writes: 2-bit rows from here or read back from the row
+    /// home (KV head `head`), or kv43 rows; `None` for plain rows.
+    pub fn home_rows(&self, home: Option<(&dyn RowHome, usize)>) -> Result<Option<EncodedRows>> {
+        if let SegmentRows::Kv43(rows) = &self.rows {
+            return Ok(Some(EncodedRows::Kv43(rows.as_ref().clone())));
+        }
+        Ok(self.hack_rows(home)?.map(EncodedRows::Hack))
+    }
+
     /// The kv43 rows, when the segment holds them.
     #[cfg(test)]
     pub fn kv43_rows(&self) -> Option<&Kv43Head> {

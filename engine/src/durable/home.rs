@@ -31,12 +31,13 @@
 
 use std::path::Path;
 
-use attnstore_index::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
+use attnstore_index::{EncodedHead, EncodedHome, EncodedRows, EncodedSegment, RowCodec, SteadyHead};
 use attnstore_kernels::{HackArrays, HackParams, HackRows};
 use attnstore_wal::{read_manifest, write_manifest, Storage, MAX_RECORD_BYTES};
 use half::f16;
 use serde::{Deserialize, Serialize};
 
+use super::home_kv43::{Kv43HeadRecord, Kv43SegmentRecord};
 use super::identity::EngineDir;
 use super::layout::INDEX_DIR;
 use super::records::{decode, encode};
@@ -132,34 +133,34 @@ pub(crate) struct HeadRecord {
     value_scale: Vec<u8>,
 }
 
-fn halves_to_bytes(x: &[f16]) -> Vec<u8> {
+pub(super) fn halves_to_bytes(x: &[f16]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_bits().to_le_bytes()).collect()
 }
 
-fn u16s_to_bytes(x: &[u16]) -> Vec<u8> {
+pub(super) fn u16s_to_bytes(x: &[u16]) -> Vec<u8> {
     x.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
-fn bytes_to_u16s(x: &[u8], what: &str) -> std::result::Result<Vec<u16>, String> {
+pub(super) fn bytes_to_u16s(x: &[u8], what: &str) -> std::result::Result<Vec<u16>, String> {
     if !x.len().is_multiple_of(2) {
         return Err(format!("{what}: {} bytes, expected a whole number of 2-byte values", x.len()));
     }
     Ok(x.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect())
 }
 
-fn bytes_to_halves(x: &[u8], what: &str) -> std::result::Result<Vec<f16>, String> {
+pub(super) fn bytes_to_halves(x: &[u8], what: &str) -> std::result::Result<Vec<f16>, String> {
     Ok(bytes_to_u16s(x, what)?.into_iter().map(f16::from_bits).collect())
 }
 
 impl HeadRecord {
-    fn new(h: &EncodedHead) -> Self {
-        let a = h.rows.arrays();
+    fn new(h: &EncodedHead, rows: &HackRows) -> Self {
+        let a = rows.arrays();
         Self {
             sizes: h.sizes.clone(),
             positions: h.positions.iter().flat_map(|p| p.to_le_bytes()).collect(),
             centroids: halves_to_bytes(&h.centroids),
             value_means: halves_to_bytes(&h.value_means),
-            rows: h.rows.rows() as u64,
+            rows: rows.rows() as u64,
             key_codes: a.key_codes.to_vec(),
             key_min: halves_to_bytes(a.key_min),
             key_scale: halves_to_bytes(a.key_scale),
@@ -210,7 +211,7 @@ impl HeadRecord {
             positions,
             centroids: bytes_to_halves(&self.centroids, "centroids")?,
             value_means: bytes_to_halves(&self.value_means, "value means")?,
-            rows,
+            rows: EncodedRows::Hack(rows),
         })
     }
 }
@@ -295,36 +296,10 @@ pub(crate) fn write_home(
     let mut written = 0;
     for (i, seg) in home.segments.iter().enumerate() {
         let unit = first + i;
-        let record = SegmentRecord {
-            context: job.context,
-            layer: job.layer as u32,
-            unit: unit as u32,
-            first: seg.first,
-            len: seg.len,
-            head_dim: job.head_dim as u32,
-            partition: seg.heads.first().map_or(0, |h| h.rows.params().partition as u32),
-            heads: seg.heads.iter().map(HeadRecord::new).collect(),
+        let payload = match segment_payload(job, unit, seg) {
+            Some(p) if p.len() <= MAX_RECORD_BYTES as usize => p,
+            _ => return Ok(None),
         };
-        let per_channel = seg.heads.first().is_some_and(|h| h.rows.params().per_channel());
-        let payload = if per_channel {
-            let channels = seg
-                .heads
-                .iter()
-                .map(|h| {
-                    let a = h.rows.arrays();
-                    ChannelRecord {
-                        key_channel_min: halves_to_bytes(a.key_channel_min),
-                        key_channel_range: halves_to_bytes(a.key_channel_range),
-                    }
-                })
-                .collect();
-            encode(&ChannelSegmentRecord { segment: record, channels })
-        } else {
-            encode(&record)
-        };
-        if payload.len() > MAX_RECORD_BYTES as usize {
-            return Ok(None);
-        }
         let name = segment_name(job.context, job.layer, unit);
         write_manifest(storage, &index_dir, &name, dir.index_file(&name), &payload)?;
         crcs.push(crc32c::crc32c(&payload));
@@ -361,6 +336,61 @@ pub(crate) fn write_home(
     Ok(Some((state, written)))
 }
 
+/// The payload of segment file `unit` of `job` holding `seg`: a 2-bit record (with the
+/// per-channel keys' metadata for `hack2c`) or a kv43 record, as the rows are; `None` when
+/// the heads' rows are not all of one kind.
+fn segment_payload(job: &HomeJob, unit: usize, seg: &EncodedSegment) -> Option<Vec<u8>> {
+    let (context, layer) = (job.context, job.layer as u32);
+    if let Some(EncodedRows::Kv43(first)) = seg.heads.first().map(|h| &h.rows) {
+        let params = first.params();
+        let heads = seg
+            .heads
+            .iter()
+            .map(|h| match &h.rows {
+                EncodedRows::Kv43(rows) => Some(Kv43HeadRecord::new(h, rows)),
+                EncodedRows::Hack(_) => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        return Some(encode(&Kv43SegmentRecord {
+            context,
+            layer,
+            unit: unit as u32,
+            first: seg.first,
+            len: seg.len,
+            head_dim: job.head_dim as u32,
+            key_group: params.key_group as u32,
+            value_block: params.value_block as u32,
+            heads,
+        }));
+    }
+    let rows: Vec<&HackRows> = seg.heads.iter().map(|h| h.rows.hack()).collect::<Option<_>>()?;
+    let params = rows.first().map(|r| r.params());
+    let record = SegmentRecord {
+        context,
+        layer,
+        unit: unit as u32,
+        first: seg.first,
+        len: seg.len,
+        head_dim: job.head_dim as u32,
+        partition: params.map_or(0, |p| p.partition as u32),
+        heads: seg.heads.iter().zip(&rows).map(|(h, r)| HeadRecord::new(h, r)).collect(),
+    };
+    if !params.is_some_and(|p| p.per_channel()) {
+        return Some(encode(&record));
+    }
+    let channels = rows
+        .iter()
+        .map(|r| {
+            let a = r.arrays();
+            ChannelRecord {
+                key_channel_min: halves_to_bytes(a.key_channel_min),
+                key_channel_range: halves_to_bytes(a.key_channel_range),
+            }
+        })
+        .collect();
+    Some(encode(&ChannelSegmentRecord { segment: record, channels }))
+}
+
 /// A home read back from disk.
 pub(crate) struct LoadedHome {
     pub home: EncodedHome,
@@ -381,7 +411,7 @@ pub(crate) fn read_home(
     context: u64,
     layer: usize,
     (kv_heads, head_dim): (usize, usize),
-    params: HackParams,
+    codec: RowCodec,
 ) -> std::result::Result<Option<LoadedHome>, String> {
     let index_dir = dir.join(INDEX_DIR);
     let name = home_name(context, layer);
@@ -420,6 +450,18 @@ pub(crate) fn read_home(
         }
         bytes += payload.len() as u64;
         let undecodable = |e| format!("{}: does not decode: {e}", seg_path.display());
+        let params = match codec {
+            RowCodec::Hack2(params) => params,
+            RowCodec::Kv43(params) => {
+                let r: Kv43SegmentRecord = decode(&payload).map_err(undecodable)?;
+                let seg = r
+                    .segment((context, layer, unit), (kv_heads, head_dim), params)
+                    .map_err(|e| format!("{}: {e}", seg_path.display()))?;
+                segments.push(seg);
+                continue;
+            }
+            RowCodec::Plain => return Err(format!("{}: a plain layer has no encoded home", seg_path.display())),
+        };
         let (s, channels) = if params.per_channel() {
             let c: ChannelSegmentRecord = decode(&payload).map_err(undecodable)?;
             if c.channels.len() != c.segment.heads.len() {
@@ -540,7 +582,11 @@ pub(crate) mod tests {
             len: 8,
             head_dim: 16,
             partition: 16,
-            heads: vec![HeadRecord::new(&index().encoded_home(0).unwrap().unwrap().segments[0].heads[0]); 1],
+            heads: {
+                let home = index().encoded_home(0).unwrap().unwrap();
+                let head = &home.segments[0].heads[0];
+                vec![HeadRecord::new(head, head.rows.hack().unwrap()); 1]
+            },
         })
     }
 
@@ -558,7 +604,8 @@ pub(crate) mod tests {
         assert_eq!((state.segment_crcs.len(), state.data_bytes), (segments, 4096));
         assert!(bytes > 0);
         let params = HackParams::new(16).unwrap();
-        let loaded = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), params).unwrap().unwrap();
+        let loaded =
+            read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), RowCodec::Hack2(params)).unwrap().unwrap();
         assert_eq!((loaded.data_bytes, loaded.chunks, loaded.tokens), (4096, 2, 190));
         assert_eq!(loaded.state, state);
         let mut again = WaveIndex::<f16>::new(*w.params(), HEADS, D).unwrap().with_codec(Some(params)).unwrap();
@@ -578,22 +625,27 @@ pub(crate) mod tests {
             write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&w, segments, 8192), &state).unwrap().unwrap();
         assert_eq!(later.segment_crcs, state.segment_crcs);
         // Not this layer's, a segment file replaced by another, a missing one.
-        assert!(read_home(&EngineDir::new(dir.path(), 9), 7, 2, (HEADS, D), params).unwrap().is_none());
+        assert!(read_home(&EngineDir::new(dir.path(), 9), 7, 2, (HEADS, D), RowCodec::Hack2(params))
+            .unwrap()
+            .is_none());
         let index_dir = dir.path().join(INDEX_DIR);
         std::fs::copy(index_dir.join(segment_name(7, 1, 0)), index_dir.join(segment_name(7, 1, 1))).unwrap();
-        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), params).err().unwrap();
+        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), RowCodec::Hack2(params)).err().unwrap();
         assert!(why.contains("seg-1.h2") && why.contains("another place"), "{why}");
         std::fs::remove_file(index_dir.join(segment_name(7, 1, 1))).unwrap();
-        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), params).err().unwrap();
+        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), RowCodec::Hack2(params)).err().unwrap();
         assert!(why.contains("seg-1.h2: missing"), "{why}");
         // Another head count or codec does not fit.
         write_home(&StdStorage, &EngineDir::new(dir.path(), 9), &job(&w, 0, 4096), &HomeState::default())
             .unwrap()
             .unwrap();
         let why =
-            read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), HackParams::new(32).unwrap()).err().unwrap();
+            read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS, D), RowCodec::Hack2(HackParams::new(32).unwrap()))
+                .err()
+                .unwrap();
         assert!(why.contains("does not fit"), "{why}");
-        let why = read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS + 1, D), params).err().unwrap();
+        let why =
+            read_home(&EngineDir::new(dir.path(), 9), 7, 1, (HEADS + 1, D), RowCodec::Hack2(params)).err().unwrap();
         assert!(why.contains("plain rows of 2 heads"), "{why}");
     }
 }

@@ -20,6 +20,7 @@ mod datafile;
 mod fuzz;
 mod fuzz_recover;
 mod home;
+mod home_kv43;
 mod identity;
 pub(crate) mod layout;
 mod open;

@@ -422,8 +422,10 @@ pub(super) fn usable_home(
     unusable: &mut Vec<String>,
 ) -> Result<Option<super::home::LoadedHome>> {
     let ctx = &state.contexts[&context];
-    let (Some(params), Method::Wave(_) | Method::Pq(_), LayerKind::Global) =
-        (ctx.spec.codec.hack(), ctx.spec.method, ctx.spec.layers[layer])
+    // hack2 wave and PQ layers and kv43 wave layers have encoded homes (PQ refuses kv43).
+    let codec = attnstore_index::RowCodec::of(ctx.spec.codec);
+    let (true, Method::Wave(_) | Method::Pq(_), LayerKind::Global) =
+        (codec.is_encoded(), ctx.spec.method, ctx.spec.layers[layer])
     else {
         return Ok(None);
     };
@@ -431,7 +433,7 @@ pub(super) fn usable_home(
     let relied_on = state.homes.get(&(context, layer)).copied().unwrap_or(0);
     let committed = ctx.layers[layer];
     let shape = (ctx.spec.shape.kv_heads, ctx.spec.shape.head_dim);
-    let why = match read_home(dir, context, layer, shape, params) {
+    let why = match read_home(dir, context, layer, shape, codec) {
         Ok(Some(mut h)) => {
             let fits = h.data_bytes >= relied_on
                 && h.data_bytes <= committed.committed_bytes

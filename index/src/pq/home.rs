@@ -14,6 +14,7 @@
 use super::build::BuildSlot;
 use super::codes::PackedCodes;
 use super::PqIndex;
+use crate::codec::EncodedRows;
 use crate::encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
 use attnstore_kernels::{DType, Element, HackRows, HackView};
@@ -69,7 +70,7 @@ impl<E: Element> PqIndex<E> {
                     positions: Vec::new(),
                     centroids: Vec::new(),
                     value_means: Vec::new(),
-                    rows: view.to_rows(),
+                    rows: EncodedRows::Hack(view.to_rows()),
                 });
             }
             let first = (self.base_sink + rows.start) as u64;
@@ -139,11 +140,14 @@ impl<E: Element> PqIndex<E> {
                 )));
             }
             for (head, eh) in seg.heads.iter().enumerate() {
-                if eh.rows.rows() as u64 != seg.len || eh.rows.params() != hack || !eh.sizes.is_empty() {
+                let Some(rows) = eh.rows.hack() else {
+                    return Err(bad(format!("segment {u} head {head}: kv43 rows, expected 2-bit rows")));
+                };
+                if rows.rows() as u64 != seg.len || rows.params() != hack || !eh.sizes.is_empty() {
                     return Err(bad(format!(
                         "segment {u} head {head}: {} rows with Π = {} and {} clusters, expected {} rows with Π = {} and none",
-                        eh.rows.rows(),
-                        eh.rows.params().partition,
+                        rows.rows(),
+                        rows.params().partition,
                         eh.sizes.len(),
                         seg.len,
                         hack.partition
@@ -158,7 +162,9 @@ impl<E: Element> PqIndex<E> {
         home.check_steady(h, d).map_err(bad)?;
         let coded = (0..h)
             .map(|head| {
-                let views: Vec<HackView<'_>> = home.segments.iter().map(|s| s.heads[head].rows.view()).collect();
+                // Every head's rows are 2-bit (checked above).
+                let views: Vec<HackView<'_>> =
+                    home.segments.iter().filter_map(|s| s.heads[head].rows.hack()).map(HackRows::view).collect();
                 HackRows::from_groups(d, hack, &views)
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;

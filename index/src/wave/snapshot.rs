@@ -3,6 +3,7 @@
 //! `hack2` index, and the restores from them, which rebuild the same index without k-means.
 
 use super::*;
+use crate::codec::EncodedRows;
 use crate::encoded::{halves, EncodedHead, EncodedSegment, SteadyHead};
 
 /// The structure of a wave index without its rows: which tokens form each segment and, per
@@ -115,9 +116,8 @@ impl<E: Element> WaveIndex<E> {
     /// which can fail). `None` when its segments are not 2-bit (plain rows: their data files
     /// are their home).
     pub fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
-        self.codec.hack()?;
-        if E::DTYPE != attnstore_kernels::DType::F16 {
-            return None; // a hack2 context's plain type is f16 (ContextSpec checks it)
+        if !self.codec.is_encoded() || E::DTYPE != attnstore_kernels::DType::F16 {
+            return None; // an encoded context's plain type is f16 (ContextSpec checks it)
         }
         let d = self.head_dim;
         let steady = self
@@ -134,7 +134,7 @@ impl<E: Element> WaveIndex<E> {
                 // The directory lists each head's clusters segment by segment.
                 let ids: Vec<usize> = (0..store.dir.len()).filter(|&i| store.dir.spans[i].unit as usize == u).collect();
                 let clusters = ids.first().map_or(0..0, |&a| a..a + ids.len());
-                let rows = match store.segments[u].hack_rows(self.home.as_deref().map(|b| (b, h))) {
+                let rows = match store.segments[u].home_rows(self.home.as_deref().map(|b| (b, h))) {
                     Ok(Some(rows)) => rows,
                     Ok(None) => return None,
                     Err(e) => return Some(Err(e)),
@@ -167,9 +167,11 @@ impl<E: Element> WaveIndex<E> {
     /// is a typed error and changes nothing.
     pub fn restore_encoded(&mut self, home: EncodedHome) -> Result<()> {
         let bad = |message: String| Error::InvalidParameter { what: "encoded wave index", message };
-        let Some(hack) = self.codec.hack() else { return Err(bad("the index does not store 2-bit segments".into())) };
+        if !self.codec.is_encoded() {
+            return Err(bad("the index does not store encoded segments".into()));
+        }
         if E::DTYPE != attnstore_kernels::DType::F16 {
-            return Err(bad(format!("2-bit segments go with f16 plain rows, this index keeps {:?}", E::DTYPE)));
+            return Err(bad(format!("encoded segments go with f16 plain rows, this index keeps {:?}", E::DTYPE)));
         }
         if home.segments.len() != home.segment_count {
             return Err(bad(format!(
@@ -215,13 +217,18 @@ impl<E: Element> WaveIndex<E> {
                 if eh.centroids.iter().chain(&eh.value_means).any(|x| !x.is_finite()) {
                     return Err(bad(format!("segment {u} head {head}: a cluster mean holds NaN or Inf")));
                 }
-                if eh.rows.rows() as u64 != seg.len || eh.rows.params() != hack {
+                let fits = eh.rows.rows() as u64 == seg.len
+                    && match &eh.rows {
+                        EncodedRows::Hack(r) => Some(r.params()) == self.codec.hack(),
+                        EncodedRows::Kv43(r) => Some(r.params()) == self.codec.kv43() && r.head_dim() == d,
+                    };
+                if !fits {
                     return Err(bad(format!(
-                        "segment {u} head {head}: {} rows with Π = {}, expected {} rows with Π = {}",
+                        "segment {u} head {head}: {} rows of {:?}, expected {} rows of {:?} (d = {d})",
                         eh.rows.rows(),
-                        eh.rows.params().partition,
+                        eh.rows,
                         seg.len,
-                        hack.partition
+                        self.codec
                     )));
                 }
                 let mut metas = Vec::with_capacity(clusters);
@@ -236,7 +243,11 @@ impl<E: Element> WaveIndex<E> {
                     });
                     start += size;
                 }
-                let segment = HeadSegment { positions: eh.positions, rows: SegmentRows::Encoded(Box::new(eh.rows)) };
+                let rows = match eh.rows {
+                    EncodedRows::Hack(r) => SegmentRows::Encoded(Box::new(r)),
+                    EncodedRows::Kv43(r) => SegmentRows::Kv43(Box::new(r)),
+                };
+                let segment = HeadSegment { positions: eh.positions, rows };
                 jobs.push((head, u));
                 built.push((segment, metas));
             }
@@ -319,7 +330,7 @@ impl<E: Element> Snapshots for WaveIndex<E> {
     }
 
     fn encoded_segments(&self) -> Option<usize> {
-        self.codec.hack().map(|_| self.heads.first().map_or(0, |s| s.segments.len()))
+        self.codec.is_encoded().then(|| self.heads.first().map_or(0, |s| s.segments.len()))
     }
 
     fn encoded_home(&self, from_segment: usize) -> Option<Result<EncodedHome>> {
