@@ -209,7 +209,7 @@ impl ContextCatalog {
             if method.snapshots_mut().map_or(Ok(false), |s| s.restore_encoded(home))? {
                 return Ok(());
             }
-            Err(Error::InvalidSpec(format!("layer {layer} of context {id} keeps no 2-bit segments to restore")))
+            Err(Error::InvalidSpec(format!("layer {layer} of context {id} keeps no encoded segments to restore")))
         })
     }
 

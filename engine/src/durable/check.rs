@@ -30,7 +30,7 @@ pub struct LayerCheck {
     pub committed_bytes: u64,
     /// Bytes after the committed end (an append whose record never committed).
     pub uncommitted_bytes: u64,
-    /// Leading data bytes whose tokens a `hack2` layer's 2-bit home holds (its segment files
+    /// Leading data bytes whose tokens a `hack2` or `kv43` layer's encoded home holds (its segment files
     /// verified instead of those chunks); 0 without a home.
     pub homed_bytes: u64,
     /// Segment files of that home, all verified.
@@ -188,7 +188,7 @@ impl fmt::Display for CheckReport {
             if l.homed_bytes > 0 {
                 write!(
                     f,
-                    "; the first {} bytes' tokens in a 2-bit home of {} segment files, ok",
+                    "; the first {} bytes' tokens in an encoded home of {} segment files, ok",
                     l.homed_bytes, l.home_segments
                 )?;
             }
