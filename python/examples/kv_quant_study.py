@@ -11,10 +11,16 @@ the same numbers without dequantizing.
 
     target/pyenv/bin/python python/examples/kv_quant_study.py --length 8128
     target/pyenv/bin/python python/examples/kv_quant_study.py --model gemma3 --length 16384
+    target/pyenv/bin/python python/examples/kv_quant_study.py --only NONE \
+        --layout "k4g128 v3g64" --layout "L17-21: k5g128 v3g64; k4g128 v3g128"   # specs: KEY_SPEC
+
+Top-1 is also reported without the near ties (the reference's two best tokens within 0.05
+in probability), as `hf_eval.py` counts them.
 """
 
 import argparse
 import json
+import re
 import pathlib
 import sys
 import time
@@ -174,6 +180,108 @@ def layouts():
     return out
 
 
+# ---- round 5 (session 49): layouts written as specs on the command line (`--layout`), so a
+# study can try layer-wise bit allocations, outlier channels and rotations without a new
+# function each. A spec is parts separated by ";", each "[L<layers>:] <keys> <values>":
+#   L3-10,12:      the full-attention layers the part covers (a part without L: all the rest)
+#   kf16 / vf16:   kept f16
+#   k<b>g<G>:      b-bit keys per channel over groups of G tokens (kv43: k4g128)
+#     ...h[<s>]    a Hadamard rotation of the keys first, with random signs from seed s (11;
+#                  0: no signs); the query turns once a step
+#     ...o<n>x<c>[m|r]  the n channels per head of largest mean magnitude (m) or largest
+#                  per-group range (r, the default) coded with c bits over the same groups
+#   v<b>g<G>:      b-bit values per channel over blocks of G tokens (kv43: v3g64)
+# Bits per stored value with metadata, as `Codec::kv_row_bytes` counts kv43 (f16 minimum and
+# scale per channel and group, a u16 key code sum per row and 64-dim partition):
+#   keys   b + 32/G + 16/64 + n·(c − b)/d    (outlier codes share their partition's code sum)
+#   values b + 32/G
+# and the share of f16 is (keys + values)/32, averaged over the quantized layers (all have the
+# same KV heads and d here). kv43 itself is "k4g128 v3g64": 4.5 + 3.5 = 8 bits, 0.250× f16.
+KEY_SPEC = re.compile(r"k(\d+)g(\d+)(?:(h)(\d*))?(?:o(\d+)x(\d+)([mr]?))?$")
+VALUE_SPEC = re.compile(r"v(\d+)g(\d+)$")
+
+
+def hadamard(d, seed=11):
+    """[d, d] orthonormal: random signs, then the Walsh–Hadamard matrix (d a power of two)."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if not seed:
+        return h / d**0.5
+    signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return signs[:, None].float() * h / d**0.5
+
+
+def range_mask(x, n, group):
+    """[h, d] bool: the `n` channels per head whose range over `group`-token groups is largest
+    on average (what sets a per-channel step, unlike the magnitude, which the minimum absorbs)."""
+    h, t, d = x.shape
+    full = max(t // group, 1) * group
+    g = x[:, :full].reshape(h, -1, min(group, t), d)
+    r = (g.amax(2) - g.amin(2)).mean(1)
+    idx = r.topk(n, dim=-1).indices
+    return torch.zeros(h, d, dtype=torch.bool).scatter_(1, idx, True)
+
+
+def spec_keys(text, d):
+    """(function of [h, t, d] keys, bits per key value)."""
+    if text == "kf16":
+        return (lambda x: x.half().float()), 16.0
+    m = KEY_SPEC.match(text)
+    if not m:
+        raise SystemExit(f"bad key spec {text!r}")
+    bits, group, rot, seed = int(m[1]), int(m[2]), m[3] == "h", int(m[4] or 11)
+    n, obits, how = int(m[5] or 0), int(m[6] or 0), m[7] or "r"
+
+    def f(x):
+        rot_m = hadamard(x.shape[-1], seed) if rot else None
+        y = x @ rot_m if rot else x
+        q = per_channel(y, bits, group, False, None)
+        if n:
+            mask = range_mask(y, n, group) if how == "r" else outlier_mask(y, n)
+            q = torch.where(mask[:, None, :], per_channel(y, obits, group, False, None), q)
+        return q @ rot_m.T if rot else q
+
+    return f, bits + 32 / group + 16 / 64 + n * (obits - bits) / d
+
+
+def spec_values(text):
+    if text == "vf16":
+        return (lambda x: x.half().float()), 16.0
+    m = VALUE_SPEC.match(text)
+    if not m:
+        raise SystemExit(f"bad value spec {text!r}")
+    bits, group = int(m[1]), int(m[2])
+    return (lambda x: per_channel(x, bits, group, False, None)), bits + 32 / group
+
+
+def parse_layers(text):
+    out = set()
+    for r in text.split(","):
+        a, _, b = r.partition("-")
+        out |= set(range(int(a), int(b or a) + 1))
+    return out
+
+
+def spec_layout(spec, d):
+    """layer -> (key fn, value fn, key bits, value bits) for a spec's layers (see above)."""
+    parts = []
+    for part in spec.split(";"):
+        where, _, body = part.strip().rpartition(":")
+        k, v = body.split()
+        kf, kb = spec_keys(k, d)
+        vf, vb = spec_values(v)
+        parts.append((parse_layers(where.strip()[1:]) if where else None, (kf, vf, kb, vb)))
+
+    def for_layer(i):
+        for layers, fns in parts:
+            if layers is None or i in layers:
+                return fns
+        raise SystemExit(f"spec {spec!r} names no layout for layer {i}")
+
+    return for_layer
+
+
 # ---- kv43's arithmetic (session 46): the codec `kernels/src/cpu/kv43.rs` computes scores
 # from an 8-bit code of q∘s per 64-dim partition (s: the key group's channel scales) and
 # weighs each 64-row value block with 7-bit probabilities. Emulated here in the decode
@@ -251,6 +359,7 @@ def main():
     ap.add_argument("--only", help="substrings of the layouts to run, separated by |")
     ap.add_argument("--keep-layers", default="", help="comma-separated layers kept unquantized")
     ap.add_argument("--per-layer", action="store_true", help="quantize one layer at a time (sensitivity per layer)")
+    ap.add_argument("--layout", action="append", default=[], help="a layout spec (round 5, see KEY_SPEC); repeatable")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--kv43-plain-arithmetic", action="store_true", help="check: kv43 rows without the 8-bit query and 7-bit probabilities")
     args = ap.parse_args()
@@ -268,13 +377,22 @@ def main():
 
     keep = {int(x) for x in args.keep_layers.split(",") if x}
     full = [i for i, t in enumerate(types) if t == "full_attention"]
+    d = prompt_kv[full[0]][0].shape[3]
+    chosen = {
+        lname: f for lname, f in layouts().items() if not args.only or any(o in lname for o in args.only.split("|"))
+    }
+    chosen.update({spec: spec_layout(spec, d) for spec in args.layout})
     runs = [
         (lname, f, only)
-        for lname, f in layouts().items()
-        if not args.only or any(o in lname for o in args.only.split("|"))
+        for lname, f in chosen.items()
         for only in ([{i} for i in full] if args.per_layer else [set(full) - keep])
     ]
-    for lname, (kf, vf, kbits, vbits), quantized in runs:
+    # near ties: positions where the reference's two most likely tokens are within 0.05 in
+    # probability (as `hf_eval.py` and `attnstore eval` count them); "decisive" top-1 leaves them out
+    ties = [float(torch.diff(-logits[i].softmax(-1).topk(2).values)) < 0.05 for i in range(len(logits))]
+    for lname, layout, quantized in runs:
+        # a spec gives each layer its own layout; the older named layouts one for all
+        per = layout if callable(layout) else (lambda i, fixed=layout: fixed)
         t = time.time()
         gen = torch.Generator().manual_seed(7)
         c = DynamicCache(config=model.config)
@@ -282,22 +400,33 @@ def main():
         for i, (k, v) in enumerate(prompt_kv):
             k, v = k.clone(), v.clone()
             if i in quantized:
+                kf, vf, _, _ = per(i)
                 if kf == "kv43":
                     k[0, :, span] = kv43_keys(i, k[0, :, span].float(), SINK).to(k.dtype)
                     if i in KV43:
                         KV43[i]["vfull"] = (n - LOCAL - SINK) // KV43_VALUE_BLOCK * KV43_VALUE_BLOCK
+                elif callable(layout):
+                    k[0, :, span] = kf(k[0, :, span].float()).to(k.dtype)
                 else:
                     k[0, :, span] = kf(k[0, :, span].float(), gen).to(k.dtype)
-                v[0, :, span] = vf(v[0, :, span].float(), gen).to(v.dtype)
+                if callable(layout):
+                    v[0, :, span] = vf(v[0, :, span].float()).to(v.dtype)
+                else:
+                    v[0, :, span] = vf(v[0, :, span].float(), gen).to(v.dtype)
             c.update(k, v, i)
-        model.set_attn_implementation("kv43" if kf == "kv43" else "sdpa")
-        top1 = kl = 0.0
+        model.set_attn_implementation("kv43" if KV43 else "sdpa")
+        top1 = kl = decisive = 0.0
         for i in range(1, args.tokens):
             out = step(model, c, reference[i - 1])
             p, q = logits[i].log_softmax(-1), out.log_softmax(-1)
-            top1 += int(out.argmax()) == reference[i]
+            hit = int(out.argmax()) == reference[i]
+            top1 += hit
+            decisive += hit and not ties[i]
             kl += float(torch.sum(p.exp() * (p - q)))
         pos = args.tokens - 1
+        kbits = sum(per(i)[2] for i in quantized) / len(quantized)
+        vbits = sum(per(i)[3] for i in quantized) / len(quantized)
+        near = sum(ties[1 : args.tokens])
         row = {
             "model": args.model,
             "length": n,
@@ -305,14 +434,18 @@ def main():
             "layers": sorted(quantized) if args.per_layer or keep else "all",
             "key_bits": round(kbits, 3),
             "value_bits": round(vbits, 3),
-            "of_f16": round((kbits + vbits) / 32, 3),
+            "of_f16": round((kbits + vbits) / 32, 4),
             "teacher_top1": round(top1 / pos, 4),
+            "near_ties": near,
+            "teacher_top1_decisive": round(decisive / max(pos - near, 1), 4),
             "kl": round(kl / pos, 5),
             "seconds": round(time.time() - t, 1),
         }
         where = f" layers {row['layers']}" if row["layers"] != "all" and len(quantized) < 4 else ""
         print(
-            json.dumps(row) if args.json else f"{lname:55} {row['of_f16']:.3f}x  top1 {row['teacher_top1']:.3f}  KL {row['kl']:.4f}{where}",
+            json.dumps(row)
+            if args.json
+            else f"{lname:55} {row['of_f16']:.4f}x  top1 {row['teacher_top1']:.3f} ({row['teacher_top1_decisive']:.3f})  KL {row['kl']:.4f}{where}",
             flush=True,
         )
 
