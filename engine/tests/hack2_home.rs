@@ -7,9 +7,9 @@
 //! context does the same: its base rows in 2-bit pieces, its codebooks in its layout file.
 
 mod common;
+use common::allocated;
 use common::synth::{SynthContext, SynthParams};
 
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use attnstore::durable::{check, DATA_DIR};
@@ -68,22 +68,6 @@ fn outputs(engine: &Engine, ctx: ContextId, synth: &SynthContext, step: u64) -> 
             engine.execute(&plan).unwrap().remove(0)
         })
         .collect()
-}
-
-/// Bytes a directory's files occupy on disk (allocated blocks), recursively.
-fn allocated(dir: &Path) -> u64 {
-    std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .map(|e| {
-            let meta = e.metadata().unwrap();
-            if meta.is_dir() {
-                allocated(&e.path())
-            } else {
-                meta.blocks() * 512
-            }
-        })
-        .sum()
 }
 
 /// Checkpoints a durable engine holding one context of 2400 tokens in its data file, and

@@ -1,8 +1,11 @@
 //! A `kv43` wave context (keys 4-bit per channel over 128-token groups, values 3-bit over
 //! 64-token blocks, `docs/codec.md`): its segments are encoded once when built and attended
 //! on their codes, exact and sparse plans answer close to exact attention over the very rows
-//! the codes stand for, EXPLAIN counts a quarter of f16's bytes, a durable context recovers
-//! the same answers, and what it cannot do yet is a typed error.
+//! the codes stand for, EXPLAIN counts a quarter of f16's bytes, a durable context is homed
+//! in its codes on disk and recovers the same answers, and what it cannot do yet is a typed
+//! error.
+
+mod common;
 
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextSpec, DurableConfig, Engine, EngineConfig, Error, EstimateShare,
@@ -12,6 +15,7 @@ use attnstore_index::{AccessMethod, WaveIndex};
 use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
 use attnstore_kernels::random::SplitMix64;
 use attnstore_kernels::Kv43Head;
+use common::allocated;
 use half::f16;
 
 const TOKENS: usize = 3000;
@@ -272,21 +276,4 @@ fn with_a_buffer_manager_kv43_segments_stay_in_the_index_and_answer_alike() {
     for budget in [Budget::full(), Budget::default().with_retrieve_floor(64).with_retrieve(0.05)] {
         assert_eq!(answer(&homed, a, &q, &budget), answer(&memory, b, &q, &budget));
     }
-}
-
-/// Bytes a directory's files occupy on disk (allocated blocks), recursively.
-fn allocated(dir: &std::path::Path) -> u64 {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::read_dir(dir)
-        .unwrap()
-        .flatten()
-        .map(|e| {
-            let meta = e.metadata().unwrap();
-            if meta.is_dir() {
-                allocated(&e.path())
-            } else {
-                meta.blocks() * 512
-            }
-        })
-        .sum()
 }

@@ -32,3 +32,20 @@ pub fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// Bytes a directory's files occupy on disk (allocated blocks), recursively.
+pub fn allocated(dir: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            let meta = e.metadata().unwrap();
+            if meta.is_dir() {
+                allocated(&e.path())
+            } else {
+                meta.blocks() * 512
+            }
+        })
+        .sum()
+}
