@@ -54,12 +54,6 @@ pub struct DeviceIo {
     pub stream: u64,
 }
 
-/// What a job keeps for steps over caller memory: the event that orders a step after the
-/// caller's stream.
-pub(super) struct IoState {
-    caller: CudaEvent,
-}
-
 /// Threads per CTA of the import and export kernels.
 const IO_THREADS: u32 = 256;
 
@@ -88,11 +82,11 @@ impl GpuBackend {
         let main = &batch.lane(lane)?.0;
         // The job's last step must be done with its descriptor.
         step.job.io.wait()?;
-        if step.job.io.ext.is_none() {
-            step.job.io.ext = Some(IoState { caller: self.event()? });
+        if step.job.io.caller.is_none() {
+            step.job.io.caller = Some(self.event()?);
         }
-        let ext = step.job.io.ext.as_ref().expect("made above");
-        self.after_caller(main, &ext.caller, io.stream)?;
+        let caller = step.job.io.caller.as_ref().expect("made above");
+        self.after_caller(main, caller, io.stream)?;
         step.job.io.device = Some(*io);
         let launched = self.launch_wave_lane(batch, lane, step);
         // A failed launch leaves no descriptor for the job's next step.

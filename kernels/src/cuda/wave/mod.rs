@@ -278,8 +278,9 @@ struct JobIo {
     device: Option<io::DeviceIo>,
     /// The token of the last step over caller memory (from 1).
     token: u64,
-    /// For steps over the caller's device memory (`launch_wave_lane_io`), made by the first.
-    ext: Option<io::IoState>,
+    /// The event that orders a step over the caller's device memory after the caller's
+    /// stream (`launch_wave_lane_io`), made by the first such step.
+    caller: Option<CudaEvent>,
 }
 
 impl JobIo {
@@ -546,7 +547,7 @@ impl GpuBackend {
             status,
             device: None,
             token: 0,
-            ext: None,
+            caller: None,
         })
     }
 
