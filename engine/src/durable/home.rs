@@ -152,12 +152,30 @@ pub(super) fn bytes_to_halves(x: &[u8], what: &str) -> std::result::Result<Vec<f
     Ok(bytes_to_u16s(x, what)?.into_iter().map(f16::from_bits).collect())
 }
 
+/// Token positions as a segment record keeps them: u32, little-endian.
+pub(super) fn positions_to_bytes(x: &[u32]) -> Vec<u8> {
+    x.iter().flat_map(|p| p.to_le_bytes()).collect()
+}
+
+/// The token positions of a segment record's bytes, or what is wrong with them.
+pub(super) fn bytes_to_positions(x: &[u8]) -> std::result::Result<Vec<u32>, String> {
+    if !x.len().is_multiple_of(4) {
+        return Err(format!("positions: {} bytes, expected 4 per token", x.len()));
+    }
+    Ok(x.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
+}
+
+/// A segment record's row count as a length, or an error when it cannot be one.
+pub(super) fn row_count(rows: u64) -> std::result::Result<usize, String> {
+    usize::try_from(rows).map_err(|_| format!("{rows} rows do not fit in memory"))
+}
+
 impl HeadRecord {
     fn new(h: &EncodedHead, rows: &HackRows) -> Self {
         let a = rows.arrays();
         Self {
             sizes: h.sizes.clone(),
-            positions: h.positions.iter().flat_map(|p| p.to_le_bytes()).collect(),
+            positions: positions_to_bytes(&h.positions),
             centroids: halves_to_bytes(&h.centroids),
             value_means: halves_to_bytes(&h.value_means),
             rows: rows.rows() as u64,
@@ -177,11 +195,8 @@ impl HeadRecord {
         params: HackParams,
         channel: Option<ChannelRecord>,
     ) -> std::result::Result<EncodedHead, String> {
-        if !self.positions.len().is_multiple_of(4) {
-            return Err(format!("positions: {} bytes, expected 4 per token", self.positions.len()));
-        }
-        let positions = self.positions.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let rows = usize::try_from(self.rows).map_err(|_| format!("{} rows do not fit in memory", self.rows))?;
+        let positions = bytes_to_positions(&self.positions)?;
+        let rows = row_count(self.rows)?;
         let (key_min, key_scale) =
             (bytes_to_halves(&self.key_min, "key minima")?, bytes_to_halves(&self.key_scale, "key scales")?);
         let key_sum = bytes_to_u16s(&self.key_sum, "key code sums")?;

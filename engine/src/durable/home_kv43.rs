@@ -9,7 +9,9 @@ use attnstore_index::{EncodedHead, EncodedRows, EncodedSegment};
 use attnstore_kernels::{Kv43Arrays, Kv43Head, Kv43Params};
 use serde::{Deserialize, Serialize};
 
-use super::home::{bytes_to_halves, bytes_to_u16s, halves_to_bytes, u16s_to_bytes};
+use super::home::{
+    bytes_to_halves, bytes_to_positions, bytes_to_u16s, halves_to_bytes, positions_to_bytes, row_count, u16s_to_bytes,
+};
 
 /// One kv43 segment file.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -69,7 +71,7 @@ impl Kv43HeadRecord {
         let a = rows.arrays();
         Self {
             sizes: h.sizes.clone(),
-            positions: h.positions.iter().flat_map(|p| p.to_le_bytes()).collect(),
+            positions: positions_to_bytes(&h.positions),
             centroids: halves_to_bytes(&h.centroids),
             value_means: halves_to_bytes(&h.value_means),
             rows: a.rows as u64,
@@ -87,11 +89,8 @@ impl Kv43HeadRecord {
 
     /// The head it records, checked ([`Kv43Head::from_arrays`]); the error says what did not fit.
     fn head(self, d: usize, params: Kv43Params) -> std::result::Result<EncodedHead, String> {
-        if !self.positions.len().is_multiple_of(4) {
-            return Err(format!("positions: {} bytes, expected 4 per token", self.positions.len()));
-        }
-        let positions = self.positions.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-        let rows = usize::try_from(self.rows).map_err(|_| format!("{} rows do not fit in memory", self.rows))?;
+        let positions = bytes_to_positions(&self.positions)?;
+        let rows = row_count(self.rows)?;
         let halves = |x: &[u8], what| bytes_to_halves(x, what);
         let (key_min, key_scale) = (halves(&self.key_min, "key minima")?, halves(&self.key_scale, "key scales")?);
         let key_sums = bytes_to_u16s(&self.key_sums, "key code sums")?;
