@@ -95,14 +95,21 @@ fn plain_torch<'a>(obj: &Bound<'a, PyAny>) -> PyResult<Option<&'a Bound<'a, PyAn
 /// the generic way (`__dlpack__`), so whatever `Tensor.__dlpack__` refuses (requires grad,
 /// the conjugate bit, a sparse layout, ...) still raises its own error.
 fn torch_capsule<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let Some(capsule) = plain_capsule(obj)? else { return Ok(None) };
+    let readable =
+        tensor("tensor", &capsule).is_ok_and(|t| t.device.device_type == CPU && kind_of("tensor", t).is_ok());
+    Ok(readable.then_some(capsule))
+}
+
+/// A capsule of `obj` made by `torch.utils.dlpack.to_dlpack` (C; it orders no stream) when
+/// `obj` is a plain torch tensor that does not require grad and the export succeeds; `None`
+/// otherwise, for the caller to take the generic way (`__dlpack__`).
+fn plain_capsule<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
     let Some(to_dlpack) = plain_torch(obj)? else { return Ok(None) };
     if obj.getattr(intern!(obj.py(), "requires_grad"))?.is_truthy()? {
         return Ok(None);
     }
-    let Ok(capsule) = to_dlpack.call1((obj,)) else { return Ok(None) };
-    let readable =
-        tensor("tensor", &capsule).is_ok_and(|t| t.device.device_type == CPU && kind_of("tensor", t).is_ok());
-    Ok(readable.then_some(capsule))
+    Ok(to_dlpack.call1((obj,)).ok())
 }
 
 /// `obj`'s elements as f32 in C order and its shape, when `obj` has `__dlpack__`; `None`
@@ -286,13 +293,9 @@ pub(crate) struct CudaTensor<'py> {
 pub(crate) fn cuda_tensor<'py>(what: &str, obj: &Bound<'py, PyAny>) -> PyResult<CudaTensor<'py>> {
     // A plain torch tensor that does not require grad: `to_dlpack` (C; it orders nothing, as
     // `stream=-1` asks), else `__dlpack__` (Python), which also raises what it refuses.
-    let plain = match plain_torch(obj)? {
-        Some(to_dlpack) if !obj.getattr(intern!(obj.py(), "requires_grad"))?.is_truthy()? => Some(to_dlpack),
-        _ => None,
-    };
-    let capsule = match plain.map(|f| f.call1((obj,))) {
-        Some(Ok(capsule)) => capsule,
-        _ => {
+    let capsule = match plain_capsule(obj)? {
+        Some(capsule) => capsule,
+        None => {
             let kwargs = pyo3::types::PyDict::new(obj.py());
             kwargs.set_item("stream", -1)?;
             obj.call_method("__dlpack__", (), Some(&kwargs))?
