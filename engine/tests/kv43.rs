@@ -180,7 +180,11 @@ fn what_kv43_cannot_serve_yet_is_a_typed_error() {
         "multiple of 64",
     );
     refused(
-        ContextSpec::new(shape(), 1).with_codec(Codec::Kv43(Kv43Params { key_group: 96, value_block: 64 })),
+        ContextSpec::new(shape(), 1).with_codec(Codec::Kv43(Kv43Params {
+            key_bits: 4,
+            key_group: 96,
+            value_block: 64,
+        })),
         "multiple of the value block",
     );
     let mut f32_steady = spec();

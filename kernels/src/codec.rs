@@ -11,6 +11,7 @@ use crate::cpu::hack::{HackParams, KeyLayout};
 use crate::cpu::kv43::Kv43Params;
 use crate::element::DType;
 use std::fmt;
+use std::ops::RangeInclusive;
 use std::str::FromStr;
 
 /// The storage codec of a context's KV rows.
@@ -27,9 +28,10 @@ pub enum Codec {
     /// f16. `hack2`: HACK's per-token keys; `hack2c`: keys normalized per channel over each
     /// block of Π tokens first ([`KeyLayout::PerChannel`]).
     Hack2(HackParams),
-    /// Keys in 4 bits per channel over groups of tokens, values in 3 bits per channel over
-    /// blocks of 64 tokens (`cpu::kv43`), attended on the codes; rows not yet encoded are
-    /// f16. `kv43` (key groups of 128 tokens) or `kv43:G`.
+    /// Keys in 4 (or 5) bits per channel over groups of tokens, values in 3 bits per
+    /// channel over blocks of tokens (`cpu::kv43`), attended on the codes; rows not yet
+    /// encoded are f16. `kv43` (4-bit keys over 128 tokens, values over 64), or with any of
+    /// `:kB` (key bits), `:G` or `:gG` (key group), `:vV` (value block), e.g. `kv43:k5:v128`.
     Kv43(Kv43Params),
 }
 
@@ -113,8 +115,19 @@ impl fmt::Display for Codec {
             Codec::Hack2(p) if p.partition != HackParams::default().partition => {
                 write!(f, "{}:{}", self.name(), p.partition)
             }
-            Codec::Kv43(p) if p.key_group != Kv43Params::default().key_group => {
-                write!(f, "{}:{}", self.name(), p.key_group)
+            Codec::Kv43(p) => {
+                let d = Kv43Params::default();
+                f.write_str(self.name())?;
+                if p.key_bits != d.key_bits {
+                    write!(f, ":k{}", p.key_bits)?;
+                }
+                if p.key_group != d.key_group {
+                    write!(f, ":{}", p.key_group)?;
+                }
+                if p.value_block != d.value_block {
+                    write!(f, ":v{}", p.value_block)?;
+                }
+                Ok(())
             }
             c => f.write_str(c.name()),
         }
@@ -124,17 +137,29 @@ impl fmt::Display for Codec {
 impl FromStr for Codec {
     type Err = String;
     /// `f32`, `f16`, `bf16`, `hack2` / `hack2c` (Π = 64) or `hack2:Π` / `hack2c:Π`, `kv43`
-    /// (key groups of 128 tokens) or `kv43:G`.
+    /// (4-bit keys over groups of 128 tokens, values over 64) with any of `:kB` (key bits,
+    /// 4 or 5), `:G` or `:gG` (key group) and `:vV` (value block).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        const EXPECTED: &str = "expected f32, f16, bf16, hack2, hack2c, hack2:N, hack2c:N, kv43 or kv43:N";
+        const EXPECTED: &str =
+            "expected f32, f16, bf16, hack2, hack2c, hack2:N, hack2c:N, or kv43 with any of :kBITS :GROUP :vBLOCK";
         let lower = s.to_ascii_lowercase();
         if let Some(rest) = lower.strip_prefix("kv43") {
-            let group = match rest.strip_prefix(':') {
-                Some(n) => n.parse::<usize>().map_err(|_| format!("bad key group in {s:?}: {EXPECTED}"))?,
-                None if rest.is_empty() => Kv43Params::default().key_group,
-                None => return Err(format!("unknown codec {s:?}: {EXPECTED}")),
-            };
-            return Kv43Params::with_key_group(group).map(Codec::Kv43).map_err(|e| e.to_string());
+            if !rest.is_empty() && !rest.starts_with(':') {
+                return Err(format!("unknown codec {s:?}: {EXPECTED}"));
+            }
+            let mut p = Kv43Params::default();
+            for part in rest.split(':').skip(1) {
+                let number =
+                    |x: &str, what: &str| x.parse::<usize>().map_err(|_| format!("bad {what} in {s:?}: {EXPECTED}"));
+                if let Some(n) = part.strip_prefix('k') {
+                    p.key_bits = u8::try_from(number(n, "key bits")?).map_err(|_| format!("bad key bits in {s:?}"))?;
+                } else if let Some(n) = part.strip_prefix('v') {
+                    p.value_block = number(n, "value block")?;
+                } else {
+                    p.key_group = number(part.strip_prefix('g').unwrap_or(part), "key group")?;
+                }
+            }
+            return p.check_groups().map(|()| Codec::Kv43(p)).map_err(|e| e.to_string());
         }
         if let Some(rest) = lower.strip_prefix("hack2") {
             let (keys, rest) = match rest.strip_prefix('c') {
@@ -149,6 +174,144 @@ impl FromStr for Codec {
             return HackParams::new(partition).map(|p| Codec::Hack2(p.with_keys(keys))).map_err(|e| e.to_string());
         }
         lower.parse::<DType>().map(Codec::from).map_err(|_| format!("unknown codec {s:?}: {EXPECTED}"))
+    }
+}
+
+/// Most layer ranges a context may give a codec of their own ([`CodecOverrides`]).
+pub const MAX_CODEC_OVERRIDES: usize = 4;
+
+/// Codecs for ranges of a context's layers, overriding its codec there (e.g. 5-bit `kv43`
+/// keys in the layers whose keys need them): at most [`MAX_CODEC_OVERRIDES`] disjoint
+/// ranges, kept in a fixed array so configurations holding it stay `Copy`. Written
+/// `A-B=CODEC` (or `A=CODEC`), ranges inclusive, comma-separated; empty for none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct CodecOverrides {
+    ranges: [Option<(u32, u32, Codec)>; MAX_CODEC_OVERRIDES],
+}
+
+impl CodecOverrides {
+    /// These overrides and `codec` for layers `layers`; more than [`MAX_CODEC_OVERRIDES`]
+    /// ranges, an empty range or one overlapping another is an error saying so.
+    pub fn with(mut self, layers: RangeInclusive<usize>, codec: Codec) -> Result<Self, String> {
+        let (first, last) = (*layers.start(), *layers.end());
+        if first > last {
+            return Err(format!("layer range {first}-{last} is empty"));
+        }
+        let wide = |x: usize| u32::try_from(x).map_err(|_| format!("layer {x} is out of range"));
+        let (first, last) = (wide(first)?, wide(last)?);
+        if let Some((a, b, _)) = self.iter_raw().find(|&(a, b, _)| first <= b && a <= last) {
+            return Err(format!("layers {first}-{last} overlap layers {a}-{b}, which already have a codec"));
+        }
+        let Some(free) = self.ranges.iter_mut().find(|r| r.is_none()) else {
+            return Err(format!("at most {MAX_CODEC_OVERRIDES} layer ranges can have their own codec"));
+        };
+        *free = Some((first, last, codec));
+        self.ranges.sort_by_key(|r| r.map_or(u32::MAX, |(a, _, _)| a));
+        Ok(self)
+    }
+
+    fn iter_raw(&self) -> impl Iterator<Item = (u32, u32, Codec)> + '_ {
+        self.ranges.iter().flatten().copied()
+    }
+
+    /// The ranges (inclusive) and their codecs, in layer order.
+    pub fn iter(&self) -> impl Iterator<Item = (RangeInclusive<usize>, Codec)> + '_ {
+        self.iter_raw().map(|(a, b, c)| (a as usize..=b as usize, c))
+    }
+
+    /// The codec of `layer` where a range names it.
+    pub fn get(&self, layer: usize) -> Option<Codec> {
+        self.iter_raw().find(|&(a, b, _)| (a as usize..=b as usize).contains(&layer)).map(|(_, _, c)| c)
+    }
+
+    /// True when no range has a codec of its own.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.iter().all(Option::is_none)
+    }
+
+    /// The last layer any range names, if any.
+    pub fn last_layer(&self) -> Option<usize> {
+        self.iter_raw().map(|(_, b, _)| b as usize).max()
+    }
+}
+
+impl fmt::Display for CodecOverrides {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, (a, b, c)) in self.iter_raw().enumerate() {
+            let sep = if i == 0 { "" } else { "," };
+            if a == b {
+                write!(f, "{sep}{a}={c}")?;
+            } else {
+                write!(f, "{sep}{a}-{b}={c}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for CodecOverrides {
+    type Err = String;
+    /// `A-B=CODEC` or `A=CODEC`, comma-separated (empty: none).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let mut out = Self::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let Some((layers, codec)) = part.split_once('=') else {
+                return Err(format!("bad layer codec {part:?}: expected LAYERS=CODEC, e.g. 17-21=kv43:k5"));
+            };
+            let layer = |x: &str| x.trim().parse::<usize>().map_err(|_| format!("bad layer {x:?} in {part:?}"));
+            let range = match layers.split_once('-') {
+                Some((a, b)) => layer(a)?..=layer(b)?,
+                None => layer(layers)?..=layer(layers)?,
+            };
+            out = out.with(range, codec.trim().parse()?)?;
+        }
+        Ok(out)
+    }
+}
+
+/// A context's codec and its overrides for ranges of layers, as the command line and JSON
+/// write them: `CODEC` or `CODEC,A-B=CODEC,…`, e.g. `kv43:v128,17-21=kv43:k5`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct LayerCodecs {
+    /// The codec of every layer no range names.
+    pub default: Codec,
+    /// Ranges of layers with a codec of their own.
+    pub overrides: CodecOverrides,
+}
+
+impl LayerCodecs {
+    /// Every layer in `codec`.
+    pub fn uniform(codec: Codec) -> Self {
+        Self { default: codec, overrides: CodecOverrides::default() }
+    }
+
+    /// The codec of `layer`.
+    pub fn of(&self, layer: usize) -> Codec {
+        self.overrides.get(layer).unwrap_or(self.default)
+    }
+}
+
+impl From<Codec> for LayerCodecs {
+    fn from(codec: Codec) -> Self {
+        Self::uniform(codec)
+    }
+}
+
+impl fmt::Display for LayerCodecs {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.default)?;
+        if !self.overrides.is_empty() {
+            write!(f, ",{}", self.overrides)?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for LayerCodecs {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (default, rest) = s.split_once(',').unwrap_or((s, ""));
+        Ok(Self { default: default.trim().parse()?, overrides: rest.parse()? })
     }
 }
 
@@ -192,6 +355,18 @@ mod tests {
         assert!("kv43:96".parse::<Codec>().unwrap_err().contains("multiple of the value block"));
         assert!("kv43:0".parse::<Codec>().unwrap_err().contains("multiple of the value block"));
         assert!("kv43:x".parse::<Codec>().unwrap_err().contains("bad key group"));
+        // Key bits and value blocks: only what differs from the default is written.
+        let k5 = Kv43Params { key_bits: 5, ..Kv43Params::default() };
+        assert_eq!("kv43:k5".parse::<Codec>(), Ok(Codec::Kv43(k5)));
+        let v128 = Kv43Params { value_block: 128, ..Kv43Params::default() };
+        assert_eq!(Codec::Kv43(v128).to_string(), "kv43:v128");
+        let all = Kv43Params { key_bits: 5, key_group: 256, value_block: 128 };
+        assert_eq!("kv43:k5:g256:v128".parse::<Codec>(), Ok(Codec::Kv43(all)));
+        assert_eq!(Codec::Kv43(all).to_string().parse::<Codec>(), Ok(Codec::Kv43(all)));
+        assert!("kv43:k6".parse::<Codec>().unwrap_err().contains("4 or 5 bits"));
+        assert!("kv43:k300".parse::<Codec>().unwrap_err().contains("key bits"));
+        assert!("kv43:v256".parse::<Codec>().unwrap_err().contains("multiple of the value block"));
+        assert!("kv43:vx".parse::<Codec>().unwrap_err().contains("bad value block"));
         assert!("kv43c".parse::<Codec>().unwrap_err().contains("kv43"));
         assert!(Codec::Kv43(Kv43Params::default()).is_encoded() && Codec::Hack2(p32).is_encoded());
         assert!(!Codec::F16.is_encoded() && Codec::Kv43(Kv43Params::default()).hack().is_none());
@@ -234,5 +409,31 @@ mod tests {
             Codec::Hack2(HackParams::default().with_keys(KeyLayout::PerChannel)).kv_row_bytes(64) / 256.0,
             45.0 / 256.0
         );
+    }
+}
+
+#[cfg(test)]
+mod layer_tests {
+    use super::*;
+
+    #[test]
+    fn layer_codecs_parse_back_find_each_layers_codec_and_refuse_bad_tables() {
+        let lc: LayerCodecs = "kv43:v128,17-21=kv43:k5, 3=f16".parse().unwrap();
+        let k5 = Codec::Kv43(Kv43Params { key_bits: 5, ..Kv43Params::default() });
+        let v128 = Codec::Kv43(Kv43Params { value_block: 128, ..Kv43Params::default() });
+        assert_eq!((lc.of(16), lc.of(17), lc.of(21), lc.of(22), lc.of(3)), (v128, k5, k5, v128, Codec::F16));
+        // Ranges are kept in layer order, whatever order they were given in.
+        assert_eq!(lc.to_string(), "kv43:v128,3=f16,17-21=kv43:k5");
+        assert_eq!(lc.to_string().parse::<LayerCodecs>(), Ok(lc));
+        assert_eq!(lc.overrides.last_layer(), Some(21));
+        assert_eq!("kv43".parse::<LayerCodecs>(), Ok(LayerCodecs::uniform(Codec::Kv43(Kv43Params::default()))));
+        assert_eq!(LayerCodecs::uniform(Codec::F16).to_string(), "f16");
+        assert!("kv43,5-9=kv43,7=f16".parse::<LayerCodecs>().unwrap_err().contains("overlap"));
+        assert!("kv43,9-5=f16".parse::<LayerCodecs>().unwrap_err().contains("empty"));
+        assert!("kv43,x=f16".parse::<LayerCodecs>().unwrap_err().contains("bad layer"));
+        assert!("kv43,5".parse::<LayerCodecs>().unwrap_err().contains("LAYERS=CODEC"));
+        assert!("kv43,5=int4".parse::<LayerCodecs>().unwrap_err().contains("unknown codec"));
+        let five = "f16,0=f16,1=f16,2=f16,3=f16,4=f16".parse::<LayerCodecs>().unwrap_err();
+        assert!(five.contains("at most 4"), "{five}");
     }
 }

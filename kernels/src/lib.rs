@@ -21,7 +21,7 @@ mod view;
 
 pub use arena_wave::{ArenaGroups, ArenaWave, GroupSummary, HeadClusters, GROUP_PAGES};
 pub use backend::{Backend, BlockRows, CpuBackend};
-pub use codec::Codec;
+pub use codec::{Codec, CodecOverrides, LayerCodecs, MAX_CODEC_OVERRIDES};
 pub use cpu::hack::{HackParams, KeyLayout};
 pub use cpu::hack_rows::{HackArrays, HackRows, HackScratch, HackView};
 pub use cpu::kv43::{Kv43Arrays, Kv43Head, Kv43Params, Kv43Rows};

@@ -41,6 +41,8 @@ pub(crate) struct Kv43HeadRecord {
     value_means: Vec<u8>,
     /// Encoded rows (whole key groups).
     rows: u64,
+    /// The codes' low four bits (`rows × d / 2` bytes), then with 5-bit keys their fifth
+    /// bits (`rows × d / 8`); the context's codec says which.
     #[serde(with = "serde_bytes")]
     key_codes: Vec<u8>,
     /// f16 per key group and channel.
@@ -75,7 +77,7 @@ impl Kv43HeadRecord {
             centroids: halves_to_bytes(&h.centroids),
             value_means: halves_to_bytes(&h.value_means),
             rows: a.rows as u64,
-            key_codes: a.key_codes.to_vec(),
+            key_codes: [a.key_codes, a.key_high].concat(),
             key_min: halves_to_bytes(a.key_min),
             key_scale: halves_to_bytes(a.key_scale),
             key_sums: u16s_to_bytes(a.key_sums),
@@ -98,9 +100,13 @@ impl Kv43HeadRecord {
             (halves(&self.value_min, "value minima")?, halves(&self.value_scale, "value scales")?);
         let (tail_keys, tail_values) =
             (halves(&self.tail_keys, "partial group keys")?, halves(&self.tail_values, "partial group values")?);
+        // The nibbles, then any fifth bits; a length that fits neither is reported by the check.
+        let nibbles = (rows.saturating_mul(d) / 2).min(self.key_codes.len());
+        let (key_codes, key_high) = self.key_codes.split_at(nibbles);
         let arrays = Kv43Arrays {
             rows,
-            key_codes: &self.key_codes,
+            key_codes,
+            key_high,
             key_min: &key_min,
             key_scale: &key_scale,
             key_sums: &key_sums,

@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use super::{key_code_at, key_sum_at, Kv43Head, Kv43Params, Kv43Rows, PART};
+use super::{key_code, key_sum_at, Kv43Head, Kv43Params, Kv43Rows, PART};
 use crate::error::{Error, Result};
 
 /// One KV head's kv43 rows as arrays, laid out as [`Kv43Head`] keeps them: `rows` encoded
@@ -14,8 +14,11 @@ use crate::error::{Error, Result};
 pub struct Kv43Arrays<'a> {
     /// Encoded rows (a multiple of the key group; 0 when none are).
     pub rows: usize,
-    /// Key codes, two per byte in tiles of 8 rows: `rows × d / 2` bytes.
+    /// Key codes (their low four bits), two per byte in tiles of 8 rows: `rows × d / 2` bytes.
     pub key_codes: &'a [u8],
+    /// With 5-bit keys, each code's fifth bit, one byte per row and 8 channels: `rows × d /
+    /// 8` bytes; empty with 4-bit keys.
+    pub key_high: &'a [u8],
     /// Per key group and channel: key minimum, `rows / key_group × d`.
     pub key_min: &'a [f16],
     /// Per key group and channel: key scale, as many.
@@ -41,6 +44,7 @@ impl Kv43Head {
         Kv43Arrays {
             rows: self.encoded_rows(),
             key_codes: e.map_or(&[], |e| &e.key_codes),
+            key_high: e.map_or(&[], |e| &e.key_high),
             key_min: e.map_or(&[], |e| &e.key_min),
             key_scale: e.map_or(&[], |e| &e.key_scale),
             key_sums: e.map_or(&[], |e| &e.key_sums),
@@ -67,6 +71,7 @@ impl Kv43Head {
         }
         let lengths = [
             ("key codes", a.key_codes.len(), rows * d / 2),
+            ("key fifth bits", a.key_high.len(), if params.high_bit() { rows * d / 8 } else { 0 }),
             ("key minima", a.key_min.len(), rows / params.key_group * d),
             ("key scales", a.key_scale.len(), rows / params.key_group * d),
             ("key code sums", a.key_sums.len(), rows * (d / PART)),
@@ -89,12 +94,8 @@ impl Kv43Head {
         }
         for j in 0..rows {
             for k in 0..d / PART {
-                let sum: u16 = (k * PART..(k + 1) * PART)
-                    .map(|c| {
-                        let (at, shift) = key_code_at(d, j, c);
-                        u16::from(a.key_codes[at] >> shift & 0xf)
-                    })
-                    .sum();
+                let sum: u16 =
+                    (k * PART..(k + 1) * PART).map(|c| u16::from(key_code(a.key_codes, a.key_high, d, j, c))).sum();
                 let stored = a.key_sums[key_sum_at(d, j, k)];
                 if stored != sum {
                     return bad(format!("row {j} partition {k}: stored key code sum {stored}, its codes sum to {sum}"));
@@ -117,6 +118,7 @@ impl Kv43Head {
             rows,
             params,
             key_codes: a.key_codes.to_vec(),
+            key_high: a.key_high.to_vec(),
             key_min: a.key_min.to_vec(),
             key_scale: a.key_scale.to_vec(),
             key_sums: a.key_sums.to_vec(),

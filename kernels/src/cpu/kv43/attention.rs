@@ -172,10 +172,11 @@ impl Kv43Rows {
         for t in rows.start / TILE..rows.end.div_ceil(TILE) {
             let codes = &self.key_codes[t * TILE * d / 2..(t + 1) * TILE * d / 2];
             let sums = &self.key_sums[t * TILE * parts..(t + 1) * TILE * parts];
+            let high = if self.key_high.is_empty() { &[][..] } else { &self.key_high[t * d..(t + 1) * d] };
             let live = rows.start.max(t * TILE)..rows.end.min((t + 1) * TILE);
             for h0 in (0..queries.heads()).step_by(HEADS_PER_PASS) {
                 let n = (queries.heads() - h0).min(HEADS_PER_PASS);
-                score_tile(codes, sums, queries, h0..h0 + n, scale, &mut tile[..n]);
+                score_tile((codes, high, sums), queries, h0..h0 + n, scale, &mut tile[..n]);
                 for (h, scores) in (h0..h0 + n).zip(&tile) {
                     for j in live.clone() {
                         out[h * stride + j - base] = scores[j - t * TILE];
@@ -244,12 +245,11 @@ impl Kv43Rows {
     }
 }
 
-/// The scores of `heads` (at most four) of `queries` over one key tile (`codes`, `sums`)
-/// into `out` (one array per head): AVX2's [`super::avx2::tile_scores`] where the target has
-/// it, else [`tile_scores_portable`].
+/// The scores of `heads` (at most four) of `queries` over one key tile (`codes`, the fifth
+/// bits `high` or nothing, `sums`) into `out` (one array per head): AVX2's
+/// [`super::avx2::tile_scores`] where the target has it, else [`tile_scores_portable`].
 fn score_tile(
-    codes: &[u8],
-    sums: &[u16],
+    (codes, high, sums): (&[u8], &[u8], &[u16]),
     queries: &GroupQueries,
     heads: Range<usize>,
     scale: f32,
@@ -271,7 +271,11 @@ fn score_tile(
                 // (cfg above), so every CPU that runs the binary has it; every slice read
                 // inside is bounds-checked.
                 unsafe {
-                    super::avx2::tile_scores::<$n>(codes, sums, w, (a, b, qm), scale, out)
+                    if high.is_empty() {
+                        super::avx2::tile_scores::<$n, false>((codes, high, sums), w, (a, b, qm), scale, out)
+                    } else {
+                        super::avx2::tile_scores::<$n, true>((codes, high, sums), w, (a, b, qm), scale, out)
+                    }
                 }
             }};
         }
@@ -284,7 +288,7 @@ fn score_tile(
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
     for (h, o) in heads.zip(out.iter_mut()) {
-        *o = tile_scores_portable(codes, sums, queries, h, scale);
+        *o = tile_scores_portable((codes, high, sums), queries, h, scale);
     }
 }
 
@@ -292,8 +296,7 @@ fn score_tile(
 /// `scores_reference` in its order.
 #[cfg_attr(all(target_arch = "x86_64", target_feature = "avx2"), allow(dead_code, reason = "the tests' oracle there"))]
 pub(super) fn tile_scores_portable(
-    codes: &[u8],
-    sums: &[u16],
+    (codes, high, sums): (&[u8], &[u8], &[u16]),
     queries: &GroupQueries,
     h: usize,
     scale: f32,
@@ -304,10 +307,7 @@ pub(super) fn tile_scores_portable(
         let mut s = queries.qm[h];
         for k in 0..parts {
             let dot: u32 = (k * PART..(k + 1) * PART)
-                .map(|c| {
-                    let (at, shift) = super::key_code_at(d, r, c);
-                    u32::from(w[c]) * u32::from(codes[at] >> shift & 0xf)
-                })
+                .map(|c| u32::from(w[c]) * u32::from(super::key_code(codes, high, d, r, c)))
                 .sum();
             let (a, b) = (queries.a[h * parts + k], queries.b[h * parts + k]);
             s += a * f32::from(sums[k * TILE + r]) + b * dot as f32;

@@ -64,13 +64,15 @@ pub(super) fn probability_codes(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
 /// once, and per head two `vpmaddubsw` of the broadcast query codes (unsigned, ≤ 255)
 /// against the key codes (≤ 15): 16-bit lanes of ≤ 7,650 each, two octets summed to
 /// ≤ 30,600 (no overflow), then `vpmaddwd` with ones adds a row's two lanes into 32 bits.
-/// `codes`: `TILE·d/2` bytes; `sums`: the tile's code sums (`d/64 × TILE`); `w[h]`: head
-/// `h`'s `d` query codes, four to a little-endian word; `a[h]`, `b[h]`: its partitions'
-/// minima and steps.
+/// With 5-bit keys (`HIGH`) each octet's fifth bits (one byte per row) are spread to their
+/// row's lane and added to the nibbles as 16; codes ≤ 31 make 16-bit lanes of ≤ 15,810,
+/// one octet ≤ 31,620, so those are widened after every octet.
+/// `codes`: `TILE·d/2` bytes; `high`: the tile's `d` bytes of fifth bits (`HIGH`) or
+/// nothing; `sums`: the tile's code sums (`d/64 × TILE`); `w[h]`: head `h`'s `d` query
+/// codes, four to a little-endian word; `a[h]`, `b[h]`: its partitions' minima and steps.
 #[target_feature(enable = "avx2")]
-pub(super) fn tile_scores<const H: usize>(
-    codes: &[u8],
-    sums: &[u16],
+pub(super) fn tile_scores<const H: usize, const HIGH: bool>(
+    (codes, high, sums): (&[u8], &[u8], &[u16]),
     w: [&[u32]; H],
     (a, b, qm): ([&[f32]; H], [&[f32]; H], [f32; H]),
     scale: f32,
@@ -81,17 +83,36 @@ pub(super) fn tile_scores<const H: usize>(
     // per-read bounds checks.
     assert!(codes.len() == parts * PART / 8 * 32 && w.iter().all(|w| w.len() == parts * PART / 4), "tile shapes");
     assert!(a.iter().chain(&b).all(|x| x.len() == parts), "partition shapes");
+    assert!(high.len() == if HIGH { parts * PART } else { 0 }, "fifth-bit shapes");
     let nibble = _mm256_set1_epi8(0x0f);
     let ones = _mm256_set1_epi16(1);
+    // Byte `i` of a row's lane takes bit `i` (low nibbles: channels 8o + i) or bit `4 + i`
+    // (high nibbles: channels 8o + 4 + i) of the row's fifth-bit byte.
+    let (lo_bits, hi_bits) = (_mm256_set1_epi32(0x0804_0201), _mm256_set1_epi32(0x8040_2010_u32 as i32));
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12, 0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12,
+    );
+    let sixteen = _mm256_set1_epi8(16);
+    let fifth =
+        |x: __m256i, bits: __m256i| _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(x, bits), bits), sixteen);
+    // Octets summed in 16 bits before widening: two with 4-bit codes, one with 5-bit.
+    let run = if HIGH { 1 } else { 2 };
     let mut s = qm.map(|x| _mm256_set1_ps(x));
     for k in 0..parts {
         let mut dot = [_mm256_setzero_si256(); H];
-        for pair in (0..PART / 8).step_by(2) {
+        for first in (0..PART / 8).step_by(run) {
             let mut acc = [_mm256_setzero_si256(); H];
-            for o in k * PART / 8 + pair..k * PART / 8 + pair + 2 {
+            for o in k * PART / 8 + first..k * PART / 8 + first + run {
                 let x: __m256i = bytemuck::pod_read_unaligned(&codes[o * 32..o * 32 + 32]);
-                let lo = _mm256_and_si256(x, nibble);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+                let mut lo = _mm256_and_si256(x, nibble);
+                let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+                if HIGH {
+                    let rows = _mm_cvtsi64_si128(bytemuck::pod_read_unaligned::<i64>(&high[o * 8..o * 8 + 8]));
+                    // Row r's byte in every byte of lane r.
+                    let x = _mm256_shuffle_epi8(_mm256_cvtepu8_epi32(rows), spread);
+                    lo = _mm256_or_si256(lo, fifth(x, lo_bits));
+                    hi = _mm256_or_si256(hi, fifth(x, hi_bits));
+                }
                 for h in 0..H {
                     let (ql, qh) = (_mm256_set1_epi32(w[h][2 * o] as i32), _mm256_set1_epi32(w[h][2 * o + 1] as i32));
                     let p = _mm256_add_epi16(_mm256_maddubs_epi16(ql, lo), _mm256_maddubs_epi16(qh, hi));

@@ -31,8 +31,6 @@ use crate::error::{Error, Result};
 
 /// Dimensions of a partition of the 8-bit query.
 const PART: usize = 64;
-/// Largest 4-bit key code.
-const KEY_LEVELS: f32 = 15.0;
 /// Largest 3-bit value code.
 const VALUE_LEVELS: f32 = 7.0;
 /// Levels of a block's probabilities.
@@ -41,9 +39,13 @@ const P_LEVELS: f32 = 127.0;
 /// holds one row per 32-bit lane (a tile divides every key group, a multiple of 8 rows).
 const TILE: usize = 8;
 
-/// Group sizes of the layout.
+/// Key bits and group sizes of the layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Kv43Params {
+    /// Bits per key code: 4, or 5 where a layer's keys need the extra level (SmolLM2's
+    /// layers 17–21, `docs/codec.md` round 5); a 5-bit code is the 4-bit nibble plus one
+    /// bit plane per 8 rows.
+    pub key_bits: u8,
     /// Tokens sharing each channel's key minimum and scale (a multiple of `value_block`).
     pub key_group: usize,
     /// Tokens sharing each channel's value minimum and scale (a multiple of 8).
@@ -51,9 +53,9 @@ pub struct Kv43Params {
 }
 
 impl Default for Kv43Params {
-    /// Keys over 128 tokens, values over 64: the study's best layout under 0.25× f16.
+    /// 4-bit keys over 128 tokens, values over 64: the study's best layout under 0.25× f16.
     fn default() -> Self {
-        Self { key_group: 128, value_block: 64 }
+        Self { key_bits: 4, key_group: 128, value_block: 64 }
     }
 }
 
@@ -77,8 +79,11 @@ impl Kv43Params {
         self.check_groups()
     }
 
-    fn check_groups(&self) -> Result<()> {
+    pub(crate) fn check_groups(&self) -> Result<()> {
         let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 parameters", message });
+        if !matches!(self.key_bits, 4 | 5) {
+            return bad(format!("keys take 4 or 5 bits, got {}", self.key_bits));
+        }
         if self.value_block == 0 || !self.value_block.is_multiple_of(8) {
             return bad(format!("value blocks must be a positive multiple of 8 tokens, got {}", self.value_block));
         }
@@ -91,13 +96,24 @@ impl Kv43Params {
         Ok(())
     }
 
-    /// Bytes per token and head of dimension `d`, metadata included: 4-bit key codes, a
-    /// u16 code sum per key partition, 3-bit value codes, and per channel an f16 minimum
+    /// Bytes per token and head of dimension `d`, metadata included: 4- or 5-bit key codes,
+    /// a u16 code sum per key partition, 3-bit value codes, and per channel an f16 minimum
     /// and scale per key group and per value block.
     pub fn bytes_per_token(&self, d: usize) -> f64 {
-        let codes = d as f64 / 2.0 + 3.0 * d as f64 / 8.0 + 2.0 * (d / PART) as f64;
+        let keys = f64::from(self.key_bits) * d as f64 / 8.0;
+        let codes = keys + 3.0 * d as f64 / 8.0 + 2.0 * (d / PART) as f64;
         let meta = 4.0 * d as f64 / self.key_group as f64 + 4.0 * d as f64 / self.value_block as f64;
         codes + meta
+    }
+
+    /// Largest key code: 15 or 31.
+    fn key_levels(&self) -> f32 {
+        f32::from((1u8 << self.key_bits) - 1)
+    }
+
+    /// True for 5-bit keys (a high-bit plane beside the nibbles).
+    fn high_bit(&self) -> bool {
+        self.key_bits == 5
     }
 }
 
@@ -111,7 +127,12 @@ pub struct Kv43Rows {
     /// octet of channels `8o..8o + 8` (32 bytes): byte `4r + i` holds row `r`'s channel
     /// `8o + i` in its low nibble and `8o + 4 + i` in its high nibble (`i` in 0..4), so a
     /// 32-byte load holds eight rows' codes of eight channels, one row per 32-bit lane.
+    /// The low four bits of each code with 5-bit keys.
     key_codes: Vec<u8>,
+    /// With 5-bit keys, each code's fifth bit (empty with 4-bit keys): per tile of 8 rows
+    /// `d` bytes, per octet of channels `o` eight (one per row `r`, byte `8o + r`), bit `i`
+    /// of which is channel `8o + i`'s.
+    key_high: Vec<u8>,
     /// Per key group and channel: minimum and scale.
     key_min: Vec<f16>,
     key_scale: Vec<f16>,
@@ -264,6 +285,7 @@ impl Kv43Rows {
             rows,
             params,
             key_codes: vec![0; rows * d / 2],
+            key_high: vec![0; if params.high_bit() { rows * d / 8 } else { 0 }],
             key_min: Vec::new(),
             key_scale: Vec::new(),
             key_sums: vec![0; rows * (d / PART)],
@@ -272,9 +294,13 @@ impl Kv43Rows {
             value_scale: Vec::new(),
         };
         let (mut kmin, mut kscale) = (Vec::new(), Vec::new());
-        quantize_columns(keys, d, params.key_group, KEY_LEVELS, (&mut kmin, &mut kscale), |j, c, u| {
+        quantize_columns(keys, d, params.key_group, params.key_levels(), (&mut kmin, &mut kscale), |j, c, u| {
             let (at, shift) = key_code_at(d, j, c);
-            out.key_codes[at] |= u << shift;
+            out.key_codes[at] |= (u & 0xf) << shift;
+            if u > 15 {
+                let (at, bit) = key_high_at(d, j, c);
+                out.key_high[at] |= 1 << bit;
+            }
             out.key_sums[key_sum_at(d, j, c / PART)] += u16::from(u);
         });
         let (mut vmin, mut vscale) = (Vec::new(), Vec::new());
@@ -295,14 +321,14 @@ impl Kv43Rows {
     /// Bytes held (codes and metadata).
     pub fn bytes(&self) -> usize {
         self.key_codes.len()
+            + self.key_high.len()
             + self.value_planes.len()
             + 2 * self.key_sums.len()
             + 2 * (self.key_min.len() + self.key_scale.len() + self.value_min.len() + self.value_scale.len())
     }
 
     fn key_code(&self, j: usize, c: usize) -> u8 {
-        let (at, shift) = key_code_at(self.d, j, c);
-        self.key_codes[at] >> shift & 0xf
+        key_code(&self.key_codes, &self.key_high, self.d, j, c)
     }
 
     /// Row `j`'s code sum over partition `k`.
@@ -356,6 +382,7 @@ impl Kv43Rows {
         debug_assert!(self.d == other.d && self.params == other.params);
         self.rows += other.rows;
         self.key_codes.extend(other.key_codes);
+        self.key_high.extend(other.key_high);
         self.key_min.extend(other.key_min);
         self.key_scale.extend(other.key_scale);
         self.key_sums.extend(other.key_sums);
@@ -608,6 +635,24 @@ impl GroupQuery {
 fn key_code_at(d: usize, j: usize, c: usize) -> (usize, u32) {
     let (tile, r, octet, i) = (j / TILE, j % TILE, c / 8, c % 8);
     (tile * TILE * d / 2 + octet * 32 + 4 * r + i % 4, 4 * (i / 4) as u32)
+}
+
+/// Where channel `c` of row `j`'s fifth key bit lies (see `Kv43Rows::key_high`): the byte
+/// and the bit.
+fn key_high_at(d: usize, j: usize, c: usize) -> (usize, u32) {
+    ((j / TILE) * d + (c / 8) * TILE + j % TILE, (c % 8) as u32)
+}
+
+/// Row `j`'s key code of channel `c` from nibbles `codes` and, with 5-bit keys, the fifth
+/// bits `high` (empty with 4-bit keys); the rows of both may start at any tile.
+fn key_code(codes: &[u8], high: &[u8], d: usize, j: usize, c: usize) -> u8 {
+    let (at, shift) = key_code_at(d, j, c);
+    let nibble = codes[at] >> shift & 0xf;
+    if high.is_empty() {
+        return nibble;
+    }
+    let (at, bit) = key_high_at(d, j, c);
+    nibble | (high[at] >> bit & 1) << 4
 }
 
 /// Where row `j`'s code sum over partition `k` lies (see `Kv43Rows::key_sums`).

@@ -17,8 +17,10 @@ fn data(rows: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 fn codes_round_trip_within_half_a_step_and_bytes_match_the_formula() {
     for (d, params) in [
         (64, Kv43Params::default()),
-        (128, Kv43Params { key_group: 64, value_block: 64 }),
-        (256, Kv43Params { key_group: 256, value_block: 32 }),
+        (128, Kv43Params { key_bits: 4, key_group: 64, value_block: 64 }),
+        (256, Kv43Params { key_bits: 4, key_group: 256, value_block: 32 }),
+        (64, Kv43Params { key_bits: 5, ..Kv43Params::default() }),
+        (128, Kv43Params { key_bits: 5, key_group: 128, value_block: 128 }),
     ] {
         let rows = 2 * params.key_group;
         let (k, v, _) = data(rows, d, 3);
@@ -46,12 +48,44 @@ fn codes_round_trip_within_half_a_step_and_bytes_match_the_formula() {
     for d in [64, 128, 256] {
         assert_eq!(Kv43Params::default().bytes_per_token(d), 0.25 * 4.0 * d as f64, "d = {d}");
     }
+    // A fifth key bit costs d/8 bytes; 128-token value blocks save 2d/64 of metadata.
+    let k5 = Kv43Params { key_bits: 5, ..Kv43Params::default() };
+    assert_eq!(k5.bytes_per_token(64) - Kv43Params::default().bytes_per_token(64), 8.0);
+    let v128 = Kv43Params { value_block: 128, ..Kv43Params::default() };
+    assert_eq!(Kv43Params::default().bytes_per_token(64) - v128.bytes_per_token(64), 2.0);
+}
+
+#[test]
+fn five_bit_keys_use_31_levels_and_halve_the_key_step() {
+    let d = 64;
+    let (k, v, _) = data(128, d, 31);
+    let four = Kv43Rows::encode(&k, &v, d, Kv43Params::default()).unwrap();
+    let five = Kv43Rows::encode(&k, &v, d, Kv43Params { key_bits: 5, ..Kv43Params::default() }).unwrap();
+    let codes: Vec<u8> = (0..128).flat_map(|j| (0..d).map(move |c| (j, c))).map(|(j, c)| five.key_code(j, c)).collect();
+    // Every level is used somewhere (the first three channels' outliers span the range)
+    // and none is above 31.
+    assert_eq!(codes.iter().copied().max(), Some(31));
+    assert!(codes.iter().any(|&c| c > 15 && c < 31));
+    for c in 0..d {
+        let (s4, s5) = (four.key_scale[c].to_f32(), five.key_scale[c].to_f32());
+        assert!((s4 / s5 - 31.0 / 15.0).abs() < 0.01, "channel {c}: steps {s4} and {s5}");
+    }
+    let err = |e: &Kv43Rows| {
+        let (dk, _) = e.dequantize();
+        dk.iter().zip(&k).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>()
+    };
+    assert!(err(&five) < 0.3 * err(&four), "5-bit error {} vs 4-bit {}", err(&five), err(&four));
 }
 
 #[test]
 fn homomorphic_scores_and_values_equal_dequantize_then_multiply() {
+    for key_bits in [4, 5] {
+        homomorphic_equals_dequantized(Kv43Params { key_bits, ..Kv43Params::default() });
+    }
+}
+
+fn homomorphic_equals_dequantized(params: Kv43Params) {
     let d = 128;
-    let params = Kv43Params::default();
     let (k, v, q) = data(256, d, 5);
     let enc = Kv43Rows::encode(&k, &v, d, params).unwrap();
     let (dk, dv) = enc.dequantize();
@@ -258,10 +292,11 @@ fn row_runs_attend_only_their_rows_and_splits_at_blocks_merge_back() {
 
 #[test]
 fn fast_scores_equal_the_reference_exactly() {
-    for d in [64, 128, 256] {
+    for (d, key_bits) in [64, 128, 256].into_iter().flat_map(|d| [(d, 4), (d, 5)]) {
         let (keys, values, q) = data(256, d, 11 + d as u64);
-        let rows = Kv43Rows::encode(&keys, &values, d, Kv43Params::default()).unwrap();
-        assert_eq!(rows.scores(&q, 0.125), rows.scores_reference(&q, 0.125), "d = {d}");
+        let params = Kv43Params { key_bits, ..Kv43Params::default() };
+        let rows = Kv43Rows::encode(&keys, &values, d, params).unwrap();
+        assert_eq!(rows.scores(&q, 0.125), rows.scores_reference(&q, 0.125), "d = {d}, {key_bits}-bit keys");
     }
 }
 
@@ -269,9 +304,11 @@ fn fast_scores_equal_the_reference_exactly() {
 fn bad_parameters_and_rows_are_typed_errors() {
     let (k, v, _) = data(128, 64, 1);
     for params in [
-        Kv43Params { key_group: 96, value_block: 64 },
-        Kv43Params { key_group: 128, value_block: 12 },
-        Kv43Params { key_group: 0, value_block: 64 },
+        Kv43Params { key_bits: 4, key_group: 96, value_block: 64 },
+        Kv43Params { key_bits: 4, key_group: 128, value_block: 12 },
+        Kv43Params { key_bits: 4, key_group: 0, value_block: 64 },
+        Kv43Params { key_bits: 3, ..Kv43Params::default() },
+        Kv43Params { key_bits: 6, ..Kv43Params::default() },
     ] {
         assert!(matches!(Kv43Rows::encode(&k, &v, 64, params), Err(Error::InvalidArgument { .. })), "{params:?}");
     }
@@ -288,9 +325,11 @@ fn tile_scores_of_every_head_count_equal_the_reference_exactly() {
     // Partial tiles at both ends of a run, key groups of 24 rows (three tiles), d with
     // three partitions, and more heads than one kernel pass serves.
     for (d, params) in [
-        (64, Kv43Params { key_group: 24, value_block: 8 }),
+        (64, Kv43Params { key_bits: 4, key_group: 24, value_block: 8 }),
         (128, Kv43Params::default()),
-        (192, Kv43Params { key_group: 64, value_block: 32 }),
+        (192, Kv43Params { key_bits: 4, key_group: 64, value_block: 32 }),
+        (64, Kv43Params { key_bits: 5, key_group: 24, value_block: 8 }),
+        (128, Kv43Params { key_bits: 5, key_group: 128, value_block: 128 }),
     ] {
         let rows = 3 * params.key_group;
         let (keys, values, _) = data(rows, d, 40 + d as u64);
@@ -313,8 +352,10 @@ fn tile_scores_of_every_head_count_equal_the_reference_exactly() {
             let t = g * params.key_group / TILE;
             let parts = d / PART;
             let (codes, sums) = (&enc.key_codes[t * TILE * d / 2..][..TILE * d / 2], &enc.key_sums[t * TILE * parts..]);
+            let high = if params.key_bits == 5 { &enc.key_high[t * d..(t + 1) * d] } else { &[][..] };
             for h in 0..heads {
-                let portable = attention::tile_scores_portable(codes, &sums[..TILE * parts], &queries, h, 0.2);
+                let tile = (codes, high, &sums[..TILE * parts]);
+                let portable = attention::tile_scores_portable(tile, &queries, h, 0.2);
                 assert_eq!(portable[..], got[h * rows + t * TILE..][..TILE], "d = {d}, head {h}: portable tile");
             }
             let mut out = vec![f32::NAN; heads * rows];
@@ -360,7 +401,7 @@ fn value_weighing_for_every_head_count_equals_the_reference() {
     // Blocks of one, three and eight 8-row groups and of 128 rows (widened twice), the
     // largest probability codes everywhere (the 16-bit sums' bound) or random ones.
     for (d, vb) in [(64, 8), (128, 24), (64, 64), (128, 128)] {
-        let params = Kv43Params { key_group: 8 * vb, value_block: vb };
+        let params = Kv43Params { key_bits: 4, key_group: 8 * vb, value_block: vb };
         let (keys, values, _) = data(params.key_group, d, vb as u64);
         let enc = Kv43Rows::encode(&keys, &values, d, params).unwrap();
         let planes = &enc.value_planes[..vb / 8 * 3 * d];
@@ -387,8 +428,9 @@ fn heads_taken_apart_into_arrays_come_back_equal() {
         (64, Kv43Params::default(), 0),
         (64, Kv43Params::default(), 50),
         (64, Kv43Params::default(), 128),
-        (128, Kv43Params { key_group: 64, value_block: 64 }, 3 * 64 + 17),
-        (256, Kv43Params { key_group: 256, value_block: 32 }, 2 * 256 + 255),
+        (128, Kv43Params { key_bits: 4, key_group: 64, value_block: 64 }, 3 * 64 + 17),
+        (256, Kv43Params { key_bits: 4, key_group: 256, value_block: 32 }, 2 * 256 + 255),
+        (128, Kv43Params { key_bits: 5, key_group: 128, value_block: 128 }, 3 * 128 + 5),
     ] {
         let (k, v, q) = data(rows.max(1), d, 17);
         let mut head = Kv43Head::new(d, params).unwrap();
@@ -434,7 +476,26 @@ fn arrays_that_do_not_fit_are_typed_errors_naming_what_was_wrong() {
     let mut tail = a.tail_keys.to_vec();
     tail[1] = f16::INFINITY;
     check(Kv43Arrays { tail_keys: &tail, ..a }, "partial group entry 1");
-    let wrong = Kv43Params { key_group: 100, value_block: 64 };
+    let wrong = Kv43Params { key_bits: 4, key_group: 100, value_block: 64 };
     assert!(Kv43Head::from_arrays(d, wrong, a).is_err());
     assert!(Kv43Head::from_arrays(48, params, a).is_err());
+}
+
+#[test]
+fn five_bit_arrays_check_their_fifth_bits() {
+    let (d, params) = (64, Kv43Params { key_bits: 5, ..Kv43Params::default() });
+    let (k, v, _) = data(128 + 3, d, 29);
+    let mut head = Kv43Head::new(d, params).unwrap();
+    head.append(&k, &v).unwrap();
+    let a = head.arrays();
+    assert_eq!(a.key_high.len(), 128 * d / 8);
+    assert_eq!(Kv43Head::from_arrays(d, params, a).unwrap(), head);
+    let e = Kv43Head::from_arrays(d, params, Kv43Arrays { key_high: &a.key_high[1..], ..a }).unwrap_err();
+    assert!(e.to_string().contains("key fifth bits"), "{e}");
+    let mut high = a.key_high.to_vec();
+    high[9] ^= 0x04;
+    let e = Kv43Head::from_arrays(d, params, Kv43Arrays { key_high: &high, ..a }).unwrap_err();
+    assert!(e.to_string().contains("stored key code sum"), "{e}");
+    // 4-bit parameters refuse fifth bits; 5-bit ones refuse their absence.
+    assert!(Kv43Head::from_arrays(d, Kv43Params::default(), a).is_err());
 }
