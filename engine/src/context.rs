@@ -54,7 +54,7 @@ impl Context {
                 let home = buffers.map(|b| BlockStore::new(Arc::clone(b), id.0, layer as u32));
                 Ok(RwLock::new(Layer {
                     kind,
-                    method: make_method(&spec, kind, home.as_ref())?,
+                    method: make_method(&spec, layer, home.as_ref())?,
                     home,
                     reservation: None,
                     version: 0,
@@ -67,37 +67,34 @@ impl Context {
     }
 }
 
-/// The access method of one layer; `home` homes a wave index's segment rows in the buffer
+/// The access method of layer `layer` (its kind and codec from `spec`); `home` homes a wave index's segment rows in the buffer
 /// manager, plain or 2-bit (`hack2`), and a plain PQ index's base rows (ignored by flat
 /// and window layers, see `docs/buffer-manager.md`).
 pub(crate) fn make_method(
     spec: &ContextSpec,
-    kind: LayerKind,
+    layer: usize,
     home: Option<&BlockStore>,
 ) -> Result<Box<dyn AccessMethod>> {
-    fn typed<E: Element>(
-        spec: &ContextSpec,
-        kind: LayerKind,
-        home: Option<&BlockStore>,
-    ) -> Result<Box<dyn AccessMethod>> {
+    fn typed<E: Element>(spec: &ContextSpec, layer: usize, home: Option<&BlockStore>) -> Result<Box<dyn AccessMethod>> {
         let (h, d) = (spec.shape.kv_heads, spec.shape.head_dim);
+        let (kind, codec) = (spec.layers[layer], spec.codec_of(layer));
         Ok(match (kind, spec.method) {
             (LayerKind::SlidingWindow(w), _) => Box::new(WindowIndex::<E>::new(w, h, d)?),
             (LayerKind::Global, Method::Wave(p)) => {
-                let index = WaveIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?;
+                let index = WaveIndex::<E>::new(p, h, d)?.with_codec(codec)?;
                 match home {
                     // kv43 segments stay in the index's memory (no row home layout yet).
-                    Some(store) if spec.codec.kv43().is_none() => Box::new(index.with_home(Arc::new(store.clone()))?),
+                    Some(store) if codec.kv43().is_none() => Box::new(index.with_home(Arc::new(store.clone()))?),
                     _ => Box::new(index),
                 }
             }
             (LayerKind::Global, Method::Flat) => Box::new(FlatIndex::<E>::new(h, d)?),
             (LayerKind::Global, Method::Pq(p)) => {
-                let index = PqIndex::<E>::new(p, h, d)?.with_codec(spec.codec)?;
+                let index = PqIndex::<E>::new(p, h, d)?.with_codec(codec)?;
                 match home {
                     // A hack2 PQ index keeps its 2-bit rows (their durable home is the
                     // checkpoint's encoded home).
-                    Some(store) if !matches!(spec.codec, Codec::Hack2(_)) => {
+                    Some(store) if !matches!(codec, Codec::Hack2(_)) => {
                         Box::new(index.with_home(Arc::new(store.clone()))?)
                     }
                     _ => Box::new(index),
@@ -106,8 +103,8 @@ pub(crate) fn make_method(
         })
     }
     match spec.dtype {
-        DType::F32 => typed::<f32>(spec, kind, home),
-        DType::F16 => typed::<f16>(spec, kind, home),
-        DType::Bf16 => typed::<bf16>(spec, kind, home),
+        DType::F32 => typed::<f32>(spec, layer, home),
+        DType::F16 => typed::<f16>(spec, layer, home),
+        DType::Bf16 => typed::<bf16>(spec, layer, home),
     }
 }

@@ -34,7 +34,7 @@ mod spec;
 pub use analyze::{Analysis, PlannedRows};
 pub use attnstore_buffer::{BlockLayout, BlockLocation, BufferStats, ReplacerKind, Tier, TierStats};
 pub use attnstore_index::{BuildReport, IndexStats, PqLayout, PqParams, SelectionMode, WaveParams};
-pub use attnstore_kernels::{AttnShape, Codec, DType, HackParams, KeyLayout, Kv43Params};
+pub use attnstore_kernels::{AttnShape, Codec, CodecOverrides, DType, HackParams, KeyLayout, Kv43Params, LayerCodecs};
 pub use budget::{Budget, EstimateShare};
 pub use buffers::BufferSettings;
 pub use config::EngineConfig;

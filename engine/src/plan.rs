@@ -214,7 +214,8 @@ pub(crate) fn plan_request(
     let tokens = stats.tokens;
     let elem = spec.dtype.size_bytes();
     let row_bytes = shape.head_dim * elem;
-    let rows = RowBytes { plain: 2 * row_bytes, indexed: spec.codec.kv_row_bytes(shape.head_dim) };
+    let codec = spec.codec_of(request.layer);
+    let rows = RowBytes { plain: 2 * row_bytes, indexed: codec.kv_row_bytes(shape.head_dim) };
     let exact_bytes = stats.kv_bytes;
     let zone = budget.resolve(tokens);
     let building = layer.method.build_handle().is_some_and(|h| !h.is_ready());
@@ -256,7 +257,7 @@ pub(crate) fn plan_request(
         None if on_device
             && matches!(spec.method, Method::Wave(_))
             && spec.dtype == DType::F16
-            && device_codec(spec.codec, shape.head_dim)
+            && device_codec(codec, shape.head_dim)
             && zone.mode == attnstore_index::SelectionMode::PerKvHead
             && config.buffers.is_some()
             && stats.clusters > 0 =>
@@ -310,7 +311,7 @@ pub(crate) fn plan_request(
         tokens,
         shape,
         dtype: spec.dtype,
-        codec: spec.codec,
+        codec,
         method: layer.method.name(),
         kind: layer.kind,
         queries: request.queries.clone(),

@@ -3,7 +3,7 @@
 
 use crate::error::{Error, Result};
 use attnstore_index::{PqParams, WaveParams};
-use attnstore_kernels::{AttnShape, Codec, DType};
+use attnstore_kernels::{AttnShape, Codec, CodecOverrides, DType, LayerCodecs};
 
 /// The kind of one attention layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,8 +67,12 @@ pub struct ContextSpec {
     /// Storage type of keys and values kept plain (all of them, unless `codec` is `hack2`,
     /// which keeps only the steady zone plain).
     pub dtype: DType,
-    /// How stored rows are encoded: the plain `dtype`, or `hack2` for indexed rows.
+    /// How stored rows are encoded: the plain `dtype`, or `hack2` / `kv43` for indexed
+    /// rows; the codec of every layer `codec_overrides` does not name.
     pub codec: Codec,
+    /// Ranges of layers with a codec of their own (e.g. 5-bit kv43 keys where a model's
+    /// keys need them); empty by default.
+    pub codec_overrides: CodecOverrides,
     /// Access method of the global layers.
     pub method: Method,
 }
@@ -81,8 +85,19 @@ impl ContextSpec {
             layers: vec![LayerKind::Global; layers],
             dtype: DType::F16,
             codec: Codec::F16,
+            codec_overrides: CodecOverrides::default(),
             method: Method::default(),
         }
+    }
+
+    /// The codec of layer `layer`: its override, or the context's codec.
+    pub fn codec_of(&self, layer: usize) -> Codec {
+        self.codec_overrides.get(layer).unwrap_or(self.codec)
+    }
+
+    /// The codecs per layer: the context's codec and its overrides.
+    pub fn layer_codecs(&self) -> LayerCodecs {
+        LayerCodecs { default: self.codec, overrides: self.codec_overrides }
     }
 
     /// Sets the plain storage type (the codec follows it, unless it is `hack2`, whose
@@ -102,6 +117,14 @@ impl ContextSpec {
             self.dtype = codec.plain_dtype();
         }
         self
+    }
+
+    /// Sets the codec of every layer and the overrides for ranges of them; the default
+    /// codec sets the storage type as [`ContextSpec::with_codec`] does.
+    pub fn with_layer_codecs(self, codecs: LayerCodecs) -> Self {
+        let mut spec = self.with_codec(codecs.default);
+        spec.codec_overrides = codecs.overrides;
+        spec
     }
 
     /// Sets the access method.
@@ -125,7 +148,30 @@ impl ContextSpec {
         if let Some(i) = self.layers.iter().position(|k| *k == LayerKind::SlidingWindow(0)) {
             return Err(Error::InvalidSpec(format!("layer {i}: a sliding window must hold at least one token")));
         }
-        if let Some(p) = self.codec.kv43() {
+        if let Some(last) = self.codec_overrides.last_layer().filter(|&l| l >= self.layers.len()) {
+            return Err(Error::InvalidSpec(format!(
+                "codec overrides name layer {last}, but the context has {} layers",
+                self.layers.len()
+            )));
+        }
+        self.check_codec(self.codec)?;
+        for (layers, codec) in self.codec_overrides.iter() {
+            self.check_codec(codec).map_err(|e| match e {
+                Error::InvalidSpec(m) => Error::InvalidSpec(format!("layers {}-{}: {m}", layers.start(), layers.end())),
+                e => e,
+            })?;
+        }
+        match &self.method {
+            Method::Wave(p) => p.validate()?,
+            Method::Pq(p) => p.validate(self.shape.head_dim)?,
+            Method::Flat => {}
+        }
+        Ok(())
+    }
+
+    /// Checks that `codec` can store this spec's rows with its method and storage type.
+    fn check_codec(&self, codec: Codec) -> Result<()> {
+        if let Some(p) = codec.kv43() {
             if matches!(self.method, Method::Pq(_)) {
                 return Err(Error::InvalidSpec(
                     "kv43 is not yet served by pq: use kv43 with the wave method, or hack2 / f16 with pq".into(),
@@ -133,12 +179,12 @@ impl ContextSpec {
             }
             p.check(self.shape.head_dim).map_err(|e| Error::InvalidSpec(format!("the kv43 codec: {e}")))?;
         }
-        match (self.codec.is_encoded().then_some(self.codec), &self.method) {
-            (None, _) if self.codec.plain_dtype() != self.dtype => {
+        match (codec.is_encoded().then_some(codec), &self.method) {
+            (None, _) if codec.plain_dtype() != self.dtype => {
                 return Err(Error::InvalidSpec(format!(
                     "codec {} stores {} rows but the spec's dtype is {}: set one with with_codec",
-                    self.codec,
-                    self.codec.plain_dtype(),
+                    codec,
+                    codec.plain_dtype(),
                     self.dtype
                 )));
             }
@@ -162,11 +208,6 @@ impl ContextSpec {
                 )));
             }
             _ => {}
-        }
-        match &self.method {
-            Method::Wave(p) => p.validate()?,
-            Method::Pq(p) => p.validate(self.shape.head_dim)?,
-            Method::Flat => {}
         }
         Ok(())
     }

@@ -53,6 +53,11 @@ fn f16_rows(x: &[f32]) -> Vec<f32> {
 /// stands for: the f16 sink and tail, and each segment's rows in storage order encoded as
 /// the index encodes them and dequantized. `plain` instead takes the f16 rows themselves.
 fn reference(k: &[f32], v: &[f32], q: &[f32], plain: bool) -> Vec<f64> {
+    reference_with(k, v, q, (plain, plain))
+}
+
+/// [`reference`] with the segments' keys and values each plain or dequantized.
+fn reference_with(k: &[f32], v: &[f32], q: &[f32], (plain_keys, plain_values): (bool, bool)) -> Vec<f64> {
     let s = shape();
     let (h, d, g) = (s.kv_heads, s.head_dim, s.group());
     // The same index the engine builds (the same deterministic k-means), for its layout.
@@ -72,16 +77,11 @@ fn reference(k: &[f32], v: &[f32], q: &[f32], plain: bool) -> Vec<f64> {
             let positions = &seg.heads[head].positions;
             let sk: Vec<f32> = positions.iter().flat_map(|&p| row(k, p as usize)).collect();
             let sv: Vec<f32> = positions.iter().flat_map(|&p| row(v, p as usize)).collect();
-            if plain {
-                rk.extend(sk);
-                rv.extend(sv);
-            } else {
-                let mut coded = Kv43Head::new(d, Kv43Params::default()).unwrap();
-                coded.append(&sk, &sv).unwrap();
-                let (dk, dv) = coded.dequantize();
-                rk.extend(dk);
-                rv.extend(dv);
-            }
+            let mut coded = Kv43Head::new(d, Kv43Params::default()).unwrap();
+            coded.append(&sk, &sv).unwrap();
+            let (dk, dv) = coded.dequantize();
+            rk.extend(if plain_keys { sk } else { dk });
+            rv.extend(if plain_values { sv } else { dv });
         }
         for t in layout.tail_start as usize..TOKENS {
             rk.extend(row(k, t));
@@ -280,4 +280,83 @@ fn with_a_buffer_manager_kv43_segments_stay_in_the_index_and_answer_alike() {
     for budget in [Budget::full(), Budget::default().with_retrieve_floor(64).with_retrieve(0.05)] {
         assert_eq!(answer(&homed, a, &q, &budget), answer(&memory, b, &q, &budget));
     }
+}
+
+/// Two layers of the same rows: layer 0 in `kv43`, layer 1 overridden to 5-bit keys (what
+/// SmolLM2's layers 17–21 take, `docs/codec.md` round 5).
+fn layered() -> ContextSpec {
+    let k5 = Codec::Kv43(Kv43Params { key_bits: 5, ..Kv43Params::default() });
+    ContextSpec::new(shape(), 2).with_method(Method::Wave(wave())).with_layer_codecs(attnstore::LayerCodecs {
+        default: Codec::Kv43(Kv43Params::default()),
+        overrides: attnstore::CodecOverrides::default().with(1..=1, k5).unwrap(),
+    })
+}
+
+#[test]
+fn a_layer_with_5_bit_keys_answers_closer_to_f16_and_explain_counts_its_bytes() {
+    let (k, v, q) = data(8);
+    // Sharp queries (scores spread over several units), so the keys' rounding shows.
+    let q: Vec<f32> = q.iter().map(|x| 3.0 * x).collect();
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(layered()).unwrap();
+    for layer in 0..2 {
+        engine.prefill(ctx, layer, &k, &v).unwrap();
+    }
+    let plan =
+        engine.plan(&[Request::new(ctx, 0, q.clone()), Request::new(ctx, 1, q.clone())], &Budget::full()).unwrap();
+    let text = plan.explain();
+    // d = 64: 4-bit keys 64.0 B per token and kv head; 5-bit keys add d/8 = 8 B.
+    assert!(text.contains("kv43 (64.0 B per token and kv head, 0.250× f16)"), "{text}");
+    assert!(text.contains("kv43:k5 (72.0 B per token and kv head, 0.281× f16)"), "{text}");
+    let out = engine.execute(&plan).unwrap();
+    // Against exact attention over the f16 keys and the values as both layers code them
+    // (the same 3-bit values): the 5-bit layer is nearer (the keys' step halves).
+    let exact = reference_with(&k, &v, &q, (true, false));
+    let (four, five) = (rel_l2(&out[0], &exact), rel_l2(&out[1], &exact));
+    println!("exact plans against f16 keys: 4-bit keys {four:.2e}, 5-bit keys {five:.2e}");
+    assert!(five < 0.8 * four, "5-bit keys {five} vs 4-bit {four}");
+    // The layer's own stats count its bytes: more than layer 0's, less than 1.2×.
+    let (l0, l1) = (engine.stats(ctx, 0).unwrap(), engine.stats(ctx, 1).unwrap());
+    assert!(l1.kv_bytes > l0.kv_bytes && (l1.kv_bytes as f64) < 1.2 * l0.kv_bytes as f64, "{l0:?} {l1:?}");
+}
+
+#[test]
+fn codec_overrides_survive_checkpoint_and_recovery_and_bad_ones_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let (k, v, q) = data(9);
+    let budgets = [Budget::full(), Budget::default().with_retrieve_floor(64).with_retrieve(0.05)];
+    let outputs = |engine: &Engine, ctx| -> Vec<Vec<f32>> {
+        let requests = [Request::new(ctx, 0, q.clone()), Request::new(ctx, 1, q.clone())];
+        budgets.iter().flat_map(|b| engine.execute(&engine.plan(&requests, b).unwrap()).unwrap()).collect()
+    };
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(layered()).unwrap();
+    for layer in 0..2 {
+        engine.prefill(ctx, layer, &k, &v).unwrap();
+    }
+    let report = engine.checkpoint().unwrap();
+    assert_eq!(report.homes_written, 2, "{report:?}");
+    let before = outputs(&engine, ctx);
+    drop(engine);
+    let engine = Engine::open(dir.path(), EngineConfig::default()).unwrap();
+    let report = engine.recovery_report().unwrap();
+    assert!(report.layout_errors.is_empty(), "{report}");
+    assert_eq!(report.homes_restored, 2, "{report}");
+    assert_eq!(engine.spec(ctx).unwrap(), layered());
+    assert_eq!(outputs(&engine, ctx), before);
+
+    let refused = |spec: ContextSpec, says: &str| match engine.create_context(spec) {
+        Err(Error::InvalidSpec(why)) => assert!(why.contains(says), "{why}"),
+        other => panic!("expected InvalidSpec saying {says:?}, got {other:?}"),
+    };
+    let overrides = |s: &str| s.parse::<attnstore::CodecOverrides>().unwrap();
+    let mut beyond = layered();
+    beyond.codec_overrides = overrides("1-2=kv43:k5");
+    refused(beyond, "name layer 2, but the context has 2 layers");
+    let mut pq = layered().with_method(Method::Pq(PqParams::default())).with_codec(Codec::Hack2(Default::default()));
+    pq.codec_overrides = overrides("1=kv43:k5");
+    refused(pq, "layers 1-1: kv43 is not yet served by pq");
+    let mut bf16 = layered();
+    bf16.codec_overrides = overrides("0=bf16");
+    refused(bf16, "codec bf16 stores bf16 rows but the spec's dtype is f16");
 }

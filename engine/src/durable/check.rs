@@ -133,7 +133,7 @@ pub fn check(dir: &Path) -> Result<CheckReport> {
                     s.shape.kv_heads,
                     s.shape.head_dim,
                     s.layers.len(),
-                    s.codec,
+                    s.layer_codecs(),
                     s.method.name()
                 );
                 (c, words)

@@ -178,9 +178,10 @@ fn replay_layer(
     if background && indexed && committed > 0 && home.is_none() {
         // Load into an exact (flat) method now; the real index follows in the background.
         let handle = catalog.get(id)?;
-        let flat = ctx.spec.clone().with_method(Method::Flat);
+        let mut flat = ctx.spec.clone().with_method(Method::Flat);
+        flat.layers[layer] = LayerKind::Global;
         let mut guard = handle.layers[layer].write();
-        guard.method = make_method(&flat, LayerKind::Global, None)?;
+        guard.method = make_method(&flat, layer, None)?;
         guard.rebuilding = true;
         drop(guard);
         let blocks = into.buffers.map(|b| crate::exec::home::BlockStore::new(Arc::clone(b), id.0, layer as u32));

@@ -68,7 +68,7 @@ fn rebuild_layer(durable: &Durable, job: &RebuildJob) -> Result<()> {
     let spec = &job.context.spec;
     let path = data_path(&durable.dir, job.id.0, job.layer);
     let row = spec.shape.kv_heads * spec.shape.head_dim;
-    let mut method = make_method(spec, spec.layers[job.layer], job.blocks.as_ref())?;
+    let mut method = make_method(spec, job.layer, job.blocks.as_ref())?;
     let owner = durable.owner(job.id, job.layer);
     let mut reader = ChunkReader::open(&path, owner, job.loaded_bytes, spec.dtype, row)?;
     // A checkpointed layout (wave and PQ layers) restores the tokens it covers without

@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use attnstore_index::{PqParams, WaveParams};
-use attnstore_kernels::{AttnShape, Codec, DType, HackParams};
+use attnstore_kernels::{AttnShape, Codec, CodecOverrides, HackParams};
 use bincode::Options;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -129,7 +129,7 @@ pub(crate) enum LayerKindRecord {
     SlidingWindow(u64),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub(crate) enum DTypeRecord {
     F32,
     F16,
@@ -149,6 +149,71 @@ pub(crate) enum DTypeRecord {
         key_group: u64,
         value_block: u64,
     },
+    /// kv43 with its key bits (written for 5-bit keys; 4-bit ones keep `Kv43F16`);
+    /// appended last.
+    Kv43BitsF16 {
+        key_bits: u8,
+        key_group: u64,
+        value_block: u64,
+    },
+    /// A codec per range of layers: the context's codec and its overrides (first and last
+    /// layer, inclusive); appended last.
+    Layers {
+        default: Box<DTypeRecord>,
+        overrides: Vec<(u64, u64, DTypeRecord)>,
+    },
+}
+
+impl DTypeRecord {
+    /// The record of one codec (never `Layers`).
+    fn of(codec: Codec) -> Self {
+        match codec {
+            Codec::Kv43(p) if p.key_bits == 4 => {
+                DTypeRecord::Kv43F16 { key_group: wide(p.key_group), value_block: wide(p.value_block) }
+            }
+            Codec::Kv43(p) => DTypeRecord::Kv43BitsF16 {
+                key_bits: p.key_bits,
+                key_group: wide(p.key_group),
+                value_block: wide(p.value_block),
+            },
+            Codec::Hack2(p) if p.per_channel() => DTypeRecord::Hack2cF16 { partition: wide(p.partition) },
+            Codec::Hack2(p) => DTypeRecord::Hack2F16 { partition: wide(p.partition) },
+            Codec::F32 => DTypeRecord::F32,
+            Codec::F16 => DTypeRecord::F16,
+            Codec::Bf16 => DTypeRecord::Bf16,
+        }
+    }
+
+    /// The codec a record of one codec stands for (`Layers` is an error here).
+    fn codec(&self) -> Result<Codec, String> {
+        Ok(match *self {
+            DTypeRecord::F32 => Codec::F32,
+            DTypeRecord::F16 => Codec::F16,
+            DTypeRecord::Bf16 => Codec::Bf16,
+            DTypeRecord::Hack2F16 { partition } => {
+                Codec::Hack2(HackParams::new(narrow(partition, "partition")?).map_err(|e| e.to_string())?)
+            }
+            DTypeRecord::Hack2cF16 { partition } => Codec::Hack2(
+                HackParams::new(narrow(partition, "partition")?)
+                    .map_err(|e| e.to_string())?
+                    .with_keys(attnstore_kernels::KeyLayout::PerChannel),
+            ),
+            // The groups are checked with the head dimension by `validate`.
+            DTypeRecord::Kv43F16 { key_group, value_block } => Codec::Kv43(attnstore_kernels::Kv43Params {
+                key_bits: 4,
+                key_group: narrow(key_group, "key group")?,
+                value_block: narrow(value_block, "value block")?,
+            }),
+            DTypeRecord::Kv43BitsF16 { key_bits, key_group, value_block } => {
+                Codec::Kv43(attnstore_kernels::Kv43Params {
+                    key_bits,
+                    key_group: narrow(key_group, "key group")?,
+                    value_block: narrow(value_block, "value block")?,
+                })
+            }
+            DTypeRecord::Layers { .. } => return Err("a layer's codec record holds codecs per layer".into()),
+        })
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -196,16 +261,16 @@ impl SpecRecord {
                 LayerKind::SlidingWindow(w) => LayerKindRecord::SlidingWindow(wide(w)),
             })
             .collect();
-        let dtype = match (spec.codec.hack(), spec.dtype) {
-            _ if spec.codec.kv43().is_some() => {
-                let p = spec.codec.kv43().unwrap_or_default();
-                DTypeRecord::Kv43F16 { key_group: wide(p.key_group), value_block: wide(p.value_block) }
-            }
-            (Some(p), _) if p.per_channel() => DTypeRecord::Hack2cF16 { partition: wide(p.partition) },
-            (Some(p), _) => DTypeRecord::Hack2F16 { partition: wide(p.partition) },
-            (None, DType::F32) => DTypeRecord::F32,
-            (None, DType::F16) => DTypeRecord::F16,
-            (None, DType::Bf16) => DTypeRecord::Bf16,
+        let dtype = match spec.codec_overrides.is_empty() {
+            true => DTypeRecord::of(spec.codec),
+            false => DTypeRecord::Layers {
+                default: Box::new(DTypeRecord::of(spec.codec)),
+                overrides: spec
+                    .codec_overrides
+                    .iter()
+                    .map(|(layers, c)| (wide(*layers.start()), wide(*layers.end()), DTypeRecord::of(c)))
+                    .collect(),
+            },
         };
         let method = match spec.method {
             Method::Wave(p) => MethodRecord::Wave {
@@ -255,23 +320,15 @@ impl SpecRecord {
                 })
             })
             .collect::<Result<Vec<_>, String>>()?;
-        let codec = match self.dtype {
-            DTypeRecord::F32 => Codec::F32,
-            DTypeRecord::F16 => Codec::F16,
-            DTypeRecord::Bf16 => Codec::Bf16,
-            DTypeRecord::Hack2F16 { partition } => {
-                Codec::Hack2(HackParams::new(narrow(partition, "partition")?).map_err(|e| e.to_string())?)
+        let (codec, codec_overrides) = match &self.dtype {
+            DTypeRecord::Layers { default, overrides } => {
+                let mut table = CodecOverrides::default();
+                for (first, last, c) in overrides {
+                    table = table.with(narrow(*first, "layer")?..=narrow(*last, "layer")?, c.codec()?)?;
+                }
+                (default.codec()?, table)
             }
-            DTypeRecord::Hack2cF16 { partition } => Codec::Hack2(
-                HackParams::new(narrow(partition, "partition")?)
-                    .map_err(|e| e.to_string())?
-                    .with_keys(attnstore_kernels::KeyLayout::PerChannel),
-            ),
-            // The groups are checked with the head dimension by `validate` below.
-            DTypeRecord::Kv43F16 { key_group, value_block } => Codec::Kv43(attnstore_kernels::Kv43Params {
-                key_group: narrow(key_group, "key group")?,
-                value_block: narrow(value_block, "value block")?,
-            }),
+            one => (one.codec()?, CodecOverrides::default()),
         };
         let method = match self.method {
             MethodRecord::Wave {
@@ -316,7 +373,7 @@ impl SpecRecord {
                 seed,
             }),
         };
-        let spec = ContextSpec { shape, layers, dtype: codec.plain_dtype(), codec, method };
+        let spec = ContextSpec { shape, layers, dtype: codec.plain_dtype(), codec, codec_overrides, method };
         spec.validate().map_err(|e| e.to_string())?;
         Ok(spec)
     }
@@ -343,6 +400,7 @@ pub(crate) fn decode<T: DeserializeOwned>(payload: &[u8]) -> Result<T, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use attnstore_kernels::DType;
 
     #[test]
     fn every_kind_of_spec_round_trips_through_its_record() {
@@ -360,6 +418,10 @@ mod tests {
                 LayerKind::SlidingWindow(512),
                 LayerKind::Global,
             ]),
+            // 5-bit keys, and a codec per range of layers.
+            ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 1).with_codec("kv43:k5:v128".parse().unwrap()),
+            ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 6)
+                .with_layer_codecs("kv43:v128,2-3=kv43:k5,5=f16".parse().unwrap()),
         ] {
             let record = SpecRecord::from_spec(&spec);
             let back: SpecRecord = decode(&encode(&record)).unwrap();
@@ -372,6 +434,17 @@ mod tests {
         );
         bad.dtype = DTypeRecord::Kv43F16 { key_group: 100, value_block: 64 };
         assert!(bad.to_spec().unwrap_err().contains("kv43"));
+        // So is one with 6-bit keys, overlapping layer ranges or nested tables.
+        bad.dtype = DTypeRecord::Kv43BitsF16 { key_bits: 6, key_group: 128, value_block: 64 };
+        assert!(bad.to_spec().unwrap_err().contains("4 or 5 bits"));
+        let k5 = DTypeRecord::Kv43BitsF16 { key_bits: 5, key_group: 128, value_block: 64 };
+        let f16 = Box::new(DTypeRecord::F16);
+        bad.dtype =
+            DTypeRecord::Layers { default: f16.clone(), overrides: vec![(0, 0, k5.clone()), (0, 0, k5.clone())] };
+        assert!(bad.to_spec().unwrap_err().contains("overlap"));
+        let nested = DTypeRecord::Layers { default: f16.clone(), overrides: vec![] };
+        bad.dtype = DTypeRecord::Layers { default: f16, overrides: vec![(0, 0, nested)] };
+        assert!(bad.to_spec().unwrap_err().contains("codecs per layer"));
     }
 
     #[test]

@@ -423,7 +423,7 @@ pub(super) fn usable_home(
 ) -> Result<Option<super::home::LoadedHome>> {
     let ctx = &state.contexts[&context];
     // hack2 wave and PQ layers and kv43 wave layers have encoded homes (PQ refuses kv43).
-    let codec = attnstore_index::RowCodec::of(ctx.spec.codec);
+    let codec = attnstore_index::RowCodec::of(ctx.spec.codec_of(layer));
     let (true, Method::Wave(_) | Method::Pq(_), LayerKind::Global) =
         (codec.is_encoded(), ctx.spec.method, ctx.spec.layers[layer])
     else {
