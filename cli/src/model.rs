@@ -1,7 +1,7 @@
 //! The real-model commands: `generate`, `capture`, `eval`, `argmax`, and `bench --trace`.
 
 use attnstore::remote::ModelId;
-use attnstore::{Budget, Codec, EstimateShare};
+use attnstore::{Budget, Codec, EstimateShare, LayerCodecs};
 use attnstore_bench::plot::{Axis, Chart, Series};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
 use attnstore_runtime::synth::{write_model, SynthConfig};
@@ -53,10 +53,12 @@ pub struct ModelBudgetArgs {
     estimate: EstimateShare,
     /// Codec of the stored KV: f16 (default), or hack2 / hack2:Π (2-bit homomorphic rows,
     /// HACK's per-token keys), hack2c / hack2c:Π (keys normalized per channel first), kv43 /
-    /// kv43:G (4-bit per-channel keys over G-token groups, 3-bit values; not with pq); with
+    /// kv43 (4-bit per-channel keys over 128-token groups, 3-bit values over 64-token blocks;
+    /// not with pq) with any of :kB (key bits, 4 or 5), :G (key group), :vV (value block);
+    /// then optionally a codec per range of layers, e.g. `kv43:v128,17-21=kv43:k5`; with
     /// `exact`, exact attention over the encoded rows.
     #[arg(long, default_value = "f16")]
-    codec: Codec,
+    codec: LayerCodecs,
 }
 
 impl ModelBudgetArgs {
@@ -522,9 +524,9 @@ pub fn bench_trace(
         );
     }
     // A 2-bit codec is measured next to f16 in the same run, so its cost is read off directly.
-    let mut configs = trace::configs_for(bases, dense_layers, Codec::F16);
+    let mut configs = trace::configs_for(bases, dense_layers, Codec::F16.into());
     if codec != Codec::F16 {
-        configs.extend(trace::configs_for(bases, dense_layers, codec));
+        configs.extend(trace::configs_for(bases, dense_layers, codec.into()));
     }
     let rows =
         trace::bench_trace(&t, &configs, &mut |what| eprintln!("evaluating {what}")).map_err(|e| e.to_string())?;

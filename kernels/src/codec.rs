@@ -289,6 +289,17 @@ impl LayerCodecs {
     pub fn of(&self, layer: usize) -> Codec {
         self.overrides.get(layer).unwrap_or(self.default)
     }
+
+    /// True when any layer's codec encodes its indexed rows.
+    pub fn is_encoded(&self) -> bool {
+        self.default.is_encoded() || self.overrides.iter().any(|(_, c)| c.is_encoded())
+    }
+
+    /// The type of rows kept unencoded (the default codec's; a context checks that every
+    /// layer's agrees).
+    pub fn plain_dtype(&self) -> DType {
+        self.default.plain_dtype()
+    }
 }
 
 impl From<Codec> for LayerCodecs {

@@ -5,8 +5,8 @@
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model, Prefill};
 use attnstore::{
-    AttnShape, Budget, Codec, ContextId, ContextSpec, Engine, EstimateShare, LayerKind, Method, PqParams, Request,
-    Strategy, WaveParams,
+    AttnShape, Budget, Codec, ContextId, ContextSpec, Engine, EstimateShare, LayerCodecs, LayerKind, Method, PqParams,
+    Request, Strategy, WaveParams,
 };
 use std::time::{Duration, Instant};
 
@@ -90,8 +90,9 @@ pub struct AttnConfig {
     pub method: AttnMethod,
     /// The plan budget (ignored by `Exact`, which always plans the full budget).
     pub budget: Budget,
-    /// Codec of the stored KV (`hack2`: 2-bit indexed rows, f16 steady zone).
-    pub codec: Codec,
+    /// Codec of the stored KV per layer (`hack2`: 2-bit indexed rows, f16 steady zone;
+    /// `kv43,17-21=kv43:k5`: 5-bit keys in layers 17–21).
+    pub codec: LayerCodecs,
     /// The first this many layers are always attended exactly (their attention is broad:
     /// on SmolLM2 layer 0 has 3-5x the sparse error of the median layer).
     pub dense_layers: usize,
@@ -100,7 +101,7 @@ pub struct AttnConfig {
 impl AttnConfig {
     /// `method` under the runtime's default budget ([`default_budget`]), f16 storage.
     pub fn new(method: AttnMethod) -> Self {
-        Self { method, budget: default_budget(), codec: Codec::F16, dense_layers: 0 }
+        Self { method, budget: default_budget(), codec: LayerCodecs::uniform(Codec::F16), dense_layers: 0 }
     }
 
     /// The budget scaled by `scale`: retrieval fraction and token floor (the estimation
@@ -118,11 +119,13 @@ impl AttnConfig {
     pub(crate) fn spec(&self, shape: AttnShape, kinds: &[LayerKind]) -> ContextSpec {
         let base = ContextSpec::new(shape, kinds.len()).with_layers(kinds.to_vec());
         match (self.method, self.codec.is_encoded()) {
-            (AttnMethod::Exact, true) => base.with_codec(self.codec).with_method(Method::Wave(WaveParams::default())),
+            (AttnMethod::Exact, true) => {
+                base.with_layer_codecs(self.codec).with_method(Method::Wave(WaveParams::default()))
+            }
             (AttnMethod::TopK, true) => {
                 base.with_codec(Codec::from(self.codec.plain_dtype())).with_method(Method::Flat)
             }
-            (m, _) => base.with_codec(self.codec).with_method(m.spec_method()),
+            (m, _) => base.with_layer_codecs(self.codec).with_method(m.spec_method()),
         }
     }
 

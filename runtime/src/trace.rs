@@ -5,7 +5,7 @@
 use crate::error::{Error, Result};
 use crate::model::{argmax, AttentionBackend, Model};
 use crate::session::{relative_l2, store_context, AttnConfig, AttnMethod, Session};
-use attnstore::{Budget, Codec, ContextSpec, Engine, EngineConfig, LayerKind, Method, Request};
+use attnstore::{Budget, Codec, ContextSpec, Engine, EngineConfig, LayerCodecs, LayerKind, Method, Request};
 use half::f16;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -124,7 +124,7 @@ pub fn capture(
     }
     let prefill = model.prefill(prompt, chunk, progress)?;
     let engine = Engine::in_memory(EngineConfig::default())?;
-    let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
+    let config = AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(AttnMethod::Exact) };
     let mut session = Session::new(model, &engine, config, &prefill, false)?;
     let mut rec = Recorder { session: &mut session, kv: vec![(Vec::new(), Vec::new()); c.layers], queries: Vec::new() };
     let mut tokens = prompt.to_vec();
@@ -405,12 +405,12 @@ pub fn recall_of(positions: &[u32], scores: &[f32]) -> f64 {
 /// The default set of trace evaluations: exact, then wave, pq and the oracle top-k at
 /// 0.5×, 1× and 2× the default budget.
 pub fn default_configs() -> Vec<(AttnConfig, f64)> {
-    configs_for(&[crate::session::default_budget()], 0, Codec::F16)
+    configs_for(&[crate::session::default_budget()], 0, Codec::F16.into())
 }
 
 /// Exact, then for every base budget wave, pq and the oracle top-k at 0.5×, 1× and 2× it,
 /// with `dense_layers` exact layers.
-pub fn configs_for(bases: &[Budget], dense_layers: usize, codec: Codec) -> Vec<(AttnConfig, f64)> {
+pub fn configs_for(bases: &[Budget], dense_layers: usize, codec: LayerCodecs) -> Vec<(AttnConfig, f64)> {
     let mut out = vec![(AttnConfig { codec, ..AttnConfig::new(AttnMethod::Exact) }, 1.0)];
     for &budget in bases {
         for method in [AttnMethod::Wave, AttnMethod::Pq, AttnMethod::TopK] {
