@@ -6,8 +6,8 @@
 //! the boundary is raised as pyo3's `PanicException`, never an abort.
 
 use attnstore::{
-    AttnShape, Budget, BufferSettings, Codec, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, LayerKind,
-    Method, Request,
+    AttnShape, Budget, BufferSettings, ContextId, ContextSpec, DType, EngineConfig, EstimateShare, LayerCodecs,
+    LayerKind, Method, Request,
 };
 use numpy::{IntoPyArray, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::create_exception;
@@ -499,8 +499,8 @@ fn spec_of(
     let method: Method = method.parse().map_err(py_err)?;
     let mut spec = ContextSpec::new(shape, layers).with_dtype(dtype).with_method(method);
     if let Some(c) = codec {
-        let codec: Codec = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
-        spec = spec.with_codec(codec);
+        let codecs: LayerCodecs = c.parse().map_err(|e| InvalidArgumentError::new_err(format!("codec: {e}")))?;
+        spec = spec.with_layer_codecs(codecs);
     }
     if let Some(w) = windows {
         if w.len() != layers {
@@ -572,7 +572,9 @@ impl Engine {
     /// stored); `method`: wave (default), pq or flat (exact only); `codec`: None (plain
     /// `dtype`), "hack2" (2-bit indexed rows, HACK's per-token keys), "hack2c" (2-bit rows
     /// with keys normalized per channel) or "kv43" (4-bit per-channel keys, 3-bit values; wave
-    /// only); all need dtype f16; `windows`: per layer, None
+    /// only; "kv43:k5" for 5-bit keys, ":v128" for 128-token value blocks); all need dtype
+    /// f16; a codec per range of layers after a comma, e.g. "kv43:v128,17-21=kv43:k5";
+    /// `windows`: per layer, None
     /// for a global layer or the window of a sliding-window layer (exact over its last
     /// `window` tokens, nothing older kept); by default every layer is global.
     #[pyo3(signature = (q_heads, kv_heads, head_dim, layers=1, dtype="f16", method="wave", codec=None, windows=None))]

@@ -262,3 +262,25 @@ def test_kv43_rows_stay_near_f16_and_pq_is_refused():
     assert errors["kv43"] < errors["hack2c"], errors
     with pytest.raises(attnstore.InvalidArgumentError, match="not yet served by pq"):
         eng.create_context(q_heads=8, kv_heads=2, head_dim=64, method="pq", codec="kv43")
+
+
+def test_a_codec_per_range_of_layers():
+    """`codec="kv43,1=kv43:k5"`: layer 1 keeps 5-bit keys (EXPLAIN counts its 72 bytes per
+    token and KV head at d = 64, layer 0 its 64) and answers as a one-layer kv43:k5 context
+    does; a range beyond the layers, or overlapping another, is an InvalidArgumentError."""
+    rng = np.random.default_rng(13)
+    k = rng.standard_normal((2, 1024, 64)).astype(np.float32)
+    v = rng.standard_normal((2, 1024, 64)).astype(np.float32)
+    q = rng.standard_normal((8, 64)).astype(np.float32)
+    eng = attnstore.Engine()
+    ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, layers=2, codec="kv43,1=kv43:k5")
+    one = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, codec="kv43:k5")
+    for c, layer in ((ctx, 0), (ctx, 1), (one, 0)):
+        eng.prefill(c, layer, k, v)
+    assert "kv43 (64.0 B per token" in eng.plan(ctx, 0, q).explain()
+    assert "kv43:k5 (72.0 B per token" in eng.plan(ctx, 1, q).explain()
+    np.testing.assert_array_equal(eng.attend(ctx, 1, q, exact=True), eng.attend(one, 0, q, exact=True))
+    with pytest.raises(attnstore.InvalidArgumentError, match="layer 2"):
+        eng.create_context(q_heads=8, kv_heads=2, head_dim=64, layers=2, codec="kv43,2=kv43:k5")
+    with pytest.raises(attnstore.InvalidArgumentError, match="overlap"):
+        eng.create_context(q_heads=8, kv_heads=2, head_dim=64, layers=4, codec="kv43,0-2=kv43:k5,2=f16")

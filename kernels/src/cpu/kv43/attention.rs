@@ -65,7 +65,7 @@ impl GroupQueries {
 }
 
 /// One value block's buffers while [`Kv43Rows::attend_runs`] folds it: per head the rows'
-/// scores (`heads × value_block`, `-∞` for rows not attended), their 7-bit probability codes,
+/// scores (`heads × probability_rows`, `-∞` for rows not attended), their 7-bit probability codes,
 /// step and code sum, the codes as broadcast row-pair weights for the AVX2 kernel, the
 /// weighed value codes (`heads × d`), the portable path's unpacked codes and the block's
 /// value metadata.
@@ -125,7 +125,8 @@ impl Kv43Rows {
         let (d, p) = (self.d, self.params);
         let heads = parts.len();
         check_runs(q, d, self.rows, ranges, parts)?;
-        let vb = p.value_block;
+        // Probability blocks (a value block, or 64 rows of a longer one).
+        let vb = p.probability_rows();
         let mut block = Block::new(heads, d, vb);
         let mut queries = GroupQueries::new(heads, d);
         let (mut group, mut current) = (None, None);
@@ -202,7 +203,9 @@ impl Kv43Rows {
     /// maximum, the probabilities relative to it are coded to 7 bits against the block's
     /// largest, and the values are weighed on their codes.
     fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
-        let (d, vb) = (self.d, self.params.value_block);
+        let (d, vb) = (self.d, self.params.probability_rows());
+        // The value block whose minima and scales the rows share.
+        let mb = b * vb / self.params.value_block;
         let mut live = false;
         for (h, part) in parts.iter_mut().enumerate() {
             let row = &mut block.scores[h * vb..(h + 1) * vb];
@@ -230,8 +233,8 @@ impl Kv43Rows {
         }
         let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
         weigh_value_planes(planes, d, &block.codes, (&mut block.weights, &mut block.z), &mut block.dot);
-        self.value_min[b * d..(b + 1) * d].convert_to_f32_slice(&mut block.mins);
-        self.value_scale[b * d..(b + 1) * d].convert_to_f32_slice(&mut block.scales);
+        self.value_min[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.mins);
+        self.value_scale[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.scales);
         for (h, part) in parts.iter_mut().enumerate() {
             let (step, sum) = (block.steps[h], block.sums[h] as f32);
             if step == 0.0 {

@@ -1,9 +1,11 @@
 //! A reference for the next codec of issue 43 (`docs/codec.md`, "Round 3"): keys quantized
-//! to 4 bits **per channel** over groups of `key_group` tokens (KIVI's layout, because
-//! outliers live in channels), values to 3 bits per channel over blocks of `value_block`
-//! tokens, and attention computed on the codes without dequantizing:
+//! to 4 bits (or 5, [`Kv43Params::key_bits`]) **per channel** over groups of `key_group`
+//! tokens (KIVI's layout, because outliers live in channels), values to 3 bits per channel
+//! over blocks of `value_block` tokens, and attention computed on the codes without
+//! dequantizing:
 //!
-//! - a key is `k_jc = m_c + s_c·u_jc` (`u` in 0..=15, `m`, `s` per channel and key group, f16),
+//! - a key is `k_jc = m_c + s_c·u_jc` (`u` in 0..=15, or 0..=31 with 5-bit keys; `m`, `s` per
+//!   channel and key group, f16),
 //!   so `q·k_j = Σ_c q_c m_c + Σ_c (q_c s_c) u_jc`: the query is scaled by the group's channel
 //!   scales, quantized once per group to 8 bits per 64-dimension partition
 //!   (`q_c s_c ≈ a + b·w_c`), and `Σ_c (q_c s_c) u_jc ≈ a·U_j + b·Σ_c w_c u_jc` with the
@@ -104,6 +106,17 @@ impl Kv43Params {
         let codes = keys + 3.0 * d as f64 / 8.0 + 2.0 * (d / PART) as f64;
         let meta = 4.0 * d as f64 / self.key_group as f64 + 4.0 * d as f64 / self.value_block as f64;
         codes + meta
+    }
+
+    /// Rows whose probabilities are coded together against their largest: 64 where value
+    /// blocks are whole multiples of 64 (so 128-token value blocks halve their metadata
+    /// without coarsening the probabilities), else the value block.
+    pub fn probability_rows(&self) -> usize {
+        if self.value_block.is_multiple_of(PART) {
+            PART
+        } else {
+            self.value_block
+        }
     }
 
     /// Largest key code: 15 or 31.
@@ -413,11 +426,11 @@ impl Kv43Rows {
     }
 
     /// Homomorphic decode attention of query `q` over every row: softmax of
-    /// [`Kv43Rows::scores`], each value block's probabilities coded to 7 bits, values
-    /// never dequantized, one code at a time: the reference of [`Kv43Rows::attend_runs`].
-    /// Returns `d` values.
+    /// [`Kv43Rows::scores`], the probabilities of each block of
+    /// [`Kv43Params::probability_rows`] rows coded to 7 bits, values never dequantized, one
+    /// code at a time: the reference of [`Kv43Rows::attend_runs`]. Returns `d` values.
     pub fn attend(&self, q: &[f32], scale: f32) -> Vec<f32> {
-        let (d, vb) = (self.d, self.params.value_block);
+        let (d, vb) = (self.d, self.params.probability_rows());
         let scores = self.scores(q, scale);
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let p: Vec<f32> = scores.iter().map(|s| (s - max).exp()).collect();
@@ -437,8 +450,10 @@ impl Kv43Rows {
             let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
             unpack_value_codes(planes, d, &mut z);
             weigh_value_codes(&z, d, &codes, &mut dot);
+            // The value block the probability block lies in.
+            let mb = b * vb / self.params.value_block;
             for (c, o) in out.iter_mut().enumerate() {
-                let (m, s) = (self.value_min[b * d + c].to_f32(), self.value_scale[b * d + c].to_f32());
+                let (m, s) = (self.value_min[mb * d + c].to_f32(), self.value_scale[mb * d + c].to_f32());
                 *o += step * (m * sum as f32 + s * dot[c] as f32);
             }
         }

@@ -79,8 +79,8 @@ fn five_bit_keys_use_31_levels_and_halve_the_key_step() {
 
 #[test]
 fn homomorphic_scores_and_values_equal_dequantize_then_multiply() {
-    for key_bits in [4, 5] {
-        homomorphic_equals_dequantized(Kv43Params { key_bits, ..Kv43Params::default() });
+    for (key_bits, value_block) in [(4, 64), (5, 64), (4, 128)] {
+        homomorphic_equals_dequantized(Kv43Params { key_bits, value_block, ..Kv43Params::default() });
     }
 }
 
@@ -119,13 +119,15 @@ fn homomorphic_equals_dequantized(params: Kv43Params) {
     let max = got.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let p: Vec<f32> = got.iter().map(|s| (s - max).exp()).collect();
     let (mut want, mut total) = (vec![0.0f64; d], 0.0f64);
-    for block in p.chunks(params.value_block).enumerate() {
+    // Probabilities coded per 64 rows, also inside 128-row value blocks.
+    assert_eq!(params.probability_rows(), 64);
+    for block in p.chunks(params.probability_rows()).enumerate() {
         let (b, ps) = block;
         let step = ps.iter().copied().fold(0.0f32, f32::max) / P_LEVELS;
         for (i, &x) in ps.iter().enumerate() {
             let w = f64::from(step) * f64::from((x / step).round().min(P_LEVELS));
             total += w;
-            let t = b * params.value_block + i;
+            let t = b * params.probability_rows() + i;
             want.iter_mut().enumerate().for_each(|(c, o)| *o += w * f64::from(dv[t * d + c]));
         }
     }
