@@ -182,6 +182,7 @@ fn what_kv43_cannot_serve_yet_is_a_typed_error() {
     refused(
         ContextSpec::new(shape(), 1).with_codec(Codec::Kv43(Kv43Params {
             key_bits: 4,
+            value_bits: 3,
             key_group: 96,
             value_block: 64,
         })),

@@ -28,10 +28,11 @@ pub enum Codec {
     /// f16. `hack2`: HACK's per-token keys; `hack2c`: keys normalized per channel over each
     /// block of Π tokens first ([`KeyLayout::PerChannel`]).
     Hack2(HackParams),
-    /// Keys in 4 (or 5) bits per channel over groups of tokens, values in 3 bits per
+    /// Keys in 4 (or 5) bits per channel over groups of tokens, values in 3 (or 4) bits per
     /// channel over blocks of tokens (`cpu::kv43`), attended on the codes; rows not yet
-    /// encoded are f16. `kv43` (4-bit keys over 128 tokens, values over 64), or with any of
-    /// `:kB` (key bits), `:G` or `:gG` (key group), `:vV` (value block), e.g. `kv43:k5:v128`.
+    /// encoded are f16. `kv43` (4-bit keys over 128 tokens, 3-bit values over 64), or with
+    /// any of `:kB` (key bits), `:vB` (value bits), `:G` or `:gG` (key group), `:bN` (value
+    /// block), e.g. `kv43:k5:b128`.
     Kv43(Kv43Params),
 }
 
@@ -121,11 +122,14 @@ impl fmt::Display for Codec {
                 if p.key_bits != d.key_bits {
                     write!(f, ":k{}", p.key_bits)?;
                 }
+                if p.value_bits != d.value_bits {
+                    write!(f, ":v{}", p.value_bits)?;
+                }
                 if p.key_group != d.key_group {
                     write!(f, ":{}", p.key_group)?;
                 }
                 if p.value_block != d.value_block {
-                    write!(f, ":v{}", p.value_block)?;
+                    write!(f, ":b{}", p.value_block)?;
                 }
                 Ok(())
             }
@@ -137,23 +141,27 @@ impl fmt::Display for Codec {
 impl FromStr for Codec {
     type Err = String;
     /// `f32`, `f16`, `bf16`, `hack2` / `hack2c` (Π = 64) or `hack2:Π` / `hack2c:Π`, `kv43`
-    /// (4-bit keys over groups of 128 tokens, values over 64) with any of `:kB` (key bits,
-    /// 4 or 5), `:G` or `:gG` (key group) and `:vV` (value block).
+    /// (4-bit keys over groups of 128 tokens, 3-bit values over blocks of 64) with any of
+    /// `:kB` (key bits, 4 or 5), `:vB` (value bits, 3 or 4), `:G` or `:gG` (key group) and
+    /// `:bN` (value block).
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         const EXPECTED: &str =
-            "expected f32, f16, bf16, hack2, hack2c, hack2:N, hack2c:N, or kv43 with any of :kBITS :GROUP :vBLOCK";
+            "expected f32, f16, bf16, hack2, hack2c, hack2:N, hack2c:N, or kv43 with any of :kBITS :vBITS :gGROUP :bBLOCK";
         let lower = s.to_ascii_lowercase();
         if let Some(rest) = lower.strip_prefix("kv43") {
             if !rest.is_empty() && !rest.starts_with(':') {
                 return Err(format!("unknown codec {s:?}: {EXPECTED}"));
             }
             let mut p = Kv43Params::default();
+            let bits = |n: usize, what: &str| u8::try_from(n).map_err(|_| format!("bad {what} in {s:?}: {EXPECTED}"));
             for part in rest.split(':').skip(1) {
                 let number =
                     |x: &str, what: &str| x.parse::<usize>().map_err(|_| format!("bad {what} in {s:?}: {EXPECTED}"));
                 if let Some(n) = part.strip_prefix('k') {
-                    p.key_bits = u8::try_from(number(n, "key bits")?).map_err(|_| format!("bad key bits in {s:?}"))?;
+                    p.key_bits = bits(number(n, "key bits")?, "key bits")?;
                 } else if let Some(n) = part.strip_prefix('v') {
+                    p.value_bits = bits(number(n, "value bits")?, "value bits")?;
+                } else if let Some(n) = part.strip_prefix('b') {
                     p.value_block = number(n, "value block")?;
                 } else {
                     p.key_group = number(part.strip_prefix('g').unwrap_or(part), "key group")?;
@@ -270,7 +278,7 @@ impl FromStr for CodecOverrides {
 }
 
 /// A context's codec and its overrides for ranges of layers, as the command line and JSON
-/// write them: `CODEC` or `CODEC,A-B=CODEC,…`, e.g. `kv43:v128,17-21=kv43:k5`.
+/// write them: `CODEC` or `CODEC,A-B=CODEC,…`, e.g. `kv43:b128,17-21=kv43:k5`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct LayerCodecs {
     /// The codec of every layer no range names.
@@ -369,15 +377,17 @@ mod tests {
         // Key bits and value blocks: only what differs from the default is written.
         let k5 = Kv43Params { key_bits: 5, ..Kv43Params::default() };
         assert_eq!("kv43:k5".parse::<Codec>(), Ok(Codec::Kv43(k5)));
-        let v128 = Kv43Params { value_block: 128, ..Kv43Params::default() };
-        assert_eq!(Codec::Kv43(v128).to_string(), "kv43:v128");
-        let all = Kv43Params { key_bits: 5, key_group: 256, value_block: 128 };
-        assert_eq!("kv43:k5:g256:v128".parse::<Codec>(), Ok(Codec::Kv43(all)));
+        let b128 = Kv43Params { value_block: 128, ..Kv43Params::default() };
+        assert_eq!(Codec::Kv43(b128).to_string(), "kv43:b128");
+        let all = Kv43Params { key_bits: 5, value_bits: 4, key_group: 256, value_block: 128 };
+        assert_eq!("kv43:k5:v4:g256:b128".parse::<Codec>(), Ok(Codec::Kv43(all)));
+        assert_eq!(Codec::Kv43(all).to_string(), "kv43:k5:v4:256:b128");
         assert_eq!(Codec::Kv43(all).to_string().parse::<Codec>(), Ok(Codec::Kv43(all)));
         assert!("kv43:k6".parse::<Codec>().unwrap_err().contains("4 or 5 bits"));
+        assert!("kv43:v2".parse::<Codec>().unwrap_err().contains("3 or 4 bits"));
         assert!("kv43:k300".parse::<Codec>().unwrap_err().contains("key bits"));
-        assert!("kv43:v256".parse::<Codec>().unwrap_err().contains("multiple of the value block"));
-        assert!("kv43:vx".parse::<Codec>().unwrap_err().contains("bad value block"));
+        assert!("kv43:b256".parse::<Codec>().unwrap_err().contains("multiple of the value block"));
+        assert!("kv43:bx".parse::<Codec>().unwrap_err().contains("bad value block"));
         assert!("kv43c".parse::<Codec>().unwrap_err().contains("kv43"));
         assert!(Codec::Kv43(Kv43Params::default()).is_encoded() && Codec::Hack2(p32).is_encoded());
         assert!(!Codec::F16.is_encoded() && Codec::Kv43(Kv43Params::default()).hack().is_none());
@@ -429,12 +439,12 @@ mod layer_tests {
 
     #[test]
     fn layer_codecs_parse_back_find_each_layers_codec_and_refuse_bad_tables() {
-        let lc: LayerCodecs = "kv43:v128,17-21=kv43:k5, 3=f16".parse().unwrap();
+        let lc: LayerCodecs = "kv43:b128,17-21=kv43:k5, 3=f16".parse().unwrap();
         let k5 = Codec::Kv43(Kv43Params { key_bits: 5, ..Kv43Params::default() });
-        let v128 = Codec::Kv43(Kv43Params { value_block: 128, ..Kv43Params::default() });
-        assert_eq!((lc.of(16), lc.of(17), lc.of(21), lc.of(22), lc.of(3)), (v128, k5, k5, v128, Codec::F16));
+        let b128 = Codec::Kv43(Kv43Params { value_block: 128, ..Kv43Params::default() });
+        assert_eq!((lc.of(16), lc.of(17), lc.of(21), lc.of(22), lc.of(3)), (b128, k5, k5, b128, Codec::F16));
         // Ranges are kept in layer order, whatever order they were given in.
-        assert_eq!(lc.to_string(), "kv43:v128,3=f16,17-21=kv43:k5");
+        assert_eq!(lc.to_string(), "kv43:b128,3=f16,17-21=kv43:k5");
         assert_eq!(lc.to_string().parse::<LayerCodecs>(), Ok(lc));
         assert_eq!(lc.overrides.last_layer(), Some(21));
         assert_eq!("kv43".parse::<LayerCodecs>(), Ok(LayerCodecs::uniform(Codec::Kv43(Kv43Params::default()))));

@@ -149,10 +149,11 @@ pub(crate) enum DTypeRecord {
         key_group: u64,
         value_block: u64,
     },
-    /// kv43 with its key bits (written for 5-bit keys; 4-bit ones keep `Kv43F16`);
-    /// appended last.
+    /// kv43 with its key and value bits (written unless they are 4 and 3, which keep
+    /// `Kv43F16`); appended last.
     Kv43BitsF16 {
         key_bits: u8,
+        value_bits: u8,
         key_group: u64,
         value_block: u64,
     },
@@ -168,11 +169,12 @@ impl DTypeRecord {
     /// The record of one codec (never `Layers`).
     fn of(codec: Codec) -> Self {
         match codec {
-            Codec::Kv43(p) if p.key_bits == 4 => {
+            Codec::Kv43(p) if (p.key_bits, p.value_bits) == (4, 3) => {
                 DTypeRecord::Kv43F16 { key_group: wide(p.key_group), value_block: wide(p.value_block) }
             }
             Codec::Kv43(p) => DTypeRecord::Kv43BitsF16 {
                 key_bits: p.key_bits,
+                value_bits: p.value_bits,
                 key_group: wide(p.key_group),
                 value_block: wide(p.value_block),
             },
@@ -201,12 +203,14 @@ impl DTypeRecord {
             // The groups are checked with the head dimension by `validate`.
             DTypeRecord::Kv43F16 { key_group, value_block } => Codec::Kv43(attnstore_kernels::Kv43Params {
                 key_bits: 4,
+                value_bits: 3,
                 key_group: narrow(key_group, "key group")?,
                 value_block: narrow(value_block, "value block")?,
             }),
-            DTypeRecord::Kv43BitsF16 { key_bits, key_group, value_block } => {
+            DTypeRecord::Kv43BitsF16 { key_bits, value_bits, key_group, value_block } => {
                 Codec::Kv43(attnstore_kernels::Kv43Params {
                     key_bits,
+                    value_bits,
                     key_group: narrow(key_group, "key group")?,
                     value_block: narrow(value_block, "value block")?,
                 })
@@ -419,9 +423,9 @@ mod tests {
                 LayerKind::Global,
             ]),
             // 5-bit keys, and a codec per range of layers.
-            ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 1).with_codec("kv43:k5:v128".parse().unwrap()),
+            ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 1).with_codec("kv43:k5:v4:b128".parse().unwrap()),
             ContextSpec::new(AttnShape::new(8, 2, 64).unwrap(), 6)
-                .with_layer_codecs("kv43:v128,2-3=kv43:k5,5=f16".parse().unwrap()),
+                .with_layer_codecs("kv43:b128,2-3=kv43:k5,4=kv43:v4,5=f16".parse().unwrap()),
         ] {
             let record = SpecRecord::from_spec(&spec);
             let back: SpecRecord = decode(&encode(&record)).unwrap();
@@ -435,9 +439,9 @@ mod tests {
         bad.dtype = DTypeRecord::Kv43F16 { key_group: 100, value_block: 64 };
         assert!(bad.to_spec().unwrap_err().contains("kv43"));
         // So is one with 6-bit keys, overlapping layer ranges or nested tables.
-        bad.dtype = DTypeRecord::Kv43BitsF16 { key_bits: 6, key_group: 128, value_block: 64 };
+        bad.dtype = DTypeRecord::Kv43BitsF16 { key_bits: 6, value_bits: 3, key_group: 128, value_block: 64 };
         assert!(bad.to_spec().unwrap_err().contains("4 or 5 bits"));
-        let k5 = DTypeRecord::Kv43BitsF16 { key_bits: 5, key_group: 128, value_block: 64 };
+        let k5 = DTypeRecord::Kv43BitsF16 { key_bits: 5, value_bits: 3, key_group: 128, value_block: 64 };
         let f16 = Box::new(DTypeRecord::F16);
         bad.dtype =
             DTypeRecord::Layers { default: f16.clone(), overrides: vec![(0, 0, k5.clone()), (0, 0, k5.clone())] };

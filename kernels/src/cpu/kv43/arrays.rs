@@ -75,7 +75,7 @@ impl Kv43Head {
             ("key minima", a.key_min.len(), rows / params.key_group * d),
             ("key scales", a.key_scale.len(), rows / params.key_group * d),
             ("key code sums", a.key_sums.len(), rows * (d / PART)),
-            ("value planes", a.value_planes.len(), rows / 8 * 3 * d),
+            ("value planes", a.value_planes.len(), rows / 8 * params.planes() * d),
             ("value minima", a.value_min.len(), rows / params.value_block * d),
             ("value scales", a.value_scale.len(), rows / params.value_block * d),
         ];

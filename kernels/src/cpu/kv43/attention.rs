@@ -1,7 +1,7 @@
 //! kv43's fast decode attention for a GQA group at once ([`Kv43Rows::attend_runs`]): per key
 //! group each head's 8-bit query made once ([`GroupQueries`]); per 8-row key tile the scores
 //! of up to four heads from one read of the codes; per value block the probabilities coded
-//! to 7 bits and the value codes weighed for up to four heads from one unpacking. AVX2
+//! to 8 bits and the value codes weighed for up to four heads from one unpacking. AVX2
 //! kernels where the target has them (`avx2.rs`), portable loops otherwise; both equal the
 //! scalar references in `mod.rs` (`scores_reference`, `attend`'s value loop) exactly.
 
@@ -65,7 +65,7 @@ impl GroupQueries {
 }
 
 /// One value block's buffers while [`Kv43Rows::attend_runs`] folds it: per head the rows'
-/// scores (`heads × probability_rows`, `-∞` for rows not attended), their 7-bit probability codes,
+/// scores (`heads × probability_rows`, `-∞` for rows not attended), their 8-bit probability codes,
 /// step and code sum, the codes as broadcast row-pair weights for the AVX2 kernel, the
 /// weighed value codes (`heads × d`), the portable path's unpacked codes and the block's
 /// value metadata.
@@ -117,7 +117,7 @@ impl Kv43Rows {
     /// sharing this KV head (`q`: `heads × d`), with [`Kv43Rows::attend`]'s arithmetic per
     /// head: per key group the heads' 8-bit codes of `q∘s` are made once, per value block
     /// the selected rows are scored (whole 8-row tiles, up to four heads per read of the
-    /// codes), their probabilities coded to 7 bits against the block's largest and the
+    /// codes), their probabilities coded to 8 bits against the block's largest and the
     /// values weighed on their codes (unpacked once for up to four heads). Rows outside
     /// `ranges` get probability code 0, so they add nothing (no value code sums needed), as
     /// in `HackRows::attend`.
@@ -179,9 +179,8 @@ impl Kv43Rows {
                 let n = (queries.heads() - h0).min(HEADS_PER_PASS);
                 score_tile((codes, high, sums), queries, h0..h0 + n, scale, &mut tile[..n]);
                 for (h, scores) in (h0..h0 + n).zip(&tile) {
-                    for j in live.clone() {
-                        out[h * stride + j - base] = scores[j - t * TILE];
-                    }
+                    let at = h * stride + live.start - base;
+                    out[at..at + live.len()].copy_from_slice(&scores[live.start - t * TILE..live.end - t * TILE]);
                 }
             }
         }
@@ -200,7 +199,7 @@ impl Kv43Rows {
 
     /// Folds value block `b`'s scored rows (`block.scores`, `-∞` for rows not attended) into
     /// `parts` and resets the scores: per head the block's largest score raises the running
-    /// maximum, the probabilities relative to it are coded to 7 bits against the block's
+    /// maximum, the probabilities relative to it are coded to 8 bits against the block's
     /// largest, and the values are weighed on their codes.
     fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
         let (d, vb) = (self.d, self.params.probability_rows());
@@ -231,8 +230,9 @@ impl Kv43Rows {
         if !live {
             return;
         }
-        let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
-        weigh_value_planes(planes, d, &block.codes, (&mut block.weights, &mut block.z), &mut block.dot);
+        let np = self.params.planes();
+        let planes = &self.value_planes[b * vb / 8 * np * d..(b + 1) * vb / 8 * np * d];
+        weigh_value_planes((planes, np), d, &block.codes, (&mut block.weights, &mut block.z), &mut block.dot);
         self.value_min[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.mins);
         self.value_scale[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.scales);
         for (h, part) in parts.iter_mut().enumerate() {
@@ -319,14 +319,15 @@ pub(super) fn tile_scores_portable(
     })
 }
 
-/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 7-bit
-/// probability codes) over one value block's 3-bit codes, read from their planes
-/// (`rows/8 × 3 × d` bytes): with AVX2 the codes of two rows made in registers and weighed
+/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 8-bit
+/// probability codes) over one value block's 3- or 4-bit codes, read from their `bits`
+/// planes per 8 rows (`rows/8 × bits × d` bytes): with AVX2 the codes of two rows made in
+/// registers and weighed
 /// for up to four heads per pass (`weights`: scratch for the broadcast row pairs); else
 /// through `z` (scratch, `rows × d`) one code per byte (`unpack_value_codes`,
 /// `weigh_value_codes`: the reference).
 pub(super) fn weigh_value_planes(
-    planes: &[u8],
+    (planes, bits): (&[u8], usize),
     d: usize,
     p: &[u8],
     (weights, z): (&mut Vec<[u16; 16]>, &mut Vec<u8>),
@@ -335,7 +336,7 @@ pub(super) fn weigh_value_planes(
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
     {
         let _ = &z;
-        let rows = planes.len() / (3 * d) * 8;
+        let rows = planes.len() / (bits * d) * 8;
         weights.clear();
         weights.extend(p.chunks_exact(2).map(|pair| [u16::from_le_bytes([pair[0], pair[1]]); 16]));
         let heads = p.len() / rows;
@@ -347,11 +348,15 @@ pub(super) fn weigh_value_planes(
             // SAFETY: compiled only when the build enables avx2 for the whole program (cfg
             // above); every slice read inside is bounds-checked.
             unsafe {
-                match n {
-                    1 => super::avx2::weigh_value_planes::<1>(planes, d, w, out),
-                    2 => super::avx2::weigh_value_planes::<2>(planes, d, w, out),
-                    3 => super::avx2::weigh_value_planes::<3>(planes, d, w, out),
-                    _ => super::avx2::weigh_value_planes::<4>(planes, d, w, out),
+                match (n, bits == 4) {
+                    (1, false) => super::avx2::weigh_value_planes::<1, false>(planes, d, w, out),
+                    (2, false) => super::avx2::weigh_value_planes::<2, false>(planes, d, w, out),
+                    (3, false) => super::avx2::weigh_value_planes::<3, false>(planes, d, w, out),
+                    (_, false) => super::avx2::weigh_value_planes::<4, false>(planes, d, w, out),
+                    (1, true) => super::avx2::weigh_value_planes::<1, true>(planes, d, w, out),
+                    (2, true) => super::avx2::weigh_value_planes::<2, true>(planes, d, w, out),
+                    (3, true) => super::avx2::weigh_value_planes::<3, true>(planes, d, w, out),
+                    (_, true) => super::avx2::weigh_value_planes::<4, true>(planes, d, w, out),
                 }
             }
         }
@@ -359,8 +364,8 @@ pub(super) fn weigh_value_planes(
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
     {
         let _ = &weights;
-        z.resize(planes.len() / (3 * d) * 8 * d, 0);
-        super::unpack_value_codes(planes, d, z);
+        z.resize(planes.len() / (bits * d) * 8 * d, 0);
+        super::unpack_value_codes(planes, d, bits, z);
         super::weigh_value_codes(z, d, p, dot);
     }
 }

@@ -1,7 +1,7 @@
 //! kv43's AVX2 kernels: the scores of up to four query heads over an 8-row key tile (rows in
 //! lanes, so no horizontal sums), the 3-bit value codes made from their planes and weighed
-//! by 7-bit probabilities for up to four heads, and the exact round-to-nearest of a run of
-//! codes (the query's 8-bit codes and the probabilities' 7-bit ones).
+//! by 8-bit probabilities for up to four heads, and the exact round-to-nearest of a run of
+//! codes (the query's 8-bit codes and the probabilities' 8-bit ones).
 
 use std::arch::x86_64::*;
 
@@ -32,8 +32,8 @@ pub(super) fn code_run(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut 
     super::code_run_scalar(xs.remainder(), min, step, levels, cs.into_remainder());
 }
 
-/// `codes[i] = min(round(x[i] / step), 127)` for probabilities `x[i] ≥ 0` (a NaN gives
-/// 127, as `f32::min` does), eight at a time; returns the codes' sum. Exactly the scalar
+/// `codes[i] = min(round(x[i] / step), 255)` for probabilities `x[i] ≥ 0` (a NaN gives
+/// 255, as `f32::min` does), eight at a time; returns the codes' sum. Exactly the scalar
 /// loop of [`super::probability_codes`].
 #[target_feature(enable = "avx2")]
 pub(super) fn probability_codes(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
@@ -43,7 +43,7 @@ pub(super) fn probability_codes(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
     let (mut xs, mut cs) = (x.chunks_exact(8), codes.chunks_exact_mut(8));
     for (v, out) in (&mut xs).zip(&mut cs) {
         let v: __m256 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(v));
-        // min(q, 127) gives 127 for a NaN (its second operand), as `f32::min` does.
+        // min(q, 255) gives 255 for a NaN (its second operand), as `f32::min` does.
         let q = _mm256_max_ps(_mm256_min_ps(_mm256_div_ps(v, s), top), zero);
         let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
         let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(q, t), half), one);
@@ -138,29 +138,44 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool>(
     }
 }
 
-/// See `weigh_value_planes`, for `H` heads: per eight rows and 32 channels the three planes
-/// loaded once; each row's codes made in registers (bit `r` of every byte to bit 0 by a
-/// 16-bit shift and a byte mask, then `b0 + 2·b1 + 4·b2` by byte adds); each row pair
-/// interleaved so `vpmaddubsw` multiplies a channel's two codes (≤ 7) by the rows' two
-/// probability codes (≤ 127, `weights[h·rows/2 + i]` broadcast, made once per block by the
-/// caller): pair sums ≤ 1,778, summed in 16 bits over up to 64 rows (≤ 56,896, unsigned)
+/// See `weigh_value_planes`, for `H` heads: per eight rows and 32 channels the three (four
+/// with `FOUR`-bit values) planes loaded once; each row's codes made in registers (bit `r` of
+/// every byte to bit 0 by a 16-bit shift and a byte mask, then `b0 + 2·b1 + 4·b2 (+ 8·b3)`
+/// by byte adds); each row pair interleaved so `vpmaddubsw` multiplies the rows' two
+/// probability codes (unsigned, ≤ 255, `weights[h·rows/2 + i]` broadcast, made once per
+/// block by the caller) by a channel's two codes (signed operand, ≤ 7 or ≤ 15): pair sums
+/// ≤ 3,570 (7,650), summed in 16 bits over up to 32 (16) rows, ≤ 57,120 (61,200) unsigned,
 /// and then widened to 32. `weights`: `H × rows/2` words, row `2i` in the low byte.
 #[target_feature(enable = "avx2")]
-pub(super) fn weigh_value_planes<const H: usize>(planes: &[u8], d: usize, weights: &[[u16; 16]], dot: &mut [u32]) {
-    let rows = planes.len() / (3 * d) * 8;
+pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
+    planes: &[u8],
+    d: usize,
+    weights: &[[u16; 16]],
+    dot: &mut [u32],
+) {
+    let bits = if FOUR { 4 } else { 3 };
+    // 8-row groups summed in 16 bits before widening.
+    let run = if FOUR { 2 } else { 4 };
+    let rows = planes.len() / (bits * d) * 8;
     let one = _mm256_set1_epi8(1);
     let zero = _mm256_setzero_si256();
     let weight = |h: usize, pair: usize| -> __m256i { bytemuck::cast(weights[h * rows / 2 + pair]) };
     for c0 in (0..d).step_by(32) {
         let mut acc = [[zero; 4]; H];
         let (mut lo, mut hi) = ([zero; H], [zero; H]);
-        for (i, group) in planes.chunks_exact(3 * d).enumerate() {
+        for (i, group) in planes.chunks_exact(bits * d).enumerate() {
             let load = |b: usize| -> __m256i { bytemuck::pod_read_unaligned(&group[b * d + c0..b * d + c0 + 32]) };
             let (p0, p1, p2) = (load(0), load(1), load(2));
+            let p3 = if FOUR { load(3) } else { zero };
             let code = |r: i32| {
                 let n = _mm_cvtsi32_si128(r);
                 let bit = |x: __m256i| _mm256_and_si256(_mm256_srl_epi16(x, n), one);
-                let (b0, b1, b2) = (bit(p0), bit(p1), bit(p2));
+                let (b0, b1, mut b2) = (bit(p0), bit(p1), bit(p2));
+                if FOUR {
+                    // b2 + 2·b3, doubled twice below: 4·b2 + 8·b3.
+                    let b3 = bit(p3);
+                    b2 = _mm256_add_epi8(b2, _mm256_add_epi8(b3, b3));
+                }
                 let b2 = _mm256_add_epi8(b2, b2);
                 _mm256_add_epi8(b0, _mm256_add_epi8(_mm256_add_epi8(b1, b1), _mm256_add_epi8(b2, b2)))
             };
@@ -169,14 +184,14 @@ pub(super) fn weigh_value_planes<const H: usize>(planes: &[u8], d: usize, weight
                 let (ul, uh) = (_mm256_unpacklo_epi8(x, y), _mm256_unpackhi_epi8(x, y));
                 for h in 0..H {
                     let w = weight(h, 4 * i + r / 2);
-                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(ul, w));
-                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(uh, w));
+                    lo[h] = _mm256_add_epi16(lo[h], _mm256_maddubs_epi16(w, ul));
+                    hi[h] = _mm256_add_epi16(hi[h], _mm256_maddubs_epi16(w, uh));
                 }
             }
-            // Widened every 64 rows (and at the end): 64 rows sum to ≤ 56,896, which 16
-            // bits hold unsigned. lo: channels 0..8 | 16..24, hi: 8..16 | 24..32 (unpack
-            // works per lane).
-            if i % 8 == 7 || i + 1 == rows / 8 {
+            // Widened every `run` groups (and at the end): ≤ 57,120 (61,200), which 16 bits
+            // hold unsigned. lo: channels 0..8 | 16..24, hi: 8..16 | 24..32 (unpack works
+            // per lane).
+            if i % run == run - 1 || i + 1 == rows / 8 {
                 for h in 0..H {
                     let a = &mut acc[h];
                     let wide = |x: __m128i| _mm256_cvtepu16_epi32(x);

@@ -11,7 +11,7 @@
 //!   (`q_c s_c ≈ a + b·w_c`), and `Σ_c (q_c s_c) u_jc ≈ a·U_j + b·Σ_c w_c u_jc` with the
 //!   stored code sums `U_j` per partition — an integer dot product per row;
 //! - a value is `v_tc = m'_c + s'_c·z_tc` (`z` in 0..=7), so with each block's probabilities
-//!   coded to 7 bits (`p_t ≈ step·P_t`), `Σ_t p_t v_tc = step·(m'_c Σ_t P_t + s'_c Σ_t P_t z_tc)`,
+//!   coded to 8 bits (`p_t ≈ step·P_t`), `Σ_t p_t v_tc = step·(m'_c Σ_t P_t + s'_c Σ_t P_t z_tc)`,
 //!   again an integer product per channel.
 //!
 //! Plain data: the format, the encoder, the dequantizer, the homomorphic scores and decode
@@ -33,10 +33,8 @@ use crate::error::{Error, Result};
 
 /// Dimensions of a partition of the 8-bit query.
 const PART: usize = 64;
-/// Largest 3-bit value code.
-const VALUE_LEVELS: f32 = 7.0;
 /// Levels of a block's probabilities.
-const P_LEVELS: f32 = 127.0;
+const P_LEVELS: f32 = 255.0;
 /// Rows of a key tile: the key codes and code sums are laid out per 8 rows so that SIMD
 /// holds one row per 32-bit lane (a tile divides every key group, a multiple of 8 rows).
 const TILE: usize = 8;
@@ -48,6 +46,9 @@ pub struct Kv43Params {
     /// layers 17–21, `docs/codec.md` round 5); a 5-bit code is the 4-bit nibble plus one
     /// bit plane per 8 rows.
     pub key_bits: u8,
+    /// Bits per value code: 3, or 4 where a layer's values need the extra level (SmolLM2's
+    /// layers 3–10, `docs/codec.md` session 50); one bit plane each per 8 rows.
+    pub value_bits: u8,
     /// Tokens sharing each channel's key minimum and scale (a multiple of `value_block`).
     pub key_group: usize,
     /// Tokens sharing each channel's value minimum and scale (a multiple of 8).
@@ -57,7 +58,7 @@ pub struct Kv43Params {
 impl Default for Kv43Params {
     /// 4-bit keys over 128 tokens, values over 64: the study's best layout under 0.25× f16.
     fn default() -> Self {
-        Self { key_bits: 4, key_group: 128, value_block: 64 }
+        Self { key_bits: 4, value_bits: 3, key_group: 128, value_block: 64 }
     }
 }
 
@@ -86,6 +87,9 @@ impl Kv43Params {
         if !matches!(self.key_bits, 4 | 5) {
             return bad(format!("keys take 4 or 5 bits, got {}", self.key_bits));
         }
+        if !matches!(self.value_bits, 3 | 4) {
+            return bad(format!("values take 3 or 4 bits, got {}", self.value_bits));
+        }
         if self.value_block == 0 || !self.value_block.is_multiple_of(8) {
             return bad(format!("value blocks must be a positive multiple of 8 tokens, got {}", self.value_block));
         }
@@ -99,11 +103,11 @@ impl Kv43Params {
     }
 
     /// Bytes per token and head of dimension `d`, metadata included: 4- or 5-bit key codes,
-    /// a u16 code sum per key partition, 3-bit value codes, and per channel an f16 minimum
-    /// and scale per key group and per value block.
+    /// a u16 code sum per key partition, 3- or 4-bit value codes, and per channel an f16
+    /// minimum and scale per key group and per value block.
     pub fn bytes_per_token(&self, d: usize) -> f64 {
         let keys = f64::from(self.key_bits) * d as f64 / 8.0;
-        let codes = keys + 3.0 * d as f64 / 8.0 + 2.0 * (d / PART) as f64;
+        let codes = keys + f64::from(self.value_bits) * d as f64 / 8.0 + 2.0 * (d / PART) as f64;
         let meta = 4.0 * d as f64 / self.key_group as f64 + 4.0 * d as f64 / self.value_block as f64;
         codes + meta
     }
@@ -117,6 +121,16 @@ impl Kv43Params {
         } else {
             self.value_block
         }
+    }
+
+    /// Largest value code: 7 or 15.
+    fn value_levels(&self) -> f32 {
+        f32::from((1u8 << self.value_bits) - 1)
+    }
+
+    /// Value bit planes per 8 rows.
+    fn planes(&self) -> usize {
+        usize::from(self.value_bits)
     }
 
     /// Largest key code: 15 or 31.
@@ -184,13 +198,16 @@ fn quantize_into(x: &[f32], levels: f32, codes: &mut [u8]) -> (f16, f16) {
 }
 
 /// The smallest and largest of `x` (NaNs ignored, as `f32::min` and `max` do), in eight
-/// lanes so the compiler can keep them in registers: the same values as one fold.
+/// lanes so the compiler can keep them in registers: the same values as one fold. The lanes
+/// take `v` only where it compares below (above) them, a select that compiles to
+/// `vminps` / `vmaxps` (`f32::min`'s NaN rule does not vectorize).
 fn min_max(x: &[f32]) -> (f32, f32) {
     let (mut lo, mut hi) = ([f32::INFINITY; 8], [f32::NEG_INFINITY; 8]);
     let mut chunks = x.chunks_exact(8);
     for c in &mut chunks {
         for ((l, h), &v) in lo.iter_mut().zip(hi.iter_mut()).zip(c) {
-            (*l, *h) = (l.min(v), h.max(v));
+            *l = if v < *l { v } else { *l };
+            *h = if v > *h { v } else { *h };
         }
     }
     let rest = chunks.remainder().iter();
@@ -223,7 +240,7 @@ fn code_run_scalar(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]
     }
 }
 
-/// The 7-bit codes of probabilities `x` (≥ 0) in steps of `step` (> 0), `min(round(x /
+/// The 8-bit codes of probabilities `x` (≥ 0) in steps of `step` (> 0), `min(round(x /
 /// step), 127)`, into `codes`; returns their sum. With AVX2 eight at a time where the target
 /// has it, equal to [`probability_codes_scalar`] exactly.
 fn probability_codes(x: &[f32], step: f32, codes: &mut [u8]) -> u32 {
@@ -302,7 +319,7 @@ impl Kv43Rows {
             key_min: Vec::new(),
             key_scale: Vec::new(),
             key_sums: vec![0; rows * (d / PART)],
-            value_planes: vec![0; rows / 8 * d * 3],
+            value_planes: vec![0; rows / 8 * d * params.planes()],
             value_min: Vec::new(),
             value_scale: Vec::new(),
         };
@@ -317,9 +334,10 @@ impl Kv43Rows {
             out.key_sums[key_sum_at(d, j, c / PART)] += u16::from(u);
         });
         let (mut vmin, mut vscale) = (Vec::new(), Vec::new());
-        quantize_columns(values, d, params.value_block, VALUE_LEVELS, (&mut vmin, &mut vscale), |t, c, z| {
-            for bit in 0..3 {
-                out.value_planes[((t / 8) * 3 + bit) * d + c] |= ((z >> bit) & 1) << (t % 8);
+        let planes = params.planes();
+        quantize_columns(values, d, params.value_block, params.value_levels(), (&mut vmin, &mut vscale), |t, c, z| {
+            for bit in 0..planes {
+                out.value_planes[((t / 8) * planes + bit) * d + c] |= ((z >> bit) & 1) << (t % 8);
             }
         });
         (out.key_min, out.key_scale, out.value_min, out.value_scale) = (kmin, kscale, vmin, vscale);
@@ -350,7 +368,8 @@ impl Kv43Rows {
     }
 
     fn value_code(&self, t: usize, c: usize) -> u8 {
-        (0..3).map(|bit| ((self.value_planes[((t / 8) * 3 + bit) * self.d + c] >> (t % 8)) & 1) << bit).sum()
+        let planes = self.params.planes();
+        (0..planes).map(|bit| ((self.value_planes[((t / 8) * planes + bit) * self.d + c] >> (t % 8)) & 1) << bit).sum()
     }
 
     /// The rows the codes stand for (`rows × d` keys, then values).
@@ -427,7 +446,7 @@ impl Kv43Rows {
 
     /// Homomorphic decode attention of query `q` over every row: softmax of
     /// [`Kv43Rows::scores`], the probabilities of each block of
-    /// [`Kv43Params::probability_rows`] rows coded to 7 bits, values never dequantized, one
+    /// [`Kv43Params::probability_rows`] rows coded to 8 bits, values never dequantized, one
     /// code at a time: the reference of [`Kv43Rows::attend_runs`]. Returns `d` values.
     pub fn attend(&self, q: &[f32], scale: f32) -> Vec<f32> {
         let (d, vb) = (self.d, self.params.probability_rows());
@@ -447,8 +466,9 @@ impl Kv43Rows {
             }
             let sum: u32 = codes.iter().map(|&c| u32::from(c)).sum();
             total += step * sum as f32;
-            let planes = &self.value_planes[b * vb / 8 * 3 * d..(b + 1) * vb / 8 * 3 * d];
-            unpack_value_codes(planes, d, &mut z);
+            let np = self.params.planes();
+            let planes = &self.value_planes[b * vb / 8 * np * d..(b + 1) * vb / 8 * np * d];
+            unpack_value_codes(planes, d, np, &mut z);
             weigh_value_codes(&z, d, &codes, &mut dot);
             // The value block the probability block lies in.
             let mb = b * vb / self.params.value_block;
@@ -675,22 +695,20 @@ fn key_sum_at(d: usize, j: usize, k: usize) -> usize {
     (j / TILE) * TILE * (d / PART) + k * TILE + j % TILE
 }
 
-/// The 3-bit codes of one value block from its planes (`rows/8 × 3 × d` bytes) into `z`
-/// (`rows × d`, one code per byte).
-fn unpack_value_codes(planes: &[u8], d: usize, z: &mut [u8]) {
-    for (i, group) in planes.chunks_exact(3 * d).enumerate() {
-        let (p0, rest) = group.split_at(d);
-        let (p1, p2) = rest.split_at(d);
+/// The codes of one value block from its `bits` planes per 8 rows (`rows/8 × bits × d`
+/// bytes) into `z` (`rows × d`, one code per byte).
+fn unpack_value_codes(planes: &[u8], d: usize, bits: usize, z: &mut [u8]) {
+    for (i, group) in planes.chunks_exact(bits * d).enumerate() {
         for r in 0..8 {
             let zr = &mut z[(8 * i + r) * d..(8 * i + r + 1) * d];
             for (c, x) in zr.iter_mut().enumerate() {
-                *x = (p0[c] >> r & 1) | (p1[c] >> r & 1) << 1 | (p2[c] >> r & 1) << 2;
+                *x = (0..bits).map(|b| (group[b * d + c] >> r & 1) << b).sum();
             }
         }
     }
 }
 
-/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 7-bit
+/// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 8-bit
 /// probability codes) over one value block's codes `z` (`rows × d`).
 fn weigh_value_codes(z: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {
     let rows = z.len() / d;

@@ -17,10 +17,12 @@ fn data(rows: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 fn codes_round_trip_within_half_a_step_and_bytes_match_the_formula() {
     for (d, params) in [
         (64, Kv43Params::default()),
-        (128, Kv43Params { key_bits: 4, key_group: 64, value_block: 64 }),
-        (256, Kv43Params { key_bits: 4, key_group: 256, value_block: 32 }),
+        (128, Kv43Params { key_bits: 4, value_bits: 3, key_group: 64, value_block: 64 }),
+        (256, Kv43Params { key_bits: 4, value_bits: 3, key_group: 256, value_block: 32 }),
         (64, Kv43Params { key_bits: 5, ..Kv43Params::default() }),
-        (128, Kv43Params { key_bits: 5, key_group: 128, value_block: 128 }),
+        (128, Kv43Params { key_bits: 5, value_bits: 3, key_group: 128, value_block: 128 }),
+        (64, Kv43Params { value_bits: 4, ..Kv43Params::default() }),
+        (128, Kv43Params { key_bits: 5, value_bits: 4, key_group: 256, value_block: 128 }),
     ] {
         let rows = 2 * params.key_group;
         let (k, v, _) = data(rows, d, 3);
@@ -53,6 +55,9 @@ fn codes_round_trip_within_half_a_step_and_bytes_match_the_formula() {
     assert_eq!(k5.bytes_per_token(64) - Kv43Params::default().bytes_per_token(64), 8.0);
     let v128 = Kv43Params { value_block: 128, ..Kv43Params::default() };
     assert_eq!(Kv43Params::default().bytes_per_token(64) - v128.bytes_per_token(64), 2.0);
+    // A fourth value bit costs d/8 bytes too.
+    let v4 = Kv43Params { value_bits: 4, ..Kv43Params::default() };
+    assert_eq!(v4.bytes_per_token(64) - Kv43Params::default().bytes_per_token(64), 8.0);
 }
 
 #[test]
@@ -79,8 +84,8 @@ fn five_bit_keys_use_31_levels_and_halve_the_key_step() {
 
 #[test]
 fn homomorphic_scores_and_values_equal_dequantize_then_multiply() {
-    for (key_bits, value_block) in [(4, 64), (5, 64), (4, 128)] {
-        homomorphic_equals_dequantized(Kv43Params { key_bits, value_block, ..Kv43Params::default() });
+    for (key_bits, value_bits, value_block) in [(4, 3, 64), (5, 3, 64), (4, 3, 128), (4, 4, 64), (5, 4, 128)] {
+        homomorphic_equals_dequantized(Kv43Params { key_bits, value_bits, value_block, ..Kv43Params::default() });
     }
 }
 
@@ -114,7 +119,7 @@ fn homomorphic_equals_dequantized(params: Kv43Params) {
             * f64::from(scale);
         assert!((f64::from(s) - want).abs() <= 1e-4 * want.abs().max(1.0), "row {j}: {s} vs {want}");
     }
-    // Values: the same 7-bit probabilities times the dequantized values.
+    // Values: the same 8-bit probabilities times the dequantized values.
     let out = enc.attend(&q, scale);
     let max = got.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let p: Vec<f32> = got.iter().map(|s| (s - max).exp()).collect();
@@ -160,9 +165,10 @@ fn the_8_bit_query_and_7_bit_probabilities_add_little_to_the_rounding_error() {
 
 #[test]
 fn heads_together_equal_each_head_alone() {
-    for (d, heads) in [(64, 1), (128, 4), (256, 3)] {
+    let v4 = Kv43Params { value_bits: 4, ..Kv43Params::default() };
+    for (d, heads, params) in [(64, 1, v4), (128, 4, Kv43Params::default()), (128, 4, v4), (256, 3, v4)] {
         let (keys, values, _) = data(384, d, 5 + d as u64);
-        let rows = Kv43Rows::encode(&keys, &values, d, Kv43Params::default()).unwrap();
+        let rows = Kv43Rows::encode(&keys, &values, d, params).unwrap();
         let mut rng = SplitMix64::new(9);
         let q: Vec<f32> = (0..heads * d).map(|_| rng.normal()).collect();
         let together = rows.attend_heads(&q, heads, 0.1).unwrap();
@@ -170,7 +176,7 @@ fn heads_together_equal_each_head_alone() {
             let alone = rows.attend(&q[h * d..(h + 1) * d], 0.1);
             let alone: Vec<f64> = alone.iter().map(|&x| f64::from(x)).collect();
             let err = crate::cpu::reference::rel_l2(&together[h * d..(h + 1) * d], &alone);
-            // Only the vectorized exp differs (a few ulp), which can move a 7-bit code.
+            // Only the vectorized exp differs (a few ulp), which can move an 8-bit code.
             assert!(err < 2e-3, "d = {d}, head {h}: {err}");
         }
     }
@@ -258,7 +264,7 @@ fn row_runs_attend_only_their_rows_and_splits_at_blocks_merge_back() {
         parts
     };
     // Runs across key groups, value blocks and the f16 tail: close to exact attention
-    // over the same dequantized rows (the 8-bit query and 7-bit probabilities' error).
+    // over the same dequantized rows (the 8-bit query and 8-bit probabilities' error).
     let ranges = [5..70, 100..300, 390..420];
     let got: Vec<f32> = run(&ranges).iter().flat_map(Partial::finish).collect();
     let pick = |x: &[f32]| -> Vec<f32> { ranges.iter().flat_map(|r| x[r.start * d..r.end * d].to_vec()).collect() };
@@ -306,11 +312,13 @@ fn fast_scores_equal_the_reference_exactly() {
 fn bad_parameters_and_rows_are_typed_errors() {
     let (k, v, _) = data(128, 64, 1);
     for params in [
-        Kv43Params { key_bits: 4, key_group: 96, value_block: 64 },
-        Kv43Params { key_bits: 4, key_group: 128, value_block: 12 },
-        Kv43Params { key_bits: 4, key_group: 0, value_block: 64 },
+        Kv43Params { key_bits: 4, value_bits: 3, key_group: 96, value_block: 64 },
+        Kv43Params { key_bits: 4, value_bits: 3, key_group: 128, value_block: 12 },
+        Kv43Params { key_bits: 4, value_bits: 3, key_group: 0, value_block: 64 },
         Kv43Params { key_bits: 3, ..Kv43Params::default() },
         Kv43Params { key_bits: 6, ..Kv43Params::default() },
+        Kv43Params { value_bits: 2, ..Kv43Params::default() },
+        Kv43Params { value_bits: 5, ..Kv43Params::default() },
     ] {
         assert!(matches!(Kv43Rows::encode(&k, &v, 64, params), Err(Error::InvalidArgument { .. })), "{params:?}");
     }
@@ -327,11 +335,11 @@ fn tile_scores_of_every_head_count_equal_the_reference_exactly() {
     // Partial tiles at both ends of a run, key groups of 24 rows (three tiles), d with
     // three partitions, and more heads than one kernel pass serves.
     for (d, params) in [
-        (64, Kv43Params { key_bits: 4, key_group: 24, value_block: 8 }),
+        (64, Kv43Params { key_bits: 4, value_bits: 3, key_group: 24, value_block: 8 }),
         (128, Kv43Params::default()),
-        (192, Kv43Params { key_bits: 4, key_group: 64, value_block: 32 }),
-        (64, Kv43Params { key_bits: 5, key_group: 24, value_block: 8 }),
-        (128, Kv43Params { key_bits: 5, key_group: 128, value_block: 128 }),
+        (192, Kv43Params { key_bits: 4, value_bits: 3, key_group: 64, value_block: 32 }),
+        (64, Kv43Params { key_bits: 5, value_bits: 3, key_group: 24, value_block: 8 }),
+        (128, Kv43Params { key_bits: 5, value_bits: 3, key_group: 128, value_block: 128 }),
     ] {
         let rows = 3 * params.key_group;
         let (keys, values, _) = data(rows, d, 40 + d as u64);
@@ -388,9 +396,9 @@ fn fast_codes_equal_the_scalar_rounding_exactly() {
             code_run_scalar(x, min, step, levels, &mut scalar);
             assert_eq!(fast, scalar, "{len} values, min {min}, step {step}, levels {levels}");
         }
-        // Probabilities: in [0, 1], with the block's largest at 127 steps.
+        // Probabilities: in [0, 1], with the block's largest at 255 steps.
         let p: Vec<f32> = x.iter().map(|v| if v.is_nan() { *v } else { (v.abs() / 10.0).min(1.0) }).collect();
-        for step in [1.0 / 127.0, 0.5 / 127.0, 0.013] {
+        for step in [1.0 / 255.0, 0.5 / 255.0, 0.013] {
             let (mut fast, mut scalar) = (vec![0u8; len], vec![0u8; len]);
             let sums = (probability_codes(&p, step, &mut fast), probability_codes_scalar(&p, step, &mut scalar));
             assert_eq!((fast, sums.0), (scalar, sums.1), "{len} probabilities, step {step}");
@@ -402,23 +410,36 @@ fn fast_codes_equal_the_scalar_rounding_exactly() {
 fn value_weighing_for_every_head_count_equals_the_reference() {
     // Blocks of one, three and eight 8-row groups and of 128 rows (widened twice), the
     // largest probability codes everywhere (the 16-bit sums' bound) or random ones.
-    for (d, vb) in [(64, 8), (128, 24), (64, 64), (128, 128)] {
-        let params = Kv43Params { key_bits: 4, key_group: 8 * vb, value_block: vb };
-        let (keys, values, _) = data(params.key_group, d, vb as u64);
+    // 3- and 4-bit values; random values, or every code but one per block at its largest
+    // (the 16-bit sums' bound with the largest probabilities).
+    let cases = [(64, 8), (128, 24), (64, 64), (128, 128)]
+        .into_iter()
+        .flat_map(|c| [(c, 3, false), (c, 4, false), (c, 3, true), (c, 4, true)]);
+    for ((d, vb), value_bits, saturated) in cases {
+        let params = Kv43Params { key_bits: 4, value_bits, key_group: 8 * vb, value_block: vb };
+        let (keys, mut values, _) = data(params.key_group, d, vb as u64);
+        if saturated {
+            values.iter_mut().enumerate().for_each(|(i, v)| *v = if (i / d) % vb == 0 { 0.0 } else { 1.0 });
+        }
         let enc = Kv43Rows::encode(&keys, &values, d, params).unwrap();
-        let planes = &enc.value_planes[..vb / 8 * 3 * d];
+        let bits = usize::from(value_bits);
+        let planes = &enc.value_planes[..vb / 8 * bits * d];
         let mut rng = SplitMix64::new(3);
         for heads in 1..=9 {
             for full in [true, false] {
                 let p: Vec<u8> =
-                    (0..heads * vb).map(|_| if full { 127 } else { (rng.next_u64() % 128) as u8 }).collect();
+                    (0..heads * vb).map(|_| if full { 255 } else { (rng.next_u64() % 256) as u8 }).collect();
                 let mut want = vec![0u32; heads * d];
                 let mut z = vec![0u8; vb * d];
-                unpack_value_codes(planes, d, &mut z);
+                unpack_value_codes(planes, d, bits, &mut z);
+                if saturated {
+                    assert_eq!(z.iter().copied().max(), Some((1 << bits) - 1));
+                }
                 weigh_value_codes(&z, d, &p, &mut want);
                 let mut got = vec![u32::MAX; heads * d];
-                attention::weigh_value_planes(planes, d, &p, (&mut Vec::new(), &mut Vec::new()), &mut got);
-                assert_eq!(got, want, "d = {d}, block {vb}, {heads} heads, full {full}");
+                let pl = (planes, bits);
+                attention::weigh_value_planes(pl, d, &p, (&mut Vec::new(), &mut Vec::new()), &mut got);
+                assert_eq!(got, want, "d = {d}, block {vb}, {bits}-bit values, {heads} heads, full {full}");
             }
         }
     }
@@ -430,9 +451,10 @@ fn heads_taken_apart_into_arrays_come_back_equal() {
         (64, Kv43Params::default(), 0),
         (64, Kv43Params::default(), 50),
         (64, Kv43Params::default(), 128),
-        (128, Kv43Params { key_bits: 4, key_group: 64, value_block: 64 }, 3 * 64 + 17),
-        (256, Kv43Params { key_bits: 4, key_group: 256, value_block: 32 }, 2 * 256 + 255),
-        (128, Kv43Params { key_bits: 5, key_group: 128, value_block: 128 }, 3 * 128 + 5),
+        (128, Kv43Params { key_bits: 4, value_bits: 3, key_group: 64, value_block: 64 }, 3 * 64 + 17),
+        (256, Kv43Params { key_bits: 4, value_bits: 3, key_group: 256, value_block: 32 }, 2 * 256 + 255),
+        (128, Kv43Params { key_bits: 5, value_bits: 3, key_group: 128, value_block: 128 }, 3 * 128 + 5),
+        (64, Kv43Params { key_bits: 4, value_bits: 4, key_group: 128, value_block: 32 }, 2 * 128 + 9),
     ] {
         let (k, v, q) = data(rows.max(1), d, 17);
         let mut head = Kv43Head::new(d, params).unwrap();
@@ -478,7 +500,7 @@ fn arrays_that_do_not_fit_are_typed_errors_naming_what_was_wrong() {
     let mut tail = a.tail_keys.to_vec();
     tail[1] = f16::INFINITY;
     check(Kv43Arrays { tail_keys: &tail, ..a }, "partial group entry 1");
-    let wrong = Kv43Params { key_bits: 4, key_group: 100, value_block: 64 };
+    let wrong = Kv43Params { key_bits: 4, value_bits: 3, key_group: 100, value_block: 64 };
     assert!(Kv43Head::from_arrays(d, wrong, a).is_err());
     assert!(Kv43Head::from_arrays(48, params, a).is_err());
 }

@@ -1,0 +1,92 @@
+//! Where kv43 loses accuracy on a real trace, per layer: attention of the trace's decode
+//! queries over the prompt with the rows after the first `KEEP` (f16, as the engine's steady
+//! zone) in kv43, computed three ways against exact attention over the f32 rows:
+//! - `rounding`: exact (f64) attention over the rows the codes stand for (dequantized);
+//! - `codes`: kv43's own arithmetic on the codes (`Kv43Head::attend_runs`: 8-bit `q∘s` per
+//!   key group and partition, 8-bit probabilities per 64 rows);
+//! - `keys` / `values`: rounding of the keys only, or of the values only.
+//!
+//! Rows are encoded in token order (the engine encodes each segment in cluster order).
+//!
+//! `cargo run --release -p attnstore-runtime --example kv43_layers -- TRACE_DIR [CODEC]`
+//! (a trace written by `attnstore capture`; CODEC a kv43 name, `kv43` by default).
+
+use attnstore_kernels::cpu::partial::Partial;
+use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
+use attnstore_kernels::{Codec, Kv43Head};
+use attnstore_runtime::trace::Trace;
+use half::f16;
+
+/// Rows kept in f16 at the start (the engine's sink and local window stay f16).
+const KEEP: usize = 64;
+
+fn f16_rows(x: &[f32]) -> Vec<f32> {
+    x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
+}
+
+/// The partial of query `q` over f16 rows `k`, `v` (scores scaled by `scale`).
+fn exact_partial(q: &[f32], k: &[f32], v: &[f32], scale: f32) -> Partial {
+    let d = q.len();
+    let s: Vec<f32> = k.chunks(d).map(|r| scale * r.iter().zip(q).map(|(a, b)| a * b).sum::<f32>()).collect();
+    let m = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut p = Partial { m, l: 0.0, o: vec![0.0; d] };
+    for (t, &x) in s.iter().enumerate() {
+        let w = (x - m).exp();
+        p.l += w;
+        p.o.iter_mut().zip(&v[t * d..(t + 1) * d]).for_each(|(o, v)| *o += w * v);
+    }
+    p
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let dir = args.next().unwrap_or_else(|| "target/traces/retroinfer-8k".into());
+    let codec: Codec = args.next().as_deref().unwrap_or("kv43").parse().unwrap_or_else(|e| {
+        eprintln!("{e}");
+        std::process::exit(2)
+    });
+    let Some(params) = codec.kv43() else {
+        eprintln!("{codec} is not a kv43 codec");
+        std::process::exit(2)
+    };
+    let trace = Trace::load(std::path::Path::new(&dir)).unwrap_or_else(|e| {
+        eprintln!("cannot read the trace {dir}: {e}");
+        std::process::exit(2)
+    });
+    let m = &trace.meta;
+    let (d, p, g) = (m.head_dim, m.prompt_tokens, m.q_heads / m.kv_heads);
+    let scale = 1.0 / (d as f32).sqrt();
+    println!("{codec} over {p} prompt tokens, {} decode steps, first {KEEP} rows f16", m.decode_steps);
+    println!("{:>5} {:>9} {:>9} {:>9} {:>9}", "layer", "keys", "values", "rounding", "codes");
+    let mut total = [0.0f64; 4];
+    for layer in 0..m.layers {
+        let (k, v) = trace.layer_kv(layer, 0..p);
+        let mut sums = [0.0f64; 4];
+        for h in 0..m.kv_heads {
+            let (kh, vh) = (f16_rows(&k[h * p * d..(h + 1) * p * d]), f16_rows(&v[h * p * d..(h + 1) * p * d]));
+            let mut head = Kv43Head::new(d, params).expect("kv43 parameters");
+            head.append(&kh[KEEP * d..], &vh[KEEP * d..]).expect("finite rows");
+            let (dk, dv) = head.dequantize();
+            let join = |a: &[f32], b: &[f32]| -> Vec<f32> { a[..KEEP * d].iter().chain(b).copied().collect() };
+            let (rk, rv) = (join(&kh, &dk), join(&vh, &dv));
+            for step in 0..m.decode_steps {
+                let queries = &trace.query(step, layer)[h * g * d..(h + 1) * g * d];
+                let mut parts: Vec<Partial> =
+                    queries.chunks(d).map(|q| exact_partial(q, &kh[..KEEP * d], &vh[..KEEP * d], scale)).collect();
+                head.attend_runs(queries, scale, &[0..head.rows()], &mut parts).expect("runs");
+                for (j, q) in queries.chunks(d).enumerate() {
+                    let exact = attend_f64(q, &kh, &vh, None);
+                    let f = |x: Vec<f64>| x.iter().map(|&y| y as f32).collect::<Vec<_>>();
+                    sums[0] += rel_l2(&f(attend_f64(q, &rk, &vh, None)), &exact);
+                    sums[1] += rel_l2(&f(attend_f64(q, &kh, &rv, None)), &exact);
+                    sums[2] += rel_l2(&f(attend_f64(q, &rk, &rv, None)), &exact);
+                    sums[3] += rel_l2(&parts[j].finish(), &exact);
+                }
+            }
+        }
+        let n = (m.q_heads * m.decode_steps) as f64;
+        println!("{layer:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4}", sums[0] / n, sums[1] / n, sums[2] / n, sums[3] / n);
+        total.iter_mut().zip(&sums).for_each(|(t, s)| *t += s / n / m.layers as f64);
+    }
+    println!("{:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4}", "mean", total[0], total[1], total[2], total[3]);
+}
