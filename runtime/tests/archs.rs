@@ -24,7 +24,7 @@ fn ids(model: &Model, n: usize) -> Vec<u32> {
 }
 
 fn exact_f32() -> AttnConfig {
-    AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) }
+    AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(AttnMethod::Exact) }
 }
 
 #[test]

@@ -31,9 +31,9 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
         s.close().unwrap();
         (logits, stats)
     };
-    let exact = run(AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) }).0;
+    let exact = run(AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(AttnMethod::Exact) }).0;
     for method in [AttnMethod::Wave, AttnMethod::Pq, AttnMethod::TopK] {
-        let mut full = AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) };
+        let mut full = AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(method) };
         full.budget.retrieve_frac = 1.0;
         full.budget.estimate = EstimateShare::Fraction(0.0);
         full.budget.exact_threshold = f64::MAX;
@@ -46,13 +46,13 @@ fn sparse_methods_at_full_budget_equal_exact_and_stay_close_at_the_default() {
 
         // The default budget plans 1200 tokens exact: a short context (and its 1024-token
         // floor would read most of them anyway).
-        let (_, stats) = run(AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) });
+        let (_, stats) = run(AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(method) });
         // (The oracle top-k is a measuring device: it is never replaced by exact attention.)
         if method != AttnMethod::TopK {
             assert_eq!(stats.exact_plans, stats.plans, "{method:?}: short contexts are planned exact at the default");
         }
         // A smaller floor makes it sparse, and it stays close.
-        let mut small = AttnConfig { codec: Codec::F32, ..AttnConfig::new(method) };
+        let mut small = AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(method) };
         small.budget.retrieve_floor_tokens = 128;
         small.budget.short_context_tokens = 0;
         let (logits, stats) = run(small);

@@ -57,7 +57,7 @@ fn engine_exact_attention_matches_naive_attention_in_the_model() {
     let ids = model.tokenizer().encode(&model.tokenizer().chat_prompt(PROMPTS[2])).unwrap();
     let prefill = model.prefill(&ids, 16, &mut |_| {}).unwrap();
     let engine = Engine::in_memory(EngineConfig::default()).unwrap();
-    let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
+    let config = AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(AttnMethod::Exact) };
     let mut session = Session::new(&model, &engine, config, &prefill, false).unwrap();
     let naive = NaiveAttention { shape: model.config().attn_shape(), kv: prefill.kv.clone() };
     let mut audit = Audit { session: &mut session, naive, worst: 0.0 };

@@ -28,7 +28,7 @@ fn a_second_runtime_attaches_the_published_prompt_and_decodes_the_same() {
         let id = ModelId::of_file(&path).unwrap();
         let v = model.config().vocab as u64;
         let tokens: Vec<u32> = (0..100u64).map(|i| ((i * 2_654_435_761 + 11) % v) as u32).collect();
-        let config = AttnConfig { codec: Codec::F32, ..AttnConfig::new(AttnMethod::Exact) };
+        let config = AttnConfig { codec: Codec::F32.into(), ..AttnConfig::new(AttnMethod::Exact) };
         let store = Arc::new(MemoryStore::new());
         let (first, second) =
             (Engine::in_memory(EngineConfig::default()).unwrap(), Engine::in_memory(EngineConfig::default()).unwrap());

@@ -79,7 +79,7 @@ mod reference {
             let mut want = logits(&mut reference, &ids, 0);
             let prefill = model.prefill(&ids, chunk, &mut |_| {}).unwrap();
             let engine = Engine::in_memory(EngineConfig::default()).unwrap();
-            let config = AttnConfig { codec: Codec::from(dtype), ..AttnConfig::new(AttnMethod::Exact) };
+            let config = AttnConfig { codec: Codec::from(dtype).into(), ..AttnConfig::new(AttnMethod::Exact) };
             let mut session = Session::new(model, &engine, config, &prefill, false).unwrap();
             let mut got = prefill.logits.clone();
             a.prefill = a.prefill.max(max_rel(&got, &want));
