@@ -15,7 +15,7 @@ pub enum RowCodec {
     Plain,
     /// HACK 2-bit rows (keys and values quantized per partition of Π rows).
     Hack2(HackParams),
-    /// kv43 rows: keys 4-bit per channel over key groups, values 3-bit per channel over
+    /// kv43 rows: keys 4- or 5-bit per channel over key groups, values 3- or 4-bit per channel over
     /// value blocks ([`Kv43Head`] per KV head and segment: whole key groups encoded, the
     /// segment's last partial group in f16).
     Kv43(Kv43Params),

@@ -71,7 +71,7 @@ impl Codec {
 
     /// Stored bytes of one token's key and value rows in one KV head, metadata included
     /// (for `hack2`: 2-bit codes, per key partition and per value block an f16 minimum and
-    /// scale, and the key code sums; for `kv43`: 4-bit key and 3-bit value codes, a u16 key
+    /// scale, and the key code sums; for `kv43`: 4- or 5-bit key and 3- or 4-bit value codes, a u16 key
     /// code sum per 64 dimensions, per channel an f16 minimum and scale per key group and
     /// per value block).
     pub fn kv_row_bytes(self, head_dim: usize) -> f64 {

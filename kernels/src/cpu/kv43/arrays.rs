@@ -25,7 +25,8 @@ pub struct Kv43Arrays<'a> {
     pub key_scale: &'a [f16],
     /// Per row and 64-channel partition: the sum of its key codes, `rows × d / 64`.
     pub key_sums: &'a [u16],
-    /// Value codes as three bit planes per 8 rows: `rows / 8 × 3 × d` bytes.
+    /// Value codes as three (four with 4-bit values) bit planes per 8 rows: `rows / 8 ×
+    /// value_bits × d` bytes.
     pub value_planes: &'a [u8],
     /// Per value block and channel: value minimum, `rows / value_block × d`.
     pub value_min: &'a [f16],

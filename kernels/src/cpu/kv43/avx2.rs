@@ -1,5 +1,5 @@
 //! kv43's AVX2 kernels: the scores of up to four query heads over an 8-row key tile (rows in
-//! lanes, so no horizontal sums), the 3-bit value codes made from their planes and weighed
+//! lanes, so no horizontal sums), the 3- or 4-bit value codes made from their planes and weighed
 //! by 8-bit probabilities for up to four heads, and the exact round-to-nearest of a run of
 //! codes (the query's 8-bit codes and the probabilities' 8-bit ones).
 

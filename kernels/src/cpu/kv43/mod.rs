@@ -1,6 +1,6 @@
 //! A reference for the next codec of issue 43 (`docs/codec.md`, "Round 3"): keys quantized
 //! to 4 bits (or 5, [`Kv43Params::key_bits`]) **per channel** over groups of `key_group`
-//! tokens (KIVI's layout, because outliers live in channels), values to 3 bits per channel
+//! tokens (KIVI's layout, because outliers live in channels), values to 3 bits (or 4, [`Kv43Params::value_bits`]) per channel
 //! over blocks of `value_block` tokens, and attention computed on the codes without
 //! dequantizing:
 //!
@@ -166,7 +166,7 @@ pub struct Kv43Rows {
     /// Per row and partition: the sum of its key codes; per tile, partition-major
     /// (`d/64 × TILE`), so a partition's sums of a tile are contiguous.
     key_sums: Vec<u16>,
-    /// Value codes as bit planes: per 8 rows, three planes of `d` bytes (byte `c` of plane
+    /// Value codes as bit planes: per 8 rows, three (four with 4-bit values) planes of `d` bytes (byte `c` of plane
     /// `b` holds bit `b` of channel `c`'s codes of the eight rows, row `t mod 8` in bit
     /// `t mod 8`), plane-major so SIMD reads 32 channels of a plane at once: `rows/8 × 3 × d`.
     value_planes: Vec<u8>,
