@@ -8,12 +8,19 @@
 //!
 //! Rows are encoded in token order (the engine encodes each segment in cluster order).
 //!
-//! `cargo run --release -p attnstore-runtime --example kv43_layers -- TRACE_DIR [CODEC]`
+//! With `suggest` after the codec, it also proposes a table of codecs per layer: for every
+//! layer the rounding error of each candidate (`kv43:256:b128`, `kv43`, `kv43:v4`,
+//! `kv43:k5`, `kv43:k5:v4`), then the choice per layer that minimizes the summed error with
+//! the layers' mean bytes at most a quarter of f16's (an exact knapsack over bytes), printed
+//! as a `--codec` table. The summed attention error is a proxy for the model's KL, so a
+//! suggestion is to be checked with `attnstore eval`.
+//!
+//! `cargo run --release -p attnstore-runtime --example kv43_layers -- TRACE_DIR [CODEC [suggest]]`
 //! (a trace written by `attnstore capture`; CODEC a kv43 name, `kv43` by default).
 
 use attnstore_kernels::cpu::partial::Partial;
 use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
-use attnstore_kernels::{Codec, Kv43Head};
+use attnstore_kernels::{Codec, Kv43Head, Kv43Params};
 use attnstore_runtime::trace::Trace;
 use half::f16;
 
@@ -38,6 +45,94 @@ fn exact_partial(q: &[f32], k: &[f32], v: &[f32], scale: f32) -> Partial {
     p
 }
 
+/// One layer's mean attention error over the trace's decode queries and query heads:
+/// key rounding, value rounding, both, and kv43's arithmetic on the codes.
+fn layer_errors(trace: &Trace, layer: usize, params: Kv43Params) -> [f64; 4] {
+    let m = &trace.meta;
+    let (d, p, g) = (m.head_dim, m.prompt_tokens, m.q_heads / m.kv_heads);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (k, v) = trace.layer_kv(layer, 0..p);
+    let mut sums = [0.0f64; 4];
+    for h in 0..m.kv_heads {
+        let (kh, vh) = (f16_rows(&k[h * p * d..(h + 1) * p * d]), f16_rows(&v[h * p * d..(h + 1) * p * d]));
+        let mut head = Kv43Head::new(d, params).expect("kv43 parameters");
+        head.append(&kh[KEEP * d..], &vh[KEEP * d..]).expect("finite rows");
+        let (dk, dv) = head.dequantize();
+        let join = |a: &[f32], b: &[f32]| -> Vec<f32> { a[..KEEP * d].iter().chain(b).copied().collect() };
+        let (rk, rv) = (join(&kh, &dk), join(&vh, &dv));
+        for step in 0..m.decode_steps {
+            let queries = &trace.query(step, layer)[h * g * d..(h + 1) * g * d];
+            let mut parts: Vec<Partial> =
+                queries.chunks(d).map(|q| exact_partial(q, &kh[..KEEP * d], &vh[..KEEP * d], scale)).collect();
+            head.attend_runs(queries, scale, &[0..head.rows()], &mut parts).expect("runs");
+            for (j, q) in queries.chunks(d).enumerate() {
+                let exact = attend_f64(q, &kh, &vh, None);
+                let f = |x: Vec<f64>| x.iter().map(|&y| y as f32).collect::<Vec<_>>();
+                sums[0] += rel_l2(&f(attend_f64(q, &rk, &vh, None)), &exact);
+                sums[1] += rel_l2(&f(attend_f64(q, &kh, &rv, None)), &exact);
+                sums[2] += rel_l2(&f(attend_f64(q, &rk, &rv, None)), &exact);
+                sums[3] += rel_l2(&parts[j].finish(), &exact);
+            }
+        }
+    }
+    let n = (m.q_heads * m.decode_steps) as f64;
+    sums.map(|s| s / n)
+}
+
+/// The codec per layer (indices into `bytes`' candidates) minimizing the summed `errors`
+/// (`layers × candidates`) with the summed bytes at most `budget`: an exact knapsack over
+/// bytes counted in eighths. `None` when even the cheapest choice exceeds the budget.
+fn cheapest_table(errors: &[Vec<f64>], bytes: &[f64], budget: f64) -> Option<Vec<usize>> {
+    let units: Vec<usize> = bytes.iter().map(|b| (b * 8.0).round() as usize).collect();
+    let cap = (budget * 8.0).floor() as usize;
+    // best[b]: least error of the layers so far using exactly b units; choice per layer.
+    let mut best = vec![f64::INFINITY; cap + 1];
+    best[0] = 0.0;
+    let mut choice = Vec::with_capacity(errors.len());
+    for row in errors {
+        let mut next = vec![f64::INFINITY; cap + 1];
+        let mut pick = vec![usize::MAX; cap + 1];
+        for (b, &e) in best.iter().enumerate().filter(|(_, e)| e.is_finite()) {
+            for (c, (&u, &err)) in units.iter().zip(row).enumerate() {
+                if b + u <= cap && e + err < next[b + u] {
+                    (next[b + u], pick[b + u]) = (e + err, c);
+                }
+            }
+        }
+        choice.push(pick);
+        best = next;
+    }
+    let (mut b, _) = best.iter().enumerate().filter(|(_, e)| e.is_finite()).min_by(|x, y| x.1.total_cmp(y.1))?;
+    let mut out = vec![0; errors.len()];
+    for l in (0..errors.len()).rev() {
+        let c = choice[l][b];
+        out[l] = c;
+        b -= units[c];
+    }
+    Some(out)
+}
+
+/// The table as `--codec` writes it: the most common codec, then each run of layers with
+/// another one as `A-B=CODEC`.
+fn table_string(names: &[&str], picks: &[usize]) -> String {
+    let mut counts = vec![0; names.len()];
+    picks.iter().for_each(|&c| counts[c] += 1);
+    let default = (0..names.len()).max_by_key(|&c| counts[c]).unwrap_or(0);
+    let mut out = names[default].to_string();
+    let mut l = 0;
+    while l < picks.len() {
+        let end = (l..picks.len()).take_while(|&x| picks[x] == picks[l]).last().unwrap_or(l);
+        if picks[l] != default {
+            match end == l {
+                true => out.push_str(&format!(",{l}={}", names[picks[l]])),
+                false => out.push_str(&format!(",{l}-{end}={}", names[picks[l]])),
+            }
+        }
+        l = end + 1;
+    }
+    out
+}
+
 fn main() {
     let mut args = std::env::args().skip(1);
     let dir = args.next().unwrap_or_else(|| "target/traces/retroinfer-8k".into());
@@ -45,6 +140,7 @@ fn main() {
         eprintln!("{e}");
         std::process::exit(2)
     });
+    let suggest = args.next().as_deref() == Some("suggest");
     let Some(params) = codec.kv43() else {
         eprintln!("{codec} is not a kv43 codec");
         std::process::exit(2)
@@ -54,39 +150,37 @@ fn main() {
         std::process::exit(2)
     });
     let m = &trace.meta;
-    let (d, p, g) = (m.head_dim, m.prompt_tokens, m.q_heads / m.kv_heads);
-    let scale = 1.0 / (d as f32).sqrt();
-    println!("{codec} over {p} prompt tokens, {} decode steps, first {KEEP} rows f16", m.decode_steps);
+    println!("{codec} over {} prompt tokens, {} decode steps, first {KEEP} rows f16", m.prompt_tokens, m.decode_steps);
     println!("{:>5} {:>9} {:>9} {:>9} {:>9}", "layer", "keys", "values", "rounding", "codes");
     let mut total = [0.0f64; 4];
     for layer in 0..m.layers {
-        let (k, v) = trace.layer_kv(layer, 0..p);
-        let mut sums = [0.0f64; 4];
-        for h in 0..m.kv_heads {
-            let (kh, vh) = (f16_rows(&k[h * p * d..(h + 1) * p * d]), f16_rows(&v[h * p * d..(h + 1) * p * d]));
-            let mut head = Kv43Head::new(d, params).expect("kv43 parameters");
-            head.append(&kh[KEEP * d..], &vh[KEEP * d..]).expect("finite rows");
-            let (dk, dv) = head.dequantize();
-            let join = |a: &[f32], b: &[f32]| -> Vec<f32> { a[..KEEP * d].iter().chain(b).copied().collect() };
-            let (rk, rv) = (join(&kh, &dk), join(&vh, &dv));
-            for step in 0..m.decode_steps {
-                let queries = &trace.query(step, layer)[h * g * d..(h + 1) * g * d];
-                let mut parts: Vec<Partial> =
-                    queries.chunks(d).map(|q| exact_partial(q, &kh[..KEEP * d], &vh[..KEEP * d], scale)).collect();
-                head.attend_runs(queries, scale, &[0..head.rows()], &mut parts).expect("runs");
-                for (j, q) in queries.chunks(d).enumerate() {
-                    let exact = attend_f64(q, &kh, &vh, None);
-                    let f = |x: Vec<f64>| x.iter().map(|&y| y as f32).collect::<Vec<_>>();
-                    sums[0] += rel_l2(&f(attend_f64(q, &rk, &vh, None)), &exact);
-                    sums[1] += rel_l2(&f(attend_f64(q, &kh, &rv, None)), &exact);
-                    sums[2] += rel_l2(&f(attend_f64(q, &rk, &rv, None)), &exact);
-                    sums[3] += rel_l2(&parts[j].finish(), &exact);
-                }
-            }
-        }
-        let n = (m.q_heads * m.decode_steps) as f64;
-        println!("{layer:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4}", sums[0] / n, sums[1] / n, sums[2] / n, sums[3] / n);
-        total.iter_mut().zip(&sums).for_each(|(t, s)| *t += s / n / m.layers as f64);
+        let e = layer_errors(&trace, layer, params);
+        println!("{layer:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4}", e[0], e[1], e[2], e[3]);
+        total.iter_mut().zip(&e).for_each(|(t, s)| *t += s / m.layers as f64);
     }
     println!("{:>5} {:>9.4} {:>9.4} {:>9.4} {:>9.4}", "mean", total[0], total[1], total[2], total[3]);
+    if !suggest {
+        return;
+    }
+    let names = ["kv43:256:b128", "kv43", "kv43:v4", "kv43:k5", "kv43:k5:v4"];
+    let candidates: Vec<Kv43Params> =
+        names.iter().map(|n| n.parse::<Codec>().ok().and_then(Codec::kv43).expect("a kv43 name")).collect();
+    let d = m.head_dim;
+    let bytes: Vec<f64> = candidates.iter().map(|c| c.bytes_per_token(d)).collect();
+    let errors: Vec<Vec<f64>> =
+        (0..m.layers).map(|l| candidates.iter().map(|&c| layer_errors(&trace, l, c)[2]).collect()).collect();
+    // A quarter of f16's bytes per token and KV head (keys and values, 2 bytes each).
+    let budget = 0.25 * 4.0 * d as f64 * m.layers as f64;
+    match cheapest_table(&errors, &bytes, budget) {
+        Some(picks) => {
+            let mean = picks.iter().map(|&c| bytes[c]).sum::<f64>() / m.layers as f64;
+            let err = picks.iter().enumerate().map(|(l, &c)| errors[l][c]).sum::<f64>() / m.layers as f64;
+            println!(
+                "suggested (mean rounding error {err:.4}, {:.4}× f16): {}",
+                mean / (4.0 * d as f64),
+                table_string(&names, &picks)
+            );
+        }
+        None => println!("no table fits a quarter of f16's bytes"),
+    }
 }
