@@ -54,9 +54,9 @@ pub struct ModelBudgetArgs {
     /// Codec of the stored KV: f16 (default), or hack2 / hack2:Π (2-bit homomorphic rows,
     /// HACK's per-token keys), hack2c / hack2c:Π (keys normalized per channel first),
     /// kv43 (4-bit per-channel keys over 128-token groups, 3-bit values over 64-token blocks;
-    /// not with pq) with any of :kB (key bits, 4 or 5), :G (key group), :vV (value block);
-    /// then optionally a codec per range of layers, e.g. `kv43:v128,17-21=kv43:k5`; with
-    /// `exact`, exact attention over the encoded rows.
+    /// not with pq) with any of :kB (key bits, 4 or 5), :vB (value bits, 3 or 4), :G or :gG
+    /// (key group), :bN (value block); then optionally a codec per range of layers, e.g.
+    /// `kv43:256:b128,3-10=kv43:v4`; with `exact`, exact attention over the encoded rows.
     #[arg(long, default_value = "f16")]
     codec: LayerCodecs,
 }

@@ -67,9 +67,9 @@ impl Context {
     }
 }
 
-/// The access method of layer `layer` (its kind and codec from `spec`); `home` homes a wave index's segment rows in the buffer
-/// manager, plain or 2-bit (`hack2`), and a plain PQ index's base rows (ignored by flat
-/// and window layers, see `docs/buffer-manager.md`).
+/// The access method of layer `layer` (its kind and codec from `spec`); `home` homes a wave
+/// index's segment rows in the buffer manager, plain or 2-bit (`hack2`), and a plain PQ
+/// index's base rows (ignored by flat and window layers, see `docs/buffer-manager.md`).
 pub(crate) fn make_method(
     spec: &ContextSpec,
     layer: usize,

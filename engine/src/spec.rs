@@ -70,8 +70,8 @@ pub struct ContextSpec {
     /// How stored rows are encoded: the plain `dtype`, or `hack2` / `kv43` for indexed
     /// rows; the codec of every layer `codec_overrides` does not name.
     pub codec: Codec,
-    /// Ranges of layers with a codec of their own (e.g. 5-bit kv43 keys where a model's
-    /// keys need them); empty by default.
+    /// Ranges of layers with a codec of their own (e.g. 4-bit kv43 values where a model's
+    /// values need them); empty by default.
     pub codec_overrides: CodecOverrides,
     /// Access method of the global layers.
     pub method: Method,
@@ -92,7 +92,7 @@ impl ContextSpec {
 
     /// The codec of layer `layer`: its override, or the context's codec.
     pub fn codec_of(&self, layer: usize) -> Codec {
-        self.codec_overrides.get(layer).unwrap_or(self.codec)
+        self.layer_codecs().of(layer)
     }
 
     /// The codecs per layer: the context's codec and its overrides.

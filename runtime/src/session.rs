@@ -91,7 +91,7 @@ pub struct AttnConfig {
     /// The plan budget (ignored by `Exact`, which always plans the full budget).
     pub budget: Budget,
     /// Codec of the stored KV per layer (`hack2`: 2-bit indexed rows, f16 steady zone;
-    /// `kv43,17-21=kv43:k5`: 5-bit keys in layers 17–21).
+    /// `kv43:256:b128,3-10=kv43:v4`: 4-bit values in layers 3–10).
     pub codec: LayerCodecs,
     /// The first this many layers are always attended exactly (their attention is broad:
     /// on SmolLM2 layer 0 has 3-5x the sparse error of the median layer).

@@ -77,7 +77,7 @@ class Engine:
         codec: Optional[str] = None,
         windows: Optional[Sequence[Optional[int]]] = None,
     ) -> int:
-        """Creates a context (dtype f32/f16/bf16, method wave/pq/flat, codec None, "hack2", "hack2c" or "kv43" ("kv43:k5": 5-bit keys, ":v128": 128-token value blocks; "kv43:v128,17-21=kv43:k5": a codec per range of layers); encoded codecs need dtype f16;
+        """Creates a context (dtype f32/f16/bf16, method wave/pq/flat, codec None, "hack2", "hack2c" or "kv43" ("kv43:k5": 5-bit keys, ":v4": 4-bit values, ":b128": 128-token value blocks; "kv43:256:b128,3-10=kv43:v4": a codec per range of layers); encoded codecs need dtype f16;
         windows: per layer None (global) or a sliding window's length)."""
     def drop_context(self, ctx: int) -> None: ...
     def prefill(self, ctx: int, layer: int, k: ArrayLike, v: ArrayLike) -> None:

@@ -1,8 +1,8 @@
 //! A reference for the next codec of issue 43 (`docs/codec.md`, "Round 3"): keys quantized
 //! to 4 bits (or 5, [`Kv43Params::key_bits`]) **per channel** over groups of `key_group`
-//! tokens (KIVI's layout, because outliers live in channels), values to 3 bits (or 4, [`Kv43Params::value_bits`]) per channel
-//! over blocks of `value_block` tokens, and attention computed on the codes without
-//! dequantizing:
+//! tokens (KIVI's layout, because outliers live in channels), values to 3 bits (or 4,
+//! [`Kv43Params::value_bits`]) per channel over blocks of `value_block` tokens, and
+//! attention computed on the codes without dequantizing:
 //!
 //! - a key is `k_jc = m_c + s_c·u_jc` (`u` in 0..=15, or 0..=31 with 5-bit keys; `m`, `s` per
 //!   channel and key group, f16),
@@ -42,8 +42,8 @@ const TILE: usize = 8;
 /// Key bits and group sizes of the layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Kv43Params {
-    /// Bits per key code: 4, or 5 where a layer's keys need the extra level (SmolLM2's
-    /// layers 17–21, `docs/codec.md` round 5); a 5-bit code is the 4-bit nibble plus one
+    /// Bits per key code: 4, or 5 where a layer's keys need the extra level (it halves the
+    /// key error; `docs/codec.md` session 50); a 5-bit code is the 4-bit nibble plus one
     /// bit plane per 8 rows.
     pub key_bits: u8,
     /// Bits per value code: 3, or 4 where a layer's values need the extra level (SmolLM2's
@@ -166,9 +166,10 @@ pub struct Kv43Rows {
     /// Per row and partition: the sum of its key codes; per tile, partition-major
     /// (`d/64 × TILE`), so a partition's sums of a tile are contiguous.
     key_sums: Vec<u16>,
-    /// Value codes as bit planes: per 8 rows, three (four with 4-bit values) planes of `d` bytes (byte `c` of plane
-    /// `b` holds bit `b` of channel `c`'s codes of the eight rows, row `t mod 8` in bit
-    /// `t mod 8`), plane-major so SIMD reads 32 channels of a plane at once: `rows/8 × 3 × d`.
+    /// Value codes as bit planes: per 8 rows, three (four with 4-bit values) planes of `d`
+    /// bytes (byte `c` of plane `b` holds bit `b` of channel `c`'s codes of the eight rows,
+    /// row `t mod 8` in bit `t mod 8`), plane-major so SIMD reads 32 channels of a plane at
+    /// once: `rows/8 × value_bits × d`.
     value_planes: Vec<u8>,
     /// Per value block and channel: minimum and scale.
     value_min: Vec<f16>,
