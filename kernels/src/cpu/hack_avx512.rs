@@ -304,7 +304,7 @@ fn channel_pass<const H: usize, const V: usize>(
 /// reduction, Taylor polynomial of degree 7), with `2ⁿ` applied by `vscalefps`.
 #[inline]
 #[target_feature(enable = "avx512f")]
-fn exp16(x: __m512) -> __m512 {
+pub(crate) fn exp16(x: __m512) -> __m512 {
     let x = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(_mm512_mul_ps(
         x,

@@ -14,6 +14,8 @@ use crate::error::{Error, Result};
 
 /// Heads one pass of a kernel serves (their accumulators stay in registers).
 const HEADS_PER_PASS: usize = 4;
+/// Rows (whole tiles) one call of the score kernels covers.
+const RUN_ROWS: usize = 64;
 
 /// Every head's query prepared for one key group, in buffers reused from group to group:
 /// per head its `d` 8-bit codes of `q∘s` (channel order, four to a little-endian word, as
@@ -23,19 +25,31 @@ pub(super) struct GroupQueries {
     one: GroupQuery,
     d: usize,
     w: Vec<u32>,
+    /// With the AVX-512 kernels (`Some`), per head and pair of octets the words of `w` as
+    /// `avx512::tile_scores` reads them: the low nibbles' words of both octets (each octet's
+    /// word broadcast over its 256-bit half), then the high nibbles' (`heads × d/8`).
+    wide: Option<Vec<[u32; 16]>>,
     a: Vec<f32>,
     b: Vec<f32>,
     qm: Vec<f32>,
 }
 
 impl GroupQueries {
+    /// Buffers for `heads` queries of dimension `d`, for the fastest kernels this CPU has.
     pub(super) fn new(heads: usize, d: usize) -> Self {
+        Self::for_kernels(heads, d, wide_kernels())
+    }
+
+    /// [`GroupQueries::new`] for the AVX-512 kernels (`wide`, where the CPU has them) or the
+    /// AVX2 / portable ones.
+    pub(super) fn for_kernels(heads: usize, d: usize, wide: bool) -> Self {
         let parts = d / PART;
         let one = GroupQuery::new(d);
         Self {
             one,
             d,
             w: vec![0; heads * d / 4],
+            wide: wide.then(|| vec![[0; 16]; heads * d / 8]),
             a: vec![0.0; heads * parts],
             b: vec![0.0; heads * parts],
             qm: vec![0.0; heads],
@@ -47,6 +61,24 @@ impl GroupQueries {
     pub(super) fn prepare(&mut self, rows: &Kv43Rows, g: usize, q: &[f32]) {
         let (d, parts) = (self.d, self.d / PART);
         rows.group_channels(g, &mut self.one.key_scale, &mut self.one.key_min);
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+        if let Some(wide) = &mut self.wide {
+            #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+            // SAFETY: `wide` is `Some` only where `wide_kernels()` found the CPU has AVX-512
+            // F/BW, VNNI and VBMI (or a test asked after checking the same); every slice
+            // read inside is bounds-checked.
+            unsafe {
+                let channels = (&self.one.key_scale[..], &self.one.key_min[..]);
+                super::avx512::prepare_queries(
+                    q,
+                    channels,
+                    &mut self.w,
+                    wide,
+                    (&mut self.a, &mut self.b, &mut self.qm),
+                );
+            }
+            return;
+        }
         for (h, qh) in q.chunks_exact(d).enumerate() {
             self.one.prepare(qh);
             self.qm[h] = self.one.qm;
@@ -55,6 +87,16 @@ impl GroupQueries {
             }
             for (k, &(a, b)) in self.one.ab.iter().enumerate() {
                 (self.a[h * parts + k], self.b[h * parts + k]) = (a, b);
+            }
+            if let Some(wide) = &mut self.wide {
+                // Pair `p` of octets `2p`, `2p + 1`: words `4p`, `4p + 2` (low nibbles) and
+                // `4p + 1`, `4p + 3` (high), each over eight lanes.
+                let w = &self.w[h * d / 4..(h + 1) * d / 4];
+                for (p, pair) in wide[h * d / 8..(h + 1) * d / 8].chunks_exact_mut(2).enumerate() {
+                    for (nibble, v) in pair.iter_mut().enumerate() {
+                        *v = std::array::from_fn(|lane| w[4 * p + 2 * (lane / 8) + nibble]);
+                    }
+                }
             }
         }
     }
@@ -79,11 +121,14 @@ struct Block {
     z: Vec<u8>,
     mins: Vec<f32>,
     scales: Vec<f32>,
+    /// The AVX-512 value kernel (as the queries' `wide`).
+    wide: bool,
 }
 
 impl Block {
-    fn new(heads: usize, d: usize, vb: usize) -> Self {
+    fn new(heads: usize, d: usize, vb: usize, wide: bool) -> Self {
         Self {
+            wide,
             scores: vec![f32::NEG_INFINITY; heads * vb],
             codes: vec![0; heads * vb],
             steps: vec![0.0; heads],
@@ -127,8 +172,8 @@ impl Kv43Rows {
         check_runs(q, d, self.rows, ranges, parts)?;
         // Probability blocks (a value block, or 64 rows of a longer one).
         let vb = p.probability_rows();
-        let mut block = Block::new(heads, d, vb);
         let mut queries = GroupQueries::new(heads, d);
+        let mut block = Block::new(heads, d, vb, queries.wide.is_some());
         let (mut group, mut current) = (None, None);
         for r in ranges.iter().filter(|r| !r.is_empty()) {
             let mut j = r.start;
@@ -169,18 +214,20 @@ impl Kv43Rows {
         (stride, base): (usize, usize),
     ) {
         let (d, parts) = (self.d, self.d / PART);
-        let mut tile = [[0.0f32; TILE]; HEADS_PER_PASS];
-        for t in rows.start / TILE..rows.end.div_ceil(TILE) {
-            let codes = &self.key_codes[t * TILE * d / 2..(t + 1) * TILE * d / 2];
-            let sums = &self.key_sums[t * TILE * parts..(t + 1) * TILE * parts];
-            let high = if self.key_high.is_empty() { &[][..] } else { &self.key_high[t * d..(t + 1) * d] };
-            let live = rows.start.max(t * TILE)..rows.end.min((t + 1) * TILE);
+        let mut scratch = [[0.0f32; RUN_ROWS]; HEADS_PER_PASS];
+        let (t0, t1) = (rows.start / TILE, rows.end.div_ceil(TILE));
+        for c0 in (t0..t1).step_by(RUN_ROWS / TILE) {
+            let c1 = t1.min(c0 + RUN_ROWS / TILE);
+            let codes = &self.key_codes[c0 * TILE * d / 2..c1 * TILE * d / 2];
+            let sums = &self.key_sums[c0 * TILE * parts..c1 * TILE * parts];
+            let high = if self.key_high.is_empty() { &[][..] } else { &self.key_high[c0 * d..c1 * d] };
+            let live = rows.start.max(c0 * TILE)..rows.end.min(c1 * TILE);
             for h0 in (0..queries.heads()).step_by(HEADS_PER_PASS) {
                 let n = (queries.heads() - h0).min(HEADS_PER_PASS);
-                score_tile((codes, high, sums), queries, h0..h0 + n, scale, &mut tile[..n]);
-                for (h, scores) in (h0..h0 + n).zip(&tile) {
+                score_tiles((codes, high, sums), queries, h0..h0 + n, scale, &mut scratch[..n]);
+                for (h, scores) in (h0..h0 + n).zip(&scratch) {
                     let at = h * stride + live.start - base;
-                    out[at..at + live.len()].copy_from_slice(&scores[live.start - t * TILE..live.end - t * TILE]);
+                    out[at..at + live.len()].copy_from_slice(&scores[live.start - c0 * TILE..live.end - c0 * TILE]);
                 }
             }
         }
@@ -209,15 +256,34 @@ impl Kv43Rows {
         for (h, part) in parts.iter_mut().enumerate() {
             let row = &mut block.scores[h * vb..(h + 1) * vb];
             let codes = &mut block.codes[h * vb..(h + 1) * vb];
-            let top = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let top = super::max_of(row);
             block.steps[h] = 0.0;
             codes.iter_mut().for_each(|c| *c = 0);
             if top == f32::NEG_INFINITY {
                 continue;
             }
             part.rescale_to(part.m.max(top));
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            if block.wide && vb.is_multiple_of(16) {
+                #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+                // SAFETY: `block.wide` only where `wide_kernels()` found the CPU has AVX-512
+                // F/BW, VNNI and VBMI (or a test asked after checking the same); every slice
+                // read inside is bounds-checked.
+                let (step, sum) = unsafe { super::avx512::block_probabilities(row, part.m, codes) };
+                if step > 0.0 {
+                    (block.steps[h], block.sums[h]) = (step, sum);
+                    part.l += step * sum as f32;
+                    live = true;
+                }
+                continue;
+            }
             crate::cpu::microkernel::exp_shifted_sum(row, part.m);
-            let step = row.iter().copied().fold(0.0f32, f32::max) / super::P_LEVELS;
+            let step = super::max_of(row).max(0.0) / super::P_LEVELS;
             if step == 0.0 {
                 continue;
             }
@@ -232,7 +298,8 @@ impl Kv43Rows {
         }
         let np = self.params.planes();
         let planes = &self.value_planes[b * vb / 8 * np * d..(b + 1) * vb / 8 * np * d];
-        weigh_value_planes((planes, np), d, &block.codes, (&mut block.weights, &mut block.z), &mut block.dot);
+        let scratch = (&mut block.weights, &mut block.z);
+        weigh_value_planes((planes, np), d, &block.codes, scratch, &mut block.dot, block.wide);
         self.value_min[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.mins);
         self.value_scale[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.scales);
         for (h, part) in parts.iter_mut().enumerate() {
@@ -248,36 +315,53 @@ impl Kv43Rows {
     }
 }
 
-/// The scores of `heads` (at most four) of `queries` over one key tile (`codes`, the fifth
-/// bits `high` or nothing, `sums`) into `out` (one array per head): AVX2's
-/// [`super::avx2::tile_scores`] where the target has it, else [`tile_scores_portable`].
-fn score_tile(
+/// True where the AVX-512 kernels (`avx512.rs`) run: the build has AVX2 and the CPU AVX-512
+/// F/BW, VNNI and VBMI, unless the environment says `ATTNSTORE_HACK_KERNEL=avx2`.
+pub(super) fn wide_kernels() -> bool {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    return crate::cpu::hack_avx512::available();
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c")))]
+    false
+}
+
+/// The scores of `heads` (at most four) of `queries` over a run of whole key tiles (`codes`,
+/// the fifth bits `high` or nothing, `sums`; at most `RUN_ROWS` rows) into `out` (one
+/// array per head, the run's rows first): AVX-512's [`super::avx512::tile_scores`] where
+/// the queries are prepared for it, else AVX2's [`super::avx2::tile_scores`] where the
+/// target has it, else [`tile_scores_portable`], tile by tile.
+fn score_tiles(
     (codes, high, sums): (&[u8], &[u8], &[u16]),
     queries: &GroupQueries,
     heads: Range<usize>,
     scale: f32,
-    out: &mut [[f32; TILE]],
+    out: &mut [[f32; RUN_ROWS]],
 ) {
-    #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
-    {
-        let (d, parts) = (queries.d, queries.d / PART);
-        let h0 = heads.start;
+    let (d, parts) = (queries.d, queries.d / PART);
+    let h0 = heads.start;
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    if let Some(wide) = &queries.wide {
         macro_rules! pass {
             ($n:literal) => {{
-                let w: [&[u32]; $n] = std::array::from_fn(|i| &queries.w[(h0 + i) * d / 4..(h0 + i + 1) * d / 4]);
+                let w: [&[[u32; 16]]; $n] = std::array::from_fn(|i| &wide[(h0 + i) * d / 8..(h0 + i + 1) * d / 8]);
                 let a: [&[f32]; $n] = std::array::from_fn(|i| &queries.a[(h0 + i) * parts..(h0 + i + 1) * parts]);
                 let b: [&[f32]; $n] = std::array::from_fn(|i| &queries.b[(h0 + i) * parts..(h0 + i + 1) * parts]);
                 let qm: [f32; $n] = std::array::from_fn(|i| queries.qm[h0 + i]);
-                let out: &mut [[f32; TILE]; $n] = (&mut out[..$n]).try_into().expect("one array per head");
+                let out: &mut [[f32; RUN_ROWS]; $n] = (&mut out[..$n]).try_into().expect("one array per head");
                 #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
-                // SAFETY: compiled only when the build enables avx2 for the whole program
-                // (cfg above), so every CPU that runs the binary has it; every slice read
-                // inside is bounds-checked.
+                // SAFETY: `queries.wide` is `Some` only where `wide_kernels()` found the CPU
+                // has AVX-512 F/BW, VNNI and VBMI (or a test asked for it after checking
+                // the same); every slice read inside is bounds-checked.
                 unsafe {
                     if high.is_empty() {
-                        super::avx2::tile_scores::<$n, false>((codes, high, sums), w, (a, b, qm), scale, out)
+                        super::avx512::tile_scores::<$n, false, RUN_ROWS>(
+                            (codes, high, sums),
+                            w,
+                            (a, b, qm),
+                            scale,
+                            out,
+                        )
                     } else {
-                        super::avx2::tile_scores::<$n, true>((codes, high, sums), w, (a, b, qm), scale, out)
+                        super::avx512::tile_scores::<$n, true, RUN_ROWS>((codes, high, sums), w, (a, b, qm), scale, out)
                     }
                 }
             }};
@@ -288,10 +372,48 @@ fn score_tile(
             3 => pass!(3),
             _ => pass!(4),
         }
+        return;
     }
-    #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
-    for (h, o) in heads.zip(out.iter_mut()) {
-        *o = tile_scores_portable((codes, high, sums), queries, h, scale);
+    let tile_bytes = TILE * d / 2;
+    for (i, codes) in codes.chunks_exact(tile_bytes).enumerate() {
+        let sums = &sums[i * TILE * parts..(i + 1) * TILE * parts];
+        let high = if high.is_empty() { high } else { &high[i * d..(i + 1) * d] };
+        #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
+        {
+            macro_rules! pass {
+                ($n:literal) => {{
+                    let w: [&[u32]; $n] = std::array::from_fn(|i| &queries.w[(h0 + i) * d / 4..(h0 + i + 1) * d / 4]);
+                    let a: [&[f32]; $n] = std::array::from_fn(|i| &queries.a[(h0 + i) * parts..(h0 + i + 1) * parts]);
+                    let b: [&[f32]; $n] = std::array::from_fn(|i| &queries.b[(h0 + i) * parts..(h0 + i + 1) * parts]);
+                    let qm: [f32; $n] = std::array::from_fn(|i| queries.qm[h0 + i]);
+                    let mut tile = [[0.0f32; TILE]; $n];
+                    #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+                    // SAFETY: compiled only when the build enables avx2 for the whole program
+                    // (cfg above), so every CPU that runs the binary has it; every slice read
+                    // inside is bounds-checked.
+                    unsafe {
+                        if high.is_empty() {
+                            super::avx2::tile_scores::<$n, false>((codes, high, sums), w, (a, b, qm), scale, &mut tile)
+                        } else {
+                            super::avx2::tile_scores::<$n, true>((codes, high, sums), w, (a, b, qm), scale, &mut tile)
+                        }
+                    }
+                    for (o, t) in out.iter_mut().zip(&tile) {
+                        o[i * TILE..(i + 1) * TILE].copy_from_slice(t);
+                    }
+                }};
+            }
+            match heads.len() {
+                1 => pass!(1),
+                2 => pass!(2),
+                3 => pass!(3),
+                _ => pass!(4),
+            }
+        }
+        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
+        for (h, o) in heads.clone().zip(out.iter_mut()) {
+            o[i * TILE..(i + 1) * TILE].copy_from_slice(&tile_scores_portable((codes, high, sums), queries, h, scale));
+        }
     }
 }
 
@@ -332,7 +454,40 @@ pub(super) fn weigh_value_planes(
     p: &[u8],
     (weights, z): (&mut Vec<[u16; 16]>, &mut Vec<u8>),
     dot: &mut [u32],
+    wide: bool,
 ) {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    if wide {
+        let rows = planes.len() / (bits * d) * 8;
+        let heads = p.len() / rows;
+        for h0 in (0..heads).step_by(HEADS_PER_PASS) {
+            let n = (heads - h0).min(HEADS_PER_PASS);
+            let out = &mut dot[h0 * d..(h0 + n) * d];
+            macro_rules! pass {
+                ($n:literal, $four:literal) => {{
+                    let ph: [&[u8]; $n] = std::array::from_fn(|i| &p[(h0 + i) * rows..(h0 + i + 1) * rows]);
+                    #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+                    // SAFETY: callers pass `wide` only where `wide_kernels()` found the CPU
+                    // has AVX-512 F/BW, VNNI and VBMI (or a test asked after checking the
+                    // same); every slice read inside is bounds-checked.
+                    unsafe {
+                        super::avx512::weigh_value_planes::<$n, $four>(planes, d, ph, out)
+                    }
+                }};
+            }
+            match (n, bits == 4) {
+                (1, false) => pass!(1, false),
+                (2, false) => pass!(2, false),
+                (3, false) => pass!(3, false),
+                (_, false) => pass!(4, false),
+                (1, true) => pass!(1, true),
+                (2, true) => pass!(2, true),
+                (3, true) => pass!(3, true),
+                (_, true) => pass!(4, true),
+            }
+        }
+        return;
+    }
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
     {
         let _ = &z;
@@ -363,7 +518,7 @@ pub(super) fn weigh_value_planes(
     }
     #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2")))]
     {
-        let _ = &weights;
+        let _ = (&weights, wide);
         z.resize(planes.len() / (bits * d) * 8 * d, 0);
         super::unpack_value_codes(planes, d, bits, z);
         super::weigh_value_codes(z, d, p, dot);

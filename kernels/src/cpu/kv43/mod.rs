@@ -217,6 +217,20 @@ fn min_max(x: &[f32]) -> (f32, f32) {
     (lo, hi)
 }
 
+/// The largest of `x` (`-∞` when empty; NaNs ignored), in eight lanes as [`min_max`]: the
+/// same value as `f32::max` folded one at a time, which does not vectorize and left a
+/// 64-step dependency chain per head and block in `fold_block`.
+fn max_of(x: &[f32]) -> f32 {
+    let mut hi = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for (h, &v) in hi.iter_mut().zip(c) {
+            *h = if v > *h { v } else { *h };
+        }
+    }
+    hi.iter().chain(chunks.remainder()).fold(f32::NEG_INFINITY, |a, &v| a.max(v))
+}
+
 /// `codes[i] = clamp(round((x[i] − min) / step), 0, levels)` (`step > 0`): with AVX2 eight
 /// at a time where the target has it, equal to [`code_run_scalar`] exactly.
 fn code_run(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]) {
@@ -727,6 +741,8 @@ mod arrays;
 mod attention;
 #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
 mod avx2;
+#[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+mod avx512;
 
 pub use arrays::Kv43Arrays;
 

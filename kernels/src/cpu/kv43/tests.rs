@@ -4,6 +4,17 @@
 use super::*;
 use crate::random::SplitMix64;
 
+/// The kernels to test: AVX2 (or portable) always, AVX-512 too where the CPU has it (else
+/// a printed reason).
+fn kernel_choices() -> Vec<bool> {
+    if attention::wide_kernels() {
+        vec![false, true]
+    } else {
+        println!("skipping the AVX-512 kv43 kernels: this CPU (or ATTNSTORE_HACK_KERNEL=avx2) does not run them");
+        vec![false]
+    }
+}
+
 /// Keys with outlier channels (as real models' are) and plain values.
 fn data(rows: usize, d: usize, seed: u64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let mut rng = SplitMix64::new(seed);
@@ -353,10 +364,23 @@ fn tile_scores_of_every_head_count_equal_the_reference_exactly() {
                 let want = enc.scores_reference(&q[h * d..(h + 1) * d], 0.2);
                 assert_eq!(got[h * rows..(h + 1) * rows], want[..], "d = {d}, {heads} heads, head {h}");
             }
-            // A run that starts and ends inside tiles writes only its rows.
+            // A run that starts and ends inside tiles writes only its rows, with either kernel.
             let g = 1;
             let run = g * params.key_group + 3..(g + 1) * params.key_group - 5;
-            let mut queries = attention::GroupQueries::new(heads, d);
+            for wide in kernel_choices() {
+                let mut queries = attention::GroupQueries::for_kernels(heads, d, wide);
+                queries.prepare(&enc, g, &q);
+                let mut out = vec![f32::NAN; heads * rows];
+                enc.score_rows(&queries, run.clone(), 0.2, &mut out, (rows, 0));
+                for (i, (&o, &w)) in out.iter().zip(&got).enumerate() {
+                    if run.contains(&(i % rows)) {
+                        assert_eq!(o, w, "d = {d}, {heads} heads, score {i}, AVX-512 {wide}");
+                    } else {
+                        assert!(o.is_nan(), "d = {d}, {heads} heads: score {i} outside the run was written");
+                    }
+                }
+            }
+            let mut queries = attention::GroupQueries::for_kernels(heads, d, false);
             queries.prepare(&enc, g, &q);
             // The portable tile kernel (the fast path of targets without AVX2) too.
             let t = g * params.key_group / TILE;
@@ -367,15 +391,6 @@ fn tile_scores_of_every_head_count_equal_the_reference_exactly() {
                 let tile = (codes, high, &sums[..TILE * parts]);
                 let portable = attention::tile_scores_portable(tile, &queries, h, 0.2);
                 assert_eq!(portable[..], got[h * rows + t * TILE..][..TILE], "d = {d}, head {h}: portable tile");
-            }
-            let mut out = vec![f32::NAN; heads * rows];
-            enc.score_rows(&queries, run.clone(), 0.2, &mut out, (rows, 0));
-            for (i, (&o, &w)) in out.iter().zip(&got).enumerate() {
-                if run.contains(&(i % rows)) {
-                    assert_eq!(o, w, "d = {d}, {heads} heads, score {i}");
-                } else {
-                    assert!(o.is_nan(), "d = {d}, {heads} heads: score {i} outside the run was written");
-                }
             }
         }
     }
@@ -436,10 +451,14 @@ fn value_weighing_for_every_head_count_equals_the_reference() {
                     assert_eq!(z.iter().copied().max(), Some((1 << bits) - 1));
                 }
                 weigh_value_codes(&z, d, &p, &mut want);
-                let mut got = vec![u32::MAX; heads * d];
-                let pl = (planes, bits);
-                attention::weigh_value_planes(pl, d, &p, (&mut Vec::new(), &mut Vec::new()), &mut got);
-                assert_eq!(got, want, "d = {d}, block {vb}, {bits}-bit values, {heads} heads, full {full}");
+                for wide in kernel_choices() {
+                    let mut got = vec![u32::MAX; heads * d];
+                    let pl = (planes, bits);
+                    attention::weigh_value_planes(pl, d, &p, (&mut Vec::new(), &mut Vec::new()), &mut got, wide);
+                    let what =
+                        format!("d = {d}, block {vb}, {bits}-bit values, {heads} heads, full {full}, AVX-512 {wide}");
+                    assert_eq!(got, want, "{what}");
+                }
             }
         }
     }

@@ -1,0 +1,291 @@
+//! kv43's AVX-512 kernels, chosen at run time where the CPU has AVX-512 F/BW, VNNI and VBMI
+//! (`crate::cpu::hack_avx512::available`: Ice Lake and Sapphire Rapids Xeons, Zen 4). They
+//! compute the AVX2 kernels' integers (`avx2.rs`) with `vpdpbusd`, which multiplies 64
+//! unsigned × signed byte pairs and adds them, in fours, to 32-bit sums in one instruction:
+//! no 16-bit partial sums, no widening, half the instructions per byte.
+//!
+//! - **Scores.** One 64-byte load holds two octets of channels of a key tile (eight rows,
+//!   one per 32-bit lane, in each 256-bit half); per head two `vpdpbusd` against its query
+//!   words for the pair of octets ([`super::attention::GroupQueries`]' `wide`: the low and
+//!   the high nibbles' words of each octet broadcast over its half). The halves are added
+//!   per partition and combined with the float operations of the AVX2 kernel, in its order,
+//!   so the scores are equal bit for bit.
+//! - **Values.** Per eight rows and sixteen channels each bit plane's bytes are widened to
+//!   one 32-bit lane per channel; `vpmultishiftqb` moves bit `t` of plane `b` to bit `b` of
+//!   byte `t mod 4` (a quad of rows), two or three bitwise selects (`vpternlogd`) merge the
+//!   planes into the codes, and one `vpdpbusd` per head adds the quad's four rows, weighed by
+//!   their four probability codes broadcast as one word.
+//!
+//! The workspace targets x86-64-v3, so these functions are `#[target_feature]` and called
+//! only after `available()` says the CPU has the features (the `unsafe` calls live in
+//! `attention.rs`). Tests compare them with the AVX2 kernels and the references exactly;
+//! they skip, printing why, on a CPU without AVX-512.
+
+use std::arch::x86_64::*;
+
+use super::{PART, TILE};
+
+/// 64 bytes as a vector.
+#[inline(always)]
+fn load64(b: &[u8]) -> __m512i {
+    bytemuck::pod_read_unaligned(&b[..64])
+}
+
+/// The scores of `H` query heads over a run of key tiles, as `avx2::tile_scores` computes
+/// them tile by tile (the same integers, the same float operations in the same order):
+/// `w[h]` holds head `h`'s query words per pair of octets, low nibbles' then high nibbles'
+/// (`2·d/16` vectors, see `GroupQueries::wide`); `out[h]` takes the run's rows first; the
+/// other arguments as there, for every tile of the run in turn.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
+    (codes, high, sums): (&[u8], &[u8], &[u16]),
+    w: [&[[u32; 16]]; H],
+    (a, b, qm): ([&[f32]; H], [&[f32]; H], [f32; H]),
+    scale: f32,
+    out: &mut [[f32; N]; H],
+) {
+    // Octet pairs per partition.
+    const PAIRS: usize = PART / 16;
+    let parts = w[0].len() / (2 * PAIRS);
+    let tiles = sums.len() / (TILE * parts);
+    assert!(w.iter().all(|w| w.len() == 2 * parts * PAIRS) && tiles * TILE <= N, "query and output shapes");
+    assert!(codes.len() == tiles * parts * PAIRS * 64 && sums.len() == tiles * TILE * parts, "tile shapes");
+    assert!(a.iter().chain(&b).all(|x| x.len() == parts), "partition shapes");
+    assert!(high.len() == if HIGH { tiles * parts * PART } else { 0 }, "fifth-bit shapes");
+    let nibble = _mm512_set1_epi8(0x0f);
+    // As in the AVX2 kernel: byte `i` of a row's lane tests bit `i` (low nibbles) or `4 + i`
+    // (high nibbles) of the row's fifth-bit byte, copied to the lane's four bytes.
+    let (lo_bits, hi_bits) = (_mm512_set1_epi32(0x0804_0201), _mm512_set1_epi32(0x8040_2010_u32 as i32));
+    let spread = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
+    let sixteen = _mm512_set1_epi8(16);
+    for t in 0..tiles {
+        let codes = &codes[t * parts * PAIRS * 64..(t + 1) * parts * PAIRS * 64];
+        let sums = &sums[t * TILE * parts..(t + 1) * TILE * parts];
+        let high = if HIGH { &high[t * parts * PART..(t + 1) * parts * PART] } else { high };
+        let mut s = qm.map(|x| _mm256_set1_ps(x));
+        for k in 0..parts {
+            // The low and high nibbles' products apart: two dependency chains per head.
+            let (mut dl, mut dh) = ([_mm512_setzero_si512(); H], [_mm512_setzero_si512(); H]);
+            for p in k * PAIRS..(k + 1) * PAIRS {
+                let x = load64(&codes[p * 64..]);
+                let mut lo = _mm512_and_si512(x, nibble);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+                if HIGH {
+                    // The two octets' eight row bytes each, one per lane.
+                    let rows: __m128i = bytemuck::pod_read_unaligned(&high[p * 16..p * 16 + 16]);
+                    let x = _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(rows), spread);
+                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(x, lo_bits), lo, sixteen);
+                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(x, hi_bits), hi, sixteen);
+                }
+                for h in 0..H {
+                    let (ql, qh): (__m512i, __m512i) = (bytemuck::cast(w[h][2 * p]), bytemuck::cast(w[h][2 * p + 1]));
+                    dl[h] = _mm512_dpbusd_epi32(dl[h], ql, lo);
+                    dh[h] = _mm512_dpbusd_epi32(dh[h], qh, hi);
+                }
+            }
+            let u: __m128i = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&sums[k * TILE..(k + 1) * TILE]));
+            let u = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u));
+            for h in 0..H {
+                // Both nibbles and both octets' halves: a row's integer product over the
+                // partition.
+                let dot = _mm512_add_epi32(dl[h], dh[h]);
+                let dot8 = _mm256_add_epi32(_mm512_castsi512_si256(dot), _mm512_extracti64x4_epi64::<1>(dot));
+                let v = _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_set1_ps(a[h][k]), u),
+                    _mm256_mul_ps(_mm256_set1_ps(b[h][k]), _mm256_cvtepi32_ps(dot8)),
+                );
+                s[h] = _mm256_add_ps(s[h], v);
+            }
+        }
+        for h in 0..H {
+            let scores: [f32; TILE] = bytemuck::cast(_mm256_mul_ps(s[h], _mm256_set1_ps(scale)));
+            out[h][t * TILE..(t + 1) * TILE].copy_from_slice(&scores);
+        }
+    }
+}
+
+/// `dot[h·d + c] = Σ_t p[h][t]·z[t][c]` for `H` heads over one block's 3- or 4-bit
+/// (`FOUR`) value codes, read from their bit planes (`rows/8 × bits × d` bytes, see
+/// `Kv43Rows::value_planes`); `p[h]`: head `h`'s `rows` 8-bit probability codes. Sums are
+/// 32-bit (≤ 255·15 per row): no bound on the rows.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi")]
+pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
+    planes: &[u8],
+    d: usize,
+    p: [&[u8]; H],
+    dot: &mut [u32],
+) {
+    let bits = if FOUR { 4 } else { 3 };
+    let rows = planes.len() / (bits * d) * 8;
+    assert!(d.is_multiple_of(32) && planes.len() == rows / 8 * bits * d, "value plane shapes");
+    assert!(p.iter().all(|p| p.len() == rows) && dot.len() == H * d, "probability and output shapes");
+    // `ctrl[q][b]`: byte j < 4 of a 64-bit word (the even channel's lane) takes the window
+    // at bit 4q + j − b, so bit 4q + j of the lane's plane byte (row 4q + j) lands on bit b;
+    // bytes 4..8 the same from the odd channel's lane at bit 32.
+    let ctrl: [[__m512i; 4]; 2] = std::array::from_fn(|q| {
+        std::array::from_fn(|b| {
+            let c: [u8; 8] = std::array::from_fn(|j| ((if j < 4 { 64 } else { 28 } + 4 * q + j - b) % 64) as u8);
+            _mm512_set1_epi64(i64::from_le_bytes(c))
+        })
+    });
+    // Bit selects: bit 0 from the first operand, then bits 0..2, then 0..3.
+    let sel = [_mm512_set1_epi8(1), _mm512_set1_epi8(3), _mm512_set1_epi8(7)];
+    let top = _mm512_set1_epi8(if FOUR { 15 } else { 7 });
+    let zero = _mm512_setzero_si512();
+    for c0 in (0..d).step_by(32) {
+        // Per head the sums of channels c0..c0 + 16 and c0 + 16..c0 + 32.
+        let (mut lo, mut hi) = ([zero; H], [zero; H]);
+        for (i, group) in planes.chunks_exact(bits * d).enumerate() {
+            let (pl, ph) = (widen_planes::<FOUR>(group, d, c0), widen_planes::<FOUR>(group, d, c0 + 16));
+            for (q, ctrl) in ctrl.iter().enumerate() {
+                let (zl, zh) = (quad_codes::<FOUR>(ctrl, &pl, &sel, top), quad_codes::<FOUR>(ctrl, &ph, &sel, top));
+                let at = 8 * i + 4 * q;
+                for h in 0..H {
+                    let w = _mm512_set1_epi32(bytemuck::pod_read_unaligned(&p[h][at..at + 4]));
+                    lo[h] = _mm512_dpbusd_epi32(lo[h], w, zl);
+                    hi[h] = _mm512_dpbusd_epi32(hi[h], w, zh);
+                }
+            }
+        }
+        for h in 0..H {
+            for (half, v) in [lo[h], hi[h]].into_iter().enumerate() {
+                let lanes: [u32; 16] = bytemuck::cast(v);
+                let at = h * d + c0 + 16 * half;
+                dot[at..at + 16].copy_from_slice(&lanes);
+            }
+        }
+    }
+}
+
+/// Channels `c..c + 16` of an 8-row group's bit planes (`group`: `bits × d` bytes), each
+/// plane's bytes widened to one 32-bit lane per channel (the fourth plane zero unless `FOUR`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn widen_planes<const FOUR: bool>(group: &[u8], d: usize, c: usize) -> [__m512i; 4] {
+    let plane = |b: usize| _mm512_cvtepu8_epi32(bytemuck::pod_read_unaligned(&group[b * d + c..b * d + c + 16]));
+    [plane(0), plane(1), plane(2), if FOUR { plane(3) } else { _mm512_setzero_si512() }]
+}
+
+/// The codes of a quad of rows from widened planes `pl`: byte `j` of channel `c`'s lane is
+/// row `4q + j`'s code, for the quad `q` whose multishift controls are `ctrl` (see
+/// `weigh_value_planes`); `sel`: the bit-select masks, `top`: the largest code.
+#[inline]
+#[target_feature(enable = "avx512f,avx512vbmi")]
+fn quad_codes<const FOUR: bool>(ctrl: &[__m512i; 4], pl: &[__m512i; 4], sel: &[__m512i; 3], top: __m512i) -> __m512i {
+    let m0 = _mm512_multishift_epi64_epi8(ctrl[0], pl[0]);
+    let m1 = _mm512_multishift_epi64_epi8(ctrl[1], pl[1]);
+    let m2 = _mm512_multishift_epi64_epi8(ctrl[2], pl[2]);
+    let mut code = _mm512_ternarylogic_epi32::<0xCA>(sel[0], m0, m1);
+    code = _mm512_ternarylogic_epi32::<0xCA>(sel[1], code, m2);
+    if FOUR {
+        let m3 = _mm512_multishift_epi64_epi8(ctrl[3], pl[3]);
+        code = _mm512_ternarylogic_epi32::<0xCA>(sel[2], code, m3);
+    }
+    _mm512_and_si512(code, top)
+}
+
+/// Every head's query coded against one key group, as `GroupQuery::prepare` and
+/// `quantize_into` compute it (the same float operations, so the same codes, minima, steps
+/// and `qm`), sixteen channels at a time: `q` (`heads × d`), the group's channel scales and
+/// minima (`d` each) in; per head its `d/4` code words `w`, the AVX-512 score kernel's
+/// `d/8` vectors `wide`, per partition `a` (minimum) and `b` (step), and `qm = Σ q·m` out.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) fn prepare_queries(
+    q: &[f32],
+    (key_scale, key_min): (&[f32], &[f32]),
+    w: &mut [u32],
+    wide: &mut [[u32; 16]],
+    (a, b, qm): (&mut [f32], &mut [f32], &mut [f32]),
+) {
+    let d = key_scale.len();
+    let parts = d / PART;
+    assert!(d.is_multiple_of(PART) && key_min.len() == d && q.len() == qm.len() * d, "query shapes");
+    assert!(w.len() == q.len() / 4 && wide.len() == q.len() / 8 && a.len() == qm.len() * parts && b.len() == a.len());
+    let (zero, half, one, top) = (_mm512_setzero_ps(), _mm512_set1_ps(0.5), _mm512_set1_ps(1.0), _mm512_set1_ps(255.0));
+    let load = |x: &[f32], at: usize| -> __m512 { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&x[at..at + 16])) };
+    for (h, qh) in q.chunks_exact(d).enumerate() {
+        // Σ q·m in eight lanes, then the lanes pairwise, as `GroupQuery::prepare`.
+        let mut lanes = _mm256_setzero_ps();
+        for at in (0..d).step_by(8) {
+            let (x, m): (__m256, __m256) = (
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&qh[at..at + 8])),
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&key_min[at..at + 8])),
+            );
+            lanes = _mm256_add_ps(lanes, _mm256_mul_ps(x, m));
+        }
+        let four = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps::<1>(lanes));
+        let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
+        qm[h] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+        let words = &mut w[h * d / 4..(h + 1) * d / 4];
+        for k in 0..parts {
+            let x: [__m512; PART / 16] = std::array::from_fn(|i| {
+                let at = k * PART + 16 * i;
+                _mm512_mul_ps(load(qh, at), load(key_scale, at))
+            });
+            let lo = _mm512_reduce_min_ps(x.iter().copied().reduce(|p, v| _mm512_min_ps(p, v)).unwrap_or(zero));
+            let hi = _mm512_reduce_max_ps(x.iter().copied().reduce(|p, v| _mm512_max_ps(p, v)).unwrap_or(zero));
+            // `quantize_into` with 255 levels: f16 minimum and scale.
+            let min = half::f16::from_f32(lo);
+            let step = half::f16::from_f32((hi - min.to_f32()).max(0.0) / 255.0);
+            let (m, s) = (min.to_f32(), step.to_f32());
+            (a[h * parts + k], b[h * parts + k]) = (m, s);
+            for (i, &v) in x.iter().enumerate() {
+                let codes = if s > 0.0 {
+                    // `avx2::code_run`: round half away from zero, clamped to 0..=255.
+                    let c = _mm512_max_ps(_mm512_div_ps(_mm512_sub_ps(v, _mm512_set1_ps(m)), _mm512_set1_ps(s)), zero);
+                    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(c);
+                    let up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_sub_ps(c, t), half), one);
+                    _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(t, up), top)))
+                } else {
+                    _mm_setzero_si128()
+                };
+                let at = (k * PART + 16 * i) / 4;
+                words[at..at + 4].copy_from_slice(&bytemuck::cast::<__m128i, [u32; 4]>(codes));
+            }
+        }
+        // Pair `p` of octets `2p`, `2p + 1`: words `4p`, `4p + 2` (low nibbles) and
+        // `4p + 1`, `4p + 3` (high), each over eight lanes.
+        for (p, pair) in wide[h * d / 8..(h + 1) * d / 8].chunks_exact_mut(2).enumerate() {
+            for (nibble, v) in pair.iter_mut().enumerate() {
+                *v = std::array::from_fn(|lane| words[4 * p + 2 * (lane / 8) + nibble]);
+            }
+        }
+    }
+}
+
+/// One head's probabilities over a block of scored rows, as `fold_block` computes them on
+/// the AVX2 path (`exp_shifted_sum`, then the codes of `probability_codes` against the
+/// block's largest): `row` (a multiple of 16 scores, `-∞` for rows not attended; all `≤ m`)
+/// becomes `-∞` again, `codes` their 8-bit codes; returns the step (0 when every
+/// probability is 0, and then the codes are all 0) and the codes' sum.
+#[target_feature(enable = "avx512f,avx512bw")]
+pub(super) fn block_probabilities(row: &mut [f32], m: f32, codes: &mut [u8]) -> (f32, u32) {
+    assert!(row.len().is_multiple_of(16) && codes.len() == row.len(), "block shapes");
+    let (mv, floor) = (_mm512_set1_ps(m), _mm512_set1_ps(crate::cpu::hack_avx2::EXP_FLOOR));
+    let mut top = _mm512_setzero_ps();
+    for lanes in row.chunks_exact_mut(16) {
+        let x = _mm512_sub_ps(bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes)), mv);
+        let e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), crate::cpu::hack_avx512::exp16(x));
+        top = _mm512_max_ps(top, e);
+        lanes.copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(e));
+    }
+    let step = _mm512_reduce_max_ps(top) / super::P_LEVELS;
+    let (s, levels) = (_mm512_set1_ps(step), _mm512_set1_ps(super::P_LEVELS));
+    let (zero, half, one) = (_mm512_setzero_ps(), _mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
+    let mut sum = _mm512_setzero_si512();
+    for (lanes, out) in row.chunks_exact_mut(16).zip(codes.chunks_exact_mut(16)) {
+        let c = if step == 0.0 {
+            _mm512_setzero_si512()
+        } else {
+            let v: __m512 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes));
+            let q = _mm512_max_ps(_mm512_min_ps(_mm512_div_ps(v, s), levels), zero);
+            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
+            let up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_sub_ps(q, t), half), one);
+            _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(t, up), levels))
+        };
+        sum = _mm512_add_epi32(sum, c);
+        out.copy_from_slice(&bytemuck::cast::<__m128i, [u8; 16]>(_mm512_cvtepi32_epi8(c)));
+        lanes.fill(f32::NEG_INFINITY);
+    }
+    (step, _mm512_reduce_add_epi32(sum) as u32)
+}
