@@ -167,12 +167,25 @@ impl Kv43Rows {
     /// `ranges` get probability code 0, so they add nothing (no value code sums needed), as
     /// in `HackRows::attend`.
     pub fn attend_runs(&self, q: &[f32], scale: f32, ranges: &[Range<usize>], parts: &mut [Partial]) -> Result<()> {
+        self.attend_runs_on(q, scale, ranges, parts, wide_kernels())
+    }
+
+    /// [`Kv43Rows::attend_runs`] on the AVX-512 kernels (`wide`, only where
+    /// [`wide_kernels`] says the CPU has them) or the AVX2 / portable ones.
+    pub(super) fn attend_runs_on(
+        &self,
+        q: &[f32],
+        scale: f32,
+        ranges: &[Range<usize>],
+        parts: &mut [Partial],
+        wide: bool,
+    ) -> Result<()> {
         let (d, p) = (self.d, self.params);
         let heads = parts.len();
         check_runs(q, d, self.rows, ranges, parts)?;
         // Probability blocks (a value block, or 64 rows of a longer one).
         let vb = p.probability_rows();
-        let mut queries = GroupQueries::new(heads, d);
+        let mut queries = GroupQueries::for_kernels(heads, d, wide);
         let mut block = Block::new(heads, d, vb, queries.wide.is_some());
         let (mut group, mut current) = (None, None);
         for r in ranges.iter().filter(|r| !r.is_empty()) {

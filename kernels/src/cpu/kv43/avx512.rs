@@ -122,12 +122,16 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
     // `ctrl[q][b]`: byte j < 4 of a 64-bit word (the even channel's lane) takes the window
     // at bit 4q + j − b, so bit 4q + j of the lane's plane byte (row 4q + j) lands on bit b;
     // bytes 4..8 the same from the odd channel's lane at bit 32.
-    let ctrl: [[__m512i; 4]; 2] = std::array::from_fn(|q| {
-        std::array::from_fn(|b| {
-            let c: [u8; 8] = std::array::from_fn(|j| ((if j < 4 { 64 } else { 28 } + 4 * q + j - b) % 64) as u8);
-            _mm512_set1_epi64(i64::from_le_bytes(c))
-        })
-    });
+    let mut ctrl = [[_mm512_setzero_si512(); 4]; 2];
+    for (q, row) in ctrl.iter_mut().enumerate() {
+        for (b, v) in row.iter_mut().enumerate() {
+            let mut c = [0u8; 8];
+            for (j, x) in c.iter_mut().enumerate() {
+                *x = ((if j < 4 { 64 } else { 28 } + 4 * q + j - b) % 64) as u8;
+            }
+            *v = _mm512_set1_epi64(i64::from_le_bytes(c));
+        }
+    }
     // Bit selects: bit 0 from the first operand, then bits 0..2, then 0..3.
     let sel = [_mm512_set1_epi8(1), _mm512_set1_epi8(3), _mm512_set1_epi8(7)];
     let top = _mm512_set1_epi8(if FOUR { 15 } else { 7 });
@@ -244,10 +248,15 @@ pub(super) fn prepare_queries(
             }
         }
         // Pair `p` of octets `2p`, `2p + 1`: words `4p`, `4p + 2` (low nibbles) and
-        // `4p + 1`, `4p + 3` (high), each over eight lanes.
-        for (p, pair) in wide[h * d / 8..(h + 1) * d / 8].chunks_exact_mut(2).enumerate() {
-            for (nibble, v) in pair.iter_mut().enumerate() {
-                *v = std::array::from_fn(|lane| words[4 * p + 2 * (lane / 8) + nibble]);
+        // `4p + 1`, `4p + 3` (high), each over eight lanes; a partition's 16 words hold
+        // four pairs.
+        for (k, pairs) in wide[h * d / 8..(h + 1) * d / 8].chunks_exact_mut(2 * PART / 16).enumerate() {
+            let part: __m512i = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&words[k * 16..k * 16 + 16]));
+            for (i, v) in pairs.iter_mut().enumerate() {
+                // Vector i: pair i / 2, nibble i % 2.
+                let first = 4 * (i / 2) as i32 + (i % 2) as i32;
+                let idx = _mm512_mask_blend_epi32(0xff00, _mm512_set1_epi32(first), _mm512_set1_epi32(first + 2));
+                *v = bytemuck::cast(_mm512_permutexvar_epi32(idx, part));
             }
         }
     }

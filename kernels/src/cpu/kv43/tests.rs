@@ -542,3 +542,43 @@ fn five_bit_arrays_check_their_fifth_bits() {
     // 4-bit parameters refuse fifth bits; 5-bit ones refuse their absence.
     assert!(Kv43Head::from_arrays(d, Kv43Params::default(), a).is_err());
 }
+
+#[test]
+fn avx512_decode_equals_the_avx2_decode() {
+    // Whole runs and runs that start and end inside tiles and blocks, 4- and 5-bit keys,
+    // 3- and 4-bit values, probability blocks of 64 rows and of a 24-row value block (the
+    // AVX2 probabilities there), 1 to 6 heads. The scores and value sums are equal bit for
+    // bit (tests above); only the 16-lane `exp` may round differently from the 8-lane one.
+    if !kernel_choices().contains(&true) {
+        return;
+    }
+    for (d, params) in [
+        (128, Kv43Params::default()),
+        (64, Kv43Params { key_bits: 5, value_bits: 4, key_group: 128, value_block: 128 }),
+        (192, Kv43Params { key_bits: 4, value_bits: 3, key_group: 48, value_block: 24 }),
+    ] {
+        let rows = 12 * params.key_group;
+        let (keys, values, _) = data(rows, d, 7 + d as u64);
+        let enc = Kv43Rows::encode(&keys, &values, d, params).unwrap();
+        for heads in [1, 4, 6] {
+            let mut rng = SplitMix64::new(heads as u64 + 50);
+            let q: Vec<f32> = (0..heads * d).map(|_| rng.normal()).collect();
+            for ranges in [vec![0..rows], vec![3..70, 130..131, 200..rows - 9]] {
+                let mut out = [false, true].map(|wide| {
+                    let mut parts = vec![Partial::empty(d); heads];
+                    enc.attend_runs_on(&q, 0.1, &ranges, &mut parts, wide).unwrap();
+                    parts
+                });
+                let [avx2, wide] = &mut out;
+                for (h, (a, w)) in avx2.iter().zip(wide.iter()).enumerate() {
+                    assert_eq!(a.m, w.m, "d = {d}, head {h}: the running maximum");
+                    assert!((a.l - w.l).abs() <= 1e-5 * a.l, "d = {d}, head {h}: l {} vs {}", a.l, w.l);
+                    let (a, w) = (a.finish(), w.finish());
+                    for (c, (x, y)) in a.iter().zip(&w).enumerate() {
+                        assert!((x - y).abs() <= 1e-4 * (1.0 + x.abs()), "d = {d}, head {h}, channel {c}: {x} vs {y}");
+                    }
+                }
+            }
+        }
+    }
+}
