@@ -5,7 +5,7 @@ use crate::exec::home::BlockStore;
 use crate::spec::{ContextSpec, LayerKind, Method};
 use attnstore_buffer::{BufferManager, Reservation};
 use attnstore_index::{AccessMethod, FlatIndex, PqIndex, WaveIndex, WindowIndex};
-use attnstore_kernels::{Codec, DType, Element};
+use attnstore_kernels::{DType, Element};
 use half::{bf16, f16};
 use parking_lot::RwLock;
 use std::fmt;
@@ -92,11 +92,9 @@ pub(crate) fn make_method(
             (LayerKind::Global, Method::Pq(p)) => {
                 let index = PqIndex::<E>::new(p, h, d)?.with_codec(codec)?;
                 match home {
-                    // A hack2 PQ index keeps its 2-bit rows (their durable home is the
-                    // checkpoint's encoded home).
-                    Some(store) if !matches!(codec, Codec::Hack2(_)) => {
-                        Box::new(index.with_home(Arc::new(store.clone()))?)
-                    }
+                    // A hack2 or kv43 PQ index keeps its encoded rows (their durable home is
+                    // the checkpoint's encoded home).
+                    Some(store) if !codec.is_encoded() => Box::new(index.with_home(Arc::new(store.clone()))?),
                     _ => Box::new(index),
                 }
             }

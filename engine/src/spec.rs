@@ -172,11 +172,6 @@ impl ContextSpec {
     /// Checks that `codec` can store this spec's rows with its method and storage type.
     fn check_codec(&self, codec: Codec) -> Result<()> {
         if let Some(p) = codec.kv43() {
-            if matches!(self.method, Method::Pq(_)) {
-                return Err(Error::InvalidSpec(
-                    "kv43 is not yet served by pq: use kv43 with the wave method, or hack2 / f16 with pq".into(),
-                ));
-            }
             p.check(self.shape.head_dim).map_err(|e| Error::InvalidSpec(format!("the kv43 codec: {e}")))?;
         }
         match (codec.is_encoded().then_some(codec), &self.method) {

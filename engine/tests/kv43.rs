@@ -2,14 +2,14 @@
 //! 64-token blocks, `docs/codec.md`): its segments are encoded once when built and attended
 //! on their codes, exact and sparse plans answer close to exact attention over the very rows
 //! the codes stand for, EXPLAIN counts a quarter of f16's bytes, a durable context is homed
-//! in its codes on disk and recovers the same answers, and what it cannot do yet is a typed
-//! error.
+//! in its codes on disk and recovers the same answers, and what it cannot do is a typed
+//! error (PQ over kv43: `pq_kv43.rs`).
 
 mod common;
 
 use attnstore::{
     AttnShape, Budget, BufferSettings, Codec, ContextSpec, DurableConfig, Engine, EngineConfig, Error, EstimateShare,
-    IndexRebuild, Kv43Params, Method, PqParams, Request, WaveParams,
+    IndexRebuild, Kv43Params, Method, Request, WaveParams,
 };
 use attnstore_index::{AccessMethod, WaveIndex};
 use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
@@ -174,7 +174,6 @@ fn what_kv43_cannot_serve_yet_is_a_typed_error() {
         other => panic!("expected InvalidSpec saying {says:?}, got {other:?}"),
     };
     refused(spec().with_method(Method::Flat), "kv43 codec encodes indexed rows");
-    refused(spec().with_method(Method::Pq(PqParams::default())), "not yet served by pq");
     refused(
         ContextSpec::new(AttnShape::new(4, 2, 32).unwrap(), 1).with_codec(Codec::Kv43(Kv43Params::default())),
         "multiple of 64",
@@ -354,9 +353,10 @@ fn codec_overrides_survive_checkpoint_and_recovery_and_bad_ones_are_refused() {
     let mut beyond = layered();
     beyond.codec_overrides = overrides("1-2=kv43:k5");
     refused(beyond, "name layer 2, but the context has 2 layers");
-    let mut pq = layered().with_method(Method::Pq(PqParams::default())).with_codec(Codec::Hack2(Default::default()));
-    pq.codec_overrides = overrides("1=kv43:k5");
-    refused(pq, "layers 1-1: kv43 is not yet served by pq");
+    // PQ takes kv43 layers (`pq_kv43.rs`); flat, the exact oracle, keeps every layer plain.
+    let mut flat = layered().with_method(Method::Flat).with_codec(Codec::F16);
+    flat.codec_overrides = overrides("1=kv43:k5");
+    refused(flat, "layers 1-1: the kv43 codec encodes indexed rows");
     let mut bf16 = layered();
     bf16.codec_overrides = overrides("0=bf16");
     refused(bf16, "codec bf16 stores bf16 rows but the spec's dtype is f16");

@@ -54,6 +54,14 @@ impl EncodedRows {
             EncodedRows::Kv43(_) => None,
         }
     }
+
+    /// The kv43 rows, for `kv43`.
+    pub fn kv43(&self) -> Option<&Kv43Head> {
+        match self {
+            EncodedRows::Kv43(r) => Some(r),
+            EncodedRows::Hack(_) => None,
+        }
+    }
 }
 
 impl RowCodec {
@@ -164,9 +172,10 @@ mod tests {
         assert!(matches!(codec.check(48), Err(Error::InvalidParameter { .. })));
         assert!(codec.check(128).is_ok());
         assert_eq!(RowCodec::of(Codec::F16), RowCodec::Plain);
-        // PQ does not serve kv43 yet: a typed error that says so.
-        let pq = crate::PqIndex::<f16>::new(crate::PqParams::default(), 2, 64).unwrap();
-        let err = pq.with_codec(Codec::Kv43(Kv43Params::default())).unwrap_err();
-        assert!(matches!(&err, Error::InvalidParameter { .. }) && err.to_string().contains("not yet served by pq"));
+        // PQ takes kv43 where the head dimension does, and says why where it does not.
+        let pq = |d| crate::PqIndex::<f16>::new(crate::PqParams::default(), 2, d).unwrap();
+        assert!(pq(64).with_codec(Codec::Kv43(Kv43Params::default())).is_ok());
+        let err = pq(48).with_codec(Codec::Kv43(Kv43Params::default())).unwrap_err();
+        assert!(matches!(&err, Error::InvalidParameter { .. }) && err.to_string().contains("multiple of 64"), "{err}");
     }
 }

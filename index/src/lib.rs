@@ -17,6 +17,7 @@ mod encoded;
 mod error;
 mod flat;
 mod home;
+mod kv43_pieces;
 mod method;
 mod pq;
 mod rows;

@@ -410,7 +410,7 @@ pub(super) fn read_layer(
     Ok((tokens, committed.committed_bytes - start.offset))
 }
 
-/// The encoded home of a `hack2` wave or PQ layer or a `kv43` wave layer, when it has one that fits its committed
+/// The encoded home of a `hack2` or `kv43` wave or PQ layer, when it has one that fits its committed
 /// data (a PQ home with its codebooks, read from the layer's layout file): `Ok(None)` when
 /// it has none (or one not to rely on, reason pushed to `unusable`), an error when the
 /// manifest relies on a home that is missing or does not fit (the data file no longer
@@ -422,7 +422,7 @@ pub(super) fn usable_home(
     unusable: &mut Vec<String>,
 ) -> Result<Option<super::home::LoadedHome>> {
     let ctx = &state.contexts[&context];
-    // hack2 wave and PQ layers and kv43 wave layers have encoded homes (PQ refuses kv43).
+    // hack2 and kv43 wave and PQ layers have encoded homes.
     let codec = attnstore_index::RowCodec::of(ctx.spec.codec_of(layer));
     let (true, Method::Wave(_) | Method::Pq(_), LayerKind::Global) =
         (codec.is_encoded(), ctx.spec.method, ctx.spec.layers[layer])

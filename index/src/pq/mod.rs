@@ -23,7 +23,7 @@ pub use params::{PqLayout, PqParams};
 pub use snapshot::PqSnapshot;
 
 use crate::build::BuildHandle;
-use crate::codec::RowCodec;
+use crate::codec::{EncodedRows, RowCodec};
 use crate::error::{Error, Result};
 use crate::home::RowHome;
 use crate::method::{
@@ -34,7 +34,7 @@ use crate::rows::{HeadRows, PlainRows, Run, SelectionRows};
 use attnstore_kernels::cpu::kmeans::nearest_centroids;
 use attnstore_kernels::cpu::pq::{candidates_max, scores_each, scores_max, scores_max_strided, Lut};
 use attnstore_kernels::cpu::scoring::{rank_key, threshold_from_sample, top_keys, top_r_set};
-use attnstore_kernels::{Element, HackRows};
+use attnstore_kernels::Element;
 use build::{BuildJob, BuildSlot, Built};
 use pages::HomedBase;
 use std::ops::Range;
@@ -59,11 +59,14 @@ thread_local! {
 
 #[derive(Debug, Clone, Default)]
 struct HeadKv<E> {
-    /// Base rows; under the `hack2` codec only the sink rows (the rest are in `hack`).
+    /// Base rows; under an encoded codec only the sink rows (the rest are in `coded`).
     base_keys: Arc<Vec<E>>,
     base_values: Vec<E>,
-    /// Base rows from the sink on, in HACK 2-bit form (`hack2` codec).
-    hack: Option<HackRows>,
+    /// Base rows from the sink on, encoded: HACK 2-bit rows (`hack2`) or one [`Kv43Head`]
+    /// (`kv43`: whole key groups coded, the last partial group in f16).
+    ///
+    /// [`Kv43Head`]: attnstore_kernels::Kv43Head
+    coded: Option<EncodedRows>,
     tail_keys: Vec<E>,
     tail_values: Vec<E>,
 }
@@ -81,9 +84,9 @@ pub struct PqIndex<E> {
     /// Per head: codes of decode tokens encoded with the existing codebooks, positions
     /// `built.end..built.end + len`.
     extra: Vec<PackedCodes>,
-    /// Base rows past the sink are stored 2-bit when set (the `hack2` codec).
+    /// How base rows past the sink are stored: plain, 2-bit (`hack2`) or 4+3-bit (`kv43`).
     codec: RowCodec,
-    /// Sink rows kept plain in the base region (2-bit or homed rows start after them).
+    /// Sink rows kept plain in the base region (encoded or homed rows start after them).
     base_sink: usize,
     /// The row home of the base rows past the sink, when the engine gives one
     /// ([`PqIndex::with_home`]).
@@ -130,17 +133,13 @@ impl<E: Element> PqIndex<E> {
         Ok(())
     }
 
-    /// Stores the prefill (base) rows past the sink in HACK 2-bit form (`Some`) once the
-    /// codebook build starts; decode tokens (the tail) stay in the plain type.
-    /// `kv43` is not served by PQ yet: a typed error.
+    /// Stores the prefill (base) rows past the sink encoded once the codebook build starts:
+    /// in HACK 2-bit form (`hack2`) or as kv43 rows (`kv43`: whole key groups coded, the
+    /// base's last partial key group in f16); decode tokens (the tail) stay in the plain
+    /// type. The codebooks are trained on the plain keys either way. A codec the head
+    /// dimension cannot take is a typed error.
     pub fn with_codec(mut self, codec: impl Into<RowCodec>) -> Result<Self> {
         let codec = codec.into();
-        if codec.kv43().is_some() {
-            return Err(Error::InvalidParameter {
-                what: "codec",
-                message: "kv43 is not yet served by pq: use kv43 with the wave method, or hack2 / f16 with pq".into(),
-            });
-        }
         codec.check(self.head_dim)?;
         self.codec = codec;
         Ok(self)
@@ -299,11 +298,10 @@ impl<E: Element> PqIndex<E> {
             jobs.push(Arc::clone(&keys));
             let seed = self.params.seed ^ 0x4841_434b ^ (h as u64) << 40;
             match self.codec.encode(&keys[start * d..], &values[start * d..], d, seed)? {
-                Some(crate::codec::EncodedRows::Kv43(_)) => unreachable!("PqIndex::with_codec refuses kv43"),
-                Some(crate::codec::EncodedRows::Hack(rows)) => {
+                Some(rows) => {
                     // The build thread keeps its own reference to the plain keys until the
-                    // codebooks are trained; the index keeps only the 2-bit rows.
-                    kv.hack = Some(rows);
+                    // codebooks are trained; the index keeps only the encoded rows.
+                    kv.coded = Some(rows);
                     kv.base_keys = Arc::new(keys[..start * d].to_vec());
                     kv.base_values = values[..start * d].to_vec();
                 }
@@ -325,8 +323,9 @@ impl<E: Element> PqIndex<E> {
         Ok(jobs)
     }
 
-    /// Keys of positions `range` of head `h`, widened, appended to `out`: coded base rows
-    /// decoded from 2 bits, homed base rows read from the row home.
+    /// Keys of positions `range` of head `h`, widened, appended to `out`: encoded base rows
+    /// as their codes stand for them (2-bit rows decoded, kv43 rows dequantized), homed base
+    /// rows read from the row home.
     fn key_rows(&self, h: usize, range: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
         let d = self.head_dim;
         let kv = &self.heads[h];
@@ -343,8 +342,9 @@ impl<E: Element> PqIndex<E> {
         widen(&kv.base_keys[sink_rows.start * d..sink_rows.end * d], out);
         if !past.is_empty() {
             let rows = past.start - sink..past.end - sink;
-            match (&kv.hack, &self.homed) {
-                (Some(coded), _) => out.extend_from_slice(&coded.decode_rows(rows).0),
+            match (&kv.coded, &self.homed) {
+                (Some(EncodedRows::Hack(coded)), _) => out.extend_from_slice(&coded.decode_rows(rows).0),
+                (Some(EncodedRows::Kv43(coded)), _) => crate::kv43_pieces::kv43_keys(coded, rows, out)?,
                 (None, Some(homed)) => self.homed_keys(h, homed, rows, out)?,
                 (None, None) => widen(&kv.base_keys[past.start * d..past.end * d], out),
             }
@@ -353,15 +353,15 @@ impl<E: Element> PqIndex<E> {
         Ok(())
     }
 
-    /// The runs that read `spans` (plain rows in one pass, then 2-bit base rows), as the
-    /// 2-bit base's rows past the sink are encoded.
+    /// The runs that read `spans` (plain rows in one pass, then the encoded or homed base
+    /// rows past the sink, adjacent rows merged into ranges).
     fn span_runs(&self, kv_head: usize, spans: &[RowSpan]) -> Vec<Run<'_>> {
         let rows = |s: &RowSpan| {
             let (k, v) = self.rows(kv_head, s.unit, s.start as usize..s.end as usize);
             PlainRows::of(k, v)
         };
         let kv = &self.heads[kv_head];
-        if kv.hack.is_none() && self.homed.is_none() {
+        if kv.coded.is_none() && self.homed.is_none() {
             return vec![Run::Plain(spans.iter().map(rows).collect())];
         }
         let sink = self.base_sink;
@@ -382,13 +382,14 @@ impl<E: Element> PqIndex<E> {
         vec![Run::Plain(plain.iter().map(rows).collect()), self.past_sink_run(kv_head, ranges)]
     }
 
-    /// The run that reads base rows `ranges` past the sink, 2-bit or homed (only called
-    /// when they are one of the two).
+    /// The run that reads base rows `ranges` past the sink, encoded (on their codes) or
+    /// homed (only called when they are one of the two).
     fn past_sink_run(&self, kv_head: usize, ranges: Vec<Range<usize>>) -> Run<'_> {
-        match (&self.heads[kv_head].hack, &self.homed) {
-            (Some(coded), _) => Run::Encoded { rows: coded, ranges },
+        match (&self.heads[kv_head].coded, &self.homed) {
+            (Some(EncodedRows::Hack(coded)), _) => Run::Encoded { rows: coded, ranges },
+            (Some(EncodedRows::Kv43(coded)), _) => Run::Kv43 { rows: coded, ranges },
             (None, Some(homed)) => Run::Homed { clusters: homed.clusters::<E>(), ranges },
-            (None, None) => unreachable!("past_sink_run without 2-bit or homed rows"),
+            (None, None) => unreachable!("past_sink_run without encoded or homed rows"),
         }
     }
 
@@ -558,8 +559,9 @@ impl<E: Element> AccessMethod for PqIndex<E> {
                 + b.codebooks.iter().chain(&b.codebooks_t).map(|c| c.len() * 4).sum::<usize>()
         });
         let steady_tail = self.tokens - self.coded_end();
-        let coded: usize = self.heads.iter().filter_map(|kv| kv.hack.as_ref()).map(HackRows::bytes).sum();
-        let coded_rows = self.heads[0].hack.as_ref().map_or(0, HackRows::rows);
+        // Encoded rows count their codes, metadata and any f16 rows (kv43's partial group).
+        let coded: usize = self.heads.iter().filter_map(|kv| kv.coded.as_ref()).map(EncodedRows::bytes).sum();
+        let coded_rows = self.heads[0].coded.as_ref().map_or(0, EncodedRows::rows);
         IndexStats {
             tokens: self.tokens,
             kv_bytes: 2 * (self.tokens - coded_rows) * self.kv_heads * self.head_dim * elem + coded,
@@ -637,8 +639,12 @@ impl<E: Element> RowSource for PqIndex<E> {
         let kv = &self.heads[kv_head];
         if plan.exact {
             let mut steady = Vec::with_capacity(3);
-            if let Some(coded) = &kv.hack {
-                steady.push(Run::Encoded { rows: coded, ranges: vec![0..coded.rows()] });
+            match &kv.coded {
+                Some(EncodedRows::Hack(coded)) => {
+                    steady.push(Run::Encoded { rows: coded, ranges: vec![0..coded.rows()] })
+                }
+                Some(EncodedRows::Kv43(coded)) => steady.push(Run::Kv43 { rows: coded, ranges: vec![0..coded.rows()] }),
+                None => {}
             }
             if let Some(homed) = &self.homed {
                 steady.push(Run::Homed { clusters: homed.clusters::<E>(), ranges: vec![0..homed.rows()] });
