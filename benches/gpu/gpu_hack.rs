@@ -10,13 +10,15 @@
 //!   reading only the value blocks they touch;
 //! - `hack2_homomorphic_paged`: the kernel the engine runs over 2-bit blocks homed in the
 //!   buffer manager, over every row, each value block read in place from 2 KiB pages
-//!   scattered in device memory (as Gpu-tier blocks are).
+//!   scattered in device memory (as Gpu-tier blocks are);
+//! - `kv43_homomorphic`: the `kv43` codec's kernel (4-bit per-channel keys, 3-bit values,
+//!   0.25× f16's bytes) over every row, on the codes (`GpuBackend::launch_kv43`).
 //!
 //! Prints one JSON line per configuration with the bytes read; `compare.py` adds PyTorch
 //! SDPA over f16 KV measured in the same command and prints the ratios.
 
 use attnstore_kernels::random::SplitMix64;
-use attnstore_kernels::{AttnShape, HackParams, HackRows};
+use attnstore_kernels::{AttnShape, HackParams, HackRows, Kv43Head, Kv43Params};
 use serde_json::json;
 
 #[path = "common.rs"]
@@ -107,6 +109,27 @@ fn main() {
         let pages = gpu.upload_hack_pages(&heads, 2048, 1).expect("upload pages");
         let mut paged_job = gpu.prepare_hack_paged(&shape, &q, pages.groups(), pages.page_bytes()).expect("prepare");
         let paged = time(&mut || gpu.launch_hack_paged(&mut paged_job).expect("launch"));
+        // kv43 rows of the same KV, encoded per head in parallel.
+        let kv43: Vec<Kv43Head> = std::thread::scope(|s| {
+            let jobs: Vec<_> = (0..shape.kv_heads)
+                .map(|h| {
+                    let wide = |x: &[half::f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+                    let (k, v) = (
+                        wide(&k[h * tokens * d..(h + 1) * tokens * d]),
+                        wide(&v[h * tokens * d..(h + 1) * tokens * d]),
+                    );
+                    s.spawn(move || {
+                        let mut head = Kv43Head::new(d, Kv43Params::default()).expect("kv43 head");
+                        head.append(&k, &v).expect("encode");
+                        head
+                    })
+                })
+                .collect();
+            jobs.into_iter().map(|j| j.join().expect("encoder thread")).collect()
+        });
+        let dev43 = gpu.upload_kv43(&kv43).expect("upload kv43 rows");
+        let mut kv43_job = gpu.prepare_kv43(&shape, &q, &dev43).expect("prepare kv43");
+        let kv43_us = time(&mut || gpu.launch_kv43(&dev43, &mut kv43_job).expect("launch kv43"));
         let f16_bytes = 2 * n * 2;
         for (method, us, bytes) in [
             ("hack2_homomorphic", homomorphic, dev.bytes()),
@@ -114,11 +137,13 @@ fn main() {
             ("exact_f16", exact, f16_bytes),
             ("hack2_homomorphic_sparse", sparse, sparse_bytes),
             ("hack2_homomorphic_paged", paged, pages.bytes()),
+            ("kv43_homomorphic", kv43_us, dev43.bytes()),
         ] {
             println!(
                 "{}",
                 json!({"bench": "decode", "device": "cuda", "method": method, "tokens": tokens, "batch": 1,
-                       "q_heads": 32, "kv_heads": 8, "head_dim": 128, "codec": if method == "exact_f16" { "f16" } else { "hack2" },
+                       "q_heads": 32, "kv_heads": 8, "head_dim": 128, 
+                       "codec": if method == "exact_f16" { "f16" } else if method.starts_with("kv43") { "kv43" } else { "hack2" },
                        "time_us": (us * 10.0).round() / 10.0, "bytes": bytes,
                        "gbps": ((bytes as f64 / us / 1e3) * 10.0).round() / 10.0})
             );

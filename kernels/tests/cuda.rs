@@ -952,3 +952,68 @@ fn the_device_build_lays_out_a_layer_like_the_cpu_build() {
         Err(Error::ShapeMismatch { .. })
     ));
 }
+
+/// Every KV head's rows of `k`, `v` (`[kv_head][token][d]`, f16) as kv43 heads, encoded
+/// group by group as they arrive.
+fn kv43_heads(
+    shape: &AttnShape,
+    tokens: usize,
+    k: &[f16],
+    v: &[f16],
+    params: attnstore_kernels::Kv43Params,
+) -> Vec<attnstore_kernels::Kv43Head> {
+    let d = shape.head_dim;
+    (0..shape.kv_heads)
+        .map(|h| {
+            let mut head = attnstore_kernels::Kv43Head::new(d, params).unwrap();
+            let r = h * tokens * d..(h + 1) * tokens * d;
+            let wide = |x: &[f16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+            head.append(&wide(&k[r.clone()]), &wide(&v[r])).unwrap();
+            head
+        })
+        .collect()
+}
+
+#[test]
+fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
+    let Some(gpu) = gpu() else { return };
+    let five = attnstore_kernels::Kv43Params { key_bits: 5, value_bits: 4, key_group: 256, value_block: 128 };
+    for (q_heads, tokens, params) in [
+        (32, 4096, attnstore_kernels::Kv43Params::default()),
+        (24, 8192, five),
+        (8, 131_072, attnstore_kernels::Kv43Params::default()),
+    ] {
+        let shape = AttnShape::new(q_heads, 8, 128).unwrap();
+        let (k, v, q) = data(&shape, tokens, tokens as u64 + 5);
+        let heads = kv43_heads(&shape, tokens, &k, &v, params);
+        let dev = gpu.upload_kv43(&heads).unwrap();
+        assert_eq!(dev.rows(), tokens);
+        let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
+        gpu.launch_kv43(&dev, &mut job).unwrap();
+        let got = gpu.fetch_kv43(&job).unwrap();
+        let (d, g) = (shape.head_dim, shape.group());
+        let cpu: Vec<f64> = heads
+            .iter()
+            .enumerate()
+            .flat_map(|(h, head)| head.attend(&q[h * g * d..(h + 1) * g * d], g, shape.scale()).unwrap())
+            .map(f64::from)
+            .collect();
+        let err = rel_l2(&got, &cpu);
+        assert!(err <= 1e-3, "q_heads={q_heads} tokens={tokens} {params:?}: GPU vs CPU kv43 {err}");
+        // Against exact attention over the f16 rows: the codec's own error, not a kernel's.
+        let kview = HeadsView::new(&k, shape.kv_heads, tokens, 128).unwrap();
+        let vview = HeadsView::new(&v, shape.kv_heads, tokens, 128).unwrap();
+        let codec_err = rel_l2(&got, &reference_attention(&shape, &q, kview, vview, None));
+        eprintln!("kv43 on the GPU, {q_heads} q heads, {tokens} tokens, {params:?}: vs CPU {err:.2e}, vs exact f16 {codec_err:.4}");
+        assert!(codec_err < 0.1, "kv43 vs exact f16: {codec_err}");
+    }
+    // Bad inputs are typed errors.
+    let shape = AttnShape::new(8, 8, 128).unwrap();
+    let (k, v, mut q) = data(&shape, 1024, 3);
+    let odd = attnstore_kernels::Kv43Params { key_bits: 4, value_bits: 3, key_group: 24, value_block: 8 };
+    assert!(gpu.upload_kv43(&kv43_heads(&shape, 1008, &k, &v, odd)).is_err(), "24-row key groups");
+    let dev = gpu.upload_kv43(&kv43_heads(&shape, 1024, &k, &v, attnstore_kernels::Kv43Params::default())).unwrap();
+    q[5] = f32::NAN;
+    assert!(gpu.prepare_kv43(&shape, &q, &dev).is_err(), "a NaN query");
+    assert!(gpu.prepare_kv43(&shape, &q[..64], &dev).is_err(), "a short query");
+}

@@ -22,10 +22,12 @@ use std::sync::Arc;
 mod blocks;
 mod build;
 mod hack;
+mod kv43;
 mod wave;
 pub use blocks::{CudaBlock, CudaBlocks};
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
+pub use kv43::{DeviceKv43, Kv43Job};
 pub use wave::{
     ArenaCache, DeviceIo, DeviceWave, IoDType, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep,
     WaveTable,
@@ -34,6 +36,7 @@ pub use wave::{
 const SOURCE: &str = concat!(
     include_str!("decode.cu"),
     include_str!("hack.cu"),
+    include_str!("kv43.cu"),
     include_str!("wave.cu"),
     include_str!("hack_wave.cu"),
     include_str!("build.cu"),
@@ -95,6 +98,9 @@ pub struct GpuBackend {
     hack_dequant: Option<CudaFunction>,
     /// The 2-bit wave step's kernels (`hack_wave.cu`), with the hack2 kernels.
     hack_wave: Option<HackWaveKernels>,
+    /// The kv43 kernels (`kv43.cu`, head dimensions that are a multiple of 64):
+    /// `kv43_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
+    kv43_partial: Option<Vec<CudaFunction>>,
     head_dim: usize,
 }
 
@@ -299,6 +305,7 @@ impl GpuBackend {
         } else {
             (None, None, None, None)
         };
+        let kv43_partial = if head_dim.is_multiple_of(64) { Some(per_group("kv43_partial")?) } else { None };
         Ok(Self {
             ctx,
             stream,
@@ -320,6 +327,7 @@ impl GpuBackend {
             hack_paged,
             hack_dequant,
             hack_wave,
+            kv43_partial,
             head_dim,
         })
     }

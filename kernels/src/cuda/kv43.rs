@@ -1,0 +1,218 @@
+//! The GPU side of the `kv43` codec: the encoded rows of every KV head in device memory and
+//! homomorphic decode attention over all of them (`kv43_partial_g{G}` in `kv43.cu`, one
+//! kernel per GQA group size, then the shared merge kernel), the arithmetic of
+//! `Kv43Rows::attend_runs` on the CPU: per key group the queries coded to 8 bits against
+//! the channel scales, `dp4a` scores on the 4- (or 5-) bit key codes, 8-bit probabilities per
+//! 64 rows and `dp4a` value sums on the 3- (or 4-) bit codes. Each head's partial key group
+//! (its last rows, still f16) stays on the host: callers attend it there and merge.
+
+use super::{device_address, gpu_err, GpuBackend, MAX_GROUP};
+use crate::cpu::kv43::{Kv43Head, Kv43Params};
+use crate::error::{Error, Result};
+use crate::shape::AttnShape;
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Rows of a probability block on the GPU (the kernels' `K43_ROWS`).
+const BLOCK: usize = 64;
+/// CTAs a decode aims for.
+const KV43_CTAS: usize = 2048;
+
+/// The encoded kv43 rows of every KV head of one layer in device memory.
+pub struct DeviceKv43 {
+    kc: CudaSlice<u8>,
+    /// Fifth key bits (5-bit keys), else `None`.
+    khigh: Option<CudaSlice<u8>>,
+    kmin: CudaSlice<u16>,
+    kscale: CudaSlice<u16>,
+    ksum: CudaSlice<u16>,
+    vp: CudaSlice<u8>,
+    vmin: CudaSlice<u16>,
+    vscale: CudaSlice<u16>,
+    params: Kv43Params,
+    rows: usize,
+    kv_heads: usize,
+}
+
+impl DeviceKv43 {
+    /// Encoded rows per KV head.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Device bytes of codes and metadata.
+    pub fn bytes(&self) -> usize {
+        self.kc.len()
+            + self.khigh.as_ref().map_or(0, CudaSlice::len)
+            + self.vp.len()
+            + 2 * (self.kmin.len() + self.kscale.len() + self.ksum.len() + self.vmin.len() + self.vscale.len())
+    }
+}
+
+/// Buffers of one kv43 decode launch.
+pub struct Kv43Job {
+    q: CudaSlice<f32>,
+    part: CudaSlice<f32>,
+    out: CudaSlice<f32>,
+    lse: CudaSlice<f32>,
+    chunks: usize,
+    chunk_blocks: usize,
+    shape: AttnShape,
+    scale: f32,
+}
+
+impl GpuBackend {
+    /// The kv43 kernel for a GQA group of `group` heads, or the typed error for a head
+    /// dimension the kernels were not compiled for (or a group past MAX_GROUP).
+    fn kv43_kernel(&self, group: usize) -> Result<&CudaFunction> {
+        let kernels = self.kv43_partial.as_ref().ok_or_else(|| Error::InvalidArgument {
+            what: "head_dim",
+            message: format!(
+                "the GPU kv43 kernels need a head dimension that is a multiple of 64, got {}",
+                self.head_dim
+            ),
+        })?;
+        kernels.get(group.wrapping_sub(1)).ok_or_else(|| Error::InvalidArgument {
+            what: "group",
+            message: format!("the kv43 kernels serve groups of 1 to {MAX_GROUP} query heads, got {group}"),
+        })
+    }
+
+    /// Copies the encoded rows of every KV head (the same parameters and encoded row count
+    /// for all; key groups and value blocks multiples of 64 rows) to device memory. Each
+    /// head's partial key group (f16 rows not yet encoded) is not copied.
+    pub fn upload_kv43(&self, heads: &[Kv43Head]) -> Result<DeviceKv43> {
+        self.kv43_kernel(1)?;
+        let d = self.head_dim;
+        let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 rows", message });
+        let Some(first) = heads.first() else { return bad("no KV heads to upload".into()) };
+        let (params, rows) = (first.params(), first.encoded_rows());
+        if heads.iter().any(|h| h.params() != params || h.encoded_rows() != rows || h.head_dim() != d) {
+            return bad(format!("every head needs the same parameters, encoded row count and head dimension {d}"));
+        }
+        if !params.key_group.is_multiple_of(BLOCK) || !params.value_block.is_multiple_of(BLOCK) || rows == 0 {
+            return bad(format!(
+                "the GPU kernels need key groups and value blocks of whole {BLOCK}-row blocks and some encoded rows, got {params:?} and {rows} rows"
+            ));
+        }
+        let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
+        let (mut kc, mut khigh, mut kmin, mut kscale, mut ksum, mut vp, mut vmin, mut vscale) =
+            (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        for h in heads {
+            let a = h.arrays();
+            kc.extend_from_slice(a.key_codes);
+            khigh.extend_from_slice(a.key_high);
+            kmin.extend(bits(a.key_min));
+            kscale.extend(bits(a.key_scale));
+            ksum.extend_from_slice(a.key_sums);
+            vp.extend_from_slice(a.value_planes);
+            vmin.extend(bits(a.value_min));
+            vscale.extend(bits(a.value_scale));
+        }
+        let up8 = |x: &[u8]| self.stream.clone_htod(x).map_err(gpu_err("copying kv43 codes"));
+        let up16 = |x: &[u16]| self.stream.clone_htod(x).map_err(gpu_err("copying kv43 metadata"));
+        Ok(DeviceKv43 {
+            kc: up8(&kc)?,
+            khigh: if khigh.is_empty() { None } else { Some(up8(&khigh)?) },
+            kmin: up16(&kmin)?,
+            kscale: up16(&kscale)?,
+            ksum: up16(&ksum)?,
+            vp: up8(&vp)?,
+            vmin: up16(&vmin)?,
+            vscale: up16(&vscale)?,
+            params,
+            rows,
+            kv_heads: heads.len(),
+        })
+    }
+
+    /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over every encoded row
+    /// of `dev`.
+    pub fn prepare_kv43(&self, shape: &AttnShape, q: &[f32], dev: &DeviceKv43) -> Result<Kv43Job> {
+        if shape.head_dim != self.head_dim || shape.kv_heads != dev.kv_heads || shape.group() > MAX_GROUP {
+            return Err(Error::InvalidArgument {
+                what: "shape",
+                message: format!(
+                    "head_dim {} (backend {}), group {} (at most {MAX_GROUP}), kv_heads {} (rows hold {})",
+                    shape.head_dim,
+                    self.head_dim,
+                    shape.group(),
+                    shape.kv_heads,
+                    dev.kv_heads
+                ),
+            });
+        }
+        if q.len() != shape.query_len() {
+            return Err(Error::ShapeMismatch { what: "queries", expected: shape.query_len(), got: q.len() });
+        }
+        if let Some(i) = q.iter().position(|x| !x.is_finite()) {
+            return Err(Error::InvalidArgument { what: "queries", message: format!("element {i} is not finite") });
+        }
+        let blocks = dev.rows / BLOCK;
+        let chunk_blocks = (blocks * shape.kv_heads).div_ceil(KV43_CTAS).max(1);
+        let chunks = blocks.div_ceil(chunk_blocks);
+        let part_len = shape.kv_heads * chunks * shape.group() * (shape.head_dim + 2);
+        Ok(Kv43Job {
+            q: self.stream.clone_htod(q).map_err(gpu_err("copying queries"))?,
+            part: self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
+            out: self.stream.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
+            lse: self.stream.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
+            chunks,
+            chunk_blocks,
+            shape: *shape,
+            scale: shape.scale(),
+        })
+    }
+
+    /// Enqueues the kv43 decode over `dev` (a job of [`GpuBackend::prepare_kv43`] for it)
+    /// and the merge of its partials.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    pub fn launch_kv43(&self, dev: &DeviceKv43, job: &mut Kv43Job) -> Result<()> {
+        let sh = job.shape;
+        let f = self.kv43_kernel(sh.group())?;
+        if sh.kv_heads != dev.kv_heads || job.chunks * job.chunk_blocks < dev.rows / BLOCK {
+            return Err(Error::InvalidArgument {
+                what: "kv43 job",
+                message: "the job was not prepared for these rows (prepare_kv43)".into(),
+            });
+        }
+        let p = dev.params;
+        let (rows, key_group, value_block) = (dev.rows as i32, p.key_group as i32, p.value_block as i32);
+        let (value_bits, chunk_blocks) = (i32::from(p.value_bits), job.chunk_blocks as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let null = 0u64;
+        let mut b = self.stream.launch_builder(f);
+        b.arg(&dev.kc);
+        match &dev.khigh {
+            Some(x) => b.arg(x),
+            None => b.arg(&null),
+        };
+        b.arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vp).arg(&dev.vmin).arg(&dev.vscale);
+        b.arg(&rows).arg(&key_group).arg(&value_block).arg(&value_bits);
+        b.arg(&job.q).arg(&job.scale).arg(&chunk_blocks).arg(&mut job.part);
+        // SAFETY: dev holds kv_heads × rows encoded rows in the layout kv43_partial reads
+        // (the CPU arrays of `Kv43Head::arrays`, concatenated per head in upload_kv43, whose
+        // parameters fit the kernel: key groups and value blocks of whole 64-row blocks, the
+        // fifth-bit plane present exactly for 5-bit keys); q holds q_heads × head_dim
+        // queries and part kv_heads × chunks × group partials (prepare_kv43 for this shape,
+        // whose kv_heads match dev, checked above); chunks × chunk_blocks cover the blocks.
+        unsafe { b.launch(cfg) }.map_err(gpu_err("launching kv43_partial"))?;
+        let lse = device_address(&job.lse, &self.stream);
+        let copies = super::MailboxCopies::default();
+        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, [(0, 0); 2], copies)
+    }
+
+    /// Waits for the stream and copies a kv43 decode's output back (`q_heads × head_dim`).
+    pub fn fetch_kv43(&self, job: &Kv43Job) -> Result<Vec<f32>> {
+        self.stream.clone_dtoh(&job.out).map_err(gpu_err("copying the output back"))
+    }
+
+    /// Waits for the stream and returns a kv43 decode's partial `(o, m, l)` per query head,
+    /// to merge with the partial key groups attended on the host.
+    pub fn fetch_kv43_partials(&self, job: &Kv43Job) -> Result<Vec<crate::Partial>> {
+        self.merged_partials(&job.out, &job.lse)
+    }
+}
