@@ -159,7 +159,7 @@ struct ShapeArgs {
     /// Codec of the stored rows: f32, f16, bf16 (plain; overrides --dtype), or hack2 /
     /// hack2:Π (2-bit homomorphic, HACK), hack2c / hack2c:Π (the same with keys
     /// normalized per channel) or kv43 / kv43:G (4-bit per-channel keys over G-token groups,
-    /// 3-bit values; wave only) for indexed rows, with an f16 steady zone.
+    /// 3-bit values; wave or pq) for indexed rows, with an f16 steady zone.
     #[arg(long)]
     codec: Option<Codec>,
     /// Seed of the synthetic data.

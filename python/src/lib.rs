@@ -572,7 +572,7 @@ impl Engine {
     /// stored); `method`: wave (default), pq or flat (exact only); `codec`: None (plain
     /// `dtype`), "hack2" (2-bit indexed rows, HACK's per-token keys), "hack2c" (2-bit rows
     /// with keys normalized per channel) or "kv43" (4-bit per-channel keys, 3-bit values; wave
-    /// only; "kv43:k5" for 5-bit keys, ":v4" for 4-bit values, ":b128" for 128-token value
+    /// or pq; "kv43:k5" for 5-bit keys, ":v4" for 4-bit values, ":b128" for 128-token value
     /// blocks); all need dtype f16; a codec per range of layers after a comma, e.g.
     /// "kv43:256:b128,3-10=kv43:v4";
     /// `windows`: per layer, None

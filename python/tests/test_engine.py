@@ -222,10 +222,11 @@ def test_a_closed_engine_raises_and_its_directory_reopens(data, tmp_path):
     again.close()
 
 
-def exact_errors_with_outlier_keys(seed, codecs):
+def exact_errors_with_outlier_keys(seed, codecs, method="wave"):
     """Relative error of exact attention over each codec's rows against attention over the
     f32 rows, for keys with outlier channels (as real models' post-RoPE keys have): 2 KV
-    heads × 4,096 tokens × 64 dims, 8 query heads; and the engine the contexts live in."""
+    heads × 4,096 tokens × 64 dims, 8 query heads, contexts of `method`; and the engine the
+    contexts live in."""
     rng = np.random.default_rng(seed)
     k = rng.standard_normal((2, 4096, 64)).astype(np.float32)
     k[:, :, [3, 17, 40]] = 15.0 + 0.5 * k[:, :, [3, 17, 40]]
@@ -236,7 +237,7 @@ def exact_errors_with_outlier_keys(seed, codecs):
     eng = attnstore.Engine()
     errors = {}
     for codec in codecs:
-        ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, dtype="f16", codec=codec)
+        ctx = eng.create_context(q_heads=8, kv_heads=2, head_dim=64, dtype="f16", method=method, codec=codec)
         eng.prefill(ctx, 0, k, v)
         errors[codec] = rel(eng.attend(ctx, 0, q, exact=True), want)
     return errors, eng
@@ -253,15 +254,20 @@ def test_two_bit_codecs_per_token_and_per_channel_keys():
         eng.create_context(q_heads=8, kv_heads=2, head_dim=64, codec="hack3")
 
 
-def test_kv43_rows_stay_near_f16_and_pq_is_refused():
+def test_kv43_rows_stay_near_f16_with_wave_and_pq():
     """Keys with outlier channels: exact attention over kv43 rows (4-bit keys per channel,
-    3-bit values) stays near f16 (1.1e-3 here), nearer than hack2c (2.8e-3); kv43 with pq is an
-    InvalidArgumentError saying it is not served yet."""
+    3-bit values) stays near f16 (1.1e-3 here), nearer than hack2c (2.8e-3), in a wave or a
+    pq context (whose base rows are kv43 once its codebook build starts); a head dimension
+    kv43 cannot take is an InvalidArgumentError saying why."""
     errors, eng = exact_errors_with_outlier_keys(12, ("hack2c", "kv43"))
     assert errors["kv43"] < 0.005, errors
     assert errors["kv43"] < errors["hack2c"], errors
-    with pytest.raises(attnstore.InvalidArgumentError, match="not yet served by pq"):
-        eng.create_context(q_heads=8, kv_heads=2, head_dim=64, method="pq", codec="kv43")
+    pq_errors, pq_eng = exact_errors_with_outlier_keys(12, ("kv43",), method="pq")
+    assert pq_errors["kv43"] < 0.005, pq_errors
+    q = np.ones((8, 64), dtype=np.float32)
+    assert "kv43 (64.0 B per token" in pq_eng.plan(pq_eng.contexts()[-1], 0, q).explain()
+    with pytest.raises(attnstore.InvalidArgumentError, match="multiple of 64"):
+        eng.create_context(q_heads=8, kv_heads=2, head_dim=32, method="pq", codec="kv43")
 
 
 def test_a_codec_per_range_of_layers():

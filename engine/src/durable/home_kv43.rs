@@ -1,5 +1,6 @@
-//! kv43 segment files: a `kv43` wave layer's encoded home (`home.rs`). Per KV head the
-//! segment's clusters (sizes, token positions, f16 mean keys and values) and its rows as
+//! kv43 segment files: a `kv43` wave or PQ layer's encoded home (`home.rs`). Per KV head
+//! the segment's clusters (sizes, token positions, f16 mean keys and values; none for a
+//! PQ layer's pieces of its base) and its rows as
 //! [`Kv43Head`] keeps them — 4-bit key codes (and fifth bits with 5-bit keys), 3- or 4-bit
 //! value planes, their per-channel minima and scales and key code sums, and the segment's
 //! last partial key group in f16 — checked

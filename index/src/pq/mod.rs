@@ -7,7 +7,9 @@
 //!
 //! Tokens live in arrival order in two regions per head: the *base* (everything present
 //! when the codebook build started, shared with the build thread) and the *tail* (later
-//! tokens). A [`RowSpan`]'s `unit` names the region: 0 base, 1 tail.
+//! tokens). A [`RowSpan`]'s `unit` names the region: 0 base, 1 tail. Under an encoded codec
+//! (`hack2`, `kv43`) the base rows past the sink are kept only in encoded form and attended
+//! on their codes; the codebooks are trained on the plain keys.
 
 mod adaptive;
 mod build;

@@ -4,8 +4,8 @@
 //! page `c` is home cluster `c` of the head. The sink and the tail (decode tokens) stay in
 //! the index. A plan's retrieved tokens are read from the pages' blocks (one block per few
 //! tokens: the executor pins only the blocks that hold a chosen row), an exact plan scans
-//! every page. Only plain rows are homed: a `hack2` index keeps its 2-bit rows, whose
-//! durable home is the checkpoint's encoded home (`home.rs`).
+//! every page. Only plain rows are homed: a `hack2` or `kv43` index keeps its encoded rows,
+//! whose durable home is the checkpoint's encoded home (`home.rs`).
 
 use super::PqIndex;
 use crate::error::{Error, Result};
@@ -51,14 +51,14 @@ impl HomedBase {
 
 impl<E: Element> PqIndex<E> {
     /// Homes the base rows past the sink in `home` (the engine's buffer manager) from the
-    /// codebook build on. Only an empty index with plain rows can be homed: a `hack2`
-    /// index keeps its 2-bit rows. A row that does not fit one block of the home is a typed
-    /// error.
+    /// codebook build on. Only an empty index with plain rows can be homed: a `hack2` or
+    /// `kv43` index keeps its encoded rows. A row that does not fit one block of the home is
+    /// a typed error.
     pub fn with_home(mut self, home: Arc<dyn RowHome>) -> Result<Self> {
         if self.tokens > 0 || self.codec.is_encoded() {
             return Err(Error::InvalidParameter {
                 what: "row home",
-                message: "only an empty pq index with plain rows can home them (a hack2 index keeps its 2-bit rows)"
+                message: "only an empty pq index with plain rows can home them (a hack2 or kv43 index keeps its encoded rows)"
                     .into(),
             });
         }
