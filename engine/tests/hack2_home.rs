@@ -300,18 +300,7 @@ fn pq_home_round_trip(params: HackParams) {
     }
 
     // The codebooks are part of what the home relies on: without them it is a typed error.
-    let layout = dir.path().join("index").join(format!("ctx-{}-layer-0.pq", ctx.0));
-    let saved = std::fs::read(&layout).unwrap();
-    std::fs::remove_file(&layout).unwrap();
-    match Engine::open(dir.path(), EngineConfig::default()) {
-        Err(Error::Corrupt { detail, .. }) => {
-            assert!(detail.contains("codebooks") && detail.contains("live only there"), "{detail}")
-        }
-        Err(e) => panic!("expected Corrupt, got {e}"),
-        Ok(_) => panic!("opened without the codebooks its home relies on"),
-    }
-    std::fs::write(&layout, &saved).unwrap();
-    assert_eq!(Engine::open(dir.path(), EngineConfig::default()).unwrap().recovery_report().unwrap().homes_restored, 1);
+    common::codebooks_are_needed(dir.path(), ctx);
 }
 
 #[test]

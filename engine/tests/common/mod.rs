@@ -49,3 +49,22 @@ pub fn allocated(dir: &Path) -> u64 {
         })
         .sum()
 }
+
+/// A durable engine at `dir` whose context `ctx` has a PQ layer 0 homed in its codes: with
+/// the layer's codebook file gone, opening is `Corrupt` naming the codebooks (its rows live
+/// only in the codes); with the file back, the home is restored.
+pub fn codebooks_are_needed(dir: &Path, ctx: attnstore::ContextId) {
+    use attnstore::{Engine, EngineConfig, Error};
+    let layout = dir.join("index").join(format!("ctx-{}-layer-0.pq", ctx.0));
+    let saved = std::fs::read(&layout).unwrap();
+    std::fs::remove_file(&layout).unwrap();
+    match Engine::open(dir, EngineConfig::default()) {
+        Err(Error::Corrupt { detail, .. }) => {
+            assert!(detail.contains("codebooks") && detail.contains("live only there"), "{detail}")
+        }
+        Err(e) => panic!("expected Corrupt, got {e}"),
+        Ok(_) => panic!("opened without the codebooks its home relies on"),
+    }
+    std::fs::write(&layout, &saved).unwrap();
+    assert_eq!(Engine::open(dir, EngineConfig::default()).unwrap().recovery_report().unwrap().homes_restored, 1);
+}
