@@ -10,7 +10,6 @@
 
 use crate::error::{Error, Result};
 use attnstore_kernels::{Kv43Arrays, Kv43Head, Kv43Params};
-use half::f16;
 use std::ops::Range;
 
 fn bad(message: String) -> Error {
@@ -63,77 +62,10 @@ pub(crate) fn kv43_piece(head: &Kv43Head, rows: Range<usize>) -> Result<Kv43Head
     Ok(Kv43Head::from_arrays(d, p, piece)?)
 }
 
-/// One head of `pieces` in order (each but the last whole key groups), as
-/// [`kv43_piece`] cut them: the same codes, checked by [`Kv43Head::from_arrays`].
+/// One head of `pieces` in order (each but the last whole key groups), as [`kv43_piece`]
+/// cut them: the same codes ([`Kv43Head::join`]).
 pub(crate) fn kv43_join(d: usize, p: Kv43Params, pieces: &[&Kv43Head]) -> Result<Kv43Head> {
-    let mut joined = JoinedArrays::default();
-    for (i, piece) in pieces.iter().enumerate() {
-        if piece.head_dim() != d || piece.params() != p {
-            return Err(bad(format!(
-                "piece {i}: d = {} with {:?}, expected d = {d} with {p:?}",
-                piece.head_dim(),
-                piece.params()
-            )));
-        }
-        let a = piece.arrays();
-        if i + 1 < pieces.len() && !a.tail_keys.is_empty() {
-            return Err(bad(format!(
-                "piece {i} of {} ends in a partial key group of {} rows: only the last may",
-                pieces.len(),
-                a.tail_keys.len() / d
-            )));
-        }
-        joined.push(&a);
-    }
-    Ok(Kv43Head::from_arrays(d, p, joined.arrays())?)
-}
-
-/// The arrays of several pieces, concatenated.
-#[derive(Default)]
-struct JoinedArrays {
-    rows: usize,
-    key_codes: Vec<u8>,
-    key_high: Vec<u8>,
-    key_min: Vec<f16>,
-    key_scale: Vec<f16>,
-    key_sums: Vec<u16>,
-    value_planes: Vec<u8>,
-    value_min: Vec<f16>,
-    value_scale: Vec<f16>,
-    tail_keys: Vec<f16>,
-    tail_values: Vec<f16>,
-}
-
-impl JoinedArrays {
-    fn push(&mut self, a: &Kv43Arrays<'_>) {
-        self.rows += a.rows;
-        self.key_codes.extend_from_slice(a.key_codes);
-        self.key_high.extend_from_slice(a.key_high);
-        self.key_min.extend_from_slice(a.key_min);
-        self.key_scale.extend_from_slice(a.key_scale);
-        self.key_sums.extend_from_slice(a.key_sums);
-        self.value_planes.extend_from_slice(a.value_planes);
-        self.value_min.extend_from_slice(a.value_min);
-        self.value_scale.extend_from_slice(a.value_scale);
-        self.tail_keys.extend_from_slice(a.tail_keys);
-        self.tail_values.extend_from_slice(a.tail_values);
-    }
-
-    fn arrays(&self) -> Kv43Arrays<'_> {
-        Kv43Arrays {
-            rows: self.rows,
-            key_codes: &self.key_codes,
-            key_high: &self.key_high,
-            key_min: &self.key_min,
-            key_scale: &self.key_scale,
-            key_sums: &self.key_sums,
-            value_planes: &self.value_planes,
-            value_min: &self.value_min,
-            value_scale: &self.value_scale,
-            tail_keys: &self.tail_keys,
-            tail_values: &self.tail_values,
-        }
-    }
+    Ok(Kv43Head::join(d, p, pieces)?)
 }
 
 /// The keys rows `rows` of `head` stand for (encoded rows dequantized, the partial group's

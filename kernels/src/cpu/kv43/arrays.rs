@@ -130,3 +130,40 @@ impl Kv43Head {
         Ok(Self { encoded, d, params, tail_keys: a.tail_keys.to_vec(), tail_values: a.tail_values.to_vec() })
     }
 }
+
+impl Kv43Head {
+    /// Heads of dimension `d` and parameters `params` joined in order into one: the rows of
+    /// each after the previous one's, codes unchanged (as cut from one head at key groups,
+    /// e.g. the pieces of a disk home). Every piece but the last must end at a whole key
+    /// group (no f16 partial group); a piece of another dimension or parameters, or a
+    /// partial group before the last piece, is [`Error::InvalidArgument`] naming it.
+    pub fn join(d: usize, params: Kv43Params, pieces: &[&Kv43Head]) -> Result<Self> {
+        let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 pieces", message });
+        let mut joined = Self::new(d, params)?;
+        for (i, piece) in pieces.iter().enumerate() {
+            if piece.d != d || piece.params != params {
+                return bad(format!(
+                    "piece {i}: d = {} with {:?}, expected d = {d} with {params:?}",
+                    piece.d, piece.params
+                ));
+            }
+            if !joined.tail_keys.is_empty() {
+                return bad(format!(
+                    "piece {} of {} ends in a partial key group of {} rows: only the last may",
+                    i - 1,
+                    pieces.len(),
+                    joined.tail_keys.len() / d
+                ));
+            }
+            if let Some(rows) = &piece.encoded {
+                match &mut joined.encoded {
+                    Some(all) => all.extend(rows.clone()),
+                    None => joined.encoded = Some(rows.clone()),
+                }
+            }
+            joined.tail_keys.clone_from(&piece.tail_keys);
+            joined.tail_values.clone_from(&piece.tail_values);
+        }
+        Ok(joined)
+    }
+}
