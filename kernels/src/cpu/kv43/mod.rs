@@ -23,7 +23,7 @@
 //! what a `kv43` wave segment stores per KV head (`Codec::Kv43`); plans attend any of its
 //! row runs on the codes ([`Kv43Head::attend_runs`]); [`Kv43Head::arrays`] and
 //! [`Kv43Head::from_arrays`] take a head apart for a disk format and check it back
-//! (`arrays.rs`). No GPU kernels yet.
+//! (`arrays.rs`). The GPU decode over the same arrays is `cuda/kv43.cu` (feature `cuda`).
 
 use half::f16;
 use std::ops::Range;
