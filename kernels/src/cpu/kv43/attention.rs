@@ -88,16 +88,6 @@ impl GroupQueries {
             for (k, &(a, b)) in self.one.ab.iter().enumerate() {
                 (self.a[h * parts + k], self.b[h * parts + k]) = (a, b);
             }
-            if let Some(wide) = &mut self.wide {
-                // Pair `p` of octets `2p`, `2p + 1`: words `4p`, `4p + 2` (low nibbles) and
-                // `4p + 1`, `4p + 3` (high), each over eight lanes.
-                let w = &self.w[h * d / 4..(h + 1) * d / 4];
-                for (p, pair) in wide[h * d / 8..(h + 1) * d / 8].chunks_exact_mut(2).enumerate() {
-                    for (nibble, v) in pair.iter_mut().enumerate() {
-                        *v = std::array::from_fn(|lane| w[4 * p + 2 * (lane / 8) + nibble]);
-                    }
-                }
-            }
         }
     }
 

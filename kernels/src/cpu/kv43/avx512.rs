@@ -205,7 +205,7 @@ pub(super) fn prepare_queries(
     let parts = d / PART;
     assert!(d.is_multiple_of(PART) && key_min.len() == d && q.len() == qm.len() * d, "query shapes");
     assert!(w.len() == q.len() / 4 && wide.len() == q.len() / 8 && a.len() == qm.len() * parts && b.len() == a.len());
-    let (zero, half, one, top) = (_mm512_setzero_ps(), _mm512_set1_ps(0.5), _mm512_set1_ps(1.0), _mm512_set1_ps(255.0));
+    let (zero, top) = (_mm512_setzero_ps(), _mm512_set1_ps(255.0));
     let load = |x: &[f32], at: usize| -> __m512 { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&x[at..at + 16])) };
     for (h, qh) in q.chunks_exact(d).enumerate() {
         // Σ q·m in eight lanes, then the lanes pairwise, as `GroupQuery::prepare`.
@@ -237,9 +237,7 @@ pub(super) fn prepare_queries(
                 let codes = if s > 0.0 {
                     // `avx2::code_run`: round half away from zero, clamped to 0..=255.
                     let c = _mm512_max_ps(_mm512_div_ps(_mm512_sub_ps(v, _mm512_set1_ps(m)), _mm512_set1_ps(s)), zero);
-                    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(c);
-                    let up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_sub_ps(c, t), half), one);
-                    _mm512_cvtepi32_epi8(_mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(t, up), top)))
+                    _mm512_cvtepi32_epi8(round_clamped(c, top))
                 } else {
                     _mm_setzero_si128()
                 };
@@ -265,8 +263,9 @@ pub(super) fn prepare_queries(
 /// One head's probabilities over a block of scored rows, as `fold_block` computes them on
 /// the AVX2 path (`exp_shifted_sum`, then the codes of `probability_codes` against the
 /// block's largest): `row` (a multiple of 16 scores, `-∞` for rows not attended; all `≤ m`)
-/// becomes `-∞` again, `codes` their 8-bit codes; returns the step (0 when every
-/// probability is 0, and then the codes are all 0) and the codes' sum.
+/// becomes their probabilities (the caller resets the block's scores after it), `codes`
+/// their 8-bit codes; returns the step (0 when every probability is 0, and then the codes
+/// are all 0) and the codes' sum.
 #[target_feature(enable = "avx512f,avx512bw")]
 pub(super) fn block_probabilities(row: &mut [f32], m: f32, codes: &mut [u8]) -> (f32, u32) {
     assert!(row.len().is_multiple_of(16) && codes.len() == row.len(), "block shapes");
@@ -280,21 +279,29 @@ pub(super) fn block_probabilities(row: &mut [f32], m: f32, codes: &mut [u8]) -> 
     }
     let step = _mm512_reduce_max_ps(top) / super::P_LEVELS;
     let (s, levels) = (_mm512_set1_ps(step), _mm512_set1_ps(super::P_LEVELS));
-    let (zero, half, one) = (_mm512_setzero_ps(), _mm512_set1_ps(0.5), _mm512_set1_ps(1.0));
+    let zero = _mm512_setzero_ps();
     let mut sum = _mm512_setzero_si512();
     for (lanes, out) in row.chunks_exact_mut(16).zip(codes.chunks_exact_mut(16)) {
         let c = if step == 0.0 {
             _mm512_setzero_si512()
         } else {
             let v: __m512 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes));
-            let q = _mm512_max_ps(_mm512_min_ps(_mm512_div_ps(v, s), levels), zero);
-            let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
-            let up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(_mm512_sub_ps(q, t), half), one);
-            _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(t, up), levels))
+            round_clamped(_mm512_max_ps(_mm512_min_ps(_mm512_div_ps(v, s), levels), zero), levels)
         };
         sum = _mm512_add_epi32(sum, c);
         out.copy_from_slice(&bytemuck::cast::<__m128i, [u8; 16]>(_mm512_cvtepi32_epi8(c)));
-        lanes.fill(f32::NEG_INFINITY);
     }
     (step, _mm512_reduce_add_epi32(sum) as u32)
+}
+
+/// `min(round(q), top)` as integers, for `q ≥ 0`, rounding half away from zero as
+/// `f32::round` does: `trunc` plus one where the fraction is at least ½ (the rounding of
+/// the AVX2 kernels' `code_run` and `probability_codes`).
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn round_clamped(q: __m512, top: __m512) -> __m512i {
+    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
+    let frac = _mm512_sub_ps(q, t);
+    let up = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5)), _mm512_set1_ps(1.0));
+    _mm512_cvttps_epi32(_mm512_min_ps(_mm512_add_ps(t, up), top))
 }
