@@ -329,7 +329,7 @@ impl GpuBackend {
         dev: &DeviceHack,
         ranges: Option<&[Vec<std::ops::Range<usize>>]>,
     ) -> Result<HackJob> {
-        self.check_hack_shape(shape, q, dev.kv_heads)?;
+        self.check_codec_shape(shape, q, dev.kv_heads)?;
         let (sel, listed) = match ranges {
             Some(r) => {
                 let (blocks, masks, n) = row_masks(r, dev.rows);
@@ -355,7 +355,7 @@ impl GpuBackend {
         page_bytes: usize,
     ) -> Result<HackJob> {
         self.hack_kernel(&self.hack_paged, 1)?;
-        self.check_hack_shape(shape, q, groups.len())?;
+        self.check_codec_shape(shape, q, groups.len())?;
         let bad = |message: String| Err(Error::InvalidArgument { what: "paged 2-bit groups", message });
         if page_bytes == 0 || !page_bytes.is_multiple_of(4) {
             return bad(format!("pages must be a positive multiple of 4 bytes, got {page_bytes}"));
@@ -398,8 +398,8 @@ impl GpuBackend {
     }
 
     /// A typed error unless `shape` fits the compiled kernels and `kv_heads` heads of rows,
-    /// and `q` holds its queries.
-    fn check_hack_shape(&self, shape: &AttnShape, q: &[f32], kv_heads: usize) -> Result<()> {
+    /// and `q` holds its queries (the hack2 and kv43 jobs' shared check).
+    pub(super) fn check_codec_shape(&self, shape: &AttnShape, q: &[f32], kv_heads: usize) -> Result<()> {
         if shape.head_dim != self.head_dim || shape.group() > MAX_GROUP || shape.kv_heads != kv_heads {
             return Err(Error::InvalidArgument {
                 what: "shape",

@@ -128,23 +128,8 @@ impl GpuBackend {
     /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over every encoded row
     /// of `dev`.
     pub fn prepare_kv43(&self, shape: &AttnShape, q: &[f32], dev: &DeviceKv43) -> Result<Kv43Job> {
-        if shape.head_dim != self.head_dim || shape.kv_heads != dev.kv_heads || shape.group() > MAX_GROUP {
-            return Err(Error::InvalidArgument {
-                what: "shape",
-                message: format!(
-                    "head_dim {} (backend {}), group {} (at most {MAX_GROUP}), kv_heads {} (rows hold {})",
-                    shape.head_dim,
-                    self.head_dim,
-                    shape.group(),
-                    shape.kv_heads,
-                    dev.kv_heads
-                ),
-            });
-        }
-        if q.len() != shape.query_len() {
-            return Err(Error::ShapeMismatch { what: "queries", expected: shape.query_len(), got: q.len() });
-        }
-        if let Some(i) = q.iter().position(|x| !x.is_finite()) {
+        self.check_codec_shape(shape, q, dev.kv_heads)?;
+        if let Some(i) = crate::first_non_finite(q) {
             return Err(Error::InvalidArgument { what: "queries", message: format!("element {i} is not finite") });
         }
         let blocks = dev.rows / BLOCK;

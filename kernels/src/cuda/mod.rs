@@ -6,8 +6,9 @@
 //! What is here: exact and row-list (sparse plan) decode attention, flash-decoding style
 //! (`decode.cu`), over KV in device memory or in mapped pinned host memory (zero-copy), with
 //! Gpu-tier cache rows; centroid scoring and top-r selection; the HACK 2-bit kernels
-//! (`hack.cu`); the kv43 homomorphic decode (`kv43.cu`, [`GpuBackend::launch_kv43`]); and a whole wave-index decode step with no host work between its kernels
-//! (`wave.cu`, [`GpuBackend::launch_wave`]); the whole index build on the device — centring,
+//! (`hack.cu`); the kv43 homomorphic decode (`kv43.cu`, [`GpuBackend::launch_kv43`]); and
+//! a whole wave-index decode step with no host work between its kernels (`wave.cu`,
+//! [`GpuBackend::launch_wave`]); the whole index build on the device — centring,
 //! segmented spherical k-means on the tensor cores and the layout (`build.cu`,
 //! [`GpuBackend::build_layout`]).
 
