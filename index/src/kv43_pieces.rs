@@ -1,4 +1,5 @@
-//! A [`Kv43Head`] cut at key groups and put back together, and the keys of any of its rows:
+//! A [`Kv43Head`] cut at key groups (put back together by [`Kv43Head::join`]), and the keys
+//! of any of its rows:
 //! what a PQ index over kv43 rows needs for its encoded home (pieces of whole key groups,
 //! one segment file each) and for the PQ codes of base rows coded after the build (their
 //! keys as the codes stand for them).
@@ -62,12 +63,6 @@ pub(crate) fn kv43_piece(head: &Kv43Head, rows: Range<usize>) -> Result<Kv43Head
     Ok(Kv43Head::from_arrays(d, p, piece)?)
 }
 
-/// One head of `pieces` in order (each but the last whole key groups), as [`kv43_piece`]
-/// cut them: the same codes ([`Kv43Head::join`]).
-pub(crate) fn kv43_join(d: usize, p: Kv43Params, pieces: &[&Kv43Head]) -> Result<Kv43Head> {
-    Ok(Kv43Head::join(d, p, pieces)?)
-}
-
 /// The keys rows `rows` of `head` stand for (encoded rows dequantized, the partial group's
 /// f16 rows widened), appended to `out`: only the key groups they lie in are decoded.
 pub(crate) fn kv43_keys(head: &Kv43Head, rows: Range<usize>, out: &mut Vec<f32>) -> Result<()> {
@@ -115,7 +110,7 @@ mod tests {
                     .collect();
                 assert_eq!(pieces.iter().map(Kv43Head::rows).sum::<usize>(), rows);
                 let refs: Vec<&Kv43Head> = pieces.iter().collect();
-                assert_eq!(kv43_join(d, p, &refs).unwrap(), h, "{p:?} rows {rows} d {d}");
+                assert_eq!(Kv43Head::join(d, p, &refs).unwrap(), h, "{p:?} rows {rows} d {d}");
                 // Each piece's codes stand for the same rows as the head's.
                 let (all, _) = h.dequantize();
                 let (first, _) = pieces[0].dequantize();
@@ -146,10 +141,10 @@ mod tests {
         assert!(why.contains("not whole key groups of 128"), "{why}");
         assert!(kv43_piece(&h, 128..301).is_err());
         let (a, b) = (kv43_piece(&h, 0..300).unwrap(), kv43_piece(&h, 0..128).unwrap());
-        let why = kv43_join(64, p, &[&a, &b]).unwrap_err().to_string();
+        let why = Kv43Head::join(64, p, &[&a, &b]).unwrap_err().to_string();
         assert!(why.contains("partial key group"), "{why}");
         let other = Kv43Params { key_bits: 5, ..p };
-        let why = kv43_join(64, other, &[&b]).unwrap_err().to_string();
+        let why = Kv43Head::join(64, other, &[&b]).unwrap_err().to_string();
         assert!(why.contains("expected d = 64"), "{why}");
     }
 }

@@ -19,7 +19,7 @@ use super::PqIndex;
 use crate::codec::{EncodedRows, RowCodec};
 use crate::encoded::{EncodedHead, EncodedHome, EncodedSegment, SteadyHead};
 use crate::error::{Error, Result};
-use crate::kv43_pieces::{kv43_join, kv43_piece};
+use crate::kv43_pieces::kv43_piece;
 use attnstore_kernels::{DType, Element, HackRows, HackView, Kv43Head};
 use std::sync::Arc;
 use std::time::Instant;
@@ -176,7 +176,7 @@ impl<E: Element> PqIndex<E> {
                 match self.codec {
                     RowCodec::Kv43(p) => {
                         let pieces: Vec<&Kv43Head> = pieces.filter_map(EncodedRows::kv43).collect();
-                        Ok(EncodedRows::Kv43(kv43_join(d, p, &pieces)?))
+                        Ok(EncodedRows::Kv43(Kv43Head::join(d, p, &pieces)?))
                     }
                     _ => {
                         let views: Vec<HackView<'_>> =
