@@ -3,8 +3,8 @@
 //!
 //! A `hack2` or `kv43` wave index encodes each segment once, when it is built, and drops its
 //! plain rows; a `hack2` or `kv43` PQ index encodes its base rows once, when its codebook
-//! build starts (`docs/codec.md`). Until a checkpoint the data file's f16 chunks are the only durable
-//! copy of those tokens. At a checkpoint the layer's **encoded home** is written to
+//! build starts (`docs/codec.md`). Until a checkpoint the data file's f16 chunks are the
+//! only durable copy of those tokens. At a checkpoint the layer's **encoded home** is written to
 //! `DIR/index/`, each file framed and checksummed like the manifest and replaced atomically:
 //!
 //! - `ctx-<id>-layer-<l>-seg-<u>.h2`, one per segment, written once (segments never change):
@@ -19,8 +19,8 @@
 //!
 //! A PQ layer's segments are its base rows past the sink in pieces of 128 value blocks, or
 //! of whole kv43 key groups (8192 rows at 128-token groups; the last piece ends in the
-//! base's partial key group, in f16), with no clusters (sizes, positions and means empty), its tail rows every token after the
-//! base (decode tokens stay f16), and its codebooks and codes are its layout file
+//! base's partial key group, in f16), with no clusters (sizes, positions and means empty),
+//! its tail rows every token after the base (decode tokens stay f16), and its codebooks and codes are its layout file
 //! (`ctx-<id>-layer-<l>.pq`), written in the same checkpoint before the home; a home is not
 //! written while that layout is not on disk, and recovery needs both.
 //!

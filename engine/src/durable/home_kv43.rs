@@ -1,10 +1,9 @@
 //! kv43 segment files: a `kv43` wave or PQ layer's encoded home (`home.rs`). Per KV head
-//! the segment's clusters (sizes, token positions, f16 mean keys and values; none for a
-//! PQ layer's pieces of its base) and its rows as
-//! [`Kv43Head`] keeps them — 4-bit key codes (and fifth bits with 5-bit keys), 3- or 4-bit
-//! value planes, their per-channel minima and scales and key code sums, and the segment's
-//! last partial key group in f16 — checked
-//! back by [`Kv43Head::from_arrays`] when read. Same file names, frames and checksums as
+//! the segment's clusters (sizes, token positions, f16 mean keys and values; none for a PQ
+//! layer's pieces of its base) and its rows as [`Kv43Head`] keeps them — 4-bit key codes
+//! (and fifth bits with 5-bit keys), 3- or 4-bit value planes, their per-channel minima and
+//! scales and key code sums, and the segment's last partial key group in f16 — checked back
+//! by [`Kv43Head::from_arrays`] when read. Same file names, frames and checksums as
 //! the 2-bit segment files; the context's codec says which record a file holds.
 
 use attnstore_index::{EncodedHead, EncodedRows, EncodedSegment};
