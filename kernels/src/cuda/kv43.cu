@@ -5,9 +5,9 @@
 // 32 bytes: word r = row r, byte i = channel 8o+i in the low nibble, 8o+4+i in the high),
 // an optional fifth-bit plane (per tile and octet a byte per row), a u16 code sum per row
 // and 64-dim partition (per tile partition-major), per key group and channel an f16
-// minimum and scale; values as 3 or 4 bit planes per 8 rows (byte c of plane b: bit b of
-// channel c's codes of the eight rows, row t in bit t), per value block and channel an f16
-// minimum and scale. Per key group each query head is scaled by the channel scales and
+// minimum and scale; values as one word per 8 rows and channel (byte i: row i's 3- or
+// 4-bit code in the low nibble, row i+4's in the high; `upload_kv43` moves the bits of the
+// CPU's planes there), per value block and channel an f16 minimum and scale. Per key group each query head is scaled by the channel scales and
 // coded to 8 bits per 64-dim partition (f16 minimum and step, as the CPU does); scores are
 // `dp4a` products with the key codes plus `a·U + b·dot`; per 64 rows the probabilities are
 // coded to 8 bits against the block's largest and the values weighed by `dp4a` on their
@@ -26,8 +26,8 @@ __device__ __forceinline__ unsigned k43_spread(unsigned x) { return ((x & 0xfu) 
 
 struct Kv43Src {
   const unsigned char* kc; const unsigned char* khigh; const unsigned short* kmin; const unsigned short* kscale;
-  const unsigned short* ksum; const unsigned char* vp; const unsigned short* vmin; const unsigned short* vscale;
-  int rows, key_group, value_block, value_bits;
+  const unsigned short* ksum; const unsigned* vw; const unsigned short* vmin; const unsigned short* vscale;
+  int rows, key_group, value_block;
 };
 
 // The G query heads of KV head h coded against key group `grp` into shared memory: codes
@@ -113,24 +113,34 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
       const long long tile = tiles_h + (row0 + r) / 8;
       const int rr = r % 8;
       const unsigned char* base = s.kc + tile * (8 * HEAD_DIM / 2) + 4 * rr;
-      unsigned dot[G];
+      unsigned dot[G], lo[8], hi[8];
 #pragma unroll
       for (int g = 0; g < G; g++) dot[g] = 0u;
 #pragma unroll
       for (int j = 0; j < 8; j++) {
-        const int oc = k * 8 + j;
-        const unsigned word = *reinterpret_cast<const unsigned*>(base + oc * 32);
-        unsigned lo = word & 0x0f0f0f0fu, hi = (word >> 4) & 0x0f0f0f0fu;
-        if (s.khigh) {
-          const unsigned hb = s.khigh[tile * HEAD_DIM + oc * 8 + rr];
-          lo |= k43_spread(hb) << 4;
-          hi |= k43_spread(hb >> 4) << 4;
-        }
+        const unsigned word = *reinterpret_cast<const unsigned*>(base + (k * 8 + j) * 32);
+        lo[j] = word & 0x0f0f0f0fu;
+        hi[j] = (word >> 4) & 0x0f0f0f0fu;
+      }
+      if (s.khigh) {
 #pragma unroll
-        for (int g = 0; g < G; g++) {
-          const unsigned* qw = reinterpret_cast<const unsigned*>(codes_s[g]);
-          dot[g] = __dp4a(lo, qw[2 * oc], dot[g]);
-          dot[g] = __dp4a(hi, qw[2 * oc + 1], dot[g]);
+        for (int j = 0; j < 8; j++) {
+          const unsigned hb = s.khigh[tile * HEAD_DIM + (k * 8 + j) * 8 + rr];
+          lo[j] |= k43_spread(hb) << 4;
+          hi[j] |= k43_spread(hb >> 4) << 4;
+        }
+      }
+      // The query words of partition k, four at a time (octets j and j + 1).
+#pragma unroll
+      for (int g = 0; g < G; g++) {
+        const uint4* qv = reinterpret_cast<const uint4*>(codes_s[g]) + 4 * k;
+#pragma unroll
+        for (int jj = 0; jj < 4; jj++) {
+          const uint4 w = qv[jj];
+          dot[g] = __dp4a(lo[2 * jj], w.x, dot[g]);
+          dot[g] = __dp4a(hi[2 * jj], w.y, dot[g]);
+          dot[g] = __dp4a(lo[2 * jj + 1], w.z, dot[g]);
+          dot[g] = __dp4a(hi[2 * jj + 1], w.w, dot[g]);
         }
       }
       const float u = (float)s.ksum[tile * (8 * K43_KP) + k * 8 + rr];
@@ -174,30 +184,29 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
       }
     }
     __syncthreads();
-    // Values: one thread per channel; per 8 rows the planes' bytes make two words of four
-    // codes (rows 0..3, 4..7), each weighed by dp4a against four probability codes.
+    // Values: one thread per channel; per 8 rows its word's low and high nibbles are the
+    // codes of rows 0..3 and 4..7, each weighed by dp4a against four probability codes.
     const long long vgroup = ((long long)h * s.rows + row0) / 8;
     const long long vb = ((long long)h * s.rows + row0) / s.value_block;
 #pragma unroll
     for (int j = 0; j < PER; j++) {
       const int ch = t + j * K43_THREADS;
       if (ch < HEAD_DIM) {
-        unsigned acc[G];
+        unsigned acc[G], w[K43_ROWS / 8];
 #pragma unroll
         for (int g = 0; g < G; g++) acc[g] = 0u;
 #pragma unroll
-        for (int i8 = 0; i8 < K43_ROWS / 8; i8++) {
-          const unsigned char* pl = s.vp + (vgroup + i8) * s.value_bits * HEAD_DIM + ch;
-          unsigned lo = 0u, hi = 0u;
-          for (int p = 0; p < s.value_bits; p++) {
-            const unsigned x = pl[p * HEAD_DIM];
-            lo |= k43_spread(x) << p;
-            hi |= k43_spread(x >> 4) << p;
-          }
+        for (int i8 = 0; i8 < K43_ROWS / 8; i8++) w[i8] = s.vw[(vgroup + i8) * HEAD_DIM + ch];
 #pragma unroll
-          for (int g = 0; g < G; g++) {
-            acc[g] = __dp4a(lo, p8_s[g][2 * i8], acc[g]);
-            acc[g] = __dp4a(hi, p8_s[g][2 * i8 + 1], acc[g]);
+        for (int g = 0; g < G; g++) {
+          const uint4* pv = reinterpret_cast<const uint4*>(p8_s[g]);
+#pragma unroll
+          for (int i = 0; i < K43_ROWS / 16; i++) {
+            const uint4 p = pv[i];
+            acc[g] = __dp4a(w[2 * i] & 0x0f0f0f0fu, p.x, acc[g]);
+            acc[g] = __dp4a((w[2 * i] >> 4) & 0x0f0f0f0fu, p.y, acc[g]);
+            acc[g] = __dp4a(w[2 * i + 1] & 0x0f0f0f0fu, p.z, acc[g]);
+            acc[g] = __dp4a((w[2 * i + 1] >> 4) & 0x0f0f0f0fu, p.w, acc[g]);
           }
         }
         const float sv = h2f(s.vscale[vb * HEAD_DIM + ch]), mv = h2f(s.vmin[vb * HEAD_DIM + ch]);
@@ -226,14 +235,14 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
   extern "C" __global__ void kv43_partial_g##G(                                                             \
       const unsigned char* __restrict__ kc, const unsigned char* __restrict__ khigh,                         \
       const unsigned short* __restrict__ kmin, const unsigned short* __restrict__ kscale,                    \
-      const unsigned short* __restrict__ ksum, const unsigned char* __restrict__ vp,                         \
+      const unsigned short* __restrict__ ksum, const unsigned* __restrict__ vw,                              \
       const unsigned short* __restrict__ vmin, const unsigned short* __restrict__ vscale, int rows,          \
-      int key_group, int value_block, int value_bits, const float* __restrict__ q, float scale,             \
+      int key_group, int value_block, const float* __restrict__ q, float scale,                             \
       int chunk_blocks, float* __restrict__ part) {                                                          \
     Kv43Src s;                                                                                               \
     s.kc = kc; s.khigh = khigh; s.kmin = kmin; s.kscale = kscale; s.ksum = ksum;                             \
-    s.vp = vp; s.vmin = vmin; s.vscale = vscale; s.rows = rows;                                              \
-    s.key_group = key_group; s.value_block = value_block; s.value_bits = value_bits;                         \
+    s.vw = vw; s.vmin = vmin; s.vscale = vscale; s.rows = rows;                                              \
+    s.key_group = key_group; s.value_block = value_block;                                                    \
     kv43_attend<G>(s, q, scale, chunk_blocks, part);                                                         \
   }
 KV43_KERNELS(1)

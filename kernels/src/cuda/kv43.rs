@@ -25,7 +25,8 @@ pub struct DeviceKv43 {
     kmin: CudaSlice<u16>,
     kscale: CudaSlice<u16>,
     ksum: CudaSlice<u16>,
-    vp: CudaSlice<u8>,
+    /// Value codes as nibble words (`value_nibble_words`), per head `rows/8 × head_dim`.
+    vw: CudaSlice<u32>,
     vmin: CudaSlice<u16>,
     vscale: CudaSlice<u16>,
     params: Kv43Params,
@@ -43,7 +44,7 @@ impl DeviceKv43 {
     pub fn bytes(&self) -> usize {
         self.kc.len()
             + self.khigh.as_ref().map_or(0, CudaSlice::len)
-            + self.vp.len()
+            + 4 * self.vw.len()
             + 2 * (self.kmin.len() + self.kscale.len() + self.ksum.len() + self.vmin.len() + self.vscale.len())
     }
 }
@@ -95,8 +96,9 @@ impl GpuBackend {
             ));
         }
         let bits = |x: &[half::f16]| x.iter().map(|v| v.to_bits()).collect::<Vec<u16>>();
-        let (mut kc, mut khigh, mut kmin, mut kscale, mut ksum, mut vp, mut vmin, mut vscale) =
+        let (mut kc, mut khigh, mut kmin, mut kscale, mut ksum, mut vw, mut vmin, mut vscale) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
+        let value_bits = usize::from(params.value_bits);
         for h in heads {
             let a = h.arrays();
             kc.extend_from_slice(a.key_codes);
@@ -104,7 +106,7 @@ impl GpuBackend {
             kmin.extend(bits(a.key_min));
             kscale.extend(bits(a.key_scale));
             ksum.extend_from_slice(a.key_sums);
-            vp.extend_from_slice(a.value_planes);
+            vw.extend(crate::cpu::kv43::value_nibble_words(a.value_planes, d, value_bits));
             vmin.extend(bits(a.value_min));
             vscale.extend(bits(a.value_scale));
         }
@@ -116,7 +118,7 @@ impl GpuBackend {
             kmin: up16(&kmin)?,
             kscale: up16(&kscale)?,
             ksum: up16(&ksum)?,
-            vp: up8(&vp)?,
+            vw: self.stream.clone_htod(&vw).map_err(gpu_err("copying kv43 value codes"))?,
             vmin: up16(&vmin)?,
             vscale: up16(&vscale)?,
             params,
@@ -162,7 +164,7 @@ impl GpuBackend {
         }
         let p = dev.params;
         let (rows, key_group, value_block) = (dev.rows as i32, p.key_group as i32, p.value_block as i32);
-        let (value_bits, chunk_blocks) = (i32::from(p.value_bits), job.chunk_blocks as i32);
+        let chunk_blocks = job.chunk_blocks as i32;
         let cfg = LaunchConfig {
             grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
@@ -175,13 +177,14 @@ impl GpuBackend {
             Some(x) => b.arg(x),
             None => b.arg(&null),
         };
-        b.arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vp).arg(&dev.vmin).arg(&dev.vscale);
-        b.arg(&rows).arg(&key_group).arg(&value_block).arg(&value_bits);
+        b.arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vw).arg(&dev.vmin).arg(&dev.vscale);
+        b.arg(&rows).arg(&key_group).arg(&value_block);
         b.arg(&job.q).arg(&job.scale).arg(&chunk_blocks).arg(&mut job.part);
         // SAFETY: dev holds kv_heads × rows encoded rows in the layout kv43_partial reads
-        // (the CPU arrays of `Kv43Head::arrays`, concatenated per head in upload_kv43, whose
-        // parameters fit the kernel: key groups and value blocks of whole 64-row blocks, the
-        // fifth-bit plane present exactly for 5-bit keys); q holds q_heads × head_dim
+        // (the CPU arrays of `Kv43Head::arrays`, the value planes as nibble words,
+        // concatenated per head in upload_kv43, whose parameters fit the kernel: key groups
+        // and value blocks of whole 64-row blocks, the fifth-bit plane present exactly for
+        // 5-bit keys); q holds q_heads × head_dim
         // queries and part kv_heads × chunks × group partials (prepare_kv43 for this shape,
         // whose kv_heads match dev, checked above); chunks × chunk_blocks cover the blocks.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching kv43_partial"))?;

@@ -723,6 +723,27 @@ fn unpack_value_codes(planes: &[u8], d: usize, bits: usize, z: &mut [u8]) {
     }
 }
 
+/// The value codes of `planes` (`bits` planes per 8 rows, as `Kv43Rows` keeps them) as one
+/// word per 8 rows and channel (`rows/8 × d` words): byte `i` holds row `i`'s code in its
+/// low nibble and row `i + 4`'s in its high nibble. The GPU keeps values this way (a mask
+/// and a shift give `dp4a` its four codes, where the planes need eleven operations per
+/// plane); the codes are the same, only their bits are moved.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, reason = "the GPU upload and its test use it"))]
+pub(crate) fn value_nibble_words(planes: &[u8], d: usize, bits: usize) -> Vec<u32> {
+    // Bits 0..3 of x, each to bit 0 of its own byte.
+    let spread = |x: u8| (u32::from(x & 0xf) * 0x0020_4081) & 0x0101_0101;
+    let mut words = vec![0u32; planes.len() / bits];
+    for (group, out) in planes.chunks_exact(bits * d).zip(words.chunks_exact_mut(d)) {
+        for (c, w) in out.iter_mut().enumerate() {
+            *w = (0..bits).fold(0, |acc, b| {
+                let x = group[b * d + c];
+                acc | spread(x) << b | spread(x >> 4) << (b + 4)
+            });
+        }
+    }
+    words
+}
+
 /// `dot[h·d + c] = Σ_t P[h][t]·z[t][c]` for every head `h` of `p` (`heads × rows` 8-bit
 /// probability codes) over one value block's codes `z` (`rows × d`).
 fn weigh_value_codes(z: &[u8], d: usize, p: &[u8], dot: &mut [u32]) {

@@ -582,3 +582,22 @@ fn avx512_decode_equals_the_avx2_decode() {
         }
     }
 }
+
+#[test]
+fn value_nibble_words_hold_the_codes_of_the_planes() {
+    let mut rng = SplitMix64::new(43);
+    for (bits, d, rows) in [(3, 64, 64), (4, 128, 128), (3, 256, 8)] {
+        let planes: Vec<u8> = (0..rows / 8 * bits * d).map(|_| rng.next_u64() as u8).collect();
+        let mut z = vec![0u8; rows * d];
+        unpack_value_codes(&planes, d, bits, &mut z);
+        let words = value_nibble_words(&planes, d, bits);
+        assert_eq!(words.len(), rows / 8 * d);
+        for t in 0..rows {
+            for c in 0..d {
+                let w = words[(t / 8) * d + c];
+                let code = (w >> (8 * (t % 4) + 4 * ((t % 8) / 4))) & 0xf;
+                assert_eq!(code, u32::from(z[t * d + c]), "bits {bits} row {t} channel {c}");
+            }
+        }
+    }
+}
