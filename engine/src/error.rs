@@ -156,11 +156,11 @@ pub enum Error {
         /// What is there instead.
         found: String,
     },
-    /// A GPU execution was asked for a layer whose codec has no GPU kernels (`kv43`): run it
+    /// A GPU execution was asked for a layer whose codec's GPU kernels cannot serve the
+    /// request (`kv43`: only exact plans, on `Engine::execute_gpu`, with key groups and value
+    /// blocks of whole 64-row blocks and a head dimension that is a multiple of 64): run it
     /// with [`crate::Engine::execute`] on the CPU.
-    #[error(
-        "{context} layer {layer}: the {codec} codec has no GPU kernels yet; execute it on the CPU (Engine::execute)"
-    )]
+    #[error("{context} layer {layer}: the {codec} codec cannot run on the GPU here: {why}; execute it on the CPU (Engine::execute)")]
     NoGpuKernels {
         /// The context.
         context: ContextId,
@@ -168,6 +168,8 @@ pub enum Error {
         layer: usize,
         /// The layer's codec.
         codec: attnstore_kernels::Codec,
+        /// What the GPU kernels would need.
+        why: String,
     },
     /// A durable operation (checkpoint, sync) was asked of an in-memory engine.
     #[error("{0} needs a durable engine (Engine::open), this one is in memory")]

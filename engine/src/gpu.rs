@@ -31,8 +31,8 @@ use std::sync::Arc;
 
 use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
 use attnstore_kernels::cuda::{
-    ArenaCache, CudaBlock, CudaBlocks, DeviceIo, DeviceWave, GpuBackend, KvPointers, PagedGroup, SharedRows, WaveBatch,
-    WaveCache, WaveFetched, WaveJob, WaveStep,
+    ArenaCache, CudaBlock, CudaBlocks, DeviceIo, DeviceKv43, DeviceWave, GpuBackend, KvPointers, PagedGroup,
+    SharedRows, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep,
 };
 use attnstore_kernels::{Backend, BlockRows, Partial};
 use parking_lot::Mutex;
@@ -42,7 +42,7 @@ use crate::analyze::Analysis;
 use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::exec::device::{gpu_hack_work, gpu_work, GpuHackWork};
+use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, GpuHackWork, GpuKv43Work};
 use crate::exec::{Meter, RequestActual, Zone};
 use crate::plan::{Plan, RequestPlan};
 use std::time::{Duration, Instant};
@@ -87,6 +87,8 @@ pub(crate) struct GpuExec {
 #[derive(Default)]
 struct DeviceState {
     layers: HashMap<(ContextId, usize), DeviceLayer>,
+    /// The device copies of kv43 layers that exact plans ran over.
+    kv43: HashMap<(ContextId, usize), DeviceKv43Layer>,
     /// Streams for batched steps, per head dimension.
     batches: HashMap<usize, WaveBatch>,
 }
@@ -113,6 +115,14 @@ struct DeviceLayer {
     block_pages: Option<Vec<Vec<u8>>>,
 }
 
+/// A kv43 layer's device copy: the encoded rows of every KV head's pieces
+/// (`GpuBackend::upload_kv43_pieces`), made again when the pieces change.
+struct DeviceKv43Layer {
+    rows: DeviceKv43,
+    /// The index's indexed tokens and the encoded rows of KV head 0's pieces when copied.
+    made_of: (usize, Vec<usize>),
+}
+
 /// A request launched on the device, until its output is fetched.
 struct Launched {
     /// Its index in the plan.
@@ -137,7 +147,9 @@ const HIT_TOUCH_EVERY: u64 = 8;
 impl GpuExec {
     /// Forgets the device copies of `context`'s layers (it was dropped).
     pub(crate) fn forget(&self, context: ContextId) {
-        self.device.lock().layers.retain(|(c, _), _| *c != context);
+        let mut device = self.device.lock();
+        device.layers.retain(|(c, _), _| *c != context);
+        device.kv43.retain(|(c, _), _| *c != context);
     }
 }
 
@@ -380,7 +392,7 @@ impl Engine {
 
     /// [`Engine::execute_gpu`], counting into `meters` when given.
     pub(crate) fn run_gpu(&self, plan: &Plan, mut meters: Option<&mut GpuMeters>) -> Result<(Vec<Vec<f32>>, GpuRun)> {
-        plan.check_gpu_codecs()?;
+        plan.check_gpu_codecs(true)?;
         let mut run = GpuRun::default();
         let mut done: Vec<Option<Vec<f32>>> = vec![None; plan.requests.len()];
         let device: Vec<usize> = (0..plan.requests.len()).filter(|&i| plan.requests[i].device.is_some()).collect();
@@ -692,8 +704,6 @@ impl Engine {
         meter: Option<&Meter>,
     ) -> Result<Option<Vec<f32>>> {
         let mut trace = PhaseTrace::new();
-        let Some(manager) = self.buffer_manager() else { return Ok(None) };
-        let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
         let ctx = self.context(r.context)?;
         let layer = crate::engine::layer_of(&ctx, r.context, r.layer)?;
         let guard = layer.read_recursive();
@@ -702,6 +712,18 @@ impl Engine {
         let (g, d) = (sh.group(), sh.head_dim);
         // Per KV head on rayon threads (the estimation partials are CPU work).
         let layer: &crate::context::Layer = &guard;
+        if r.codec.kv43().is_some() {
+            let works: Option<Vec<_>> = (0..sh.kv_heads)
+                .into_par_iter()
+                .map(|h| gpu_kv43_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
+                .collect();
+            let Some(works) = works else { return Ok(None) };
+            let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
+            trace.mark("work");
+            return self.execute_kv43_gpu(r, layer, &works, &mut trace, meter).map(Some);
+        }
+        let Some(manager) = self.buffer_manager() else { return Ok(None) };
+        let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
         let hack: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
             .map(|h| gpu_hack_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
@@ -770,6 +792,45 @@ impl Engine {
         drop(reader);
         trace.mark("unpin");
         Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, &mut trace)))
+    }
+
+    /// An exact request over a kv43 layer on the GPU: the homomorphic kernel reads every
+    /// encoded row from the layer's device copy (made on the first such request, and again
+    /// when the index's segments change), and its partials merge with the CPU's steady zone
+    /// and the pieces' partial key groups.
+    fn execute_kv43_gpu(
+        &self,
+        r: &RequestPlan,
+        layer: &Layer,
+        works: &[GpuKv43Work<'_>],
+        trace: &mut PhaseTrace,
+        meter: Option<&Meter>,
+    ) -> Result<Vec<f32>> {
+        let sh = r.shape;
+        let gpu = self.gpu.backend(sh.head_dim)?;
+        let key = (r.context, r.layer);
+        let made_of =
+            (layer.method.stats().indexed_tokens, works[0].pieces.iter().map(|p| p.encoded_rows()).collect::<Vec<_>>());
+        // Out of the map while it runs (other layers' requests go on); put back after.
+        let cached = self.gpu.device.lock().kv43.remove(&key).filter(|c| c.made_of == made_of);
+        let copy = match cached {
+            Some(c) => c,
+            None => {
+                let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
+                DeviceKv43Layer { rows: gpu.upload_kv43_pieces(&pieces)?, made_of }
+            }
+        };
+        trace.mark("device copy");
+        let launched = Instant::now();
+        let mut job = gpu.prepare_kv43(&sh, &r.queries, &copy.rows)?;
+        gpu.launch_kv43(&copy.rows, &mut job)?;
+        let parts = gpu.fetch_kv43_partials(&job)?;
+        if let Some(m) = meter {
+            m.zone(Zone::Scan).gpu_since(launched);
+        }
+        trace.mark("launch+fetch");
+        self.gpu.device.lock().kv43.insert(key, copy);
+        Ok(merged_output(parts, works.iter().map(|w| &w.cpu[..]), sh.group(), trace))
     }
 
     /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads

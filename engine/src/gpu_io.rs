@@ -59,7 +59,7 @@ impl Engine {
             .map(|r| Ok(Request::new(r.context, r.layer, vec![0.0; self.spec(r.context)?.shape.query_len()])))
             .collect::<Result<Vec<_>>>()?;
         let plan = self.plan_gpu(&placeholders, budget)?;
-        plan.check_gpu_codecs()?;
+        plan.check_gpu_codecs(false)?;
         let io: Vec<Option<DeviceIo>> = plan
             .requests
             .iter()

@@ -324,14 +324,32 @@ pub(crate) fn plan_request(
 }
 
 impl Plan {
-    /// Refuses GPU execution of a plan with a request whose codec has no GPU kernels
-    /// (`kv43`): an [`Error::NoGpuKernels`] naming the first, before anything runs.
+    /// Refuses GPU execution of a plan with a request whose codec's GPU kernels cannot serve
+    /// it, before anything runs: an [`Error::NoGpuKernels`] naming the first. `kv43` has one
+    /// kernel, over every encoded row of a layer (`GpuBackend::launch_kv43`): it serves exact
+    /// host-made plans (`exact_kv43`: the caller runs them on it) whose key groups and value
+    /// blocks are whole 64-row blocks and whose head dimension is a multiple of 64.
     #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code, reason = "the GPU path is built with cuda"))]
-    pub(crate) fn check_gpu_codecs(&self) -> Result<()> {
-        match self.requests.iter().find(|r| r.codec.kv43().is_some()) {
-            Some(r) => Err(Error::NoGpuKernels { context: r.context, layer: r.layer, codec: r.codec }),
-            None => Ok(()),
+    pub(crate) fn check_gpu_codecs(&self, exact_kv43: bool) -> Result<()> {
+        for r in &self.requests {
+            let Some(p) = r.codec.kv43() else { continue };
+            let why = if !exact_kv43 {
+                "this GPU path has no kv43 kernels (Engine::execute_gpu runs exact kv43 plans)".to_string()
+            } else if r.device.is_some() || !r.heads.iter().all(|h| h.exact) {
+                "kv43's GPU kernel attends every row: only exact plans run on it (Budget::full)".to_string()
+            } else if !p.key_group.is_multiple_of(64) || !p.value_block.is_multiple_of(64) {
+                format!(
+                    "kv43's GPU kernel needs key groups and value blocks of whole 64-row blocks, got {} and {}",
+                    p.key_group, p.value_block
+                )
+            } else if !r.shape.head_dim.is_multiple_of(64) {
+                format!("kv43's GPU kernel needs a head dimension that is a multiple of 64, got {}", r.shape.head_dim)
+            } else {
+                continue;
+            };
+            return Err(Error::NoGpuKernels { context: r.context, layer: r.layer, codec: r.codec, why });
         }
+        Ok(())
     }
 }
 
@@ -481,31 +499,44 @@ pub(crate) fn human_bytes(b: usize) -> String {
 mod tests {
     use crate::*;
 
-    /// Until kv43 has GPU kernels, a GPU execution of a plan over a kv43 layer is refused
-    /// with a typed error naming the layer and the codec; plain plans pass the check.
+    /// kv43's GPU kernel serves exact plans only: a sparse plan over a kv43 layer, or any
+    /// kv43 plan on a GPU path without kv43 kernels, is refused with a typed error naming the
+    /// layer, the codec and why; exact kv43 plans and plain plans pass the check.
     #[test]
-    fn a_kv43_plan_is_refused_on_the_gpu_with_a_typed_error() {
+    fn a_sparse_kv43_plan_is_refused_on_the_gpu_with_a_typed_error() {
         let shape = AttnShape::new(4, 1, 64).unwrap();
         let engine = Engine::in_memory(EngineConfig::default()).unwrap();
         let kv43 =
             engine.create_context(ContextSpec::new(shape, 1).with_codec(Codec::Kv43(Kv43Params::default()))).unwrap();
         let plain = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
         let mut rng = attnstore_kernels::random::SplitMix64::new(2);
-        let k: Vec<f32> = (0..300 * 64).map(|_| rng.normal()).collect();
+        let k: Vec<f32> = (0..3000 * 64).map(|_| rng.normal()).collect();
         let q: Vec<f32> = (0..4 * 64).map(|_| rng.normal()).collect();
         for ctx in [kv43, plain] {
             engine.prefill(ctx, 0, &k, &k).unwrap();
         }
         let requests = [Request::new(plain, 0, q.clone()), Request::new(kv43, 0, q.clone())];
-        let plan = engine.plan(&requests, &Budget::full()).unwrap();
-        match plan.check_gpu_codecs() {
-            Err(e @ Error::NoGpuKernels { context, layer: 0, codec: Codec::Kv43(_) }) if context == kv43 => {
-                assert!(e.to_string().contains("kv43 codec has no GPU kernels yet"), "{e}");
-                assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+        let exact = engine.plan(&requests, &Budget::full()).unwrap();
+        assert!(exact.check_gpu_codecs(true).is_ok());
+        let sparse = engine
+            .plan(&requests, &Budget::default().with_retrieve_floor(0).with_retrieve(0.05).with_exact_threshold(2.0))
+            .unwrap();
+        assert!(sparse.requests[1].heads.iter().any(|h| !h.exact), "a 5% budget over 3000 rows is sparse");
+        for (plan, exact_kv43, says) in [(&sparse, true, "only exact plans"), (&exact, false, "no kv43 kernels")] {
+            match plan.check_gpu_codecs(exact_kv43) {
+                Err(e @ Error::NoGpuKernels { context, layer: 0, codec: Codec::Kv43(_), .. }) if context == kv43 => {
+                    assert!(e.to_string().contains(says), "{e}");
+                    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+                }
+                other => panic!("expected NoGpuKernels for the kv43 request, got {other:?}"),
             }
-            other => panic!("expected NoGpuKernels for the kv43 request, got {other:?}"),
         }
-        let plan = engine.plan(&requests[..1], &Budget::full()).unwrap();
-        assert!(plan.check_gpu_codecs().is_ok());
+        let plan = engine
+            .plan(
+                &requests[..1],
+                &Budget::default().with_retrieve_floor(0).with_retrieve(0.05).with_exact_threshold(2.0),
+            )
+            .unwrap();
+        assert!(plan.check_gpu_codecs(false).is_ok());
     }
 }

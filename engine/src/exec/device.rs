@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 use attnstore_buffer::{BlockLocation, Tier};
 use attnstore_index::{Clustered, HeadPlan, HeadRows, HomedGroups, RowStorage, Run};
 use attnstore_kernels::cpu::attention::Scratch;
-use attnstore_kernels::{ArenaWave, DType, HackParams, HeadClusters, Partial};
+use attnstore_kernels::{ArenaWave, DType, HackParams, HeadClusters, Kv43Head, Partial};
 use std::collections::BTreeMap;
 
 /// What a GPU executor needs for one KV head of a plan whose exactly attended rows beyond
@@ -227,6 +227,64 @@ pub(crate) fn gpu_hack_work(
             .map(|(&n, (&(_, b), (g, mask)))| GpuHackGroup { blocks: n as u32, rows: g.rows_in(b) as u32, mask: *mask })
             .collect();
         Ok(GpuHackWork { groups, locations, cpu, scan: plan.exact })
+    })())
+}
+
+/// The GPU executor's inputs for one KV head of an exact plan over a layer whose indexed
+/// rows are kv43 codes held by its index ([`gpu_kv43_work`]).
+pub(crate) struct GpuKv43Work<'a> {
+    /// The head's kv43 pieces in row order (a wave index's segments): the kernel reads their
+    /// encoded rows from the layer's device copy.
+    pub pieces: Vec<&'a Kv43Head>,
+    /// The partial of each query head of the group over what stays on the CPU: the steady
+    /// zone and every piece's partial key group (f16 rows not yet encoded).
+    pub cpu: Vec<Partial>,
+}
+
+/// [`gpu_work`] for an exact plan over a layer whose indexed rows are kv43 codes (the scan
+/// is made of kv43 runs that cover every row of their pieces), or `None` when the plan or
+/// the rows are not that (the caller then looks for another GPU path).
+pub(crate) fn gpu_kv43_work<'a>(
+    layer: &'a Layer,
+    kv_head: usize,
+    q: &[f32],
+    d: usize,
+    plan: &'a HeadPlan,
+    meter: Option<&Meter>,
+) -> Option<Result<GpuKv43Work<'a>>> {
+    if !plan.exact {
+        return None;
+    }
+    let rows = layer.method.head_rows(kv_head, plan);
+    if !rows.steady.iter().all(|r| matches!(r, Run::Plain(_))) {
+        return None;
+    }
+    // Each piece once, with the rows the scan reads of it.
+    let mut pieces: Vec<(&'a Kv43Head, usize)> = Vec::new();
+    for run in &rows.scan {
+        let Run::Kv43 { rows: head, ranges } = run else { return None };
+        let n: usize = ranges.iter().map(|r| r.len()).sum();
+        match pieces.last_mut() {
+            Some((last, count)) if std::ptr::eq(*last, *head) => *count += n,
+            _ => pieces.push((head, n)),
+        }
+    }
+    if pieces.is_empty() || pieces.iter().any(|(head, n)| *n != head.rows()) {
+        return None;
+    }
+    Some((|| {
+        let mut cpu = cpu_zones(&rows, q, d, plan, meter);
+        let scale = 1.0 / (d as f32).sqrt();
+        for (head, _) in &pieces {
+            if head.rows() > head.encoded_rows() {
+                head.attend_runs(q, scale, &[head.encoded_rows()..head.rows()], &mut cpu)?;
+            }
+        }
+        if let Some(m) = meter {
+            let (n, bytes) = pieces.iter().fold((0, 0), |(n, b), (head, _)| (n + head.rows(), b + head.bytes()));
+            m.zone(Zone::Scan).index_rows(n, bytes);
+        }
+        Ok(GpuKv43Work { pieces: pieces.into_iter().map(|(head, _)| head).collect(), cpu })
     })())
 }
 

@@ -82,12 +82,23 @@ impl GpuBackend {
     /// for all; key groups and value blocks multiples of 64 rows) to device memory. Each
     /// head's partial key group (f16 rows not yet encoded) is not copied.
     pub fn upload_kv43(&self, heads: &[Kv43Head]) -> Result<DeviceKv43> {
+        let pieces: Vec<Vec<&Kv43Head>> = heads.iter().map(|h| vec![h]).collect();
+        self.upload_kv43_pieces(&pieces)
+    }
+
+    /// [`GpuBackend::upload_kv43`] of heads held in pieces (e.g. a wave index's segments):
+    /// per KV head the encoded rows of its pieces one after another (whole key groups each;
+    /// every piece's partial key group is left out, for the caller to attend on the host).
+    /// Every head needs the same parameters, head dimension and encoded rows in all.
+    pub fn upload_kv43_pieces(&self, heads: &[Vec<&Kv43Head>]) -> Result<DeviceKv43> {
         self.kv43_kernel(1)?;
         let d = self.head_dim;
         let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 rows", message });
-        let Some(first) = heads.first() else { return bad("no KV heads to upload".into()) };
-        let (params, rows) = (first.params(), first.encoded_rows());
-        if heads.iter().any(|h| h.params() != params || h.encoded_rows() != rows || h.head_dim() != d) {
+        let Some(first) = heads.first().and_then(|p| p.first()) else { return bad("no KV heads to upload".into()) };
+        let params = first.params();
+        let encoded = |pieces: &[&Kv43Head]| pieces.iter().map(|p| p.encoded_rows()).sum::<usize>();
+        let rows = encoded(&heads[0]);
+        if heads.iter().any(|p| encoded(p) != rows || p.iter().any(|h| h.params() != params || h.head_dim() != d)) {
             return bad(format!("every head needs the same parameters, encoded row count and head dimension {d}"));
         }
         if !params.key_group.is_multiple_of(BLOCK) || !params.value_block.is_multiple_of(BLOCK) || rows == 0 {
@@ -99,8 +110,7 @@ impl GpuBackend {
         let (mut kc, mut khigh, mut kmin, mut kscale, mut ksum, mut vw, mut vmin, mut vscale) =
             (vec![], vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
         let value_bits = usize::from(params.value_bits);
-        for h in heads {
-            let a = h.arrays();
+        for a in heads.iter().flatten().map(|h| h.arrays()) {
             kc.extend_from_slice(a.key_codes);
             khigh.extend_from_slice(a.key_high);
             kmin.extend(bits(a.key_min));
