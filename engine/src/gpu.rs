@@ -121,6 +121,8 @@ struct DeviceKv43Layer {
     rows: DeviceKv43,
     /// The index's indexed tokens and the encoded rows of KV head 0's pieces when copied.
     made_of: (usize, Vec<usize>),
+    /// The last step's launch buffers (the next step of the same shape copies its queries in).
+    job: Option<attnstore_kernels::cuda::Kv43Job>,
 }
 
 /// A request launched on the device, until its output is fetched.
@@ -713,12 +715,8 @@ impl Engine {
         // Per KV head on rayon threads (the estimation partials are CPU work).
         let layer: &crate::context::Layer = &guard;
         if r.codec.kv43().is_some() {
-            let works: Option<Vec<_>> = (0..sh.kv_heads)
-                .into_par_iter()
-                .map(|h| gpu_kv43_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
-                .collect();
+            let works: Option<Vec<_>> = (0..sh.kv_heads).map(|h| gpu_kv43_work(layer, h, &r.heads[h])).collect();
             let Some(works) = works else { return Ok(None) };
-            let works = works.into_iter().collect::<std::result::Result<Vec<_>, _>>()?;
             trace.mark("work");
             return self.execute_kv43_gpu(r, layer, &works, &mut trace, meter).map(Some);
         }
@@ -796,8 +794,9 @@ impl Engine {
 
     /// An exact request over a kv43 layer on the GPU: the homomorphic kernel reads every
     /// encoded row from the layer's device copy (made on the first such request, and again
-    /// when the index's segments change), and its partials merge with the CPU's steady zone
-    /// and the pieces' partial key groups.
+    /// when the index's segments change; its launch buffers are kept with it), and while it
+    /// runs the CPU attends the steady zone and the pieces' partial key groups; the partials
+    /// merge.
     fn execute_kv43_gpu(
         &self,
         r: &RequestPlan,
@@ -807,30 +806,46 @@ impl Engine {
         meter: Option<&Meter>,
     ) -> Result<Vec<f32>> {
         let sh = r.shape;
-        let gpu = self.gpu.backend(sh.head_dim)?;
+        let (g, d) = (sh.group(), sh.head_dim);
+        let gpu = self.gpu.backend(d)?;
         let key = (r.context, r.layer);
         let made_of =
             (layer.method.stats().indexed_tokens, works[0].pieces.iter().map(|p| p.encoded_rows()).collect::<Vec<_>>());
         // Out of the map while it runs (other layers' requests go on); put back after.
         let cached = self.gpu.device.lock().kv43.remove(&key).filter(|c| c.made_of == made_of);
-        let copy = match cached {
+        let mut copy = match cached {
             Some(c) => c,
             None => {
                 let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
-                DeviceKv43Layer { rows: gpu.upload_kv43_pieces(&pieces)?, made_of }
+                DeviceKv43Layer { rows: gpu.upload_kv43_pieces(&pieces)?, made_of, job: None }
             }
         };
-        trace.mark("device copy");
+        let mut job = match copy.job.take().filter(|j| j.shape() == sh) {
+            Some(mut job) => {
+                gpu.requery_kv43(&mut job, &r.queries)?;
+                job
+            }
+            None => gpu.prepare_kv43(&sh, &r.queries, &copy.rows)?,
+        };
+        trace.mark("device copy+queries");
         let launched = Instant::now();
-        let mut job = gpu.prepare_kv43(&sh, &r.queries, &copy.rows)?;
         gpu.launch_kv43(&copy.rows, &mut job)?;
+        trace.mark("launch");
+        // The CPU's share while the kernel runs.
+        let cpu = works
+            .par_iter()
+            .enumerate()
+            .map(|(h, w)| w.cpu_partials(&r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
+            .collect::<Result<Vec<_>>>()?;
+        trace.mark("cpu");
         let parts = gpu.fetch_kv43_partials(&job)?;
         if let Some(m) = meter {
             m.zone(Zone::Scan).gpu_since(launched);
         }
-        trace.mark("launch+fetch");
+        trace.mark("fetch");
+        copy.job = Some(job);
         self.gpu.device.lock().kv43.insert(key, copy);
-        Ok(merged_output(parts, works.iter().map(|w| &w.cpu[..]), sh.group(), trace))
+        Ok(merged_output(parts, cpu.iter().map(|c| &c[..]), g, trace))
     }
 
     /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads

@@ -1008,7 +1008,60 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         let vview = HeadsView::new(&v, shape.kv_heads, tokens, 128).unwrap();
         let codec_err = rel_l2(&got, &reference_attention(&shape, &q, kview, vview, None));
         eprintln!("kv43 on the GPU, {q_heads} q heads, {tokens} tokens, {params:?}: vs CPU {err:.2e}, vs exact f16 {codec_err:.4}");
+        // The next step's queries into the same job: the CPU kernel's answer for them.
+        let q2: Vec<f32> = q.iter().rev().map(|x| 0.5 * x).collect();
+        gpu.requery_kv43(&mut job, &q2).unwrap();
+        gpu.launch_kv43(&dev, &mut job).unwrap();
+        let got2 = gpu.fetch_kv43(&job).unwrap();
+        let cpu2: Vec<f64> = heads
+            .iter()
+            .enumerate()
+            .flat_map(|(h, head)| head.attend(&q2[h * g * d..(h + 1) * g * d], g, shape.scale()).unwrap())
+            .map(f64::from)
+            .collect();
+        let err2 = rel_l2(&got2, &cpu2);
+        assert!(err2 <= 1e-3 && rel_l2(&got2, &cpu) > 1e-2, "requeried job: {err2}");
+        assert!(gpu.requery_kv43(&mut job, &q2[1..]).is_err(), "a short requery");
     }
+    // Rows in pieces (a wave index's segments, each with a partial key group the upload
+    // leaves out): the kernel over their encoded rows equals the CPU over the same rows.
+    let shape = AttnShape::new(16, 8, 128).unwrap();
+    let (k, v, q) = data(&shape, 3000, 17);
+    let params = attnstore_kernels::Kv43Params::default();
+    let cut = 1700;
+    let piece = |rows: std::ops::Range<usize>| -> Vec<attnstore_kernels::Kv43Head> {
+        let (d, n) = (shape.head_dim, rows.len());
+        let take = |x: &[f16]| -> Vec<f16> {
+            (0..shape.kv_heads)
+                .flat_map(|h| x[(h * 3000 + rows.start) * d..(h * 3000 + rows.end) * d].to_vec())
+                .collect()
+        };
+        kv43_heads(&shape, n, &take(&k), &take(&v), params)
+    };
+    let (first, second) = (piece(0..cut), piece(cut..3000));
+    let lists: Vec<Vec<&attnstore_kernels::Kv43Head>> = first.iter().zip(&second).map(|(a, b)| vec![a, b]).collect();
+    let dev = gpu.upload_kv43_pieces(&lists).unwrap();
+    let coded = first[0].encoded_rows() + second[0].encoded_rows();
+    assert_eq!(dev.rows(), coded);
+    let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
+    gpu.launch_kv43(&dev, &mut job).unwrap();
+    let got = gpu.fetch_kv43(&job).unwrap();
+    let (d, g) = (shape.head_dim, shape.group());
+    let cpu: Vec<f64> = lists
+        .iter()
+        .enumerate()
+        .flat_map(|(h, pieces)| {
+            let qh = &q[h * g * d..(h + 1) * g * d];
+            let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
+            for p in pieces {
+                p.attend_runs(qh, shape.scale(), &[0..p.encoded_rows()], &mut parts).unwrap();
+            }
+            parts.iter().flat_map(attnstore_kernels::Partial::finish).collect::<Vec<f32>>()
+        })
+        .map(f64::from)
+        .collect();
+    let err = rel_l2(&got, &cpu);
+    assert!(err <= 1e-3, "kv43 pieces: GPU vs CPU {err}");
     // Bad inputs are typed errors.
     let shape = AttnShape::new(8, 8, 128).unwrap();
     let (k, v, mut q) = data(&shape, 1024, 3);

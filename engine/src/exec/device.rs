@@ -236,22 +236,34 @@ pub(crate) struct GpuKv43Work<'a> {
     /// The head's kv43 pieces in row order (a wave index's segments): the kernel reads their
     /// encoded rows from the layer's device copy.
     pub pieces: Vec<&'a Kv43Head>,
-    /// The partial of each query head of the group over what stays on the CPU: the steady
-    /// zone and every piece's partial key group (f16 rows not yet encoded).
-    pub cpu: Vec<Partial>,
+    /// The rows the plan reads (for the steady zone the CPU attends).
+    rows: HeadRows<'a>,
 }
 
-/// [`gpu_work`] for an exact plan over a layer whose indexed rows are kv43 codes (the scan
-/// is made of kv43 runs that cover every row of their pieces), or `None` when the plan or
-/// the rows are not that (the caller then looks for another GPU path).
-pub(crate) fn gpu_kv43_work<'a>(
-    layer: &'a Layer,
-    kv_head: usize,
-    q: &[f32],
-    d: usize,
-    plan: &'a HeadPlan,
-    meter: Option<&Meter>,
-) -> Option<Result<GpuKv43Work<'a>>> {
+impl GpuKv43Work<'_> {
+    /// The partial of each query head of the group (`q`) over what stays on the CPU: the
+    /// steady zone and every piece's partial key group (f16 rows not yet encoded). Counts
+    /// the scan's rows into `meter`.
+    pub fn cpu_partials(&self, q: &[f32], d: usize, plan: &HeadPlan, meter: Option<&Meter>) -> Result<Vec<Partial>> {
+        let mut cpu = cpu_zones(&self.rows, q, d, plan, meter);
+        let scale = 1.0 / (d as f32).sqrt();
+        for head in &self.pieces {
+            if head.rows() > head.encoded_rows() {
+                head.attend_runs(q, scale, &[head.encoded_rows()..head.rows()], &mut cpu)?;
+            }
+        }
+        if let Some(m) = meter {
+            let (n, bytes) = self.pieces.iter().fold((0, 0), |(n, b), head| (n + head.rows(), b + head.bytes()));
+            m.zone(Zone::Scan).index_rows(n, bytes);
+        }
+        Ok(cpu)
+    }
+}
+
+/// The kv43 pieces an exact plan over a layer whose indexed rows are kv43 codes reads (the
+/// scan is made of kv43 runs that cover every row of their pieces), or `None` when the plan
+/// or the rows are not that (the caller then looks for another GPU path).
+pub(crate) fn gpu_kv43_work<'a>(layer: &'a Layer, kv_head: usize, plan: &'a HeadPlan) -> Option<GpuKv43Work<'a>> {
     if !plan.exact {
         return None;
     }
@@ -272,20 +284,7 @@ pub(crate) fn gpu_kv43_work<'a>(
     if pieces.is_empty() || pieces.iter().any(|(head, n)| *n != head.rows()) {
         return None;
     }
-    Some((|| {
-        let mut cpu = cpu_zones(&rows, q, d, plan, meter);
-        let scale = 1.0 / (d as f32).sqrt();
-        for (head, _) in &pieces {
-            if head.rows() > head.encoded_rows() {
-                head.attend_runs(q, scale, &[head.encoded_rows()..head.rows()], &mut cpu)?;
-            }
-        }
-        if let Some(m) = meter {
-            let (n, bytes) = pieces.iter().fold((0, 0), |(n, b), (head, _)| (n + head.rows(), b + head.bytes()));
-            m.zone(Zone::Scan).index_rows(n, bytes);
-        }
-        Ok(GpuKv43Work { pieces: pieces.into_iter().map(|(head, _)| head).collect(), cpu })
-    })())
+    Some(GpuKv43Work { pieces: pieces.into_iter().map(|(head, _)| head).collect(), rows })
 }
 
 /// The layer as a GPU decode step that selects its clusters on the device reads it, or

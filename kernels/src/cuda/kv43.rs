@@ -61,6 +61,13 @@ pub struct Kv43Job {
     scale: f32,
 }
 
+impl Kv43Job {
+    /// The attention shape the job was prepared for.
+    pub fn shape(&self) -> AttnShape {
+        self.shape
+    }
+}
+
 impl GpuBackend {
     /// The kv43 kernel for a GQA group of `group` heads, or the typed error for a head
     /// dimension the kernels were not compiled for (or a group past MAX_GROUP).
@@ -158,6 +165,22 @@ impl GpuBackend {
             shape: *shape,
             scale: shape.scale(),
         })
+    }
+
+    /// Copies the next queries `q` (`q_heads × head_dim`, finite) into `job`, so a decode step
+    /// repeated over the same rows allocates nothing.
+    pub fn requery_kv43(&self, job: &mut Kv43Job, q: &[f32]) -> Result<()> {
+        if q.len() != job.shape.query_len() {
+            return Err(Error::ShapeMismatch {
+                what: "kv43 queries (q_heads × head_dim)",
+                expected: job.shape.query_len(),
+                got: q.len(),
+            });
+        }
+        if let Some(i) = crate::first_non_finite(q) {
+            return Err(Error::InvalidArgument { what: "queries", message: format!("element {i} is not finite") });
+        }
+        self.stream.memcpy_htod(q, &mut job.q).map_err(gpu_err("copying queries"))
     }
 
     /// Enqueues the kv43 decode over `dev` (a job of [`GpuBackend::prepare_kv43`] for it)
