@@ -597,27 +597,12 @@ impl Kv43Head {
                 e.attend_runs(q, scale, &coded, parts)?;
             }
         }
-        let (mut s, mut w) = (Vec::new(), Vec::new());
-        for (h, part) in parts.iter_mut().enumerate() {
-            let qh = &q[h * d..(h + 1) * d];
-            s.clear();
-            for r in ranges {
-                for t in r.start.max(done) - done..r.end.max(done) - done {
-                    let k = &self.tail_keys[t * d..(t + 1) * d];
-                    s.push((t, scale * k.iter().zip(qh).map(|(k, q)| k.to_f32() * q).sum::<f32>()));
-                }
-            }
-            let Some(top) = s.iter().map(|&(_, x)| x).reduce(f32::max) else { continue };
-            part.rescale_to(part.m.max(top));
-            w.clear();
-            w.extend(s.iter().map(|&(_, x)| (x - part.m).exp()));
-            for (&(t, _), &wt) in s.iter().zip(&w) {
-                part.l += wt;
-                for (o, v) in part.o.iter_mut().zip(&self.tail_values[t * d..(t + 1) * d]) {
-                    *o += wt * v.to_f32();
-                }
-            }
-        }
+        // The partial group's f16 rows: the plain kernel, every head at once.
+        let spans = ranges.iter().filter(|r| r.end > done).map(|r| {
+            let t = (r.start.max(done) - done) * d..(r.end - done) * d;
+            (&self.tail_keys[t.clone()], &self.tail_values[t])
+        });
+        crate::cpu::attention::attend_spans(q, scale, spans, parts, &mut crate::cpu::attention::Scratch::default());
         Ok(())
     }
 
