@@ -582,6 +582,57 @@ mod tests {
         assert!(gpu_hack_work(&channel, 0, &q[..g * d], d, &exact, None).is_none());
     }
 
+    /// What the GPU kv43 step computes from [`gpu_kv43_work`], its kernel emulated by the
+    /// CPU kernel over the pieces' encoded rows, equals the CPU executor's exact plan; the
+    /// pieces are every segment, each read whole; sparse plans and plain rows are not served.
+    #[test]
+    fn the_kv43_gpu_work_with_the_kernel_emulated_equals_the_cpu_executor() {
+        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (g, d) = (shape.group(), shape.head_dim);
+        let (k, v) = (randn(shape.kv_len(3000), 91, 1.0), randn(shape.kv_len(3000), 92, 1.0));
+        let kv43 = attnstore_kernels::Codec::Kv43(attnstore_kernels::Kv43Params::default());
+        let mut wave = WaveIndex::<f16>::new(params, shape.kv_heads, d).unwrap().with_codec(kv43).unwrap();
+        wave.prefill(&k, &v).unwrap();
+        let layer = layer(Box::new(wave), None);
+        let exact = layer.method.plan_exact();
+        let indexed = layer.method.stats().indexed_tokens;
+        let q = randn(shape.query_len(), 93, 2.0);
+        for h in 0..shape.kv_heads {
+            let qg = &q[h * g * d..(h + 1) * g * d];
+            let mut scratch = attnstore_kernels::cpu::attention::Scratch::default();
+            let want: Vec<f64> = super::super::attend_head(&layer, DType::F16, h, qg, d, &exact, &[], None, &mut scratch)
+                .unwrap()
+                .iter()
+                .flat_map(|p| p.finish())
+                .map(f64::from)
+                .collect();
+            let work = gpu_kv43_work(&layer, h, &exact).expect("kv43 rows in the index");
+            assert_eq!(work.pieces.iter().map(|p| p.rows()).sum::<usize>(), indexed, "every segment, once");
+            assert!(work.pieces.iter().any(|p| p.rows() > p.encoded_rows()), "a segment with a partial key group");
+            let start = std::time::Instant::now();
+            let mut parts = work.cpu_partials(qg, d, &exact, None).unwrap();
+            let cpu_us = start.elapsed().as_secs_f64() * 1e6;
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut kernel = vec![Partial::empty(d); g];
+            for p in &work.pieces {
+                p.attend_runs(qg, scale, &[0..p.encoded_rows()], &mut kernel).unwrap();
+            }
+            parts.iter_mut().zip(&kernel).for_each(|(a, b)| a.merge(b));
+            let got: Vec<f32> = parts.iter().flat_map(|p| p.finish()).collect();
+            let err = rel_l2(&got, &want);
+            assert!(err <= 1e-5, "head {h}: {err}");
+            println!("head {h}: CPU share of the kv43 GPU step {cpu_us:.0} us");
+        }
+        // A sparse plan, or plain rows, are not served this way.
+        let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
+        assert!(gpu_kv43_work(&layer, 0, &layer.method.plan_head(0, &q[..g * d], &sparse)).is_none());
+        let mut plain = WaveIndex::<f16>::new(params, shape.kv_heads, d).unwrap();
+        plain.prefill(&k, &v).unwrap();
+        let plain = self::layer(Box::new(plain), None);
+        assert!(gpu_kv43_work(&plain, 0, &plain.method.plan_exact()).is_none());
+    }
+
     #[test]
     fn the_device_value_block_table_lists_what_the_host_planned_path_reads_for_any_selection() {
         let (_, shape) = hack2_setup();
