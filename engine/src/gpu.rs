@@ -8,6 +8,9 @@
 //! maintainer can neither evict nor overwrite a slot a kernel reads. Requests the GPU cannot
 //! serve — rows not homed in the buffer manager, not f16, one selection per query head, a
 //! block only on Disk, no GPU — run on the CPU executor; the result says how many ran where.
+//! Exact plans over `kv43` layers (rows held by the index) run the kv43 kernel over a device
+//! copy of the layer's encoded rows, kept per layer with its launch buffers and made again
+//! when the segments change; sparse kv43 plans are refused (`Error::NoGpuKernels`).
 //!
 //! Plans made by [`Engine::plan_gpu`] go further: the whole step runs on the device, each
 //! request from its own graph on a lane of its own, launched as soon as its layer copy and

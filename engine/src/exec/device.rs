@@ -601,12 +601,13 @@ mod tests {
         for h in 0..shape.kv_heads {
             let qg = &q[h * g * d..(h + 1) * g * d];
             let mut scratch = attnstore_kernels::cpu::attention::Scratch::default();
-            let want: Vec<f64> = super::super::attend_head(&layer, DType::F16, h, qg, d, &exact, &[], None, &mut scratch)
-                .unwrap()
-                .iter()
-                .flat_map(|p| p.finish())
-                .map(f64::from)
-                .collect();
+            let want: Vec<f64> =
+                super::super::attend_head(&layer, DType::F16, h, qg, d, &exact, &[], None, &mut scratch)
+                    .unwrap()
+                    .iter()
+                    .flat_map(|p| p.finish())
+                    .map(f64::from)
+                    .collect();
             let work = gpu_kv43_work(&layer, h, &exact).expect("kv43 rows in the index");
             assert_eq!(work.pieces.iter().map(|p| p.rows()).sum::<usize>(), indexed, "every segment, once");
             assert!(work.pieces.iter().any(|p| p.rows() > p.encoded_rows()), "a segment with a partial key group");
