@@ -121,6 +121,17 @@ fn hack2_plans_on_the_gpu_read_2_bit_blocks_in_place_and_equal_the_cpu_executor(
     }
 }
 
+/// Before decode step `step` (from 0) of layer 0 of `ctx`: appends the next decode tokens of
+/// `synth` from row `at` — one per step, and 1,100 at step 12 (a decode segment completes).
+fn append_step(engine: &Engine, ctx: attnstore::ContextId, synth: &SynthContext, at: &mut usize, step: u64) {
+    let n = if step == 12 { 1100 } else { 1 };
+    if step > 0 {
+        let (k, v) = synth.slice(*at, *at + n);
+        engine.append(ctx, 0, &k, &v).unwrap();
+        *at += n;
+    }
+}
+
 /// 24 device-selected steps over a context of `spec` as tokens append (a decode segment
 /// completes at step 12): each step's output is within `tolerance` of the CPU executor's over
 /// exactly the clusters the GPU chose, and the maintainer admits what the steps read into the
@@ -142,12 +153,7 @@ fn device_steps_equal_the_cpu_over_their_selection(spec: ContextSpec, tolerance:
         for step in 0..24u64 {
             // Decode tokens append to the device's steady zone; at step 12 a batch of 1100
             // completes a decode segment, so the device copy of the layer is made again.
-            let n = if step == 12 { 1100 } else { 1 };
-            if step > 0 {
-                let (k, v) = synth.slice(at, at + n);
-                engine.append(ctx, 0, &k, &v).unwrap();
-                at += n;
-            }
+            append_step(&engine, ctx, &synth, &mut at, step);
             let q = synth.queries(step % 4);
             let request = [Request::new(ctx, 0, q.clone())];
             let t = Instant::now();
@@ -461,12 +467,7 @@ fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
         let mut at = tokens;
         let (mut gpu_us, mut cpu_us, mut worst) = (Vec::new(), Vec::new(), 0f64);
         for step in 0..24u64 {
-            let n = if step == 12 { 1100 } else { 1 };
-            if step > 0 {
-                let (k, v) = synth.slice(at, at + n);
-                engine.append(ctx, 0, &k, &v).unwrap();
-                at += n;
-            }
+            append_step(&engine, ctx, &synth, &mut at, step);
             let request = [Request::new(ctx, 0, synth.queries(step % 4))];
             let plan = engine.plan(&request, &Budget::full()).unwrap();
             let t = Instant::now();
