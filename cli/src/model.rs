@@ -1,13 +1,13 @@
 //! The real-model commands: `generate`, `capture`, `eval`, `argmax`, and `bench --trace`.
 
 use attnstore::remote::ModelId;
-use attnstore::{Budget, Codec, EstimateShare, LayerCodecs};
+use attnstore::{Budget, Codec, EstimateShare, Kv43Params, LayerCodecs};
 use attnstore_bench::plot::{Axis, Chart, Series};
 use attnstore_runtime::eval::{self, EvalConfig, EvalRow, PasskeyRow};
 use attnstore_runtime::synth::{write_model, SynthConfig};
 use attnstore_runtime::trace::{self, Trace, TraceRow};
 use attnstore_runtime::{
-    argmax, default_model_path, remote, Arch, AttnConfig, AttnMethod, Model, Numerics, Session, Weights,
+    argmax, default_model_path, remote, Arch, AttnConfig, AttnMethod, CodecPolicy, Model, Numerics, Session, Weights,
 };
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -57,8 +57,18 @@ pub struct ModelBudgetArgs {
     /// not with pq) with any of :kB (key bits, 4 or 5), :vB (value bits, 3 or 4), :G or :gG
     /// (key group), :bN (value block); then optionally a codec per range of layers, e.g.
     /// `kv43:256:b128,3-10=kv43:v4`; with `exact`, exact attention over the encoded rows.
-    #[arg(long, default_value = "f16")]
-    codec: LayerCodecs,
+    /// `kv43:auto` chooses a kv43 codec per layer at prefill from the prompt's own KV and
+    /// last queries, at a quarter of f16's bytes (attnstore_runtime::codec_policy).
+    #[arg(long, default_value = "f16", value_parser = parse_codec)]
+    codec: (LayerCodecs, CodecPolicy),
+}
+
+/// `--codec`: a codec table, or `kv43:auto` (kv43 per layer chosen at prefill).
+fn parse_codec(s: &str) -> Result<(LayerCodecs, CodecPolicy), String> {
+    match s {
+        "kv43:auto" => Ok((LayerCodecs::uniform(Codec::Kv43(Kv43Params::default())), CodecPolicy::Kv43Auto)),
+        _ => Ok((s.parse::<LayerCodecs>().map_err(|e| e.to_string())?, CodecPolicy::Fixed)),
+    }
 }
 
 impl ModelBudgetArgs {
@@ -368,7 +378,8 @@ fn timed_prefill<T>(
 /// `attnstore generate`.
 pub fn generate(args: GenerateArgs) -> Result<(), String> {
     // Everything that can be checked without the model is checked before loading it.
-    let config = AttnConfig { budget: args.budget.budget()?, codec: args.budget.codec, ..AttnConfig::new(args.method) };
+    let (codec, codec_policy) = args.budget.codec;
+    let config = AttnConfig { budget: args.budget.budget()?, codec, codec_policy, ..AttnConfig::new(args.method) };
     let text = read_prompt(&args.prompt_file)?;
     let model = load(&args.model, Weights::Quantized)?;
     let ids = prompt_ids(&model, &text, args.raw)?;
@@ -583,14 +594,14 @@ pub fn eval(args: EvalArgs) -> Result<(), String> {
     // parsers have checked scales, depths and --gen-tokens).
     let base = args.budget.budget()?;
     let mut variants = Vec::new();
-    let codec = args.budget.codec;
+    let (codec, codec_policy) = args.budget.codec;
     for &m in &args.methods {
         // Exact attention is the reference; over an encoded codec it is a variant of its own.
         if m == AttnMethod::Exact && !codec.is_encoded() {
             continue;
         }
         for &s in &args.scales {
-            let config = AttnConfig { budget: base, codec, ..AttnConfig::new(m) }.scaled(s);
+            let config = AttnConfig { budget: base, codec, codec_policy, ..AttnConfig::new(m) }.scaled(s);
             config.budget.validate().map_err(|e| format!("budget scale {s}: {e}"))?;
             variants.push((config, s));
         }

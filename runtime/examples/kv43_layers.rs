@@ -12,8 +12,9 @@
 //! layer the rounding error of each candidate (`kv43:256:b128`, `kv43`, `kv43:v4`,
 //! `kv43:k5`, `kv43:k5:v4`), then the choice per layer that minimizes the summed error with
 //! the layers' mean bytes at most a quarter of f16's (an exact knapsack over bytes), printed
-//! as a `--codec` table. The summed attention error is a proxy for the model's KL, so a
-//! suggestion is to be checked with `attnstore eval`.
+//! as a `--codec` table (`attnstore_runtime::codec_policy`, which `--codec kv43:auto` runs at
+//! prefill on the prompt's own last queries). The summed attention error is a proxy for the
+//! model's KL, so a suggestion is to be checked with `attnstore eval`.
 //!
 //! `cargo run --release -p attnstore-runtime --example kv43_layers -- TRACE_DIR [CODEC [suggest]]`
 //! (a trace written by `attnstore capture`; CODEC a kv43 name, `kv43` by default).
@@ -21,6 +22,7 @@
 use attnstore_kernels::cpu::partial::Partial;
 use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
 use attnstore_kernels::{Codec, Kv43Head, Kv43Params};
+use attnstore_runtime::codec_policy::{cheapest_table, table_string, KV43_CANDIDATES};
 use attnstore_runtime::trace::Trace;
 use half::f16;
 
@@ -79,60 +81,6 @@ fn layer_errors(trace: &Trace, layer: usize, params: Kv43Params) -> [f64; 4] {
     sums.map(|s| s / n)
 }
 
-/// The codec per layer (indices into `bytes`' candidates) minimizing the summed `errors`
-/// (`layers × candidates`) with the summed bytes at most `budget`: an exact knapsack over
-/// bytes counted in eighths. `None` when even the cheapest choice exceeds the budget.
-fn cheapest_table(errors: &[Vec<f64>], bytes: &[f64], budget: f64) -> Option<Vec<usize>> {
-    let units: Vec<usize> = bytes.iter().map(|b| (b * 8.0).round() as usize).collect();
-    let cap = (budget * 8.0).floor() as usize;
-    // best[b]: least error of the layers so far using exactly b units; choice per layer.
-    let mut best = vec![f64::INFINITY; cap + 1];
-    best[0] = 0.0;
-    let mut choice = Vec::with_capacity(errors.len());
-    for row in errors {
-        let mut next = vec![f64::INFINITY; cap + 1];
-        let mut pick = vec![usize::MAX; cap + 1];
-        for (b, &e) in best.iter().enumerate().filter(|(_, e)| e.is_finite()) {
-            for (c, (&u, &err)) in units.iter().zip(row).enumerate() {
-                if b + u <= cap && e + err < next[b + u] {
-                    (next[b + u], pick[b + u]) = (e + err, c);
-                }
-            }
-        }
-        choice.push(pick);
-        best = next;
-    }
-    let (mut b, _) = best.iter().enumerate().filter(|(_, e)| e.is_finite()).min_by(|x, y| x.1.total_cmp(y.1))?;
-    let mut out = vec![0; errors.len()];
-    for l in (0..errors.len()).rev() {
-        let c = choice[l][b];
-        out[l] = c;
-        b -= units[c];
-    }
-    Some(out)
-}
-
-/// The table as `--codec` writes it: the most common codec, then each run of layers with
-/// another one as `A-B=CODEC`.
-fn table_string(names: &[&str], picks: &[usize]) -> String {
-    let mut counts = vec![0; names.len()];
-    picks.iter().for_each(|&c| counts[c] += 1);
-    let default = (0..names.len()).max_by_key(|&c| counts[c]).unwrap_or(0);
-    let mut out = names[default].to_string();
-    let mut l = 0;
-    while l < picks.len() {
-        let end = (l..picks.len()).take_while(|&x| picks[x] == picks[l]).last().unwrap_or(l);
-        if picks[l] != default {
-            match end == l {
-                true => out.push_str(&format!(",{l}={}", names[picks[l]])),
-                false => out.push_str(&format!(",{l}-{end}={}", names[picks[l]])),
-            }
-        }
-        l = end + 1;
-    }
-    out
-}
-
 fn main() {
     let mut args = std::env::args().skip(1);
     let dir = args.next().unwrap_or_else(|| "target/traces/retroinfer-8k".into());
@@ -162,7 +110,7 @@ fn main() {
     if !suggest {
         return;
     }
-    let names = ["kv43:256:b128", "kv43", "kv43:v4", "kv43:k5", "kv43:k5:v4"];
+    let names = KV43_CANDIDATES;
     let candidates: Vec<Kv43Params> =
         names.iter().map(|n| n.parse::<Codec>().ok().and_then(Codec::kv43).expect("a kv43 name")).collect();
     let d = m.head_dim;
@@ -171,14 +119,14 @@ fn main() {
         (0..m.layers).map(|l| candidates.iter().map(|&c| layer_errors(&trace, l, c)[2]).collect()).collect();
     // A quarter of f16's bytes per token and KV head (keys and values, 2 bytes each).
     let budget = 0.25 * 4.0 * d as f64 * m.layers as f64;
-    match cheapest_table(&errors, &bytes, budget) {
-        Some(picks) => {
+    match cheapest_table(&errors, &bytes, budget, attnstore_kernels::MAX_CODEC_OVERRIDES) {
+        Some((default, picks)) => {
             let mean = picks.iter().map(|&c| bytes[c]).sum::<f64>() / m.layers as f64;
             let err = picks.iter().enumerate().map(|(l, &c)| errors[l][c]).sum::<f64>() / m.layers as f64;
             println!(
                 "suggested (mean rounding error {err:.4}, {:.4}× f16): {}",
                 mean / (4.0 * d as f64),
-                table_string(&names, &picks)
+                table_string(&names, default, &picks)
             );
         }
         None => println!("no table fits a quarter of f16's bytes"),

@@ -10,6 +10,7 @@
 //! layers by the method, sliding-window layers exactly over their window.
 //! [`synth`] writes small models of each architecture with random weights for tests.
 
+pub mod codec_policy;
 mod error;
 pub mod eval;
 mod gguf;
@@ -26,7 +27,7 @@ pub use model::{
     GEMMA3_WINDOW_PATTERN,
 };
 pub use session::{
-    default_budget, relative_l2, AttnConfig, AttnMethod, Session, SessionStats, RETRIEVE_FLOOR_TOKENS,
+    default_budget, relative_l2, AttnConfig, AttnMethod, CodecPolicy, Session, SessionStats, RETRIEVE_FLOOR_TOKENS,
     SHORT_CONTEXT_TOKENS,
 };
 pub use tokenizer::Tokenizer;

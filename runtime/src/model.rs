@@ -343,6 +343,12 @@ pub struct Prefill {
     pub kv: Vec<(Vec<f32>, Vec<f32>)>,
     /// Next-token logits after the last prompt token.
     pub logits: Vec<f32>,
+    /// Per layer, the post-RoPE queries of the prompt's last positions (up to
+    /// [`crate::codec_policy::PROBE_QUERIES`], across prefill chunks), each
+    /// `q_heads × head_dim`, one after another: what a prefill-time codec policy probes the
+    /// layer's KV with ([`crate::codec_policy::choose_kv43`]). Empty for a prefix attached
+    /// from the remote tier.
+    pub probes: Vec<Vec<f32>>,
 }
 
 impl Model {
@@ -618,6 +624,7 @@ impl Model {
             }
         }
         let mut last = None;
+        let mut probes: Vec<Vec<f32>> = vec![Vec::new(); c.layers];
         let mut pos = start;
         for ids in tokens.chunks(chunk) {
             let n = ids.len();
@@ -631,6 +638,14 @@ impl Model {
             for (l, b) in self.blocks.iter().enumerate() {
                 let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
                 let (q, k, v) = self.qkv(b, &h, pos, n)?;
+                // The last positions' queries ([1, q_heads, n, d] → [p, q_heads, d]), after
+                // those of earlier chunks, keeping the last PROBE_QUERIES.
+                let p = n.min(crate::codec_policy::PROBE_QUERIES);
+                let row = c.q_heads * c.head_dim;
+                probes[l]
+                    .extend(q.narrow(2, n - p, p)?.transpose(1, 2)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?);
+                let extra = probes[l].len().saturating_sub(crate::codec_policy::PROBE_QUERIES * row);
+                probes[l].drain(..extra);
                 if keep_window_rows && matches!(b.kind, LayerKind::SlidingWindow(_)) {
                     kept[l].push((k.clone(), v.clone()));
                 }
@@ -677,7 +692,7 @@ impl Model {
                 Ok((k.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?))
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Prefill { tokens: tokens.to_vec(), kv, logits })
+        Ok(Prefill { tokens: tokens.to_vec(), kv, logits, probes })
     }
 
     /// Feeds one token at position `pos` (0-based) and returns the next-token logits;

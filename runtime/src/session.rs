@@ -83,6 +83,18 @@ pub fn default_budget() -> Budget {
         .with_short_context(SHORT_CONTEXT_TOKENS)
 }
 
+/// How a session's codec table is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CodecPolicy {
+    /// [`AttnConfig::codec`] as given.
+    #[default]
+    Fixed,
+    /// `kv43` per layer chosen at prefill from the prompt's own KV and last queries, at a
+    /// quarter of f16's bytes per token ([`crate::codec_policy::choose_kv43`]); `--codec
+    /// kv43:auto` on the command line.
+    Kv43Auto,
+}
+
 /// A method and the budget its plans run under.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AttnConfig {
@@ -96,12 +108,32 @@ pub struct AttnConfig {
     /// The first this many layers are always attended exactly (their attention is broad:
     /// on SmolLM2 layer 0 has 3-5x the sparse error of the median layer).
     pub dense_layers: usize,
+    /// Whether `codec` is used as given or chosen at prefill ([`AttnConfig::resolved`]).
+    pub codec_policy: CodecPolicy,
 }
 
 impl AttnConfig {
     /// `method` under the runtime's default budget ([`default_budget`]), f16 storage.
     pub fn new(method: AttnMethod) -> Self {
-        Self { method, budget: default_budget(), codec: LayerCodecs::uniform(Codec::F16), dense_layers: 0 }
+        Self {
+            method,
+            budget: default_budget(),
+            codec: LayerCodecs::uniform(Codec::F16),
+            dense_layers: 0,
+            codec_policy: CodecPolicy::Fixed,
+        }
+    }
+
+    /// This configuration with its codec table chosen for `prefill` of a model of `config`
+    /// when its policy says so (the policy is then [`CodecPolicy::Fixed`]), else itself.
+    pub fn resolved(self, config: &crate::ModelConfig, prefill: &Prefill) -> Result<Self> {
+        match self.codec_policy {
+            CodecPolicy::Fixed => Ok(self),
+            CodecPolicy::Kv43Auto => {
+                let choice = crate::codec_policy::choose_kv43(config, prefill)?;
+                Ok(Self { codec: choice.codecs, codec_policy: CodecPolicy::Fixed, ..self })
+            }
+        }
     }
 
     /// The budget scaled by `scale`: retrieval fraction and token floor (the estimation
@@ -208,6 +240,7 @@ impl<'a> Session<'a> {
     ) -> Result<Self> {
         config.budget.validate()?;
         let c = model.config();
+        let config = config.resolved(c, prefill)?;
         let make = |spec: ContextSpec| {
             store_context(engine, spec, prefill.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))
         };

@@ -303,3 +303,46 @@ fn qwen2_matches_candle_transformers_qwen2_forward() {
         assert!(relative_l2(&got, &want) < 1e-4, "step {i}: {:e}", relative_l2(&got, &want));
     }
 }
+
+/// `kv43:auto`: a prefill keeps each layer's last queries as probes, the session's context
+/// gets the kv43 table the policy chooses from them (a quarter of f16's bytes or less, every
+/// layer a kv43 variant), and decode runs over it close to exact; a prefill without probes
+/// (a prefix from the remote tier) cannot be resolved and says why.
+#[test]
+fn a_kv43_table_chosen_at_prefill_is_the_sessions_and_decodes_close_to_exact() {
+    use attnstore_runtime::codec_policy::{choose_kv43, PROBE_QUERIES};
+    use attnstore_runtime::CodecPolicy;
+    let dir = tempfile::tempdir().unwrap();
+    // kv43 needs heads of a multiple of 64 dimensions.
+    let path = dir.path().join("llama64.gguf");
+    let config = SynthConfig { d_model: 256, head_dim: 64, layers: 3, ffn: 256, ..SynthConfig::small(Arch::Llama) };
+    write_model(&path, &config).unwrap();
+    let model = Model::load(&path, Weights::Quantized).unwrap();
+    let c = *model.config();
+    let tokens = ids(&model, 400);
+    let prefill = model.prefill(&tokens, 96, &mut |_| {}).unwrap();
+    assert_eq!(prefill.probes.len(), c.layers);
+    assert!(prefill.probes.iter().all(|p| p.len() == PROBE_QUERIES * c.q_heads * c.head_dim));
+    let choice = choose_kv43(&c, &prefill).unwrap();
+    assert!(choice.bytes_share <= 0.25 + 1e-9, "{choice:?}");
+    assert_eq!(choice.errors.len(), c.layers);
+    assert!(choice.errors.iter().flatten().all(|e| e.is_finite() && *e > 0.0), "{choice:?}");
+    let auto = AttnConfig { codec_policy: CodecPolicy::Kv43Auto, ..AttnConfig::new(AttnMethod::Exact) };
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let mut session = Session::new(&model, &engine, auto, &prefill, false).unwrap();
+    let spec = engine.spec(session.context()).unwrap();
+    assert_eq!(spec.layer_codecs(), choice.codecs);
+    assert!((0..c.layers).all(|l| spec.codec_of(l).kv43().is_some()), "{}", spec.layer_codecs());
+    let mut exact = Session::new(&model, &engine, exact_f32(), &prefill, false).unwrap();
+    let (got, want) = (session.step(tokens[0]).unwrap(), exact.step(tokens[0]).unwrap());
+    let err = relative_l2(&got, &want);
+    assert!(err < 0.05, "decode over the chosen table vs exact: {err}");
+    session.close().unwrap();
+    exact.close().unwrap();
+    let mut attached = prefill.clone();
+    attached.probes.clear();
+    match Session::new(&model, &engine, auto, &attached, false) {
+        Err(Error::InvalidInput(why)) => assert!(why.contains("probe queries"), "{why}"),
+        other => panic!("a prefill without probes: expected InvalidInput, got {:?}", other.err()),
+    }
+}
