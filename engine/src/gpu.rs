@@ -118,6 +118,10 @@ struct DeviceLayer {
     block_pages: Option<Vec<Vec<u8>>>,
 }
 
+/// CPU rows (all KV heads) up to which a kv43 GPU step attends its CPU share on the calling
+/// thread rather than on rayon threads.
+const KV43_SERIAL_ROWS: usize = 4096;
+
 /// A kv43 layer's device copy: the encoded rows of every KV head's pieces
 /// (`GpuBackend::upload_kv43_pieces`), made again when the pieces change.
 struct DeviceKv43Layer {
@@ -834,12 +838,18 @@ impl Engine {
         let launched = Instant::now();
         gpu.launch_kv43(&copy.rows, &mut job)?;
         trace.mark("launch");
-        // The CPU's share while the kernel runs.
-        let cpu = works
-            .par_iter()
-            .enumerate()
-            .map(|(h, w)| w.cpu_partials(&r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
-            .collect::<Result<Vec<_>>>()?;
+        // The CPU's share while the kernel runs: a few dozen rows per head on this thread
+        // (session 52 measured 250-350 µs for them as rayon tasks on the H100 host, 6-25 µs
+        // per head on one thread of a 2-core VM; the serial path is not yet measured on the
+        // host); more on rayon threads.
+        let share = |(h, w): (usize, &GpuKv43Work<'_>)| {
+            w.cpu_partials(&r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter)
+        };
+        let cpu = if works.iter().map(|w| w.cpu_rows(d)).sum::<usize>() <= KV43_SERIAL_ROWS {
+            works.iter().enumerate().map(share).collect::<Result<Vec<_>>>()?
+        } else {
+            works.par_iter().enumerate().map(share).collect::<Result<Vec<_>>>()?
+        };
         trace.mark("cpu");
         let parts = gpu.fetch_kv43_partials(&job)?;
         if let Some(m) = meter {

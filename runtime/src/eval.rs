@@ -248,7 +248,11 @@ pub fn run(
             let row = PasskeyRow {
                 length,
                 method: all[i].method.name(),
-                codec: all[i].codec.to_string(),
+                // A table chosen at prefill differs per trial: the row names the policy.
+                codec: match all[i].codec_policy {
+                    crate::CodecPolicy::Fixed => all[i].codec.to_string(),
+                    crate::CodecPolicy::Kv43Auto => "kv43:auto".into(),
+                },
                 budget_scale: scales[i],
                 correct,
                 trials: config.passkey_depths.len(),

@@ -241,6 +241,21 @@ pub(crate) struct GpuKv43Work<'a> {
 }
 
 impl GpuKv43Work<'_> {
+    /// Rows of dimension `d` the CPU attends in [`GpuKv43Work::cpu_partials`]: the steady
+    /// zone's and the pieces' partial key groups'.
+    pub fn cpu_rows(&self, d: usize) -> usize {
+        let steady: usize = self
+            .rows
+            .steady
+            .iter()
+            .map(|run| match run {
+                Run::Plain(pieces) => plain_size(pieces, d).0,
+                _ => 0,
+            })
+            .sum();
+        steady + self.pieces.iter().map(|p| p.rows() - p.encoded_rows()).sum::<usize>()
+    }
+
     /// The partial of each query head of the group (`q`) over what stays on the CPU: the
     /// steady zone and every piece's partial key group (f16 rows not yet encoded). Counts
     /// the scan's rows into `meter`.
