@@ -20,9 +20,10 @@
 //! A PQ layer's segments are its base rows past the sink in pieces of 128 value blocks, or
 //! of whole kv43 key groups (8192 rows at 128-token groups; the last piece ends in the
 //! base's partial key group, in f16), with no clusters (sizes, positions and means empty),
-//! its tail rows every token after the base (decode tokens stay f16), and its codebooks and codes are its layout file
-//! (`ctx-<id>-layer-<l>.pq`), written in the same checkpoint before the home; a home is not
-//! written while that layout is not on disk, and recovery needs both.
+//! its tail rows every token after the base (decode tokens stay f16), and its codebooks and
+//! codes are its layout file (`ctx-<id>-layer-<l>.pq`), written in the same checkpoint
+//! before the home; a home is not written while that layout is not on disk, and recovery
+//! needs both.
 //!
 //! Once the manifest records the covered bytes, the data file's range before them is
 //! punched out (`fallocate(PUNCH_HOLE)`): on disk the layer is its 2-bit segments, its f16

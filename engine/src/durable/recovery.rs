@@ -411,10 +411,10 @@ pub(super) fn read_layer(
 }
 
 /// The encoded home of a `hack2` or `kv43` wave or PQ layer, when it has one that fits its
-/// committed data (a PQ home with its codebooks, read from the layer's layout file): `Ok(None)` when
-/// it has none (or one not to rely on, reason pushed to `unusable`), an error when the
-/// manifest relies on a home that is missing or does not fit (the data file no longer
-/// holds those tokens).
+/// committed data (a PQ home with its codebooks, read from the layer's layout file):
+/// `Ok(None)` when it has none (or one not to rely on, reason pushed to `unusable`), an
+/// error when the manifest relies on a home that is missing or does not fit (the data file
+/// no longer holds those tokens).
 pub(super) fn usable_home(
     dir: &EngineDir,
     state: &State,

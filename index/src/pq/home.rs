@@ -9,9 +9,9 @@
 //! 8.4 MB for 8 KV heads of d = 128; the last segment ends in the base's partial key group,
 //! in f16), so no segment file approaches the 64 MiB record limit at any context length,
 //! and a later checkpoint writes none of them again (the base never changes). The sink rows
-//! and every token after the base (decode tokens stay in the plain type) are the home's steady rows. The codebooks
-//! and codes are the index's [`crate::PqSnapshot`]: a checkpoint keeps them as the layer's
-//! index layout, and a restore takes them in [`EncodedHome::pq`].
+//! and every token after the base (decode tokens stay in the plain type) are the home's
+//! steady rows. The codebooks and codes are the index's [`crate::PqSnapshot`]: a checkpoint
+//! keeps them as the layer's index layout, and a restore takes them in [`EncodedHome::pq`].
 
 use super::build::BuildSlot;
 use super::codes::PackedCodes;
