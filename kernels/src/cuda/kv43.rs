@@ -147,10 +147,7 @@ impl GpuBackend {
     /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over every encoded row
     /// of `dev`.
     pub fn prepare_kv43(&self, shape: &AttnShape, q: &[f32], dev: &DeviceKv43) -> Result<Kv43Job> {
-        self.check_codec_shape(shape, q, dev.kv_heads)?;
-        if let Some(i) = crate::first_non_finite(q) {
-            return Err(Error::InvalidArgument { what: "queries", message: format!("element {i} is not finite") });
-        }
+        self.check_kv43_queries(shape, q, dev.kv_heads)?;
         let blocks = dev.rows / BLOCK;
         let chunk_blocks = (blocks * shape.kv_heads).div_ceil(KV43_CTAS).max(1);
         let chunks = blocks.div_ceil(chunk_blocks);
@@ -170,17 +167,18 @@ impl GpuBackend {
     /// Copies the next queries `q` (`q_heads × head_dim`, finite) into `job`, so a decode step
     /// repeated over the same rows allocates nothing.
     pub fn requery_kv43(&self, job: &mut Kv43Job, q: &[f32]) -> Result<()> {
-        if q.len() != job.shape.query_len() {
-            return Err(Error::ShapeMismatch {
-                what: "kv43 queries (q_heads × head_dim)",
-                expected: job.shape.query_len(),
-                got: q.len(),
-            });
-        }
-        if let Some(i) = crate::first_non_finite(q) {
-            return Err(Error::InvalidArgument { what: "queries", message: format!("element {i} is not finite") });
-        }
+        self.check_kv43_queries(&job.shape, q, job.shape.kv_heads)?;
         self.stream.memcpy_htod(q, &mut job.q).map_err(gpu_err("copying queries"))
+    }
+
+    /// The shape check of every codec job (`check_codec_shape`) and finite queries: what a
+    /// kv43 launch needs of `q` before it is copied to the device.
+    fn check_kv43_queries(&self, shape: &AttnShape, q: &[f32], kv_heads: usize) -> Result<()> {
+        self.check_codec_shape(shape, q, kv_heads)?;
+        match crate::first_non_finite(q) {
+            Some(i) => Err(Error::InvalidArgument { what: "queries", message: format!("element {i} is not finite") }),
+            None => Ok(()),
+        }
     }
 
     /// Enqueues the kv43 decode over `dev` (a job of [`GpuBackend::prepare_kv43`] for it)
