@@ -126,8 +126,8 @@ const KV43_SERIAL_ROWS: usize = 4096;
 /// (`GpuBackend::upload_kv43_pieces`), made again when the pieces change.
 struct DeviceKv43Layer {
     rows: DeviceKv43,
-    /// The index's indexed tokens and the encoded rows of KV head 0's pieces when copied.
-    made_of: (usize, Vec<usize>),
+    /// The encoded rows of KV head 0's pieces when copied, in order.
+    made_of: Vec<usize>,
     /// The last step's launch buffers (the next step of the same shape copies its queries in).
     job: Option<attnstore_kernels::cuda::Kv43Job>,
 }
@@ -719,16 +719,16 @@ impl Engine {
         crate::engine::check_fresh(r, &guard)?;
         let sh = r.shape;
         let (g, d) = (sh.group(), sh.head_dim);
-        // Per KV head on rayon threads (the estimation partials are CPU work).
         let layer: &crate::context::Layer = &guard;
         if r.codec.kv43().is_some() {
             let works: Option<Vec<_>> = (0..sh.kv_heads).map(|h| gpu_kv43_work(layer, h, &r.heads[h])).collect();
             let Some(works) = works else { return Ok(None) };
             trace.mark("work");
-            return self.execute_kv43_gpu(r, layer, &works, &mut trace, meter).map(Some);
+            return self.execute_kv43_gpu(r, &works, &mut trace, meter).map(Some);
         }
         let Some(manager) = self.buffer_manager() else { return Ok(None) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
+        // Per KV head on rayon threads (the estimation partials are CPU work).
         let hack: Option<Vec<_>> = (0..sh.kv_heads)
             .into_par_iter()
             .map(|h| gpu_hack_work(layer, h, &r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter))
@@ -807,7 +807,6 @@ impl Engine {
     fn execute_kv43_gpu(
         &self,
         r: &RequestPlan,
-        layer: &Layer,
         works: &[GpuKv43Work<'_>],
         trace: &mut PhaseTrace,
         meter: Option<&Meter>,
@@ -816,8 +815,8 @@ impl Engine {
         let (g, d) = (sh.group(), sh.head_dim);
         let gpu = self.gpu.backend(d)?;
         let key = (r.context, r.layer);
-        let made_of =
-            (layer.method.stats().indexed_tokens, works[0].pieces.iter().map(|p| p.encoded_rows()).collect::<Vec<_>>());
+        // Segments never change once built: their encoded rows say which copy this is.
+        let made_of: Vec<usize> = works[0].pieces.iter().map(|p| p.encoded_rows()).collect();
         // Out of the map while it runs (other layers' requests go on); put back after.
         let cached = self.gpu.device.lock().kv43.remove(&key).filter(|c| c.made_of == made_of);
         let mut copy = match cached {
