@@ -93,15 +93,16 @@ pub fn layer_rounding_errors(
             })
             .collect()
     };
+    let codes = |e: attnstore_kernels::Error| Error::InvalidInput(format!("kv43 codes of the layer: {e}"));
+    // The first KEEP_ROWS f16 rows of `a`, then the rows `b` the codes stand for.
+    let join = |a: &[f32], b: &[f32]| -> Vec<f32> { a[..KEEP_ROWS * d].iter().chain(b).copied().collect() };
     for h in 0..kv_heads {
         let (kh, vh) = (narrow(&k[h * rows * d..(h + 1) * rows * d]), narrow(&v[h * rows * d..(h + 1) * rows * d]));
         let exact = outputs(h, &kh, &vh);
         for (sum, &params) in sums.iter_mut().zip(candidates) {
-            let codes = |e: attnstore_kernels::Error| Error::InvalidInput(format!("kv43 codes of the layer: {e}"));
             let mut head = Kv43Head::new(d, params).map_err(codes)?;
             head.append(&kh[KEEP_ROWS * d..], &vh[KEEP_ROWS * d..]).map_err(codes)?;
             let (dk, dv) = head.dequantize();
-            let join = |a: &[f32], b: &[f32]| -> Vec<f32> { a[..KEEP_ROWS * d].iter().chain(b).copied().collect() };
             let rounded = outputs(h, &join(&kh, &dk), &join(&vh, &dv));
             for (got, want) in rounded.iter().zip(&exact) {
                 for (a, b) in got.chunks_exact(d).zip(want.chunks_exact(d)) {

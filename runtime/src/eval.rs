@@ -305,11 +305,9 @@ fn compare(
     ref_logits: &[Vec<f32>],
 ) -> Result<EvalRow> {
     // A table chosen at prefill is chosen once for both sessions (and the row names it).
-    let variant = if variant.codec_policy == crate::CodecPolicy::Fixed {
-        variant
-    } else {
-        let start = std::time::Instant::now();
-        let choice = crate::codec_policy::choose_kv43(model.config(), prefill)?;
+    let start = std::time::Instant::now();
+    let (variant, choice) = variant.resolve(model.config(), prefill)?;
+    if let Some(choice) = choice {
         eprintln!(
             "kv43:auto over {} prompt tokens: {} (mean rounding error {:.4}, {:.4}x f16's bytes; chosen in {:.1} s)",
             prefill.tokens.len(),
@@ -318,8 +316,7 @@ fn compare(
             choice.bytes_share,
             start.elapsed().as_secs_f64()
         );
-        AttnConfig { codec: choice.codecs, codec_policy: crate::CodecPolicy::Fixed, ..variant }
-    };
+    }
     // (a) + (d): teacher-forced along the exact continuation, with an exact audit twin.
     let mut s = Session::new(model, engine, variant, prefill, true)?;
     let (mut top1, mut kl, mut ties, mut decisive) = (0usize, 0.0f64, 0usize, 0usize);

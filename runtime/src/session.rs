@@ -108,7 +108,7 @@ pub struct AttnConfig {
     /// The first this many layers are always attended exactly (their attention is broad:
     /// on SmolLM2 layer 0 has 3-5x the sparse error of the median layer).
     pub dense_layers: usize,
-    /// Whether `codec` is used as given or chosen at prefill ([`AttnConfig::resolved`]).
+    /// Whether `codec` is used as given or chosen at prefill ([`AttnConfig::resolve`]).
     pub codec_policy: CodecPolicy,
 }
 
@@ -125,13 +125,18 @@ impl AttnConfig {
     }
 
     /// This configuration with its codec table chosen for `prefill` of a model of `config`
-    /// when its policy says so (the policy is then [`CodecPolicy::Fixed`]), else itself.
-    pub fn resolved(self, config: &crate::ModelConfig, prefill: &Prefill) -> Result<Self> {
+    /// when its policy says so (the policy is then [`CodecPolicy::Fixed`]), and the choice;
+    /// else itself and `None`.
+    pub fn resolve(
+        self,
+        config: &crate::ModelConfig,
+        prefill: &Prefill,
+    ) -> Result<(Self, Option<crate::codec_policy::Kv43Choice>)> {
         match self.codec_policy {
-            CodecPolicy::Fixed => Ok(self),
+            CodecPolicy::Fixed => Ok((self, None)),
             CodecPolicy::Kv43Auto => {
                 let choice = crate::codec_policy::choose_kv43(config, prefill)?;
-                Ok(Self { codec: choice.codecs, codec_policy: CodecPolicy::Fixed, ..self })
+                Ok((Self { codec: choice.codecs, codec_policy: CodecPolicy::Fixed, ..self }, Some(choice)))
             }
         }
     }
@@ -240,7 +245,7 @@ impl<'a> Session<'a> {
     ) -> Result<Self> {
         config.budget.validate()?;
         let c = model.config();
-        let config = config.resolved(c, prefill)?;
+        let (config, _) = config.resolve(c, prefill)?;
         let make = |spec: ContextSpec| {
             store_context(engine, spec, prefill.kv.iter().map(|(k, v)| (k.as_slice(), v.as_slice())))
         };
