@@ -22,12 +22,14 @@
 use attnstore_kernels::cpu::partial::Partial;
 use attnstore_kernels::cpu::reference::{attend_f64, rel_l2};
 use attnstore_kernels::{Codec, Kv43Head, Kv43Params};
-use attnstore_runtime::codec_policy::{cheapest_table, table_string, KV43_CANDIDATES};
+use attnstore_runtime::codec_policy::{
+    cheapest_table, kv43_candidates, layer_rounding_errors, table_string, KEEP_ROWS, KV43_CANDIDATES,
+};
 use attnstore_runtime::trace::Trace;
 use half::f16;
 
 /// Rows kept in f16 at the start (the engine's sink and local window stay f16).
-const KEEP: usize = 64;
+const KEEP: usize = KEEP_ROWS;
 
 fn f16_rows(x: &[f32]) -> Vec<f32> {
     x.iter().map(|&v| f16::from_f32(v).to_f32()).collect()
@@ -111,12 +113,18 @@ fn main() {
         return;
     }
     let names = KV43_CANDIDATES;
-    let candidates: Vec<Kv43Params> =
-        names.iter().map(|n| n.parse::<Codec>().ok().and_then(Codec::kv43).expect("a kv43 name")).collect();
+    let candidates = kv43_candidates();
     let d = m.head_dim;
     let bytes: Vec<f64> = candidates.iter().map(|c| c.bytes_per_token(d)).collect();
-    let errors: Vec<Vec<f64>> =
-        (0..m.layers).map(|l| candidates.iter().map(|&c| layer_errors(&trace, l, c)[2]).collect()).collect();
+    // The rounding error `kv43:auto` measures at prefill, probed here with the trace's
+    // decode queries.
+    let errors: Vec<Vec<f64>> = (0..m.layers)
+        .map(|l| {
+            let (k, v) = trace.layer_kv(l, 0..m.prompt_tokens);
+            let probes: Vec<f32> = (0..m.decode_steps).flat_map(|s| trace.query(s, l).iter().copied()).collect();
+            layer_rounding_errors(&k, &v, &probes, (m.q_heads, m.kv_heads, d), &candidates).expect("trace shapes")
+        })
+        .collect();
     // A quarter of f16's bytes per token and KV head (keys and values, 2 bytes each).
     let budget = 0.25 * 4.0 * d as f64 * m.layers as f64;
     match cheapest_table(&errors, &bytes, budget, attnstore_kernels::MAX_CODEC_OVERRIDES) {

@@ -214,7 +214,7 @@ pub fn table_string(names: &[&str], default: usize, picks: &[usize]) -> String {
 }
 
 /// The candidates' parameters, in [`KV43_CANDIDATES`] order.
-fn candidates() -> Vec<Kv43Params> {
+pub fn kv43_candidates() -> Vec<Kv43Params> {
     KV43_CANDIDATES.iter().filter_map(|n| n.parse::<Codec>().ok().and_then(Codec::kv43)).collect()
 }
 
@@ -232,7 +232,7 @@ pub fn choose_kv43(config: &ModelConfig, prefill: &Prefill) -> Result<Kv43Choice
             prefill.probes.iter().filter(|p| !p.is_empty()).count()
         )));
     }
-    let params = candidates();
+    let params = kv43_candidates();
     let heads = (config.q_heads, config.kv_heads, d);
     let errors = prefill
         .kv
@@ -291,7 +291,7 @@ mod tests {
         let k: Vec<f32> = (0..kv_heads * rows * d).map(|i| rng.normal() * if i % d < 2 { 6.0 } else { 1.0 }).collect();
         let v: Vec<f32> = (0..kv_heads * rows * d).map(|_| rng.normal()).collect();
         let probes: Vec<f32> = (0..3 * q_heads * d).map(|_| rng.normal() * 0.5).collect();
-        let params = candidates();
+        let params = kv43_candidates();
         let e = layer_rounding_errors(&k, &v, &probes, (q_heads, kv_heads, d), &params).unwrap();
         assert_eq!(e.len(), KV43_CANDIDATES.len());
         assert!(e.iter().all(|x| x.is_finite() && *x > 0.0), "{e:?}");
