@@ -129,7 +129,7 @@ fn main() {
         });
         let dev43 = gpu.upload_kv43(&kv43).expect("upload kv43 rows");
         let mut kv43_job = gpu.prepare_kv43(&shape, &q, &dev43).expect("prepare kv43");
-        let kv43_us = time(&mut || gpu.launch_kv43(&dev43, &mut kv43_job).expect("launch kv43"));
+        let kv43_us = time(&mut || gpu.launch_kv43(&dev43, None, &mut kv43_job).expect("launch kv43"));
         let f16_bytes = 2 * n * 2;
         for (method, us, bytes) in [
             ("hack2_homomorphic", homomorphic, dev.bytes()),

@@ -9,8 +9,10 @@
 //! serve — rows not homed in the buffer manager, not f16, one selection per query head, a
 //! block only on Disk, no GPU — run on the CPU executor; the result says how many ran where.
 //! Exact plans over `kv43` layers (rows held by the index) run the kv43 kernel over a device
-//! copy of the layer's encoded rows, kept per layer with its launch buffers and made again
-//! when the segments change; sparse kv43 plans are refused (`Error::NoGpuKernels`).
+//! copy of the layer's encoded rows and the plain kernel over its f16 rows (partial key
+//! groups and the steady zone, appended step by step), merged on the device; the copy is
+//! kept per layer with its launch buffers and made again when the segments change; sparse
+//! kv43 plans are refused (`Error::NoGpuKernels`).
 //!
 //! Plans made by [`Engine::plan_gpu`] go further: the whole step runs on the device, each
 //! request from its own graph on a lane of its own, launched as soon as its layer copy and
@@ -34,8 +36,8 @@ use std::sync::Arc;
 
 use attnstore_buffer::{FlaggedReads, HostMemoryKind, Tier};
 use attnstore_kernels::cuda::{
-    ArenaCache, CudaBlock, CudaBlocks, DeviceIo, DeviceKv43, DeviceWave, GpuBackend, KvPointers, PagedGroup,
-    SharedRows, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep,
+    ArenaCache, CudaBlock, CudaBlocks, DeviceIo, DeviceKv43, DeviceWave, GpuBackend, Kv43SideRows, KvPointers,
+    PagedGroup, SharedRows, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep,
 };
 use attnstore_kernels::{Backend, BlockRows, Partial};
 use parking_lot::Mutex;
@@ -45,7 +47,7 @@ use crate::analyze::Analysis;
 use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, GpuHackWork, GpuKv43Work};
+use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, kv43_side_rows, GpuHackWork, GpuKv43Work};
 use crate::exec::{Meter, RequestActual, Zone};
 use crate::plan::{Plan, RequestPlan};
 use std::time::{Duration, Instant};
@@ -118,16 +120,19 @@ struct DeviceLayer {
     block_pages: Option<Vec<Vec<u8>>>,
 }
 
-/// CPU rows (all KV heads) up to which a kv43 GPU step attends its CPU share on the calling
-/// thread rather than on rayon threads.
-const KV43_SERIAL_ROWS: usize = 4096;
+/// Rows of slack a kv43 layer's device side rows get beyond what they hold when made: decode
+/// steps append to the steady zone until the next segment is built (which makes the copy
+/// again).
+const KV43_SIDE_SLACK: usize = 2048;
 
 /// A kv43 layer's device copy: the encoded rows of every KV head's pieces
-/// (`GpuBackend::upload_kv43_pieces`), made again when the pieces change.
+/// (`GpuBackend::upload_kv43_pieces`), made again when the pieces change, and the f16 rows
+/// beside them (the pieces' partial key groups, then the steady zone, appended step by step).
 struct DeviceKv43Layer {
     rows: DeviceKv43,
-    /// The encoded rows of KV head 0's pieces when copied, in order.
-    made_of: Vec<usize>,
+    /// `(encoded rows, rows)` of KV head 0's pieces when copied, in order.
+    made_of: Vec<(usize, usize)>,
+    side: Kv43SideRows,
     /// The last step's launch buffers (the next step of the same shape copies its queries in).
     job: Option<attnstore_kernels::cuda::Kv43Job>,
 }
@@ -724,7 +729,7 @@ impl Engine {
             let works: Option<Vec<_>> = (0..sh.kv_heads).map(|h| gpu_kv43_work(layer, h, &r.heads[h])).collect();
             let Some(works) = works else { return Ok(None) };
             trace.mark("work");
-            return self.execute_kv43_gpu(r, &works, &mut trace, meter).map(Some);
+            return self.execute_kv43_gpu(r, layer, &works, &mut trace, meter);
         }
         let Some(manager) = self.buffer_manager() else { return Ok(None) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
@@ -801,31 +806,52 @@ impl Engine {
 
     /// An exact request over a kv43 layer on the GPU: the homomorphic kernel reads every
     /// encoded row from the layer's device copy (made on the first such request, and again
-    /// when the index's segments change; its launch buffers are kept with it), and while it
-    /// runs the CPU attends the steady zone and the pieces' partial key groups; the partials
-    /// merge.
+    /// when the index's segments change; its launch buffers are kept with it), the plain
+    /// kernel the f16 rows beside them (each piece's partial key group, and the steady zone,
+    /// whose new rows are copied up first), and the merge folds both on the device: the host
+    /// copies the query in and the output back. `None` when the layer's steady rows are not
+    /// f16 (the CPU runs it).
     fn execute_kv43_gpu(
         &self,
         r: &RequestPlan,
+        layer: &crate::context::Layer,
         works: &[GpuKv43Work<'_>],
         trace: &mut PhaseTrace,
         meter: Option<&Meter>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Option<Vec<f32>>> {
         let sh = r.shape;
-        let (g, d) = (sh.group(), sh.head_dim);
+        let d = sh.head_dim;
         let gpu = self.gpu.backend(d)?;
         let key = (r.context, r.layer);
-        // Segments never change once built: their encoded rows say which copy this is.
-        let made_of: Vec<usize> = works[0].pieces.iter().map(|p| p.encoded_rows()).collect();
+        // Segments never change once built: their rows say which copy this is.
+        let made_of: Vec<(usize, usize)> = works[0].pieces.iter().map(|p| (p.encoded_rows(), p.rows())).collect();
         // Out of the map while it runs (other layers' requests go on); put back after.
         let cached = self.gpu.device.lock().kv43.remove(&key).filter(|c| c.made_of == made_of);
-        let mut copy = match cached {
-            Some(c) => c,
+        let (mut copy, synced) = match cached {
+            Some(c) => {
+                let synced = c.side.rows();
+                (c, synced)
+            }
             None => {
+                let Some(side) = kv43_side_rows(layer, works, 0) else { return Ok(None) };
                 let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
-                DeviceKv43Layer { rows: gpu.upload_kv43_pieces(&pieces)?, made_of, job: None }
+                let rows = gpu.upload_kv43_pieces(&pieces)?;
+                let mut side_rows = gpu.alloc_kv43_side(sh.kv_heads, side.len + KV43_SIDE_SLACK)?;
+                gpu.append_kv43_side(&mut side_rows, &side.keys, &side.values)?;
+                (DeviceKv43Layer { rows, made_of, side: side_rows, job: None }, side.len)
             }
         };
+        trace.mark("device copy");
+        // The steady zone's rows appended since (a copy whose zone shrank or outgrew its
+        // capacity is made again from its first side row).
+        let Some(new) = kv43_side_rows(layer, works, synced) else { return Ok(None) };
+        if new.len < synced || new.len > copy.side.capacity() {
+            let all = kv43_side_rows(layer, works, 0).expect("f16 steady rows, as just read");
+            copy.side = gpu.alloc_kv43_side(sh.kv_heads, all.len + KV43_SIDE_SLACK)?;
+            gpu.append_kv43_side(&mut copy.side, &all.keys, &all.values)?;
+        } else {
+            gpu.append_kv43_side(&mut copy.side, &new.keys, &new.values)?;
+        }
         let mut job = match copy.job.take().filter(|j| j.shape() == sh) {
             Some(mut job) => {
                 gpu.requery_kv43(&mut job, &r.queries)?;
@@ -833,31 +859,19 @@ impl Engine {
             }
             None => gpu.prepare_kv43(&sh, &r.queries, &copy.rows)?,
         };
-        trace.mark("device copy+queries");
+        trace.mark("rows+queries");
         let launched = Instant::now();
-        gpu.launch_kv43(&copy.rows, &mut job)?;
+        gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job)?;
         trace.mark("launch");
-        // The CPU's share while the kernel runs: a few dozen rows per head on this thread
-        // (session 52 measured 250-350 µs for them as rayon tasks on the H100 host, 6-25 µs
-        // per head on one thread of a 2-core VM; the serial path is not yet measured on the
-        // host); more on rayon threads.
-        let share = |(h, w): (usize, &GpuKv43Work<'_>)| {
-            w.cpu_partials(&r.queries[h * g * d..(h + 1) * g * d], d, &r.heads[h], meter)
-        };
-        let cpu = if works.iter().map(|w| w.cpu_rows(d)).sum::<usize>() <= KV43_SERIAL_ROWS {
-            works.iter().enumerate().map(share).collect::<Result<Vec<_>>>()?
-        } else {
-            works.par_iter().enumerate().map(share).collect::<Result<Vec<_>>>()?
-        };
-        trace.mark("cpu");
-        let parts = gpu.fetch_kv43_partials(&job)?;
+        let out = gpu.fetch_kv43(&job)?;
         if let Some(m) = meter {
+            works.iter().for_each(|w| w.meter(d, m));
             m.zone(Zone::Scan).gpu_since(launched);
         }
         trace.mark("fetch");
         copy.job = Some(job);
         self.gpu.device.lock().kv43.insert(key, copy);
-        Ok(merged_output(parts, cpu.iter().map(|c| &c[..]), g, trace))
+        Ok(Some(out))
     }
 
     /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads

@@ -989,7 +989,7 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         let dev = gpu.upload_kv43(&heads).unwrap();
         assert_eq!(dev.rows(), tokens);
         let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
-        gpu.launch_kv43(&dev, &mut job).unwrap();
+        gpu.launch_kv43(&dev, None, &mut job).unwrap();
         let got = gpu.fetch_kv43(&job).unwrap();
         let (d, g) = (shape.head_dim, shape.group());
         let cpu: Vec<f64> = heads
@@ -1011,7 +1011,7 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         // The next step's queries into the same job: the CPU kernel's answer for them.
         let q2: Vec<f32> = q.iter().rev().map(|x| 0.5 * x).collect();
         gpu.requery_kv43(&mut job, &q2).unwrap();
-        gpu.launch_kv43(&dev, &mut job).unwrap();
+        gpu.launch_kv43(&dev, None, &mut job).unwrap();
         let got2 = gpu.fetch_kv43(&job).unwrap();
         let cpu2: Vec<f64> = heads
             .iter()
@@ -1024,29 +1024,55 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         assert!(gpu.requery_kv43(&mut job, &q2[1..]).is_err(), "a short requery");
     }
     // Rows in pieces (a wave index's segments, each with a partial key group the upload
-    // leaves out): the kernel over their encoded rows equals the CPU over the same rows.
+    // leaves out), the partial groups and more f16 rows (a steady zone, appended in two
+    // steps) as side rows: the kernels and the merge on the device equal the CPU over every
+    // row (the codes by the CPU kernel, the f16 rows exactly).
     let shape = AttnShape::new(16, 8, 128).unwrap();
     let (k, v, q) = data(&shape, 3000, 17);
     let params = attnstore_kernels::Kv43Params::default();
+    let (d, g, kvh) = (shape.head_dim, shape.group(), shape.kv_heads);
     let cut = 1700;
     let piece = |rows: std::ops::Range<usize>| -> Vec<attnstore_kernels::Kv43Head> {
-        let (d, n) = (shape.head_dim, rows.len());
+        let n = rows.len();
         let take = |x: &[f16]| -> Vec<f16> {
-            (0..shape.kv_heads)
-                .flat_map(|h| x[(h * 3000 + rows.start) * d..(h * 3000 + rows.end) * d].to_vec())
-                .collect()
+            (0..kvh).flat_map(|h| x[(h * 3000 + rows.start) * d..(h * 3000 + rows.end) * d].to_vec()).collect()
         };
         kv43_heads(&shape, n, &take(&k), &take(&v), params)
     };
-    let (first, second) = (piece(0..cut), piece(cut..3000));
+    let (first, second) = (piece(0..cut), piece(cut..2900));
     let lists: Vec<Vec<&attnstore_kernels::Kv43Head>> = first.iter().zip(&second).map(|(a, b)| vec![a, b]).collect();
     let dev = gpu.upload_kv43_pieces(&lists).unwrap();
     let coded = first[0].encoded_rows() + second[0].encoded_rows();
     assert_eq!(dev.rows(), coded);
+    // Side rows, row after row with a row's KV heads together: both pieces' partial groups,
+    // then rows 2900..3000 of `k`, `v` as the steady zone.
+    let (mut sk, mut sv) = (Vec::new(), Vec::new());
+    for p in 0..2 {
+        for r in 0..lists[0][p].rows() - lists[0][p].encoded_rows() {
+            for pieces in &lists {
+                let (pk, pv) = pieces[p].partial_group();
+                sk.extend(pk[r * d..(r + 1) * d].iter().map(|x| x.to_bits()));
+                sv.extend(pv[r * d..(r + 1) * d].iter().map(|x| x.to_bits()));
+            }
+        }
+    }
+    for t in 2900..3000 {
+        for h in 0..kvh {
+            sk.extend(k[(h * 3000 + t) * d..(h * 3000 + t + 1) * d].iter().map(|x| x.to_bits()));
+            sv.extend(v[(h * 3000 + t) * d..(h * 3000 + t + 1) * d].iter().map(|x| x.to_bits()));
+        }
+    }
+    let side_rows = sk.len() / (kvh * d);
+    let mut side = gpu.alloc_kv43_side(kvh, side_rows + 7).unwrap();
+    let split = (side_rows - 30) * kvh * d;
+    gpu.append_kv43_side(&mut side, &sk[..split], &sv[..split]).unwrap();
+    gpu.append_kv43_side(&mut side, &sk[split..], &sv[split..]).unwrap();
+    assert_eq!(side.rows(), side_rows);
+    assert!(gpu.append_kv43_side(&mut side, &sk[..8 * kvh * d], &sv[..8 * kvh * d]).is_err(), "past the capacity");
+    assert!(gpu.append_kv43_side(&mut side, &sk[..d], &sv[..d]).is_err(), "part of a row");
     let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
-    gpu.launch_kv43(&dev, &mut job).unwrap();
+    gpu.launch_kv43(&dev, Some(&side), &mut job).unwrap();
     let got = gpu.fetch_kv43(&job).unwrap();
-    let (d, g) = (shape.head_dim, shape.group());
     let cpu: Vec<f64> = lists
         .iter()
         .enumerate()
@@ -1054,14 +1080,26 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
             let qh = &q[h * g * d..(h + 1) * g * d];
             let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
             for p in pieces {
-                p.attend_runs(qh, shape.scale(), &[0..p.encoded_rows()], &mut parts).unwrap();
+                p.attend_runs(qh, shape.scale(), &[0..p.rows()], &mut parts).unwrap();
             }
+            let steady = (h * 3000 + 2900) * d..(h * 3000 + 3000) * d;
+            attnstore_kernels::cpu::attention::attend_spans(
+                qh,
+                shape.scale(),
+                [(&k[steady.clone()], &v[steady])],
+                &mut parts,
+                &mut attnstore_kernels::cpu::attention::Scratch::default(),
+            );
             parts.iter().flat_map(attnstore_kernels::Partial::finish).collect::<Vec<f32>>()
         })
         .map(f64::from)
         .collect();
     let err = rel_l2(&got, &cpu);
-    assert!(err <= 1e-3, "kv43 pieces: GPU vs CPU {err}");
+    assert!(err <= 1e-3, "kv43 pieces with side rows: GPU vs CPU {err}");
+    // A side of other KV heads is refused.
+    let other = gpu.alloc_kv43_side(4, 16).unwrap();
+    assert!(gpu.launch_kv43(&dev, Some(&other), &mut job).is_err(), "side rows of 4 KV heads");
+    assert!(gpu.alloc_kv43_side(kvh, 0).is_err(), "no capacity");
     // Bad inputs are typed errors.
     let shape = AttnShape::new(8, 8, 128).unwrap();
     let (k, v, mut q) = data(&shape, 1024, 3);

@@ -10,7 +10,7 @@ use super::{attend_plain, plain_size};
 use crate::context::Layer;
 use crate::error::{Error, Result};
 use attnstore_buffer::{BlockLocation, Tier};
-use attnstore_index::{Clustered, HeadPlan, HeadRows, HomedGroups, RowStorage, Run};
+use attnstore_index::{Clustered, HeadPlan, HeadRows, HomedGroups, RowStorage, Run, SteadyRows};
 use attnstore_kernels::cpu::attention::Scratch;
 use attnstore_kernels::{ArenaWave, DType, HackParams, HeadClusters, Kv43Head, Partial};
 use std::collections::BTreeMap;
@@ -236,43 +236,60 @@ pub(crate) struct GpuKv43Work<'a> {
     /// The head's kv43 pieces in row order (a wave index's segments): the kernel reads their
     /// encoded rows from the layer's device copy.
     pub pieces: Vec<&'a Kv43Head>,
-    /// The rows the plan reads (for the steady zone the CPU attends).
+    /// The rows the plan reads (the steady zone's are counted from here).
     rows: HeadRows<'a>,
 }
 
 impl GpuKv43Work<'_> {
-    /// Rows of dimension `d` the CPU attends in [`GpuKv43Work::cpu_partials`]: the steady
-    /// zone's and the pieces' partial key groups'.
-    pub fn cpu_rows(&self, d: usize) -> usize {
-        let steady: usize = self
-            .rows
-            .steady
-            .iter()
-            .map(|run| match run {
-                Run::Plain(pieces) => plain_size(pieces, d).0,
-                _ => 0,
-            })
-            .sum();
-        steady + self.pieces.iter().map(|p| p.rows() - p.encoded_rows()).sum::<usize>()
+    /// Rows of every piece's partial key group (f16, not yet encoded), together.
+    pub fn partial_group_rows(&self) -> usize {
+        self.pieces.iter().map(|p| p.rows() - p.encoded_rows()).sum()
     }
 
-    /// The partial of each query head of the group (`q`) over what stays on the CPU: the
-    /// steady zone and every piece's partial key group (f16 rows not yet encoded). Counts
-    /// the scan's rows into `meter`.
-    pub fn cpu_partials(&self, q: &[f32], d: usize, plan: &HeadPlan, meter: Option<&Meter>) -> Result<Vec<Partial>> {
-        let mut cpu = cpu_zones(&self.rows, q, d, plan, meter);
-        let scale = 1.0 / (d as f32).sqrt();
-        for head in &self.pieces {
-            if head.rows() > head.encoded_rows() {
-                head.attend_runs(q, scale, &[head.encoded_rows()..head.rows()], &mut cpu)?;
+    /// Counts what the step reads of this head into `meter`: the steady zone's rows and the
+    /// pieces' rows (the scan).
+    pub fn meter(&self, d: usize, meter: &Meter) {
+        for run in &self.rows.steady {
+            if let Run::Plain(pieces) = run {
+                let (n, bytes) = plain_size(pieces, d);
+                meter.zone(Zone::Steady).index_rows(n, bytes);
             }
         }
-        if let Some(m) = meter {
-            let (n, bytes) = self.pieces.iter().fold((0, 0), |(n, b), head| (n + head.rows(), b + head.bytes()));
-            m.zone(Zone::Scan).index_rows(n, bytes);
-        }
-        Ok(cpu)
+        let (n, bytes) = self.pieces.iter().fold((0, 0), |(n, b), head| (n + head.rows(), b + head.bytes()));
+        meter.zone(Zone::Scan).index_rows(n, bytes);
     }
+}
+
+/// The f16 rows of an exact kv43 step that its kernel over codes leaves out, from row `from`
+/// on, in the device's side-row layout (row after row, a row's KV heads together: what
+/// `GpuBackend::append_kv43_side` takes): first every piece's partial key group in piece
+/// order (`works`: one per KV head, as [`gpu_kv43_work`] made them), then the layer's steady
+/// zone (sink, then tail). `len` is the rows there are in all. `None` when the layer keeps
+/// its steady rows in another element type than f16.
+pub(crate) fn kv43_side_rows(layer: &Layer, works: &[GpuKv43Work<'_>], from: usize) -> Option<SteadyRows> {
+    let groups = works.first().map_or(0, GpuKv43Work::partial_group_rows);
+    let steady = layer.method.clustered()?.steady_rows_from(from.saturating_sub(groups))?;
+    if from >= groups {
+        return Some(SteadyRows { len: groups + steady.len, ..steady });
+    }
+    let mut out = SteadyRows { len: groups + steady.len, keys: Vec::new(), values: Vec::new() };
+    let d = works[0].pieces.first().map_or(0, |p| p.head_dim());
+    for p in 0..works[0].pieces.len() {
+        let n = works[0].pieces[p].rows() - works[0].pieces[p].encoded_rows();
+        for r in 0..n {
+            for w in works {
+                let (k, v) = w.pieces[p].partial_group();
+                out.keys.extend(k[r * d..(r + 1) * d].iter().map(|x| x.to_bits()));
+                out.values.extend(v[r * d..(r + 1) * d].iter().map(|x| x.to_bits()));
+            }
+        }
+    }
+    let skip = from * works.len() * d;
+    out.keys.drain(..skip);
+    out.values.drain(..skip);
+    out.keys.extend_from_slice(&steady.keys);
+    out.values.extend_from_slice(&steady.values);
+    Some(out)
 }
 
 /// The kv43 pieces an exact plan over a layer whose indexed rows are kv43 codes reads (the
@@ -597,23 +614,41 @@ mod tests {
         assert!(gpu_hack_work(&channel, 0, &q[..g * d], d, &exact, None).is_none());
     }
 
-    /// What the GPU kv43 step computes from [`gpu_kv43_work`], its kernel emulated by the
-    /// CPU kernel over the pieces' encoded rows, equals the CPU executor's exact plan; the
-    /// pieces are every segment, each read whole; sparse plans and plain rows are not served.
+    /// What the GPU kv43 step computes from [`gpu_kv43_work`] and [`kv43_side_rows`], its
+    /// kernels emulated on the CPU (the CPU kernel over the pieces' encoded rows, plain
+    /// attention over each KV head's side rows), equals the CPU executor's exact plan; the
+    /// pieces are every segment, each read whole; the side rows from any row on are the tail
+    /// of all of them; sparse plans and plain rows are not served.
     #[test]
     fn the_kv43_gpu_work_with_the_kernel_emulated_equals_the_cpu_executor() {
         let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
         let shape = AttnShape::new(8, 2, 64).unwrap();
-        let (g, d) = (shape.group(), shape.head_dim);
+        let (g, d, kvh) = (shape.group(), shape.head_dim, shape.kv_heads);
         let (k, v) = (randn(shape.kv_len(3000), 91, 1.0), randn(shape.kv_len(3000), 92, 1.0));
         let kv43 = attnstore_kernels::Codec::Kv43(attnstore_kernels::Kv43Params::default());
-        let mut wave = WaveIndex::<f16>::new(params, shape.kv_heads, d).unwrap().with_codec(kv43).unwrap();
+        let mut wave = WaveIndex::<f16>::new(params, kvh, d).unwrap().with_codec(kv43).unwrap();
         wave.prefill(&k, &v).unwrap();
         let layer = layer(Box::new(wave), None);
         let exact = layer.method.plan_exact();
-        let indexed = layer.method.stats().indexed_tokens;
+        let stats = layer.method.stats();
         let q = randn(shape.query_len(), 93, 2.0);
-        for h in 0..shape.kv_heads {
+        let works: Vec<_> =
+            (0..kvh).map(|h| gpu_kv43_work(&layer, h, &exact).expect("kv43 rows in the index")).collect();
+        let groups = works[0].partial_group_rows();
+        assert!(groups > 0, "a segment with a partial key group");
+        let side = kv43_side_rows(&layer, &works, 0).expect("f16 steady rows");
+        assert_eq!(side.len, groups + (stats.tokens - stats.indexed_tokens), "partial groups, then sink and tail");
+        assert_eq!(side.keys.len(), side.len * kvh * d);
+        for from in [1, groups - 1, groups, groups + 3, side.len] {
+            let tail = kv43_side_rows(&layer, &works, from).unwrap();
+            assert_eq!(
+                (tail.len, &tail.keys[..], &tail.values[..]),
+                (side.len, &side.keys[from * kvh * d..], &side.values[from * kvh * d..]),
+                "from {from}"
+            );
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        for (h, work) in works.iter().enumerate() {
             let qg = &q[h * g * d..(h + 1) * g * d];
             let mut scratch = attnstore_kernels::cpu::attention::Scratch::default();
             let want: Vec<f64> =
@@ -623,27 +658,29 @@ mod tests {
                     .flat_map(|p| p.finish())
                     .map(f64::from)
                     .collect();
-            let work = gpu_kv43_work(&layer, h, &exact).expect("kv43 rows in the index");
-            assert_eq!(work.pieces.iter().map(|p| p.rows()).sum::<usize>(), indexed, "every segment, once");
-            assert!(work.pieces.iter().any(|p| p.rows() > p.encoded_rows()), "a segment with a partial key group");
-            let start = std::time::Instant::now();
-            let mut parts = work.cpu_partials(qg, d, &exact, None).unwrap();
-            let cpu_us = start.elapsed().as_secs_f64() * 1e6;
-            let scale = 1.0 / (d as f32).sqrt();
-            let mut kernel = vec![Partial::empty(d); g];
+            assert_eq!(
+                work.pieces.iter().map(|p| p.rows()).sum::<usize>(),
+                stats.indexed_tokens,
+                "every segment, once"
+            );
+            let mut parts = vec![Partial::empty(d); g];
             for p in &work.pieces {
-                p.attend_runs(qg, scale, &[0..p.encoded_rows()], &mut kernel).unwrap();
+                p.attend_runs(qg, scale, &[0..p.encoded_rows()], &mut parts).unwrap();
             }
-            parts.iter_mut().zip(&kernel).for_each(|(a, b)| a.merge(b));
+            // KV head h's side rows, out of the rows of every head.
+            let head = |x: &[u16]| -> Vec<f16> {
+                x.chunks_exact(d).skip(h).step_by(kvh).flatten().map(|&b| f16::from_bits(b)).collect()
+            };
+            let (sk, sv) = (head(&side.keys), head(&side.values));
+            attnstore_kernels::cpu::attention::attend_spans(qg, scale, [(&sk[..], &sv[..])], &mut parts, &mut scratch);
             let got: Vec<f32> = parts.iter().flat_map(|p| p.finish()).collect();
             let err = rel_l2(&got, &want);
             assert!(err <= 1e-5, "head {h}: {err}");
-            println!("head {h}: CPU share of the kv43 GPU step {cpu_us:.0} us");
         }
         // A sparse plan, or plain rows, are not served this way.
         let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
         assert!(gpu_kv43_work(&layer, 0, &layer.method.plan_head(0, &q[..g * d], &sparse)).is_none());
-        let mut plain = WaveIndex::<f16>::new(params, shape.kv_heads, d).unwrap();
+        let mut plain = WaveIndex::<f16>::new(params, kvh, d).unwrap();
         plain.prefill(&k, &v).unwrap();
         let plain = self::layer(Box::new(plain), None);
         assert!(gpu_kv43_work(&plain, 0, &plain.method.plan_exact()).is_none());

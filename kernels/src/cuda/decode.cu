@@ -192,7 +192,8 @@ __device__ __forceinline__ void tile_stage(const unsigned short* const* kr, cons
   __syncthreads();
 }
 
-// A row-list entry r ≥ 0 is row r of the head in k/v; r < 0 names row i = −r−1 of the
+// A row-list entry r ≥ 0 is row r of the head in k/v (at k + h·head_stride + r·HEAD_DIM; with
+// no row_offsets every KV head reads the first identity_rows entries of one shared list); r < 0 names row i = −r−1 of the
 // Gpu-tier cache ck/cv (device memory) when i < cache_rows, else row i − cache_rows of the
 // steady buffer sk/sv (a device-resident steady zone): hits, misses and the steady zone of
 // one plan in one pass.
@@ -217,9 +218,11 @@ __device__ __forceinline__ void attn_tiles(const unsigned short* __restrict__ k,
   const int h = blockIdx.y, c = blockIdx.x;
   const int* list = nullptr;
   int count = identity_rows;
-  if (rows != nullptr) {
+  if (rows != nullptr && row_offsets != nullptr) {
     list = rows + row_offsets[h];
     count = row_offsets[h + 1] - row_offsets[h];
+  } else if (rows != nullptr) {
+    list = rows;  // one list of identity_rows entries for every KV head (h · head_stride apart)
   }
   for (int i = threadIdx.x; i < G * HEAD_DIM; i += TILE_THREADS) qs[i] = q[h * G * HEAD_DIM + i] * scale;
   float o[OUT2(G)][2];

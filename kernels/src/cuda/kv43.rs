@@ -3,10 +3,12 @@
 //! kernel per GQA group size, then the shared merge kernel), the arithmetic of
 //! `Kv43Rows::attend_runs` on the CPU: per key group the queries coded to 8 bits against
 //! the channel scales, `dp4a` scores on the 4- (or 5-) bit key codes, 8-bit probabilities per
-//! 64 rows and `dp4a` value sums on the 3- (or 4-) bit codes. Each head's partial key group
-//! (its last rows, still f16) stays on the host: callers attend it there and merge.
+//! 64 rows and `dp4a` value sums on the 3- (or 4-) bit codes. The f16 rows beside the codes
+//! (each piece's partial key group, a context's steady zone) can live on the device too
+//! ([`Kv43SideRows`], appended as they arrive): the plain kernel attends them in the same
+//! launch sequence and the merge folds both, so a step needs no host-side attention.
 
-use super::{device_address, gpu_err, GpuBackend, MAX_GROUP};
+use super::{chunk_rows, device_address, gpu_err, AttnRows, GpuBackend, MAX_GROUP, NO_STEADY};
 use crate::cpu::kv43::{Kv43Head, Kv43Params};
 use crate::error::{Error, Result};
 use crate::shape::AttnShape;
@@ -49,10 +51,45 @@ impl DeviceKv43 {
     }
 }
 
+/// f16 rows a kv43 decode attends beside the codes (each piece's partial key group, a
+/// context's steady zone) in device memory, row after row: row `r` of KV head `h` at
+/// `(r · kv_heads + h) · head_dim` (the layout of a wave index's `SteadyRows`), appended as
+/// they arrive ([`GpuBackend::append_kv43_side`]) up to a fixed capacity.
+pub struct Kv43SideRows {
+    keys: CudaSlice<u16>,
+    values: CudaSlice<u16>,
+    /// `r · kv_heads` for `r < capacity`: the plain kernel's row list, shared by every KV head.
+    list: CudaSlice<i32>,
+    rows: usize,
+    capacity: usize,
+    kv_heads: usize,
+    /// Rows per CTA of the plain kernel.
+    chunk: usize,
+}
+
+impl Kv43SideRows {
+    /// Rows held (per KV head).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Rows it can hold (per KV head).
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Partials per KV head the plain kernel writes over the rows held.
+    fn chunks(&self) -> usize {
+        self.rows.div_ceil(self.chunk)
+    }
+}
+
 /// Buffers of one kv43 decode launch.
 pub struct Kv43Job {
     q: CudaSlice<f32>,
     part: CudaSlice<f32>,
+    /// The plain kernel's partials over side rows (allocated by the first launch with some).
+    side_part: Option<CudaSlice<f32>>,
     out: CudaSlice<f32>,
     lse: CudaSlice<f32>,
     chunks: usize,
@@ -144,6 +181,61 @@ impl GpuBackend {
         })
     }
 
+    /// Device memory for `capacity` f16 side rows of `kv_heads` KV heads ([`Kv43SideRows`]),
+    /// none held yet.
+    pub fn alloc_kv43_side(&self, kv_heads: usize, capacity: usize) -> Result<Kv43SideRows> {
+        if kv_heads == 0 || capacity == 0 || capacity > i32::MAX as usize / kv_heads {
+            return Err(Error::InvalidArgument {
+                what: "kv43 side rows",
+                message: format!(
+                    "need some KV heads and a capacity of 1 to {} rows, got {kv_heads} heads and {capacity} rows",
+                    i32::MAX as usize / kv_heads.max(1)
+                ),
+            });
+        }
+        let n = capacity * kv_heads * self.head_dim;
+        let list: Vec<i32> = (0..capacity).map(|r| (r * kv_heads) as i32).collect();
+        Ok(Kv43SideRows {
+            keys: self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating kv43 side rows"))?,
+            values: self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating kv43 side rows"))?,
+            list: self.stream.clone_htod(&list).map_err(gpu_err("copying the side rows' list"))?,
+            rows: 0,
+            capacity,
+            kv_heads,
+            chunk: chunk_rows(capacity, kv_heads),
+        })
+    }
+
+    /// Appends rows to `side`: `keys` and `values` are f16 bits, `n × kv_heads × head_dim`
+    /// each in the side rows' layout (row after row, the KV heads of a row together). Ordered
+    /// on the stream before the next launch.
+    pub fn append_kv43_side(&self, side: &mut Kv43SideRows, keys: &[u16], values: &[u16]) -> Result<()> {
+        let per_row = side.kv_heads * self.head_dim;
+        let n = keys.len() / per_row;
+        if keys.len() != n * per_row || values.len() != keys.len() || side.rows + n > side.capacity {
+            return Err(Error::InvalidArgument {
+                what: "kv43 side rows",
+                message: format!(
+                    "rows of {per_row} values each (keys {}, values {}) must fit the {} free of {}",
+                    keys.len(),
+                    values.len(),
+                    side.capacity - side.rows,
+                    side.capacity
+                ),
+            });
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        let span = side.rows * per_row..(side.rows + n) * per_row;
+        self.stream
+            .memcpy_htod(keys, &mut side.keys.slice_mut(span.clone()))
+            .map_err(gpu_err("copying kv43 side rows"))?;
+        self.stream.memcpy_htod(values, &mut side.values.slice_mut(span)).map_err(gpu_err("copying kv43 side rows"))?;
+        side.rows += n;
+        Ok(())
+    }
+
     /// Prepares a homomorphic decode of `q` (`q_heads × head_dim`) over every encoded row
     /// of `dev`.
     pub fn prepare_kv43(&self, shape: &AttnShape, q: &[f32], dev: &DeviceKv43) -> Result<Kv43Job> {
@@ -155,6 +247,7 @@ impl GpuBackend {
         Ok(Kv43Job {
             q: self.stream.clone_htod(q).map_err(gpu_err("copying queries"))?,
             part: self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
+            side_part: None,
             out: self.stream.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
             lse: self.stream.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
             chunks,
@@ -181,16 +274,27 @@ impl GpuBackend {
         }
     }
 
-    /// Enqueues the kv43 decode over `dev` (a job of [`GpuBackend::prepare_kv43`] for it)
-    /// and the merge of its partials.
+    /// Enqueues the kv43 decode over `dev` (a job of [`GpuBackend::prepare_kv43`] for it),
+    /// the plain kernel over the f16 rows of `side` when given, and the merge of both's
+    /// partials into the job's output.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
-    pub fn launch_kv43(&self, dev: &DeviceKv43, job: &mut Kv43Job) -> Result<()> {
+    pub fn launch_kv43(&self, dev: &DeviceKv43, side: Option<&Kv43SideRows>, job: &mut Kv43Job) -> Result<()> {
         let sh = job.shape;
         let f = self.kv43_kernel(sh.group())?;
         if sh.kv_heads != dev.kv_heads || job.chunks * job.chunk_blocks < dev.rows / BLOCK {
             return Err(Error::InvalidArgument {
                 what: "kv43 job",
                 message: "the job was not prepared for these rows (prepare_kv43)".into(),
+            });
+        }
+        if side.is_some_and(|s| s.kv_heads != sh.kv_heads) {
+            return Err(Error::InvalidArgument {
+                what: "kv43 side rows",
+                message: format!(
+                    "side rows of {} KV heads for a job of {}",
+                    side.map_or(0, |s| s.kv_heads),
+                    sh.kv_heads
+                ),
             });
         }
         let p = dev.params;
@@ -219,9 +323,48 @@ impl GpuBackend {
         // queries and part kv_heads × chunks × group partials (prepare_kv43 for this shape,
         // whose kv_heads match dev, checked above); chunks × chunk_blocks cover the blocks.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching kv43_partial"))?;
+        let side_part = match side.filter(|s| s.rows > 0) {
+            Some(s) => (self.launch_kv43_side(s, job)?, s.chunks()),
+            None => (0, 0),
+        };
         let lse = device_address(&job.lse, &self.stream);
         let copies = super::MailboxCopies::default();
-        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, [(0, 0); 2], copies)
+        let parts = [side_part, (0, 0)];
+        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, parts, copies)
+    }
+
+    /// Enqueues the plain kernel over the rows of `side` into the job's side partials
+    /// (allocated for the side's capacity when short); returns their device address.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    fn launch_kv43_side(&self, side: &Kv43SideRows, job: &mut Kv43Job) -> Result<u64> {
+        let sh = job.shape;
+        let per_chunk = sh.kv_heads * sh.group() * (self.head_dim + 2);
+        let need = side.capacity.div_ceil(side.chunk) * per_chunk;
+        if job.side_part.as_ref().is_none_or(|p| p.len() < side.chunks() * per_chunk) {
+            job.side_part = Some(self.stream.alloc_zeros::<f32>(need).map_err(gpu_err("allocating partials"))?);
+        }
+        let part = job.side_part.as_mut().expect("allocated above");
+        let rows = AttnRows {
+            kv: (
+                device_address(&side.keys, &self.stream),
+                device_address(&side.values, &self.stream),
+                self.head_dim as i64,
+            ),
+            list: (device_address(&side.list, &self.stream), 0),
+            identity: side.rows,
+            chunk: side.chunk,
+            chunks: side.chunks(),
+            cache: (0, 0, NO_STEADY.0),
+            steady: (0, 0),
+        };
+        // SAFETY: the list's first `side.rows` entries are r · kv_heads for r < side.rows ≤
+        // capacity, so KV head h reads rows (r · kv_heads + h) · head_dim of keys and values,
+        // which hold capacity · kv_heads · head_dim elements (alloc_kv43_side); no entry is
+        // negative, so the cache and steady addresses are never read; part holds kv_heads ×
+        // chunks × group partials (allocated above for the capacity's chunks); side and job
+        // are borrowed until the caller's fetch synchronizes the stream.
+        unsafe { self.launch_attn_rows(&self.stream, &sh, &job.q, job.scale, rows, part)? };
+        Ok(device_address(part, &self.stream))
     }
 
     /// Waits for the stream and copies a kv43 decode's output back (`q_heads × head_dim`).

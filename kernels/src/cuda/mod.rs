@@ -28,7 +28,7 @@ mod wave;
 pub use blocks::{CudaBlock, CudaBlocks};
 pub use build::{DeviceLayout, MAX_SEGMENT_CLUSTERS};
 pub use hack::{DeviceHack, DevicePages, HackJob, PagedGroup, MAX_PAGES};
-pub use kv43::{DeviceKv43, Kv43Job};
+pub use kv43::{DeviceKv43, Kv43Job, Kv43SideRows};
 pub use wave::{
     ArenaCache, DeviceIo, DeviceWave, IoDType, StreamMark, WaveBatch, WaveCache, WaveFetched, WaveJob, WaveStep,
     WaveTable,
@@ -55,6 +55,25 @@ fn chunk_rows(longest: usize, kv_heads: usize) -> usize {
 /// `attn_partial`'s steady-buffer arguments when there is none: every cache row is below
 /// `cache_rows`.
 const NO_STEADY: (i32, u64, u64) = (i32::MAX, 0, 0);
+
+/// The rows one `attn_partial` launch reads (device addresses; 0 for what is absent).
+#[derive(Clone, Copy)]
+struct AttnRows {
+    /// Keys, values and the elements between KV heads.
+    kv: (u64, u64, i64),
+    /// The row list and its per-KV-head offsets (`kv_heads + 1`), or the list with offsets 0
+    /// (one list of `identity` entries shared by every KV head), or (0, 0): rows `0..identity`.
+    list: (u64, u64),
+    identity: usize,
+    /// Rows per CTA.
+    chunk: usize,
+    /// CTAs (partials) per KV head.
+    chunks: usize,
+    /// Gpu-tier cache keys and values, and the cache rows before the steady buffer's.
+    cache: (u64, u64, i32),
+    /// The device-resident steady buffer's keys and values.
+    steady: (u64, u64),
+}
 
 /// The largest GQA group the compiled kernels hold in registers.
 pub const MAX_GROUP: usize = 8;
@@ -738,27 +757,58 @@ impl GpuBackend {
         (cache_rows, sk, sv): (i32, u64, u64),
         job: &mut DecodeJob,
     ) -> Result<()> {
-        let sh = job.shape;
-        let identity = job.identity_rows as i32;
-        let chunk = job.chunk as i32;
-        let (rows_ptr, offsets_ptr) = match &job.rows {
+        let (rows, offsets) = match &job.rows {
             Some((f, o)) => (device_address(f, stream), device_address(o, stream)),
             None => (0u64, 0u64),
         };
-        let cfg = LaunchConfig {
-            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: 0,
+        let rows = AttnRows {
+            kv: (k, v, head_stride),
+            list: (rows, offsets),
+            identity: job.identity_rows,
+            chunk: job.chunk,
+            chunks: job.chunks,
+            cache: (ck, cv, cache_rows),
+            steady: (sk, sv),
         };
-        let mut b = stream.launch_builder(&self.partial[sh.group() - 1]);
-        b.arg(&k).arg(&v).arg(&head_stride).arg(&job.q).arg(&job.scale);
-        b.arg(&rows_ptr).arg(&offsets_ptr).arg(&identity).arg(&chunk).arg(&mut job.part);
-        b.arg(&ck).arg(&cv).arg(&cache_rows).arg(&sk).arg(&sv);
         // SAFETY: row-list entries were checked in `prepare_refs` to be < identity_rows or <
         // cache_slots (a wave job's lists are written on the device from checked cluster
         // bounds and cache table, and name steady rows past cache_rows only when sk/sv hold
         // them), and the callers checked those against the memory at k/v, ck/cv and sk/sv;
         // q and part were sized for this shape and `chunks`, the grid's width.
+        unsafe { self.launch_attn_rows(stream, &job.shape, &job.q, job.scale, rows, &mut job.part) }
+    }
+
+    /// Enqueues `attn_partial_g{G}` over `rows` with queries `q` (`q_heads × head_dim`),
+    /// writing `rows.chunks` partials per KV head to `part`.
+    ///
+    /// # Safety
+    /// Every row `rows` names (its list's entries, or `0..identity` without a list, in the
+    /// memory its addresses and strides describe) must be readable device memory kept alive
+    /// and unchanged until the stream passes the kernel, and `part` must hold `kv_heads ×
+    /// chunks × group × (head_dim + 2)` floats.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    unsafe fn launch_attn_rows(
+        &self,
+        stream: &Arc<CudaStream>,
+        sh: &AttnShape,
+        q: &CudaSlice<f32>,
+        scale: f32,
+        rows: AttnRows,
+        part: &mut CudaSlice<f32>,
+    ) -> Result<()> {
+        let AttnRows { kv: (k, v, head_stride), list: (list, offsets), cache: (ck, cv, cache_rows), .. } = rows;
+        let (identity, chunk) = (rows.identity as i32, rows.chunk as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (rows.chunks as u32, sh.kv_heads as u32, 1),
+            block_dim: (128, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(&self.partial[sh.group() - 1]);
+        b.arg(&k).arg(&v).arg(&head_stride).arg(q).arg(&scale);
+        b.arg(&list).arg(&offsets).arg(&identity).arg(&chunk).arg(part);
+        b.arg(&ck).arg(&cv).arg(&cache_rows).arg(&rows.steady.0).arg(&rows.steady.1);
+        // SAFETY: the caller's contract (above) for the rows and part; q holds the shape's
+        // queries.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching attn_partial"))?;
         Ok(())
     }

@@ -615,6 +615,12 @@ impl Kv43Head {
         (keys, values)
     }
 
+    /// The partial key group's f16 rows (`(rows() − encoded_rows()) × d` keys and values),
+    /// not yet encoded.
+    pub fn partial_group(&self) -> (&[f16], &[f16]) {
+        (&self.tail_keys, &self.tail_values)
+    }
+
     /// Head dimension.
     pub fn head_dim(&self) -> usize {
         self.d
