@@ -852,6 +852,7 @@ impl Engine {
         } else {
             gpu.append_kv43_side(&mut copy.side, &new.keys, &new.values)?;
         }
+        trace.mark("side rows");
         let mut job = match copy.job.take().filter(|j| j.shape() == sh) {
             Some(mut job) => {
                 gpu.requery_kv43(&mut job, &r.queries)?;
@@ -859,11 +860,11 @@ impl Engine {
             }
             None => gpu.prepare_kv43(&sh, &r.queries, &copy.rows)?,
         };
-        trace.mark("rows+queries");
+        trace.mark("queries");
         let launched = Instant::now();
         gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job)?;
         trace.mark("launch");
-        let out = gpu.fetch_kv43(&job)?;
+        let out = gpu.fetch_kv43(&mut job)?;
         if let Some(m) = meter {
             works.iter().for_each(|w| w.meter(d, m));
             m.zone(Zone::Scan).gpu_since(launched);
@@ -871,6 +872,7 @@ impl Engine {
         trace.mark("fetch");
         copy.job = Some(job);
         self.gpu.device.lock().kv43.insert(key, copy);
+        trace.print();
         Ok(Some(out))
     }
 

@@ -342,6 +342,10 @@ pub trait Clustered: Sync {
     /// bits row-major over KV heads, with the zone's length; `None` unless the method's
     /// element type is f16 (the steady zone is kept plain under every codec).
     fn steady_rows_from(&self, from: usize) -> Option<SteadyRows>;
+    /// Every indexed segment's kv43 rows of `kv_head`, in row order (what an exact plan scans
+    /// besides the steady zone); `None` unless every segment holds kv43 rows (and there is
+    /// one).
+    fn kv43_segments(&self, kv_head: usize) -> Option<Vec<&attnstore_kernels::Kv43Head>>;
     /// With [`RowStorage::HomedEncoded`]: per directory cluster of `kv_head`, in directory
     /// order, the value blocks of the segment holding its rows and the rows it occupies
     /// there (clusters are contiguous in their segment); `None` for other storage.

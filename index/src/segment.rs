@@ -78,7 +78,6 @@ impl<E: Element> HeadSegment<E> {
     }
 
     /// The kv43 rows, when the segment holds them.
-    #[cfg(test)]
     pub fn kv43_rows(&self) -> Option<&Kv43Head> {
         match &self.rows {
             SegmentRows::Kv43(rows) => Some(rows),

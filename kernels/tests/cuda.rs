@@ -990,7 +990,7 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         assert_eq!(dev.rows(), tokens);
         let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
         gpu.launch_kv43(&dev, None, &mut job).unwrap();
-        let got = gpu.fetch_kv43(&job).unwrap();
+        let got = gpu.fetch_kv43(&mut job).unwrap();
         let (d, g) = (shape.head_dim, shape.group());
         let cpu: Vec<f64> = heads
             .iter()
@@ -1012,7 +1012,7 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         let q2: Vec<f32> = q.iter().rev().map(|x| 0.5 * x).collect();
         gpu.requery_kv43(&mut job, &q2).unwrap();
         gpu.launch_kv43(&dev, None, &mut job).unwrap();
-        let got2 = gpu.fetch_kv43(&job).unwrap();
+        let got2 = gpu.fetch_kv43(&mut job).unwrap();
         let cpu2: Vec<f64> = heads
             .iter()
             .enumerate()
@@ -1024,7 +1024,7 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         assert!(gpu.requery_kv43(&mut job, &q2[1..]).is_err(), "a short requery");
     }
     // Rows in pieces (a wave index's segments, each with a partial key group the upload
-    // leaves out), the partial groups and more f16 rows (a steady zone, appended in two
+    // leaves out), the partial groups and more f16 rows (a steady zone, appended in three
     // steps) as side rows: the kernels and the merge on the device equal the CPU over every
     // row (the codes by the CPU kernel, the f16 rows exactly).
     let shape = AttnShape::new(16, 8, 128).unwrap();
@@ -1064,15 +1064,17 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
     }
     let side_rows = sk.len() / (kvh * d);
     let mut side = gpu.alloc_kv43_side(kvh, side_rows + 7).unwrap();
-    let split = (side_rows - 30) * kvh * d;
+    // Appended in three steps, one of a single row (staged in page-locked memory).
+    let (split, one) = ((side_rows - 30) * kvh * d, (side_rows - 29) * kvh * d);
     gpu.append_kv43_side(&mut side, &sk[..split], &sv[..split]).unwrap();
-    gpu.append_kv43_side(&mut side, &sk[split..], &sv[split..]).unwrap();
+    gpu.append_kv43_side(&mut side, &sk[split..one], &sv[split..one]).unwrap();
+    gpu.append_kv43_side(&mut side, &sk[one..], &sv[one..]).unwrap();
     assert_eq!(side.rows(), side_rows);
     assert!(gpu.append_kv43_side(&mut side, &sk[..8 * kvh * d], &sv[..8 * kvh * d]).is_err(), "past the capacity");
     assert!(gpu.append_kv43_side(&mut side, &sk[..d], &sv[..d]).is_err(), "part of a row");
     let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
     gpu.launch_kv43(&dev, Some(&side), &mut job).unwrap();
-    let got = gpu.fetch_kv43(&job).unwrap();
+    let got = gpu.fetch_kv43(&mut job).unwrap();
     let cpu: Vec<f64> = lists
         .iter()
         .enumerate()

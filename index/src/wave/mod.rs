@@ -698,6 +698,14 @@ impl<E: Element> Clustered for WaveIndex<E> {
         Some(out)
     }
 
+    fn kv43_segments(&self, kv_head: usize) -> Option<Vec<&attnstore_kernels::Kv43Head>> {
+        let segments = &self.heads[kv_head].segments;
+        if segments.is_empty() {
+            return None;
+        }
+        segments.iter().map(|s| s.kv43_rows()).collect()
+    }
+
     fn encoded_clusters(&self, kv_head: usize) -> Option<Vec<(crate::HomedGroups, std::ops::Range<u32>)>> {
         let store = &self.heads[kv_head];
         store
