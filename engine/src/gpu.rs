@@ -47,7 +47,7 @@ use crate::analyze::Analysis;
 use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, kv43_side_rows, GpuHackWork, GpuKv43Work};
+use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, kv43_side_rows, GpuHackWork};
 use crate::exec::{Meter, RequestActual, Zone};
 use crate::plan::{Plan, RequestPlan};
 use std::time::{Duration, Instant};
@@ -135,6 +135,17 @@ struct DeviceKv43Layer {
     side: Kv43SideRows,
     /// The last step's launch buffers (the next step of the same shape copies its queries in).
     job: Option<attnstore_kernels::cuda::Kv43Job>,
+}
+
+/// A kv43 request launched on the device, until its output is fetched
+/// (`Engine::finish_kv43`).
+struct LaunchedKv43 {
+    key: (ContextId, usize),
+    /// Its layer's copy (out of `DeviceState::kv43` until fetched), holding the launch's job.
+    copy: DeviceKv43Layer,
+    gpu: Arc<GpuBackend>,
+    launched: Instant,
+    trace: PhaseTrace,
 }
 
 /// A request launched on the device, until its output is fetched.
@@ -413,6 +424,20 @@ impl Engine {
         if !device.is_empty() {
             self.execute_device(plan, &device, &[], &mut done, &mut run, meters.as_deref_mut())?;
         }
+        // Exact kv43 requests are all launched first (the first of each layer copy: a second
+        // request of the same copy runs when the first is back), then fetched in order, so
+        // the host prepares the next request while the device runs the last.
+        let mut kv43: Vec<Option<LaunchedKv43>> = (0..plan.requests.len()).map(|_| None).collect();
+        let mut copies = std::collections::HashSet::new();
+        for (i, r) in plan.requests.iter().enumerate() {
+            if done[i].is_none()
+                && r.device.is_none()
+                && r.codec.kv43().is_some()
+                && copies.insert((r.context, r.layer))
+            {
+                kv43[i] = self.launch_kv43_request(r, meters.as_deref().map(|m| &m.meters[i]))?;
+            }
+        }
         let mut outputs = Vec::with_capacity(plan.requests.len());
         for (i, (r, done)) in plan.requests.iter().zip(done).enumerate() {
             if let Some(out) = done {
@@ -421,7 +446,11 @@ impl Engine {
             }
             // A device-selected plan the device could not serve runs on the CPU.
             let meter = meters.as_deref().map(|m| &m.meters[i]);
-            let on_gpu = if r.device.is_some() { None } else { self.execute_request_gpu(r, &mut run, meter)? };
+            let on_gpu = match kv43[i].take() {
+                Some(launched) => Some(self.finish_kv43(launched, meter)?),
+                None if r.device.is_some() => None,
+                None => self.execute_request_gpu(r, &mut run, meter)?,
+            };
             match on_gpu {
                 Some(out) => {
                     run.on_gpu += 1;
@@ -717,6 +746,12 @@ impl Engine {
         run: &mut GpuRun,
         meter: Option<&Meter>,
     ) -> Result<Option<Vec<f32>>> {
+        if r.codec.kv43().is_some() {
+            return match self.launch_kv43_request(r, meter)? {
+                Some(launched) => self.finish_kv43(launched, meter).map(Some),
+                None => Ok(None),
+            };
+        }
         let mut trace = PhaseTrace::new();
         let ctx = self.context(r.context)?;
         let layer = crate::engine::layer_of(&ctx, r.context, r.layer)?;
@@ -725,12 +760,6 @@ impl Engine {
         let sh = r.shape;
         let (g, d) = (sh.group(), sh.head_dim);
         let layer: &crate::context::Layer = &guard;
-        if r.codec.kv43().is_some() {
-            let works: Option<Vec<_>> = (0..sh.kv_heads).map(|h| gpu_kv43_work(layer, h, &r.heads[h])).collect();
-            let Some(works) = works else { return Ok(None) };
-            trace.mark("work");
-            return self.execute_kv43_gpu(r, layer, &works, &mut trace, meter);
-        }
         let Some(manager) = self.buffer_manager() else { return Ok(None) };
         let HostMemoryKind::Pinned { device_base: host_base } = manager.host_memory() else { return Ok(None) };
         // Per KV head on rayon threads (the estimation partials are CPU work).
@@ -804,24 +833,26 @@ impl Engine {
         Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, &mut trace)))
     }
 
-    /// An exact request over a kv43 layer on the GPU: the homomorphic kernel reads every
-    /// encoded row from the layer's device copy (made on the first such request, and again
-    /// when the index's segments change; its launch buffers are kept with it), the plain
-    /// kernel the f16 rows beside them (each piece's partial key group, and the steady zone,
-    /// whose new rows are copied up first), and the merge folds both on the device: the host
-    /// copies the query in and the output back. `None` when the layer's steady rows are not
-    /// f16 (the CPU runs it).
-    fn execute_kv43_gpu(
-        &self,
-        r: &RequestPlan,
-        layer: &crate::context::Layer,
-        works: &[GpuKv43Work<'_>],
-        trace: &mut PhaseTrace,
-        meter: Option<&Meter>,
-    ) -> Result<Option<Vec<f32>>> {
+    /// Launches an exact request over a kv43 layer on the GPU, to be fetched by
+    /// [`Engine::finish_kv43`]: the homomorphic kernel reads every encoded row from the
+    /// layer's device copy (made on the first such request, and again when the index's
+    /// segments change; its launch buffers are kept with it), the plain kernel the f16 rows
+    /// beside them (each piece's partial key group, and the steady zone, whose new rows are
+    /// copied up first), and the merge folds both on the device: the host copies the query in
+    /// and the output back. Counts the rows read into `meter`. `None` when the plan or the
+    /// layer is not served this way (a sparse plan, steady rows not f16): the CPU runs it.
+    fn launch_kv43_request(&self, r: &RequestPlan, meter: Option<&Meter>) -> Result<Option<LaunchedKv43>> {
+        let mut trace = PhaseTrace::new();
+        let ctx = self.context(r.context)?;
+        let layer = crate::engine::layer_of(&ctx, r.context, r.layer)?;
+        let guard = layer.read_recursive();
+        crate::engine::check_fresh(r, &guard)?;
+        let layer: &crate::context::Layer = &guard;
         let sh = r.shape;
-        let d = sh.head_dim;
-        let gpu = self.gpu.backend(d)?;
+        let works: Option<Vec<_>> = (0..sh.kv_heads).map(|h| gpu_kv43_work(layer, h, &r.heads[h])).collect();
+        let Some(works) = works else { return Ok(None) };
+        trace.mark("work");
+        let gpu = self.gpu.backend(sh.head_dim)?;
         let key = (r.context, r.layer);
         // Segments never change once built: their rows say which copy this is.
         let made_of: Vec<(usize, usize)> = works[0].pieces.iter().map(|p| (p.encoded_rows(), p.rows())).collect();
@@ -833,7 +864,7 @@ impl Engine {
                 (c, synced)
             }
             None => {
-                let Some(side) = kv43_side_rows(layer, works, 0) else { return Ok(None) };
+                let Some(side) = kv43_side_rows(layer, &works, 0) else { return Ok(None) };
                 let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
                 let rows = gpu.upload_kv43_pieces(&pieces)?;
                 let mut side_rows = gpu.alloc_kv43_side(sh.kv_heads, side.len + KV43_SIDE_SLACK)?;
@@ -844,9 +875,9 @@ impl Engine {
         trace.mark("device copy");
         // The steady zone's rows appended since (a copy whose zone shrank or outgrew its
         // capacity is made again from its first side row).
-        let Some(new) = kv43_side_rows(layer, works, synced) else { return Ok(None) };
+        let Some(new) = kv43_side_rows(layer, &works, synced) else { return Ok(None) };
         if new.len < synced || new.len > copy.side.capacity() {
-            let all = kv43_side_rows(layer, works, 0).expect("f16 steady rows, as just read");
+            let all = kv43_side_rows(layer, &works, 0).expect("f16 steady rows, as just read");
             copy.side = gpu.alloc_kv43_side(sh.kv_heads, all.len + KV43_SIDE_SLACK)?;
             gpu.append_kv43_side(&mut copy.side, &all.keys, &all.values)?;
         } else {
@@ -863,17 +894,27 @@ impl Engine {
         trace.mark("queries");
         let launched = Instant::now();
         gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job)?;
+        copy.job = Some(job);
         trace.mark("launch");
-        let out = gpu.fetch_kv43(&mut job)?;
         if let Some(m) = meter {
-            works.iter().for_each(|w| w.meter(d, m));
+            works.iter().for_each(|w| w.meter(sh.head_dim, m));
+        }
+        Ok(Some(LaunchedKv43 { key, copy, gpu, launched, trace }))
+    }
+
+    /// Waits for a request of [`Engine::launch_kv43_request`] and returns its output; its
+    /// layer's copy goes back for the next step.
+    fn finish_kv43(&self, launched: LaunchedKv43, meter: Option<&Meter>) -> Result<Vec<f32>> {
+        let LaunchedKv43 { key, mut copy, gpu, launched, mut trace } = launched;
+        let job = copy.job.as_mut().expect("a launched copy holds its job");
+        let out = gpu.fetch_kv43(job)?;
+        if let Some(m) = meter {
             m.zone(Zone::Scan).gpu_since(launched);
         }
         trace.mark("fetch");
-        copy.job = Some(job);
         self.gpu.device.lock().kv43.insert(key, copy);
         trace.print();
-        Ok(Some(out))
+        Ok(out)
     }
 
     /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads

@@ -460,7 +460,7 @@ fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
         let total = tokens + 1200;
         let engine = Engine::in_memory(EngineConfig::default()).unwrap();
         let spec = ContextSpec::new(shape, 1).with_codec(Codec::Kv43(attnstore::Kv43Params::default()));
-        let ctx = engine.create_context(spec).unwrap();
+        let ctx = engine.create_context(spec.clone()).unwrap();
         let synth = SynthContext::generate(SynthParams::new(shape, total, 11));
         let (k, v) = synth.slice(0, tokens);
         engine.prefill(ctx, 0, &k, &v).unwrap();
@@ -517,6 +517,43 @@ fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
             }
         }
         ratios.sort_by(f64::total_cmp);
+        // A plan of four requests over four contexts of the same rows: every request is
+        // launched before the first is fetched; each output equals the one context's.
+        let mut batch = vec![ctx];
+        for _ in 0..3 {
+            let c = engine.create_context(spec.clone()).unwrap();
+            let (k, v) = synth.slice(0, at);
+            engine.prefill(c, 0, &k, &v).unwrap();
+            batch.push(c);
+        }
+        let (mut one_us, mut four_us) = (Vec::new(), Vec::new());
+        for round in 0..7u64 {
+            let q = synth.queries(round % 4);
+            let one = engine.plan(&[Request::new(ctx, 0, q.clone())], &Budget::full()).unwrap();
+            let requests: Vec<_> = batch.iter().map(|&c| Request::new(c, 0, q.clone())).collect();
+            let four = engine.plan(&requests, &Budget::full()).unwrap();
+            let t = Instant::now();
+            let (want, _) = engine.execute_gpu(&one).unwrap();
+            let single = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            let (got, run) = engine.execute_gpu(&four).unwrap();
+            let all = t.elapsed().as_secs_f64() * 1e6;
+            assert_eq!((run.on_gpu, run.on_cpu), (4, 0), "{run:?}");
+            for out in &got {
+                let err = rel_l2(out, &want[0].iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+                assert!(err <= 1e-6, "{tokens} tokens: a batched request against the single one {err}");
+            }
+            if round >= 2 {
+                one_us.push(single);
+                four_us.push(all);
+            }
+        }
+        println!(
+            "{tokens} tokens, kv43 exact plans on the GPU: one request {:.0} us, four requests {:.0} us ({:.0} us per request)",
+            median(one_us),
+            median(four_us.clone()),
+            median(four_us) / 4.0
+        );
         let (c, g) = (median(cpu_us), median(gpu_us));
         println!(
             "{tokens} tokens, kv43 exact plans: execute_gpu {g:.0} us vs execute (CPU) {c:.0} us ({:.1}x); largest error against the CPU {worst:.1e}; exact f16 execute_gpu / kv43 execute_gpu, min/median/max of 5: {:.2}/{:.2}/{:.2}",
