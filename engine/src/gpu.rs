@@ -94,6 +94,8 @@ struct DeviceState {
     layers: HashMap<(ContextId, usize), DeviceLayer>,
     /// The device copies of kv43 layers that exact plans ran over.
     kv43: HashMap<(ContextId, usize), DeviceKv43Layer>,
+    /// Steps over kv43 copies so far: each copy is stamped with the step that last used it.
+    kv43_steps: u64,
     /// Streams for batched steps, per head dimension.
     batches: HashMap<usize, WaveBatch>,
 }
@@ -135,6 +137,23 @@ struct DeviceKv43Layer {
     side: Kv43SideRows,
     /// The last step's launch buffers (the next step of the same shape copies its queries in).
     job: Option<attnstore_kernels::cuda::Kv43Job>,
+    /// The step that last used it (`DeviceState::kv43_steps`).
+    used: u64,
+}
+
+/// The idle kv43 copy least recently used, if any (the one an upload that ran out of device
+/// memory frees first).
+fn least_recent_kv43<V>(
+    copies: &HashMap<(ContextId, usize), V>,
+    used: impl Fn(&V) -> u64,
+) -> Option<(ContextId, usize)> {
+    copies.iter().min_by_key(|(_, c)| used(c)).map(|(k, _)| *k)
+}
+
+/// Whether a GPU error is the device running out of memory (which freeing memory cures, as
+/// opposed to a fault that stays with the context).
+fn out_of_device_memory(e: &Error) -> bool {
+    matches!(e, Error::Kernel(attnstore_kernels::Error::Gpu { message, .. }) if message.contains("OUT_OF_MEMORY"))
 }
 
 /// A kv43 request launched on the device, until its output is fetched
@@ -866,10 +885,13 @@ impl Engine {
             None => {
                 let Some(side) = kv43_side_rows(layer, &works, 0) else { return Ok(None) };
                 let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
-                let rows = gpu.upload_kv43_pieces(&pieces)?;
-                let mut side_rows = gpu.alloc_kv43_side(sh.kv_heads, side.len + KV43_SIDE_SLACK)?;
-                gpu.append_kv43_side(&mut side_rows, &side.keys, &side.values)?;
-                (DeviceKv43Layer { rows, made_of, side: side_rows, job: None }, side.len)
+                let (rows, side_rows) = self.with_kv43_room(|| {
+                    let rows = gpu.upload_kv43_pieces(&pieces)?;
+                    let mut side_rows = gpu.alloc_kv43_side(sh.kv_heads, side.len + KV43_SIDE_SLACK)?;
+                    gpu.append_kv43_side(&mut side_rows, &side.keys, &side.values)?;
+                    Ok((rows, side_rows))
+                })?;
+                (DeviceKv43Layer { rows, made_of, side: side_rows, job: None, used: 0 }, side.len)
             }
         };
         trace.mark("device copy");
@@ -912,9 +934,30 @@ impl Engine {
             m.zone(Zone::Scan).gpu_since(launched);
         }
         trace.mark("fetch");
-        self.gpu.device.lock().kv43.insert(key, copy);
+        let mut device = self.gpu.device.lock();
+        device.kv43_steps += 1;
+        copy.used = device.kv43_steps;
+        device.kv43.insert(key, copy);
+        drop(device);
         trace.print();
         Ok(out)
+    }
+
+    /// Runs `make` (a kv43 copy's allocations); while it runs out of device memory, frees the
+    /// least recently used idle kv43 copy and tries again (copies in use by a launched step
+    /// are out of the map, so never freed here). The error stands when none is left.
+    fn with_kv43_room<T>(&self, mut make: impl FnMut() -> Result<T>) -> Result<T> {
+        loop {
+            match make() {
+                Err(e) if out_of_device_memory(&e) => {
+                    let mut device = self.gpu.device.lock();
+                    let Some(key) = least_recent_kv43(&device.kv43, |c| c.used) else { return Err(e) };
+                    device.kv43.remove(&key);
+                    tracing::debug!(context = %key.0, layer = key.1, "kv43 device copy freed for room");
+                }
+                done => return done,
+            }
+        }
     }
 
     /// A request over 2-bit (`hack2`) value blocks on the GPU: the homomorphic kernel reads
@@ -1060,4 +1103,29 @@ fn merged_output<'a>(
     trace.mark("merge");
     trace.print();
     parts.iter().flat_map(Partial::finish).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An upload that ran out of device memory frees the idle kv43 copy used longest ago;
+    /// only the device's out-of-memory error counts as that (a launch failure stays).
+    #[test]
+    fn room_for_a_kv43_copy_is_made_from_the_least_recently_used_and_only_for_out_of_memory() {
+        let mut copies: HashMap<(ContextId, usize), u64> = HashMap::new();
+        assert_eq!(least_recent_kv43(&copies, |&u| u), None, "nothing to free");
+        copies.insert((ContextId(1), 0), 7);
+        copies.insert((ContextId(2), 3), 2);
+        copies.insert((ContextId(1), 1), 9);
+        assert_eq!(least_recent_kv43(&copies, |&u| u), Some((ContextId(2), 3)));
+        copies.remove(&(ContextId(2), 3));
+        assert_eq!(least_recent_kv43(&copies, |&u| u), Some((ContextId(1), 0)));
+        let gpu = |message: &str| {
+            Error::Kernel(attnstore_kernels::Error::Gpu { what: "allocating", message: message.to_string() })
+        };
+        assert!(out_of_device_memory(&gpu("DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")")));
+        assert!(!out_of_device_memory(&gpu("DriverError(CUDA_ERROR_LAUNCH_FAILED, \"unspecified launch failure\")")));
+        assert!(!out_of_device_memory(&Error::InvalidSpec("OUT_OF_MEMORY".into())));
+    }
 }
