@@ -34,6 +34,7 @@ pub struct DeviceKv43 {
     params: Kv43Params,
     rows: usize,
     kv_heads: usize,
+    head_dim: usize,
 }
 
 impl DeviceKv43 {
@@ -63,6 +64,7 @@ pub struct Kv43SideRows {
     rows: usize,
     capacity: usize,
     kv_heads: usize,
+    head_dim: usize,
     /// Rows per CTA of the plain kernel.
     chunk: usize,
     /// Page-locked staging of one row's keys and values: a decode step appends one row (of
@@ -186,6 +188,7 @@ impl GpuBackend {
             params,
             rows,
             kv_heads: heads.len(),
+            head_dim: d,
         })
     }
 
@@ -210,6 +213,7 @@ impl GpuBackend {
             rows: 0,
             capacity,
             kv_heads,
+            head_dim: self.head_dim,
             chunk: chunk_rows(capacity, kv_heads),
             stage: (self.pinned(kv_heads * self.head_dim)?, self.pinned(kv_heads * self.head_dim)?),
         })
@@ -221,13 +225,19 @@ impl GpuBackend {
     pub fn append_kv43_side(&self, side: &mut Kv43SideRows, keys: &[u16], values: &[u16]) -> Result<()> {
         let per_row = side.kv_heads * self.head_dim;
         let n = keys.len() / per_row;
-        if keys.len() != n * per_row || values.len() != keys.len() || side.rows + n > side.capacity {
+        if side.head_dim != self.head_dim
+            || keys.len() != n * per_row
+            || values.len() != keys.len()
+            || side.rows + n > side.capacity
+        {
             return Err(Error::InvalidArgument {
                 what: "kv43 side rows",
                 message: format!(
-                    "rows of {per_row} values each (keys {}, values {}) must fit the {} free of {}",
+                    "rows of {per_row} values each (keys {}, values {}, head dimension {} for {}) must fit the {} free of {}",
                     keys.len(),
                     values.len(),
+                    side.head_dim,
+                    self.head_dim,
                     side.capacity - side.rows,
                     side.capacity
                 ),
@@ -322,19 +332,21 @@ impl GpuBackend {
     pub fn launch_kv43(&self, dev: &DeviceKv43, side: Option<&Kv43SideRows>, job: &mut Kv43Job) -> Result<()> {
         let sh = job.shape;
         let f = self.kv43_kernel(sh.group())?;
-        if sh.kv_heads != dev.kv_heads || job.chunks * job.chunk_blocks < dev.rows / BLOCK {
+        if sh.kv_heads != dev.kv_heads
+            || dev.head_dim != self.head_dim
+            || job.chunks * job.chunk_blocks < dev.rows / BLOCK
+        {
             return Err(Error::InvalidArgument {
                 what: "kv43 job",
-                message: "the job was not prepared for these rows (prepare_kv43)".into(),
+                message: "the job was not prepared for these rows on this backend (prepare_kv43)".into(),
             });
         }
-        if side.is_some_and(|s| s.kv_heads != sh.kv_heads) {
+        if let Some(s) = side.filter(|s| s.kv_heads != sh.kv_heads || s.head_dim != self.head_dim) {
             return Err(Error::InvalidArgument {
                 what: "kv43 side rows",
                 message: format!(
-                    "side rows of {} KV heads for a job of {}",
-                    side.map_or(0, |s| s.kv_heads),
-                    sh.kv_heads
+                    "side rows of {} KV heads of dimension {} for a job of {} of dimension {}",
+                    s.kv_heads, s.head_dim, sh.kv_heads, self.head_dim
                 ),
             });
         }
