@@ -1102,6 +1102,10 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
     let other = gpu.alloc_kv43_side(4, 16).unwrap();
     assert!(gpu.launch_kv43(&dev, Some(&other), &mut job).is_err(), "side rows of 4 KV heads");
     assert!(gpu.alloc_kv43_side(kvh, 0).is_err(), "no capacity");
+    // Rows of one head dimension on a backend of another: typed errors, no launch.
+    let narrow = GpuBackend::new(64).unwrap();
+    assert!(narrow.launch_kv43(&dev, None, &mut job).is_err(), "codes of d = 128 on a d = 64 backend");
+    assert!(narrow.append_kv43_side(&mut side, &sk[..kvh * 64], &sv[..kvh * 64]).is_err(), "side rows of d = 128");
     // Bad inputs are typed errors.
     let shape = AttnShape::new(8, 8, 128).unwrap();
     let (k, v, mut q) = data(&shape, 1024, 3);
