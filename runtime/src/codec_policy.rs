@@ -2,7 +2,7 @@
 //!
 //! Which layers of a model need 4-bit values or 5-bit keys differs per model (SmolLM2-135M
 //! needs 4-bit values in layers 3–10, Gemma-3-270M none: `docs/codec.md`). After a prefill
-//! the runtime has each layer's KV and the queries of the prompt's last positions
+//! the runtime has each layer's KV and 64 queries spread over the prompt's last 512 positions
 //! ([`Prefill::probes`]). For every layer and candidate codec ([`KV43_CANDIDATES`]) the
 //! policy measures the **rounding error**: the relative L2 distance of exact attention of
 //! those queries over the rows the codes stand for (dequantized; the first
@@ -23,8 +23,24 @@ use crate::error::{Error, Result};
 use crate::model::{ModelConfig, Prefill};
 use crate::session::relative_l2;
 
-/// Queries of the prompt's last positions a prefill keeps per layer as probes.
+/// Queries a prefill keeps per layer as probes: every `PROBE_WINDOW / PROBE_QUERIES`-th of
+/// the prompt's last [`PROBE_WINDOW`] positions, ending at the last.
 pub const PROBE_QUERIES: usize = 64;
+
+/// The prompt's last positions the probes are spread over.
+pub const PROBE_WINDOW: usize = 512;
+
+/// At most [`PROBE_QUERIES`] of `queries` (rows of `row` values, the prompt's last ones in
+/// order), evenly spaced and ending at the last row.
+pub fn thin_probes(queries: &[f32], row: usize) -> Vec<f32> {
+    let n = if row == 0 { 0 } else { queries.len() / row };
+    if n <= PROBE_QUERIES {
+        return queries.to_vec();
+    }
+    let stride = n.div_ceil(PROBE_QUERIES);
+    let first = (n - 1) % stride;
+    (first..n).step_by(stride).flat_map(|i| queries[i * row..(i + 1) * row].iter().copied()).collect()
+}
 
 /// Rows at the start of a layer kept in f16 when its rounding is measured (the engine's
 /// sink and local window stay f16).
@@ -263,6 +279,23 @@ pub fn choose_kv43(config: &ModelConfig, prefill: &Prefill) -> Result<Kv43Choice
 mod tests {
     use super::*;
     use attnstore_kernels::random::SplitMix64;
+
+    /// The probes kept are evenly spaced over the window and end at its last query; fewer
+    /// queries than the probes are kept whole.
+    #[test]
+    fn probes_are_spread_over_the_window_and_end_at_the_last_query() {
+        let row = 3;
+        let rows = |n: usize| (0..n * row).map(|x| x as f32).collect::<Vec<f32>>();
+        let first_of = |p: &[f32]| p.chunks_exact(row).map(|r| r[0] as usize / row).collect::<Vec<_>>();
+        let window = first_of(&thin_probes(&rows(PROBE_WINDOW), row));
+        assert_eq!(window.len(), PROBE_QUERIES);
+        assert_eq!(*window.last().unwrap(), PROBE_WINDOW - 1);
+        assert!(window.windows(2).all(|w| w[1] - w[0] == PROBE_WINDOW / PROBE_QUERIES), "{window:?}");
+        let odd = first_of(&thin_probes(&rows(100), row));
+        assert!(odd.len() <= PROBE_QUERIES && *odd.last().unwrap() == 99, "{odd:?}");
+        assert_eq!(thin_probes(&rows(40), row), rows(40), "fewer than PROBE_QUERIES: all of them");
+        assert!(thin_probes(&[], row).is_empty());
+    }
 
     #[test]
     fn the_knapsack_picks_the_least_error_within_the_byte_budget() {

@@ -343,8 +343,9 @@ pub struct Prefill {
     pub kv: Vec<(Vec<f32>, Vec<f32>)>,
     /// Next-token logits after the last prompt token.
     pub logits: Vec<f32>,
-    /// Per layer, the post-RoPE queries of the prompt's last positions (up to
-    /// [`crate::codec_policy::PROBE_QUERIES`], across prefill chunks), each
+    /// Per layer, post-RoPE queries of the prompt's last positions (up to
+    /// [`crate::codec_policy::PROBE_QUERIES`] spread over the last
+    /// [`crate::codec_policy::PROBE_WINDOW`], across prefill chunks), each
     /// `q_heads × head_dim`, one after another: what a prefill-time codec policy probes the
     /// layer's KV with ([`crate::codec_policy::choose_kv43`]). Empty for a prefix attached
     /// from the remote tier.
@@ -639,12 +640,12 @@ impl Model {
                 let h = candle_nn::ops::rms_norm(&x, &b.attn_norm, c.rms_eps)?;
                 let (q, k, v) = self.qkv(b, &h, pos, n)?;
                 // The last positions' queries ([1, q_heads, n, d] → [p, q_heads, d]), after
-                // those of earlier chunks, keeping the last PROBE_QUERIES.
-                let p = n.min(crate::codec_policy::PROBE_QUERIES);
+                // those of earlier chunks, keeping the last PROBE_WINDOW (thinned below).
+                let p = n.min(crate::codec_policy::PROBE_WINDOW);
                 let row = c.q_heads * c.head_dim;
                 probes[l]
                     .extend(q.narrow(2, n - p, p)?.transpose(1, 2)?.contiguous()?.flatten_all()?.to_vec1::<f32>()?);
-                let extra = probes[l].len().saturating_sub(crate::codec_policy::PROBE_QUERIES * row);
+                let extra = probes[l].len().saturating_sub(crate::codec_policy::PROBE_WINDOW * row);
                 probes[l].drain(..extra);
                 if keep_window_rows && matches!(b.kind, LayerKind::SlidingWindow(_)) {
                     kept[l].push((k.clone(), v.clone()));
@@ -678,6 +679,10 @@ impl Model {
             last = Some(x.narrow(1, n - 1, 1)?);
         }
         let logits = self.logits(&last.expect("the prompt is not empty"))?;
+        let row = c.q_heads * c.head_dim;
+        for p in &mut probes {
+            *p = crate::codec_policy::thin_probes(p, row);
+        }
         let kv = cache
             .into_iter()
             .zip(kept)

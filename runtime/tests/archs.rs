@@ -304,7 +304,7 @@ fn qwen2_matches_candle_transformers_qwen2_forward() {
     }
 }
 
-/// `kv43:auto`: a prefill keeps each layer's last queries as probes, the session's context
+/// `kv43:auto`: a prefill keeps queries of each layer's last positions as probes, the session's context
 /// gets the kv43 table the policy chooses from them (a quarter of f16's bytes or less, every
 /// layer a kv43 variant), and decode runs over it close to exact; a prefill without probes
 /// (a prefix from the remote tier) cannot be resolved and says why.
@@ -319,7 +319,8 @@ fn a_kv43_table_chosen_at_prefill_is_the_sessions_and_decodes_close_to_exact() {
     write_model(&path, &config).unwrap();
     let model = Model::load(&path, Weights::Quantized).unwrap();
     let c = *model.config();
-    let tokens = ids(&model, 400);
+    // Longer than the probes' window (512), in chunks that do not divide it.
+    let tokens = ids(&model, 600);
     let prefill = model.prefill(&tokens, 96, &mut |_| {}).unwrap();
     assert_eq!(prefill.probes.len(), c.layers);
     assert!(prefill.probes.iter().all(|p| p.len() == PROBE_QUERIES * c.q_heads * c.head_dim));
