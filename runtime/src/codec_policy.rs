@@ -33,7 +33,7 @@ pub const PROBE_WINDOW: usize = 512;
 /// At most [`PROBE_QUERIES`] of `queries` (rows of `row` values, the prompt's last ones in
 /// order), evenly spaced and ending at the last row.
 pub fn thin_probes(queries: &[f32], row: usize) -> Vec<f32> {
-    let n = if row == 0 { 0 } else { queries.len() / row };
+    let n = queries.len().checked_div(row).unwrap_or(0);
     if n <= PROBE_QUERIES {
         return queries.to_vec();
     }
