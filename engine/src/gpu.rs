@@ -141,6 +141,14 @@ struct DeviceKv43Layer {
     used: u64,
 }
 
+/// Side rows on the device holding every row of `all` (a layer's side rows from its first),
+/// with [`KV43_SIDE_SLACK`] rows to spare for the decode steps' appends.
+fn side_rows_of(gpu: &GpuBackend, kv_heads: usize, all: &attnstore_index::SteadyRows) -> Result<Kv43SideRows> {
+    let mut side = gpu.alloc_kv43_side(kv_heads, all.len + KV43_SIDE_SLACK)?;
+    gpu.append_kv43_side(&mut side, &all.keys, &all.values)?;
+    Ok(side)
+}
+
 /// The idle kv43 copy least recently used, if any (the one an upload that ran out of device
 /// memory frees first).
 fn least_recent_kv43<V>(
@@ -886,10 +894,7 @@ impl Engine {
                 let Some(side) = kv43_side_rows(layer, &works, 0) else { return Ok(None) };
                 let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
                 let (rows, side_rows) = self.with_kv43_room(|| {
-                    let rows = gpu.upload_kv43_pieces(&pieces)?;
-                    let mut side_rows = gpu.alloc_kv43_side(sh.kv_heads, side.len + KV43_SIDE_SLACK)?;
-                    gpu.append_kv43_side(&mut side_rows, &side.keys, &side.values)?;
-                    Ok((rows, side_rows))
+                    Ok((gpu.upload_kv43_pieces(&pieces)?, side_rows_of(&gpu, sh.kv_heads, &side)?))
                 })?;
                 (DeviceKv43Layer { rows, made_of, side: side_rows, job: None, used: 0 }, side.len)
             }
@@ -900,8 +905,7 @@ impl Engine {
         let Some(new) = kv43_side_rows(layer, &works, synced) else { return Ok(None) };
         if new.len < synced || new.len > copy.side.capacity() {
             let all = kv43_side_rows(layer, &works, 0).expect("f16 steady rows, as just read");
-            copy.side = gpu.alloc_kv43_side(sh.kv_heads, all.len + KV43_SIDE_SLACK)?;
-            gpu.append_kv43_side(&mut copy.side, &all.keys, &all.values)?;
+            copy.side = side_rows_of(&gpu, sh.kv_heads, &all)?;
         } else {
             gpu.append_kv43_side(&mut copy.side, &new.keys, &new.values)?;
         }

@@ -192,11 +192,11 @@ __device__ __forceinline__ void tile_stage(const unsigned short* const* kr, cons
   __syncthreads();
 }
 
-// A row-list entry r ≥ 0 is row r of the head in k/v (at k + h·head_stride + r·HEAD_DIM; with
-// no row_offsets every KV head reads the first identity_rows entries of one shared list); r < 0 names row i = −r−1 of the
-// Gpu-tier cache ck/cv (device memory) when i < cache_rows, else row i − cache_rows of the
-// steady buffer sk/sv (a device-resident steady zone): hits, misses and the steady zone of
-// one plan in one pass.
+// A row-list entry r ≥ 0 is row r of the head in k/v (at k + h·head_stride + r·HEAD_DIM;
+// with no row_offsets every KV head reads the first identity_rows entries of one shared
+// list); r < 0 names row i = −r−1 of the Gpu-tier cache ck/cv (device memory) when
+// i < cache_rows, else row i − cache_rows of the steady buffer sk/sv (a device-resident
+// steady zone): hits, misses and the steady zone of one plan in one pass.
 // The CTA takes chunks c, c + gridDim.x, … of the head's rows (one chunk when the grid
 // covers the list, as it does for exact and host-built lists; a wave step's device-built
 // list may be longer than its grid) and writes one partial.

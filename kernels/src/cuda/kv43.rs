@@ -215,7 +215,7 @@ impl GpuBackend {
             kv_heads,
             head_dim: self.head_dim,
             chunk: chunk_rows(capacity, kv_heads),
-            stage: (self.pinned(kv_heads * self.head_dim)?, self.pinned(kv_heads * self.head_dim)?),
+            stage: (self.pinned_zeroed(0, kv_heads * self.head_dim)?, self.pinned_zeroed(0, kv_heads * self.head_dim)?),
         })
     }
 
@@ -272,8 +272,8 @@ impl GpuBackend {
         let part_len = shape.kv_heads * chunks * shape.group() * (shape.head_dim + 2);
         let mut job = Kv43Job {
             q: self.stream.alloc_zeros::<f32>(q.len()).map_err(gpu_err("allocating queries"))?,
-            q_host: self.pinned(q.len())?,
-            out_host: self.pinned(shape.query_len())?,
+            q_host: self.pinned_zeroed(0, q.len())?,
+            out_host: self.pinned_zeroed(0, shape.query_len())?,
             part: self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
             side_part: None,
             out: self.stream.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
@@ -285,19 +285,6 @@ impl GpuBackend {
         };
         self.stage_kv43_queries(&mut job, q)?;
         Ok(job)
-    }
-
-    /// Page-locked host memory for `len` elements, zeroed.
-    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
-    fn pinned<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Copy>(
-        &self,
-        len: usize,
-    ) -> Result<PinnedHostSlice<T>> {
-        // SAFETY: filled below before any read; T is valid as zero bits.
-        let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), 0) }
-            .map_err(gpu_err("allocating pinned memory"))?;
-        host.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
-        Ok(host)
     }
 
     /// Copies `q` (checked) through the job's page-locked staging into its device queries,

@@ -407,6 +407,21 @@ impl GpuBackend {
         Ok(keys.len() / per_row)
     }
 
+    /// Page-locked host memory for `len` elements (at least one) allocated with `flags`
+    /// (`CU_MEMHOSTALLOC_*`), zeroed.
+    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
+    fn pinned_zeroed<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Copy>(
+        &self,
+        flags: u32,
+        len: usize,
+    ) -> Result<PinnedHostSlice<T>> {
+        // SAFETY: zero-filled below before any read; T is valid as zero bits.
+        let mut host = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
+            .map_err(gpu_err("allocating pinned memory"))?;
+        host.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
+        Ok(host)
+    }
+
     #[allow(unsafe_code, reason = "pinned, device-mapped host allocation")]
     fn alloc_mapped(&self, len: usize) -> Result<PinnedHostSlice<u16>> {
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;

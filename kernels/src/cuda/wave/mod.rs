@@ -570,16 +570,12 @@ impl GpuBackend {
 
     /// A mailbox of `len` elements, zeroed: pinned host memory mapped into the device's
     /// address space.
-    #[allow(unsafe_code, reason = "cudarc's pinned allocation leaves the memory unset")]
     fn mailbox<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Copy + Default>(
         &self,
         len: usize,
     ) -> Result<Mailbox<T>> {
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
-        // SAFETY: the memory is zero-filled below before any read, and T is valid as zero bits.
-        let mut memory = unsafe { self.ctx.alloc_pinned_with_flags::<T>(len.max(1), flags) }
-            .map_err(gpu_err("allocating pinned memory"))?;
-        memory.as_mut_slice().map_err(gpu_err("allocating pinned memory"))?.fill(T::default());
+        let mut memory = self.pinned_zeroed::<T>(flags, len)?;
         let dev = super::mapped_device_pointer(&mut memory)?;
         let addr = memory.as_mut_ptr().map_err(gpu_err("reading a pinned pointer"))? as usize;
         Ok(Mailbox { memory, addr, dev })
