@@ -157,9 +157,10 @@ pub enum Error {
         found: String,
     },
     /// A GPU execution was asked for a layer whose codec's GPU kernels cannot serve the
-    /// request (`kv43`: only exact plans, on `Engine::execute_gpu`, with key groups and value
-    /// blocks of whole 64-row blocks and a head dimension that is a multiple of 64): run it
-    /// with [`crate::Engine::execute`] on the CPU.
+    /// request (`kv43`: host-made plans, exact or of one selection per KV head, on
+    /// `Engine::execute_gpu`, with key groups and value blocks of whole 64-row blocks and a
+    /// head dimension that is a multiple of 64): run it with [`crate::Engine::execute`] on
+    /// the CPU.
     #[error("{context} layer {layer}: the {codec} codec cannot run on the GPU here: {why}; execute it on the CPU (Engine::execute)")]
     NoGpuKernels {
         /// The context.

@@ -172,6 +172,8 @@ struct LaunchedKv43 {
     copy: DeviceKv43Layer,
     gpu: Arc<GpuBackend>,
     launched: Instant,
+    /// The zone its device time counts in: the scan (exact plans) or retrieval.
+    zone: Zone,
     trace: PhaseTrace,
 }
 
@@ -451,7 +453,7 @@ impl Engine {
         if !device.is_empty() {
             self.execute_device(plan, &device, &[], &mut done, &mut run, meters.as_deref_mut())?;
         }
-        // Exact kv43 requests are all launched first (the first of each layer copy: a second
+        // kv43 requests are all launched first (the first of each layer copy: a second
         // request of the same copy runs when the first is back), then fetched in order, so
         // the host prepares the next request while the device runs the last.
         let mut kv43: Vec<Option<LaunchedKv43>> = (0..plan.requests.len()).map(|_| None).collect();
@@ -860,14 +862,17 @@ impl Engine {
         Ok(Some(merged_output(parts, works.iter().map(|w| &w.cpu[..]), g, &mut trace)))
     }
 
-    /// Launches an exact request over a kv43 layer on the GPU, to be fetched by
-    /// [`Engine::finish_kv43`]: the homomorphic kernel reads every encoded row from the
-    /// layer's device copy (made on the first such request, and again when the index's
-    /// segments change; its launch buffers are kept with it), the plain kernel the f16 rows
-    /// beside them (each piece's partial key group, and the steady zone, whose new rows are
-    /// copied up first), and the merge folds both on the device: the host copies the query in
-    /// and the output back. Counts the rows read into `meter`. `None` when the plan or the
-    /// layer is not served this way (a sparse plan, steady rows not f16): the CPU runs it.
+    /// Launches a request over a kv43 layer on the GPU, to be fetched by
+    /// [`Engine::finish_kv43`]: the homomorphic kernel reads the encoded rows from the layer's
+    /// device copy (made on the first such request, and again when the index's segments
+    /// change; its launch buffers are kept with it) — every row for an exact plan, the
+    /// retrieved rows' 64-row blocks with row masks for a sparse one — the plain kernel the
+    /// f16 rows beside them (each piece's partial key group, and the steady zone, whose new
+    /// rows are copied up first; a sparse plan lists the retrieved ones), and the merge folds
+    /// both, and a sparse plan's estimation zone computed here, on the device: the host
+    /// copies the query and lists in and the output back. Counts the rows read into `meter`.
+    /// `None` when the plan or the layer is not served this way (rows not a wave index's kv43
+    /// segments, steady rows not f16): the CPU runs it.
     fn launch_kv43_request(&self, r: &RequestPlan, meter: Option<&Meter>) -> Result<Option<LaunchedKv43>> {
         let mut trace = PhaseTrace::new();
         let ctx = self.context(r.context)?;
@@ -919,23 +924,50 @@ impl Engine {
         };
         trace.mark("queries");
         let launched = Instant::now();
-        gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job)?;
+        let launch = if r.heads.iter().all(|h| h.exact) {
+            if let Some(m) = meter {
+                works.iter().for_each(|w| w.meter(sh.head_dim, m));
+            }
+            gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job)
+        } else {
+            // A sparse plan: its retrieved rows and steady zone listed, its estimation zone
+            // computed here and folded in by the merge.
+            let (d, g) = (sh.head_dim, sh.group());
+            let heads: Option<Vec<_>> = works.iter().map(|w| w.listed(d, g, meter)).collect();
+            let Some(heads) = heads else {
+                self.gpu.device.lock().kv43.insert(key, DeviceKv43Layer { job: Some(job), ..copy });
+                return Ok(None);
+            };
+            let mut lists = attnstore_kernels::Kv43Lists::default();
+            for h in heads {
+                lists.blocks.push(h.blocks);
+                lists.side.push(h.side);
+                for p in &h.estimate {
+                    lists.extra.extend_from_slice(&p.o);
+                    lists.extra.extend([p.m, p.l]);
+                }
+            }
+            trace.mark("lists");
+            gpu.launch_kv43_listed(&copy.rows, &copy.side, &lists, &mut job)
+        };
         copy.job = Some(job);
-        trace.mark("launch");
-        if let Some(m) = meter {
-            works.iter().for_each(|w| w.meter(sh.head_dim, m));
+        if let Err(e) = launch {
+            self.gpu.device.lock().kv43.insert(key, copy);
+            return Err(e.into());
         }
-        Ok(Some(LaunchedKv43 { key, copy, gpu, launched, trace }))
+        trace.mark("launch");
+        let zone = if r.heads.iter().all(|h| h.exact) { Zone::Scan } else { Zone::Retrieve };
+        Ok(Some(LaunchedKv43 { key, copy, gpu, launched, zone, trace }))
     }
 
     /// Waits for a request of [`Engine::launch_kv43_request`] and returns its output; its
     /// layer's copy goes back for the next step.
     fn finish_kv43(&self, launched: LaunchedKv43, meter: Option<&Meter>) -> Result<Vec<f32>> {
-        let LaunchedKv43 { key, mut copy, gpu, launched, mut trace } = launched;
+        let LaunchedKv43 { key, mut copy, gpu, launched, zone, mut trace } = launched;
         let job = copy.job.as_mut().expect("a launched copy holds its job");
         let out = gpu.fetch_kv43(job)?;
         if let Some(m) = meter {
-            m.zone(Zone::Scan).gpu_since(launched);
+            m.zone(zone).gpu_since(launched);
         }
         trace.mark("fetch");
         let mut device = self.gpu.device.lock();

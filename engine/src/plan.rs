@@ -325,18 +325,26 @@ pub(crate) fn plan_request(
 
 impl Plan {
     /// Refuses GPU execution of a plan with a request whose codec's GPU kernels cannot serve
-    /// it, before anything runs: an [`Error::NoGpuKernels`] naming the first. `kv43` has one
-    /// kernel, over every encoded row of a layer (`GpuBackend::launch_kv43`): it serves exact
-    /// host-made plans (`exact_kv43`: the caller runs them on it) whose key groups and value
-    /// blocks are whole 64-row blocks and whose head dimension is a multiple of 64.
+    /// it, before anything runs: an [`Error::NoGpuKernels`] naming the first. `kv43`'s kernel
+    /// reads a layer's encoded rows from its device copy, every row or listed blocks of them
+    /// (`GpuBackend::launch_kv43` / `launch_kv43_listed`): it serves host-made plans
+    /// (`host_kv43`: the caller runs them on it), exact or with one selection per KV head,
+    /// whose key groups and value blocks are whole 64-row blocks and whose head dimension is
+    /// a multiple of 64.
     #[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code, reason = "the GPU path is built with cuda"))]
-    pub(crate) fn check_gpu_codecs(&self, exact_kv43: bool) -> Result<()> {
+    pub(crate) fn check_gpu_codecs(&self, host_kv43: bool) -> Result<()> {
         for r in &self.requests {
             let Some(p) = r.codec.kv43() else { continue };
-            let why = if !exact_kv43 {
-                "this GPU path has no kv43 kernels (Engine::execute_gpu runs exact kv43 plans)".to_string()
-            } else if r.device.is_some() || !r.heads.iter().all(|h| h.exact) {
-                "kv43's GPU kernel attends every row: only exact plans run on it (Budget::full)".to_string()
+            let exact = r.heads.iter().all(|h| h.exact);
+            let why = if !host_kv43 {
+                "this GPU path has no kv43 kernels (Engine::execute_gpu runs host-made kv43 plans)".to_string()
+            } else if r.device.is_some() {
+                "kv43 rows have no device-selected step: plan on the host (Engine::plan) for Engine::execute_gpu"
+                    .to_string()
+            } else if !exact && r.heads.iter().any(|h| h.exact || h.selections.len() > 1) {
+                "kv43's GPU kernels serve exact plans and plans of one selection per KV head \
+                 (SelectionMode::PerKvHead)"
+                    .to_string()
             } else if !p.key_group.is_multiple_of(64) || !p.value_block.is_multiple_of(64) {
                 format!(
                     "kv43's GPU kernel needs key groups and value blocks of whole 64-row blocks, got {} and {}",
@@ -499,11 +507,12 @@ pub(crate) fn human_bytes(b: usize) -> String {
 mod tests {
     use crate::*;
 
-    /// kv43's GPU kernel serves exact plans only: a sparse plan over a kv43 layer, or any
-    /// kv43 plan on a GPU path without kv43 kernels, is refused with a typed error naming the
-    /// layer, the codec and why; exact kv43 plans and plain plans pass the check.
+    /// kv43's GPU kernels serve host-made plans, exact or of one selection per KV head: a
+    /// plan of one selection per query head over a kv43 layer, or any kv43 plan on a GPU path
+    /// without kv43 kernels, is refused with a typed error naming the layer, the codec and
+    /// why; exact and per-KV-head kv43 plans and plain plans pass the check.
     #[test]
-    fn a_sparse_kv43_plan_is_refused_on_the_gpu_with_a_typed_error() {
+    fn a_kv43_plan_its_gpu_kernels_cannot_serve_is_refused_with_a_typed_error() {
         let shape = AttnShape::new(4, 1, 64).unwrap();
         let engine = Engine::in_memory(EngineConfig::default()).unwrap();
         let kv43 =
@@ -518,12 +527,16 @@ mod tests {
         let requests = [Request::new(plain, 0, q.clone()), Request::new(kv43, 0, q.clone())];
         let exact = engine.plan(&requests, &Budget::full()).unwrap();
         assert!(exact.check_gpu_codecs(true).is_ok());
-        let sparse = engine
-            .plan(&requests, &Budget::default().with_retrieve_floor(0).with_retrieve(0.05).with_exact_threshold(2.0))
-            .unwrap();
+        let budget = Budget::default().with_retrieve_floor(0).with_retrieve(0.05).with_exact_threshold(2.0);
+        let sparse = engine.plan(&requests, &budget).unwrap();
         assert!(sparse.requests[1].heads.iter().any(|h| !h.exact), "a 5% budget over 3000 rows is sparse");
-        for (plan, exact_kv43, says) in [(&sparse, true, "only exact plans"), (&exact, false, "no kv43 kernels")] {
-            match plan.check_gpu_codecs(exact_kv43) {
+        assert!(sparse.check_gpu_codecs(true).is_ok(), "one selection per KV head");
+        let per_query = engine.plan(&requests, &budget.with_mode(SelectionMode::PerQueryHead)).unwrap();
+        assert!(per_query.requests[1].heads.iter().any(|h| h.selections.len() > 1));
+        for (plan, host_kv43, says) in
+            [(&per_query, true, "one selection per KV head"), (&exact, false, "no kv43 kernels")]
+        {
+            match plan.check_gpu_codecs(host_kv43) {
                 Err(e @ Error::NoGpuKernels { context, layer: 0, codec: Codec::Kv43(_), .. }) if context == kv43 => {
                     assert!(e.to_string().contains(says), "{e}");
                     assert_eq!(e.kind(), ErrorKind::InvalidArgument);

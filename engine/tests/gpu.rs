@@ -446,9 +446,10 @@ fn a_prefill_clustered_on_the_gpu_serves_plans_like_a_cpu_prefill() {
 /// Exact plans over a kv43 layer run on the GPU's kv43 kernel from the layer's device copy:
 /// each of 24 decode steps (a decode segment of 1,100 rows, not a whole number of key
 /// groups, completes at step 12, so the copy is made again and a second piece with a partial
-/// key group joins it) equals the CPU executor over the same codes within 1e-3; a sparse
-/// kv43 plan is refused with a typed error. Prints the step time against the CPU's and
-/// against an exact f16 plan of the same rows on the GPU.
+/// key group joins it) equals the CPU executor over the same codes within 1e-3; so do sparse
+/// plans of the default budget (listed blocks); a plan of one selection per query head is
+/// refused with a typed error. Prints the step times against the CPU's and against an exact
+/// f16 plan of the same rows on the GPU.
 #[test]
 fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
     if !gpu_wanted() {
@@ -485,13 +486,47 @@ fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
                 cpu_us.push(cpu);
             }
         }
-        let sparse = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &Budget::default()).unwrap();
-        match engine.execute_gpu(&sparse) {
-            Err(e @ attnstore::Error::NoGpuKernels { .. }) => {
-                assert!(e.to_string().contains("only exact plans"), "{e}")
+        // Sparse plans (the default budget, one selection per KV head) run on the listed
+        // kernel: each equals the CPU executor; one selection per query head is refused.
+        let (mut sparse_gpu, mut sparse_cpu, mut sparse_worst, mut plan_us) =
+            (Vec::new(), Vec::new(), 0f64, Vec::new());
+        for round in 0..7u64 {
+            let t = Instant::now();
+            let sparse = engine.plan(&[Request::new(ctx, 0, synth.queries(round % 4))], &Budget::default()).unwrap();
+            let planned = t.elapsed().as_secs_f64() * 1e6;
+            assert!(sparse.requests[0].heads.iter().all(|h| !h.exact), "the default budget at {tokens} is sparse");
+            let t = Instant::now();
+            let want = engine.execute(&sparse).unwrap().remove(0);
+            let cpu = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            let (mut got, run) = engine.execute_gpu(&sparse).unwrap();
+            let gpu = t.elapsed().as_secs_f64() * 1e6;
+            assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
+            let err = rel_l2(&got.remove(0), &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+            assert!(err <= 1e-3, "{tokens} tokens: a sparse kv43 plan, GPU vs CPU executor {err}");
+            sparse_worst = sparse_worst.max(err);
+            if round >= 2 {
+                sparse_gpu.push(gpu);
+                sparse_cpu.push(cpu);
+                plan_us.push(planned);
             }
-            other => panic!("a sparse kv43 plan on the GPU: expected NoGpuKernels, got {:?}", other.map(|(_, r)| r)),
         }
+        let per_query = Budget::default().with_mode(attnstore::SelectionMode::PerQueryHead);
+        let per_query = engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &per_query).unwrap();
+        match engine.execute_gpu(&per_query) {
+            Err(e @ attnstore::Error::NoGpuKernels { .. }) => {
+                assert!(e.to_string().contains("one selection per KV head"), "{e}")
+            }
+            other => {
+                panic!("a per-query-head kv43 plan on the GPU: expected NoGpuKernels, got {:?}", other.map(|(_, r)| r))
+            }
+        }
+        let (c, g) = (median(sparse_cpu), median(sparse_gpu));
+        println!(
+            "{tokens} tokens, kv43 sparse plans (default budget): execute_gpu {g:.0} us vs execute (CPU) {c:.0} us ({:.1}x), planning on the host {:.0} us; largest error against the CPU {sparse_worst:.1e}",
+            c / g,
+            median(plan_us)
+        );
         // The same rows in f16, homed in a buffer manager, exact on the GPU (zero-copy from
         // the pinned Host arena or the Gpu tier), timed alternately with the kv43 plan.
         let host_blocks = common::blocks_for_context(&shape, attnstore::DType::F16, at, 2048);

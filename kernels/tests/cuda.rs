@@ -1098,6 +1098,83 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         .collect();
     let err = rel_l2(&got, &cpu);
     assert!(err <= 1e-3, "kv43 pieces with side rows: GPU vs CPU {err}");
+    // A sparse decode over the same copy: per KV head other row ranges of each piece (some
+    // in its partial key group, so side rows), every steady row but the first three, and a
+    // host partial per query head folded in; the same job, launched twice, equals the CPU
+    // over the same rows and partials.
+    let groups: Vec<usize> = lists[0].iter().map(|p| p.rows() - p.encoded_rows()).collect();
+    let ranges = |h: usize| -> [Vec<std::ops::Range<usize>>; 2] {
+        [vec![h * 50 + 10..h * 50 + 300, 900..905, 1600..1690], vec![0..64, 700 + h..701 + h, 1100..1190 + h]]
+    };
+    let extra: Vec<attnstore_kernels::Partial> = (0..shape.q_heads)
+        .map(|j| attnstore_kernels::Partial {
+            m: 0.25 * j as f32 - 1.0,
+            l: 1.0 + j as f32,
+            o: (0..d).map(|c| ((c * 7 + j) % 13) as f32 / 13.0 - 0.4).collect(),
+        })
+        .collect();
+    let mut sparse = attnstore_kernels::Kv43Lists::default();
+    for (h, pieces) in lists.iter().enumerate() {
+        let (mut coded_ranges, mut side_list, mut at) = (Vec::new(), Vec::new(), 0);
+        for (p, rs) in ranges(h).iter().enumerate() {
+            let enc = pieces[p].encoded_rows();
+            let before: usize = groups[..p].iter().sum();
+            for r in rs {
+                if r.start < enc {
+                    coded_ranges.push(at + r.start..at + r.end.min(enc));
+                }
+                side_list.extend((r.start.max(enc)..r.end).map(|x| (before + x - enc) as u32));
+            }
+            at += enc;
+        }
+        side_list.extend((groups.iter().sum::<usize>() + 3..side_rows).map(|x| x as u32));
+        sparse.blocks.push(attnstore_kernels::Kv43Lists::block_masks(coded_ranges));
+        sparse.side.push(side_list);
+    }
+    sparse.extra = extra.iter().flat_map(|p| p.o.iter().copied().chain([p.m, p.l])).collect();
+    let want: Vec<f64> = lists
+        .iter()
+        .enumerate()
+        .flat_map(|(h, pieces)| {
+            let qh = &q[h * g * d..(h + 1) * g * d];
+            let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
+            for (p, rs) in pieces.iter().zip(ranges(h)) {
+                p.attend_runs(qh, shape.scale(), &rs, &mut parts).unwrap();
+            }
+            let steady = (h * 3000 + 2903) * d..(h * 3000 + 3000) * d;
+            attnstore_kernels::cpu::attention::attend_spans(
+                qh,
+                shape.scale(),
+                [(&k[steady.clone()], &v[steady])],
+                &mut parts,
+                &mut attnstore_kernels::cpu::attention::Scratch::default(),
+            );
+            for (j, part) in parts.iter_mut().enumerate() {
+                part.merge(&extra[h * g + j]);
+            }
+            parts.iter().flat_map(attnstore_kernels::Partial::finish).collect::<Vec<f32>>()
+        })
+        .map(f64::from)
+        .collect();
+    for round in 0..2 {
+        gpu.launch_kv43_listed(&dev, &side, &sparse, &mut job).unwrap();
+        let got = gpu.fetch_kv43(&mut job).unwrap();
+        let err = rel_l2(&got, &want);
+        assert!(err <= 1e-3, "round {round}: a listed kv43 decode, GPU vs CPU {err}");
+    }
+    // Listed blocks past the copy, out of order, or side rows past those held are refused.
+    let mut bad = sparse.clone();
+    bad.blocks[1].push((dev.rows() as u32 / 64, 1));
+    assert!(gpu.launch_kv43_listed(&dev, &side, &bad, &mut job).is_err(), "a block past the copy");
+    let mut bad = sparse.clone();
+    bad.blocks[0].reverse();
+    assert!(gpu.launch_kv43_listed(&dev, &side, &bad, &mut job).is_err(), "blocks out of order");
+    let mut bad = sparse.clone();
+    bad.side[2].push(side_rows as u32);
+    assert!(gpu.launch_kv43_listed(&dev, &side, &bad, &mut job).is_err(), "a side row past those held");
+    let mut bad = sparse.clone();
+    bad.extra.pop();
+    assert!(gpu.launch_kv43_listed(&dev, &side, &bad, &mut job).is_err(), "short host partials");
     // A side of other KV heads is refused.
     let other = gpu.alloc_kv43_side(4, 16).unwrap();
     assert!(gpu.launch_kv43(&dev, Some(&other), &mut job).is_err(), "side rows of 4 KV heads");

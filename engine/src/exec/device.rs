@@ -293,17 +293,98 @@ pub(crate) fn kv43_side_rows(layer: &Layer, works: &[GpuKv43Work<'_>], from: usi
     Some(out)
 }
 
-/// The kv43 pieces an exact plan over a layer whose indexed rows are kv43 codes reads (a
-/// wave index's segments, each scanned whole, besides its plain steady zone), or `None`
-/// when the plan or the rows are not that (the caller then looks for another GPU path).
-/// The pieces come from the index directly: describing the scan's runs (`head_rows`) cost
-/// ~70 µs per 128K-token step on the H100 host.
+/// The kv43 pieces a plan over a layer whose indexed rows are kv43 codes reads (a wave
+/// index's segments: an exact plan scans each whole besides the plain steady zone, a sparse
+/// plan's one selection per KV head retrieves rows of them, [`GpuKv43Work::listed`]), or
+/// `None` when the plan or the rows are not that (one selection per query head; the caller
+/// then looks for another path). The pieces come from the index directly: describing the
+/// scan's runs (`head_rows`) cost ~70 µs per 128K-token step on the H100 host.
 pub(crate) fn gpu_kv43_work<'a>(layer: &'a Layer, kv_head: usize, plan: &'a HeadPlan) -> Option<GpuKv43Work<'a>> {
-    if !plan.exact {
+    if !plan.exact && plan.selections.len() > 1 {
         return None;
     }
     let pieces = layer.method.clustered()?.kv43_segments(kv_head)?;
     Some(GpuKv43Work { pieces, layer, kv_head, plan })
+}
+
+/// What a sparse kv43 step reads of one KV head ([`GpuKv43Work::listed`]).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Kv43HeadList {
+    /// The retrieved encoded rows as 64-row blocks of the head's rows in the device copy
+    /// (every piece's encoded rows, one after another) with the mask of rows kept.
+    pub blocks: Vec<(u32, u64)>,
+    /// The side rows attended: retrieved rows of the pieces' partial key groups, then the
+    /// steady zone.
+    pub side: Vec<u32>,
+    /// Per query head of the group, the estimation zone's partial (empty where none).
+    pub estimate: Vec<Partial>,
+}
+
+impl GpuKv43Work<'_> {
+    /// The rows a sparse plan reads of this head on the device ([`Kv43HeadList`]): the
+    /// selection's retrieved row ranges split at each piece's encoded rows (codes in the
+    /// device copy, the rest side rows at their place among the partial key groups), every
+    /// steady row, and the estimation zone computed here (it is a few thousand centroids).
+    /// `None` when the plan retrieves rows that are not the pieces' (the CPU then runs it).
+    /// With `meter`, counts the steady, retrieved and estimated rows.
+    pub fn listed(&self, d: usize, group: usize, meter: Option<&Meter>) -> Option<Kv43HeadList> {
+        let rows = self.layer.method.head_rows(self.kv_head, self.plan);
+        let mut out = Kv43HeadList { blocks: Vec::new(), side: Vec::new(), estimate: vec![Partial::empty(d); group] };
+        let mut coded = Vec::new();
+        let (mut at, mut before) = (Vec::with_capacity(self.pieces.len()), 0);
+        for p in &self.pieces {
+            at.push(before);
+            before += p.encoded_rows();
+        }
+        let groups = self.partial_group_rows();
+        let group_start = |i: usize| -> usize { self.pieces[..i].iter().map(|p| p.rows() - p.encoded_rows()).sum() };
+        let mut retrieved = (0, 0);
+        if let Some(sel) = rows.selections.first() {
+            if !sel.clusters.is_empty() {
+                return None;
+            }
+            for run in sel.retrieve.iter().flatten() {
+                let Run::Kv43 { rows: piece, ranges } = run else { return None };
+                let i = self.pieces.iter().position(|p| std::ptr::eq(*p, *piece))?;
+                let (enc, first_side) = (piece.encoded_rows(), group_start(i));
+                for r in ranges {
+                    if r.start < enc {
+                        coded.push(at[i] + r.start..at[i] + r.end.min(enc));
+                    }
+                    out.side.extend((r.start.max(enc)..r.end).map(|x| (first_side + x - enc) as u32));
+                    retrieved.0 += r.len();
+                }
+                retrieved.1 += ranges.iter().map(|r| r.len()).sum::<usize>() * piece.bytes() / piece.rows().max(1);
+            }
+            if let Some(zone) = &sel.estimate {
+                let start = meter.map(|_| std::time::Instant::now());
+                for (i, e) in zone.partials(0..zone.len(), d).into_iter().enumerate() {
+                    out.estimate[sel.first_head + i] = e;
+                }
+                if let (Some(m), Some(t)) = (meter, start) {
+                    m.zone(Zone::Estimate).index_rows(zone.len(), 0);
+                    m.zone(Zone::Estimate).since(t);
+                }
+            }
+        }
+        // Retrieval spans come sorted by segment and row: the blocks ascend.
+        coded.sort_by_key(|r| r.start);
+        out.blocks = attnstore_kernels::Kv43Lists::block_masks(coded);
+        let mut steady = 0;
+        for run in &rows.steady {
+            let Run::Plain(pieces) = run else { return None };
+            let (n, bytes) = plain_size(pieces, d);
+            steady += n;
+            if let Some(m) = meter {
+                m.zone(Zone::Steady).index_rows(n, bytes);
+            }
+        }
+        out.side.extend((groups..groups + steady).map(|x| x as u32));
+        if let Some(m) = meter {
+            m.zone(Zone::Retrieve).index_rows(retrieved.0, retrieved.1);
+        }
+        Some(out)
+    }
 }
 
 /// The layer as a GPU decode step that selects its clusters on the device reads it, or
@@ -664,13 +745,92 @@ mod tests {
             let err = rel_l2(&got, &want);
             assert!(err <= 1e-5, "head {h}: {err}");
         }
-        // A sparse plan, or plain rows, are not served this way.
-        let sparse = ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
-        assert!(gpu_kv43_work(&layer, 0, &layer.method.plan_head(0, &q[..g * d], &sparse)).is_none());
+        // A plan of one selection per query head, or plain rows, are not served this way.
+        let per_query =
+            ZoneBudget { retrieve_tokens: 300, estimate_tokens: usize::MAX, mode: SelectionMode::PerQueryHead };
+        assert!(gpu_kv43_work(&layer, 0, &layer.method.plan_head(0, &q[..g * d], &per_query)).is_none());
         let mut plain = WaveIndex::<f16>::new(params, kvh, d).unwrap();
         plain.prefill(&k, &v).unwrap();
         let plain = self::layer(Box::new(plain), None);
         assert!(gpu_kv43_work(&plain, 0, &plain.method.plan_exact()).is_none());
+    }
+
+    /// What the GPU step of a sparse plan over kv43 rows computes from
+    /// [`GpuKv43Work::listed`], its kernels emulated on the CPU (the CPU kernel over the
+    /// listed blocks' kept rows of each piece, plain attention over the listed side rows, the
+    /// estimation partials folded in), equals the CPU executor's, with some retrieved rows in
+    /// the pieces' partial key groups; the lists name each retrieved row once.
+    #[test]
+    fn the_kv43_sparse_gpu_lists_with_the_kernel_emulated_equal_the_cpu_executor() {
+        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (g, d, kvh) = (shape.group(), shape.head_dim, shape.kv_heads);
+        let (k, v) = (randn(shape.kv_len(3000), 94, 1.0), randn(shape.kv_len(3000), 95, 1.0));
+        let kv43 = attnstore_kernels::Codec::Kv43(attnstore_kernels::Kv43Params::default());
+        let mut wave = WaveIndex::<f16>::new(params, kvh, d).unwrap().with_codec(kv43).unwrap();
+        wave.prefill(&k, &v).unwrap();
+        let layer = layer(Box::new(wave), None);
+        let q = randn(shape.query_len(), 96, 2.0);
+        let scale = 1.0 / (d as f32).sqrt();
+        let budget = ZoneBudget { retrieve_tokens: 1200, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
+        let plans: Vec<HeadPlan> =
+            (0..kvh).map(|h| layer.method.plan_head(h, &q[h * g * d..(h + 1) * g * d], &budget)).collect();
+        let works: Vec<_> = (0..kvh).map(|h| gpu_kv43_work(&layer, h, &plans[h]).expect("kv43 rows")).collect();
+        let side = kv43_side_rows(&layer, &works, 0).expect("f16 steady rows");
+        let groups = works[0].partial_group_rows();
+        let mut in_groups = 0;
+        for (h, work) in works.iter().enumerate() {
+            let qg = &q[h * g * d..(h + 1) * g * d];
+            let mut scratch = attnstore_kernels::cpu::attention::Scratch::default();
+            let want: Vec<f64> =
+                super::super::attend_head(&layer, DType::F16, h, qg, d, &plans[h], &[], None, &mut scratch)
+                    .unwrap()
+                    .iter()
+                    .flat_map(|p| p.finish())
+                    .map(f64::from)
+                    .collect();
+            let list = work.listed(d, g, None).expect("one selection per KV head over kv43 pieces");
+            assert!(list.blocks.windows(2).all(|w| w[0].0 < w[1].0), "blocks ascend");
+            let mut side_rows = list.side.clone();
+            side_rows.sort_unstable();
+            side_rows.dedup();
+            assert_eq!(side_rows.len(), list.side.len(), "each side row once");
+            in_groups += list.side.iter().filter(|&&r| (r as usize) < groups).count();
+            // The listed rows back in piece coordinates, as runs of consecutive rows.
+            let mut parts = vec![Partial::empty(d); g];
+            let mut first = 0;
+            for p in &work.pieces {
+                let enc = first..first + p.encoded_rows();
+                let mut runs: Vec<std::ops::Range<usize>> = Vec::new();
+                for &(b, mask) in &list.blocks {
+                    for r in (0..64).filter(|r| mask >> r & 1 == 1).map(|r| 64 * b as usize + r) {
+                        if enc.contains(&r) {
+                            match runs.last_mut() {
+                                Some(last) if last.end == r - first => last.end += 1,
+                                _ => runs.push(r - first..r - first + 1),
+                            }
+                        }
+                    }
+                }
+                p.attend_runs(qg, scale, &runs, &mut parts).unwrap();
+                first = enc.end;
+            }
+            let row = |x: &[u16], r: u32| -> Vec<f16> {
+                let at = (r as usize * kvh + h) * d;
+                x[at..at + d].iter().map(|&b| f16::from_bits(b)).collect()
+            };
+            let sk: Vec<f16> = list.side.iter().flat_map(|&r| row(&side.keys, r)).collect();
+            let sv: Vec<f16> = list.side.iter().flat_map(|&r| row(&side.values, r)).collect();
+            attnstore_kernels::cpu::attention::attend_spans(qg, scale, [(&sk[..], &sv[..])], &mut parts, &mut scratch);
+            for (p, e) in parts.iter_mut().zip(&list.estimate) {
+                p.merge(e);
+            }
+            assert!(list.estimate.iter().all(|e| e.l > 0.0), "every query head estimates some clusters");
+            let got: Vec<f32> = parts.iter().flat_map(|p| p.finish()).collect();
+            let err = rel_l2(&got, &want);
+            assert!(err <= 1e-5, "head {h}: {err}");
+        }
+        assert!(in_groups > 0, "some retrieved rows in the pieces' partial key groups");
     }
 
     #[test]

@@ -72,12 +72,20 @@ __device__ void k43_queries(const Kv43Src& s, int h, int grp, const float (*q_s)
   }
 }
 
-// One CTA per (chunk of `chunk_blocks` 64-row blocks, KV head), templated on the GQA group
-// G; partials in attn_partial's layout ([kv_head][chunk][g][PART]) so attn_merge folds
-// them. q: [q_heads][HEAD_DIM] f32 queries.
+// Which 64-row blocks a decode attends: every block (`off` null), or per KV head h the
+// entries off[h]..off[h+1] of `block` (ascending block numbers) with `mask` (bit r: the
+// block's row r is attended; the others score −∞ and weigh nothing).
+struct Kv43List {
+  const int* off; const int* block; const unsigned long long* mask;
+};
+
+// One CTA per (chunk of `chunk_blocks` 64-row blocks or list entries, KV head), templated on
+// the GQA group G; partials in attn_partial's layout ([kv_head][chunk][g][PART]) so
+// attn_merge folds them (a CTA past its head's list writes m = −∞, which the merge skips).
+// q: [q_heads][HEAD_DIM] f32 queries.
 template <int G>
-__device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float scale, int chunk_blocks,
-                            float* __restrict__ part) {
+__device__ void kv43_attend(const Kv43Src s, const Kv43List list, const float* __restrict__ q, float scale,
+                            int chunk_blocks, float* __restrict__ part) {
   const int h = blockIdx.y, chunk = blockIdx.x, t = threadIdx.x;
   const int warp = t / 32, lane = t % 32;
   __shared__ float q_s[G][HEAD_DIM];
@@ -96,11 +104,14 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
 #pragma unroll
     for (int j = 0; j < PER; j++) o[g][j] = 0.f;
   __syncthreads();
-  const int blocks = s.rows / K43_ROWS;
-  const int b0 = chunk * chunk_blocks, b1 = min(blocks, b0 + chunk_blocks);
+  const int first = list.off ? list.off[h] : 0;
+  const int entries = list.off ? list.off[h + 1] - first : s.rows / K43_ROWS;
+  const int e0 = chunk * chunk_blocks, e1 = min(entries, e0 + chunk_blocks);
   const long long tiles_h = (long long)h * (s.rows / 8);
   int group = -1;
-  for (int b = b0; b < b1; b++) {
+  for (int e = e0; e < e1; e++) {
+    const int b = list.off ? list.block[first + e] : e;
+    const unsigned long long mask = list.off ? list.mask[first + e] : ~0ull;
     const int row0 = b * K43_ROWS;
     if (row0 / s.key_group != group) {
       group = row0 / s.key_group;
@@ -153,7 +164,7 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
       float sc = qm_s[g];
 #pragma unroll
       for (int k = 0; k < K43_KP; k++) sc = __fadd_rn(sc, sp_s[g][k][r]);
-      score_s[g][r] = __fmul_rn(sc, scale);
+      score_s[g][r] = (mask >> r) & 1ull ? __fmul_rn(sc, scale) : NEG_INF;
     }
     __syncthreads();
     // Softmax bookkeeping and 8-bit probabilities, one warp per head.
@@ -228,9 +239,9 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
   }
 }
 
-// Per group size G: kv43_partial_g{G}, homomorphic decode over every row of the arrays of
-// `upload_kv43` (kv_heads heads of `rows` rows each, one after another); khigh null with
-// 4-bit keys.
+// Per group size G: kv43_partial_g{G}, homomorphic decode over the rows of the arrays of
+// `upload_kv43` (kv_heads heads of `rows` rows each, one after another) that the list names
+// (list_off null: every row); khigh null with 4-bit keys.
 #define KV43_KERNELS(G)                                                                                      \
   extern "C" __global__ void kv43_partial_g##G(                                                             \
       const unsigned char* __restrict__ kc, const unsigned char* __restrict__ khigh,                         \
@@ -238,12 +249,15 @@ __device__ void kv43_attend(const Kv43Src s, const float* __restrict__ q, float 
       const unsigned short* __restrict__ ksum, const unsigned* __restrict__ vw,                              \
       const unsigned short* __restrict__ vmin, const unsigned short* __restrict__ vscale, int rows,          \
       int key_group, int value_block, const float* __restrict__ q, float scale,                             \
-      int chunk_blocks, float* __restrict__ part) {                                                          \
+      int chunk_blocks, float* __restrict__ part, const int* __restrict__ list_off,                         \
+      const int* __restrict__ list_block, const unsigned long long* __restrict__ list_mask) {                \
     Kv43Src s;                                                                                               \
     s.kc = kc; s.khigh = khigh; s.kmin = kmin; s.kscale = kscale; s.ksum = ksum;                             \
     s.vw = vw; s.vmin = vmin; s.vscale = vscale; s.rows = rows;                                              \
     s.key_group = key_group; s.value_block = value_block;                                                    \
-    kv43_attend<G>(s, q, scale, chunk_blocks, part);                                                         \
+    Kv43List list;                                                                                           \
+    list.off = list_off; list.block = list_block; list.mask = list_mask;                                     \
+    kv43_attend<G>(s, list, q, scale, chunk_blocks, part);                                                   \
   }
 KV43_KERNELS(1)
 KV43_KERNELS(2)

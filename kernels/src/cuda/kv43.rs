@@ -11,6 +11,7 @@
 use super::{chunk_rows, device_address, gpu_err, AttnRows, GpuBackend, MAX_GROUP, NO_STEADY};
 use crate::cpu::kv43::{Kv43Head, Kv43Params};
 use crate::error::{Error, Result};
+use crate::kv43_lists::Kv43Lists;
 use crate::shape::AttnShape;
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PinnedHostSlice, PushKernelArg};
 
@@ -90,6 +91,17 @@ impl Kv43SideRows {
     }
 }
 
+/// Device buffers of a listed launch ([`Kv43Lists`]), kept with the job until its next one.
+struct ListedBuffers {
+    off: CudaSlice<i32>,
+    block: CudaSlice<i32>,
+    mask: CudaSlice<u64>,
+    side: CudaSlice<i32>,
+    side_off: CudaSlice<i32>,
+    extra: Option<CudaSlice<f32>>,
+    part: CudaSlice<f32>,
+}
+
 /// Buffers of one kv43 decode launch.
 pub struct Kv43Job {
     q: CudaSlice<f32>,
@@ -100,6 +112,8 @@ pub struct Kv43Job {
     part: CudaSlice<f32>,
     /// The plain kernel's partials over side rows (allocated by the first launch with some).
     side_part: Option<CudaSlice<f32>>,
+    /// The last listed launch's lists and partials.
+    listed: Option<ListedBuffers>,
     out: CudaSlice<f32>,
     lse: CudaSlice<f32>,
     chunks: usize,
@@ -276,6 +290,7 @@ impl GpuBackend {
             out_host: self.pinned_zeroed(0, shape.query_len())?,
             part: self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
             side_part: None,
+            listed: None,
             out: self.stream.alloc_zeros::<f32>(shape.query_len()).map_err(gpu_err("allocating the output"))?,
             lse: self.stream.alloc_zeros::<f32>(shape.q_heads).map_err(gpu_err("allocating the output"))?,
             chunks,
@@ -315,14 +330,157 @@ impl GpuBackend {
     /// Enqueues the kv43 decode over `dev` (a job of [`GpuBackend::prepare_kv43`] for it),
     /// the plain kernel over the f16 rows of `side` when given, and the merge of both's
     /// partials into the job's output.
-    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    #[allow(unsafe_code, reason = "the kernel launch's contract is checked here")]
     pub fn launch_kv43(&self, dev: &DeviceKv43, side: Option<&Kv43SideRows>, job: &mut Kv43Job) -> Result<()> {
+        self.check_kv43_launch(dev, side, job)?;
+        if job.chunks * job.chunk_blocks < dev.rows / BLOCK {
+            return Err(Error::InvalidArgument {
+                what: "kv43 job",
+                message: "the job was not prepared for these rows on this backend (prepare_kv43)".into(),
+            });
+        }
+        let (chunks, chunk_blocks) = (job.chunks, job.chunk_blocks);
+        // SAFETY: the launch covers every block (chunks × chunk_blocks ≥ blocks, checked
+        // above) of dev, whose shape the job's matches (check_kv43_launch); part holds
+        // kv_heads × chunks × group partials (prepare_kv43); no list.
+        unsafe {
+            self.launch_kv43_kernel(dev, &job.q, job.scale, &job.shape, (chunks, chunk_blocks), &mut job.part, None)?
+        };
+        let side_part = match side.filter(|s| s.rows > 0) {
+            Some(s) => (self.launch_kv43_side(s, None, job)?, s.chunks()),
+            None => (0, 0),
+        };
+        let lse = device_address(&job.lse, &self.stream);
+        let copies = super::MailboxCopies::default();
+        self.launch_merge(&self.stream, &job.shape, &job.part, chunks, &mut job.out, lse, [side_part, (0, 0)], copies)
+    }
+
+    /// Enqueues a sparse kv43 decode: the kv43 kernel over the listed blocks of `dev` (each
+    /// block's unmasked rows), the plain kernel over each KV head's listed rows of `side`,
+    /// and the merge of both's partials and the host's (`lists.extra`) into the job's
+    /// output. `job` is one of [`GpuBackend::prepare_kv43`] for `dev`; the lists are copied
+    /// to the device and kept with the job until its next launch.
+    #[allow(unsafe_code, reason = "the kernel launch's contract is checked here")]
+    pub fn launch_kv43_listed(
+        &self,
+        dev: &DeviceKv43,
+        side: &Kv43SideRows,
+        lists: &Kv43Lists,
+        job: &mut Kv43Job,
+    ) -> Result<()> {
+        self.check_kv43_launch(dev, Some(side), job)?;
         let sh = job.shape;
-        let f = self.kv43_kernel(sh.group())?;
-        if sh.kv_heads != dev.kv_heads
-            || dev.head_dim != self.head_dim
-            || job.chunks * job.chunk_blocks < dev.rows / BLOCK
-        {
+        let bad = |message: String| Err(Error::InvalidArgument { what: "kv43 lists", message });
+        let blocks = dev.rows / BLOCK;
+        if lists.blocks.len() != sh.kv_heads || lists.side.len() != sh.kv_heads {
+            return bad(format!(
+                "{} block lists and {} side-row lists for {} KV heads",
+                lists.blocks.len(),
+                lists.side.len(),
+                sh.kv_heads
+            ));
+        }
+        for (h, list) in lists.blocks.iter().enumerate() {
+            if list.windows(2).any(|w| w[0].0 >= w[1].0) || list.last().is_some_and(|b| b.0 as usize >= blocks) {
+                return bad(format!("KV head {h}: blocks must ascend and be below the {blocks} encoded"));
+            }
+        }
+        if let Some(h) = lists.side.iter().position(|l| l.iter().any(|&r| r as usize >= side.rows)) {
+            return bad(format!("KV head {h}: a side row past the {} held", side.rows));
+        }
+        let per_head = self.head_dim + 2;
+        if !lists.extra.is_empty() && lists.extra.len() != sh.q_heads * per_head {
+            return bad(format!(
+                "host partials of {} floats, expected none or {} ({} query heads × {per_head})",
+                lists.extra.len(),
+                sh.q_heads * per_head,
+                sh.q_heads
+            ));
+        }
+        let offsets = |n: &mut dyn Iterator<Item = usize>| -> Vec<i32> {
+            std::iter::once(0)
+                .chain(n.scan(0, |at, len| {
+                    *at += len as i32;
+                    Some(*at)
+                }))
+                .collect()
+        };
+        let listed: usize = lists.blocks.iter().map(Vec::len).sum();
+        let longest = lists.blocks.iter().map(Vec::len).max().unwrap_or(0);
+        let chunk_blocks = listed.div_ceil(KV43_CTAS).max(1);
+        let chunks = longest.div_ceil(chunk_blocks).max(1);
+        let up = |what| gpu_err(what);
+        let block: Vec<i32> = lists.blocks.iter().flatten().map(|b| b.0 as i32).collect();
+        let mask: Vec<u64> = lists.blocks.iter().flatten().map(|b| b.1).collect();
+        let side_rows: Vec<i32> = lists.side.iter().flatten().map(|&r| (r as usize * side.kv_heads) as i32).collect();
+        let part_len = sh.kv_heads * chunks * sh.group() * per_head;
+        // Empty lists still get a device buffer (cudarc allocates at least one element).
+        let nonempty = |mut v: Vec<i32>| {
+            if v.is_empty() {
+                v.push(0);
+            }
+            v
+        };
+        let mut buffers = ListedBuffers {
+            off: self
+                .stream
+                .clone_htod(&offsets(&mut lists.blocks.iter().map(Vec::len)))
+                .map_err(up("copying kv43 lists"))?,
+            block: self.stream.clone_htod(&nonempty(block)).map_err(up("copying kv43 lists"))?,
+            mask: self
+                .stream
+                .clone_htod(&if mask.is_empty() { vec![0] } else { mask })
+                .map_err(up("copying kv43 lists"))?,
+            side: self.stream.clone_htod(&nonempty(side_rows)).map_err(up("copying kv43 lists"))?,
+            side_off: self
+                .stream
+                .clone_htod(&offsets(&mut lists.side.iter().map(Vec::len)))
+                .map_err(up("copying kv43 lists"))?,
+            extra: match lists.extra.is_empty() {
+                true => None,
+                false => Some(self.stream.clone_htod(&lists.extra).map_err(up("copying host partials"))?),
+            },
+            part: match job.listed.take().map(|b| b.part).filter(|p| p.len() >= part_len) {
+                Some(p) => p,
+                None => self.stream.alloc_zeros::<f32>(part_len).map_err(up("allocating partials"))?,
+            },
+        };
+        let list = (
+            device_address(&buffers.off, &self.stream),
+            device_address(&buffers.block, &self.stream),
+            device_address(&buffers.mask, &self.stream),
+        );
+        // SAFETY: every listed block is below dev's blocks and the offsets cover the lists
+        // (checked and built above), chunks × chunk_blocks cover the longest list; part holds
+        // kv_heads × chunks × group partials (allocated above); the lists live in the job
+        // until its next launch, after the caller's fetch.
+        unsafe {
+            self.launch_kv43_kernel(dev, &job.q, job.scale, &sh, (chunks, chunk_blocks), &mut buffers.part, Some(list))?
+        };
+        let longest_side = lists.side.iter().map(Vec::len).max().unwrap_or(0);
+        let side_part = match longest_side {
+            0 => (0, 0),
+            n => {
+                let at = (device_address(&buffers.side, &self.stream), device_address(&buffers.side_off, &self.stream));
+                let chunk = chunk_rows(n, sh.kv_heads);
+                (self.launch_kv43_side(side, Some((at, n, chunk)), job)?, n.div_ceil(chunk))
+            }
+        };
+        let extra = buffers.extra.as_ref().map_or((0, 0), |e| (device_address(e, &self.stream), 1));
+        let lse = device_address(&job.lse, &self.stream);
+        let copies = super::MailboxCopies::default();
+        let merged =
+            self.launch_merge(&self.stream, &sh, &buffers.part, chunks, &mut job.out, lse, [side_part, extra], copies);
+        job.listed = Some(buffers);
+        merged
+    }
+
+    /// What every kv43 launch needs of its copy, side rows and job: the job's shape for the
+    /// copy's KV heads on this backend's head dimension, and side rows of the same.
+    fn check_kv43_launch(&self, dev: &DeviceKv43, side: Option<&Kv43SideRows>, job: &Kv43Job) -> Result<()> {
+        let sh = job.shape;
+        self.kv43_kernel(sh.group())?;
+        if sh.kv_heads != dev.kv_heads || dev.head_dim != self.head_dim || sh.head_dim != self.head_dim {
             return Err(Error::InvalidArgument {
                 what: "kv43 job",
                 message: "the job was not prepared for these rows on this backend (prepare_kv43)".into(),
@@ -337,15 +495,41 @@ impl GpuBackend {
                 ),
             });
         }
+        Ok(())
+    }
+
+    /// Enqueues `kv43_partial` over `dev` into `part`: `chunks` CTAs per KV head of
+    /// `chunk_blocks` blocks (or list entries) each; `list`: the device addresses of the
+    /// per-head offsets, blocks and masks, or `None` for every block.
+    ///
+    /// # Safety
+    /// `sh` matches `dev` on this backend (check_kv43_launch); `part` holds kv_heads × chunks
+    /// × group partials; without a list chunks × chunk_blocks cover dev's blocks; a list's
+    /// offsets (kv_heads + 1) bound its entries, every entry is a block of dev, and every
+    /// buffer lives until the stream has run the kernel.
+    #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
+    #[allow(clippy::too_many_arguments, reason = "the rows, the queries, the grid, the partials and the list")]
+    unsafe fn launch_kv43_kernel(
+        &self,
+        dev: &DeviceKv43,
+        q: &CudaSlice<f32>,
+        scale: f32,
+        sh: &AttnShape,
+        (chunks, chunk_blocks): (usize, usize),
+        part: &mut CudaSlice<f32>,
+        list: Option<(u64, u64, u64)>,
+    ) -> Result<()> {
+        let f = self.kv43_kernel(sh.group())?;
         let p = dev.params;
         let (rows, key_group, value_block) = (dev.rows as i32, p.key_group as i32, p.value_block as i32);
-        let chunk_blocks = job.chunk_blocks as i32;
+        let chunk_blocks = chunk_blocks as i32;
         let cfg = LaunchConfig {
-            grid_dim: (job.chunks as u32, sh.kv_heads as u32, 1),
+            grid_dim: (chunks as u32, sh.kv_heads as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: 0,
         };
         let null = 0u64;
+        let (off, block, mask) = list.unwrap_or((0, 0, 0));
         let mut b = self.stream.launch_builder(f);
         b.arg(&dev.kc);
         match &dev.khigh {
@@ -354,33 +538,38 @@ impl GpuBackend {
         };
         b.arg(&dev.kmin).arg(&dev.kscale).arg(&dev.ksum).arg(&dev.vw).arg(&dev.vmin).arg(&dev.vscale);
         b.arg(&rows).arg(&key_group).arg(&value_block);
-        b.arg(&job.q).arg(&job.scale).arg(&chunk_blocks).arg(&mut job.part);
+        b.arg(q).arg(&scale).arg(&chunk_blocks).arg(part);
+        b.arg(&off).arg(&block).arg(&mask);
         // SAFETY: dev holds kv_heads × rows encoded rows in the layout kv43_partial reads
         // (the CPU arrays of `Kv43Head::arrays`, the value planes as nibble words,
         // concatenated per head in upload_kv43, whose parameters fit the kernel: key groups
         // and value blocks of whole 64-row blocks, the fifth-bit plane present exactly for
-        // 5-bit keys); q holds q_heads × head_dim
-        // queries and part kv_heads × chunks × group partials (prepare_kv43 for this shape,
-        // whose kv_heads match dev, checked above); chunks × chunk_blocks cover the blocks.
+        // 5-bit keys); q holds q_heads × head_dim queries; the caller's contract for the
+        // grid, part and the list.
         unsafe { b.launch(cfg) }.map_err(gpu_err("launching kv43_partial"))?;
-        let side_part = match side.filter(|s| s.rows > 0) {
-            Some(s) => (self.launch_kv43_side(s, job)?, s.chunks()),
-            None => (0, 0),
-        };
-        let lse = device_address(&job.lse, &self.stream);
-        let copies = super::MailboxCopies::default();
-        let parts = [side_part, (0, 0)];
-        self.launch_merge(&self.stream, &job.shape, &job.part, job.chunks, &mut job.out, lse, parts, copies)
+        Ok(())
     }
 
     /// Enqueues the plain kernel over the rows of `side` into the job's side partials
-    /// (allocated for the side's capacity when short); returns their device address.
+    /// (allocated when short); returns their device address. `listed`: per-KV-head row lists
+    /// (the device addresses of the entries, `r · kv_heads` for side row `r`, and of their
+    /// `kv_heads + 1` offsets; the longest list's length; rows per CTA) instead of every row.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
-    fn launch_kv43_side(&self, side: &Kv43SideRows, job: &mut Kv43Job) -> Result<u64> {
+    fn launch_kv43_side(
+        &self,
+        side: &Kv43SideRows,
+        listed: Option<((u64, u64), usize, usize)>,
+        job: &mut Kv43Job,
+    ) -> Result<u64> {
         let sh = job.shape;
         let per_chunk = sh.kv_heads * sh.group() * (self.head_dim + 2);
-        let need = side.capacity.div_ceil(side.chunk) * per_chunk;
-        if job.side_part.as_ref().is_none_or(|p| p.len() < side.chunks() * per_chunk) {
+        let (list, identity, chunk) = match listed {
+            Some((list, longest, chunk)) => (list, longest, chunk),
+            None => ((device_address(&side.list, &self.stream), 0), side.rows, side.chunk),
+        };
+        let chunks = identity.div_ceil(chunk);
+        if job.side_part.as_ref().is_none_or(|p| p.len() < chunks * per_chunk) {
+            let need = side.capacity.div_ceil(chunk).max(chunks) * per_chunk;
             job.side_part = Some(self.stream.alloc_zeros::<f32>(need).map_err(gpu_err("allocating partials"))?);
         }
         let part = job.side_part.as_mut().expect("allocated above");
@@ -390,19 +579,20 @@ impl GpuBackend {
                 device_address(&side.values, &self.stream),
                 self.head_dim as i64,
             ),
-            list: (device_address(&side.list, &self.stream), 0),
-            identity: side.rows,
-            chunk: side.chunk,
-            chunks: side.chunks(),
+            list,
+            identity,
+            chunk,
+            chunks,
             cache: (0, 0, NO_STEADY.0),
             steady: (0, 0),
         };
-        // SAFETY: the list's first `side.rows` entries are r · kv_heads for r < side.rows ≤
-        // capacity, so KV head h reads rows (r · kv_heads + h) · head_dim of keys and values,
-        // which hold capacity · kv_heads · head_dim elements (alloc_kv43_side); no entry is
-        // negative, so the cache and steady addresses are never read; part holds kv_heads ×
-        // chunks × group partials (allocated above for the capacity's chunks); side and job
-        // are borrowed until the caller's fetch synchronizes the stream.
+        // SAFETY: every list entry is r · kv_heads for a side row r < side.rows ≤ capacity
+        // (the shared list's first `side.rows` entries, or the caller's per-head lists, whose
+        // offsets bound them), so KV head h reads rows (r · kv_heads + h) · head_dim of keys
+        // and values, which hold capacity · kv_heads · head_dim elements (alloc_kv43_side);
+        // no entry is negative, so the cache and steady addresses are never read; part holds
+        // kv_heads × chunks × group partials (allocated above); side, the lists and job are
+        // borrowed until the caller's fetch synchronizes the stream.
         unsafe { self.launch_attn_rows(&self.stream, &sh, &job.q, job.scale, rows, part)? };
         Ok(device_address(part, &self.stream))
     }
