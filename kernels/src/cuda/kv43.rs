@@ -54,13 +54,14 @@ impl DeviceKv43 {
 }
 
 /// f16 rows a kv43 decode attends beside the codes (each piece's partial key group, a
-/// context's steady zone) in device memory, row after row: row `r` of KV head `h` at
-/// `(r · kv_heads + h) · head_dim` (the layout of a wave index's `SteadyRows`), appended as
-/// they arrive ([`GpuBackend::append_kv43_side`]) up to a fixed capacity.
+/// context's steady zone) in device memory, row after row, each row its KV heads' keys then
+/// their values: key `h` of row `r` at `(2r · kv_heads + h) · head_dim`, its value
+/// `kv_heads · head_dim` later. Appended as they arrive ([`GpuBackend::append_kv43_side`])
+/// up to a fixed capacity, one copy per append.
 pub struct Kv43SideRows {
-    keys: CudaSlice<u16>,
-    values: CudaSlice<u16>,
-    /// `r · kv_heads` for `r < capacity`: the plain kernel's row list, shared by every KV head.
+    /// `capacity × 2 × kv_heads × head_dim` f16 bits.
+    kv: CudaSlice<u16>,
+    /// `2r · kv_heads` for `r < capacity`: the plain kernel's row list, shared by every KV head.
     list: CudaSlice<i32>,
     rows: usize,
     capacity: usize,
@@ -71,7 +72,7 @@ pub struct Kv43SideRows {
     /// Page-locked staging of one row's keys and values: a decode step appends one row (of
     /// every KV head), and a copy from pageable memory costs ~10 µs of driver staging on the
     /// H100 host; larger appends are copied from the caller's memory.
-    stage: (PinnedHostSlice<u16>, PinnedHostSlice<u16>),
+    stage: PinnedHostSlice<u16>,
 }
 
 impl Kv43SideRows {
@@ -218,24 +219,23 @@ impl GpuBackend {
                 ),
             });
         }
-        let n = capacity * kv_heads * self.head_dim;
-        let list: Vec<i32> = (0..capacity).map(|r| (r * kv_heads) as i32).collect();
+        let n = capacity * 2 * kv_heads * self.head_dim;
+        let list: Vec<i32> = (0..capacity).map(|r| (2 * r * kv_heads) as i32).collect();
         Ok(Kv43SideRows {
-            keys: self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating kv43 side rows"))?,
-            values: self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating kv43 side rows"))?,
+            kv: self.stream.alloc_zeros::<u16>(n).map_err(gpu_err("allocating kv43 side rows"))?,
             list: self.stream.clone_htod(&list).map_err(gpu_err("copying the side rows' list"))?,
             rows: 0,
             capacity,
             kv_heads,
             head_dim: self.head_dim,
             chunk: chunk_rows(capacity, kv_heads),
-            stage: (self.pinned_zeroed(0, kv_heads * self.head_dim)?, self.pinned_zeroed(0, kv_heads * self.head_dim)?),
+            stage: self.pinned_zeroed(0, 2 * kv_heads * self.head_dim)?,
         })
     }
 
     /// Appends rows to `side`: `keys` and `values` are f16 bits, `n × kv_heads × head_dim`
-    /// each in the side rows' layout (row after row, the KV heads of a row together). Ordered
-    /// on the stream before the next launch.
+    /// each, row after row with the KV heads of a row together (a wave index's `SteadyRows`).
+    /// One copy, ordered on the stream before the next launch.
     pub fn append_kv43_side(&self, side: &mut Kv43SideRows, keys: &[u16], values: &[u16]) -> Result<()> {
         let per_row = side.kv_heads * self.head_dim;
         let n = keys.len() / per_row;
@@ -260,17 +260,24 @@ impl GpuBackend {
         if n == 0 {
             return Ok(());
         }
-        let span = side.rows * per_row..(side.rows + n) * per_row;
+        let span = 2 * side.rows * per_row..2 * (side.rows + n) * per_row;
         let err = gpu_err("copying kv43 side rows");
+        let interleave = |to: &mut [u16]| {
+            for ((row, k), v) in
+                to.chunks_exact_mut(2 * per_row).zip(keys.chunks_exact(per_row)).zip(values.chunks_exact(per_row))
+            {
+                row[..per_row].copy_from_slice(k);
+                row[per_row..].copy_from_slice(v);
+            }
+        };
         if n == 1 {
-            // Each waits for the last copy out of its staging, if one is in flight.
-            side.stage.0.as_mut_slice().map_err(&err)?.copy_from_slice(keys);
-            side.stage.1.as_mut_slice().map_err(&err)?.copy_from_slice(values);
-            self.stream.memcpy_htod(&side.stage.0, &mut side.keys.slice_mut(span.clone())).map_err(&err)?;
-            self.stream.memcpy_htod(&side.stage.1, &mut side.values.slice_mut(span)).map_err(&err)?;
+            // Waits for the last copy out of the staging, if one is in flight.
+            interleave(side.stage.as_mut_slice().map_err(&err)?);
+            self.stream.memcpy_htod(&side.stage, &mut side.kv.slice_mut(span)).map_err(&err)?;
         } else {
-            self.stream.memcpy_htod(keys, &mut side.keys.slice_mut(span.clone())).map_err(&err)?;
-            self.stream.memcpy_htod(values, &mut side.values.slice_mut(span)).map_err(&err)?;
+            let mut rows = vec![0u16; 2 * n * per_row];
+            interleave(&mut rows);
+            self.stream.memcpy_htod(&rows, &mut side.kv.slice_mut(span)).map_err(&err)?;
         }
         side.rows += n;
         Ok(())
@@ -412,7 +419,8 @@ impl GpuBackend {
         let up = |what| gpu_err(what);
         let block: Vec<i32> = lists.blocks.iter().flatten().map(|b| b.0 as i32).collect();
         let mask: Vec<u64> = lists.blocks.iter().flatten().map(|b| b.1).collect();
-        let side_rows: Vec<i32> = lists.side.iter().flatten().map(|&r| (r as usize * side.kv_heads) as i32).collect();
+        let side_rows: Vec<i32> =
+            lists.side.iter().flatten().map(|&r| (2 * r as usize * side.kv_heads) as i32).collect();
         let part_len = sh.kv_heads * chunks * sh.group() * per_head;
         // Empty lists still get a device buffer (cudarc allocates at least one element).
         let nonempty = |mut v: Vec<i32>| {
@@ -552,7 +560,7 @@ impl GpuBackend {
 
     /// Enqueues the plain kernel over the rows of `side` into the job's side partials
     /// (allocated when short); returns their device address. `listed`: per-KV-head row lists
-    /// (the device addresses of the entries, `r · kv_heads` for side row `r`, and of their
+    /// (the device addresses of the entries, `2r · kv_heads` for side row `r`, and of their
     /// `kv_heads + 1` offsets; the longest list's length; rows per CTA) instead of every row.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     fn launch_kv43_side(
@@ -573,12 +581,11 @@ impl GpuBackend {
             job.side_part = Some(self.stream.alloc_zeros::<f32>(need).map_err(gpu_err("allocating partials"))?);
         }
         let part = job.side_part.as_mut().expect("allocated above");
+        let base = device_address(&side.kv, &self.stream);
         let rows = AttnRows {
-            kv: (
-                device_address(&side.keys, &self.stream),
-                device_address(&side.values, &self.stream),
-                self.head_dim as i64,
-            ),
+            // Values kv_heads · head_dim f16s (2 bytes each) after a row's keys; KV head h's
+            // rows h · head_dim after head 0's.
+            kv: (base, base + (side.kv_heads * self.head_dim * 2) as u64, self.head_dim as i64),
             list,
             identity,
             chunk,
@@ -586,10 +593,11 @@ impl GpuBackend {
             cache: (0, 0, NO_STEADY.0),
             steady: (0, 0),
         };
-        // SAFETY: every list entry is r · kv_heads for a side row r < side.rows ≤ capacity
+        // SAFETY: every list entry is 2r · kv_heads for a side row r < side.rows ≤ capacity
         // (the shared list's first `side.rows` entries, or the caller's per-head lists, whose
-        // offsets bound them), so KV head h reads rows (r · kv_heads + h) · head_dim of keys
-        // and values, which hold capacity · kv_heads · head_dim elements (alloc_kv43_side);
+        // offsets bound them), so KV head h reads the key at (2r · kv_heads + h) · head_dim
+        // and the value kv_heads · head_dim after it, inside the capacity × 2 · kv_heads ·
+        // head_dim elements of side.kv (alloc_kv43_side);
         // no entry is negative, so the cache and steady addresses are never read; part holds
         // kv_heads × chunks × group partials (allocated above); side, the lists and job are
         // borrowed until the caller's fetch synchronizes the stream.
