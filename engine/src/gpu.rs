@@ -933,7 +933,8 @@ impl Engine {
             // A sparse plan: its retrieved rows and steady zone listed, its estimation zone
             // computed here and folded in by the merge.
             let (d, g) = (sh.head_dim, sh.group());
-            let heads: Option<Vec<_>> = works.iter().map(|w| w.listed(d, g, meter)).collect();
+            // Per KV head on rayon threads (the estimation partials are CPU work).
+            let heads: Option<Vec<_>> = works.par_iter().map(|w| w.listed(d, g, meter)).collect();
             let Some(heads) = heads else {
                 self.gpu.device.lock().kv43.insert(key, DeviceKv43Layer { job: Some(job), ..copy });
                 return Ok(None);

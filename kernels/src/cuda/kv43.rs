@@ -94,13 +94,32 @@ impl Kv43SideRows {
 
 /// Device buffers of a listed launch ([`Kv43Lists`]), kept with the job until its next one.
 struct ListedBuffers {
-    off: CudaSlice<i32>,
-    block: CudaSlice<i32>,
-    mask: CudaSlice<u64>,
-    side: CudaSlice<i32>,
-    side_off: CudaSlice<i32>,
-    extra: Option<CudaSlice<f32>>,
+    /// Everything the host lists, packed (`ListedLayout`) and copied in one piece.
+    packed: CudaSlice<u8>,
     part: CudaSlice<f32>,
+}
+
+/// Where each list sits in a listed launch's packed bytes: the masks (u64) first, then the
+/// host partials (f32), the block offsets and blocks, the side-row entries and their offsets
+/// (i32), each at a multiple of its size.
+struct ListedLayout {
+    extra: usize,
+    off: usize,
+    block: usize,
+    side: usize,
+    side_off: usize,
+    len: usize,
+}
+
+impl ListedLayout {
+    fn of(kv_heads: usize, blocks: usize, extra: usize, side: usize) -> Self {
+        let extra_at = 8 * blocks;
+        let off = extra_at + 4 * extra;
+        let block = off + 4 * (kv_heads + 1);
+        let side_at = block + 4 * blocks;
+        let side_off = side_at + 4 * side;
+        ListedLayout { extra: extra_at, off, block, side: side_at, side_off, len: side_off + 4 * (kv_heads + 1) }
+    }
 }
 
 /// Buffers of one kv43 decode launch.
@@ -416,52 +435,43 @@ impl GpuBackend {
         let longest = lists.blocks.iter().map(Vec::len).max().unwrap_or(0);
         let chunk_blocks = listed.div_ceil(KV43_CTAS).max(1);
         let chunks = longest.div_ceil(chunk_blocks).max(1);
-        let up = |what| gpu_err(what);
-        let block: Vec<i32> = lists.blocks.iter().flatten().map(|b| b.0 as i32).collect();
-        let mask: Vec<u64> = lists.blocks.iter().flatten().map(|b| b.1).collect();
-        let side_rows: Vec<i32> =
-            lists.side.iter().flatten().map(|&r| (2 * r as usize * side.kv_heads) as i32).collect();
+        let sides: usize = lists.side.iter().map(Vec::len).sum();
+        let at = ListedLayout::of(sh.kv_heads, listed, lists.extra.len(), sides);
+        let mut bytes = Vec::with_capacity(at.len);
+        bytes.extend(lists.blocks.iter().flatten().flat_map(|b| b.1.to_ne_bytes()));
+        bytes.extend(lists.extra.iter().flat_map(|x| x.to_ne_bytes()));
+        bytes.extend(offsets(&mut lists.blocks.iter().map(Vec::len)).iter().flat_map(|x| x.to_ne_bytes()));
+        bytes.extend(lists.blocks.iter().flatten().flat_map(|b| (b.0 as i32).to_ne_bytes()));
+        let entry = |r: u32| ((2 * r as usize * side.kv_heads) as i32).to_ne_bytes();
+        bytes.extend(lists.side.iter().flatten().flat_map(|&r| entry(r)));
+        bytes.extend(offsets(&mut lists.side.iter().map(Vec::len)).iter().flat_map(|x| x.to_ne_bytes()));
+        debug_assert_eq!(bytes.len(), at.len);
         let part_len = sh.kv_heads * chunks * sh.group() * per_head;
-        // Empty lists still get a device buffer (cudarc allocates at least one element).
-        let nonempty = |mut v: Vec<i32>| {
-            if v.is_empty() {
-                v.push(0);
-            }
-            v
+        let old = job.listed.take();
+        let (packed, part) = match old {
+            Some(b) => (Some(b.packed).filter(|p| p.len() >= at.len), Some(b.part).filter(|p| p.len() >= part_len)),
+            None => (None, None),
         };
+        let err = gpu_err("copying kv43 lists");
         let mut buffers = ListedBuffers {
-            off: self
-                .stream
-                .clone_htod(&offsets(&mut lists.blocks.iter().map(Vec::len)))
-                .map_err(up("copying kv43 lists"))?,
-            block: self.stream.clone_htod(&nonempty(block)).map_err(up("copying kv43 lists"))?,
-            mask: self
-                .stream
-                .clone_htod(&if mask.is_empty() { vec![0] } else { mask })
-                .map_err(up("copying kv43 lists"))?,
-            side: self.stream.clone_htod(&nonempty(side_rows)).map_err(up("copying kv43 lists"))?,
-            side_off: self
-                .stream
-                .clone_htod(&offsets(&mut lists.side.iter().map(Vec::len)))
-                .map_err(up("copying kv43 lists"))?,
-            extra: match lists.extra.is_empty() {
-                true => None,
-                false => Some(self.stream.clone_htod(&lists.extra).map_err(up("copying host partials"))?),
-            },
-            part: match job.listed.take().map(|b| b.part).filter(|p| p.len() >= part_len) {
+            packed: match packed {
                 Some(p) => p,
-                None => self.stream.alloc_zeros::<f32>(part_len).map_err(up("allocating partials"))?,
+                None => self.stream.alloc_zeros::<u8>(at.len.next_power_of_two()).map_err(&err)?,
+            },
+            part: match part {
+                Some(p) => p,
+                None => self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
             },
         };
-        let list = (
-            device_address(&buffers.off, &self.stream),
-            device_address(&buffers.block, &self.stream),
-            device_address(&buffers.mask, &self.stream),
-        );
+        self.stream.memcpy_htod(&bytes, &mut buffers.packed.slice_mut(..at.len)).map_err(&err)?;
+        let base = device_address(&buffers.packed, &self.stream);
+        let addr = |offset: usize| base + offset as u64;
+        let list = (addr(at.off), addr(at.block), addr(0));
         // SAFETY: every listed block is below dev's blocks and the offsets cover the lists
-        // (checked and built above), chunks × chunk_blocks cover the longest list; part holds
-        // kv_heads × chunks × group partials (allocated above); the lists live in the job
-        // until its next launch, after the caller's fetch.
+        // (checked and packed above, each at its place in `packed`, 4- or 8-byte aligned),
+        // chunks × chunk_blocks cover the longest list; part holds kv_heads × chunks × group
+        // partials (allocated above); the lists live in the job until its next launch, after
+        // the caller's fetch.
         unsafe {
             self.launch_kv43_kernel(dev, &job.q, job.scale, &sh, (chunks, chunk_blocks), &mut buffers.part, Some(list))?
         };
@@ -469,12 +479,14 @@ impl GpuBackend {
         let side_part = match longest_side {
             0 => (0, 0),
             n => {
-                let at = (device_address(&buffers.side, &self.stream), device_address(&buffers.side_off, &self.stream));
                 let chunk = chunk_rows(n, sh.kv_heads);
-                (self.launch_kv43_side(side, Some((at, n, chunk)), job)?, n.div_ceil(chunk))
+                (
+                    self.launch_kv43_side(side, Some(((addr(at.side), addr(at.side_off)), n, chunk)), job)?,
+                    n.div_ceil(chunk),
+                )
             }
         };
-        let extra = buffers.extra.as_ref().map_or((0, 0), |e| (device_address(e, &self.stream), 1));
+        let extra = if lists.extra.is_empty() { (0, 0) } else { (addr(at.extra), 1) };
         let lse = device_address(&job.lse, &self.stream);
         let copies = super::MailboxCopies::default();
         let merged =
