@@ -94,8 +94,10 @@ impl Kv43SideRows {
 
 /// Device buffers of a listed launch ([`Kv43Lists`]), kept with the job until its next one.
 struct ListedBuffers {
-    /// Everything the host lists, packed (`ListedLayout`) and copied in one piece.
+    /// Everything the host lists, packed (`ListedLayout`) and copied in one piece from
+    /// `stage` (page-locked, as long: no staging by the driver).
     packed: CudaSlice<u8>,
+    stage: PinnedHostSlice<u8>,
     part: CudaSlice<f32>,
 }
 
@@ -437,33 +439,49 @@ impl GpuBackend {
         let chunks = longest.div_ceil(chunk_blocks).max(1);
         let sides: usize = lists.side.iter().map(Vec::len).sum();
         let at = ListedLayout::of(sh.kv_heads, listed, lists.extra.len(), sides);
-        let mut bytes = Vec::with_capacity(at.len);
-        bytes.extend(lists.blocks.iter().flatten().flat_map(|b| b.1.to_ne_bytes()));
-        bytes.extend(lists.extra.iter().flat_map(|x| x.to_ne_bytes()));
-        bytes.extend(offsets(&mut lists.blocks.iter().map(Vec::len)).iter().flat_map(|x| x.to_ne_bytes()));
-        bytes.extend(lists.blocks.iter().flatten().flat_map(|b| (b.0 as i32).to_ne_bytes()));
-        let entry = |r: u32| ((2 * r as usize * side.kv_heads) as i32).to_ne_bytes();
-        bytes.extend(lists.side.iter().flatten().flat_map(|&r| entry(r)));
-        bytes.extend(offsets(&mut lists.side.iter().map(Vec::len)).iter().flat_map(|x| x.to_ne_bytes()));
-        debug_assert_eq!(bytes.len(), at.len);
         let part_len = sh.kv_heads * chunks * sh.group() * per_head;
         let old = job.listed.take();
         let (packed, part) = match old {
-            Some(b) => (Some(b.packed).filter(|p| p.len() >= at.len), Some(b.part).filter(|p| p.len() >= part_len)),
+            Some(b) => (
+                Some((b.packed, b.stage)).filter(|p| p.0.len() >= at.len),
+                Some(b.part).filter(|p| p.len() >= part_len),
+            ),
             None => (None, None),
         };
         let err = gpu_err("copying kv43 lists");
-        let mut buffers = ListedBuffers {
-            packed: match packed {
-                Some(p) => p,
-                None => self.stream.alloc_zeros::<u8>(at.len.next_power_of_two()).map_err(&err)?,
-            },
-            part: match part {
-                Some(p) => p,
-                None => self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
-            },
+        let (packed, mut stage) = match packed {
+            Some(p) => p,
+            None => {
+                let cap = at.len.next_power_of_two();
+                (self.stream.alloc_zeros::<u8>(cap).map_err(&err)?, self.pinned_zeroed(0, cap)?)
+            }
         };
-        self.stream.memcpy_htod(&bytes, &mut buffers.packed.slice_mut(..at.len)).map_err(&err)?;
+        // Waits for the last copy out of the staging, if one is in flight.
+        let bytes = stage.as_mut_slice().map_err(&err)?;
+        let mut put = |at: usize, x: &[u8]| bytes[at..at + x.len()].copy_from_slice(x);
+        for (i, b) in lists.blocks.iter().flatten().enumerate() {
+            put(8 * i, &b.1.to_ne_bytes());
+            put(at.block + 4 * i, &(b.0 as i32).to_ne_bytes());
+        }
+        for (i, x) in lists.extra.iter().enumerate() {
+            put(at.extra + 4 * i, &x.to_ne_bytes());
+        }
+        for (i, r) in lists.side.iter().flatten().enumerate() {
+            put(at.side + 4 * i, &((2 * *r as usize * side.kv_heads) as i32).to_ne_bytes());
+        }
+        for (i, x) in offsets(&mut lists.blocks.iter().map(Vec::len)).iter().enumerate() {
+            put(at.off + 4 * i, &x.to_ne_bytes());
+        }
+        for (i, x) in offsets(&mut lists.side.iter().map(Vec::len)).iter().enumerate() {
+            put(at.side_off + 4 * i, &x.to_ne_bytes());
+        }
+        let part = match part {
+            Some(p) => p,
+            None => self.stream.alloc_zeros::<f32>(part_len).map_err(gpu_err("allocating partials"))?,
+        };
+        let mut buffers = ListedBuffers { packed, stage, part };
+        // The whole staging (the lists and whatever follows them, unread).
+        self.stream.memcpy_htod(&buffers.stage, &mut buffers.packed).map_err(&err)?;
         let base = device_address(&buffers.packed, &self.stream);
         let addr = |offset: usize| base + offset as u64;
         let list = (addr(at.off), addr(at.block), addr(0));
