@@ -443,6 +443,19 @@ fn a_prefill_clustered_on_the_gpu_serves_plans_like_a_cpu_prefill() {
     }
 }
 
+/// A one-request plan executed on the CPU and then on the GPU, which must run it (not fall
+/// back): the microseconds each took and the GPU output's relative error against the CPU's.
+fn on_cpu_and_gpu(engine: &Engine, plan: &attnstore::Plan) -> (f64, f64, f64) {
+    let t = Instant::now();
+    let want = engine.execute(plan).unwrap().remove(0);
+    let cpu = t.elapsed().as_secs_f64() * 1e6;
+    let t = Instant::now();
+    let (mut got, run) = engine.execute_gpu(plan).unwrap();
+    let gpu = t.elapsed().as_secs_f64() * 1e6;
+    assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
+    (cpu, gpu, rel_l2(&got.remove(0), &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>()))
+}
+
 /// Exact plans over a kv43 layer run on the GPU's kv43 kernel from the layer's device copy:
 /// each of 24 decode steps (a decode segment of 1,100 rows, not a whole number of key
 /// groups, completes at step 12, so the copy is made again and a second piece with a partial
@@ -471,14 +484,7 @@ fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
             append_step(&engine, ctx, &synth, &mut at, step);
             let request = [Request::new(ctx, 0, synth.queries(step % 4))];
             let plan = engine.plan(&request, &Budget::full()).unwrap();
-            let t = Instant::now();
-            let want = engine.execute(&plan).unwrap().remove(0);
-            let cpu = t.elapsed().as_secs_f64() * 1e6;
-            let t = Instant::now();
-            let (mut got, run) = engine.execute_gpu(&plan).unwrap();
-            let gpu = t.elapsed().as_secs_f64() * 1e6;
-            assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "step {step}: {run:?}");
-            let err = rel_l2(&got.remove(0), &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+            let (cpu, gpu, err) = on_cpu_and_gpu(&engine, &plan);
             assert!(err <= 1e-3, "{tokens} tokens, step {step}: GPU vs CPU executor {err}");
             worst = worst.max(err);
             if step >= 2 && step != 12 {
@@ -495,14 +501,7 @@ fn exact_kv43_plans_on_the_gpu_equal_the_cpu_executor_as_tokens_append() {
             let sparse = engine.plan(&[Request::new(ctx, 0, synth.queries(round % 4))], &Budget::default()).unwrap();
             let planned = t.elapsed().as_secs_f64() * 1e6;
             assert!(sparse.requests[0].heads.iter().all(|h| !h.exact), "the default budget at {tokens} is sparse");
-            let t = Instant::now();
-            let want = engine.execute(&sparse).unwrap().remove(0);
-            let cpu = t.elapsed().as_secs_f64() * 1e6;
-            let t = Instant::now();
-            let (mut got, run) = engine.execute_gpu(&sparse).unwrap();
-            let gpu = t.elapsed().as_secs_f64() * 1e6;
-            assert_eq!((run.on_gpu, run.on_cpu), (1, 0), "{run:?}");
-            let err = rel_l2(&got.remove(0), &want.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
+            let (cpu, gpu, err) = on_cpu_and_gpu(&engine, &sparse);
             assert!(err <= 1e-3, "{tokens} tokens: a sparse kv43 plan, GPU vs CPU executor {err}");
             sparse_worst = sparse_worst.max(err);
             if round >= 2 {

@@ -1075,27 +1075,38 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
     let mut job = gpu.prepare_kv43(&shape, &q, &dev).unwrap();
     gpu.launch_kv43(&dev, Some(&side), &mut job).unwrap();
     let got = gpu.fetch_kv43(&mut job).unwrap();
-    let cpu: Vec<f64> = lists
-        .iter()
-        .enumerate()
-        .flat_map(|(h, pieces)| {
+    // The CPU over KV head h's pieces' rows `ranges(h)` (codes, and partial key groups
+    // exactly), steady rows `first_steady..` of 2900..3000 and the host partials `extra`.
+    let cpu_over = |ranges: &dyn Fn(usize) -> [Vec<std::ops::Range<usize>>; 2],
+                    first_steady: usize,
+                    extra: &[attnstore_kernels::Partial]|
+     -> Vec<f64> {
+        let mut out = Vec::new();
+        for (h, pieces) in lists.iter().enumerate() {
             let qh = &q[h * g * d..(h + 1) * g * d];
             let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
-            for p in pieces {
-                p.attend_runs(qh, shape.scale(), &[0..p.rows()], &mut parts).unwrap();
+            for (p, rs) in pieces.iter().zip(ranges(h)) {
+                p.attend_runs(qh, shape.scale(), &rs, &mut parts).unwrap();
             }
-            let steady = (h * 3000 + 2900) * d..(h * 3000 + 3000) * d;
+            let steady = (h * 3000 + 2900 + first_steady) * d..(h * 3000 + 3000) * d;
+            let scratch = &mut attnstore_kernels::cpu::attention::Scratch::default();
             attnstore_kernels::cpu::attention::attend_spans(
                 qh,
                 shape.scale(),
                 [(&k[steady.clone()], &v[steady])],
                 &mut parts,
-                &mut attnstore_kernels::cpu::attention::Scratch::default(),
+                scratch,
             );
-            parts.iter().flat_map(attnstore_kernels::Partial::finish).collect::<Vec<f32>>()
-        })
-        .map(f64::from)
-        .collect();
+            for (j, part) in parts.iter_mut().enumerate() {
+                if let Some(e) = extra.get(h * g + j) {
+                    part.merge(e);
+                }
+            }
+            out.extend(parts.iter().flat_map(attnstore_kernels::Partial::finish).map(f64::from));
+        }
+        out
+    };
+    let cpu = cpu_over(&|h| [vec![0..lists[h][0].rows()], vec![0..lists[h][1].rows()]], 0, &[]);
     let err = rel_l2(&got, &cpu);
     assert!(err <= 1e-3, "kv43 pieces with side rows: GPU vs CPU {err}");
     // A sparse decode over the same copy: per KV head other row ranges of each piece (some
@@ -1132,30 +1143,7 @@ fn kv43_decode_on_the_gpu_equals_the_cpu_kernel() {
         sparse.side.push(side_list);
     }
     sparse.extra = extra.iter().flat_map(|p| p.o.iter().copied().chain([p.m, p.l])).collect();
-    let want: Vec<f64> = lists
-        .iter()
-        .enumerate()
-        .flat_map(|(h, pieces)| {
-            let qh = &q[h * g * d..(h + 1) * g * d];
-            let mut parts = vec![attnstore_kernels::Partial::empty(d); g];
-            for (p, rs) in pieces.iter().zip(ranges(h)) {
-                p.attend_runs(qh, shape.scale(), &rs, &mut parts).unwrap();
-            }
-            let steady = (h * 3000 + 2903) * d..(h * 3000 + 3000) * d;
-            attnstore_kernels::cpu::attention::attend_spans(
-                qh,
-                shape.scale(),
-                [(&k[steady.clone()], &v[steady])],
-                &mut parts,
-                &mut attnstore_kernels::cpu::attention::Scratch::default(),
-            );
-            for (j, part) in parts.iter_mut().enumerate() {
-                part.merge(&extra[h * g + j]);
-            }
-            parts.iter().flat_map(attnstore_kernels::Partial::finish).collect::<Vec<f32>>()
-        })
-        .map(f64::from)
-        .collect();
+    let want = cpu_over(&ranges, 3, &extra);
     for round in 0..2 {
         gpu.launch_kv43_listed(&dev, &side, &sparse, &mut job).unwrap();
         let got = gpu.fetch_kv43(&mut job).unwrap();
