@@ -130,6 +130,23 @@ fn main() {
         let dev43 = gpu.upload_kv43(&kv43).expect("upload kv43 rows");
         let mut kv43_job = gpu.prepare_kv43(&shape, &q, &dev43).expect("prepare kv43");
         let kv43_us = time(&mut || gpu.launch_kv43(&dev43, None, &mut kv43_job).expect("launch kv43"));
+        // Tuning: the kv43 kernel at other CTA targets (`ATTNSTORE_BENCH_KV43_CTAS=1024,4096`),
+        // each a line `kv43_homomorphic_ctas{N}`.
+        for ctas in std::env::var("ATTNSTORE_BENCH_KV43_CTAS")
+            .unwrap_or_default()
+            .split(',')
+            .filter_map(|c| c.parse::<usize>().ok())
+        {
+            std::env::set_var("ATTNSTORE_KV43_CTAS", ctas.to_string());
+            let mut job = gpu.prepare_kv43(&shape, &q, &dev43).expect("prepare kv43");
+            std::env::remove_var("ATTNSTORE_KV43_CTAS");
+            let us = time(&mut || gpu.launch_kv43(&dev43, None, &mut job).expect("launch kv43"));
+            println!(
+                "{}",
+                json!({"bench": "decode", "device": "cuda", "method": format!("kv43_homomorphic_ctas{ctas}"), "tokens": tokens,
+                       "batch": 1, "codec": "kv43", "time_us": (us * 10.0).round() / 10.0, "bytes": dev43.bytes()})
+            );
+        }
         let f16_bytes = 2 * n * 2;
         for (method, us, bytes) in [
             ("hack2_homomorphic", homomorphic, dev.bytes()),

@@ -17,8 +17,14 @@ use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PinnedHostSlice, Pus
 
 /// Rows of a probability block on the GPU (the kernels' `K43_ROWS`).
 const BLOCK: usize = 64;
-/// CTAs a decode aims for.
+/// CTAs a decode aims for (`ATTNSTORE_KV43_CTAS` overrides it, for tuning: [`kv43_ctas`]).
 const KV43_CTAS: usize = 2048;
+
+/// The CTAs a kv43 decode aims for: `ATTNSTORE_KV43_CTAS` when set to a positive number,
+/// else [`KV43_CTAS`].
+fn kv43_ctas() -> usize {
+    std::env::var("ATTNSTORE_KV43_CTAS").ok().and_then(|v| v.parse().ok()).filter(|&n| n > 0).unwrap_or(KV43_CTAS)
+}
 
 /// The encoded kv43 rows of every KV head of one layer in device memory.
 pub struct DeviceKv43 {
@@ -309,7 +315,7 @@ impl GpuBackend {
     pub fn prepare_kv43(&self, shape: &AttnShape, q: &[f32], dev: &DeviceKv43) -> Result<Kv43Job> {
         self.check_kv43_queries(shape, q, dev.kv_heads)?;
         let blocks = dev.rows / BLOCK;
-        let chunk_blocks = (blocks * shape.kv_heads).div_ceil(KV43_CTAS).max(1);
+        let chunk_blocks = (blocks * shape.kv_heads).div_ceil(kv43_ctas()).max(1);
         let chunks = blocks.div_ceil(chunk_blocks);
         let part_len = shape.kv_heads * chunks * shape.group() * (shape.head_dim + 2);
         let mut job = Kv43Job {
@@ -435,7 +441,7 @@ impl GpuBackend {
         };
         let listed: usize = lists.blocks.iter().map(Vec::len).sum();
         let longest = lists.blocks.iter().map(Vec::len).max().unwrap_or(0);
-        let chunk_blocks = listed.div_ceil(KV43_CTAS).max(1);
+        let chunk_blocks = listed.div_ceil(kv43_ctas()).max(1);
         let chunks = longest.div_ceil(chunk_blocks).max(1);
         let sides: usize = lists.side.iter().map(Vec::len).sum();
         let at = ListedLayout::of(sh.kv_heads, listed, lists.extra.len(), sides);
