@@ -4,7 +4,11 @@ with no GPU instead of a device run. NVRTC comes from the `nvidia-cuda-nvrtc` wh
 torch installs (scripts/install-torch); the source files, their order and the defines are
 read from kernels/src/cuda/mod.rs, as the backend builds them.
 
-Usage: python scripts/check_cuda.py  (run by scripts/check-cuda)."""
+Usage: python scripts/check_cuda.py  (run by scripts/check-cuda).
+       python scripts/check_cuda.py --regs PREFIX [-DNAME=VALUE ...]: compiles for sm_90 with
+       HEAD_DIM=128 (or a -DHEAD_DIM given) and prints the registers and spills ptxas reports
+       for every kernel whose name starts with PREFIX (e.g. kv43_partial), with the extra
+       defines (e.g. -DK43_MIN_BLOCKS=10): what limits a kernel's occupancy, with no GPU."""
 
 import ctypes
 import glob
@@ -39,12 +43,12 @@ def source_and_defines():
     return src, files, {"MAX_GROUP": const("MAX_GROUP"), "RADIX_REGS": const("RADIX_REGS")}
 
 
-def compile_one(lib, src, arch, head_dim, defines):
+def compile_one(lib, src, arch, head_dim, defines, extra=()):
     prog = ctypes.c_void_p()
     if lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"attnstore.cu", 0, None, None) != 0:
         return False, "nvrtcCreateProgram failed"
     opts = [f"--gpu-architecture={arch}".encode(), f"-DHEAD_DIM={head_dim}".encode(), b"--use_fast_math"]
-    opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
+    opts += [f"-D{k}={v}".encode() for k, v in defines.items()] + [e.encode() for e in extra]
     rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
@@ -54,9 +58,30 @@ def compile_one(lib, src, arch, head_dim, defines):
     return rc == 0, log.value.decode(errors="replace").strip()
 
 
+def registers(lib, src, defines, prefix, extra):
+    """Prints ptxas' registers and spills per kernel whose name starts with `prefix`."""
+    head_dim = next((int(e.split("=")[1]) for e in extra if e.startswith("-DHEAD_DIM=")), 128)
+    extra = [e for e in extra if not e.startswith("-DHEAD_DIM=")] + ["--ptxas-options=-v"]
+    ok, log = compile_one(lib, src, "sm_90", head_dim, defines, extra)
+    if not ok:
+        sys.exit(f"check-cuda: does not compile\n{log}")
+    lines = log.splitlines()
+    for i, line in enumerate(lines):
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m and m.group(1).startswith(prefix):
+            info = " ".join(lines[i + 1:i + 4])
+            used = re.search(r"Used (\d+) registers", info)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+            print(f"{m.group(1)}: {used.group(1) if used else '?'} registers, "
+                  f"spills {spill.group(1) if spill else '?'} B stored / {spill.group(2) if spill else '?'} B loaded")
+
+
 def main():
     lib, path = nvrtc()
     src, files, defines = source_and_defines()
+    if len(sys.argv) > 2 and sys.argv[1] == "--regs":
+        registers(lib, src, defines, sys.argv[2], sys.argv[3:])
+        return
     # The backend's range (GpuBackend::new: multiples of 32 up to 256) on Ampere and Hopper.
     builds = [(arch, head_dim) for arch in ("compute_80", "compute_90") for head_dim in range(32, 257, 32)]
     failed = 0

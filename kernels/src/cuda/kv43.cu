@@ -242,8 +242,16 @@ __device__ void kv43_attend(const Kv43Src s, const Kv43List list, const float* _
 // Per group size G: kv43_partial_g{G}, homomorphic decode over the rows of the arrays of
 // `upload_kv43` (kv_heads heads of `rows` rows each, one after another) that the list names
 // (list_off null: every row); khigh null with 4-bit keys.
+// Tuning only (`ATTNSTORE_KV43_MIN_BLOCKS=N` defines K43_MIN_BLOCKS): ask the compiler for
+// registers that let N CTAs of 128 threads stay resident per SM (ncu, session 54: 61
+// registers, so 8 CTAs and 50% occupancy). Without it the kernels compile as always.
+#ifdef K43_MIN_BLOCKS
+#define K43_BOUNDS __launch_bounds__(K43_THREADS, K43_MIN_BLOCKS)
+#else
+#define K43_BOUNDS
+#endif
 #define KV43_KERNELS(G)                                                                                      \
-  extern "C" __global__ void kv43_partial_g##G(                                                             \
+  extern "C" __global__ void K43_BOUNDS kv43_partial_g##G(                                                  \
       const unsigned char* __restrict__ kc, const unsigned char* __restrict__ khigh,                         \
       const unsigned short* __restrict__ kmin, const unsigned short* __restrict__ kscale,                    \
       const unsigned short* __restrict__ ksum, const unsigned* __restrict__ vw,                              \

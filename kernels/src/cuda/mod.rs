@@ -1033,8 +1033,15 @@ fn compiled(head_dim: usize, major: i32, minor: i32) -> Result<Ptx> {
             })
         }
     };
-    let defines =
-        [format!("-DHEAD_DIM={head_dim}"), format!("-DMAX_GROUP={MAX_GROUP}"), format!("-DRADIX_REGS={RADIX_REGS}")];
+    let mut defines = vec![
+        format!("-DHEAD_DIM={head_dim}"),
+        format!("-DMAX_GROUP={MAX_GROUP}"),
+        format!("-DRADIX_REGS={RADIX_REGS}"),
+    ];
+    // Tuning only: the kv43 kernels' minimum resident CTAs per SM (`kv43.cu`, K43_MIN_BLOCKS).
+    if let Some(n) = std::env::var("ATTNSTORE_KV43_MIN_BLOCKS").ok().and_then(|v| v.parse::<u32>().ok()) {
+        defines.push(format!("-DK43_MIN_BLOCKS={n}"));
+    }
     let key = fnv1a(format!("{SOURCE}{arch}{defines:?}").as_bytes());
     let dir = std::env::var_os("ATTNSTORE_PTX_CACHE")
         .map(std::path::PathBuf::from)
