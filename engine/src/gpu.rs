@@ -923,17 +923,16 @@ impl Engine {
             None => gpu.prepare_kv43(&sh, &r.queries, &copy.rows)?,
         };
         trace.mark("queries");
-        let launched = Instant::now();
-        let launch = if r.heads.iter().all(|h| h.exact) {
+        let exact = r.heads.iter().all(|h| h.exact);
+        let lists = if exact {
             if let Some(m) = meter {
                 works.iter().for_each(|w| w.meter(sh.head_dim, m));
             }
-            gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job)
+            None
         } else {
             // A sparse plan: its retrieved rows and steady zone listed, its estimation zone
-            // computed here and folded in by the merge.
+            // computed here (per KV head on rayon threads) and folded in by the merge.
             let (d, g) = (sh.head_dim, sh.group());
-            // Per KV head on rayon threads (the estimation partials are CPU work).
             let heads: Option<Vec<_>> = works.par_iter().map(|w| w.listed(d, g, meter)).collect();
             let Some(heads) = heads else {
                 self.gpu.device.lock().kv43.insert(key, DeviceKv43Layer { job: Some(job), ..copy });
@@ -949,7 +948,12 @@ impl Engine {
                 }
             }
             trace.mark("lists");
-            gpu.launch_kv43_listed(&copy.rows, &copy.side, &lists, &mut job)
+            Some(lists)
+        };
+        let launched = Instant::now();
+        let launch = match &lists {
+            None => gpu.launch_kv43(&copy.rows, Some(&copy.side), &mut job),
+            Some(lists) => gpu.launch_kv43_listed(&copy.rows, &copy.side, lists, &mut job),
         };
         copy.job = Some(job);
         if let Err(e) = launch {
@@ -957,7 +961,7 @@ impl Engine {
             return Err(e.into());
         }
         trace.mark("launch");
-        let zone = if r.heads.iter().all(|h| h.exact) { Zone::Scan } else { Zone::Retrieve };
+        let zone = if exact { Zone::Scan } else { Zone::Retrieve };
         Ok(Some(LaunchedKv43 { key, copy, gpu, launched, zone, trace }))
     }
 
