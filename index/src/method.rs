@@ -346,6 +346,11 @@ pub trait Clustered: Sync {
     /// besides the steady zone); `None` unless every segment holds kv43 rows (and there is
     /// one).
     fn kv43_segments(&self, kv_head: usize) -> Option<Vec<&attnstore_kernels::Kv43Head>>;
+    /// Per directory cluster of `kv_head`, in directory order, its rows as a span of its
+    /// segment (the segment's place in [`Clustered::kv43_segments`]' list, the rows it
+    /// occupies there: clusters are contiguous in their segment); `None` unless every
+    /// segment holds kv43 rows (what a device step expands a chosen cluster through).
+    fn kv43_clusters(&self, kv_head: usize) -> Option<Vec<RowSpan>>;
     /// With [`RowStorage::HomedEncoded`]: per directory cluster of `kv_head`, in directory
     /// order, the value blocks of the segment holding its rows and the rows it occupies
     /// there (clusters are contiguous in their segment); `None` for other storage.

@@ -38,6 +38,65 @@ impl Kv43Lists {
     }
 }
 
+/// Where each directory cluster of a kv43 layer sits in the layer's device copy, per KV head
+/// (heads padded to the largest cluster count with empty clusters): the `(block, mask)`
+/// entries of its encoded rows and the side rows holding the rest (rows in a segment's
+/// partial key group). Expanding the clusters a step chose through it
+/// ([`Kv43ClusterTable::expand`]) gives that step's [`Kv43Lists`] rows, as a device-selected
+/// step's expansion would write them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Kv43ClusterTable {
+    /// Clusters per KV head.
+    pub clusters: usize,
+    /// `kv_heads × clusters + 1` offsets into `entries`, head after head.
+    pub entry_start: Vec<u32>,
+    /// Every cluster's `(block, mask)` entries, blocks ascending within a cluster.
+    pub entries: Vec<(u32, u64)>,
+    /// Per cluster (`kv_heads × clusters`), its side rows as `(first, count)`.
+    pub side: Vec<(u32, u32)>,
+}
+
+impl Kv43ClusterTable {
+    /// The table of `heads`: per KV head, per cluster in directory order, its rows among
+    /// the head's encoded rows in the device copy and its side rows (either may be empty).
+    pub fn new(heads: &[Vec<(std::ops::Range<usize>, std::ops::Range<u32>)>]) -> Self {
+        let clusters = heads.iter().map(Vec::len).max().unwrap_or(0);
+        let mut t = Kv43ClusterTable { clusters, entry_start: vec![0], ..Default::default() };
+        for head in heads {
+            for c in 0..clusters {
+                let (coded, side) = head.get(c).cloned().unwrap_or((0..0, 0..0));
+                t.entries.extend(Kv43Lists::block_masks([coded]));
+                t.entry_start.push(t.entries.len() as u32);
+                t.side.push((side.start, side.end.saturating_sub(side.start)));
+            }
+        }
+        t
+    }
+
+    /// KV head `kv_head`'s lists for the clusters `ids` (ids past the table, e.g. a device
+    /// selection's padding, add nothing): the blocks their encoded rows touch, ascending, a
+    /// block two clusters share once with both masks; and their side rows, ascending.
+    pub fn expand(&self, kv_head: usize, ids: &[u32]) -> (Vec<(u32, u64)>, Vec<u32>) {
+        let (mut blocks, mut side) = (Vec::new(), Vec::new());
+        for &id in ids.iter().filter(|&&id| (id as usize) < self.clusters) {
+            let c = kv_head * self.clusters + id as usize;
+            blocks.extend_from_slice(&self.entries[self.entry_start[c] as usize..self.entry_start[c + 1] as usize]);
+            let (first, count) = self.side[c];
+            side.extend(first..first + count);
+        }
+        blocks.sort_unstable_by_key(|b| b.0);
+        let mut merged: Vec<(u32, u64)> = Vec::with_capacity(blocks.len());
+        for (b, m) in blocks {
+            match merged.last_mut() {
+                Some(last) if last.0 == b => last.1 |= m,
+                _ => merged.push((b, m)),
+            }
+        }
+        side.sort_unstable();
+        (merged, side)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Kv43Lists;
@@ -54,5 +113,19 @@ mod tests {
         assert_eq!(kept, ranges.into_iter().flatten().collect::<Vec<_>>());
         assert_eq!(got[3].1, u64::MAX, "a whole block");
         assert!(Kv43Lists::block_masks(std::iter::empty()).is_empty());
+    }
+
+    #[test]
+    fn a_cluster_table_expands_chosen_clusters_to_their_blocks_and_side_rows() {
+        use super::Kv43ClusterTable;
+        // Head 0: three clusters, the second sharing block 1 with the first and holding two
+        // side rows; head 1: one cluster (padded to three).
+        let t = Kv43ClusterTable::new(&[vec![(0..70, 0..0), (70..100, 5..7), (128..192, 0..0)], vec![(10..20, 0..3)]]);
+        assert_eq!((t.clusters, t.entry_start.len(), t.side.len()), (3, 7, 6));
+        let low = |n: u32| (1u64 << n) - 1;
+        assert_eq!(t.expand(0, &[1, 0]), (vec![(0, u64::MAX), (1, low(36))], vec![5, 6]));
+        assert_eq!(t.expand(0, &[2, 7]).0, vec![(2, u64::MAX)], "an id past the table adds nothing");
+        assert_eq!(t.expand(1, &[0, 1, 2]), (vec![(0, low(20) & !low(10))], vec![0, 1, 2]));
+        assert_eq!(t.expand(1, &[]), (vec![], vec![]));
     }
 }

@@ -29,6 +29,6 @@ pub use cpu::kv43::{Kv43Arrays, Kv43Head, Kv43Params, Kv43Rows};
 pub use cpu::partial::Partial;
 pub use element::{first_non_finite, narrow_vec, DType, Element};
 pub use error::{Error, Result};
-pub use kv43_lists::Kv43Lists;
+pub use kv43_lists::{Kv43ClusterTable, Kv43Lists};
 pub use shape::AttnShape;
 pub use view::HeadsView;

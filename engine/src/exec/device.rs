@@ -307,6 +307,44 @@ pub(crate) fn gpu_kv43_work<'a>(layer: &'a Layer, kv_head: usize, plan: &'a Head
     Some(GpuKv43Work { pieces, layer, kv_head, plan })
 }
 
+/// The [`attnstore_kernels::Kv43ClusterTable`] of a layer whose indexed rows are kv43
+/// segments of a wave index: per KV head and directory cluster, its encoded rows in the
+/// layer's device copy (every segment's encoded rows, one after another, as
+/// `GpuBackend::upload_kv43_pieces` lays them) and its side rows (its rows in a segment's
+/// partial key group, among the partial groups in segment order, as [`kv43_side_rows`] puts
+/// them first). `None` for other rows. What a device-selected kv43 step will expand its
+/// chosen clusters through; the host path's lists equal its expansion (tested).
+#[cfg_attr(not(test), allow(dead_code, reason = "the device-selected kv43 step's table, not built yet"))]
+pub(crate) fn kv43_cluster_table(layer: &Layer, kv_heads: usize) -> Option<attnstore_kernels::Kv43ClusterTable> {
+    let clustered = layer.method.clustered()?;
+    let heads = (0..kv_heads)
+        .map(|h| {
+            let pieces = clustered.kv43_segments(h)?;
+            let (mut coded_at, mut side_at) = (Vec::with_capacity(pieces.len()), Vec::with_capacity(pieces.len()));
+            let (mut coded, mut side) = (0, 0);
+            for p in &pieces {
+                coded_at.push(coded);
+                side_at.push(side);
+                coded += p.encoded_rows();
+                side += p.rows() - p.encoded_rows();
+            }
+            let spans = clustered.kv43_clusters(h)?;
+            spans
+                .iter()
+                .map(|s| {
+                    let (u, enc) = (s.unit as usize, pieces.get(s.unit as usize)?.encoded_rows());
+                    let (start, end) = (s.start as usize, s.end as usize);
+                    let rows = coded_at[u] + start.min(enc)..coded_at[u] + end.min(enc);
+                    let first = side_at[u] + start.max(enc) - enc;
+                    let last = side_at[u] + end.max(enc) - enc;
+                    Some((rows, first as u32..last as u32))
+                })
+                .collect::<Option<Vec<_>>>()
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some(attnstore_kernels::Kv43ClusterTable::new(&heads))
+}
+
 /// What a sparse kv43 step reads of one KV head ([`GpuKv43Work::listed`]).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Kv43HeadList {
@@ -826,6 +864,12 @@ mod tests {
                 p.merge(e);
             }
             assert!(list.estimate.iter().all(|e| e.l > 0.0), "every query head estimates some clusters");
+            // The cluster table expands the plan's clusters to the same blocks and side rows.
+            let table = kv43_cluster_table(&layer, kvh).expect("kv43 segments");
+            let (blocks, side_rows) = table.expand(h, &plans[h].selections[0].retrieve_ids);
+            assert_eq!(blocks, list.blocks, "head {h}: the table's blocks");
+            let retrieved: Vec<u32> = list.side.iter().copied().filter(|&r| (r as usize) < groups).collect();
+            assert_eq!(side_rows, retrieved, "head {h}: the table's side rows");
             let got: Vec<f32> = parts.iter().flat_map(|p| p.finish()).collect();
             let err = rel_l2(&got, &want);
             assert!(err <= 1e-5, "head {h}: {err}");

@@ -706,6 +706,14 @@ impl<E: Element> Clustered for WaveIndex<E> {
         segments.iter().map(|s| s.kv43_rows()).collect()
     }
 
+    fn kv43_clusters(&self, kv_head: usize) -> Option<Vec<crate::RowSpan>> {
+        let store = &self.heads[kv_head];
+        let kv43 = |unit: u32| {
+            matches!(store.segments.get(unit as usize)?.rows, crate::segment::SegmentRows::Kv43(_)).then_some(())
+        };
+        store.dir.spans.iter().map(|span| kv43(span.unit).map(|()| *span)).collect()
+    }
+
     fn encoded_clusters(&self, kv_head: usize) -> Option<Vec<(crate::HomedGroups, std::ops::Range<u32>)>> {
         let store = &self.heads[kv_head];
         store
@@ -797,6 +805,25 @@ mod tests {
             assert_eq!(&a[..b.len()], &b[..]);
         }
         check(&wave);
+        // Every cluster is one span of its segment; the spans tile each segment's rows once,
+        // as many rows as the directory says the cluster has.
+        for (hh, segments) in after.iter().enumerate() {
+            let spans = wave.kv43_clusters(hh).expect("kv43 segments");
+            assert_eq!(spans.iter().map(|s| s.end - s.start).collect::<Vec<_>>(), wave.cluster_sizes(hh));
+            let mut sorted = spans.clone();
+            sorted.sort_by_key(|s| (s.unit, s.start));
+            for (u, seg) in segments.iter().enumerate() {
+                let mut at = 0;
+                for s in sorted.iter().filter(|s| s.unit as usize == u) {
+                    assert_eq!(s.start, at, "head {hh} segment {u}: spans tile its rows");
+                    at = s.end;
+                }
+                assert_eq!(at as usize, seg.rows(), "head {hh} segment {u}");
+            }
+        }
+        let mut plain = WaveIndex::<f16>::new(p, h, d).unwrap();
+        plain.prefill(&batch(&k, 0, prefill), &batch(&v, 0, prefill)).unwrap();
+        assert!(plain.kv43_clusters(0).is_none(), "plain rows");
         // A quarter of f16's bytes for the encoded rows (a little more: partial groups in f16).
         let segment_rows: usize = after[0].iter().map(Kv43Head::rows).sum();
         let coded: usize = wave.heads.iter().flat_map(|s| &s.segments).map(HeadSegment::kv_bytes).sum();
