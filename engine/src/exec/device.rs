@@ -720,6 +720,19 @@ mod tests {
         assert!(gpu_hack_work(&channel, 0, &q[..g * d], d, &exact, None).is_none());
     }
 
+    /// A wave layer of 3,000 random rows (8 query / 2 KV heads, d = 64, `seed`) stored as kv43
+    /// codes in segments of 512 prefill and 128 decode tokens: its parameters, shape, keys,
+    /// values and the layer.
+    fn kv43_wave_layer(seed: u64) -> (WaveParams, AttnShape, Vec<f32>, Vec<f32>, Layer) {
+        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
+        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (k, v) = (randn(shape.kv_len(3000), seed, 1.0), randn(shape.kv_len(3000), seed + 1, 1.0));
+        let kv43 = attnstore_kernels::Codec::Kv43(attnstore_kernels::Kv43Params::default());
+        let mut wave = WaveIndex::<f16>::new(params, shape.kv_heads, shape.head_dim).unwrap().with_codec(kv43).unwrap();
+        wave.prefill(&k, &v).unwrap();
+        (params, shape, k, v, layer(Box::new(wave), None))
+    }
+
     /// What the GPU kv43 step computes from [`gpu_kv43_work`] and [`kv43_side_rows`], its
     /// kernels emulated on the CPU (the CPU kernel over the pieces' encoded rows, plain
     /// attention over each KV head's side rows), equals the CPU executor's exact plan; the
@@ -727,14 +740,8 @@ mod tests {
     /// of all of them; sparse plans and plain rows are not served.
     #[test]
     fn the_kv43_gpu_work_with_the_kernel_emulated_equals_the_cpu_executor() {
-        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
-        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (params, shape, k, v, layer) = kv43_wave_layer(91);
         let (g, d, kvh) = (shape.group(), shape.head_dim, shape.kv_heads);
-        let (k, v) = (randn(shape.kv_len(3000), 91, 1.0), randn(shape.kv_len(3000), 92, 1.0));
-        let kv43 = attnstore_kernels::Codec::Kv43(attnstore_kernels::Kv43Params::default());
-        let mut wave = WaveIndex::<f16>::new(params, kvh, d).unwrap().with_codec(kv43).unwrap();
-        wave.prefill(&k, &v).unwrap();
-        let layer = layer(Box::new(wave), None);
         let exact = layer.method.plan_exact();
         let stats = layer.method.stats();
         let q = randn(shape.query_len(), 93, 2.0);
@@ -800,14 +807,8 @@ mod tests {
     /// the pieces' partial key groups; the lists name each retrieved row once.
     #[test]
     fn the_kv43_sparse_gpu_lists_with_the_kernel_emulated_equal_the_cpu_executor() {
-        let params = WaveParams { segment_tokens: 512, decode_segment_tokens: 128, ..WaveParams::default() };
-        let shape = AttnShape::new(8, 2, 64).unwrap();
+        let (_, shape, _, _, layer) = kv43_wave_layer(94);
         let (g, d, kvh) = (shape.group(), shape.head_dim, shape.kv_heads);
-        let (k, v) = (randn(shape.kv_len(3000), 94, 1.0), randn(shape.kv_len(3000), 95, 1.0));
-        let kv43 = attnstore_kernels::Codec::Kv43(attnstore_kernels::Kv43Params::default());
-        let mut wave = WaveIndex::<f16>::new(params, kvh, d).unwrap().with_codec(kv43).unwrap();
-        wave.prefill(&k, &v).unwrap();
-        let layer = layer(Box::new(wave), None);
         let q = randn(shape.query_len(), 96, 2.0);
         let scale = 1.0 / (d as f32).sqrt();
         let budget = ZoneBudget { retrieve_tokens: 1200, estimate_tokens: usize::MAX, mode: SelectionMode::PerKvHead };
