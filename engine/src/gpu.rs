@@ -8,11 +8,14 @@
 //! maintainer can neither evict nor overwrite a slot a kernel reads. Requests the GPU cannot
 //! serve — rows not homed in the buffer manager, not f16, one selection per query head, a
 //! block only on Disk, no GPU — run on the CPU executor; the result says how many ran where.
-//! Exact plans over `kv43` layers (rows held by the index) run the kv43 kernel over a device
-//! copy of the layer's encoded rows and the plain kernel over its f16 rows (partial key
-//! groups and the steady zone, appended step by step), merged on the device; the copy is
-//! kept per layer with its launch buffers and made again when the segments change; sparse
-//! kv43 plans are refused (`Error::NoGpuKernels`).
+//! Plans over `kv43` layers (rows held by the index) run the kv43 kernel over a device copy
+//! of the layer's encoded rows and the plain kernel over its f16 rows (partial key groups and
+//! the steady zone, appended step by step), merged on the device; the copy is kept per layer
+//! with its launch buffers and made again when the segments change. Exact plans read every
+//! encoded row; sparse plans of one selection per KV head read listed 64-row blocks with
+//! row masks, and their estimation zone, computed on the CPU, joins the device merge. Plans
+//! of one selection per query head, and device-selected kv43 requests, are refused
+//! (`Error::NoGpuKernels`).
 //!
 //! Plans made by [`Engine::plan_gpu`] go further: the whole step runs on the device, each
 //! request from its own graph on a lane of its own, launched as soon as its layer copy and
