@@ -50,7 +50,7 @@ use crate::analyze::Analysis;
 use crate::context::{ContextId, Layer};
 use crate::engine::Engine;
 use crate::error::{Error, Result};
-use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, kv43_side_rows, GpuHackWork};
+use crate::exec::device::{gpu_hack_work, gpu_kv43_work, gpu_work, kv43_cluster_table, kv43_side_rows, GpuHackWork};
 use crate::exec::{Meter, RequestActual, Zone};
 use crate::plan::{Plan, RequestPlan};
 use std::time::{Duration, Instant};
@@ -142,6 +142,8 @@ struct DeviceKv43Layer {
     job: Option<attnstore_kernels::cuda::Kv43Job>,
     /// The step that last used it (`DeviceState::kv43_steps`).
     used: u64,
+    /// Where each directory cluster's rows are in the copy (a sparse step's lists).
+    table: attnstore_kernels::Kv43ClusterTable,
 }
 
 /// Side rows on the device holding every row of `all` (a layer's side rows from its first),
@@ -900,11 +902,12 @@ impl Engine {
             }
             None => {
                 let Some(side) = kv43_side_rows(layer, &works, 0) else { return Ok(None) };
+                let Some(table) = kv43_cluster_table(layer, sh.kv_heads) else { return Ok(None) };
                 let pieces: Vec<Vec<&attnstore_kernels::Kv43Head>> = works.iter().map(|w| w.pieces.clone()).collect();
                 let (rows, side_rows) = self.with_kv43_room(|| {
                     Ok((gpu.upload_kv43_pieces(&pieces)?, side_rows_of(&gpu, sh.kv_heads, &side)?))
                 })?;
-                (DeviceKv43Layer { rows, made_of, side: side_rows, job: None, used: 0 }, side.len)
+                (DeviceKv43Layer { rows, made_of, side: side_rows, job: None, used: 0, table }, side.len)
             }
         };
         trace.mark("device copy");
@@ -936,7 +939,7 @@ impl Engine {
             // A sparse plan: its retrieved rows and steady zone listed, its estimation zone
             // computed here (per KV head on rayon threads) and folded in by the merge.
             let (d, g) = (sh.head_dim, sh.group());
-            let heads: Option<Vec<_>> = works.par_iter().map(|w| w.listed(d, g, meter)).collect();
+            let heads: Option<Vec<_>> = works.par_iter().map(|w| w.listed(d, g, &copy.table, meter)).collect();
             let Some(heads) = heads else {
                 self.gpu.device.lock().kv43.insert(key, DeviceKv43Layer { job: Some(job), ..copy });
                 return Ok(None);

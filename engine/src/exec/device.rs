@@ -312,9 +312,10 @@ pub(crate) fn gpu_kv43_work<'a>(layer: &'a Layer, kv_head: usize, plan: &'a Head
 /// layer's device copy (every segment's encoded rows, one after another, as
 /// `GpuBackend::upload_kv43_pieces` lays them) and its side rows (its rows in a segment's
 /// partial key group, among the partial groups in segment order, as [`kv43_side_rows`] puts
-/// them first). `None` for other rows. What a device-selected kv43 step will expand its
-/// chosen clusters through; the host path's lists equal its expansion (tested).
-#[cfg_attr(not(test), allow(dead_code, reason = "the device-selected kv43 step's table, not built yet"))]
+/// them first). `None` for other rows. A sparse kv43 step expands its chosen clusters
+/// through it ([`GpuKv43Work::listed`]; a device-selected step would do the same on the
+/// device).
+#[cfg_attr(not(any(feature = "cuda", test)), allow(dead_code, reason = "the GPU path is built with cuda"))]
 pub(crate) fn kv43_cluster_table(layer: &Layer, kv_heads: usize) -> Option<attnstore_kernels::Kv43ClusterTable> {
     let clustered = layer.method.clustered()?;
     let heads = (0..kv_heads)
@@ -360,55 +361,40 @@ pub(crate) struct Kv43HeadList {
 
 impl GpuKv43Work<'_> {
     /// The rows a sparse plan reads of this head on the device ([`Kv43HeadList`]): the
-    /// selection's retrieved row ranges split at each piece's encoded rows (codes in the
-    /// device copy, the rest side rows at their place among the partial key groups), every
-    /// steady row, and the estimation zone computed here (it is a few thousand centroids).
-    /// `None` when the plan retrieves rows that are not the pieces' (the CPU then runs it).
-    /// With `meter`, counts the steady, retrieved and estimated rows.
-    pub fn listed(&self, d: usize, group: usize, meter: Option<&Meter>) -> Option<Kv43HeadList> {
-        let rows = self.layer.method.head_rows(self.kv_head, self.plan);
+    /// selection's retrieved clusters expanded through the layer's cluster `table`
+    /// ([`kv43_cluster_table`], made with its device copy) into blocks of the copy's codes
+    /// and side rows of partial key groups, every steady row, and the estimation zone
+    /// computed here (it is a few thousand centroids). `None` when the plan reads rows
+    /// that are not a plain steady zone (the CPU then runs it). With `meter`, counts the
+    /// steady, retrieved and estimated rows.
+    pub fn listed(
+        &self,
+        d: usize,
+        group: usize,
+        table: &attnstore_kernels::Kv43ClusterTable,
+        meter: Option<&Meter>,
+    ) -> Option<Kv43HeadList> {
         let mut out = Kv43HeadList { blocks: Vec::new(), side: Vec::new(), estimate: vec![Partial::empty(d); group] };
-        let mut coded = Vec::new();
-        let (mut at, mut before) = (Vec::with_capacity(self.pieces.len()), 0);
-        for p in &self.pieces {
-            at.push(before);
-            before += p.encoded_rows();
-        }
-        let groups = self.partial_group_rows();
-        let group_start = |i: usize| -> usize { self.pieces[..i].iter().map(|p| p.rows() - p.encoded_rows()).sum() };
-        let mut retrieved = (0, 0);
-        if let Some(sel) = rows.selections.first() {
-            if !sel.clusters.is_empty() {
-                return None;
-            }
-            for run in sel.retrieve.iter().flatten() {
-                let Run::Kv43 { rows: piece, ranges } = run else { return None };
-                let i = self.pieces.iter().position(|p| std::ptr::eq(*p, *piece))?;
-                let (enc, first_side) = (piece.encoded_rows(), group_start(i));
-                for r in ranges {
-                    if r.start < enc {
-                        coded.push(at[i] + r.start..at[i] + r.end.min(enc));
-                    }
-                    out.side.extend((r.start.max(enc)..r.end).map(|x| (first_side + x - enc) as u32));
-                    retrieved.0 += r.len();
-                }
-                retrieved.1 += ranges.iter().map(|r| r.len()).sum::<usize>() * piece.bytes() / piece.rows().max(1);
-            }
-            if let Some(zone) = &sel.estimate {
-                let start = meter.map(|_| std::time::Instant::now());
-                for (i, e) in zone.partials(0..zone.len(), d).into_iter().enumerate() {
-                    out.estimate[sel.first_head + i] = e;
-                }
-                if let (Some(m), Some(t)) = (meter, start) {
-                    m.zone(Zone::Estimate).index_rows(zone.len(), 0);
-                    m.zone(Zone::Estimate).since(t);
-                }
+        let rows = self.layer.method.head_rows(self.kv_head, self.plan);
+        if let Some(sel) = self.plan.selections.first() {
+            (out.blocks, out.side) = table.expand(self.kv_head, &sel.retrieve_ids);
+            if let Some(m) = meter {
+                let (n, bytes) = self.pieces.iter().fold((0, 0), |(n, b), p| (n + p.rows(), b + p.bytes()));
+                m.zone(Zone::Retrieve).index_rows(sel.retrieve_tokens, sel.retrieve_tokens * bytes / n.max(1));
             }
         }
-        // Retrieval spans come sorted by segment and row: the blocks ascend.
-        coded.sort_by_key(|r| r.start);
-        out.blocks = attnstore_kernels::Kv43Lists::block_masks(coded);
-        let mut steady = 0;
+        if let Some(zone) = rows.selections.first().and_then(|sel| sel.estimate.as_ref().map(|z| (sel, z))) {
+            let (sel, zone) = zone;
+            let start = meter.map(|_| std::time::Instant::now());
+            for (i, e) in zone.partials(0..zone.len(), d).into_iter().enumerate() {
+                out.estimate[sel.first_head + i] = e;
+            }
+            if let (Some(m), Some(t)) = (meter, start) {
+                m.zone(Zone::Estimate).index_rows(zone.len(), 0);
+                m.zone(Zone::Estimate).since(t);
+            }
+        }
+        let (groups, mut steady) = (self.partial_group_rows(), 0);
         for run in &rows.steady {
             let Run::Plain(pieces) = run else { return None };
             let (n, bytes) = plain_size(pieces, d);
@@ -418,9 +404,6 @@ impl GpuKv43Work<'_> {
             }
         }
         out.side.extend((groups..groups + steady).map(|x| x as u32));
-        if let Some(m) = meter {
-            m.zone(Zone::Retrieve).index_rows(retrieved.0, retrieved.1);
-        }
         Some(out)
     }
 }
@@ -828,7 +811,8 @@ mod tests {
                     .flat_map(|p| p.finish())
                     .map(f64::from)
                     .collect();
-            let list = work.listed(d, g, None).expect("one selection per KV head over kv43 pieces");
+            let table = kv43_cluster_table(&layer, kvh).expect("kv43 segments");
+            let list = work.listed(d, g, &table, None).expect("one selection per KV head over kv43 pieces");
             assert!(list.blocks.windows(2).all(|w| w[0].0 < w[1].0), "blocks ascend");
             let mut side_rows = list.side.clone();
             side_rows.sort_unstable();
@@ -865,12 +849,6 @@ mod tests {
                 p.merge(e);
             }
             assert!(list.estimate.iter().all(|e| e.l > 0.0), "every query head estimates some clusters");
-            // The cluster table expands the plan's clusters to the same blocks and side rows.
-            let table = kv43_cluster_table(&layer, kvh).expect("kv43 segments");
-            let (blocks, side_rows) = table.expand(h, &plans[h].selections[0].retrieve_ids);
-            assert_eq!(blocks, list.blocks, "head {h}: the table's blocks");
-            let retrieved: Vec<u32> = list.side.iter().copied().filter(|&r| (r as usize) < groups).collect();
-            assert_eq!(side_rows, retrieved, "head {h}: the table's side rows");
             let got: Vec<f32> = parts.iter().flat_map(|p| p.finish()).collect();
             let err = rel_l2(&got, &want);
             assert!(err <= 1e-5, "head {h}: {err}");
