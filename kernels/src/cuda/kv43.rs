@@ -91,11 +91,6 @@ impl Kv43SideRows {
     pub fn capacity(&self) -> usize {
         self.capacity
     }
-
-    /// Partials per KV head the plain kernel writes over the rows held.
-    fn chunks(&self) -> usize {
-        self.rows.div_ceil(self.chunk)
-    }
 }
 
 /// Device buffers of a listed launch ([`Kv43Lists`]), kept with the job until its next one.
@@ -381,7 +376,7 @@ impl GpuBackend {
             self.launch_kv43_kernel(dev, &job.q, job.scale, &job.shape, (chunks, chunk_blocks), &mut job.part, None)?
         };
         let side_part = match side.filter(|s| s.rows > 0) {
-            Some(s) => (self.launch_kv43_side(s, None, job)?, s.chunks()),
+            Some(s) => self.launch_kv43_side(s, None, job)?,
             None => (0, 0),
         };
         let lse = device_address(&job.lse, &self.stream);
@@ -502,13 +497,7 @@ impl GpuBackend {
         let longest_side = lists.side.iter().map(Vec::len).max().unwrap_or(0);
         let side_part = match longest_side {
             0 => (0, 0),
-            n => {
-                let chunk = chunk_rows(n, sh.kv_heads);
-                (
-                    self.launch_kv43_side(side, Some(((addr(at.side), addr(at.side_off)), n, chunk)), job)?,
-                    n.div_ceil(chunk),
-                )
-            }
+            n => self.launch_kv43_side(side, Some(((addr(at.side), addr(at.side_off)), n)), job)?,
         };
         let extra = if lists.extra.is_empty() { (0, 0) } else { (addr(at.extra), 1) };
         let lse = device_address(&job.lse, &self.stream);
@@ -595,20 +584,21 @@ impl GpuBackend {
     }
 
     /// Enqueues the plain kernel over the rows of `side` into the job's side partials
-    /// (allocated when short); returns their device address. `listed`: per-KV-head row lists
-    /// (the device addresses of the entries, `2r · kv_heads` for side row `r`, and of their
-    /// `kv_heads + 1` offsets; the longest list's length; rows per CTA) instead of every row.
+    /// (allocated when short); returns their device address and how many there are per KV
+    /// head (the merge's second buffer). `listed`: per-KV-head row lists (the device
+    /// addresses of the entries, `2r · kv_heads` for side row `r`, and of their
+    /// `kv_heads + 1` offsets; the longest list's length) instead of every row.
     #[allow(unsafe_code, reason = "kernel launches take raw device pointers")]
     fn launch_kv43_side(
         &self,
         side: &Kv43SideRows,
-        listed: Option<((u64, u64), usize, usize)>,
+        listed: Option<((u64, u64), usize)>,
         job: &mut Kv43Job,
-    ) -> Result<u64> {
+    ) -> Result<(u64, usize)> {
         let sh = job.shape;
         let per_chunk = sh.kv_heads * sh.group() * (self.head_dim + 2);
         let (list, identity, chunk) = match listed {
-            Some((list, longest, chunk)) => (list, longest, chunk),
+            Some((list, longest)) => (list, longest, chunk_rows(longest, sh.kv_heads)),
             None => ((device_address(&side.list, &self.stream), 0), side.rows, side.chunk),
         };
         let chunks = identity.div_ceil(chunk);
@@ -638,7 +628,7 @@ impl GpuBackend {
         // kv_heads × chunks × group partials (allocated above); side, the lists and job are
         // borrowed until the caller's fetch synchronizes the stream.
         unsafe { self.launch_attn_rows(&self.stream, &sh, &job.q, job.scale, rows, part)? };
-        Ok(device_address(part, &self.stream))
+        Ok((device_address(part, &self.stream), chunks))
     }
 
     /// Waits for the stream and copies a kv43 decode's output back (`q_heads × head_dim`),
