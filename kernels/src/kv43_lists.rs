@@ -27,10 +27,7 @@ impl Kv43Lists {
                 let end = r.end.min((block + 1) * 64);
                 let (lo, n) = (at % 64, end - at);
                 let bits = if n == 64 { u64::MAX } else { ((1u64 << n) - 1) << lo };
-                match out.last_mut() {
-                    Some(last) if last.0 as usize == block => last.1 |= bits,
-                    _ => out.push((block as u32, bits)),
-                }
+                or_into_last(&mut out, (block as u32, bits));
                 at = end;
             }
         }
@@ -86,14 +83,18 @@ impl Kv43ClusterTable {
         }
         blocks.sort_unstable_by_key(|b| b.0);
         let mut merged: Vec<(u32, u64)> = Vec::with_capacity(blocks.len());
-        for (b, m) in blocks {
-            match merged.last_mut() {
-                Some(last) if last.0 == b => last.1 |= m,
-                _ => merged.push((b, m)),
-            }
-        }
+        blocks.into_iter().for_each(|b| or_into_last(&mut merged, b));
         side.sort_unstable();
         (merged, side)
+    }
+}
+
+/// Appends `(block, mask)` to an ascending list, or ORs the mask into the last entry when it
+/// is the same block.
+fn or_into_last(list: &mut Vec<(u32, u64)>, (block, mask): (u32, u64)) {
+    match list.last_mut() {
+        Some(last) if last.0 == block => last.1 |= mask,
+        _ => list.push((block, mask)),
     }
 }
 
