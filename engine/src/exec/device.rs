@@ -106,19 +106,26 @@ fn cpu_zones(rows: &HeadRows<'_>, q: &[f32], d: usize, plan: &HeadPlan, meter: O
     if let (Some(m), Some(t)) = (meter, start) {
         m.zone(Zone::Steady).since(t);
     }
-    if let Some(sel) = rows.selections.first().filter(|_| !plan.exact) {
-        if let Some(zone) = &sel.estimate {
-            let start = meter.map(|_| std::time::Instant::now());
-            for (i, e) in zone.partials(0..zone.len(), d).iter().enumerate() {
-                cpu[sel.first_head + i].merge(e);
-            }
-            if let (Some(m), Some(t)) = (meter, start) {
-                m.zone(Zone::Estimate).index_rows(zone.len(), 0);
-                m.zone(Zone::Estimate).since(t);
-            }
-        }
+    if !plan.exact {
+        fold_estimate(rows, d, &mut cpu, meter);
     }
     cpu
+}
+
+/// Folds the estimation zone of `rows`' (first) selection into the partials of the query
+/// heads it serves (`parts`: the group's); with `meter`, counts and times it.
+fn fold_estimate(rows: &HeadRows<'_>, d: usize, parts: &mut [Partial], meter: Option<&Meter>) {
+    let Some((sel, zone)) = rows.selections.first().and_then(|sel| sel.estimate.as_ref().map(|z| (sel, z))) else {
+        return;
+    };
+    let start = meter.map(|_| std::time::Instant::now());
+    for (i, e) in zone.partials(0..zone.len(), d).iter().enumerate() {
+        parts[sel.first_head + i].merge(e);
+    }
+    if let (Some(m), Some(t)) = (meter, start) {
+        m.zone(Zone::Estimate).index_rows(zone.len(), 0);
+        m.zone(Zone::Estimate).since(t);
+    }
 }
 
 /// The GPU executor's inputs for `kv_head` under `plan` (`q`: the group's queries, `blocks`:
@@ -383,17 +390,7 @@ impl GpuKv43Work<'_> {
                 m.zone(Zone::Retrieve).index_rows(sel.retrieve_tokens, sel.retrieve_tokens * bytes / n.max(1));
             }
         }
-        if let Some(zone) = rows.selections.first().and_then(|sel| sel.estimate.as_ref().map(|z| (sel, z))) {
-            let (sel, zone) = zone;
-            let start = meter.map(|_| std::time::Instant::now());
-            for (i, e) in zone.partials(0..zone.len(), d).into_iter().enumerate() {
-                out.estimate[sel.first_head + i] = e;
-            }
-            if let (Some(m), Some(t)) = (meter, start) {
-                m.zone(Zone::Estimate).index_rows(zone.len(), 0);
-                m.zone(Zone::Estimate).since(t);
-            }
-        }
+        fold_estimate(&rows, d, &mut out.estimate, meter);
         let (groups, mut steady) = (self.partial_group_rows(), 0);
         for run in &rows.steady {
             let Run::Plain(pieces) = run else { return None };
@@ -800,6 +797,7 @@ mod tests {
         let works: Vec<_> = (0..kvh).map(|h| gpu_kv43_work(&layer, h, &plans[h]).expect("kv43 rows")).collect();
         let side = kv43_side_rows(&layer, &works, 0).expect("f16 steady rows");
         let groups = works[0].partial_group_rows();
+        let table = kv43_cluster_table(&layer, kvh).expect("kv43 segments");
         let mut in_groups = 0;
         for (h, work) in works.iter().enumerate() {
             let qg = &q[h * g * d..(h + 1) * g * d];
@@ -811,7 +809,6 @@ mod tests {
                     .flat_map(|p| p.finish())
                     .map(f64::from)
                     .collect();
-            let table = kv43_cluster_table(&layer, kvh).expect("kv43 segments");
             let list = work.listed(d, g, &table, None).expect("one selection per KV head over kv43 pieces");
             assert!(list.blocks.windows(2).all(|w| w[0].0 < w[1].0), "blocks ascend");
             let mut side_rows = list.side.clone();
