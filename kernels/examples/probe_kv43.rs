@@ -95,10 +95,19 @@ fn main() {
     let codes = Kv43Rows::encode(&keys, &values, D, Kv43Params::default()).expect("encodes");
     let scale = 1.0 / (D as f32).sqrt();
     let mut scratch = Scratch::default();
-    // `PROBE_KV43_HEADS_ONLY=N`: only `attend_heads`, N times (for a profiler).
+    // `PROBE_KV43_HEADS_ONLY=N`: only `attend_heads`, N times (for a profiler), then its
+    // fastest and median call.
     if let Some(n) = std::env::var("PROBE_KV43_HEADS_ONLY").ok().and_then(|v| v.parse::<usize>().ok()) {
-        for _ in 0..n {
-            std::hint::black_box(codes.attend_heads(&q, HEADS, scale).expect("shapes"));
+        let mut times: Vec<f64> = (0..n)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(codes.attend_heads(&q, HEADS, scale).expect("shapes"));
+                t.elapsed().as_secs_f64() * 1e9 / rows as f64
+            })
+            .collect();
+        times.sort_by(f64::total_cmp);
+        if let (Some(min), Some(med)) = (times.first(), times.get(times.len() / 2)) {
+            println!("attend_heads, {n} calls: ns per row and KV head min {min:.2} / median {med:.2}");
         }
         return;
     }

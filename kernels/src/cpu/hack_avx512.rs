@@ -1,5 +1,5 @@
 //! AVX-512 inner loops of [`super::hack_rows`], chosen at run time ([`available`]) on CPUs
-//! with AVX-512 F/BW, VNNI and VBMI (Ice Lake and Sapphire Rapids Xeons, Zen 4): the same
+//! with AVX-512 F/BW, VNNI, VBMI and GFNI (Ice Lake and Sapphire Rapids Xeons, Zen 4): the same
 //! products as `hack_avx2.rs`, but `vpdpbusd` multiplies 64 code–operand byte pairs and adds
 //! them, in fours, to 32-bit sums in one instruction, where AVX2 needs a `vpmaddubsw` of 32
 //! pairs and an add.
@@ -23,7 +23,7 @@ use super::hack_avx2::{load16, load32, meta4, widen_meta, KeyData, PairQuery, EX
 use std::arch::x86_64::*;
 use std::sync::OnceLock;
 
-/// True when this CPU has AVX-512 F, BW, VNNI and VBMI, so the kernels of this module run,
+/// True when this CPU has AVX-512 F, BW, VNNI, VBMI and GFNI, so the kernels of this module run,
 /// unless the environment sets `ATTNSTORE_HACK_KERNEL=avx2` (to compare the two, e.g. in
 /// `probe_hack`). Read once per process.
 pub(crate) fn available() -> bool {
@@ -37,6 +37,7 @@ pub(crate) fn cpu_has_avx512() -> bool {
         && is_x86_feature_detected!("avx512bw")
         && is_x86_feature_detected!("avx512vnni")
         && is_x86_feature_detected!("avx512vbmi")
+        && is_x86_feature_detected!("gfni")
 }
 
 /// 64 bytes as a vector.
@@ -361,7 +362,7 @@ mod tests {
     fn runnable() -> bool {
         let ok = cpu_has_avx512();
         if !ok {
-            eprintln!("skipped: this CPU lacks AVX-512 F/BW/VNNI/VBMI (the AVX-512 hack2 kernels cannot run)");
+            eprintln!("skipped: this CPU lacks AVX-512 F/BW/VNNI/VBMI/GFNI (the AVX-512 hack2 kernels cannot run)");
         }
         ok
     }
@@ -464,7 +465,7 @@ mod tests {
                 })
                 .collect();
             let (mut a, mut b) = (start.clone(), start);
-            // SAFETY: runnable() checked AVX-512 F/BW/VNNI/VBMI (which imply AVX2, FMA, F16C).
+            // SAFETY: runnable() checked AVX-512 F/BW/VNNI/VBMI/GFNI (which imply AVX2, FMA, F16C).
             #[allow(unsafe_code, reason = "calling the #[target_feature] kernels under test")]
             unsafe {
                 block_values::<4>(&block, d, &quads, &w, p, (&sv, &mv), (&sp, &ps), &mut a);

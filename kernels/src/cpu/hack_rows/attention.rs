@@ -420,7 +420,7 @@ fn values_simd(
             };
         }
         if hack_avx512::available() {
-            // SAFETY: `available` checked that this CPU has AVX-512 F, BW, VNNI and VBMI
+            // SAFETY: `available` checked that this CPU has AVX-512 F, BW, VNNI, VBMI and GFNI
             // (which imply the AVX2, FMA and F16C the kernel also enables).
             unsafe { by_heads!(hack_avx512::block_values) }
         } else {

@@ -65,7 +65,7 @@ impl GroupQueries {
         if let Some(wide) = &mut self.wide {
             #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
             // SAFETY: `wide` is `Some` only where `wide_kernels()` found the CPU has AVX-512
-            // F/BW, VNNI and VBMI (or a test asked after checking the same); every slice
+            // F/BW, VNNI, VBMI and GFNI (or a test asked after checking the same); every slice
             // read inside is bounds-checked.
             unsafe {
                 let channels = (&self.one.key_scale[..], &self.one.key_min[..]);
@@ -275,9 +275,9 @@ impl Kv43Rows {
             if block.wide && vb.is_multiple_of(16) {
                 #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
                 // SAFETY: `block.wide` only where `wide_kernels()` found the CPU has AVX-512
-                // F/BW, VNNI and VBMI (or a test asked after checking the same); every slice
+                // F/BW, VNNI, VBMI and GFNI (or a test asked after checking the same); every slice
                 // read inside is bounds-checked.
-                let (step, sum) = unsafe { super::avx512::block_probabilities(row, part.m, codes) };
+                let (step, sum) = unsafe { super::avx512::block_probabilities(row, (part.m, top), codes) };
                 if step > 0.0 {
                     (block.steps[h], block.sums[h]) = (step, sum);
                     part.l += step * sum as f32;
@@ -319,7 +319,7 @@ impl Kv43Rows {
 }
 
 /// True where the AVX-512 kernels (`avx512.rs`) run: the build has AVX2 and the CPU AVX-512
-/// F/BW, VNNI and VBMI, unless the environment says `ATTNSTORE_HACK_KERNEL=avx2`.
+/// F/BW, VNNI, VBMI and GFNI, unless the environment says `ATTNSTORE_HACK_KERNEL=avx2`.
 pub(super) fn wide_kernels() -> bool {
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
     return crate::cpu::hack_avx512::available();
@@ -352,7 +352,7 @@ fn score_tiles(
                 let out: &mut [[f32; RUN_ROWS]; $n] = (&mut out[..$n]).try_into().expect("one array per head");
                 #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
                 // SAFETY: `queries.wide` is `Some` only where `wide_kernels()` found the CPU
-                // has AVX-512 F/BW, VNNI and VBMI (or a test asked for it after checking
+                // has AVX-512 F/BW, VNNI, VBMI and GFNI (or a test asked for it after checking
                 // the same); every slice read inside is bounds-checked.
                 unsafe {
                     if high.is_empty() {
@@ -471,7 +471,7 @@ pub(super) fn weigh_value_planes(
                     let ph: [&[u8]; $n] = std::array::from_fn(|i| &p[(h0 + i) * rows..(h0 + i + 1) * rows]);
                     #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
                     // SAFETY: callers pass `wide` only where `wide_kernels()` found the CPU
-                    // has AVX-512 F/BW, VNNI and VBMI (or a test asked after checking the
+                    // has AVX-512 F/BW, VNNI, VBMI and GFNI (or a test asked after checking the
                     // same); every slice read inside is bounds-checked.
                     unsafe {
                         super::avx512::weigh_value_planes::<$n, $four>(planes, d, ph, out)

@@ -1,4 +1,4 @@
-//! kv43's AVX-512 kernels, chosen at run time where the CPU has AVX-512 F/BW, VNNI and VBMI
+//! kv43's AVX-512 kernels, chosen at run time where the CPU has AVX-512 F/BW, VNNI, VBMI and GFNI
 //! (`crate::cpu::hack_avx512::available`: Ice Lake and Sapphire Rapids Xeons, Zen 4). They
 //! compute the AVX2 kernels' integers (`avx2.rs`) with `vpdpbusd`, which multiplies 64
 //! unsigned × signed byte pairs and adds them, in fours, to 32-bit sums in one instruction:
@@ -10,11 +10,10 @@
 //!   the high nibbles' words of each octet broadcast over its half). The halves are added
 //!   per partition and combined with the float operations of the AVX2 kernel, in its order,
 //!   so the scores are equal bit for bit.
-//! - **Values.** Per eight rows and sixteen channels each bit plane's bytes are widened to
-//!   one 32-bit lane per channel; `vpmultishiftqb` moves bit `t` of plane `b` to bit `b` of
-//!   byte `t mod 4` (a quad of rows), two or three bitwise selects (`vpternlogd`) merge the
-//!   planes into the codes, and one `vpdpbusd` per head adds the quad's four rows, weighed by
-//!   their four probability codes broadcast as one word.
+//! - **Values.** Per eight rows each channel's plane bytes are gathered into one 64-bit
+//!   word, an 8×8 bit matrix that `gf2p8affineqb` transposes into the eight rows' codes (one
+//!   byte each), and one `vpdpbusd` per head and 8 channels adds them four rows to a lane,
+//!   weighed by the rows' probability codes broadcast as one word.
 //!
 //! The workspace targets x86-64-v3, so these functions are `#[target_feature]` and called
 //! only after `available()` says the CPU has the features (the `unsafe` calls live in
@@ -108,7 +107,14 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
 /// (`FOUR`) value codes, read from their bit planes (`rows/8 × bits × d` bytes, see
 /// `Kv43Rows::value_planes`); `p[h]`: head `h`'s `rows` 8-bit probability codes. Sums are
 /// 32-bit (≤ 255·15 per row): no bound on the rows.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi")]
+///
+/// Per 8-row group and 32 channels: the planes' bytes of each channel gathered into one
+/// 64-bit word (`vpermt2b`: plane `b`'s byte at byte `7 − b`), which is an 8×8 bit matrix
+/// whose transpose (`gf2p8affineqb` against the identity's columns) holds row `t`'s code in
+/// byte `t`; then one `vpdpbusd` per head and 8 channels adds rows 0–3 and 4–7 of each
+/// channel in its two 32-bit lanes, weighed by the group's eight probability codes
+/// broadcast as one word. The lane pairs are added once per block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,gfni")]
 pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
     planes: &[u8],
     d: usize,
@@ -119,73 +125,65 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
     let rows = planes.len() / (bits * d) * 8;
     assert!(d.is_multiple_of(32) && planes.len() == rows / 8 * bits * d, "value plane shapes");
     assert!(p.iter().all(|p| p.len() == rows) && dot.len() == H * d, "probability and output shapes");
-    // `ctrl[q][b]`: byte j < 4 of a 64-bit word (the even channel's lane) takes the window
-    // at bit 4q + j − b, so bit 4q + j of the lane's plane byte (row 4q + j) lands on bit b;
-    // bytes 4..8 the same from the odd channel's lane at bit 32.
-    let mut ctrl = [[_mm512_setzero_si512(); 4]; 2];
-    for (q, row) in ctrl.iter_mut().enumerate() {
-        for (b, v) in row.iter_mut().enumerate() {
-            let mut c = [0u8; 8];
-            for (j, x) in c.iter_mut().enumerate() {
-                *x = ((if j < 4 { 64 } else { 28 } + 4 * q + j - b) % 64) as u8;
+    // Word `j` of gather `k` (channel 8k + j of the 32): byte 7 − b takes plane b's byte, at
+    // b·32 + 8k + j of the two tables (planes 0–1 in the first, 2–3 in the second); the
+    // other bytes take byte 96, a zero of the second table with 3-bit values (with 4-bit
+    // ones the mask zeroes them).
+    let gather: [__m512i; 4] = std::array::from_fn(|k| {
+        let mut idx = [96u8; 64];
+        for j in 0..8 {
+            for b in 0..bits {
+                idx[8 * j + 7 - b] = (b * 32 + 8 * k + j) as u8;
             }
-            *v = _mm512_set1_epi64(i64::from_le_bytes(c));
         }
-    }
-    // Bit selects: bit 0 from the first operand, then bits 0..2, then 0..3.
-    let sel = [_mm512_set1_epi8(1), _mm512_set1_epi8(3), _mm512_set1_epi8(7)];
-    let top = _mm512_set1_epi8(if FOUR { 15 } else { 7 });
-    let zero = _mm512_setzero_si512();
+        bytemuck::cast(idx)
+    });
+    let keep: u64 = 0xf0f0_f0f0_f0f0_f0f0;
+    // Byte t of every word is 1 << t: the transpose's columns.
+    let columns = _mm512_set1_epi64(0x8040_2010_0804_0201_u64 as i64);
+    // Even (rows 0–3) and odd (rows 4–7) lanes of two accumulators: channels in order.
+    let (even, odd): (__m512i, __m512i) = (
+        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| 2 * i as u32)),
+        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| 2 * i as u32 + 1)),
+    );
+    let load32 = |at: usize| -> __m256i { bytemuck::pod_read_unaligned(&planes[at..at + 32]) };
     for c0 in (0..d).step_by(32) {
-        // Per head the sums of channels c0..c0 + 16 and c0 + 16..c0 + 32.
-        let (mut lo, mut hi) = ([zero; H], [zero; H]);
-        for (i, group) in planes.chunks_exact(bits * d).enumerate() {
-            let (pl, ph) = (widen_planes::<FOUR>(group, d, c0), widen_planes::<FOUR>(group, d, c0 + 16));
-            for (q, ctrl) in ctrl.iter().enumerate() {
-                let (zl, zh) = (quad_codes::<FOUR>(ctrl, &pl, &sel, top), quad_codes::<FOUR>(ctrl, &ph, &sel, top));
-                let at = 8 * i + 4 * q;
-                for h in 0..H {
-                    let w = _mm512_set1_epi32(bytemuck::pod_read_unaligned(&p[h][at..at + 4]));
-                    lo[h] = _mm512_dpbusd_epi32(lo[h], w, zl);
-                    hi[h] = _mm512_dpbusd_epi32(hi[h], w, zh);
-                }
+        let mut acc = [[_mm512_setzero_si512(); 4]; H];
+        for i in 0..rows / 8 {
+            let group = i * bits * d;
+            let first = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(group + c0)), load32(group + d + c0));
+            let second = if FOUR {
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(group + 2 * d + c0)), load32(group + 3 * d + c0))
+            } else {
+                _mm512_zextsi256_si512(load32(group + 2 * d + c0))
+            };
+            let code = |k: usize| {
+                let words = if FOUR {
+                    _mm512_maskz_permutex2var_epi8(keep, first, gather[k], second)
+                } else {
+                    _mm512_permutex2var_epi8(first, gather[k], second)
+                };
+                _mm512_gf2p8affine_epi64_epi8::<0>(columns, words)
+            };
+            let (z0, z1, z2, z3) = (code(0), code(1), code(2), code(3));
+            for (h, acc) in acc.iter_mut().enumerate() {
+                let w = _mm512_set1_epi64(bytemuck::pod_read_unaligned(&p[h][8 * i..8 * i + 8]));
+                acc[0] = _mm512_dpbusd_epi32(acc[0], w, z0);
+                acc[1] = _mm512_dpbusd_epi32(acc[1], w, z1);
+                acc[2] = _mm512_dpbusd_epi32(acc[2], w, z2);
+                acc[3] = _mm512_dpbusd_epi32(acc[3], w, z3);
             }
         }
-        for h in 0..H {
-            for (half, v) in [lo[h], hi[h]].into_iter().enumerate() {
-                let lanes: [u32; 16] = bytemuck::cast(v);
+        for (h, acc) in acc.iter().enumerate() {
+            for half in 0..2 {
+                let (a, b) = (acc[2 * half], acc[2 * half + 1]);
+                let sums =
+                    _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
                 let at = h * d + c0 + 16 * half;
-                dot[at..at + 16].copy_from_slice(&lanes);
+                dot[at..at + 16].copy_from_slice(&bytemuck::cast::<__m512i, [u32; 16]>(sums));
             }
         }
     }
-}
-
-/// Channels `c..c + 16` of an 8-row group's bit planes (`group`: `bits × d` bytes), each
-/// plane's bytes widened to one 32-bit lane per channel (the fourth plane zero unless `FOUR`).
-#[inline]
-#[target_feature(enable = "avx512f")]
-fn widen_planes<const FOUR: bool>(group: &[u8], d: usize, c: usize) -> [__m512i; 4] {
-    let plane = |b: usize| _mm512_cvtepu8_epi32(bytemuck::pod_read_unaligned(&group[b * d + c..b * d + c + 16]));
-    [plane(0), plane(1), plane(2), if FOUR { plane(3) } else { _mm512_setzero_si512() }]
-}
-
-/// The codes of a quad of rows from widened planes `pl`: byte `j` of channel `c`'s lane is
-/// row `4q + j`'s code, for the quad `q` whose multishift controls are `ctrl` (see
-/// `weigh_value_planes`); `sel`: the bit-select masks, `top`: the largest code.
-#[inline]
-#[target_feature(enable = "avx512f,avx512vbmi")]
-fn quad_codes<const FOUR: bool>(ctrl: &[__m512i; 4], pl: &[__m512i; 4], sel: &[__m512i; 3], top: __m512i) -> __m512i {
-    let m0 = _mm512_multishift_epi64_epi8(ctrl[0], pl[0]);
-    let m1 = _mm512_multishift_epi64_epi8(ctrl[1], pl[1]);
-    let m2 = _mm512_multishift_epi64_epi8(ctrl[2], pl[2]);
-    let mut code = _mm512_ternarylogic_epi32::<0xCA>(sel[0], m0, m1);
-    code = _mm512_ternarylogic_epi32::<0xCA>(sel[1], code, m2);
-    if FOUR {
-        let m3 = _mm512_multishift_epi64_epi8(ctrl[3], pl[3]);
-        code = _mm512_ternarylogic_epi32::<0xCA>(sel[2], code, m3);
-    }
-    _mm512_and_si512(code, top)
 }
 
 /// Every head's query coded against one key group, as `GroupQuery::prepare` and
@@ -262,32 +260,30 @@ pub(super) fn prepare_queries(
 
 /// One head's probabilities over a block of scored rows, as `fold_block` computes them on
 /// the AVX2 path (`exp_shifted_sum`, then the codes of `probability_codes` against the
-/// block's largest): `row` (a multiple of 16 scores, `-∞` for rows not attended; all `≤ m`)
-/// becomes their probabilities (the caller resets the block's scores after it), `codes`
-/// their 8-bit codes; returns the step (0 when every probability is 0, and then the codes
-/// are all 0) and the codes' sum.
+/// block's largest), in one pass: `row` (a multiple of 16 scores, `-∞` for rows not
+/// attended; all `≤ top`, the block's largest, itself `≤ m`) becomes their 8-bit codes
+/// `codes`, relative to the running maximum `m`; the block's largest probability is the
+/// `exp` of `top − m`, so the step is known before the other rows are raised, and each code
+/// is a product with its inverse (no division, no second pass). Returns the step (0 when
+/// every probability is 0, and then the codes are all 0) and the codes' sum.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) fn block_probabilities(row: &mut [f32], m: f32, codes: &mut [u8]) -> (f32, u32) {
+pub(super) fn block_probabilities(row: &[f32], (m, top): (f32, f32), codes: &mut [u8]) -> (f32, u32) {
     assert!(row.len().is_multiple_of(16) && codes.len() == row.len(), "block shapes");
-    let (mv, floor) = (_mm512_set1_ps(m), _mm512_set1_ps(crate::cpu::hack_avx2::EXP_FLOOR));
-    let mut top = _mm512_setzero_ps();
-    for lanes in row.chunks_exact_mut(16) {
+    let floor = crate::cpu::hack_avx2::EXP_FLOOR;
+    let peak =
+        if top - m >= floor { _mm512_cvtss_f32(crate::cpu::hack_avx512::exp16(_mm512_set1_ps(top - m))) } else { 0.0 };
+    let step = peak / super::P_LEVELS;
+    if step == 0.0 {
+        codes.iter_mut().for_each(|c| *c = 0);
+        return (0.0, 0);
+    }
+    let (mv, floor) = (_mm512_set1_ps(m), _mm512_set1_ps(floor));
+    let (inv, levels, zero) = (_mm512_set1_ps(1.0 / step), _mm512_set1_ps(super::P_LEVELS), _mm512_setzero_ps());
+    let mut sum = _mm512_setzero_si512();
+    for (lanes, out) in row.chunks_exact(16).zip(codes.chunks_exact_mut(16)) {
         let x = _mm512_sub_ps(bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes)), mv);
         let e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), crate::cpu::hack_avx512::exp16(x));
-        top = _mm512_max_ps(top, e);
-        lanes.copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(e));
-    }
-    let step = _mm512_reduce_max_ps(top) / super::P_LEVELS;
-    let (s, levels) = (_mm512_set1_ps(step), _mm512_set1_ps(super::P_LEVELS));
-    let zero = _mm512_setzero_ps();
-    let mut sum = _mm512_setzero_si512();
-    for (lanes, out) in row.chunks_exact_mut(16).zip(codes.chunks_exact_mut(16)) {
-        let c = if step == 0.0 {
-            _mm512_setzero_si512()
-        } else {
-            let v: __m512 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes));
-            round_clamped(_mm512_max_ps(_mm512_min_ps(_mm512_div_ps(v, s), levels), zero), levels)
-        };
+        let c = round_clamped(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(e, inv), levels), zero), levels);
         sum = _mm512_add_epi32(sum, c);
         out.copy_from_slice(&bytemuck::cast::<__m128i, [u8; 16]>(_mm512_cvtepi32_epi8(c)));
     }
