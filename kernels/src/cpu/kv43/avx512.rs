@@ -57,37 +57,82 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
     let (lo_bits, hi_bits) = (_mm512_set1_epi32(0x0804_0201), _mm512_set1_epi32(0x8040_2010_u32 as i32));
     let spread = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12, 12));
     let sixteen = _mm512_set1_epi8(16);
-    for t in 0..tiles {
-        let codes = &codes[t * parts * PAIRS * 64..(t + 1) * parts * PAIRS * 64];
-        let sums = &sums[t * TILE * parts..(t + 1) * TILE * parts];
-        let high = if HIGH { &high[t * parts * PART..(t + 1) * parts * PART] } else { high };
-        let mut s = qm.map(|x| _mm256_set1_ps(x));
+    // A tile's codes of pair `p` of octets, low nibbles and high ones (with the fifth bits).
+    let nibbles = |t: usize, p: usize| {
+        let x = load64(&codes[(t * parts * PAIRS + p) * 64..]);
+        let mut lo = _mm512_and_si512(x, nibble);
+        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
+        if HIGH {
+            // The two octets' eight row bytes each, one per lane.
+            let at = t * parts * PART + p * 16;
+            let rows: __m128i = bytemuck::pod_read_unaligned(&high[at..at + 16]);
+            let x = _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(rows), spread);
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(x, lo_bits), lo, sixteen);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(x, hi_bits), hi, sixteen);
+        }
+        (lo, hi)
+    };
+    // Tiles two at a time: per head one dependency chain per tile, then both tiles' halves
+    // (each row's two octets) added into sixteen lanes, rows of the first tile first, so
+    // the float operations run on sixteen rows at once (the same operations per row).
+    let (first, second): (__m512i, __m512i) = (
+        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| if i < 8 { i as u32 } else { i as u32 + 8 })),
+        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| if i < 8 { i as u32 + 8 } else { i as u32 + 16 })),
+    );
+    let mut t = 0;
+    while t + 1 < tiles {
+        let mut s = qm.map(|x| _mm512_set1_ps(x));
         for k in 0..parts {
-            // The low and high nibbles' products apart: two dependency chains per head.
-            let (mut dl, mut dh) = ([_mm512_setzero_si512(); H], [_mm512_setzero_si512(); H]);
+            let (mut da, mut db) = ([_mm512_setzero_si512(); H], [_mm512_setzero_si512(); H]);
             for p in k * PAIRS..(k + 1) * PAIRS {
-                let x = load64(&codes[p * 64..]);
-                let mut lo = _mm512_and_si512(x, nibble);
-                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
-                if HIGH {
-                    // The two octets' eight row bytes each, one per lane.
-                    let rows: __m128i = bytemuck::pod_read_unaligned(&high[p * 16..p * 16 + 16]);
-                    let x = _mm512_shuffle_epi8(_mm512_cvtepu8_epi32(rows), spread);
-                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(x, lo_bits), lo, sixteen);
-                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(x, hi_bits), hi, sixteen);
-                }
+                let ((la, ha), (lb, hb)) = (nibbles(t, p), nibbles(t + 1, p));
                 for h in 0..H {
                     let (ql, qh): (__m512i, __m512i) = (bytemuck::cast(w[h][2 * p]), bytemuck::cast(w[h][2 * p + 1]));
-                    dl[h] = _mm512_dpbusd_epi32(dl[h], ql, lo);
-                    dh[h] = _mm512_dpbusd_epi32(dh[h], qh, hi);
+                    da[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(da[h], ql, la), qh, ha);
+                    db[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(db[h], ql, lb), qh, hb);
                 }
             }
-            let u: __m128i = bytemuck::pod_read_unaligned(bytemuck::cast_slice(&sums[k * TILE..(k + 1) * TILE]));
+            let (ua, ub): (__m128i, __m128i) = (
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&sums[(t * parts + k) * TILE..][..TILE])),
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&sums[((t + 1) * parts + k) * TILE..][..TILE])),
+            );
+            let u = _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm256_set_m128i(ub, ua)));
+            for h in 0..H {
+                let dot = _mm512_add_epi32(
+                    _mm512_permutex2var_epi32(da[h], first, db[h]),
+                    _mm512_permutex2var_epi32(da[h], second, db[h]),
+                );
+                let v = _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_set1_ps(a[h][k]), u),
+                    _mm512_mul_ps(_mm512_set1_ps(b[h][k]), _mm512_cvtepi32_ps(dot)),
+                );
+                s[h] = _mm512_add_ps(s[h], v);
+            }
+        }
+        for h in 0..H {
+            let scores: [f32; 2 * TILE] = bytemuck::cast(_mm512_mul_ps(s[h], _mm512_set1_ps(scale)));
+            out[h][t * TILE..(t + 2) * TILE].copy_from_slice(&scores);
+        }
+        t += 2;
+    }
+    if t < tiles {
+        // The last, odd tile alone.
+        let mut s = qm.map(|x| _mm256_set1_ps(x));
+        for k in 0..parts {
+            let mut dt = [_mm512_setzero_si512(); H];
+            for p in k * PAIRS..(k + 1) * PAIRS {
+                let (lo, hi) = nibbles(t, p);
+                for h in 0..H {
+                    let (ql, qh): (__m512i, __m512i) = (bytemuck::cast(w[h][2 * p]), bytemuck::cast(w[h][2 * p + 1]));
+                    dt[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(dt[h], ql, lo), qh, hi);
+                }
+            }
+            let u: __m128i =
+                bytemuck::pod_read_unaligned(bytemuck::cast_slice(&sums[(t * parts + k) * TILE..][..TILE]));
             let u = _mm256_cvtepi32_ps(_mm256_cvtepu16_epi32(u));
             for h in 0..H {
-                // Both nibbles and both octets' halves: a row's integer product over the
-                // partition.
-                let dot = _mm512_add_epi32(dl[h], dh[h]);
+                // Both octets' halves: a row's integer product over the partition.
+                let dot = dt[h];
                 let dot8 = _mm256_add_epi32(_mm512_castsi512_si256(dot), _mm512_extracti64x4_epi64::<1>(dot));
                 let v = _mm256_add_ps(
                     _mm256_mul_ps(_mm256_set1_ps(a[h][k]), u),
