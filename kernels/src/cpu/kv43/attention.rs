@@ -311,6 +311,22 @@ impl Kv43Rows {
                 continue;
             }
             let dh = &block.dot[h * d..(h + 1) * d];
+            #[cfg(all(
+                target_arch = "x86_64",
+                target_feature = "avx2",
+                target_feature = "fma",
+                target_feature = "f16c"
+            ))]
+            if block.wide && d.is_multiple_of(16) {
+                #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+                // SAFETY: `block.wide` only where `wide_kernels()` found the CPU has AVX-512
+                // (or a test asked after checking the same); every slice read inside is
+                // bounds-checked.
+                unsafe {
+                    super::avx512::fold_values(&mut part.o, dh, (&block.mins, &block.scales), (step, sum))
+                };
+                continue;
+            }
             for (((o, &x), &m), &s) in part.o.iter_mut().zip(dh).zip(&block.mins).zip(&block.scales) {
                 *o += step * (m * sum + s * x as f32);
             }

@@ -191,26 +191,26 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
         bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| 2 * i as u32)),
         bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| 2 * i as u32 + 1)),
     );
-    let load32 = |at: usize| -> __m256i { bytemuck::pod_read_unaligned(&planes[at..at + 32]) };
     for c0 in (0..d).step_by(32) {
         let mut acc = [[_mm512_setzero_si512(); 4]; H];
         for i in 0..rows / 8 {
             let group = i * bits * d;
-            let first = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(group + c0)), load32(group + d + c0));
+            let plane = |b: usize| -> __m256i { bytemuck::pod_read_unaligned(&planes[group + b * d + c0..][..32]) };
+            let first = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(plane(0)), plane(1));
             let second = if FOUR {
-                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(load32(group + 2 * d + c0)), load32(group + 3 * d + c0))
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(plane(2)), plane(3))
             } else {
-                _mm512_zextsi256_si512(load32(group + 2 * d + c0))
+                _mm512_zextsi256_si512(plane(2))
             };
-            let code = |k: usize| {
+            let z = gather.map(|g| {
                 let words = if FOUR {
-                    _mm512_maskz_permutex2var_epi8(keep, first, gather[k], second)
+                    _mm512_maskz_permutex2var_epi8(keep, first, g, second)
                 } else {
-                    _mm512_permutex2var_epi8(first, gather[k], second)
+                    _mm512_permutex2var_epi8(first, g, second)
                 };
                 _mm512_gf2p8affine_epi64_epi8::<0>(columns, words)
-            };
-            let (z0, z1, z2, z3) = (code(0), code(1), code(2), code(3));
+            });
+            let (z0, z1, z2, z3) = (z[0], z[1], z[2], z[3]);
             for (h, acc) in acc.iter_mut().enumerate() {
                 let w = _mm512_set1_epi64(bytemuck::pod_read_unaligned(&p[h][8 * i..8 * i + 8]));
                 acc[0] = _mm512_dpbusd_epi32(acc[0], w, z0);
@@ -333,6 +333,24 @@ pub(super) fn block_probabilities(row: &[f32], (m, top): (f32, f32), codes: &mut
         out.copy_from_slice(&bytemuck::cast::<__m128i, [u8; 16]>(_mm512_cvtepi32_epi8(c)));
     }
     (step, _mm512_reduce_add_epi32(sum) as u32)
+}
+
+/// `o[c] += step·(m[c]·sum + s[c]·dot[c])` for every channel, sixteen at a time with
+/// `fold_block`'s float operations in its order (so the same sums): a value block's
+/// weighed codes `dot` folded into one head's output with the block's channel minima `m`
+/// and scales `s`, its probability step and code sum.
+#[target_feature(enable = "avx512f")]
+pub(super) fn fold_values(o: &mut [f32], dot: &[u32], (m, s): (&[f32], &[f32]), (step, sum): (f32, f32)) {
+    assert!(o.len().is_multiple_of(16) && [dot.len(), m.len(), s.len()].iter().all(|&n| n == o.len()), "fold shapes");
+    let (step, sum) = (_mm512_set1_ps(step), _mm512_set1_ps(sum));
+    let load = |x: &[f32], at: usize| -> __m512 { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&x[at..at + 16])) };
+    for at in (0..o.len()).step_by(16) {
+        // Sums of at most 255·15 per row: exact as signed 32-bit integers and as floats.
+        let x = _mm512_cvtepi32_ps(bytemuck::pod_read_unaligned(bytemuck::cast_slice(&dot[at..at + 16])));
+        let v = _mm512_mul_ps(step, _mm512_add_ps(_mm512_mul_ps(load(m, at), sum), _mm512_mul_ps(load(s, at), x)));
+        let out = _mm512_add_ps(load(o, at), v);
+        o[at..at + 16].copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(out));
+    }
 }
 
 /// `min(round(q), top)` as integers, for `q ≥ 0`, rounding half away from zero as
