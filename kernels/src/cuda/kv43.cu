@@ -51,13 +51,15 @@ __device__ void k43_queries(const Kv43Src& s, int h, int grp, const float (*q_s)
       lo = fminf(lo, __shfl_xor_sync(0xffffffffu, lo, off));
       hi = fmaxf(hi, __shfl_xor_sync(0xffffffffu, hi, off));
     }
-    // As `quantize_into` with 255 levels: an f16 minimum and step.
+    // As `quantize_query_into`: an f16 minimum and step, codes a product with the step's
+    // inverse.
     const float m = h2f(f2h(lo));
     const float st = h2f(f2h(__fdiv_rn(fmaxf(__fsub_rn(hi, m), 0.f), K43_LEVELS)));
     unsigned char c0c = 0, c1c = 0;
     if (st > 0.f) {
-      c0c = (unsigned char)fminf(roundf(fmaxf(__fdiv_rn(__fsub_rn(x0, m), st), 0.f)), K43_LEVELS);
-      c1c = (unsigned char)fminf(roundf(fmaxf(__fdiv_rn(__fsub_rn(x1, m), st), 0.f)), K43_LEVELS);
+      const float inv = __fdiv_rn(1.f, st);
+      c0c = (unsigned char)fminf(roundf(fmaxf(__fmul_rn(__fsub_rn(x0, m), inv), 0.f)), K43_LEVELS);
+      c1c = (unsigned char)fminf(roundf(fmaxf(__fmul_rn(__fsub_rn(x1, m), inv), 0.f)), K43_LEVELS);
     }
     codes_s[g][c0] = c0c;
     codes_s[g][c1] = c1c;

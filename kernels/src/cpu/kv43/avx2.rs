@@ -11,16 +11,18 @@ use super::{PART, TILE};
 /// ties away from zero, eight at a time; the scalar loop of [`super::code_run`] exactly (the
 /// same subtraction and division; `round` as `trunc` plus one where the exact fraction is
 /// at least ½, after the clamp below at 0 and before the one above, as `f32::clamp` and
-/// `as u8` treat a NaN: 0). `step > 0`.
+/// `as u8` treat a NaN: 0). `step > 0` (with `INVERSE`, the step's inverse: a product).
 #[target_feature(enable = "avx2")]
-pub(super) fn code_run(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]) {
+pub(super) fn code_run<const INVERSE: bool>(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut [u8]) {
     let (m, s, top) = (_mm256_set1_ps(min), _mm256_set1_ps(step), _mm256_set1_ps(levels));
     let (zero, half, one) = (_mm256_setzero_ps(), _mm256_set1_ps(0.5), _mm256_set1_ps(1.0));
     let (mut xs, mut cs) = (x.chunks_exact(8), codes.chunks_exact_mut(8));
     for (v, out) in (&mut xs).zip(&mut cs) {
         let v: __m256 = bytemuck::pod_read_unaligned(bytemuck::cast_slice(v));
         // max(q, 0) gives 0 for a NaN (its second operand), as `clamp` then `as u8` do.
-        let q = _mm256_max_ps(_mm256_div_ps(_mm256_sub_ps(v, m), s), zero);
+        let scaled =
+            if INVERSE { _mm256_mul_ps(_mm256_sub_ps(v, m), s) } else { _mm256_div_ps(_mm256_sub_ps(v, m), s) };
+        let q = _mm256_max_ps(scaled, zero);
         let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(q);
         let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(_mm256_sub_ps(q, t), half), one);
         let c = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_add_ps(t, up), top));
@@ -29,7 +31,7 @@ pub(super) fn code_run(x: &[f32], min: f32, step: f32, levels: f32, codes: &mut 
         let b: [u8; 16] = bytemuck::cast(_mm_packus_epi16(w, w));
         out.copy_from_slice(&b[..8]);
     }
-    super::code_run_scalar(xs.remainder(), min, step, levels, cs.into_remainder());
+    super::code_run_scalar::<INVERSE>(xs.remainder(), min, step, levels, cs.into_remainder());
 }
 
 /// `codes[i] = min(round(x[i] / step), 255)` for probabilities `x[i] ≥ 0` (a NaN gives

@@ -275,11 +275,13 @@ pub(super) fn prepare_queries(
             let min = half::f16::from_f32(lo);
             let step = half::f16::from_f32((hi - min.to_f32()).max(0.0) / 255.0);
             let (m, s) = (min.to_f32(), step.to_f32());
+            let inv = _mm512_set1_ps(1.0 / s);
             (a[h * parts + k], b[h * parts + k]) = (m, s);
             for (i, &v) in x.iter().enumerate() {
                 let codes = if s > 0.0 {
-                    // `avx2::code_run`: round half away from zero, clamped to 0..=255.
-                    let c = _mm512_max_ps(_mm512_div_ps(_mm512_sub_ps(v, _mm512_set1_ps(m)), _mm512_set1_ps(s)), zero);
+                    // `avx2::code_run::<true>`: the step's inverse, round half away from
+                    // zero, clamped to 0..=255.
+                    let c = _mm512_max_ps(_mm512_mul_ps(_mm512_sub_ps(v, _mm512_set1_ps(m)), inv), zero);
                     _mm512_cvtepi32_epi8(round_clamped(c, top))
                 } else {
                     _mm_setzero_si128()

@@ -407,9 +407,13 @@ fn fast_codes_equal_the_scalar_rounding_exactly() {
         let x = &x[..len];
         for (min, step, levels) in [(-2.0, 0.5, 15.0), (0.0, 1.0, 15.0), (-5.0, 0.037, 255.0), (1.0, 3.0, 7.0)] {
             let (mut fast, mut scalar) = (vec![0u8; len], vec![0u8; len]);
-            code_run(x, min, step, levels, &mut fast);
-            code_run_scalar(x, min, step, levels, &mut scalar);
+            code_run::<false>(x, min, step, levels, &mut fast);
+            code_run_scalar::<false>(x, min, step, levels, &mut scalar);
             assert_eq!(fast, scalar, "{len} values, min {min}, step {step}, levels {levels}");
+            // Queries: a product with the step's inverse.
+            code_run::<true>(x, min, 1.0 / step, levels, &mut fast);
+            code_run_scalar::<true>(x, min, 1.0 / step, levels, &mut scalar);
+            assert_eq!(fast, scalar, "{len} values, min {min}, inverse step {}, levels {levels}", 1.0 / step);
         }
         // Probabilities: in [0, 1], with the block's largest at 255 steps.
         let p: Vec<f32> = x.iter().map(|v| if v.is_nan() { *v } else { (v.abs() / 10.0).min(1.0) }).collect();
