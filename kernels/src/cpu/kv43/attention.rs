@@ -111,7 +111,11 @@ struct Block {
     z: Vec<u8>,
     mins: Vec<f32>,
     scales: Vec<f32>,
-    /// The AVX-512 value kernel (as the queries' `wide`).
+    /// Per head the running maximum before the block and the block's largest score (the
+    /// AVX-512 probabilities).
+    m: Vec<f32>,
+    top: Vec<f32>,
+    /// The AVX-512 kernels (as the queries' `wide`).
     wide: bool,
 }
 
@@ -128,6 +132,8 @@ impl Block {
             z: Vec::new(),
             mins: vec![0.0; d],
             scales: vec![0.0; d],
+            m: vec![0.0; heads],
+            top: vec![0.0; heads],
         }
     }
 }
@@ -255,46 +261,10 @@ impl Kv43Rows {
         let (d, vb) = (self.d, self.params.probability_rows());
         // The value block whose minima and scales the rows share.
         let mb = b * vb / self.params.value_block;
-        let mut live = false;
-        for (h, part) in parts.iter_mut().enumerate() {
-            let row = &mut block.scores[h * vb..(h + 1) * vb];
-            let codes = &mut block.codes[h * vb..(h + 1) * vb];
-            let top = super::max_of(row);
-            block.steps[h] = 0.0;
-            codes.iter_mut().for_each(|c| *c = 0);
-            if top == f32::NEG_INFINITY {
-                continue;
-            }
-            part.rescale_to(part.m.max(top));
-            #[cfg(all(
-                target_arch = "x86_64",
-                target_feature = "avx2",
-                target_feature = "fma",
-                target_feature = "f16c"
-            ))]
-            if block.wide && vb.is_multiple_of(16) {
-                #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
-                // SAFETY: `block.wide` only where `wide_kernels()` found the CPU has AVX-512
-                // F/BW, VNNI, VBMI and GFNI (or a test asked after checking the same); every slice
-                // read inside is bounds-checked.
-                let (step, sum) = unsafe { super::avx512::block_probabilities(row, (part.m, top), codes) };
-                if step > 0.0 {
-                    (block.steps[h], block.sums[h]) = (step, sum);
-                    part.l += step * sum as f32;
-                    live = true;
-                }
-                continue;
-            }
-            crate::cpu::microkernel::exp_shifted_sum(row, part.m);
-            let step = super::max_of(row).max(0.0) / super::P_LEVELS;
-            if step == 0.0 {
-                continue;
-            }
-            block.sums[h] = probability_codes(row, step, codes);
-            block.steps[h] = step;
-            part.l += step * block.sums[h] as f32;
-            live = true;
-        }
+        let live = match wide_probabilities(block, parts, vb) {
+            Some(live) => live,
+            None => probabilities(block, parts, vb),
+        };
         block.scores.iter_mut().for_each(|s| *s = f32::NEG_INFINITY);
         if !live {
             return;
@@ -332,6 +302,72 @@ impl Kv43Rows {
             }
         }
     }
+}
+
+/// Per head the block's largest score raises the running maximum of `parts`, and the
+/// block's probabilities relative to it are coded to 8 bits against the block's largest
+/// (`block.codes`, `steps`, `sums`; `l` takes their sum): one head at a time. Returns
+/// whether any head attends a row of the block.
+fn probabilities(block: &mut Block, parts: &mut [Partial], vb: usize) -> bool {
+    let mut live = false;
+    for (h, part) in parts.iter_mut().enumerate() {
+        let row = &mut block.scores[h * vb..(h + 1) * vb];
+        let codes = &mut block.codes[h * vb..(h + 1) * vb];
+        let top = super::max_of(row);
+        block.steps[h] = 0.0;
+        codes.iter_mut().for_each(|c| *c = 0);
+        if top == f32::NEG_INFINITY {
+            continue;
+        }
+        part.rescale_to(part.m.max(top));
+        crate::cpu::microkernel::exp_shifted_sum(row, part.m);
+        let step = super::max_of(row).max(0.0) / super::P_LEVELS;
+        if step == 0.0 {
+            continue;
+        }
+        block.sums[h] = probability_codes(row, step, codes);
+        block.steps[h] = step;
+        part.l += step * block.sums[h] as f32;
+        live = true;
+    }
+    live
+}
+
+/// [`probabilities`] for every head in one call of the AVX-512 kernel, where the block uses
+/// the AVX-512 kernels and its rows are a multiple of 16 (else `None`).
+fn wide_probabilities(block: &mut Block, parts: &mut [Partial], vb: usize) -> Option<bool> {
+    #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma", target_feature = "f16c"))]
+    if block.wide && vb.is_multiple_of(16) {
+        for (m, part) in block.m.iter_mut().zip(parts.iter()) {
+            *m = part.m;
+        }
+        #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
+        // SAFETY: `block.wide` only where `wide_kernels()` found the CPU has AVX-512 F/BW,
+        // VNNI, VBMI and GFNI (or a test asked after checking the same); every slice read
+        // inside is bounds-checked.
+        unsafe {
+            super::avx512::block_probabilities(
+                &block.scores,
+                (&block.m, &mut block.top),
+                &mut block.codes,
+                (&mut block.steps, &mut block.sums),
+            )
+        };
+        let mut live = false;
+        for (h, part) in parts.iter_mut().enumerate() {
+            if block.top[h] == f32::NEG_INFINITY {
+                continue;
+            }
+            part.rescale_to(part.m.max(block.top[h]));
+            if block.steps[h] > 0.0 {
+                part.l += block.steps[h] * block.sums[h] as f32;
+                live = true;
+            }
+        }
+        return Some(live);
+    }
+    let _ = (block, parts, vb);
+    None
 }
 
 /// True where the AVX-512 kernels (`avx512.rs`) run: the build has AVX2 and the CPU AVX-512

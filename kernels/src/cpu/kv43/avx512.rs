@@ -76,8 +76,8 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
     // (each row's two octets) added into sixteen lanes, rows of the first tile first, so
     // the float operations run on sixteen rows at once (the same operations per row).
     let (first, second): (__m512i, __m512i) = (
-        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| if i < 8 { i as u32 } else { i as u32 + 8 })),
-        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| if i < 8 { i as u32 + 8 } else { i as u32 + 16 })),
+        bytemuck::cast([0u32, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23]),
+        bytemuck::cast([8u32, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31]),
     );
     let mut t = 0;
     while t + 1 < tiles {
@@ -170,26 +170,15 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
     let rows = planes.len() / (bits * d) * 8;
     assert!(d.is_multiple_of(32) && planes.len() == rows / 8 * bits * d, "value plane shapes");
     assert!(p.iter().all(|p| p.len() == rows) && dot.len() == H * d, "probability and output shapes");
-    // Word `j` of gather `k` (channel 8k + j of the 32): byte 7 − b takes plane b's byte, at
-    // b·32 + 8k + j of the two tables (planes 0–1 in the first, 2–3 in the second); the
-    // other bytes take byte 96, a zero of the second table with 3-bit values (with 4-bit
-    // ones the mask zeroes them).
-    let gather: [__m512i; 4] = std::array::from_fn(|k| {
-        let mut idx = [96u8; 64];
-        for j in 0..8 {
-            for b in 0..bits {
-                idx[8 * j + 7 - b] = (b * 32 + 8 * k + j) as u8;
-            }
-        }
-        bytemuck::cast(idx)
-    });
+    let table = &GATHER[usize::from(FOUR)];
+    let gather: [__m512i; 4] = [table[0], table[1], table[2], table[3]].map(bytemuck::cast);
     let keep: u64 = 0xf0f0_f0f0_f0f0_f0f0;
     // Byte t of every word is 1 << t: the transpose's columns.
     let columns = _mm512_set1_epi64(0x8040_2010_0804_0201_u64 as i64);
     // Even (rows 0–3) and odd (rows 4–7) lanes of two accumulators: channels in order.
     let (even, odd): (__m512i, __m512i) = (
-        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| 2 * i as u32)),
-        bytemuck::cast(std::array::from_fn::<u32, 16, _>(|i| 2 * i as u32 + 1)),
+        bytemuck::cast([0u32, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30]),
+        bytemuck::cast([1u32, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]),
     );
     for c0 in (0..d).step_by(32) {
         let mut acc = [[_mm512_setzero_si512(); 4]; H];
@@ -202,15 +191,17 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
             } else {
                 _mm512_zextsi256_si512(plane(2))
             };
-            let z = gather.map(|g| {
-                let words = if FOUR {
-                    _mm512_maskz_permutex2var_epi8(keep, first, g, second)
-                } else {
-                    _mm512_permutex2var_epi8(first, g, second)
-                };
-                _mm512_gf2p8affine_epi64_epi8::<0>(columns, words)
-            });
-            let (z0, z1, z2, z3) = (z[0], z[1], z[2], z[3]);
+            macro_rules! codes {
+                ($k:literal) => {{
+                    let words = if FOUR {
+                        _mm512_maskz_permutex2var_epi8(keep, first, gather[$k], second)
+                    } else {
+                        _mm512_permutex2var_epi8(first, gather[$k], second)
+                    };
+                    _mm512_gf2p8affine_epi64_epi8::<0>(columns, words)
+                }};
+            }
+            let (z0, z1, z2, z3) = (codes!(0), codes!(1), codes!(2), codes!(3));
             for (h, acc) in acc.iter_mut().enumerate() {
                 let w = _mm512_set1_epi64(bytemuck::pod_read_unaligned(&p[h][8 * i..8 * i + 8]));
                 acc[0] = _mm512_dpbusd_epi32(acc[0], w, z0);
@@ -230,6 +221,33 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
         }
     }
 }
+
+/// The byte indices of `weigh_value_planes`' gathers, for 3-bit values (`[0]`) and 4-bit
+/// ones (`[1]`): word `j` of gather `k` (channel `8k + j` of 32) takes plane `b`'s byte at
+/// byte `7 − b`, index `32·b + 8k + j` of the two tables (planes 0–1 in the first, 2–3 in
+/// the second); its other bytes index byte 96, a zero of the second table with 3-bit
+/// values (with 4-bit ones a mask zeroes them).
+const GATHER: [[[u8; 64]; 4]; 2] = {
+    let mut out = [[[96u8; 64]; 4]; 2];
+    let mut four = 0;
+    while four < 2 {
+        let mut k = 0;
+        while k < 4 {
+            let mut j = 0;
+            while j < 8 {
+                let mut b = 0;
+                while b < 3 + four {
+                    out[four][k][8 * j + 7 - b] = (b * 32 + 8 * k + j) as u8;
+                    b += 1;
+                }
+                j += 1;
+            }
+            k += 1;
+        }
+        four += 1;
+    }
+    out
+};
 
 /// Every head's query coded against one key group, as `GroupQuery::prepare` and
 /// `quantize_into` compute it (the same float operations, so the same codes, minima, steps
@@ -305,36 +323,64 @@ pub(super) fn prepare_queries(
     }
 }
 
-/// One head's probabilities over a block of scored rows, as `fold_block` computes them on
-/// the AVX2 path (`exp_shifted_sum`, then the codes of `probability_codes` against the
-/// block's largest), in one pass: `row` (a multiple of 16 scores, `-∞` for rows not
-/// attended; all `≤ top`, the block's largest, itself `≤ m`) becomes their 8-bit codes
-/// `codes`, relative to the running maximum `m`; the block's largest probability is the
-/// `exp` of `top − m`, so the step is known before the other rows are raised, and each code
-/// is a product with its inverse (no division, no second pass). Returns the step (0 when
-/// every probability is 0, and then the codes are all 0) and the codes' sum.
+/// Every head's probabilities over a block of scored rows, as `fold_block` computes them
+/// on the AVX2 path (`exp_shifted_sum`, then the codes of `probability_codes` against the
+/// block's largest), in one pass per head and all heads in one call (so their `exp`s
+/// overlap): `scores` (`heads × rows`, rows a multiple of 16, `-∞` for rows not attended)
+/// become their 8-bit codes `codes` (`heads × rows`), relative to `m[h]`, the running
+/// maximum raised to the block's largest score, which is written to `top[h]` (`-∞` for a
+/// head with no row attended). The block's largest probability is the `exp` of its largest
+/// score, so the step is known before the other rows are raised, and each code is a
+/// product with the step's inverse (no division, no second pass). `step[h]` (0 when every
+/// probability is 0, and then the codes are all 0) and `sum[h]`, the codes' sum, out.
 #[target_feature(enable = "avx512f,avx512bw")]
-pub(super) fn block_probabilities(row: &[f32], (m, top): (f32, f32), codes: &mut [u8]) -> (f32, u32) {
-    assert!(row.len().is_multiple_of(16) && codes.len() == row.len(), "block shapes");
+pub(super) fn block_probabilities(
+    scores: &[f32],
+    (m, top): (&[f32], &mut [f32]),
+    codes: &mut [u8],
+    (step, sum): (&mut [f32], &mut [u32]),
+) {
+    let heads = m.len();
+    let rows = scores.len() / heads.max(1);
+    assert!(rows.is_multiple_of(16) && scores.len() == heads * rows && codes.len() == scores.len(), "block shapes");
+    assert!(top.len() == heads && step.len() == heads && sum.len() == heads, "per-head shapes");
     let floor = crate::cpu::hack_avx2::EXP_FLOOR;
-    let peak =
-        if top - m >= floor { _mm512_cvtss_f32(crate::cpu::hack_avx512::exp16(_mm512_set1_ps(top - m))) } else { 0.0 };
-    let step = peak / super::P_LEVELS;
-    if step == 0.0 {
-        codes.iter_mut().for_each(|c| *c = 0);
-        return (0.0, 0);
+    let (levels, zero, floor_v) = (_mm512_set1_ps(super::P_LEVELS), _mm512_setzero_ps(), _mm512_set1_ps(floor));
+    let load = |at: usize| -> __m512 { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&scores[at..at + 16])) };
+    for h in 0..heads {
+        let row = h * rows..(h + 1) * rows;
+        let mut hi = _mm512_set1_ps(f32::NEG_INFINITY);
+        for at in row.clone().step_by(16) {
+            hi = _mm512_max_ps(hi, load(at));
+        }
+        let t = _mm512_reduce_max_ps(hi);
+        top[h] = t;
+        let mh = m[h].max(t);
+        let peak = if t - mh >= floor {
+            _mm512_cvtss_f32(crate::cpu::hack_avx512::exp16(_mm512_set1_ps(t - mh)))
+        } else {
+            0.0
+        };
+        step[h] = peak / super::P_LEVELS;
+        if step[h] == 0.0 {
+            // No row attended (or none within the `exp` floor): no codes.
+            step[h] = 0.0;
+            sum[h] = 0;
+            codes[row].iter_mut().for_each(|c| *c = 0);
+            continue;
+        }
+        let (mv, inv) = (_mm512_set1_ps(mh), _mm512_set1_ps(1.0 / step[h]));
+        let mut total = _mm512_setzero_si512();
+        for at in row.step_by(16) {
+            let x = _mm512_sub_ps(load(at), mv);
+            let e =
+                _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor_v), crate::cpu::hack_avx512::exp16(x));
+            let c = round_clamped(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(e, inv), levels), zero), levels);
+            total = _mm512_add_epi32(total, c);
+            codes[at..at + 16].copy_from_slice(&bytemuck::cast::<__m128i, [u8; 16]>(_mm512_cvtepi32_epi8(c)));
+        }
+        sum[h] = _mm512_reduce_add_epi32(total) as u32;
     }
-    let (mv, floor) = (_mm512_set1_ps(m), _mm512_set1_ps(floor));
-    let (inv, levels, zero) = (_mm512_set1_ps(1.0 / step), _mm512_set1_ps(super::P_LEVELS), _mm512_setzero_ps());
-    let mut sum = _mm512_setzero_si512();
-    for (lanes, out) in row.chunks_exact(16).zip(codes.chunks_exact_mut(16)) {
-        let x = _mm512_sub_ps(bytemuck::pod_read_unaligned(bytemuck::cast_slice(lanes)), mv);
-        let e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, floor), crate::cpu::hack_avx512::exp16(x));
-        let c = round_clamped(_mm512_max_ps(_mm512_min_ps(_mm512_mul_ps(e, inv), levels), zero), levels);
-        sum = _mm512_add_epi32(sum, c);
-        out.copy_from_slice(&bytemuck::cast::<__m128i, [u8; 16]>(_mm512_cvtepi32_epi8(c)));
-    }
-    (step, _mm512_reduce_add_epi32(sum) as u32)
 }
 
 /// `o[c] += step·(m[c]·sum + s[c]·dot[c])` for every channel, sixteen at a time with
