@@ -34,6 +34,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let share = env("EST").map_or(EstimateShare::Rest, EstimateShare::Fraction);
     let budget = if env::<u8>("EXACT").is_some() { Budget::full() } else { Budget::default().with_estimate(share) };
     let flush: Vec<u64> = if env::<u8>("COLD").is_some() { (0..64u64 << 20).collect() } else { Vec::new() };
+    if env::<u8>("EXPLAIN").is_some() {
+        println!("{}", engine.plan(&[Request::new(ctx, 0, synth.queries(0))], &budget)?.explain());
+    }
     for round in 0..3 {
         let (mut plans, mut execs) = (Vec::new(), Vec::new());
         for i in 0..iters {

@@ -194,6 +194,7 @@ impl Kv43Rows {
                         self.fold_block(done, &mut block, parts);
                     }
                     current = Some(b);
+                    self.prefetch_block(b + PREFETCH_BLOCKS, vb);
                 }
                 // A value block lies in one key group (key groups are whole value blocks).
                 let g = j / p.key_group;
@@ -209,6 +210,31 @@ impl Kv43Rows {
             self.fold_block(done, &mut block, parts);
         }
         Ok(())
+    }
+
+    /// Asks the CPU to bring probability block `b`'s codes (`vb` rows: key codes, fifth
+    /// bits, code sums, value planes, value minima and scales) into its caches, if the
+    /// block exists. A hint: results never depend on it. Each array is read in pieces of a
+    /// few KB per block, too short for the hardware prefetchers to follow across pages:
+    /// without it the decode waited on memory (out of cache, 26 against 15 ns per row and
+    /// KV head on one Zen 4 core).
+    fn prefetch_block(&self, b: usize, vb: usize) {
+        let (d, rows) = (self.d, b * vb..(b + 1) * vb);
+        if rows.end > self.rows {
+            return;
+        }
+        let mb = rows.start / self.params.value_block;
+        let np = self.params.planes();
+        prefetch(&self.key_codes[rows.start * d / 2..rows.end * d / 2]);
+        prefetch(bytemuck::cast_slice(&self.key_sums[rows.start * (d / PART)..rows.end * (d / PART)]));
+        if !self.key_high.is_empty() {
+            prefetch(&self.key_high[rows.start * d / 8..rows.end * d / 8]);
+        }
+        prefetch(&self.value_planes[rows.start / 8 * np * d..rows.end / 8 * np * d]);
+        if rows.start % self.params.value_block == 0 {
+            prefetch(bytemuck::cast_slice(&self.value_min[mb * d..(mb + 1) * d]));
+            prefetch(bytemuck::cast_slice(&self.value_scale[mb * d..(mb + 1) * d]));
+        }
     }
 
     /// Scores of every head of `queries` (prepared for the rows' key group) over `rows`:
@@ -368,6 +394,24 @@ fn wide_probabilities(block: &mut Block, parts: &mut [Partial], vb: usize) -> Op
     }
     let _ = (block, parts, vb);
     None
+}
+
+/// Probability blocks ahead of the one being decoded whose codes are prefetched.
+const PREFETCH_BLOCKS: usize = 3;
+
+/// Asks the CPU to bring `bytes` into its caches (one hint per 64-byte line); no effect
+/// on any result.
+fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    for at in (0..bytes.len()).step_by(64) {
+        #[allow(unsafe_code, reason = "the prefetch intrinsic takes a raw pointer")]
+        // SAFETY: the address lies inside `bytes`; a prefetch neither faults nor writes.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes[at..].as_ptr().cast())
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = bytes;
 }
 
 /// True where the AVX-512 kernels (`avx512.rs`) run: the build has AVX2 and the CPU AVX-512
