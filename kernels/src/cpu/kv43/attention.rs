@@ -403,8 +403,11 @@ fn wide_probabilities(block: &mut Block, parts: &mut [Partial], vb: usize) -> Op
 /// Probability blocks ahead of the one being decoded whose codes are prefetched.
 const PREFETCH_BLOCKS: usize = 4;
 
-/// Asks the CPU to bring `bytes` into its caches (one hint per 64-byte line); no effect
-/// on any result.
+/// Asks the CPU to bring `bytes` into its second-level cache (one `prefetcht1` per 64-byte
+/// line); no effect on any result. Not the crate's `cpu::prefetch::prefetch`: that one asks
+/// for the first-level cache (27–28 ns per row and KV head out of cache here against 19.3),
+/// and a variant of it with this hint, its counted loop unrolled, was slower too (20–26 ns
+/// against 19–21 in alternated runs on this VM, session 55).
 fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     for at in (0..bytes.len()).step_by(64) {

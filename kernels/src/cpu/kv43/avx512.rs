@@ -323,10 +323,10 @@ pub(super) fn prepare_queries(
     }
 }
 
-/// Every head's probabilities over a block of scored rows, as `fold_block` computes them
-/// on the AVX2 path (`exp_shifted_sum`, then the codes of `probability_codes` against the
-/// block's largest), in one pass per head and all heads in one call (so their `exp`s
-/// overlap): `scores` (`heads × rows`, rows a multiple of 16, `-∞` for rows not attended)
+/// Every head's probabilities over a block of scored rows, as `attention::probabilities`
+/// computes them on the AVX2 path (`exp_shifted_sum`, then the codes of
+/// `probability_codes` against the block's largest), in one pass per head and all heads in
+/// one call (so their `exp`s overlap): `scores` (`heads × rows`, rows a multiple of 16, `-∞` for rows not attended)
 /// become their 8-bit codes `codes` (`heads × rows`), relative to `m[h]`, the running
 /// maximum raised to the block's largest score, which is written to `top[h]` (`-∞` for a
 /// head with no row attended). The block's largest probability is the `exp` of its largest
@@ -364,7 +364,6 @@ pub(super) fn block_probabilities(
         step[h] = peak / super::P_LEVELS;
         if step[h] == 0.0 {
             // No row attended (or none within the `exp` floor): no codes.
-            step[h] = 0.0;
             sum[h] = 0;
             codes[row].iter_mut().for_each(|c| *c = 0);
             continue;

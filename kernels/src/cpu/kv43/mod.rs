@@ -191,7 +191,7 @@ fn quantize_into(x: &[f32], levels: f32, codes: &mut [u8]) -> (f16, f16) {
 
 /// [`quantize_into`] for a query's channels: the codes are `(x − min)·(1/step)`, a product
 /// with the step's inverse instead of a quotient (a query is coded for every key group and
-/// head at every step, keys once; a division per channel was a tenth of the decode).
+/// head at every step, keys once: one division per partition instead of one per channel).
 fn quantize_query_into(x: &[f32], codes: &mut [u8]) -> (f16, f16) {
     quantize_run_into::<true>(x, 255.0, codes)
 }
