@@ -194,7 +194,7 @@ impl Kv43Rows {
                         self.fold_block(done, &mut block, parts);
                     }
                     current = Some(b);
-                    self.prefetch_block(b + PREFETCH_BLOCKS, vb, false);
+                    self.prefetch_block(b + prefetch_plan().0, vb, false);
                 }
                 // A value block lies in one key group (key groups are whole value blocks).
                 let g = j / p.key_group;
@@ -288,7 +288,7 @@ impl Kv43Rows {
     /// largest, and the values are weighed on their codes.
     fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
         let (d, vb) = (self.d, self.params.probability_rows());
-        self.prefetch_block(b + PREFETCH_BLOCKS, vb, true);
+        self.prefetch_block(b + prefetch_plan().0, vb, true);
         // The value block whose minima and scales the rows share.
         let mb = b * vb / self.params.value_block;
         let live = match wide_probabilities(block, parts, vb) {
@@ -403,19 +403,58 @@ fn wide_probabilities(block: &mut Block, parts: &mut [Partial], vb: usize) -> Op
 /// Probability blocks ahead of the one being decoded whose codes are prefetched.
 const PREFETCH_BLOCKS: usize = 4;
 
-/// Asks the CPU to bring `bytes` into its second-level cache (one `prefetcht1` per 64-byte
-/// line); no effect on any result. Not the crate's `cpu::prefetch::prefetch`: that one asks
-/// for the first-level cache (27–28 ns per row and KV head out of cache here against 19.3),
-/// and a variant of it with this hint, its counted loop unrolled, was slower too (20–26 ns
-/// against 19–21 in alternated runs on this VM, session 55).
-fn prefetch(bytes: &[u8]) {
-    #[cfg(target_arch = "x86_64")]
-    for at in (0..bytes.len()).step_by(64) {
-        #[allow(unsafe_code, reason = "the prefetch intrinsic takes a raw pointer")]
-        // SAFETY: the address lies inside `bytes`; a prefetch neither faults nor writes.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T1 }>(bytes[at..].as_ptr().cast())
+/// Cache levels a prefetch can ask for (`prefetcht0`, `t1`, `t2`, `nta`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hint {
+    L1,
+    L2,
+    L3,
+    NonTemporal,
+}
+
+/// How far ahead and into which cache the decode prefetches: [`PREFETCH_BLOCKS`] into the
+/// second-level cache, unless `ATTNSTORE_KV43_PREFETCH=N[,t0|t1|t2|nta]` (a tuning knob
+/// for measuring other CPUs; `0` turns prefetching off) says otherwise. Read once.
+fn prefetch_plan() -> (usize, Option<Hint>) {
+    static PLAN: std::sync::OnceLock<(usize, Option<Hint>)> = std::sync::OnceLock::new();
+    *PLAN.get_or_init(|| {
+        let knob = std::env::var("ATTNSTORE_KV43_PREFETCH").unwrap_or_default();
+        let mut parts = knob.split(',');
+        let blocks = parts.next().and_then(|n| n.trim().parse().ok()).unwrap_or(PREFETCH_BLOCKS);
+        let hint = match parts.next().map(str::trim) {
+            Some("t0") => Hint::L1,
+            Some("t2") => Hint::L3,
+            Some("nta") => Hint::NonTemporal,
+            _ => Hint::L2,
         };
+        (blocks, (blocks > 0).then_some(hint))
+    })
+}
+
+/// Asks the CPU to bring `bytes` into its second-level cache (one `prefetcht1` per 64-byte
+/// line, or what [`prefetch_plan`] says); no effect on any result. Not the crate's
+/// `cpu::prefetch::prefetch`: that one asks for the first-level cache (27–28 ns per row and
+/// KV head out of cache here against 19.3), and a variant of it with this hint, its counted
+/// loop unrolled, was slower too (20–26 ns against 19–21 in alternated runs on this VM,
+/// session 55).
+pub fn prefetch(bytes: &[u8]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1, _MM_HINT_T2};
+        let Some(hint) = prefetch_plan().1 else { return };
+        for at in (0..bytes.len()).step_by(64) {
+            let p = bytes[at..].as_ptr().cast();
+            #[allow(unsafe_code, reason = "the prefetch intrinsic takes a raw pointer")]
+            // SAFETY: the address lies inside `bytes`; a prefetch neither faults nor writes.
+            unsafe {
+                match hint {
+                    Hint::L2 => _mm_prefetch::<_MM_HINT_T1>(p),
+                    Hint::L1 => _mm_prefetch::<_MM_HINT_T0>(p),
+                    Hint::L3 => _mm_prefetch::<_MM_HINT_T2>(p),
+                    Hint::NonTemporal => _mm_prefetch::<_MM_HINT_NTA>(p),
+                }
+            }
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;

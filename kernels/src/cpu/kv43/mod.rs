@@ -772,6 +772,7 @@ mod avx2;
 mod avx512;
 
 pub use arrays::Kv43Arrays;
+pub use attention::prefetch;
 
 /// The checks of an `attend_runs` call: `parts.len()` heads (at least one) of `d`-dim
 /// partials and queries, row ranges within `rows`.
