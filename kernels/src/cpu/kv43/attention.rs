@@ -194,7 +194,7 @@ impl Kv43Rows {
                         self.fold_block(done, &mut block, parts);
                     }
                     current = Some(b);
-                    self.prefetch_block(b + prefetch_plan().0, vb, false);
+                    self.prefetch_block(b + prefetch_plan().blocks, vb, false, !prefetch_plan().spread);
                 }
                 // A value block lies in one key group (key groups are whole value blocks).
                 let g = j / p.key_group;
@@ -202,7 +202,8 @@ impl Kv43Rows {
                     queries.prepare(self, g, q);
                     group = Some(g);
                 }
-                self.score_rows(&queries, j..end, scale, &mut block.scores, (vb, b * vb));
+                let ahead = prefetch_plan().spread.then_some(b + prefetch_plan().blocks);
+                self.score_rows(&queries, j..end, scale, &mut block.scores, (vb, b * vb), ahead);
                 j = end;
             }
         }
@@ -213,36 +214,50 @@ impl Kv43Rows {
     }
 
     /// Asks the CPU to bring probability block `b`'s codes into its caches, if the block
-    /// exists: its key codes, fifth bits and code sums, or (`values`) its value planes,
-    /// minima and scales; the two halves are asked for before the scores and before the
-    /// values, so the requests come in two bursts. A hint: results never depend on it. Each
-    /// array is read in pieces of a few KB per block, too short for the hardware
-    /// prefetchers to follow across pages: without it the decode waited on memory (out of
-    /// cache, 26 against 15 ns per row and KV head on one Zen 4 core).
-    fn prefetch_block(&self, b: usize, vb: usize, values: bool) {
+    /// exists: its key code sums and fifth bits, or (`values`) its value minima and scales,
+    /// and with `codes` its key codes or value planes too. The decode asks for the key half
+    /// before a block's scores and the value half before its values, so the requests come
+    /// in two bursts (or, with [`PrefetchPlan::spread`], the codes in small pieces from
+    /// inside the kernels). A hint: results never depend on it. Each array is read in
+    /// pieces of a few KB per block, too short for the hardware prefetchers to follow
+    /// across pages: without it the decode waited on memory (out of cache, 26 against 15 ns
+    /// per row and KV head on one Zen 4 core).
+    fn prefetch_block(&self, b: usize, vb: usize, values: bool, codes: bool) {
         let (d, rows) = (self.d, b * vb..(b + 1) * vb);
         if rows.end > self.rows {
             return;
         }
         if values {
             let (np, mb) = (self.params.planes(), rows.start / self.params.value_block);
-            prefetch(&self.value_planes[rows.start / 8 * np * d..rows.end / 8 * np * d]);
+            if codes {
+                prefetch(self.block_planes(b, vb, np));
+            }
             if rows.start % self.params.value_block == 0 {
                 prefetch(bytemuck::cast_slice(&self.value_min[mb * d..(mb + 1) * d]));
                 prefetch(bytemuck::cast_slice(&self.value_scale[mb * d..(mb + 1) * d]));
             }
             return;
         }
-        prefetch(&self.key_codes[rows.start * d / 2..rows.end * d / 2]);
+        if codes {
+            prefetch(&self.key_codes[rows.start * d / 2..rows.end * d / 2]);
+        }
         prefetch(bytemuck::cast_slice(&self.key_sums[rows.start * (d / PART)..rows.end * (d / PART)]));
         if !self.key_high.is_empty() {
             prefetch(&self.key_high[rows.start * d / 8..rows.end * d / 8]);
         }
     }
 
+    /// Probability block `b`'s value planes (`np` planes per 8 rows; empty past the rows).
+    fn block_planes(&self, b: usize, vb: usize, np: usize) -> &[u8] {
+        let rows = (b * vb).min(self.rows)..((b + 1) * vb).min(self.rows);
+        &self.value_planes[rows.start / 8 * np * self.d..rows.end / 8 * np * self.d]
+    }
+
     /// Scores of every head of `queries` (prepared for the rows' key group) over `rows`:
     /// head `h`'s score of row `j` into `out[h·stride + j − base]`. Whole tiles are scored;
-    /// only `rows` are written.
+    /// only `rows` are written. With `ahead` (a probability block; `rows` lie in one), the
+    /// kernel asks for the key codes of the same rows of block `ahead` as it goes (the
+    /// AVX-512 one spreads them over its tiles; the others ask at once).
     pub(super) fn score_rows(
         &self,
         queries: &GroupQueries,
@@ -250,19 +265,28 @@ impl Kv43Rows {
         scale: f32,
         out: &mut [f32],
         (stride, base): (usize, usize),
+        ahead: Option<usize>,
     ) {
         let (d, parts) = (self.d, self.d / PART);
         let mut scratch = [[0.0f32; RUN_ROWS]; HEADS_PER_PASS];
         let (t0, t1) = (rows.start / TILE, rows.end.div_ceil(TILE));
+        let vb = self.params.probability_rows();
         for c0 in (t0..t1).step_by(RUN_ROWS / TILE) {
             let c1 = t1.min(c0 + RUN_ROWS / TILE);
+            // The same tiles of block `ahead`, whose key codes the kernel asks for as it goes.
+            let next = ahead.map_or(0..0, |b| {
+                let at = b * vb + c0 * TILE % vb;
+                at.min(self.rows)..(at + (c1 - c0) * TILE).min(self.rows)
+            });
+            let ahead_codes = &self.key_codes[next.start * d / 2..next.end * d / 2];
             let codes = &self.key_codes[c0 * TILE * d / 2..c1 * TILE * d / 2];
             let sums = &self.key_sums[c0 * TILE * parts..c1 * TILE * parts];
             let high = if self.key_high.is_empty() { &[][..] } else { &self.key_high[c0 * d..c1 * d] };
             let live = rows.start.max(c0 * TILE)..rows.end.min(c1 * TILE);
             for h0 in (0..queries.heads()).step_by(HEADS_PER_PASS) {
                 let n = (queries.heads() - h0).min(HEADS_PER_PASS);
-                score_tiles((codes, high, sums), queries, h0..h0 + n, scale, &mut scratch[..n]);
+                let ahead = if h0 == 0 { ahead_codes } else { &[] };
+                score_tiles((codes, high, sums), queries, h0..h0 + n, scale, &mut scratch[..n], ahead);
                 for (h, scores) in (h0..h0 + n).zip(&scratch) {
                     let at = h * stride + live.start - base;
                     out[at..at + live.len()].copy_from_slice(&scores[live.start - c0 * TILE..live.end - c0 * TILE]);
@@ -278,7 +302,7 @@ impl Kv43Rows {
         let mut queries = GroupQueries::new(heads, self.d);
         for g in 0..self.rows / group {
             queries.prepare(self, g, q);
-            self.score_rows(&queries, g * group..(g + 1) * group, scale, out, (self.rows, 0));
+            self.score_rows(&queries, g * group..(g + 1) * group, scale, out, (self.rows, 0), None);
         }
     }
 
@@ -288,7 +312,8 @@ impl Kv43Rows {
     /// largest, and the values are weighed on their codes.
     fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
         let (d, vb) = (self.d, self.params.probability_rows());
-        self.prefetch_block(b + prefetch_plan().0, vb, true);
+        let (ahead, spread) = (b + prefetch_plan().blocks, prefetch_plan().spread);
+        self.prefetch_block(ahead, vb, true, !spread);
         // The value block whose minima and scales the rows share.
         let mb = b * vb / self.params.value_block;
         let live = match wide_probabilities(block, parts, vb) {
@@ -301,8 +326,9 @@ impl Kv43Rows {
         }
         let np = self.params.planes();
         let planes = &self.value_planes[b * vb / 8 * np * d..(b + 1) * vb / 8 * np * d];
+        let next = if spread && ahead > b { self.block_planes(ahead, vb, np) } else { &[] };
         let scratch = (&mut block.weights, &mut block.z);
-        weigh_value_planes((planes, np), d, &block.codes, scratch, &mut block.dot, block.wide);
+        weigh_value_planes((planes, np, next), d, &block.codes, scratch, &mut block.dot, block.wide);
         self.value_min[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.mins);
         self.value_scale[mb * d..(mb + 1) * d].convert_to_f32_slice(&mut block.scales);
         for (h, part) in parts.iter_mut().enumerate() {
@@ -412,22 +438,41 @@ enum Hint {
     NonTemporal,
 }
 
-/// How far ahead and into which cache the decode prefetches: [`PREFETCH_BLOCKS`] into the
-/// second-level cache, unless `ATTNSTORE_KV43_PREFETCH=N[,t0|t1|t2|nta]` (a tuning knob
-/// for measuring other CPUs; `0` turns prefetching off) says otherwise. Read once.
-fn prefetch_plan() -> (usize, Option<Hint>) {
-    static PLAN: std::sync::OnceLock<(usize, Option<Hint>)> = std::sync::OnceLock::new();
+/// How far ahead, into which cache and in what pieces the decode prefetches.
+#[derive(Debug, Clone, Copy)]
+struct PrefetchPlan {
+    /// Probability blocks ahead of the one being decoded (0: no prefetch).
+    blocks: usize,
+    /// The cache asked for (`None`: no prefetch).
+    hint: Option<Hint>,
+    /// The AVX-512 kernels ask for the codes of block `b + blocks` in small pieces as they
+    /// decode block `b` (a share per pair of key tiles, per 32 value channels) instead of
+    /// in two bursts per block (the small arrays still come in bursts; the AVX2 and portable
+    /// kernels ask for their share at once).
+    spread: bool,
+}
+
+/// [`PREFETCH_BLOCKS`] ahead into the second-level cache, the codes spread over the
+/// kernels, unless `ATTNSTORE_KV43_PREFETCH=N[,t0|t1|t2|nta][,burst]` (a tuning knob for
+/// measuring other CPUs; `0` turns prefetching off, `burst` asks for each block's codes at
+/// once, as before session 56) says otherwise. Read once. Spread, on one Zen 4 core out
+/// of cache: 16.2–17.0 ns per row and KV head against 19.3–20.2 in two bursts.
+fn prefetch_plan() -> PrefetchPlan {
+    static PLAN: std::sync::OnceLock<PrefetchPlan> = std::sync::OnceLock::new();
     *PLAN.get_or_init(|| {
         let knob = std::env::var("ATTNSTORE_KV43_PREFETCH").unwrap_or_default();
-        let mut parts = knob.split(',');
-        let blocks = parts.next().and_then(|n| n.trim().parse().ok()).unwrap_or(PREFETCH_BLOCKS);
-        let hint = match parts.next().map(str::trim) {
-            Some("t0") => Hint::L1,
-            Some("t2") => Hint::L3,
-            Some("nta") => Hint::NonTemporal,
-            _ => Hint::L2,
+        let words: Vec<&str> = knob.split(',').map(str::trim).collect();
+        let blocks = words.first().and_then(|n| n.parse().ok()).unwrap_or(PREFETCH_BLOCKS);
+        let hint = if words.contains(&"t0") {
+            Hint::L1
+        } else if words.contains(&"t2") {
+            Hint::L3
+        } else if words.contains(&"nta") {
+            Hint::NonTemporal
+        } else {
+            Hint::L2
         };
-        (blocks, (blocks > 0).then_some(hint))
+        PrefetchPlan { blocks, hint: (blocks > 0).then_some(hint), spread: !words.contains(&"burst") }
     })
 }
 
@@ -441,7 +486,7 @@ pub fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1, _MM_HINT_T2};
-        let Some(hint) = prefetch_plan().1 else { return };
+        let Some(hint) = prefetch_plan().hint else { return };
         for at in (0..bytes.len()).step_by(64) {
             let p = bytes[at..].as_ptr().cast();
             #[allow(unsafe_code, reason = "the prefetch intrinsic takes a raw pointer")]
@@ -480,6 +525,7 @@ fn score_tiles(
     heads: Range<usize>,
     scale: f32,
     out: &mut [[f32; RUN_ROWS]],
+    ahead: &[u8],
 ) {
     let (d, parts) = (queries.d, queries.d / PART);
     let h0 = heads.start;
@@ -502,11 +548,17 @@ fn score_tiles(
                             (codes, high, sums),
                             w,
                             (a, b, qm),
-                            scale,
+                            (scale, ahead),
                             out,
                         )
                     } else {
-                        super::avx512::tile_scores::<$n, true, RUN_ROWS>((codes, high, sums), w, (a, b, qm), scale, out)
+                        super::avx512::tile_scores::<$n, true, RUN_ROWS>(
+                            (codes, high, sums),
+                            w,
+                            (a, b, qm),
+                            (scale, ahead),
+                            out,
+                        )
                     }
                 }
             }};
@@ -519,6 +571,7 @@ fn score_tiles(
         }
         return;
     }
+    prefetch(ahead);
     let tile_bytes = TILE * d / 2;
     for (i, codes) in codes.chunks_exact(tile_bytes).enumerate() {
         let sums = &sums[i * TILE * parts..(i + 1) * TILE * parts];
@@ -592,9 +645,10 @@ pub(super) fn tile_scores_portable(
 /// registers and weighed
 /// for up to four heads per pass (`weights`: scratch for the broadcast row pairs); else
 /// through `z` (scratch, `rows × d`) one code per byte (`unpack_value_codes`,
-/// `weigh_value_codes`: the reference).
+/// `weigh_value_codes`: the reference). `ahead`: bytes to ask the caches for (the value
+/// planes of a block further on, or nothing; spread over the AVX-512 kernel's channels).
 pub(super) fn weigh_value_planes(
-    (planes, bits): (&[u8], usize),
+    (planes, bits, ahead): (&[u8], usize, &[u8]),
     d: usize,
     p: &[u8],
     (weights, z): (&mut Vec<[u16; 16]>, &mut Vec<u8>),
@@ -616,7 +670,8 @@ pub(super) fn weigh_value_planes(
                     // has AVX-512 F/BW, VNNI, VBMI and GFNI (or a test asked after checking the
                     // same); every slice read inside is bounds-checked.
                     unsafe {
-                        super::avx512::weigh_value_planes::<$n, $four>(planes, d, ph, out)
+                        let ahead = if h0 == 0 { ahead } else { &[] };
+                        super::avx512::weigh_value_planes::<$n, $four>((planes, ahead), d, ph, out)
                     }
                 }};
             }
@@ -633,6 +688,7 @@ pub(super) fn weigh_value_planes(
         }
         return;
     }
+    prefetch(ahead);
     #[cfg(all(target_arch = "x86_64", target_feature = "avx2"))]
     {
         let _ = &z;

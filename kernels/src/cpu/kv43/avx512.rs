@@ -22,6 +22,7 @@
 
 use std::arch::x86_64::*;
 
+use super::attention::prefetch;
 use super::{PART, TILE};
 
 /// 64 bytes as a vector.
@@ -34,13 +35,14 @@ fn load64(b: &[u8]) -> __m512i {
 /// them tile by tile (the same integers, the same float operations in the same order):
 /// `w[h]` holds head `h`'s query words per pair of octets, low nibbles' then high nibbles'
 /// (`2·d/16` vectors, see `GroupQueries::wide`); `out[h]` takes the run's rows first; the
-/// other arguments as there, for every tile of the run in turn.
+/// other arguments as there, for every tile of the run in turn. `ahead`: bytes to ask the
+/// caches for (the key codes of a block further on, or nothing), a share per pair of tiles.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
 pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
     (codes, high, sums): (&[u8], &[u8], &[u16]),
     w: [&[[u32; 16]]; H],
     (a, b, qm): ([&[f32]; H], [&[f32]; H], [f32; H]),
-    scale: f32,
+    (scale, ahead): (f32, &[u8]),
     out: &mut [[f32; N]; H],
 ) {
     // Octet pairs per partition.
@@ -81,6 +83,8 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
     );
     let mut t = 0;
     while t + 1 < tiles {
+        // This pair's share of the codes asked for ahead.
+        prefetch(&ahead[ahead.len() * t / tiles..ahead.len() * (t + 2) / tiles]);
         let mut s = qm.map(|x| _mm512_set1_ps(x));
         for k in 0..parts {
             let (mut da, mut db) = ([_mm512_setzero_si512(); H], [_mm512_setzero_si512(); H]);
@@ -116,6 +120,7 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
         t += 2;
     }
     if t < tiles {
+        prefetch(&ahead[ahead.len() * t / tiles..]);
         // The last, odd tile alone.
         let mut s = qm.map(|x| _mm256_set1_ps(x));
         for k in 0..parts {
@@ -158,10 +163,12 @@ pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
 /// whose transpose (`gf2p8affineqb` against the identity's columns) holds row `t`'s code in
 /// byte `t`; then one `vpdpbusd` per head and 8 channels adds rows 0–3 and 4–7 of each
 /// channel in its two 32-bit lanes, weighed by the group's eight probability codes
-/// broadcast as one word. The lane pairs are added once per block.
+/// broadcast as one word. The lane pairs are added once per block. `ahead`: bytes to ask
+/// the caches for (the value planes of a block further on, or nothing), a share per 32
+/// channels.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx512vbmi,gfni")]
 pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
-    planes: &[u8],
+    (planes, ahead): (&[u8], &[u8]),
     d: usize,
     p: [&[u8]; H],
     dot: &mut [u32],
@@ -181,6 +188,7 @@ pub(super) fn weigh_value_planes<const H: usize, const FOUR: bool>(
         bytemuck::cast([1u32, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31]),
     );
     for c0 in (0..d).step_by(32) {
+        prefetch(&ahead[ahead.len() * c0 / d..ahead.len() * (c0 + 32) / d]);
         let mut acc = [[_mm512_setzero_si512(); 4]; H];
         for i in 0..rows / 8 {
             let group = i * bits * d;
