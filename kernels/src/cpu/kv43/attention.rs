@@ -268,7 +268,6 @@ impl Kv43Rows {
         ahead: Option<usize>,
     ) {
         let (d, parts) = (self.d, self.d / PART);
-        let mut scratch = [[0.0f32; RUN_ROWS]; HEADS_PER_PASS];
         let (t0, t1) = (rows.start / TILE, rows.end.div_ceil(TILE));
         let vb = self.params.probability_rows();
         for c0 in (t0..t1).step_by(RUN_ROWS / TILE) {
@@ -283,13 +282,30 @@ impl Kv43Rows {
             let sums = &self.key_sums[c0 * TILE * parts..c1 * TILE * parts];
             let high = if self.key_high.is_empty() { &[][..] } else { &self.key_high[c0 * d..c1 * d] };
             let live = rows.start.max(c0 * TILE)..rows.end.min(c1 * TILE);
+            // Whole tiles are scored straight into `out`; a run that starts or ends inside a
+            // tile goes through a scratch, as the kernels write whole tiles.
+            let (whole, span) = (live == (c0 * TILE..c1 * TILE), (c1 - c0) * TILE);
+            let mut scratch = None;
             for h0 in (0..queries.heads()).step_by(HEADS_PER_PASS) {
                 let n = (queries.heads() - h0).min(HEADS_PER_PASS);
                 let ahead = if h0 == 0 { ahead_codes } else { &[] };
-                score_tiles((codes, high, sums), queries, h0..h0 + n, scale, &mut scratch[..n], ahead);
-                for (h, scores) in (h0..h0 + n).zip(&scratch) {
-                    let at = h * stride + live.start - base;
-                    out[at..at + live.len()].copy_from_slice(&scores[live.start - c0 * TILE..live.end - c0 * TILE]);
+                let mut to: [&mut [f32]; HEADS_PER_PASS] = Default::default();
+                if whole {
+                    for (slot, row) in to.iter_mut().zip(out.chunks_mut(stride).skip(h0).take(n)) {
+                        *slot = &mut row[live.start - base..live.end - base];
+                    }
+                } else {
+                    let rows = scratch.get_or_insert([[0.0f32; RUN_ROWS]; HEADS_PER_PASS]);
+                    for (slot, row) in to.iter_mut().zip(rows.iter_mut()) {
+                        *slot = &mut row[..span];
+                    }
+                }
+                score_tiles((codes, high, sums), queries, h0..h0 + n, scale, &mut to[..n], ahead);
+                if let Some(scratch) = &scratch {
+                    for (h, scores) in (h0..h0 + n).zip(scratch) {
+                        let at = h * stride + live.start - base;
+                        out[at..at + live.len()].copy_from_slice(&scores[live.start - c0 * TILE..live.end - c0 * TILE]);
+                    }
                 }
             }
         }
@@ -485,24 +501,30 @@ fn prefetch_plan() -> PrefetchPlan {
 pub fn prefetch(bytes: &[u8]) {
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1, _MM_HINT_T2};
-        let Some(hint) = prefetch_plan().hint else { return };
-        for at in (0..bytes.len()).step_by(64) {
-            let p = bytes[at..].as_ptr().cast();
-            #[allow(unsafe_code, reason = "the prefetch intrinsic takes a raw pointer")]
-            // SAFETY: the address lies inside `bytes`; a prefetch neither faults nor writes.
-            unsafe {
-                match hint {
-                    Hint::L2 => _mm_prefetch::<_MM_HINT_T1>(p),
-                    Hint::L1 => _mm_prefetch::<_MM_HINT_T0>(p),
-                    Hint::L3 => _mm_prefetch::<_MM_HINT_T2>(p),
-                    Hint::NonTemporal => _mm_prefetch::<_MM_HINT_NTA>(p),
-                }
-            }
+        use std::arch::x86_64::{_MM_HINT_NTA, _MM_HINT_T0, _MM_HINT_T1, _MM_HINT_T2};
+        match prefetch_plan().hint {
+            Some(Hint::L2) => prefetch_lines::<_MM_HINT_T1>(bytes),
+            Some(Hint::L1) => prefetch_lines::<_MM_HINT_T0>(bytes),
+            Some(Hint::L3) => prefetch_lines::<_MM_HINT_T2>(bytes),
+            Some(Hint::NonTemporal) => prefetch_lines::<_MM_HINT_NTA>(bytes),
+            None => {}
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = bytes;
+}
+
+/// One `HINT` prefetch per 64-byte line of `bytes`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const HINT: i32>(bytes: &[u8]) {
+    for at in (0..bytes.len()).step_by(64) {
+        #[allow(unsafe_code, reason = "the prefetch intrinsic takes a raw pointer")]
+        // SAFETY: the address lies inside `bytes`; a prefetch neither faults nor writes.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<HINT>(bytes[at..].as_ptr().cast())
+        };
+    }
 }
 
 /// True where the AVX-512 kernels (`avx512.rs`) run: the build has AVX2 and the CPU AVX-512
@@ -516,7 +538,7 @@ pub(super) fn wide_kernels() -> bool {
 
 /// The scores of `heads` (at most four) of `queries` over a run of whole key tiles (`codes`,
 /// the fifth bits `high` or nothing, `sums`; at most `RUN_ROWS` rows) into `out` (one
-/// array per head, the run's rows first): AVX-512's [`super::avx512::tile_scores`] where
+/// slice per head, as long as the run's whole tiles): AVX-512's [`super::avx512::tile_scores`] where
 /// the queries are prepared for it, else AVX2's [`super::avx2::tile_scores`] where the
 /// target has it, else [`tile_scores_portable`], tile by tile.
 fn score_tiles(
@@ -524,7 +546,7 @@ fn score_tiles(
     queries: &GroupQueries,
     heads: Range<usize>,
     scale: f32,
-    out: &mut [[f32; RUN_ROWS]],
+    out: &mut [&mut [f32]],
     ahead: &[u8],
 ) {
     let (d, parts) = (queries.d, queries.d / PART);
@@ -537,28 +559,16 @@ fn score_tiles(
                 let a: [&[f32]; $n] = std::array::from_fn(|i| &queries.a[(h0 + i) * parts..(h0 + i + 1) * parts]);
                 let b: [&[f32]; $n] = std::array::from_fn(|i| &queries.b[(h0 + i) * parts..(h0 + i + 1) * parts]);
                 let qm: [f32; $n] = std::array::from_fn(|i| queries.qm[h0 + i]);
-                let out: &mut [[f32; RUN_ROWS]; $n] = (&mut out[..$n]).try_into().expect("one array per head");
+                let out: &mut [&mut [f32]; $n] = (&mut out[..$n]).try_into().expect("one slice per head");
                 #[allow(unsafe_code, reason = "the call into a #[target_feature] kernel")]
                 // SAFETY: `queries.wide` is `Some` only where `wide_kernels()` found the CPU
                 // has AVX-512 F/BW, VNNI, VBMI and GFNI (or a test asked for it after checking
                 // the same); every slice read inside is bounds-checked.
                 unsafe {
                     if high.is_empty() {
-                        super::avx512::tile_scores::<$n, false, RUN_ROWS>(
-                            (codes, high, sums),
-                            w,
-                            (a, b, qm),
-                            (scale, ahead),
-                            out,
-                        )
+                        super::avx512::tile_scores::<$n, false>((codes, high, sums), w, (a, b, qm), (scale, ahead), out)
                     } else {
-                        super::avx512::tile_scores::<$n, true, RUN_ROWS>(
-                            (codes, high, sums),
-                            w,
-                            (a, b, qm),
-                            (scale, ahead),
-                            out,
-                        )
+                        super::avx512::tile_scores::<$n, true>((codes, high, sums), w, (a, b, qm), (scale, ahead), out)
                     }
                 }
             }};

@@ -34,22 +34,25 @@ fn load64(b: &[u8]) -> __m512i {
 /// The scores of `H` query heads over a run of key tiles, as `avx2::tile_scores` computes
 /// them tile by tile (the same integers, the same float operations in the same order):
 /// `w[h]` holds head `h`'s query words per pair of octets, low nibbles' then high nibbles'
-/// (`2·d/16` vectors, see `GroupQueries::wide`); `out[h]` takes the run's rows first; the
+/// (`2·d/16` vectors, see `GroupQueries::wide`); `out[h]` takes the run's rows (`tiles × 8`); the
 /// other arguments as there, for every tile of the run in turn. `ahead`: bytes to ask the
 /// caches for (the key codes of a block further on, or nothing), a share per pair of tiles.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-pub(super) fn tile_scores<const H: usize, const HIGH: bool, const N: usize>(
+pub(super) fn tile_scores<const H: usize, const HIGH: bool>(
     (codes, high, sums): (&[u8], &[u8], &[u16]),
     w: [&[[u32; 16]]; H],
     (a, b, qm): ([&[f32]; H], [&[f32]; H], [f32; H]),
     (scale, ahead): (f32, &[u8]),
-    out: &mut [[f32; N]; H],
+    out: &mut [&mut [f32]; H],
 ) {
     // Octet pairs per partition.
     const PAIRS: usize = PART / 16;
     let parts = w[0].len() / (2 * PAIRS);
     let tiles = sums.len() / (TILE * parts);
-    assert!(w.iter().all(|w| w.len() == 2 * parts * PAIRS) && tiles * TILE <= N, "query and output shapes");
+    assert!(
+        w.iter().all(|w| w.len() == 2 * parts * PAIRS) && out.iter().all(|o| o.len() == tiles * TILE),
+        "query and output shapes"
+    );
     assert!(codes.len() == tiles * parts * PAIRS * 64 && sums.len() == tiles * TILE * parts, "tile shapes");
     assert!(a.iter().chain(&b).all(|x| x.len() == parts), "partition shapes");
     assert!(high.len() == if HIGH { tiles * parts * PART } else { 0 }, "fifth-bit shapes");
