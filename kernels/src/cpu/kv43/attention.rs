@@ -184,6 +184,15 @@ impl Kv43Rows {
         let mut queries = GroupQueries::for_kernels(heads, d, wide);
         let mut block = Block::new(heads, d, vb, queries.wide.is_some());
         let (mut group, mut current) = (None, None);
+        // The blocks before the first one asked for ahead: in one burst now (else a task's
+        // first blocks, e.g. 4 of an exact scan's 32, would wait on memory line by line).
+        if let Some(first) = ranges.iter().find(|r| !r.is_empty()) {
+            let (b0, last) = (first.start / vb, (first.end - 1) / vb);
+            for b in b0..(b0 + prefetch_plan().blocks).min(last + 1) {
+                self.prefetch_block(b, vb, false, true);
+                self.prefetch_block(b, vb, true, true);
+            }
+        }
         for r in ranges.iter().filter(|r| !r.is_empty()) {
             let mut j = r.start;
             while j < r.end {
@@ -214,8 +223,9 @@ impl Kv43Rows {
     }
 
     /// Asks the CPU to bring probability block `b`'s codes into its caches, if the block
-    /// exists: its key code sums and fifth bits, or (`values`) its value minima and scales,
-    /// and with `codes` its key codes or value planes too. The decode asks for the key half
+    /// exists: its key code sums and fifth bits (and its key group's minima and scales where
+    /// the block starts one), or (`values`) its value minima and scales, and with `codes`
+    /// its key codes or value planes too. The decode asks for the key half
     /// before a block's scores and the value half before its values, so the requests come
     /// in two bursts (or, with [`PrefetchPlan::spread`], the codes in small pieces from
     /// inside the kernels). A hint: results never depend on it. Each array is read in
@@ -240,6 +250,12 @@ impl Kv43Rows {
         }
         if codes {
             prefetch(&self.key_codes[rows.start * d / 2..rows.end * d / 2]);
+        }
+        let group = self.params.key_group;
+        if rows.start % group == 0 {
+            let g = rows.start / group;
+            prefetch(bytemuck::cast_slice(&self.key_min[g * d..(g + 1) * d]));
+            prefetch(bytemuck::cast_slice(&self.key_scale[g * d..(g + 1) * d]));
         }
         prefetch(bytemuck::cast_slice(&self.key_sums[rows.start * (d / PART)..rows.end * (d / PART)]));
         if !self.key_high.is_empty() {
