@@ -279,6 +279,16 @@ pub(super) fn prepare_queries(
     assert!(w.len() == q.len() / 4 && wide.len() == q.len() / 8 && a.len() == qm.len() * parts && b.len() == a.len());
     let (zero, top) = (_mm512_setzero_ps(), _mm512_set1_ps(255.0));
     let load = |x: &[f32], at: usize| -> __m512 { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&x[at..at + 16])) };
+    // Partition `k` of head `h`'s `q∘s`, sixteen channels per vector.
+    let scaled = |qh: &[f32], k: usize| -> [__m512; PART / 16] {
+        std::array::from_fn(|i| {
+            let at = k * PART + 16 * i;
+            _mm512_mul_ps(load(qh, at), load(key_scale, at))
+        })
+    };
+    // In phases over every head and partition, so that their dependency chains (the
+    // reductions, the f16 roundings and the divisions) overlap: first `qm` and each
+    // partition's least and largest `q∘s` (into `a` and `b` for now),
     for (h, qh) in q.chunks_exact(d).enumerate() {
         // Σ q·m in eight lanes, then the lanes pairwise, as `GroupQuery::prepare`.
         let mut lanes = _mm256_setzero_ps();
@@ -292,21 +302,35 @@ pub(super) fn prepare_queries(
         let four = _mm_add_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps::<1>(lanes));
         let two = _mm_add_ps(four, _mm_movehl_ps(four, four));
         qm[h] = _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
+        for k in 0..parts {
+            let x = scaled(qh, k);
+            a[h * parts + k] =
+                _mm512_reduce_min_ps(x.iter().copied().reduce(|p, v| _mm512_min_ps(p, v)).unwrap_or(zero));
+            b[h * parts + k] =
+                _mm512_reduce_max_ps(x.iter().copied().reduce(|p, v| _mm512_max_ps(p, v)).unwrap_or(zero));
+        }
+    }
+    // then, sixteen partitions at a time, `quantize_into`'s f16 minimum and step with 255
+    // levels (each lane as the scalar operations would give),
+    for at in (0..a.len()).step_by(16) {
+        let n = (a.len() - at).min(16);
+        let (mut lo, mut hi) = ([0.0f32; 16], [0.0f32; 16]);
+        lo[..n].copy_from_slice(&a[at..at + n]);
+        hi[..n].copy_from_slice(&b[at..at + n]);
+        let round =
+            |x: __m512| _mm512_cvtph_ps(_mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(x));
+        let min = round(bytemuck::cast(lo));
+        let step = round(_mm512_div_ps(_mm512_max_ps(_mm512_sub_ps(bytemuck::cast(hi), min), zero), top));
+        a[at..at + n].copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(min)[..n]);
+        b[at..at + n].copy_from_slice(&bytemuck::cast::<__m512, [f32; 16]>(step)[..n]);
+    }
+    // then the codes.
+    for (h, qh) in q.chunks_exact(d).enumerate() {
         let words = &mut w[h * d / 4..(h + 1) * d / 4];
         for k in 0..parts {
-            let x: [__m512; PART / 16] = std::array::from_fn(|i| {
-                let at = k * PART + 16 * i;
-                _mm512_mul_ps(load(qh, at), load(key_scale, at))
-            });
-            let lo = _mm512_reduce_min_ps(x.iter().copied().reduce(|p, v| _mm512_min_ps(p, v)).unwrap_or(zero));
-            let hi = _mm512_reduce_max_ps(x.iter().copied().reduce(|p, v| _mm512_max_ps(p, v)).unwrap_or(zero));
-            // `quantize_into` with 255 levels: f16 minimum and scale.
-            let min = half::f16::from_f32(lo);
-            let step = half::f16::from_f32((hi - min.to_f32()).max(0.0) / 255.0);
-            let (m, s) = (min.to_f32(), step.to_f32());
+            let (m, s) = (a[h * parts + k], b[h * parts + k]);
             let inv = _mm512_set1_ps(1.0 / s);
-            (a[h * parts + k], b[h * parts + k]) = (m, s);
-            for (i, &v) in x.iter().enumerate() {
+            for (i, &v) in scaled(qh, k).iter().enumerate() {
                 let codes = if s > 0.0 {
                     // `avx2::code_run::<true>`: the step's inverse, round half away from
                     // zero, clamped to 0..=255.
@@ -358,28 +382,40 @@ pub(super) fn block_probabilities(
     let floor = crate::cpu::hack_avx2::EXP_FLOOR;
     let (levels, zero, floor_v) = (_mm512_set1_ps(super::P_LEVELS), _mm512_setzero_ps(), _mm512_set1_ps(floor));
     let load = |at: usize| -> __m512 { bytemuck::pod_read_unaligned(bytemuck::cast_slice(&scores[at..at + 16])) };
-    for h in 0..heads {
-        let row = h * rows..(h + 1) * rows;
+    // In three phases, each over every head, so that the heads' dependency chains (the
+    // largest score's reduction, its `exp`, the step's inverse) overlap: first each head's
+    // largest score,
+    for (h, top) in top.iter_mut().enumerate() {
         let mut hi = _mm512_set1_ps(f32::NEG_INFINITY);
-        for at in row.clone().step_by(16) {
+        for at in (h * rows..(h + 1) * rows).step_by(16) {
             hi = _mm512_max_ps(hi, load(at));
         }
-        let t = _mm512_reduce_max_ps(hi);
-        top[h] = t;
-        let mh = m[h].max(t);
-        let peak = if t - mh >= floor {
-            _mm512_cvtss_f32(crate::cpu::hack_avx512::exp16(_mm512_set1_ps(t - mh)))
-        } else {
-            0.0
-        };
-        step[h] = peak / super::P_LEVELS;
+        *top = _mm512_reduce_max_ps(hi);
+    }
+    // then the steps, sixteen heads per `exp` (each lane as one head's own call would give),
+    for h0 in (0..heads).step_by(16) {
+        let n = (heads - h0).min(16);
+        let mut x = [0.0f32; 16];
+        for (i, x) in x.iter_mut().enumerate().take(n) {
+            *x = top[h0 + i] - m[h0 + i].max(top[h0 + i]);
+        }
+        let xv: __m512 = bytemuck::cast(x);
+        let live = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(xv, floor_v) & ((1u32 << n) - 1) as u16;
+        let peaks: [f32; 16] = bytemuck::cast(_mm512_maskz_mov_ps(live, crate::cpu::hack_avx512::exp16(xv)));
+        for (step, &peak) in step[h0..h0 + n].iter_mut().zip(&peaks) {
+            *step = peak / super::P_LEVELS;
+        }
+    }
+    // then the codes.
+    for h in 0..heads {
+        let row = h * rows..(h + 1) * rows;
         if step[h] == 0.0 {
             // No row attended (or none within the `exp` floor): no codes.
             sum[h] = 0;
             codes[row].iter_mut().for_each(|c| *c = 0);
             continue;
         }
-        let (mv, inv) = (_mm512_set1_ps(mh), _mm512_set1_ps(1.0 / step[h]));
+        let (mv, inv) = (_mm512_set1_ps(m[h].max(top[h])), _mm512_set1_ps(1.0 / step[h]));
         let mut total = _mm512_setzero_si512();
         for at in row.step_by(16) {
             let x = _mm512_sub_ps(load(at), mv);
