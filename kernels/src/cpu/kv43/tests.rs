@@ -607,3 +607,42 @@ fn value_nibble_words_hold_the_codes_of_the_planes() {
         }
     }
 }
+
+#[test]
+fn buffers_kept_between_calls_change_no_result() {
+    // One thread's calls of several shapes in turn (its buffers kept and reused where the
+    // shape repeats) give what each call gives on a fresh thread, bit for bit.
+    let params = Kv43Params::default();
+    let heads_of: Vec<(usize, Kv43Rows)> = [128, 64]
+        .into_iter()
+        .map(|d| {
+            let (keys, values, _) = data(4 * params.key_group, d, 90 + d as u64);
+            (d, Kv43Rows::encode(&keys, &values, d, params).unwrap())
+        })
+        .collect();
+    let rows = 4 * params.key_group;
+    let calls = [
+        (0, 4, vec![0..rows]),
+        (0, 4, vec![3..70, 300..rows]),
+        (1, 1, vec![10..20]),
+        (1, 1, vec![0..rows]),
+        (0, 4, vec![64..65]),
+        (0, 4, vec![65..66]),
+    ];
+    let run = |i: usize, wide: bool| {
+        let (which, heads, ranges) = &calls[i];
+        let (d, enc) = &heads_of[*which];
+        let mut rng = SplitMix64::new(i as u64);
+        let q: Vec<f32> = (0..heads * d).map(|_| rng.normal()).collect();
+        let mut parts = vec![Partial::empty(*d); *heads];
+        enc.attend_runs_on(&q, 0.1, ranges, &mut parts, wide).unwrap();
+        parts.iter().flat_map(|p| p.finish()).collect::<Vec<f32>>()
+    };
+    for wide in kernel_choices() {
+        let in_turn: Vec<Vec<f32>> = (0..calls.len()).map(|i| run(i, wide)).collect();
+        for (i, got) in in_turn.iter().enumerate() {
+            let fresh = std::thread::scope(|s| s.spawn(|| run(i, wide)).join().unwrap());
+            assert_eq!(got, &fresh, "call {i}, AVX-512 {wide}");
+        }
+    }
+}
