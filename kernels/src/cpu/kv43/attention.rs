@@ -529,7 +529,7 @@ fn prefetch_plan() -> PrefetchPlan {
 }
 
 /// Asks the CPU to bring `bytes` into its second-level cache (one `prefetcht1` per 64-byte
-/// line, or what [`prefetch_plan`] says); no effect on any result. Not the crate's
+/// line, or what `ATTNSTORE_KV43_PREFETCH` says: see `prefetch_plan`); no effect on any result. Not the crate's
 /// `cpu::prefetch::prefetch`: that one asks for the first-level cache (27–28 ns per row and
 /// KV head out of cache here against 19.3), and a variant of it with this hint, its counted
 /// loop unrolled, was slower too (20–26 ns against 19–21 in alternated runs on this VM,
