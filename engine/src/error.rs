@@ -56,9 +56,11 @@ pub enum Error {
         /// Tokens it holds.
         tokens: usize,
     },
-    /// The context changed between planning and execution.
+    /// The context changed between planning and execution: tokens were appended, or its
+    /// index was rebuilt and swapped in (then the token counts are equal).
     #[error(
-        "stale plan: layer {layer} of context {context} held {planned} tokens when planned and {now} now; plan again"
+        "stale plan: layer {layer} of context {context} changed since it was planned ({planned} tokens then, \
+         {now} now: rows appended or its index rebuilt); plan again"
     )]
     StalePlan {
         /// The context.
