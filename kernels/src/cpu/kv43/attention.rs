@@ -483,7 +483,7 @@ const PREFETCH_BLOCKS: usize = 4;
 
 /// Cache levels a prefetch can ask for (`prefetcht0`, `t1`, `t2`, `nta`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Hint {
+pub(super) enum Hint {
     L1,
     L2,
     L3,
@@ -491,41 +491,63 @@ enum Hint {
 }
 
 /// How far ahead, into which cache and in what pieces the decode prefetches.
-#[derive(Debug, Clone, Copy)]
-struct PrefetchPlan {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct PrefetchPlan {
     /// Probability blocks ahead of the one being decoded (0: no prefetch).
-    blocks: usize,
+    pub(super) blocks: usize,
     /// The cache asked for (`None`: no prefetch).
-    hint: Option<Hint>,
+    pub(super) hint: Option<Hint>,
     /// The AVX-512 kernels ask for the codes of block `b + blocks` in small pieces as they
     /// decode block `b` (a share per pair of key tiles, per 32 value channels) instead of
     /// in two bursts per block (the small arrays still come in bursts; the AVX2 and portable
     /// kernels ask for their share at once).
-    spread: bool,
+    pub(super) spread: bool,
 }
 
 /// [`PREFETCH_BLOCKS`] ahead into the second-level cache, the codes spread over the
 /// kernels, unless `ATTNSTORE_KV43_PREFETCH=N[,t0|t1|t2|nta][,burst]` (a tuning knob for
 /// measuring other CPUs; `0` turns prefetching off, `burst` asks for each block's codes at
-/// once, as before session 56) says otherwise. Read once. Spread, on one Zen 4 core out
+/// once, as before session 56) says otherwise. Read once; a value it cannot read is named on
+/// stderr and the default kept. Spread, on one Zen 4 core out
 /// of cache: 16.2–17.0 ns per row and KV head against 19.3–20.2 in two bursts.
 fn prefetch_plan() -> PrefetchPlan {
     static PLAN: std::sync::OnceLock<PrefetchPlan> = std::sync::OnceLock::new();
     *PLAN.get_or_init(|| {
         let knob = std::env::var("ATTNSTORE_KV43_PREFETCH").unwrap_or_default();
-        let words: Vec<&str> = knob.split(',').map(str::trim).collect();
-        let blocks = words.first().and_then(|n| n.parse().ok()).unwrap_or(PREFETCH_BLOCKS);
-        let hint = if words.contains(&"t0") {
-            Hint::L1
-        } else if words.contains(&"t2") {
-            Hint::L3
-        } else if words.contains(&"nta") {
-            Hint::NonTemporal
-        } else {
-            Hint::L2
-        };
-        PrefetchPlan { blocks, hint: (blocks > 0).then_some(hint), spread: !words.contains(&"burst") }
+        parse_prefetch(&knob).unwrap_or_else(|message| {
+            eprintln!("attnstore: ignoring ATTNSTORE_KV43_PREFETCH={knob:?}: {message}");
+            PrefetchPlan { blocks: PREFETCH_BLOCKS, hint: Some(Hint::L2), spread: true }
+        })
     })
+}
+
+/// The plan `knob` names (empty: the default), or what was wrong with it.
+pub(super) fn parse_prefetch(knob: &str) -> std::result::Result<PrefetchPlan, String> {
+    let mut plan = PrefetchPlan { blocks: PREFETCH_BLOCKS, hint: Some(Hint::L2), spread: true };
+    for (i, word) in knob.split(',').map(str::trim).enumerate().filter(|(_, w)| !w.is_empty()) {
+        match word {
+            "t0" => plan.hint = Some(Hint::L1),
+            "t1" => plan.hint = Some(Hint::L2),
+            "t2" => plan.hint = Some(Hint::L3),
+            "nta" => plan.hint = Some(Hint::NonTemporal),
+            "burst" => plan.spread = false,
+            "spread" => plan.spread = true,
+            n if i == 0 => {
+                plan.blocks = n.parse().map_err(|_| {
+                    format!("{n:?} is not a block count: expected N[,t0|t1|t2|nta][,burst], e.g. 4 or 8,t0,burst")
+                })?
+            }
+            other => {
+                return Err(format!(
+                    "unknown word {other:?}: expected t0, t1, t2, nta, spread or burst after the count"
+                ))
+            }
+        }
+    }
+    if plan.blocks == 0 {
+        plan.hint = None;
+    }
+    Ok(plan)
 }
 
 /// Asks the CPU to bring `bytes` into its second-level cache (one `prefetcht1` per 64-byte

@@ -646,3 +646,20 @@ fn buffers_kept_between_calls_change_no_result() {
         }
     }
 }
+
+#[test]
+fn the_prefetch_knob_is_parsed_and_bad_words_are_named() {
+    use attention::{parse_prefetch, Hint, PrefetchPlan};
+    let plan = |blocks, hint, spread| PrefetchPlan { blocks, hint, spread };
+    assert_eq!(parse_prefetch(""), Ok(plan(4, Some(Hint::L2), true)));
+    assert_eq!(parse_prefetch("8"), Ok(plan(8, Some(Hint::L2), true)));
+    assert_eq!(parse_prefetch("4, burst"), Ok(plan(4, Some(Hint::L2), false)));
+    assert_eq!(parse_prefetch("2,t0,burst"), Ok(plan(2, Some(Hint::L1), false)));
+    assert_eq!(parse_prefetch("4,nta"), Ok(plan(4, Some(Hint::NonTemporal), true)));
+    assert_eq!(parse_prefetch("t2"), Ok(plan(4, Some(Hint::L3), true)));
+    assert_eq!(parse_prefetch("0"), Ok(plan(0, None, true)), "0 asks for nothing");
+    let e = parse_prefetch("four").unwrap_err();
+    assert!(e.contains("\"four\" is not a block count"), "{e}");
+    let e = parse_prefetch("4,spred").unwrap_err();
+    assert!(e.contains("unknown word \"spred\""), "{e}");
+}
