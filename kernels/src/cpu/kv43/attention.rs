@@ -200,13 +200,13 @@ impl Kv43Rows {
                 || (GroupQueries::for_kernels(heads, d, wide), Block::new(heads, d, vb, wide)),
                 |(_, q, b)| (q, b),
             );
-        block.wide = queries.wide.is_some();
+        let plan = prefetch_plan();
         let (mut group, mut current) = (None, None);
         // The blocks before the first one asked for ahead: in one burst now (else a task's
         // first blocks, e.g. 4 of an exact scan's 32, would wait on memory line by line).
         if let Some(first) = ranges.iter().find(|r| !r.is_empty()) {
             let (b0, last) = (first.start / vb, (first.end - 1) / vb);
-            for b in b0..(b0 + prefetch_plan().blocks).min(last + 1) {
+            for b in b0..(b0 + plan.blocks).min(last + 1) {
                 self.prefetch_block(b, vb, false, true);
                 self.prefetch_block(b, vb, true, true);
             }
@@ -221,7 +221,7 @@ impl Kv43Rows {
                         self.fold_block(done, &mut block, parts);
                     }
                     current = Some(b);
-                    self.prefetch_block(b + prefetch_plan().blocks, vb, false, !prefetch_plan().spread);
+                    self.prefetch_block(b + plan.blocks, vb, false, !plan.spread);
                 }
                 // A value block lies in one key group (key groups are whole value blocks).
                 let g = j / p.key_group;
@@ -229,7 +229,7 @@ impl Kv43Rows {
                     queries.prepare(self, g, q);
                     group = Some(g);
                 }
-                let ahead = prefetch_plan().spread.then_some(b + prefetch_plan().blocks);
+                let ahead = plan.spread.then_some(b + plan.blocks);
                 self.score_rows(&queries, j..end, scale, &mut block.scores, (vb, b * vb), ahead);
                 j = end;
             }
@@ -364,7 +364,8 @@ impl Kv43Rows {
     /// largest, and the values are weighed on their codes.
     fn fold_block(&self, b: usize, block: &mut Block, parts: &mut [Partial]) {
         let (d, vb) = (self.d, self.params.probability_rows());
-        let (ahead, spread) = (b + prefetch_plan().blocks, prefetch_plan().spread);
+        let plan = prefetch_plan();
+        let (ahead, spread) = (b + plan.blocks, plan.spread);
         self.prefetch_block(ahead, vb, true, !spread);
         // The value block whose minima and scales the rows share.
         let mb = b * vb / self.params.value_block;
@@ -504,6 +505,9 @@ pub(super) struct PrefetchPlan {
     pub(super) spread: bool,
 }
 
+/// The plan without the knob: [`PREFETCH_BLOCKS`] ahead, into L2, spread.
+const DEFAULT_PREFETCH: PrefetchPlan = PrefetchPlan { blocks: PREFETCH_BLOCKS, hint: Some(Hint::L2), spread: true };
+
 /// [`PREFETCH_BLOCKS`] ahead into the second-level cache, the codes spread over the
 /// kernels, unless `ATTNSTORE_KV43_PREFETCH=N[,t0|t1|t2|nta][,burst]` (a tuning knob for
 /// measuring other CPUs; `0` turns prefetching off, `burst` asks for each block's codes at
@@ -516,14 +520,14 @@ fn prefetch_plan() -> PrefetchPlan {
         let knob = std::env::var("ATTNSTORE_KV43_PREFETCH").unwrap_or_default();
         parse_prefetch(&knob).unwrap_or_else(|message| {
             eprintln!("attnstore: ignoring ATTNSTORE_KV43_PREFETCH={knob:?}: {message}");
-            PrefetchPlan { blocks: PREFETCH_BLOCKS, hint: Some(Hint::L2), spread: true }
+            DEFAULT_PREFETCH
         })
     })
 }
 
 /// The plan `knob` names (empty: the default), or what was wrong with it.
 pub(super) fn parse_prefetch(knob: &str) -> std::result::Result<PrefetchPlan, String> {
-    let mut plan = PrefetchPlan { blocks: PREFETCH_BLOCKS, hint: Some(Hint::L2), spread: true };
+    let mut plan = DEFAULT_PREFETCH;
     for (i, word) in knob.split(',').map(str::trim).enumerate().filter(|(_, w)| !w.is_empty()) {
         match word {
             "t0" => plan.hint = Some(Hint::L1),

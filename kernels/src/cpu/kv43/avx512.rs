@@ -360,8 +360,8 @@ pub(super) fn prepare_queries(
 
 /// Every head's probabilities over a block of scored rows, as `attention::probabilities`
 /// computes them on the AVX2 path (`exp_shifted_sum`, then the codes of
-/// `probability_codes` against the block's largest), in one pass per head and all heads in
-/// one call (so their `exp`s overlap): `scores` (`heads × rows`, rows a multiple of 16, `-∞` for rows not attended)
+/// `probability_codes` against the block's largest), every head in one call, in phases over
+/// the heads (so their reductions and `exp`s overlap): `scores` (`heads × rows`, rows a multiple of 16, `-∞` for rows not attended)
 /// become their 8-bit codes `codes` (`heads × rows`), relative to `m[h]`, the running
 /// maximum raised to the block's largest score, which is written to `top[h]` (`-∞` for a
 /// head with no row attended). The block's largest probability is the `exp` of its largest
