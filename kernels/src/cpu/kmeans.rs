@@ -173,17 +173,82 @@ fn assign(
         let rows = xb.len() / d;
         let s = &mut sims[..rows * k];
         matmul_transposed(xb, centroids, s, rows, k, d);
-        for (i, srow) in s.chunks_exact(k).enumerate() {
-            let (arg, val) = best_centroid(srow, bias);
-            let row = b * ROW_BLOCK + i;
-            best[row] = val;
-            if assignment[row] != arg as u32 {
-                assignment[row] = arg as u32;
-                changed += 1;
-            }
+        let first = b * ROW_BLOCK;
+        changed += scan(s, bias, &mut assignment[first..first + rows], &mut best[first..first + rows]);
+    }
+    changed
+}
+
+/// Each row of `sims` (rows × clusters) to its best centroid (`sims[c] − bias[c]`, highest
+/// wins), into `assignment` and `best`; returns how many assignments changed.
+fn scan(sims: &[f32], bias: &[f32], assignment: &mut [u32], best: &mut [f32]) -> usize {
+    let mut changed = 0usize;
+    for ((srow, a), b) in sims.chunks_exact(bias.len()).zip(assignment).zip(best) {
+        let (arg, val) = best_centroid(srow, bias);
+        *b = val;
+        if *a != arg as u32 {
+            *a = arg as u32;
+            changed += 1;
         }
     }
     changed
+}
+
+/// The similarities a k-means run keeps between iterations (`rows × clusters` floats, at
+/// most [`KEPT_SIMS`]): after an update only the centroids that moved are multiplied again.
+/// Past the first iterations most clusters keep their members, and so their centroids bit
+/// for bit (the same sum of the same rows in the same order), so most of the product would
+/// recompute the same numbers: a wave segment's run (8,192 rows, 512 clusters) moves about
+/// half of its centroids at the third iteration and a few percent by the tenth. Each entry of
+/// the product is one row's dot product with one centroid, the same float operations however
+/// many centroids share the call, so the similarities, and the run, are those of a full
+/// product (a test compares them bit for bit).
+struct KeptSims {
+    /// `rows × clusters`, row-major.
+    sims: Vec<f32>,
+    /// The moved centroids, gathered (`moved × d`).
+    gathered: Vec<f32>,
+    /// One row block's product with the gathered centroids.
+    block: Vec<f32>,
+}
+
+/// Largest similarity matrix a run keeps ([`KeptSims`]): 8 Mi floats, 32 MiB (a wave
+/// segment's run keeps 16 MiB). Larger runs (a product quantizer's codebooks over every
+/// token) multiply every centroid at every iteration.
+const KEPT_SIMS: usize = 1 << 23;
+
+impl KeptSims {
+    fn new(n: usize, k: usize) -> Option<Self> {
+        let len = n.checked_mul(k).filter(|&len| len <= KEPT_SIMS)?;
+        Some(Self { sims: vec![0.0; len], gathered: Vec::new(), block: Vec::new() })
+    }
+
+    /// Brings the similarities of the `moved` centroids up to date (all of them: `None`).
+    fn refresh(&mut self, x: &[f32], d: usize, centroids: &[f32], moved: Option<&[usize]>) {
+        let k = centroids.len() / d;
+        let Some(moved) = moved.filter(|m| m.len() < k) else {
+            for (xb, s) in x.chunks(ROW_BLOCK * d).zip(self.sims.chunks_mut(ROW_BLOCK * k)) {
+                matmul_transposed(xb, centroids, s, xb.len() / d, k, d);
+            }
+            return;
+        };
+        if moved.is_empty() {
+            return;
+        }
+        let m = moved.len();
+        self.gathered.clear();
+        self.gathered.extend(moved.iter().flat_map(|&c| &centroids[c * d..(c + 1) * d]));
+        for (xb, s) in x.chunks(ROW_BLOCK * d).zip(self.sims.chunks_mut(ROW_BLOCK * k)) {
+            let rows = xb.len() / d;
+            self.block.resize(rows * m, 0.0);
+            matmul_transposed(xb, &self.gathered, &mut self.block, rows, m, d);
+            for (srow, brow) in s.chunks_exact_mut(k).zip(self.block.chunks_exact(m)) {
+                for (&c, &v) in moved.iter().zip(brow) {
+                    srow[c] = v;
+                }
+            }
+        }
+    }
 }
 
 /// Lanes of [`best_centroid`]'s running maxima (one AVX-512 vector, two AVX2 ones).
@@ -264,6 +329,12 @@ fn lane_maxima_avx2(sims: &[f32], bias: &[f32]) -> ([f32; LANES], [u32; LANES]) 
 }
 
 fn kmeans(x: &[f32], d: usize, params: KMeansParams, metric: Metric) -> Result<KMeans> {
+    kmeans_with(x, d, params, metric, true).map(|(km, _)| km)
+}
+
+/// [`kmeans`], keeping the similarities between iterations where they fit when `keep`; also
+/// returns how many iterations multiplied only the moved centroids.
+fn kmeans_with(x: &[f32], d: usize, params: KMeansParams, metric: Metric, keep: bool) -> Result<(KMeans, usize)> {
     check_rows("k-means rows", x, d)?;
     if params.clusters == 0 {
         return Err(Error::ZeroDimension { what: "clusters" });
@@ -273,14 +344,25 @@ fn kmeans(x: &[f32], d: usize, params: KMeansParams, metric: Metric) -> Result<K
     let mut centroids = initial_centroids(x, d, k, params.seed);
     let mut assignment = vec![u32::MAX; n];
     let mut best = vec![0.0f32; n];
-    let mut sims = vec![0.0f32; ROW_BLOCK.min(n) * k];
+    let mut kept = if keep { KeptSims::new(n, k) } else { None };
+    let mut partial = 0usize;
+    let mut sims = if kept.is_some() { Vec::new() } else { vec![0.0f32; ROW_BLOCK.min(n) * k] };
+    // The centroids that moved in the last update (`None`: every one, the first time).
+    let mut moved: Option<Vec<usize>> = None;
     let (mut iterations, mut converged) = (0, false);
     loop {
         let bias = match metric {
             Metric::Cosine => vec![0.0; k],
             Metric::L2 => half_norms(&centroids, d),
         };
-        let changed = assign(x, d, &centroids, &bias, k, &mut sims, &mut assignment, &mut best);
+        let changed = match kept.as_mut() {
+            Some(kept) => {
+                partial += usize::from(moved.as_ref().is_some_and(|m| m.len() < k));
+                kept.refresh(x, d, &centroids, moved.as_deref());
+                scan(&kept.sims, &bias, &mut assignment, &mut best)
+            }
+            None => assign(x, d, &centroids, &bias, k, &mut sims, &mut assignment, &mut best),
+        };
         if iterations > 0 && changed == 0 {
             converged = true;
             break;
@@ -289,9 +371,17 @@ fn kmeans(x: &[f32], d: usize, params: KMeansParams, metric: Metric) -> Result<K
             break;
         }
         iterations += 1;
+        let before = kept.is_some().then(|| centroids.clone());
         update_centroids(x, d, k, &assignment, &best, &mut centroids, metric);
+        moved = before.map(|before| {
+            let same = |c: usize| {
+                let (a, b) = (&before[c * d..(c + 1) * d], &centroids[c * d..(c + 1) * d]);
+                a.iter().zip(b).all(|(a, b)| a.to_bits() == b.to_bits())
+            };
+            (0..k).filter(|&c| !same(c)).collect()
+        });
     }
-    Ok(KMeans { assignment, centroids, clusters: k, iterations, converged })
+    Ok((KMeans { assignment, centroids, clusters: k, iterations, converged }, partial))
 }
 
 /// Centroid = normalized sum (cosine) or mean (L2) of its members; an empty cluster is
@@ -344,6 +434,43 @@ mod tests {
                 acc
             }
         })
+    }
+
+    /// Rows around `topics` random directions (unit rows for the spherical metric).
+    fn clustered_rows(n: usize, d: usize, topics: usize, seed: u64, unit: bool) -> Vec<f32> {
+        let mut g = SplitMix64::new(seed);
+        let centers = g.normals(topics * d);
+        let mut rows = Vec::with_capacity(n * d);
+        for _ in 0..n {
+            let t = g.below(topics);
+            let start = rows.len();
+            rows.extend(centers[t * d..(t + 1) * d].iter().map(|c| c + 0.6 * g.normal()));
+            if unit {
+                normalize(&mut rows[start..]);
+            }
+        }
+        rows
+    }
+
+    #[test]
+    fn kept_similarities_give_the_run_of_full_products_bit_for_bit() {
+        // (rows, d, clusters, topics): a wave segment's shape, row counts that are not a
+        // multiple of the row block, more clusters than topics (clusters split and settle).
+        for (i, &(n, d, k, topics)) in [(8192, 128, 512, 64), (1300, 64, 100, 10), (700, 16, 37, 50)].iter().enumerate()
+        {
+            for metric in [Metric::Cosine, Metric::L2] {
+                let x = clustered_rows(n, d, topics, 11 + i as u64, metric == Metric::Cosine);
+                let params = KMeansParams { clusters: k, max_iters: 12, seed: 5 };
+                let (kept, partial) = kmeans_with(&x, d, params, metric, true).unwrap();
+                let (full, none) = kmeans_with(&x, d, params, metric, false).unwrap();
+                assert_eq!(none, 0);
+                assert!(partial > 0, "n = {n}, k = {k}, {metric:?}: no iteration multiplied only moved centroids");
+                assert_eq!(kept.assignment, full.assignment, "n = {n}, k = {k}, {metric:?}");
+                assert_eq!((kept.iterations, kept.converged), (full.iterations, full.converged));
+                let bits = |c: &[f32]| c.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&kept.centroids), bits(&full.centroids), "n = {n}, k = {k}, {metric:?}");
+            }
+        }
     }
 
     #[test]
