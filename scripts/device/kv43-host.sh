@@ -15,7 +15,7 @@ for i in 1 2; do
   PROBE_KV43_HEADS_ONLY=200 $G/probe_kv43_base 32768; PROBE_KV43_HEADS_ONLY=200 $G/probe_kv43 32768
 done
 echo "== one thread 512K rows (64 MB, may sit in L3), then 16 threads x 131072 rows, by prefetch"
-for pf in 4 "4,burst" 0 8 2 "4,t0" "4,nta"; do
+for pf in 4 "4,burst" 0 8; do
   echo "-- prefetch $pf"
   ATTNSTORE_KV43_PREFETCH=$pf PROBE_KV43_HEADS_ONLY=10 $G/probe_kv43 524288
   ATTNSTORE_KV43_PREFETCH=$pf $G/probe_kv43 131072 16 | tail -1
@@ -30,8 +30,8 @@ for pf in 0 4; do for spin in 0 300; do
 done; done
 echo "== engine, 128K, exact over kv43 vs f16 exact (same run), base and new alternated"
 B="bench --tokens 128K --codec kv43 --method wave --selection per-kv-head --estimate 0.232 --queries 3 --reps 5 --json"
-for i in 1 2 3 4; do
-  for b in attnstore_base attnstore "attnstore:4,burst"; do
+for i in 1 2 3; do
+  for b in attnstore_base attnstore; do
     bin=${b%%:*}; pf=${b#*:}; [ "$pf" = "$b" ] && pf=4
     echo -n "$b $i: "
     ATTNSTORE_KV43_PREFETCH=$pf timeout 150 $G/$bin $B 2>/dev/null \
