@@ -82,6 +82,9 @@ impl Plan {
                     "  strategy: sparse, {kind}; token budgets: retrieve {}, estimate {est}",
                     zone.retrieve_tokens
                 );
+                if let Some(why) = &r.host_planned {
+                    let _ = writeln!(s, "  planned on the host, not the device: {why}");
+                }
                 let _ = writeln!(
                     s,
                     "  ├─ Steady    exact  {:>9} tokens per kv head ({} pending)              bytes {}",

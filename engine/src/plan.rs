@@ -128,6 +128,11 @@ pub struct RequestPlan {
     pub blocks: Vec<Vec<Vec<attnstore_buffer::BlockLocation>>>,
     /// Set when the clusters are chosen on the GPU at execution ([`crate::Engine::plan_gpu`]).
     pub device: Option<DeviceSelection>,
+    /// Why [`crate::Engine::plan_gpu`] planned this sparse request on the host instead (its
+    /// clusters chosen from the index's meta data before execution), e.g. a codec or method
+    /// the device step does not read; `None` for device-selected and exact plans, and for
+    /// every plan of [`crate::Engine::plan`]. EXPLAIN prints it.
+    pub host_planned: Option<String>,
     /// What the plan touches.
     pub cost: PlanCost,
 }
@@ -253,15 +258,12 @@ pub(crate) fn plan_request(
     let g = shape.group();
     let d = shape.head_dim;
     let q = &request.queries;
+    let host_planned = match exact_reason {
+        None if on_device => why_host_planned(spec, codec, &zone, config, stats.clusters),
+        _ => None,
+    };
     let device = match exact_reason {
-        None if on_device
-            && matches!(spec.method, Method::Wave(_))
-            && spec.dtype == DType::F16
-            && device_codec(codec, shape.head_dim)
-            && zone.mode == attnstore_index::SelectionMode::PerKvHead
-            && config.buffers.is_some()
-            && stats.clusters > 0 =>
-        {
+        None if on_device && host_planned.is_none() => {
             let indexed = stats.indexed_tokens;
             let avg = indexed as f64 / stats.clusters as f64;
             let r = ((zone.retrieve_tokens.min(indexed) as f64 / avg).ceil() as usize).clamp(1, stats.clusters);
@@ -319,8 +321,40 @@ pub(crate) fn plan_request(
         heads,
         blocks,
         device,
+        host_planned,
         cost,
     })
+}
+
+/// Why a sparse request that [`crate::Engine::plan_gpu`] was asked to leave to the device
+/// cannot be: the first condition of the device step it misses, or `None` when it meets
+/// them all (a wave index with clusters, f16 rows — plain, or `hack2` with per-token keys —
+/// homed in the buffer manager's arena, one selection per KV head).
+fn why_host_planned(
+    spec: &ContextSpec,
+    codec: Codec,
+    zone: &attnstore_index::ZoneBudget,
+    config: &EngineConfig,
+    clusters: usize,
+) -> Option<String> {
+    if !matches!(spec.method, Method::Wave(_)) {
+        return Some(format!("{} method: the device step selects clusters of a wave index", spec.method.name()));
+    }
+    if spec.dtype != DType::F16 {
+        return Some(format!("{:?} rows: the device step reads f16 rows", spec.dtype).to_lowercase());
+    }
+    if !device_codec(codec, spec.shape.head_dim) {
+        return Some(format!(
+            "{codec} rows: the device step reads plain f16 rows or hack2 rows with per-token keys and a head dimension that is a multiple of 64"
+        ));
+    }
+    if zone.mode != attnstore_index::SelectionMode::PerKvHead {
+        return Some("one selection per query head: the device step selects once per KV head".to_string());
+    }
+    if config.buffers.is_none() {
+        return Some("no buffer manager: the device step reads rows homed in its Host arena".to_string());
+    }
+    (clusters == 0).then(|| "no clusters in the index yet".to_string())
 }
 
 impl Plan {

@@ -232,15 +232,29 @@ fn device_selected_plans_leave_the_choice_to_the_gpu_and_run_on_the_cpu_as_the_s
     let exact = run(&buffered, ctx, &q, &Budget::full()).unwrap();
     let err = rel_l2(&got, &exact.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
     assert!(err < 0.5, "a sparse answer near exact: {err}");
-    // Where the device cannot read rows in place, plan_gpu plans like plan.
-    for (e, dtype) in [(engine(None), DType::F16), (engine(Some(settings(4096))), DType::F32)] {
+    assert!(r.host_planned.is_none());
+    // Where the device cannot read rows in place, plan_gpu plans like plan, and says why.
+    let per_query_head = sparse().with_mode(attnstore::SelectionMode::PerQueryHead);
+    for (e, dtype, budget, why) in [
+        (engine(None), DType::F16, sparse(), "no buffer manager"),
+        (engine(Some(settings(4096))), DType::F32, sparse(), "f32 rows"),
+        (engine(Some(settings(4096))), DType::F16, per_query_head, "one selection per query head"),
+    ] {
         let c = load(&e, &synth, dtype);
-        let p = e.plan_gpu(&[Request::new(c, 0, q.clone())], &sparse()).unwrap();
+        let mut p = e.plan_gpu(&[Request::new(c, 0, q.clone())], &budget).unwrap();
         assert!(p.requests[0].device.is_none());
-        assert_eq!(p, e.plan(&[Request::new(c, 0, q.clone())], &sparse()).unwrap());
+        let reason = p.requests[0].host_planned.clone().expect("a sparse request planned on the host says why");
+        assert!(reason.starts_with(why), "{reason}");
+        let text = p.explain();
+        assert!(text.contains(&format!("planned on the host, not the device: {reason}")), "{text}");
+        p.requests[0].host_planned = None;
+        assert_eq!(p, e.plan(&[Request::new(c, 0, q.clone())], &budget).unwrap());
     }
-    // So does a full budget.
-    assert!(buffered.plan_gpu(&request, &Budget::full()).unwrap().requests[0].device.is_none());
+    // So does a full budget, whose exact strategy gives the reason.
+    let full = buffered.plan_gpu(&request, &Budget::full()).unwrap();
+    assert!(full.requests[0].device.is_none() && full.requests[0].host_planned.is_none());
+    // plan never names a reason: it plans on the host by definition.
+    assert!(buffered.plan(&request, &sparse()).unwrap().requests[0].host_planned.is_none());
 }
 
 /// A wave context whose segments are stored in 2-bit form (`hack2`).

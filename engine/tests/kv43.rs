@@ -139,6 +139,12 @@ fn exact_and_sparse_plans_answer_close_to_attention_over_the_rows_the_codes_stan
     let sparse = Budget::default().with_retrieve_floor(64).with_retrieve(0.05).with_exact_threshold(100.0);
     let plan = engine.plan(&[Request::new(ctx, 0, q.clone())], &sparse).unwrap();
     assert!(plan.explain().contains("Retrieve"), "{}", plan.explain());
+    // Asked to leave the choice of clusters to the device, the planner keeps kv43 rows on
+    // the host (the device step reads f16 and hack2 rows) and says why.
+    let on_gpu = engine.plan_gpu(&[Request::new(ctx, 0, q.clone())], &sparse).unwrap();
+    let why = on_gpu.requests[0].host_planned.as_deref().expect("kv43 rows are planned on the host");
+    assert!(why.starts_with("kv43") && why.contains("the device step reads"), "{why}");
+    assert!(on_gpu.requests[0].device.is_none());
     let (a, b) = (answer(&engine, ctx, &q, &sparse), answer(&engine, plain, &q, &sparse));
     let err = rel_l2(&a, &b.iter().map(|&x| f64::from(x)).collect::<Vec<_>>());
     println!("sparse over kv43 vs the same budget over f16: {err:.5}");
