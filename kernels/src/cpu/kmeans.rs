@@ -213,7 +213,8 @@ struct KeptSims {
 }
 
 /// Largest similarity matrix a run keeps ([`KeptSims`]): 8 Mi floats, 32 MiB (a wave
-/// segment's run keeps 16 MiB). Larger runs (a product quantizer's codebooks over every
+/// segment's run keeps 16 MiB, against 1 MiB of row-block products without it; an index
+/// build runs one per thread). Larger runs (a product quantizer's codebooks over every
 /// token) multiply every centroid at every iteration.
 const KEPT_SIMS: usize = 1 << 23;
 
