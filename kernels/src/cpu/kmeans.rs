@@ -220,7 +220,8 @@ const KEPT_SIMS: usize = 1 << 23;
 
 impl KeptSims {
     fn new(n: usize, k: usize) -> Option<Self> {
-        let len = n.checked_mul(k).filter(|&len| len <= KEPT_SIMS)?;
+        // No rows (and so no clusters): the plain path, which has nothing to multiply.
+        let len = n.checked_mul(k).filter(|&len| len > 0 && len <= KEPT_SIMS)?;
         Some(Self { sims: vec![0.0; len], gathered: Vec::new(), block: Vec::new() })
     }
 
@@ -470,6 +471,17 @@ mod tests {
                 assert_eq!((kept.iterations, kept.converged), (full.iterations, full.converged));
                 let bits = |c: &[f32]| c.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&kept.centroids), bits(&full.centroids), "n = {n}, k = {k}, {metric:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn no_rows_make_an_empty_run_on_either_path() {
+        for keep in [true, false] {
+            for metric in [Metric::Cosine, Metric::L2] {
+                let (km, _) =
+                    kmeans_with(&[], 4, KMeansParams { clusters: 3, max_iters: 5, seed: 1 }, metric, keep).unwrap();
+                assert!(km.assignment.is_empty() && km.centroids.is_empty() && km.clusters == 0, "{km:?}");
             }
         }
     }
