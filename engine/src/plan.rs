@@ -341,7 +341,7 @@ fn why_host_planned(
         return Some(format!("{} method: the device step selects clusters of a wave index", spec.method.name()));
     }
     if spec.dtype != DType::F16 {
-        return Some(format!("{:?} rows: the device step reads f16 rows", spec.dtype).to_lowercase());
+        return Some(format!("{} rows: the device step reads f16 rows", spec.dtype));
     }
     if !device_codec(codec, spec.shape.head_dim) {
         return Some(format!(
