@@ -13,8 +13,14 @@ use std::sync::atomic::AtomicI32;
 use std::sync::Arc;
 
 /// GPU 0's primary context, or why there is none. cudarc panics when it cannot load the
-/// driver library; that means "no GPU here", not a crash.
+/// driver library; that means "no GPU here", not a crash, so the library is looked for
+/// first (the panic, still caught, would print its message and a backtrace).
 fn open_gpu() -> Result<Arc<CudaContext>, String> {
+    // SAFETY: loading the driver library runs only its initializers, as cudarc's own first
+    // call does.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err("the CUDA driver library could not be loaded".to_string());
+    }
     std::panic::catch_unwind(|| CudaContext::new(0))
         .map_err(|_| "the CUDA driver library could not be loaded".to_string())?
         .map_err(|e| format!("no usable GPU 0: {e:?}"))

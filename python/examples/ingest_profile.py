@@ -7,8 +7,9 @@ layer, with random bf16 KV made on the device as the bench makes it (on the CPU 
 no CUDA, with `--cpu`):
 
 - `engine`: creating the `Engine` (its pinned Host arena sized as the bench sizes it);
-- `to_host`: the layer's keys and values from the device to host float32 NumPy arrays, as
-  `attnstore.hf` does (`_rows`), and the alternatives `--to-host` names;
+- `to_host`: the layer's keys and values from the device to host memory as `attnstore.hf`
+  does (`staged`: bf16 into pinned buffers kept between layers), and the alternatives
+  `--to-host` names (`f32`: new float32 NumPy arrays, as it did before);
 - `prefill`: `Engine.prefill` (the clustering on the GPU where the engine has it).
 
     python3 python/examples/ingest_profile.py --tokens 131072 --layers 8 [--cpu] [--json]
@@ -18,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+import types
 
 import torch
 
@@ -28,9 +30,15 @@ BLOCK = 2048
 
 
 def to_host_variants():
+    holder = types.SimpleNamespace(_staging=[None, None])
     return {
-        # attnstore.hf's conversion: one call, torch picks where the dtype changes.
-        "hf": attnstore.hf._rows,
+        # attnstore.hf's prompt path: the device rows copied as they are (bf16) into pinned
+        # staging kept between layers; the engine widens them.
+        "staged_k": lambda t: attnstore.hf.AttnstoreCache._staged(holder, t, 0),
+        "staged_v": lambda t: attnstore.hf.AttnstoreCache._staged(holder, t, 1),
+        # attnstore.hf's conversion before session 58 (still its decode path): float32 NumPy
+        # rows in new memory, torch picks where the dtype changes.
+        "f32": attnstore.hf._rows,
         # Widen on the device, then one device-to-host copy of float32.
         "widen_then_copy": lambda t: t.float().cpu().numpy(),
         # Copy bf16 (half the bytes) to the host, widen there.
@@ -48,14 +56,18 @@ def main():
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--context-layers", type=int, default=32, help="layers the arena is sized for (the bench's)")
     ap.add_argument("--cpu", action="store_true", help="an Engine without the GPU (clustering on the CPU)")
-    ap.add_argument("--to-host", default="hf", help="comma-separated, the first one prefilled: hf, widen_then_copy, copy_then_widen, bf16")
+    ap.add_argument(
+        "--to-host",
+        default="staged,f32",
+        help="comma-separated, the first one prefilled: staged (attnstore.hf's), f32, widen_then_copy, copy_then_widen, bf16",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     kv, d, n = args.kv_heads, args.head_dim, args.tokens
     variants = to_host_variants()
     names = args.to_host.split(",")
     for name in names:
-        if name not in variants:
+        if name not in variants and name != "staged":
             raise SystemExit(f"--to-host {name!r}: expected one of {', '.join(variants)}")
 
     per_layer = kv * (n + 64) * d * 2 * 2
@@ -81,7 +93,10 @@ def main():
         rows = None
         for name in names:
             t = time.perf_counter()
-            got = (variants[name](k), variants[name](v))
+            if name == "staged":
+                got = (variants["staged_k"](k), variants["staged_v"](v))
+            else:
+                got = (variants[name](k), variants[name](v))
             parts[f"to_host:{name}"].append(time.perf_counter() - t)
             rows = rows or got  # the first variant's rows are prefilled
         t = time.perf_counter()

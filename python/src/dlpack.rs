@@ -112,9 +112,9 @@ fn plain_capsule<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyA
     Ok(to_dlpack.call1((obj,)).ok())
 }
 
-/// `obj`'s elements as f32 in C order and its shape, when `obj` has `__dlpack__`; `None`
-/// when it has not.
-pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec<f32>, Vec<usize>)>> {
+/// `obj`'s elements as f32 in C order, written over `out`, and its shape, when `obj` has
+/// `__dlpack__`; `None` (and `out` untouched) when it has not.
+pub(crate) fn floats_into(what: &str, obj: &Bound<'_, PyAny>, out: &mut Vec<f32>) -> PyResult<Option<Vec<usize>>> {
     let capsule = match torch_capsule(obj)? {
         Some(capsule) => capsule,
         None => match host_capsule(what, obj)? {
@@ -126,12 +126,13 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
     let kind = kind_of(what, t)?;
     let (shape, strides, contiguous) = layout(what, t)?;
     let count: usize = shape.iter().product();
-    let mut out = Vec::with_capacity(count);
+    out.clear();
+    out.reserve(count);
     if count > 0 && contiguous {
         // SAFETY: a C-contiguous tensor's `count` elements follow `data + byte_offset`.
         let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
         // SAFETY: as above, `count` elements of `kind` from `base`, alive with the capsule.
-        unsafe { read_run(base, count, kind, &mut out) };
+        unsafe { read_run(base, count, kind, out) };
     } else if count > 0 {
         // SAFETY: `data + byte_offset` is the tensor's first element (DLPack's layout).
         let base = unsafe { t.data.cast::<u8>().add(t.byte_offset as usize) };
@@ -152,7 +153,7 @@ pub(crate) fn floats(what: &str, obj: &Bound<'_, PyAny>) -> PyResult<Option<(Vec
             }
         }
     }
-    Ok(Some((out, shape)))
+    Ok(Some(shape))
 }
 
 /// `obj.__dlpack__()` as a capsule of host memory (a device tensor copied by its producer),

@@ -49,9 +49,17 @@ fn py_err(e: attnstore::Error) -> PyErr {
 /// float16 and float64 are converted; other objects are read through DLPack (CPU tensors);
 /// anything else is a `TypeError` naming what is accepted.
 fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize>)> {
+    let mut values = Vec::new();
+    let shape = floats_into(what, array, &mut values)?;
+    Ok((values, shape))
+}
+
+/// [`floats`] written over `out` (its capacity reused: a staging buffer kept warm between
+/// large ingests faults no new pages in).
+fn floats_into(what: &str, array: &Bound<'_, PyAny>, out: &mut Vec<f32>) -> PyResult<Vec<usize>> {
     let Ok(untyped) = array.cast::<PyUntypedArray>() else {
         // Not NumPy: a DLPack tensor (torch, JAX, ...) on the CPU.
-        return dlpack::floats(what, array)?.ok_or_else(|| {
+        return dlpack::floats_into(what, array, out)?.ok_or_else(|| {
             PyTypeError::new_err(format!(
                 "{what} must be a numpy.ndarray or a DLPack tensor (__dlpack__) of float32, float16, bfloat16 or float64"
             ))
@@ -60,25 +68,28 @@ fn floats(what: &str, array: &Bound<'_, PyAny>) -> PyResult<(Vec<f32>, Vec<usize
     let shape = untyped.shape().to_vec();
     let dtype = untyped.dtype();
     let py = array.py();
-    let values: Vec<f32> = if dtype.is_equiv_to(&numpy::dtype::<f32>(py)) {
+    out.clear();
+    if dtype.is_equiv_to(&numpy::dtype::<f32>(py)) {
         let a = array.cast::<numpy::PyArrayDyn<f32>>()?;
         // A C-contiguous array is one copy, made under the GIL without taking rust-numpy's
         // borrow flags (a global table: a tenth of what the boundary adds); others are
         // walked in C order.
-        match a.to_vec() {
-            Ok(values) => values,
-            Err(_) => a.readonly().as_array().iter().copied().collect(),
+        // SAFETY: the slice is read only while this thread holds the GIL and runs no Python
+        // code, so nothing can write the array or free it meanwhile.
+        match unsafe { a.as_slice() } {
+            Ok(run) => out.extend_from_slice(run),
+            Err(_) => out.extend(a.readonly().as_array().iter().copied()),
         }
     } else if dtype.is_equiv_to(&numpy::dtype::<half::f16>(py)) {
         let a = array.cast::<numpy::PyArrayDyn<half::f16>>()?.readonly();
-        a.as_array().iter().map(|x| x.to_f32()).collect()
+        out.extend(a.as_array().iter().map(|x| x.to_f32()));
     } else if dtype.is_equiv_to(&numpy::dtype::<f64>(py)) {
         let a = array.cast::<numpy::PyArrayDyn<f64>>()?.readonly();
-        a.as_array().iter().map(|&x| x as f32).collect()
+        out.extend(a.as_array().iter().map(|&x| x as f32));
     } else {
         return Err(PyTypeError::new_err(format!("{what} has dtype {dtype}; expected float32, float16 or float64")));
-    };
-    Ok((values, shape))
+    }
+    Ok(shape)
 }
 
 /// Checks `shape` against `want` (`None`: any length), naming the layout in the error
@@ -205,6 +216,42 @@ struct Engine {
     gpu: bool,
     /// What the GPU executor did, summed over calls (`gpu_stats`).
     gpu_totals: GpuTotals,
+    /// Buffers that `prefill` and `append` read their arrays into.
+    staging: Staging,
+}
+
+/// f32 buffers kept between ingests. A 128K-token prompt of 8 KV heads of 128 dimensions is
+/// 512 MiB of f32 keys and as much of values per layer; read into fresh memory, every
+/// layer pays for faulting a gibibyte of new pages in, which on a VM is as slow as the
+/// index build itself (`docs/python.md`, "Ingest"). Up to [`Staging::KEEP`] buffers are
+/// kept, each as large as the largest array read into it, until the engine is closed.
+#[derive(Default)]
+struct Staging {
+    free: std::sync::Mutex<Vec<Vec<f32>>>,
+}
+
+impl Staging {
+    /// Buffers kept: the keys and values of two concurrent ingests.
+    const KEEP: usize = 4;
+
+    /// A kept buffer (empty, its capacity kept), or a new one.
+    fn take(&self) -> Vec<f32> {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).pop().unwrap_or_default()
+    }
+
+    /// Keeps `buffer` for the next ingest, unless [`Staging::KEEP`] are kept already.
+    fn give(&self, mut buffer: Vec<f32>) {
+        buffer.clear();
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if free.len() < Self::KEEP {
+            free.push(buffer);
+        }
+    }
+
+    /// Frees every kept buffer.
+    fn release(&self) {
+        self.free.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
 }
 
 /// Sums of the GPU executor's per-call reports.
@@ -254,27 +301,31 @@ impl Engine {
     }
 
     /// Keys and values as the engine takes them, checked against the context's shape.
+    /// Reads `k` and `v` into `keys` and `values`, checked against context `ctx`'s shape.
     fn kv(
         e: &attnstore::Engine,
         ctx: u64,
         k: &Bound<'_, PyAny>,
         v: &Bound<'_, PyAny>,
-    ) -> PyResult<(Vec<f32>, Vec<f32>)> {
+        (keys, values): (&mut Vec<f32>, &mut Vec<f32>),
+    ) -> PyResult<()> {
         let shape = Self::shape(e, ctx)?;
         let layout = || format!("[kv_heads={}, tokens, head_dim={}]", shape.kv_heads, shape.head_dim);
         let want = [Some(shape.kv_heads), None, Some(shape.head_dim)];
-        let (keys, ks) = floats("k", k)?;
+        let ks = floats_into("k", k, keys)?;
         check_shape("k", &ks, &want, layout)?;
-        let (values, vs) = floats("v", v)?;
+        let vs = floats_into("v", v, values)?;
         check_shape("v", &vs, &want, layout)?;
         if ks != vs {
             return Err(ShapeError::new_err(format!("k has shape {ks:?} but v has {vs:?}; they must match")));
         }
-        Ok((keys, values))
+        Ok(())
     }
 
     /// `prefill` and `append`: `store` (the engine's prefill or append) of checked keys and
-    /// values, with the GIL released.
+    /// values, with the GIL released. They are read into two of the engine's staging
+    /// buffers ([`Staging`]), so a long prompt's layers after the first reuse memory
+    /// already faulted in.
     fn ingest(
         &self,
         py: Python<'_>,
@@ -285,8 +336,12 @@ impl Engine {
         store: Store,
     ) -> PyResult<()> {
         let e = self.engine()?;
-        let (keys, values) = Self::kv(&e, ctx, k, v)?;
-        py.detach(|| store(&e, ContextId(ctx), layer, &keys, &values)).map_err(py_err)
+        let (mut keys, mut values) = (self.staging.take(), self.staging.take());
+        let stored = Self::kv(&e, ctx, k, v, (&mut keys, &mut values))
+            .and_then(|()| py.detach(|| store(&e, ContextId(ctx), layer, &keys, &values)).map_err(py_err));
+        self.staging.give(keys);
+        self.staging.give(values);
+        stored
     }
 
     /// One request per context of `ctxs` (one shape) over `layer`, the queries from `q`
@@ -565,7 +620,12 @@ impl Engine {
                 None => attnstore::Engine::in_memory(config),
             })
             .map_err(py_err)?;
-        Ok(Self { slot: RwLock::new(Some(Arc::new(inner))), gpu, gpu_totals: GpuTotals::default() })
+        Ok(Self {
+            slot: RwLock::new(Some(Arc::new(inner))),
+            gpu,
+            gpu_totals: GpuTotals::default(),
+            staging: Staging::default(),
+        })
     }
 
     /// Creates a context and returns its id. `dtype`: f32, f16 or bf16 (how rows are
@@ -811,6 +871,7 @@ impl Engine {
     /// eng:` closes it at the end of the block.
     fn close(&self, py: Python<'_>) {
         let taken = self.slot.write().unwrap_or_else(|e| e.into_inner()).take();
+        self.staging.release();
         // Dropping the last reference joins the engine's threads and flushes: without the GIL.
         py.detach(move || drop(taken));
     }

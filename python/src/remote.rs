@@ -164,7 +164,13 @@ impl RemoteTier {
         let e = engine.engine()?;
         let model = self::model(model)?;
         let ids = token_ids(tokens)?;
-        let layers = kv.iter().map(|(k, v)| Engine::kv(&e, ctx, k, v)).collect::<PyResult<Vec<LayerKv>>>()?;
+        let layers = kv
+            .iter()
+            .map(|(k, v)| {
+                let (mut keys, mut values) = (Vec::new(), Vec::new());
+                Engine::kv(&e, ctx, k, v, (&mut keys, &mut values)).map(|()| (keys, values))
+            })
+            .collect::<PyResult<Vec<LayerKv>>>()?;
         py.detach(|| self.inner.publish(&e, ContextId(ctx), &model, &ids, layers)).map_err(py_err)
     }
 

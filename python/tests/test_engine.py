@@ -181,6 +181,37 @@ def test_dlpack_tensors_contiguous_and_strided_read_like_numpy(data):
         eng.attend(b, 0, "not a tensor")
 
 
+def test_ingests_through_the_kept_staging_buffers_leave_nothing_behind(data):
+    """`prefill` and `append` read their arrays into buffers the engine keeps between calls: a
+    long prefill, then shorter ones of other dtypes and an append, each give what a fresh
+    engine gives for the same rows; a bad array after a good one fails alone."""
+    q, k, v = data
+    eng = attnstore.Engine()
+    long = eng.create_context(8, 2, 64, dtype="f32")
+    eng.prefill(long, 0, k, v)  # 2 x 4096 x 64: the kept buffers grow to this size
+    for make in (lambda a: a[:, :1000].copy(), lambda a: a[:, :600].astype(np.float16), lambda a: DLPackOnly(a[:, :300])):
+        short = eng.create_context(8, 2, 64, dtype="f32")
+        eng.prefill(short, 0, make(k), make(v))
+        eng.append(short, 0, k[:, 2000:2003].copy(), v[:, 2000:2003].copy())
+        fresh = attnstore.Engine()
+        alone = fresh.create_context(8, 2, 64, dtype="f32")
+        fresh.prefill(alone, 0, make(k), make(v))
+        fresh.append(alone, 0, k[:, 2000:2003].copy(), v[:, 2000:2003].copy())
+        assert eng.tokens(short, 0) == fresh.tokens(alone, 0)
+        np.testing.assert_array_equal(eng.attend(short, 0, q, exact=True), fresh.attend(alone, 0, q, exact=True))
+    with pytest.raises(attnstore.ShapeError):
+        eng.prefill(eng.create_context(8, 2, 64, dtype="f32"), 0, k, v[:, :10])
+    np.testing.assert_array_equal(eng.attend(long, 0, q, exact=True), attnstore_exact(k, v, q))
+
+
+def attnstore_exact(k, v, q):
+    """Exact attention over `k`, `v` by a fresh in-memory engine."""
+    eng = attnstore.Engine()
+    ctx = eng.create_context(8, 2, 64, dtype="f32")
+    eng.prefill(ctx, 0, k, v)
+    return eng.attend(ctx, 0, q, exact=True)
+
+
 def test_buffer_and_gpu_stats(data):
     q, k, v = data
     assert attnstore.Engine().buffer_stats() is None

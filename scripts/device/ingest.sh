@@ -13,7 +13,7 @@ LAYERS=${LAYERS:-6}
 nproc; free -g | head -2
 echo "== gpu engine, 128K, $LAYERS layers"
 python3 python/examples/ingest_profile.py --tokens 131072 --layers "$LAYERS" \
-  --to-host hf,widen_then_copy,copy_then_widen,bf16 --json 2>&1 | tee "$OUT/ingest-gpu.txt"
+  --to-host staged,f32,widen_then_copy,copy_then_widen --json 2>&1 | tee "$OUT/ingest-gpu.txt"
 if [ -x .gpu/perf/run ]; then
   echo "== perf, gpu engine, 128K, 3 layers"
   .gpu/perf/run record -q -e cpu-clock -F 499 -o "$OUT/ingest.data" \

@@ -265,12 +265,23 @@ pub struct DecodeJob {
 impl GpuBackend {
     /// Opens GPU 0 and compiles (or loads from the on-disk cache) the kernels for
     /// `head_dim`, which must be a multiple of 32 up to 256.
-    #[allow(unsafe_code, reason = "cudarc's event tracking is turned off by an unsafe call")]
+    #[allow(
+        unsafe_code,
+        reason = "the driver library is probed, and cudarc's event tracking turned off, by unsafe calls"
+    )]
     pub fn new(head_dim: usize) -> Result<Self> {
         if head_dim == 0 || !head_dim.is_multiple_of(32) || head_dim > 256 {
             return Err(Error::InvalidArgument {
                 what: "head_dim",
                 message: format!("the GPU kernels take a multiple of 32 up to 256, got {head_dim}"),
+            });
+        }
+        // SAFETY: loading the driver library runs only its initializers, as cudarc's own
+        // first call does (which panics where there is none: a machine without a GPU).
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::Gpu {
+                what: "opening GPU 0",
+                message: "the CUDA driver library could not be loaded".into(),
             });
         }
         let ctx = CudaContext::new(0).map_err(gpu_err("opening GPU 0"))?;

@@ -96,9 +96,10 @@ def model_identity(model: Any) -> str:
     return model._attnstore_identity
 
 
-def _rows(t: torch.Tensor):
-    """`[kv_heads, tokens, head_dim]` float32 NumPy rows of one sequence."""
-    return t.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+def _rows(t: torch.Tensor, copy: bool = False):
+    """`[kv_heads, tokens, head_dim]` float32 NumPy rows of one sequence (`copy`: never a
+    view of `t`'s memory)."""
+    return t.detach().to(device="cpu", dtype=torch.float32, copy=copy).contiguous().numpy()
 
 
 class AttnstoreCache(Cache):
@@ -167,6 +168,8 @@ class AttnstoreCache(Cache):
         self._prompt: Optional[list[int]] = None
         #: Per served layer, the prompt's rows to publish once every layer has them.
         self._publish: dict[int, tuple] = {}
+        #: Pinned host buffers a prompt's device rows are copied through (`_staged`).
+        self._staging: list[Optional[torch.Tensor]] = [None, None]
         if remote is not None:
             self._attach(prompt, model_dtype or torch.float32)
 
@@ -228,16 +231,36 @@ class AttnstoreCache(Cache):
             self._publish = {}
             self.remote.publish(self.engine, self.contexts[0], self.model_id, self._prompt, kv)
 
+    def _staged(self, t: torch.Tensor, slot: int) -> torch.Tensor:
+        """`t` (one sequence's `[kv_heads, tokens, head_dim]` prompt rows) in host memory for
+        `Engine.prefill`, in its own dtype (the engine reads bf16 / f16 through DLPack and
+        widens them itself): a CPU tensor as it is; a device tensor copied into staging
+        buffer `slot` (0: keys, 1: values), pinned host memory kept between layers, so a long
+        prompt's layers after the first copy by DMA into memory already faulted in instead of
+        into a gibibyte of new pages each (``docs/python.md``, "Ingest")."""
+        if t.device.type == "cpu":
+            return t.detach().contiguous()
+        need = t.numel()
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < need or buf.dtype != t.dtype:
+            self._staging[slot] = None  # freed before the larger one is pinned
+            buf = self._staging[slot] = torch.empty(need, dtype=t.dtype, pin_memory=True)
+        out = buf[:need].view(t.shape)
+        out.copy_(t.detach())  # waits for the copy (and the work queued before it)
+        return out
+
     def _plan_args(self, layer: int) -> dict:
         if self.exact or layer < self.dense_layers:
             return {"exact": True}
         return {"budget": self.budget}
 
     def close(self) -> None:
-        """Drops the cache's contexts from the engine (their rows are freed)."""
+        """Drops the cache's contexts from the engine (their rows are freed) and its staging
+        buffers."""
         for ctx in self.contexts or []:
             self.engine.drop_context(ctx)
         self.contexts = None
+        self._staging = [None, None]
 
     def reorder_cache(self, beam_idx):  # noqa: D102 - documented in the module
         raise NotImplementedError("beam search is not supported by AttnstoreCache")
@@ -279,21 +302,28 @@ class _EngineLayer(CacheLayerMixin):
             )
         store = self.cache.engine.prefill if self.tokens == 0 else self.cache.engine.append
         start = time.perf_counter()
-        rows = [(_rows(key_states[b]), _rows(value_states[b])) for b in range(len(ctxs))]
-        for ctx, (k, v) in zip(ctxs, rows):
+        first = None  # the first sequence's prompt rows, where the remote tier publishes them
+        for b, ctx in enumerate(ctxs):
+            if prompt:
+                k, v = self.cache._staged(key_states[b], 0), self.cache._staged(value_states[b], 1)
+            else:
+                k, v = _rows(key_states[b]), _rows(value_states[b])
             store(ctx, self.index, k, v)
+            if prompt and b == 0 and self.cache.remote is not None:
+                first = (_rows(k, copy=True), _rows(v, copy=True))  # the staging is reused
         self.cache.seconds["prefill" if prompt else "append"] += time.perf_counter() - start
         self.tokens += new
         if prompt and self.attached is not None:
             # The rest of an attached prompt: exact SDPA over the attached and the new rows;
             # the prompt's rows to publish are the attached ones and the new ones as stored.
             (ak, av), self.attached = self.attached, None
-            nk, nv = rows[0]
+            nk, nv = first
             self.cache._published(self.index, np.concatenate([ak, nk], 1), np.concatenate([av, nv], 1))
             ak, av = (torch.from_numpy(t)[None].to(device=key_states.device, dtype=key_states.dtype) for t in (ak, av))
             return torch.cat([ak, key_states], -2), torch.cat([av, value_states], -2)
         if prompt:
-            self.cache._published(self.index, *rows[0])
+            if first is not None:
+                self.cache._published(self.index, *first)
             return key_states, value_states  # the prompt's own attention: exact, by SDPA
         # A decode step: the attention function finds the layer through the key tensor.
         served = key_states.view_as(key_states)
