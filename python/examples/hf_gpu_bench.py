@@ -19,6 +19,7 @@ alternating between the two (`--rounds`, min / median / max), and where attnstor
 goes (`AttnstoreCache.seconds`: appends, engine steps, waiting for the GPU's queue and copies).
 
     python3 python/examples/hf_gpu_bench.py --contexts 32768,131072 --batch 1
+    python3 python/examples/hf_gpu_bench.py --contexts 131072 --batch 12 --sdpa-batch 3 --codec hack2 --host-gib 90
 """
 
 import argparse
@@ -84,6 +85,13 @@ def main():
     ap.add_argument("--sdpa-batch", type=int, default=None, help="SDPA's batch (default: --batch)")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--gpu-share", default="0.05", help="GPU tier sizes to run, as shares of the Host arena")
+    ap.add_argument("--codec", default=None, help="attnstore's row codec (e.g. hack2: 2-bit rows, a larger batch fits)")
+    ap.add_argument(
+        "--host-gib",
+        type=float,
+        default=None,
+        help="attnstore's pinned Host arena in GiB (default: f16 rows of the batch, x1.6 for clusters rounding blocks up)",
+    )
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--json-out", default=None)
@@ -122,12 +130,17 @@ def compare(args, model, cfg, n, share, sdpa_batch, static, dynamic):
     # attnstore: KV in pinned host memory. f16 rows of K and V, clusters rounding blocks up.
     per_layer = cfg.num_key_value_heads * (n + args.steps * (args.rounds + 2) + 64) * cfg.head_dim * 2 * 2
     host_blocks = int(per_layer * 1.6 / BLOCK) * cfg.num_hidden_layers * args.batch + 4096
+    if args.host_gib is not None:
+        host_blocks = int(args.host_gib * 2**30 / BLOCK)
     t = time.time()
     engine = attnstore.Engine(host_blocks=host_blocks, gpu_blocks=int(host_blocks * share), gpu=True)
-    ours = attnstore.hf.cache_for(model, engine)
+    made = time.time() - t
+    ours = attnstore.hf.cache_for(model, engine, codec=args.codec)
     fill(ours, cfg, args.batch, n, seed=1)
     ingest = time.time() - t
-    print(f"{n} tokens: attnstore ingest of batch {args.batch}: {ingest:.1f} s (Gpu tier {share:.0%})", flush=True)
+    print(f"{n} tokens: attnstore ingest of batch {args.batch}: {ingest:.1f} s (engine and its "
+          f"{host_blocks * BLOCK / 2**30:.1f} GiB arena {made:.1f} s, Engine.prefill and staging "
+          f"{ours.seconds['prefill']:.1f} s; codec {args.codec or 'none'}, Gpu tier {share:.0%})", flush=True)
     ratios, a_ms, s_ms, split, both, hits = [], [], [], [], [], []
     for r in range(args.rounds):
         model.set_attn_implementation("sdpa")
@@ -167,6 +180,10 @@ def compare(args, model, cfg, n, share, sdpa_batch, static, dynamic):
         "sdpa_tokens_per_s": sdpa_batch / (statistics.median(s_ms) / 1e3),
         "attnstore_parts_ms": {k: statistics.median(p[k] for p in split) for k in split[0]},
         "ingest_s": ingest,
+        "engine_s": made,
+        "prefill_s": ours.seconds["prefill"],
+        "codec": args.codec,
+        "host_gib": host_blocks * BLOCK / 2**30,
     }
     print(json.dumps(row), flush=True)
     ours.close()
