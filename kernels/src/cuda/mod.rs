@@ -122,6 +122,11 @@ pub struct GpuBackend {
     /// `kv43_partial_g{G}` for G = 1..=MAX_GROUP (index G − 1).
     kv43_partial: Option<Vec<CudaFunction>>,
     head_dim: usize,
+    /// The host buffer [`GpuBackend::upload_f32`] narrows a layer into, kept between calls:
+    /// a 128K-token layer of 8 KV heads of 128 dimensions is 512 MiB of f16, and new memory
+    /// for each layer of a long prompt would fault every page of it in (`docs/python.md`,
+    /// "Ingest"). It keeps the largest layer uploaded until the backend is dropped.
+    narrowed: std::sync::Mutex<Vec<u16>>,
 }
 
 /// `hack_arena_g{G}` for G = 1..=MAX_GROUP (index G − 1) and `hack_expand`.
@@ -360,6 +365,7 @@ impl GpuBackend {
             hack_wave,
             kv43_partial,
             head_dim,
+            narrowed: std::sync::Mutex::new(Vec::new()),
         })
     }
 
@@ -387,11 +393,15 @@ impl GpuBackend {
     }
 
     /// [`GpuBackend::upload`] of f32 keys and values, narrowed to f16 on host threads first
-    /// (how a layer that arrives in host memory reaches the device build).
+    /// (how a layer that arrives in host memory reaches the device build), into a buffer the
+    /// backend keeps between calls; concurrent calls take turns.
     pub fn upload_f32(&self, keys: &[f32], values: &[f32], kv_heads: usize) -> Result<DeviceKv> {
         use rayon::prelude::*;
-        let bits = |x: &[f32]| x.par_iter().map(|&v| half::f16::from_f32(v).to_bits()).collect::<Vec<u16>>();
-        self.upload(&bits(keys), &bits(values), kv_heads)
+        let mut narrowed = self.narrowed.lock().unwrap_or_else(|e| e.into_inner());
+        narrowed.clear();
+        narrowed.par_extend(keys.par_iter().chain(values.par_iter()).map(|&v| half::f16::from_f32(v).to_bits()));
+        let (k, v) = narrowed.split_at(keys.len());
+        self.upload(k, v, kv_heads)
     }
 
     /// Copies f16 keys and values into mapped pinned host memory.
