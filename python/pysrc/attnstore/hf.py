@@ -244,7 +244,11 @@ class AttnstoreCache(Cache):
         buf = self._staging[slot]
         if buf is None or buf.numel() < need or buf.dtype != t.dtype:
             self._staging[slot] = None  # freed before the larger one is pinned
-            buf = self._staging[slot] = torch.empty(need, dtype=t.dtype, pin_memory=True)
+            try:
+                buf = torch.empty(need, dtype=t.dtype, pin_memory=True)
+            except RuntimeError:  # no pinned memory to be had: pageable, copied by the driver
+                buf = torch.empty(need, dtype=t.dtype)
+            self._staging[slot] = buf
         out = buf[:need].view(t.shape)
         out.copy_(t.detach())  # waits for the copy (and the work queued before it)
         return out
