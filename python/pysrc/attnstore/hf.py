@@ -307,14 +307,18 @@ class _EngineLayer(CacheLayerMixin):
         store = self.cache.engine.prefill if self.tokens == 0 else self.cache.engine.append
         start = time.perf_counter()
         first = None  # the first sequence's prompt rows, where the remote tier publishes them
-        for b, ctx in enumerate(ctxs):
-            if prompt:
+        if prompt:
+            for b, ctx in enumerate(ctxs):
                 k, v = self.cache._staged(key_states[b], 0), self.cache._staged(value_states[b], 1)
-            else:
-                k, v = _rows(key_states[b]), _rows(value_states[b])
-            store(ctx, self.index, k, v)
-            if prompt and b == 0 and self.cache.remote is not None:
-                first = (_rows(k, copy=True), _rows(v, copy=True))  # the staging is reused
+                store(ctx, self.index, k, v)
+                if b == 0 and self.cache.remote is not None:
+                    first = (_rows(k, copy=True), _rows(v, copy=True))  # the staging is reused
+        else:
+            # A decode step's token: the whole batch's keys and values cross to the host in one
+            # copy, so the layer waits for the device's queue once, not twice per sequence.
+            kv = _rows(torch.stack((key_states, value_states)))  # [2, batch, kv_heads, 1, head_dim]
+            for b, ctx in enumerate(ctxs):
+                store(ctx, self.index, kv[0, b], kv[1, b])
         self.cache.seconds["prefill" if prompt else "append"] += time.perf_counter() - start
         self.tokens += new
         if prompt and self.attached is not None:
