@@ -115,6 +115,7 @@ impl ContextCatalog {
         batch: Batch<'_>,
         log: impl FnOnce(&ContextSpec, usize) -> Result<T>,
     ) -> Result<T> {
+        let start = std::time::Instant::now();
         let ctx = self.get(id)?;
         let (keys, values) = (batch.keys, batch.values);
         let shape = ctx.spec.shape;
@@ -147,7 +148,9 @@ impl ContextCatalog {
         };
         let added_bytes = kept_after.saturating_sub(before) * 2 * row * ctx.spec.dtype.size_bytes();
         let reserved = self.host.reserve(added_bytes)?;
+        let checked = std::time::Instant::now();
         let logged = log(&ctx.spec, tokens)?;
+        let indexing = std::time::Instant::now();
         let layer_state: &mut Layer = &mut guard;
         if batch.prefill {
             // A layout is an optimization (the log records a plain prefill either way): one
@@ -172,6 +175,12 @@ impl ContextCatalog {
         }
         layer_state.prefilled = true;
         layer_state.version += 1;
+        let op = if batch.prefill { "prefill" } else { "append" };
+        crate::metrics::ingested(
+            op,
+            tokens,
+            [("checks", checked - start), ("log", indexing - checked), ("index", indexing.elapsed())],
+        );
         Ok(logged)
     }
 

@@ -26,8 +26,11 @@ impl Engine {
     /// it). A durable engine logs the KV as a plain prefill: recovery before the next
     /// checkpoint clusters it again on the CPU.
     pub fn prefill_gpu(&self, id: ContextId, layer: usize, keys: &[f32], values: &[f32]) -> Result<bool> {
+        let start = std::time::Instant::now();
         match self.device_layout(id, layer, keys, values)? {
             Some(layout) => {
+                metrics::histogram!("attnstore_ingest_seconds", "op" => "prefill", "phase" => "device_layout")
+                    .record(start.elapsed().as_secs_f64());
                 let layout = IndexLayout::Wave(layout);
                 let batch = crate::catalog::Batch { keys, values, prefill: true, layout: Some(&layout) };
                 self.ingest_with(id, layer, batch, true)?;

@@ -3,8 +3,13 @@
 //!
 //! Recorded on every call: `attnstore_plan_seconds{method}` and
 //! `attnstore_execute_seconds{method}` (histograms of [`Engine::plan`] and
-//! [`Engine::execute`] latency; `method` is the requests' access method, or `mixed`) and
-//! `attnstore_requests_total{method, strategy}` (requests executed). Published when the
+//! [`Engine::execute`] latency; `method` is the requests' access method, or `mixed`),
+//! `attnstore_requests_total{method, strategy}` (requests executed), and per accepted
+//! prefill or append `attnstore_ingest_tokens_total{op}` and
+//! `attnstore_ingest_seconds{op, phase}` (`checks`: shape, finiteness and host memory;
+//! `log`: the durable engine's data file and log record; `index`: the access method's
+//! prefill, append or layout restore; `device_layout`: [`Engine::prefill_gpu`]'s clustering
+//! on the GPU, its copies included). Published when the
 //! application asks ([`Engine::publish_metrics`], e.g. from its scrape handler): the buffer
 //! manager's numbers per tier as gauges (`attnstore_buffer_capacity_blocks`,
 //! `attnstore_buffer_used_blocks`) and counters set to their totals
@@ -25,6 +30,15 @@ fn method_of(plan: &Plan) -> &'static str {
         Some((first, rest)) if rest.iter().all(|r| r.method == first.method) => first.method,
         Some(_) => "mixed",
         None => "none",
+    }
+}
+
+/// Records one accepted batch of `tokens` tokens stored by `op` (`prefill` or `append`) and
+/// the time of each of its phases.
+pub(crate) fn ingested<const N: usize>(op: &'static str, tokens: usize, phases: [(&'static str, Duration); N]) {
+    metrics::counter!("attnstore_ingest_tokens_total", "op" => op).increment(tokens as u64);
+    for (phase, took) in phases {
+        metrics::histogram!("attnstore_ingest_seconds", "op" => op, "phase" => phase).record(took.as_secs_f64());
     }
 }
 

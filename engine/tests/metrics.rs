@@ -92,3 +92,51 @@ fn metrics_move_by_the_calls_made_and_publish_the_buffer_managers_numbers() {
     let moves = find(MetricKind::Histogram, "attnstore_buffer_move_seconds", &[("tier", "gpu")]);
     assert_eq!(moves, V::Samples(admitted as usize));
 }
+
+#[test]
+fn ingest_metrics_count_the_accepted_batches_tokens_and_time_each_phase() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let shape = AttnShape::new(8, 2, 32).unwrap();
+    let synth = SynthContext::generate(SynthParams::new(shape, 3000, 5));
+    let engine = Engine::in_memory(EngineConfig::default()).unwrap();
+    let ctx = engine.create_context(ContextSpec::new(shape, 1)).unwrap();
+    let row = shape.kv_heads * shape.head_dim;
+    // `kv_heads × tokens × head_dim`: the first `tokens` tokens of every KV head.
+    let first = |x: &[f32], tokens: usize| -> Vec<f32> {
+        x.chunks_exact(3000 * shape.head_dim).flat_map(|h| h[..tokens * shape.head_dim].to_vec()).collect()
+    };
+    metrics::with_local_recorder(&recorder, || {
+        engine.prefill(ctx, 0, &synth.keys, &synth.values).unwrap();
+        for _ in 0..2 {
+            engine.append(ctx, 0, &first(&synth.keys, 5), &first(&synth.values, 5)).unwrap();
+        }
+        // Refused batches are not counted: a wrong shape, NaN, a second prefill.
+        assert!(engine.append(ctx, 0, &synth.keys[..row + 1], &synth.values[..row + 1]).is_err());
+        let mut nan = first(&synth.keys, 5);
+        nan[3] = f32::NAN;
+        assert!(engine.append(ctx, 0, &nan, &first(&synth.values, 5)).is_err());
+        assert!(engine.prefill(ctx, 0, &synth.keys, &synth.values).is_err());
+    });
+    assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 3010);
+    let snapshot = snapshotter.snapshot().into_vec();
+    let find = |kind: MetricKind, name: &str, labels: &[(&str, &str)]| {
+        snapshot
+            .iter()
+            .find(|(k, _, _, _)| {
+                k.kind() == kind
+                    && k.key().name() == name
+                    && k.key().labels().count() == labels.len()
+                    && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+            })
+            .map(|(_, _, _, v)| value(v))
+            .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
+    };
+    assert_eq!(find(MetricKind::Counter, "attnstore_ingest_tokens_total", &[("op", "prefill")]), V::Counter(3000));
+    assert_eq!(find(MetricKind::Counter, "attnstore_ingest_tokens_total", &[("op", "append")]), V::Counter(10));
+    for phase in ["checks", "log", "index"] {
+        let seconds = |op| find(MetricKind::Histogram, "attnstore_ingest_seconds", &[("op", op), ("phase", phase)]);
+        assert_eq!(seconds("prefill"), V::Samples(1), "{phase}");
+        assert_eq!(seconds("append"), V::Samples(2), "{phase}");
+    }
+}
