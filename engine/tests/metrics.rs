@@ -25,6 +25,24 @@ fn value(d: &DebugValue) -> V {
     }
 }
 
+/// What a [`DebuggingRecorder`] took.
+type Snapshot = Vec<(metrics_util::CompositeKey, Option<metrics::Unit>, Option<metrics::SharedString>, DebugValue)>;
+
+/// The metric `name` of `kind` with exactly `labels` in `snapshot`; a panic naming it when
+/// it was never recorded.
+fn find(snapshot: &Snapshot, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> V {
+    snapshot
+        .iter()
+        .find(|(k, _, _, _)| {
+            k.kind() == kind
+                && k.key().name() == name
+                && k.key().labels().count() == labels.len()
+                && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+        })
+        .map(|(_, _, _, v)| value(v))
+        .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
+}
+
 #[test]
 fn metrics_move_by_the_calls_made_and_publish_the_buffer_managers_numbers() {
     let recorder = DebuggingRecorder::new();
@@ -50,18 +68,7 @@ fn metrics_move_by_the_calls_made_and_publish_the_buffer_managers_numbers() {
     });
     let stats = engine.buffer_stats().unwrap();
     let snapshot = snapshotter.snapshot().into_vec();
-    let find = |kind: MetricKind, name: &str, labels: &[(&str, &str)]| {
-        snapshot
-            .iter()
-            .find(|(k, _, _, _)| {
-                k.kind() == kind
-                    && k.key().name() == name
-                    && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
-                    && k.key().labels().count() == labels.len()
-            })
-            .map(|(_, _, _, v)| value(v))
-            .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
-    };
+    let find = |kind, name, labels: &[(&str, &str)]| find(&snapshot, kind, name, labels);
     let wave = [("method", "wave")];
     assert_eq!(find(MetricKind::Histogram, "attnstore_plan_seconds", &wave), V::Samples(4));
     assert_eq!(find(MetricKind::Histogram, "attnstore_execute_seconds", &wave), V::Samples(4));
@@ -120,18 +127,7 @@ fn ingest_metrics_count_the_accepted_batches_tokens_and_time_each_phase() {
     });
     assert_eq!(engine.stats(ctx, 0).unwrap().tokens, 3010);
     let snapshot = snapshotter.snapshot().into_vec();
-    let find = |kind: MetricKind, name: &str, labels: &[(&str, &str)]| {
-        snapshot
-            .iter()
-            .find(|(k, _, _, _)| {
-                k.kind() == kind
-                    && k.key().name() == name
-                    && k.key().labels().count() == labels.len()
-                    && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
-            })
-            .map(|(_, _, _, v)| value(v))
-            .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
-    };
+    let find = |kind, name, labels: &[(&str, &str)]| find(&snapshot, kind, name, labels);
     assert_eq!(find(MetricKind::Counter, "attnstore_ingest_tokens_total", &[("op", "prefill")]), V::Counter(3000));
     assert_eq!(find(MetricKind::Counter, "attnstore_ingest_tokens_total", &[("op", "append")]), V::Counter(10));
     for phase in ["checks", "log", "index"] {
