@@ -29,8 +29,7 @@ impl Engine {
         let start = std::time::Instant::now();
         match self.device_layout(id, layer, keys, values)? {
             Some(layout) => {
-                metrics::histogram!("attnstore_ingest_seconds", "op" => "prefill", "phase" => "device_layout")
-                    .record(start.elapsed().as_secs_f64());
+                crate::metrics::ingest_phase("prefill", "device_layout", start.elapsed());
                 let layout = IndexLayout::Wave(layout);
                 let batch = crate::catalog::Batch { keys, values, prefill: true, layout: Some(&layout) };
                 self.ingest_with(id, layer, batch, true)?;

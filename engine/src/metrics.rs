@@ -38,8 +38,13 @@ fn method_of(plan: &Plan) -> &'static str {
 pub(crate) fn ingested<const N: usize>(op: &'static str, tokens: usize, phases: [(&'static str, Duration); N]) {
     metrics::counter!("attnstore_ingest_tokens_total", "op" => op).increment(tokens as u64);
     for (phase, took) in phases {
-        metrics::histogram!("attnstore_ingest_seconds", "op" => op, "phase" => phase).record(took.as_secs_f64());
+        ingest_phase(op, phase, took);
     }
+}
+
+/// Records the time one phase of a batch's ingest by `op` took.
+pub(crate) fn ingest_phase(op: &'static str, phase: &'static str, took: Duration) {
+    metrics::histogram!("attnstore_ingest_seconds", "op" => op, "phase" => phase).record(took.as_secs_f64());
 }
 
 /// Records one [`Engine::plan`] call that made `plan`.

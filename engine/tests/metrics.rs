@@ -4,6 +4,7 @@
 
 mod common;
 use common::synth::{SynthContext, SynthParams};
+use common::{metric, MetricsSnapshot};
 
 use attnstore::{AttnShape, Budget, BufferSettings, ContextSpec, Engine, EngineConfig, Request, Tier};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
@@ -25,22 +26,10 @@ fn value(d: &DebugValue) -> V {
     }
 }
 
-/// What a [`DebuggingRecorder`] took.
-type Snapshot = Vec<(metrics_util::CompositeKey, Option<metrics::Unit>, Option<metrics::SharedString>, DebugValue)>;
-
 /// The metric `name` of `kind` with exactly `labels` in `snapshot`; a panic naming it when
 /// it was never recorded.
-fn find(snapshot: &Snapshot, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> V {
-    snapshot
-        .iter()
-        .find(|(k, _, _, _)| {
-            k.kind() == kind
-                && k.key().name() == name
-                && k.key().labels().count() == labels.len()
-                && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
-        })
-        .map(|(_, _, _, v)| value(v))
-        .unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
+fn find(snapshot: &MetricsSnapshot, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> V {
+    metric(snapshot, kind, name, labels).map(value).unwrap_or_else(|| panic!("no {name} {labels:?} in {snapshot:?}"))
 }
 
 #[test]

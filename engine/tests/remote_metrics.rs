@@ -5,6 +5,7 @@
 
 mod common;
 use common::synth::{SynthContext, SynthParams};
+use common::{metric, MetricsSnapshot};
 
 use attnstore::remote::{MemoryStore, ModelId, RemoteConfig, RemoteStore, RemoteTier};
 use attnstore::{AttnShape, ContextSpec, Engine, EngineConfig};
@@ -17,7 +18,7 @@ const CHUNK: usize = 128;
 
 /// What the recorder took since the last snapshot (taking one drains counters and
 /// histograms alike, so each phase is compared with what the counters moved by).
-struct Snap(Vec<(metrics_util::CompositeKey, Option<metrics::Unit>, Option<metrics::SharedString>, DebugValue)>);
+struct Snap(MetricsSnapshot);
 
 impl Snap {
     fn take(snapshotter: &Snapshotter) -> Self {
@@ -36,19 +37,11 @@ impl Snap {
 /// The counter `name` with exactly `labels`, 0 when never recorded; or the number of
 /// samples of a histogram.
 fn read(snap: &Snap, kind: MetricKind, name: &str, labels: &[(&str, &str)]) -> u64 {
-    snap.0
-        .iter()
-        .find(|(k, _, _, _)| {
-            k.kind() == kind
-                && k.key().name() == name
-                && k.key().labels().count() == labels.len()
-                && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
-        })
-        .map_or(0, |(_, _, _, v)| match v {
-            DebugValue::Counter(c) => *c,
-            DebugValue::Histogram(h) => h.len() as u64,
-            DebugValue::Gauge(g) => g.0 as u64,
-        })
+    metric(&snap.0, kind, name, labels).map_or(0, |v| match v {
+        DebugValue::Counter(c) => *c,
+        DebugValue::Histogram(h) => h.len() as u64,
+        DebugValue::Gauge(g) => g.0 as u64,
+    })
 }
 
 #[test]

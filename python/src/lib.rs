@@ -300,8 +300,8 @@ impl Engine {
         e.spec(ContextId(ctx)).map(|s| s.shape).map_err(py_err)
     }
 
-    /// Keys and values as the engine takes them, checked against the context's shape.
-    /// Reads `k` and `v` into `keys` and `values`, checked against context `ctx`'s shape.
+    /// Reads `k` and `v` into `keys` and `values` as the engine takes them, checked against
+    /// context `ctx`'s shape.
     fn kv(
         e: &attnstore::Engine,
         ctx: u64,

@@ -6,6 +6,32 @@
 
 pub mod synth;
 
+/// What a `metrics_util` debugging recorder took (its snapshot as a vector).
+pub type MetricsSnapshot = Vec<(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    metrics_util::debugging::DebugValue,
+)>;
+
+/// The value of metric `name` of `kind` with exactly `labels` in `snapshot`, if recorded.
+pub fn metric<'a>(
+    snapshot: &'a MetricsSnapshot,
+    kind: metrics_util::MetricKind,
+    name: &str,
+    labels: &[(&str, &str)],
+) -> Option<&'a metrics_util::debugging::DebugValue> {
+    snapshot
+        .iter()
+        .find(|(k, _, _, _)| {
+            k.kind() == kind
+                && k.key().name() == name
+                && k.key().labels().count() == labels.len()
+                && labels.iter().all(|(l, v)| k.key().labels().any(|x| x.key() == *l && x.value() == *v))
+        })
+        .map(|(_, _, _, v)| v)
+}
+
 use std::path::Path;
 
 use attnstore::{AttnShape, DType};
